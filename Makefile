@@ -1,0 +1,48 @@
+# The two commands of the README, and the steps they are made of. Each sets up what it needs on a fresh machine.
+#   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
+#   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+DEBIAN_PACKAGES := libgtest-dev cmake
+# nvcc on PATH may be a wrapper script (then torch would guess CUDA_HOME wrongly); prefer the real toolkit.
+export CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda))
+# CI has no GPU: build for sm_90 (H100/H200) only, which keeps the CUDA compile short.
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+export MAX_JOBS ?= 2
+# Unit tests never touch a model hub.
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test build cpp-test py-test system-deps clean
+
+demo: build
+	$(PYTHON) examples/demo.py
+
+test: build cpp-test py-test
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -r requirements.txt
+	touch $@
+
+build: $(VENV)/.installed
+	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
+
+system-deps:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "make: need Debian packages: $$missing (run: sudo apt-get install $$missing)"; exit 1; fi; \
+	  apt-get update -qq && apt-get install -y -qq $$missing; \
+	fi
+
+cpp-test: build system-deps
+	mkdir -p build && cmake -S . -B build/cmake -DPython3_EXECUTABLE=$(abspath $(PYTHON)) -DCMAKE_BUILD_TYPE=Release > build/cmake-configure.log 2>&1 || (cat build/cmake-configure.log; exit 1)
+	cmake --build build/cmake -j $(MAX_JOBS)
+	ctest --test-dir build/cmake --output-on-failure
+
+py-test: build
+	$(PYTHON) -m pytest tests -q
+
+clean:
+	rm -rf build $(VENV) *.egg-info kvpress_cpp/*.so

@@ -1,0 +1,18 @@
+"""kvpress_cpp: KV-cache compression methods as PyTorch C++/CUDA operators, wrapped as kvpress presses.
+
+Importing this package loads the compiled extension, which registers ``torch.ops.kvcomp.*`` (CPU always, CUDA when
+built with it). ``kvpress_cpp.ops`` holds typed wrappers with the shapes of every op.
+"""
+
+import torch
+
+from kvpress_cpp import _C  # noqa: F401  (registers torch.ops.kvcomp)
+from kvpress_cpp import _fake  # noqa: F401  (shape functions for torch.compile / meta tensors)
+from kvpress_cpp import ops
+
+__all__ = ["ops", "cuda_kernels_built"]
+
+
+def cuda_kernels_built() -> bool:
+    """Whether this build registered CUDA kernels (asked of the dispatcher, not guessed from the machine)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("kvcomp::update_scores", "CUDA")

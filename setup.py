@@ -1,0 +1,68 @@
+"""Builds kvpress_cpp._C, the shared object that registers the kvcomp operator library.
+
+CPU kernels are always built. CUDA kernels are built whenever the installed torch is a CUDA build and nvcc is found
+(no GPU needed), following torchao's gating on torch.version.cuda. KVCOMP_FORCE_CPU=1 forces a CPU-only build.
+TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual (the test command builds sm_90 only).
+Build with `pip install --no-build-isolation .` so the extension compiles against the torch you run.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = Path(__file__).parent
+CSRC = ROOT / "csrc"
+
+
+def build_cuda() -> bool:
+    if os.environ.get("KVCOMP_FORCE_CPU", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def pip_cuda_include_dirs() -> list[str]:
+    """Headers of the CUDA libraries torch's own headers include (cusparse.h, cublas_v2.h, ...). With torch from
+    PyPI they ship in the nvidia-* wheels, not necessarily in the toolkit beside nvcc."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(str(p) for root in nvidia.__path__ for p in Path(root).glob("cu*/include"))
+
+
+def sources(pattern_dirs):
+    return sorted(str(p.relative_to(ROOT)) for d, pattern in pattern_dirs for p in (CSRC / d).glob(pattern))
+
+
+def extension():
+    cpp_sources = sources([(".", "*.cpp"), ("cpu", "*.cpp")])
+    include_dirs = [str(CSRC), str(CSRC / "include")]
+    cxx_flags = ["-O3", "-DPy_LIMITED_API=0x030A0000"]
+    if build_cuda():
+        return CUDAExtension(
+            "kvpress_cpp._C",
+            cpp_sources + sources([("cuda", "*.cu")]),
+            include_dirs=include_dirs + pip_cuda_include_dirs(),
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+            py_limited_api=True,
+        )
+    return CppExtension(
+        "kvpress_cpp._C", cpp_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags},
+        py_limited_api=True,
+    )
+
+
+setup(
+    name="kvpress_cpp",
+    version="0.1.0",
+    description="KV-cache compression methods (ZSMerge, KeepKV, WeightedKV, KVzap, GVote) as PyTorch C++/CUDA ops",
+    packages=find_packages(include=["kvpress_cpp", "kvpress_cpp.*"]),
+    package_data={"kvpress_cpp": ["surrogates/**/*"]},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    python_requires=">=3.10",
+)
