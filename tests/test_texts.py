@@ -1,0 +1,204 @@
+"""Tests for kvpress_cpp.texts: the R unserializer on hand-built bytes, and the real corpora (these fetch once)."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import math
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from kvpress_cpp import texts
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hand-built R serializations (XDR), following R's src/main/serialize.c, so the parser is tested on its own.
+# ---------------------------------------------------------------------------------------------------------------------
+
+NILVALUE = 254
+REFSXP = 255
+SYMSXP, LISTSXP, CHARSXP, LGLSXP, INTSXP, REALSXP, STRSXP, VECSXP = 1, 2, 9, 10, 13, 14, 16, 19
+HAS_ATTR, HAS_TAG = 1 << 9, 1 << 10
+ASCII_LEVEL, UTF8_LEVEL, LATIN1_LEVEL = 1 << 6, 1 << 3, 1 << 2  # CHARSXP encoding marks, stored at bit 12 up
+NA_INTEGER = -(2**31)
+
+
+def i32(*values: int) -> bytes:
+    return struct.pack(f">{len(values)}i", *values)
+
+
+def header(version: int) -> bytes:
+    # "X\n", format version, writer's R version (4.2.1), minimal reader version (3.5.0 for v3, 2.3.0 for v2).
+    if version == 3:
+        return b"X\n" + i32(3, 0x040201, 0x030500) + i32(5) + b"UTF-8"
+    return b"X\n" + i32(2, 0x040201, 0x020300)
+
+
+def charsxp(value: str | None, level: int = ASCII_LEVEL) -> bytes:
+    if value is None:
+        return i32(CHARSXP, -1)  # NA_STRING: length -1, no bytes
+    encoded = value.encode("latin-1" if level == LATIN1_LEVEL else "utf-8")
+    return i32(CHARSXP | level << 12, len(encoded)) + encoded
+
+
+def strsxp(values: list[str | None], attributes: bytes = b"") -> bytes:
+    flags = STRSXP | (HAS_ATTR if attributes else 0)
+    return i32(flags, len(values)) + b"".join(charsxp(v) for v in values) + attributes
+
+
+def symbol(name: str) -> bytes:
+    return i32(SYMSXP) + charsxp(name)
+
+
+def names_attribute(names: list[str], names_symbol: bytes) -> bytes:
+    # Attributes are a tagged pairlist: one cell (tag `names`, value a STRSXP), then NILVALUE ending the chain.
+    return i32(LISTSXP | HAS_TAG) + names_symbol + strsxp(names) + i32(NILVALUE)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_unserialize_character_vector_with_na(version: int) -> None:
+    value = texts.unserialize_r(header(version) + strsxp(["It is a truth", None]))
+    assert isinstance(value, texts.RVector)
+    assert list(value) == ["It is a truth", None]
+    assert value.attributes == {}
+
+
+def test_unserialize_string_encodings() -> None:
+    data = header(3) + i32(STRSXP, 3) + charsxp("£5", UTF8_LEVEL) + charsxp("café", LATIN1_LEVEL) + charsxp("")
+    assert list(texts.unserialize_r(data)) == ["£5", "café", ""]
+    # Unmarked strings are in the writer's native encoding, which a version 3 header names.
+    latin1_header = b"X\n" + i32(3, 0x040201, 0x030500) + i32(10) + b"ISO-8859-1"
+    unmarked = "café".encode("latin-1")
+    assert list(texts.unserialize_r(latin1_header + i32(STRSXP, 1, CHARSXP, len(unmarked)) + unmarked)) == ["café"]
+
+
+def test_unserialize_long_vector_length_form() -> None:
+    # Lengths over 2^31-1 are written as -1 then two 32-bit halves; the reader must accept that form for any length.
+    data = header(2) + i32(STRSXP, -1, 0, 2) + charsxp("first") + charsxp("second")
+    assert list(texts.unserialize_r(data)) == ["first", "second"]
+
+
+def test_unserialize_named_list_with_symbol_reference() -> None:
+    # list(lines = c("a", NA), counts = c(7L, NA), flags = c(TRUE, NA, FALSE), real = c(0.5, NA),
+    #      inner = list(x = NULL)). A vector's attributes follow its elements, so the `names` symbol is first
+    # written in full for `inner`; the outer list's `names` tag is then a back-reference to it (reference index 1,
+    # packed into the flags word), exactly as R writes repeated symbols.
+    na_real = struct.pack(">Q", 0x7FF00000000007A2)  # R's NA_real_: a NaN with payload 1954
+    inner = i32(VECSXP | HAS_ATTR, 1) + i32(NILVALUE) + names_attribute(["x"], symbol("names"))
+    elements = (
+        strsxp(["a", None])
+        + i32(INTSXP, 2, 7, NA_INTEGER)
+        + i32(LGLSXP, 3, 1, NA_INTEGER, 0)
+        + i32(REALSXP, 2) + struct.pack(">d", 0.5) + na_real
+        + inner
+    )
+    data = header(3) + i32(VECSXP | HAS_ATTR, 5) + elements + names_attribute(
+        ["lines", "counts", "flags", "real", "inner"], i32(REFSXP | 1 << 8)
+    )
+
+    value = texts.unserialize_r(data).as_dict()
+
+    assert list(value) == ["lines", "counts", "flags", "real", "inner"]
+    assert value["lines"] == ["a", None]
+    assert value["counts"] == [7, None]
+    assert value["flags"] == [True, None, False]
+    assert value["real"][0] == 0.5 and math.isnan(value["real"][1])
+    assert value["inner"].as_dict() == {"x": None}
+    assert isinstance(value["inner"].attributes, dict) and list(value["inner"].attributes) == ["names"]
+
+
+def test_unserialize_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="XDR"):
+        texts.unserialize_r(b"A\n" + i32(2, 0, 0))
+    with pytest.raises(ValueError, match="truncated"):
+        texts.unserialize_r(header(2) + strsxp(["abc"])[:-1])
+    with pytest.raises(ValueError, match="unsupported R SEXP type"):
+        texts.unserialize_r(header(2) + i32(3))  # a CLOSXP (function): not needed, not supported
+    with pytest.raises(ValueError, match="trailing"):
+        texts.unserialize_r(header(2) + i32(NILVALUE) + b"\0")
+
+
+@pytest.mark.parametrize(
+    ("compressed_flag", "compress"),
+    [
+        (i32(LGLSXP, 1, 1), lambda raw: struct.pack(">I", len(raw)) + zlib.compress(raw)),  # R's default
+        (i32(INTSXP, 1, 2), lambda raw: struct.pack(">I", len(raw)) + b"2" + bz2.compress(raw)),
+        (i32(INTSXP, 1, 2), lambda raw: struct.pack(">I", len(raw)) + b"Z" + zlib.compress(raw)),
+    ],
+)
+def test_read_lazyload_db(tmp_path: Path, compressed_flag: bytes, compress) -> None:
+    objects = {"first": compress(header(3) + strsxp(["one", "two"])), "second": compress(header(3) + strsxp([None]))}
+    rdb = b"".join(objects.values())
+    # The index: list(variables = list(first = c(offset, length), second = ...), references = list(), compressed).
+    offsets = [0, len(objects["first"])]
+    variables = i32(VECSXP | HAS_ATTR, 2)
+    variables += b"".join(i32(INTSXP, 2, offset, len(blob)) for offset, blob in zip(offsets, objects.values()))
+    variables += names_attribute(list(objects), symbol("names"))
+    index_names = names_attribute(["variables", "references", "compressed"], i32(REFSXP | 1 << 8))
+    index = header(3) + i32(VECSXP | HAS_ATTR, 3) + variables + i32(VECSXP, 0) + compressed_flag + index_names
+    (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(index))
+    (tmp_path / "Rdata.rdb").write_bytes(rdb)
+
+    assert texts.read_lazyload_db(tmp_path / "Rdata.rdx") == {"first": ["one", "two"], "second": [None]}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The real corpora. The first run fetches the Debian packages (needs apt-get and Debian's archive); later runs read
+# the cache. Expected passages are the novels' well-known opening lines, not values taken from the parser.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+KNOWN_PASSAGES = {
+    "sensesensibility": "The family of Dashwood had long been settled in Sussex.",
+    "prideprejudice": "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife.",
+    "mansfieldpark": "About thirty years ago Miss Maria Ward, of Huntingdon, with only seven thousand pounds",
+    "emma": "Emma Woodhouse, handsome, clever, and rich",
+    "northangerabbey": "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be "
+    "an heroine.",
+    "persuasion": "Sir Walter Elliot",
+}
+
+
+def test_austen_novels_are_the_six() -> None:
+    assert set(texts.AUSTEN_NOVELS) == set(KNOWN_PASSAGES)
+    assert len(texts.AUSTEN_NOVELS) == 6
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_PASSAGES))
+def test_austen_novel(name: str) -> None:
+    text = texts.austen_novel(name)
+    assert len(text) > 100_000
+    assert KNOWN_PASSAGES[name] in normalise(text)
+    lines = text.split("\n")
+    assert "NA" not in lines and "None" not in lines  # an NA line would have leaked through as one of these
+    assert "\ufffd" not in text  # no undecodable bytes
+
+
+def test_austen_text_is_the_novels_in_order() -> None:
+    text = normalise(texts.austen_text())
+    positions = [text.index(KNOWN_PASSAGES[name]) for name in texts.AUSTEN_NOVELS]
+    assert positions == sorted(positions)
+    assert len(text) > 6 * 100_000
+
+
+def test_unknown_novel_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="prideprejudice"):
+        texts.austen_novel("ulysses")
+
+
+def test_python_docs_text() -> None:
+    full = texts.python_docs_text()
+    assert "The Python Tutorial" in full
+    assert "The Python Standard Library" in full
+    assert len(full) > 1_000_000
+    first_files = texts.python_docs_text(max_files=3)
+    assert 0 < len(first_files) < len(full) and full.startswith(first_files)
+    assert texts.python_docs_text(max_files=0) == ""
