@@ -2,7 +2,8 @@
 
 CPU kernels are always built. CUDA kernels are built whenever the installed torch is a CUDA build and nvcc is found
 (no GPU needed), following torchao's gating on torch.version.cuda. KVCOMP_FORCE_CPU=1 forces a CPU-only build.
-TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual (the test command builds sm_90 only).
+TORCH_CUDA_ARCH_LIST picks the GPU architectures as usual (the test command builds sm_90 only). The CPU kernels are
+vectorised for the CPU that builds them (KVCOMP_CPU_ARCH, default "native"; set e.g. x86-64-v3 for a portable wheel).
 Build with `pip install --no-build-isolation .` so the extension compiles against the torch you run.
 """
 
@@ -40,7 +41,7 @@ def sources(pattern_dirs):
 def extension():
     cpp_sources = sources([(".", "*.cpp"), ("cpu", "*.cpp")])
     include_dirs = [str(CSRC), str(CSRC / "include")]
-    cxx_flags = ["-O3", "-DPy_LIMITED_API=0x030A0000"]
+    cxx_flags = ["-O3", f"-march={os.environ.get('KVCOMP_CPU_ARCH', 'native')}", "-DPy_LIMITED_API=0x030A0000"]
     if build_cuda():
         return CUDAExtension(
             "kvpress_cpp._C",

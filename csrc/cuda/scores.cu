@@ -27,9 +27,12 @@ __global__ void update_scores_kernel(const scalar_t* __restrict__ attn,  // [B, 
   const int64_t slot = (blockIdx.x % blocks_per_row) * blockDim.x + threadIdx.x;
   if (slot >= total_len) return;
   const float old_score = slot < old_len ? old_scores[row * old_len + slot] : 0.0f;
-  out[row * total_len + slot] = kernels::fold_attention_into_score(
-      old_score, attn + row * group_size * num_queries * total_len, group_size, num_queries, total_len, slot, decay,
-      decay_pow_queries, input_scale);
+  const scalar_t* attn_group = attn + row * group_size * num_queries * total_len;
+  const auto load_attention = [&](int64_t head, int64_t query) {
+    return static_cast<float>(attn_group[(head * num_queries + query) * total_len + slot]);
+  };
+  out[row * total_len + slot] = kernels::fold_attention_into_score(old_score, load_attention, group_size, num_queries,
+                                                                   decay, decay_pow_queries, input_scale);
 }
 
 at::Tensor update_scores_cuda(const at::Tensor& scores, const at::Tensor& attn, double decay, double input_scale) {

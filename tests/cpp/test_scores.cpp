@@ -32,8 +32,9 @@ TEST(FoldAttentionIntoScore, MatchesStepByStepRecurrence) {
       for (int64_t h = 0; h < group; ++h) group_sum += attn[(h * queries + j) * total + slot];
       expected = decay * expected + scale * group_sum;
     }
-    const float got = kvcomp::kernels::fold_attention_into_score(old_score, attn.data(), group, queries, total, slot,
-                                                                 decay, std::pow(decay, 4.0f), scale);
+    const auto load = [&](int64_t h, int64_t j) { return attn[(h * queries + j) * total + slot]; };
+    const float got =
+        kvcomp::kernels::fold_attention_into_score(old_score, load, group, queries, decay, std::pow(decay, 4.0f), scale);
     EXPECT_NEAR(got, expected, 1e-5f) << "slot " << slot;
   }
 }
@@ -43,9 +44,8 @@ TEST(FoldAttentionIntoScore, ZeroDecayKeepsOnlyTheLastQuery) {
   const auto attn = make_group_attention(group, queries, total);
   const int64_t slot = 2;
   const float last = attn[(0 * queries + 2) * total + slot] + attn[(1 * queries + 2) * total + slot];
-  EXPECT_FLOAT_EQ(kvcomp::kernels::fold_attention_into_score(5.0f, attn.data(), group, queries, total, slot, 0.0f,
-                                                             0.0f, 1.0f),
-                  last);
+  const auto load = [&](int64_t h, int64_t j) { return attn[(h * queries + j) * total + slot]; };
+  EXPECT_FLOAT_EQ(kvcomp::kernels::fold_attention_into_score(5.0f, load, group, queries, 0.0f, 0.0f, 1.0f), last);
 }
 
 TEST(UpdateScoresOp, CpuKernelIsRegistered) {
