@@ -1,0 +1,62 @@
+"""Shared pieces of the benchmarks: timing with torch.utils.benchmark, device bandwidth, and result files.
+
+Every benchmark compares an op with its plain-PyTorch reference in the same run, reports the ratio, and writes JSON
+(and a plot where a table is hard to read) under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.utils.benchmark as tbench
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `tests.reference` imports from a checkout
+
+
+def median_seconds(fn, min_run_time: float = 0.5, num_threads: int | None = None) -> float:
+    """Median wall time of fn() (torch.utils.benchmark synchronises CUDA and runs on CPU alike)."""
+    timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=num_threads or torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth (read + write bytes per second), the roofline a memory-bound
+    kernel is judged against."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src))
+    return 2 * nbytes / seconds / 1e9
+
+
+def configurations() -> list[tuple[str, int]]:
+    """(device, CPU threads) pairs to measure: the CPU at one thread and at all of them (on this VM, OpenMP wake-ups
+    add tens of ms to multi-threaded ATen reductions, so both are reported), and the GPU when present."""
+    cpu = [("cpu", 1)] + ([("cpu", torch.get_num_threads())] if torch.get_num_threads() > 1 else [])
+    return cpu + ([("cuda", torch.get_num_threads())] if torch.cuda.is_available() else [])
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+           "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def write_results(name: str, rows: list[dict]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(f"{row.get(c, '')}".ljust(w) for c, w in zip(columns, widths)))

