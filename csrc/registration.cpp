@@ -7,4 +7,12 @@ TORCH_LIBRARY(kvcomp, m) {
   // scores family: fold the attention probabilities of q new queries (B, Hq, q, T) into per-kv-head float32 scores
   // (B, H, T - q) -> (B, H, T): out = decay^q * scores + input_scale * sum_j decay^(q-1-j) * sum_g attn[g, j].
   m.def("update_scores(Tensor scores, Tensor attn, float decay, float input_scale) -> Tensor");
+
+  // attention family: per-slot float32 log-weights b (0 plain token, alpha * ln w merged slot, -inf evicted/padding)
+  // and the decode attention that adds them to the logits.
+  // merge counts or votes (B, H, T) float32 -> log-weights (B, H, T): alpha * ln w for w > 0, -inf for w == 0.
+  m.def("merge_count_bias(Tensor counts, float alpha) -> Tensor");
+  // softmax(scale * q.k + b) v of q new queries (B, Hq, q, d) over keys/values (B, H, T, d), causal over the last q
+  // slots, GQA without repeating K/V -> (out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, T) float32).
+  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor log_weights, float scale) -> (Tensor, Tensor)");
 }

@@ -14,3 +14,21 @@ def _update_scores_fake(scores, attn, decay, input_scale):
         f"and scores {tuple(scores.shape)}",
     )
     return scores.new_empty((scores.shape[0], scores.shape[1], attn.shape[-1]))
+
+
+@torch.library.register_fake("kvcomp::merge_count_bias")
+def _merge_count_bias_fake(counts, alpha):
+    return counts.new_empty(counts.shape)
+
+
+@torch.library.register_fake("kvcomp::decode_attention")
+def _decode_attention_fake(query, keys, values, log_weights, scale):
+    torch._check(
+        keys.shape[2] == log_weights.shape[2] and query.shape[2] <= keys.shape[2],
+        lambda: f"kvcomp::decode_attention: expected 1 <= q <= T and log_weights over the T slots of keys, got query "
+        f"{tuple(query.shape)}, keys {tuple(keys.shape)} and log_weights {tuple(log_weights.shape)}",
+    )
+    batch, query_heads, num_queries, _ = query.shape
+    out = query.new_empty(query.shape)
+    probs = query.new_empty((batch, query_heads, num_queries, keys.shape[2]), dtype=torch.float32)
+    return out, probs

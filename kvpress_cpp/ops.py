@@ -23,3 +23,52 @@ def update_scores(scores: torch.Tensor, attn: torch.Tensor, decay: float = 1.0, 
         KeepKV's EMA is decay=β, input_scale=(1-β)/G (bias correction 1/(1-β^t) is applied when read).
     """
     return torch.ops.kvcomp.update_scores(scores, attn, decay, input_scale)
+
+
+def merge_count_bias(counts: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """Per-slot log-weights from merge counts: the bias every merging press adds to the attention logits.
+
+    Args:
+        counts: (B, H, T) float32 number of tokens each slot stands for (ZSMerge's merge count w) or KeepKV's
+            electoral votes p; 0 marks an evicted or padding slot. Counts < 0 or NaN give NaN (not checked: that
+            would need a device sync).
+        alpha: finite, >= 0 (ZSMerge 0.6, KeepKV 1; 0 is pure eviction).
+
+    Returns:
+        (B, H, T) float32: ``alpha * ln(w)`` where w > 0 (exactly 0 for every w > 0 when alpha = 0), ``-inf`` where
+        w == 0.
+    """
+    return torch.ops.kvcomp.merge_count_bias(counts, alpha)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    log_weights: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the q newest tokens over a cache whose slots carry log-weights, plus its probabilities.
+
+    ``logit[s] = scale * q·k_s + log_weights[b, h, s]``, softmax over the allowed slots, ``out = Σ_s p_s v_s``.
+    The q queries are the last q of the T cached slots: query j attends to slots 0 .. T - q + j (causal). Grouped-query
+    attention is native: query head h * G + g reads kv head h, and K and V are never repeated. Float32 accumulation in
+    the log domain; a -inf slot is skipped (its key and value are not even read), and a row whose allowed slots are all
+    -inf gives output 0 and probabilities 0.
+
+    Args:
+        query: (B, Hq, q, d) float32, float16 or bfloat16, 1 <= q <= T.
+        keys: (B, H, T, d) same dtype as query, Hq a multiple of H; any strides over (B, H, T) as long as d is
+            contiguous (e.g. the first T slots of a preallocated cache are read in place).
+        values: (B, H, T, d) same dtype as query.
+        log_weights: (B, H, T) float32: 0 for a plain token, alpha * ln w for a slot standing for w tokens
+            (:func:`merge_count_bias`), -inf for an evicted or padding slot.
+        scale: the model's attention scale, finite and > 0; default ``d ** -0.5``.
+
+    Returns:
+        ``(out, probs)``: out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, T) float32 attention probabilities
+        (exactly 0 on causally masked and -inf slots), ready for :func:`update_scores`.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return torch.ops.kvcomp.decode_attention(query, keys, values, log_weights, scale)

@@ -1,0 +1,147 @@
+"""kvcomp::decode_attention against what transformers does for a cache with per-slot log-weights.
+
+    python -m benchmarks.bench_attention     # writes benchmarks/results/attention.json and attention.png
+
+Baselines, both timed with the construction of their inputs from (keys, values, log_weights), as a decoding step has to:
+  sdpa   repeat_kv (K and V expanded to the Hq query heads) + torch.nn.functional.scaled_dot_product_attention with
+         an additive float mask (B, Hq, q, T) built from log_weights (and the causal mask); returns no probabilities.
+  eager  repeat_kv + matmul + float32 softmax + matmul (transformers' eager_attention_forward), probabilities too.
+Also, as the strongest plain-PyTorch path (not what transformers runs):
+  sdpa_gqa  scaled_dot_product_attention(enable_gqa=True) with the same float mask: no repeat_kv copies.
+The op reads K and V once for all G query heads of a kv head and also returns the probabilities.
+
+Targets (issue): CPU >= 1.5x sdpa at T = 8k, GQA 4:1 (B=1, Hq=32, H=8, q=1, d=64 and 128, float32); GPU (bf16) >=
+60% of the measured copy bandwidth at T >= 8k with B * H >= 32 (the GPU rows use B = 4 for that, besides B = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from benchmarks.common import RESULTS_DIR, configurations, copy_bandwidth_gbs, median_seconds, print_table, write_results
+
+LENGTHS = [1024, 8192, 32768]
+QUERY_HEADS, KV_HEADS, NUM_QUERIES = 32, 8, 1
+
+
+def repeat_kv(hidden: torch.Tensor, group: int) -> torch.Tensor:
+    """transformers.models.llama.modeling_llama.repeat_kv: (B, H, T, d) -> (B, H * group, T, d), a copy."""
+    batch, heads, length, dim = hidden.shape
+    return hidden[:, :, None].expand(batch, heads, group, length, dim).reshape(batch, heads * group, length, dim)
+
+
+def float_mask(log_weights: torch.Tensor, group: int, num_queries: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, T) log-weights -> additive (B, Hq, q, T) mask with the causal part, in the attention dtype."""
+    total_len = log_weights.shape[-1]
+    causal = torch.arange(total_len, device=log_weights.device)[None, :] > (
+        total_len - num_queries + torch.arange(num_queries, device=log_weights.device))[:, None]
+    mask = log_weights.repeat_interleave(group, dim=1)[:, :, None, :].masked_fill(causal, float("-inf"))
+    return mask.to(dtype)
+
+
+def sdpa_attention(query, keys, values, log_weights, scale):
+    group = query.shape[1] // keys.shape[1]
+    mask = float_mask(log_weights, group, query.shape[2], query.dtype)
+    return F.scaled_dot_product_attention(query, repeat_kv(keys, group), repeat_kv(values, group), attn_mask=mask,
+                                          scale=scale)
+
+
+def sdpa_gqa_attention(query, keys, values, log_weights, scale):
+    mask = float_mask(log_weights, query.shape[1] // keys.shape[1], query.shape[2], query.dtype)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def eager_attention(query, keys, values, log_weights, scale):
+    group = query.shape[1] // keys.shape[1]
+    mask = float_mask(log_weights, group, query.shape[2], query.dtype)
+    logits = torch.matmul(query, repeat_kv(keys, group).transpose(2, 3)) * scale + mask
+    probs = logits.softmax(-1, dtype=torch.float32)
+    return torch.matmul(probs.to(query.dtype), repeat_kv(values, group)), probs
+
+
+def make_inputs(batch, head_dim, total_len, dtype, device):
+    query = torch.randn(batch, QUERY_HEADS, NUM_QUERIES, head_dim, dtype=dtype, device=device)
+    keys = torch.randn(batch, KV_HEADS, total_len, head_dim, dtype=dtype, device=device)
+    values = torch.randn_like(keys)
+    counts = torch.randint(0, 4, (batch, KV_HEADS, total_len), device=device).float()  # a quarter evicted
+    log_weights = torch.ops.kvcomp.merge_count_bias(counts, 0.6)
+    return query, keys, values, log_weights
+
+
+def plot(rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = sorted({(r["device"], r["threads"], r["B"], r["d"], r["dtype"]) for r in rows})
+    for device, threads, batch, head_dim, dtype in series:
+        points = [r for r in rows if (r["device"], r["threads"], r["B"], r["d"], r["dtype"]) ==
+                  (device, threads, batch, head_dim, dtype)]
+        label = f"{device} {threads}t B={batch} d={head_dim} {dtype}"
+        line, = ax.plot([r["T"] for r in points], [r["speedup_vs_sdpa"] for r in points], "o-", label=f"{label} vs sdpa")
+        ax.plot([r["T"] for r in points], [r["speedup_vs_eager"] for r in points], "s--", color=line.get_color(),
+                label=f"{label} vs eager")
+        ax.plot([r["T"] for r in points], [r["speedup_vs_sdpa_gqa"] for r in points], "^:", color=line.get_color(),
+                label=f"{label} vs sdpa(enable_gqa)")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cache length T")
+    ax.set_ylabel("speedup of kvcomp::decode_attention")
+    ax.set_title(f"decode attention, GQA {QUERY_HEADS}:{KV_HEADS}, q={NUM_QUERIES}")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = RESULTS_DIR / "attention.png"
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+def main() -> None:
+    rows = []
+    for device, threads in configurations():
+        cuda = device == "cuda"
+        bandwidth = copy_bandwidth_gbs(device) if cuda else None
+        dtype = torch.bfloat16 if cuda else torch.float32
+        shapes = [(batch, 128) for batch in (1, 4)] if cuda else [(1, 64), (1, 128)]
+        for batch, head_dim in shapes:
+            for total_len in LENGTHS:
+                query, keys, values, log_weights = make_inputs(batch, head_dim, total_len, dtype, device)
+                scale = head_dim**-0.5
+                op_s = median_seconds(lambda: torch.ops.kvcomp.decode_attention(query, keys, values, log_weights, scale),
+                                      num_threads=threads)
+                sdpa_s = median_seconds(lambda: sdpa_attention(query, keys, values, log_weights, scale),
+                                        num_threads=threads)
+                eager_s = median_seconds(lambda: eager_attention(query, keys, values, log_weights, scale),
+                                         num_threads=threads)
+                gqa_s = median_seconds(lambda: sdpa_gqa_attention(query, keys, values, log_weights, scale),
+                                       num_threads=threads)
+                probs_bytes = 4 * batch * QUERY_HEADS * NUM_QUERIES * total_len
+                moved = keys.nbytes + values.nbytes + log_weights.nbytes + 2 * query.nbytes + probs_bytes
+                row = {"device": device, "threads": threads, "dtype": str(dtype).removeprefix("torch."), "B": batch,
+                       "Hq": QUERY_HEADS, "H": KV_HEADS, "q": NUM_QUERIES, "d": head_dim, "T": total_len,
+                       "op_us": round(op_s * 1e6, 1), "sdpa_us": round(sdpa_s * 1e6, 1),
+                       "eager_us": round(eager_s * 1e6, 1), "sdpa_gqa_us": round(gqa_s * 1e6, 1),
+                       "speedup_vs_sdpa": round(sdpa_s / op_s, 2), "speedup_vs_eager": round(eager_s / op_s, 2),
+                       "speedup_vs_sdpa_gqa": round(gqa_s / op_s, 2), "op_GBps": round(moved / op_s / 1e9, 1)}
+                if bandwidth:
+                    row["copy_GBps"] = round(bandwidth, 1)
+                    row["fraction_of_copy_bw"] = round(moved / op_s / 1e9 / bandwidth, 2)
+                rows.append(row)
+                print(row)
+                del query, keys, values, log_weights
+    print()
+    print_table(rows, ["device", "threads", "dtype", "B", "d", "T", "op_us", "sdpa_us", "eager_us", "sdpa_gqa_us",
+                       "speedup_vs_sdpa", "speedup_vs_eager", "speedup_vs_sdpa_gqa", "op_GBps", "fraction_of_copy_bw"])
+    print("wrote", write_results("attention", rows))
+    plot(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""kvcomp::merge_count_bias and kvcomp::decode_attention against their plain-PyTorch references, the properties of the
+log-weight convention (methods.md), opcheck, torch.compile and bad input. Every device test also runs on CUDA when a
+GPU is present; the shapes are chosen so that the CUDA kernel meets several slot chunks, partial tiles of query rows,
+head dims that leave lanes idle or need the one-element load path, and strided or unaligned cache views."""
+
+import math
+
+import pytest
+import torch
+
+import kvpress_cpp
+from kvpress_cpp import ops
+from tests import reference
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Output tolerance: the kernel and the float64 reference see the same rounded inputs; the output is rounded once to
+# the query dtype. Probabilities are float32 whatever the cache dtype.
+OUT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+           torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+PROBS_TOL = dict(rtol=2e-5, atol=2e-6)
+INF = float("inf")
+
+
+def make_inputs(batch, query_heads, kv_heads, num_queries, total_len, head_dim, dtype=torch.float32, device="cpu",
+                seed=0, evicted=0.1):
+    """query, keys, values, log_weights: merged slots (b = 0.6 ln w, w in [1, 5)) and a fraction of -inf slots."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, query_heads, num_queries, head_dim, generator=generator)
+    keys = torch.randn(batch, kv_heads, total_len, head_dim, generator=generator)
+    values = torch.randn(batch, kv_heads, total_len, head_dim, generator=generator)
+    counts = 1 + 4 * torch.rand(batch, kv_heads, total_len, generator=generator)
+    counts[torch.rand(batch, kv_heads, total_len, generator=generator) < evicted] = 0
+    log_weights = reference.merge_count_bias(counts, 0.6)
+    return (query.to(device, dtype), keys.to(device, dtype), values.to(device, dtype), log_weights.to(device))
+
+
+def check_against_reference(query, keys, values, log_weights, scale):
+    out, probs = ops.decode_attention(query, keys, values, log_weights, scale)
+    expected_out, expected_probs = reference.decode_attention(query, keys, values, log_weights, scale)
+    assert out.dtype == query.dtype and out.shape == query.shape and out.device == query.device
+    assert probs.dtype == torch.float32 and probs.shape == (*query.shape[:3], keys.shape[2])
+    torch.testing.assert_close(probs, expected_probs, **PROBS_TOL)
+    torch.testing.assert_close(out, expected_out, **OUT_TOL[query.dtype])
+    return out, probs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode_attention against the reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_heads,kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("num_queries", [1, 5])
+@pytest.mark.parametrize("total_len", ["q", 37, 300])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decode_attention_matches_reference(device, dtype, query_heads, kv_heads, num_queries, total_len, head_dim):
+    total_len = num_queries if total_len == "q" else total_len
+    inputs = make_inputs(2, query_heads, kv_heads, num_queries, total_len, head_dim, dtype, device)
+    check_against_reference(*inputs, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_slot_chunks_and_row_tiles(device, dtype):
+    """B * H = 1 with T = 4100: the CPU splits the slots over threads (4 here), CUDA over many chunks; G * q = 24
+    query rows take 3 tiles of 8 on CUDA."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        inputs = make_inputs(1, 8, 1, 3, 4100, 64, dtype, device, seed=1, evicted=0.3)
+        check_against_reference(*inputs, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [18, 96, 256])
+def test_odd_head_dims_and_strided_cache_views(device, dtype, head_dim):
+    """Keys and values are the first T slots of a preallocated (B, H, T_max, d) cache (read in place), the query a
+    transposed (B, q, Hq, d) projection; d = 18 forces one-element loads, 96 leaves lanes idle, 256 gives each lane
+    several pieces of d."""
+    query, keys, values, log_weights = make_inputs(2, 6, 3, 2, 90, head_dim, dtype, device, seed=2)
+    buffer_k = torch.zeros(2, 3, 128, head_dim, dtype=dtype, device=device)
+    buffer_v = torch.zeros_like(buffer_k)
+    buffer_k[:, :, :90] = keys
+    buffer_v[:, :, :90] = values
+    keys_view, values_view = buffer_k[:, :, :90], buffer_v[:, :, :90]
+    query_view = query.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not keys_view.is_contiguous() and not query_view.is_contiguous()
+    check_against_reference(query_view, keys_view, values_view, log_weights, 0.2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unaligned_cache_pointer(device):
+    """A cache that starts one element into its storage: no 16-byte loads possible, the kernel must notice."""
+    query, keys, values, log_weights = make_inputs(1, 4, 2, 1, 50, 64, torch.bfloat16, device, seed=3)
+    storage = torch.empty(keys.numel() + 1, dtype=keys.dtype, device=device)
+    shifted = storage[1:].view(keys.shape)
+    shifted.copy_(keys)
+    assert shifted.data_ptr() % 16 != 0
+    check_against_reference(query, shifted, values, log_weights, 0.125)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    query, keys, values, log_weights = make_inputs(0, 4, 2, 1, 5, 16, torch.float32, device)
+    out, probs = ops.decode_attention(query, keys, values, log_weights)
+    assert out.shape == (0, 4, 1, 16) and probs.shape == (0, 4, 1, 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Properties of the log-weight convention (the issue's tests)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_minus_inf_slot_equals_slot_removed(device, dtype):
+    """A -inf slot contributes exactly nothing, even when its key and value hold NaN (garbage in padding)."""
+    query, keys, values, log_weights = make_inputs(2, 8, 2, 3, 40, 32, dtype, device, seed=4, evicted=0.0)
+    log_weights[:, :, 7] = -INF
+    keys[:, :, 7] = float("nan")
+    values[:, :, 7] = float("nan")
+    out, probs = ops.decode_attention(query, keys, values, log_weights, 0.2)
+    keep = [s for s in range(40) if s != 7]
+    out_removed, probs_removed = ops.decode_attention(
+        query, keys[:, :, keep], values[:, :, keep], log_weights[:, :, keep], 0.2)
+    assert torch.isfinite(out).all()
+    assert (probs[..., 7] == 0).all()
+    torch.testing.assert_close(out, out_removed, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(probs[..., keep], probs_removed, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_log_weight_equals_identical_copies(device):
+    """One slot with b = ln w (merge_count_bias of count w, alpha 1) gives the same attention as w = 3 identical copies
+    of that slot with b = 0, and its probability is the sum of theirs."""
+    query, keys, values, _ = make_inputs(1, 8, 2, 2, 20, 64, torch.float32, device, seed=5)
+    counts = torch.ones(1, 2, 20, device=device)
+    counts[:, :, 6] = 3
+    merged_out, merged_probs = ops.decode_attention(query, keys, values, ops.merge_count_bias(counts, 1.0), 0.125)
+    copies = [0, 1, 2, 3, 4, 5, 6, 6, 6] + list(range(7, 20))
+    copies_out, copies_probs = ops.decode_attention(
+        query, keys[:, :, copies], values[:, :, copies], torch.zeros(1, 2, 22, device=device), 0.125)
+    torch.testing.assert_close(merged_out, copies_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged_probs[..., 6], copies_probs[..., 6:9].sum(-1), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(merged_probs[..., 7:], copies_probs[..., 9:], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_minus_inf_row_gives_zeros(device):
+    """A kv head whose slots are all -inf gives output 0 and probabilities 0 (not NaN) for its whole group; with q = 2,
+    masking every slot but the last leaves query 0 with nothing (zeros) and query 1 with the last slot only."""
+    query, keys, values, log_weights = make_inputs(2, 8, 2, 2, 300, 16, torch.float32, device, seed=6, evicted=0.0)
+    log_weights[0, 1] = -INF
+    log_weights[1, 0, :-1] = -INF
+    out, probs = ops.decode_attention(query, keys, values, log_weights, 0.25)
+    assert torch.isfinite(out).all() and torch.isfinite(probs).all()
+    assert (out[0, 4:] == 0).all() and (probs[0, 4:] == 0).all()
+    assert (out[1, :4, 0] == 0).all() and (probs[1, :4, 0] == 0).all()
+    assert (probs[1, :4, 1, -1] == 1).all() and (probs[1, :4, 1, :-1] == 0).all()
+    torch.testing.assert_close(out[1, :4, 1], values[1, 0, -1].expand(4, 16))
+    check_against_reference(query, keys, values, log_weights, 0.25)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_probs_sum_to_one_and_vanish_where_masked(device):
+    query, keys, values, log_weights = make_inputs(2, 8, 2, 4, 300, 32, torch.float32, device, seed=7, evicted=0.3)
+    _, probs = ops.decode_attention(query, keys, values, log_weights, 0.2)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 8, 4, device=device), rtol=1e-5, atol=1e-5)
+    causal = torch.arange(300, device=device)[None, :] <= (296 + torch.arange(4, device=device))[:, None]
+    allowed = causal & (log_weights != -INF).repeat_interleave(4, dim=1)[:, :, None, :]
+    assert (probs[~allowed] == 0).all()
+    assert (probs[allowed] > 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_input_does_not_crash(device):
+    """NaN in a key, a query or a log-weight propagates to the rows that read it, and nowhere else."""
+    query, keys, values, log_weights = make_inputs(2, 8, 2, 1, 300, 16, torch.float32, device, seed=8, evicted=0.0)
+    keys[0, 0, 3] = float("nan")
+    query[1, 7, 0, 0] = float("nan")
+    log_weights[1, 0, 10] = float("nan")
+    out, probs = ops.decode_attention(query, keys, values, log_weights, 0.25)
+    assert out.shape == (2, 8, 1, 16) and probs.shape == (2, 8, 1, 300)
+    assert torch.isfinite(out[0, 4:]).all() and torch.isfinite(out[1, 4:7]).all()
+    torch.testing.assert_close(out[0, 4:], reference.decode_attention(query, keys, values, log_weights, 0.25)[0][0, 4:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge_count_bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_merge_count_bias_matches_reference(device, alpha):
+    generator = torch.Generator().manual_seed(9)
+    counts = torch.randint(0, 6, (2, 3, 37), generator=generator).float() * torch.rand(2, 3, 37, generator=generator).add(0.5)
+    counts[0, 0, :4] = torch.tensor([0.0, 1.0, 3.0, 1e-30])
+    counts = counts.to(device)
+    got = ops.merge_count_bias(counts, alpha)
+    expected = reference.merge_count_bias(counts, alpha)
+    assert got.dtype == torch.float32 and got.shape == counts.shape
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert (got[counts == 0] == -INF).all()
+    if alpha == 0:
+        assert (got[counts > 0] == 0).all()
+    assert got[0, 0, 1] == 0  # a plain token
+    assert math.isclose(got[0, 0, 2].item(), alpha * math.log(3), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_count_bias_negative_or_nan_count_gives_nan(device):
+    counts = torch.tensor([[[2.0, -1.0, float("nan"), 0.0]]], device=device)
+    got = ops.merge_count_bias(counts, 0.6)
+    assert torch.isnan(got[0, 0, 1:3]).all() and got[0, 0, 3] == -INF and torch.isfinite(got[0, 0, 0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# opcheck, torch.compile, registration
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_decode_attention(device, dtype):
+    query, keys, values, log_weights = make_inputs(2, 8, 2, 2, 9, 16, dtype, device)
+    torch.library.opcheck(torch.ops.kvcomp.decode_attention.default, (query, keys, values, log_weights, 0.25))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_merge_count_bias(device):
+    counts = torch.tensor([[[0.0, 1.0, 2.5], [3.0, 0.0, 1.0]]], device=device)
+    torch.library.opcheck(torch.ops.kvcomp.merge_count_bias.default, (counts, 0.6))
+
+
+def test_compile_fullgraph():
+    def merged_attention(query, keys, values, counts):
+        out, probs = ops.decode_attention(query, keys, values, ops.merge_count_bias(counts, 0.6), 0.25)
+        return out * 2.0, probs.sum(1)
+
+    query, keys, values, _ = make_inputs(1, 4, 2, 1, 12, 16)
+    counts = torch.randint(0, 4, (1, 2, 12)).float()
+    compiled = torch.compile(merged_attention, fullgraph=True)
+    for got, expected in zip(compiled(query, keys, values, counts), merged_attention(query, keys, values, counts)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_cpu_kernels_always_registered():
+    for name in ("kvcomp::merge_count_bias", "kvcomp::decode_attention"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="CPU build of torch: no CUDA kernels expected")
+def test_cuda_kernels_built_with_cuda_torch():
+    assert kvpress_cpp.cuda_kernels_built()
+    for name in ("kvcomp::merge_count_bias", "kvcomp::decode_attention"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: every check names the op and the offending value
+
+Q, K, V, B = "query", "keys", "values", "log_weights"
+BAD_ATTENTION_INPUTS = [
+    (lambda q, k, v, b: (q[0], k, v, b, 0.25), r"expected query of shape \(B, Hq, q, d\), got a 3-d tensor"),
+    (lambda q, k, v, b: (q, k[0], v, b, 0.25), r"expected keys of shape \(B, H, T, d\), got a 3-d tensor"),
+    (lambda q, k, v, b: (q, k, v[None], b, 0.25), r"expected values of shape \(B, H, T, d\), got a 5-d tensor"),
+    (lambda q, k, v, b: (q, k, v, b[0], 0.25), r"expected log_weights of shape \(B, H, T\), got a 2-d tensor"),
+    (lambda q, k, v, b: (q.to(torch.int32), k, v, b, 0.25),
+     r"expected query of dtype float32, float16 or bfloat16, got Int"),
+    (lambda q, k, v, b: (q.double(), k.double(), v.double(), b, 0.25),
+     r"expected query of dtype float32, float16 or bfloat16, got Double"),
+    (lambda q, k, v, b: (q, k.half(), v, b, 0.25), r"expected keys of dtype Float, got Half"),
+    (lambda q, k, v, b: (q, k, v.to(torch.int64), b, 0.25), r"expected values of dtype Float, got Long"),
+    (lambda q, k, v, b: (q.half(), k.half(), v.half(), b.half(), 0.25), r"expected log_weights of dtype Float, got Half"),
+    (lambda q, k, v, b: (q, k[:1], v[:1], b[:1], 0.25), r"expected keys.size\(0\) == 2 \(batch of query\)"),
+    (lambda q, k, v, b: (q[:, :7], k, v, b, 0.25),
+     r"expected the 7 query heads of query to be a positive multiple of the 2 kv heads of keys"),
+    (lambda q, k, v, b: (q[:, :, :, :8], k, v, b, 0.25), r"expected keys.size\(3\) == 8 \(head dim d of query\)"),
+    (lambda q, k, v, b: (q, k, v[..., :8], b, 0.25), r"expected values.size\(3\) == 16 \(the size of keys\)"),
+    (lambda q, k, v, b: (q, k, v[:, :1], b, 0.25), r"expected values.size\(1\) == 2 \(the size of keys\)"),
+    (lambda q, k, v, b: (q, k, v[:, :, :-1], b, 0.25), r"expected values.size\(2\) == 6 \(the size of keys\)"),
+    (lambda q, k, v, b: (q, k, v, b[:, :, :-1], 0.25),
+     r"expected log_weights.size\(2\) == 6 \(cache length T of keys\), got log_weights of shape \[2, 2, 5\]"),
+    (lambda q, k, v, b: (q, k, v, b[:1], 0.25), r"expected log_weights.size\(0\) == 2 \(batch of keys\)"),
+    (lambda q, k, v, b: (q, k, v, b[:, :1], 0.25), r"expected log_weights.size\(1\) == 2 \(kv heads of keys\)"),
+    (lambda q, k, v, b: (q.expand(2, 8, 7, 16), k, v, b, 0.25), r"expected 1 <= q <= T .*got q = 7 and T = 6"),
+    (lambda q, k, v, b: (q[:, :, :0], k, v, b, 0.25), r"expected 1 <= q <= T .*got q = 0 and T = 6"),
+    (lambda q, k, v, b: (q, k, v, b, 0.0), r"expected a finite scale > 0, got 0"),
+    (lambda q, k, v, b: (q, k, v, b, -0.25), r"expected a finite scale > 0, got -0.25"),
+    (lambda q, k, v, b: (q, k, v, b, float("nan")), r"expected a finite scale > 0, got nan"),
+    (lambda q, k, v, b: (q, k, v, b, float("inf")), r"expected a finite scale > 0, got inf"),
+]
+
+
+@pytest.mark.parametrize("make_args,message", BAD_ATTENTION_INPUTS)
+def test_decode_attention_bad_input_names_op_and_value(make_args, message):
+    inputs = make_inputs(2, 8, 2, 1, 6, 16)
+    with pytest.raises(RuntimeError, match=r"kvcomp::decode_attention: " + message):
+        torch.ops.kvcomp.decode_attention(*make_args(*inputs))
+
+
+BAD_BIAS_INPUTS = [
+    (lambda c: (c[0], 0.6), r"expected counts of shape \(B, H, T\), got a 2-d tensor"),
+    (lambda c: (c.to(torch.int32), 0.6), r"expected counts of dtype Float, got Int"),
+    (lambda c: (c.half(), 0.6), r"expected counts of dtype Float, got Half"),
+    (lambda c: (c, -0.5), r"expected a finite alpha >= 0, got -0.5"),
+    (lambda c: (c, float("nan")), r"expected a finite alpha >= 0, got nan"),
+    (lambda c: (c, float("inf")), r"expected a finite alpha >= 0, got inf"),
+]
+
+
+@pytest.mark.parametrize("make_args,message", BAD_BIAS_INPUTS)
+def test_merge_count_bias_bad_input_names_op_and_value(make_args, message):
+    with pytest.raises(RuntimeError, match=r"kvcomp::merge_count_bias: " + message):
+        torch.ops.kvcomp.merge_count_bias(*make_args(torch.ones(1, 2, 5)))
+
+
+@CUDA
+@pytest.mark.parametrize("moved", [K, V, B])
+def test_mixed_devices_rejected(moved):
+    inputs = dict(zip((Q, K, V, B), make_inputs(2, 8, 2, 1, 6, 16, device="cuda")))
+    inputs[moved] = inputs[moved].cpu()
+    with pytest.raises(RuntimeError, match=rf"kvcomp::decode_attention: expected {moved} on the device of query"):
+        torch.ops.kvcomp.decode_attention(*inputs.values(), 0.25)
