@@ -1,0 +1,85 @@
+"""The attention path that honours per-slot log-weights, whatever attention implementation the model runs.
+
+Every forward that attends to a cache layer with state (see :mod:`kvpress_cpp.cache`) computes
+``softmax(q·k·scale + b)·v`` with the layer's log-weights b added for every query head of the group and the causal
+mask over the new tokens, through ``kvcomp::decode_attention`` (GQA-native: keys are never repeated). transformers'
+attention mask is not used there: it is built once for all layers from layer 0's length, which no longer matches
+layers compacted to different lengths. Padding is folded into b instead, as -inf, when the press writes the state at
+prefill (:func:`padding_log_weights`). It returns the attention probabilities as the attention weights, so a press's forward hook gets
+them without a second pass over the keys. Forwards over layers without state call the original function unchanged.
+
+transformers dispatches sdpa / flash attention through ``ALL_ATTENTION_FUNCTIONS`` and eager attention through the
+module-level ``eager_attention_forward`` of each model file: both are wrapped, once. kvpress wraps the same registry
+for its head-wise masking; the two wrappers compose in either import order.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvpress_cpp import ops
+from kvpress_cpp.cache import state_for_attention
+
+__all__ = ["patch_attention_functions", "patch_eager_attention", "padding_log_weights"]
+
+_WRAPPED_ATTR = "_kvcomp_wrapped"
+
+
+def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
+                        device: torch.device) -> torch.Tensor:
+    """Log-weights (B, H, T) of a prefill: 0 for tokens, -inf for padding, read from transformers' mask.
+
+    The last query row of a 4-D mask (eager: additive float, sdpa: bool) sees every slot that is not padding;
+    flash attention passes a (B, T) 0/1 mask; no mask means no padding.
+    """
+    log_weights = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=device)
+    if attention_mask is None:
+        return log_weights
+    row = attention_mask[:, 0, -1, :total] if attention_mask.dim() == 4 else attention_mask[:, :total]
+    if row.dtype == torch.bool:
+        visible = row
+    elif attention_mask.dim() == 4:
+        visible = row == 0  # additive float mask: 0 where visible, a very negative value elsewhere
+    else:
+        visible = row != 0  # flash attention's 0/1 padding mask
+    return log_weights.masked_fill(~visible.unsqueeze(1).to(device), float("-inf"))
+
+
+def _honour_log_weights(attention_fn):
+    if getattr(attention_fn, _WRAPPED_ATTR, False):
+        return attention_fn
+
+    @functools.wraps(attention_fn)
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        log_weights = state_for_attention(module, query, key)
+        if log_weights is None:
+            return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        output, probs = ops.decode_attention(query, key, value, log_weights, scaling)
+        return output.transpose(1, 2).contiguous(), probs
+
+    setattr(attention, _WRAPPED_ATTR, True)
+    return attention
+
+
+def patch_attention_functions() -> None:
+    """Wrap every attention function registered with transformers (sdpa, flash attention, ...). Idempotent."""
+    for name, attention_fn in list(ALL_ATTENTION_FUNCTIONS.items()):
+        ALL_ATTENTION_FUNCTIONS[name] = _honour_log_weights(attention_fn)
+
+
+def patch_eager_attention(model: torch.nn.Module) -> None:
+    """Wrap the eager attention function of every model file `model` uses. Idempotent."""
+    for module in model.modules():
+        model_file = sys.modules.get(type(module).__module__)
+        eager = getattr(model_file, "eager_attention_forward", None)
+        if eager is not None:
+            model_file.eager_attention_forward = _honour_log_weights(eager)
+
+
+patch_attention_functions()

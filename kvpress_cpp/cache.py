@@ -1,0 +1,144 @@
+"""Per-slot state of a compressed KV cache, kept on transformers' cache layers.
+
+Every slot of a layer carries a float32 log-weight ``b`` (B, H, T) that the attention path adds to the logits of
+every query head of the group: 0 for a plain token, ``α·ln w`` for a slot standing for w merged tokens, ``-inf`` for
+an evicted or padding slot (``../shared/docs/methods.md``). Presses may keep more per-slot tensors beside it (scores,
+merge counts, votes), all (B, H, T) and aligned with the slots.
+
+The state lives on the cache layer, not on the press, so a compressed context keeps its log-weights when the press's
+context manager has exited (kvpress's pipeline answers questions outside it) and disappears with the cache.
+Head-wise eviction compacts each layer to its longest head (:func:`compact_to_longest_head`): the memory held
+shrinks for real, where kvpress only masks evicted keys.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["LayerState", "get_state", "set_state", "attach", "state_for_attention", "compact_to_longest_head",
+           "cache_bytes"]
+
+_STATE_ATTR = "kvcomp_state"
+_LAYER_ATTR = "_kvcomp_cache_layer"
+
+
+@dataclass
+class LayerState:
+    """log_weights (B, H, T) float32, the press's own per-slot tensors (B, H, T) aligned with the slots, and its
+    counters (e.g. a ring position, the tokens seen)."""
+
+    log_weights: torch.Tensor
+    per_slot: dict[str, torch.Tensor] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
+        """Log-weights for a layer that held `slots_before` slots before this forward appended `new_tokens`.
+
+        Someone else may have cut the cache since the state was written (kvpress's pipeline drops each answer with
+        keys[:, :, :length]), so the state is cut to match; the new tokens are plain (b = 0).
+        """
+        if self.log_weights.shape[-1] > slots_before:
+            self.log_weights = self.log_weights[..., :slots_before]
+            self.per_slot = {name: tensor[..., :slots_before] for name, tensor in self.per_slot.items()}
+        missing = slots_before + new_tokens - self.log_weights.shape[-1]
+        return torch.nn.functional.pad(self.log_weights, (0, missing)) if missing else self.log_weights
+
+    def nbytes(self) -> int:
+        return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values())
+
+
+def _check_layer(layer) -> None:
+    if not isinstance(layer, DynamicLayer):
+        raise TypeError(
+            f"kvpress_cpp presses need a DynamicCache (its layers are DynamicLayer), got a {type(layer).__name__} "
+            f"layer: quantized, static, offloaded and sliding-window caches are not supported"
+        )
+
+
+def get_state(layer) -> LayerState | None:
+    return getattr(layer, _STATE_ATTR, None)
+
+
+def set_state(layer, state: LayerState | None) -> None:
+    _check_layer(layer)
+    setattr(layer, _STATE_ATTR, state)
+
+
+def attach(module: torch.nn.Module, layer) -> None:
+    """Tell the attention path that `module` attends over `layer`, whose state it must honour.
+
+    A weak reference: the cache owns its state, and a dropped cache leaves nothing behind on the model.
+    """
+    setattr(module, _LAYER_ATTR, weakref.ref(layer))
+
+
+def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """The log-weights (B, H, T) the attention over `key` must add, or None when this forward has no state.
+
+    The state applies only when `key` is the keys tensor of the cache layer it was written for (DynamicLayer.update
+    returns its own tensor), so another cache on the same model is never biased. A pass with as many queries as
+    keys is a new prefill over an emptied cache: the old state is dropped.
+    """
+    layer_ref = getattr(module, _LAYER_ATTR, None)
+    layer = layer_ref() if layer_ref is not None else None
+    if layer is None or getattr(layer, "keys", None) is not key:
+        return None
+    state = get_state(layer)
+    if state is None:
+        return None
+    new_tokens, total = query.shape[-2], key.shape[-2]
+    if new_tokens == total:
+        set_state(layer, None)
+        return None
+    return state.align(total - new_tokens, new_tokens)
+
+
+def compact_to_longest_head(
+    keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, log_weights: torch.Tensor,
+    per_slot: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, LayerState]:
+    """Apply a per-head keep mask and shrink the layer to its longest head.
+
+    Args:
+        keys, values: (B, H, T, d).
+        keep: (B, H, T) bool, the slots each head keeps.
+        log_weights: (B, H, T) float32 of the slots before eviction.
+        per_slot: other (B, H, T) tensors to carry along.
+
+    Returns:
+        keys and values (B, H, T', d) with T' the largest kept count of any (batch, head); each head's kept slots
+        come first, in their original order, and the rest is padding with b = -inf (and zero keys and values).
+        The state holds the gathered log-weights and per-slot tensors.
+    """
+    kept_counts = keep.sum(-1)
+    new_len = int(kept_counts.max()) if keep.numel() else 0
+    # A stable sort of "evicted" flags puts each head's kept slots first, in order, without a host loop per head.
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :new_len]
+    is_real = torch.arange(new_len, device=keep.device) < kept_counts.unsqueeze(-1)
+
+    def gather_slots(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.gather(2, order)
+
+    def gather_vectors(tensor: torch.Tensor) -> torch.Tensor:
+        index = order.unsqueeze(-1).expand(*order.shape, tensor.shape[-1])
+        return tensor.gather(2, index) * is_real.unsqueeze(-1).to(tensor.dtype)
+
+    new_log_weights = gather_slots(log_weights).masked_fill(~is_real, float("-inf"))
+    new_per_slot = {name: gather_slots(tensor) for name, tensor in (per_slot or {}).items()}
+    return gather_vectors(keys), gather_vectors(values), LayerState(new_log_weights, new_per_slot)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds: keys, values and every per-slot state tensor."""
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:
+            total += layer.keys.nbytes + layer.values.nbytes
+        state = get_state(layer)
+        if state is not None:
+            total += state.nbytes()
+    return total

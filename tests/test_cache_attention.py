@@ -1,0 +1,224 @@
+"""The compressed cache and its attention path, end to end on real models: per-slot log-weights honoured by every
+attention implementation, per-head eviction compacted to the longest head, state on the cache (not the press),
+cleared on the next prefill, and agreement between `generate` and kvpress's pipeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from kvpress_cpp.cache import LayerState, cache_bytes, compact_to_longest_head, get_state
+from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress
+from tests.generation import TINY_MODELS, greedy, prompt_ids
+from tests.models import make_tiny_llama
+
+
+@dataclass
+class KeepEverythingPress(KVCompDecodingPress):
+    """Installs an all-zero state and keeps every slot, so every later forward runs the biased attention path."""
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        return keys, values, LayerState(log_weights)
+
+
+def seeded_keep_mask(keys: torch.Tensor, layer_idx: int, keep_fraction: float) -> torch.Tensor:
+    """A random per-head keep mask (different counts per head), always keeping the last slot."""
+    generator = torch.Generator().manual_seed(1000 + layer_idx)
+    keep = torch.rand(keys.shape[:3], generator=generator) < keep_fraction
+    keep[..., -1] = True
+    return keep.to(keys.device)
+
+
+@dataclass
+class EvictPerHeadPress(KVCompPress):
+    """Per-head eviction with compaction to the longest head (prefill only)."""
+
+    keep_fraction: float = 0.25
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        keep = seeded_keep_mask(keys, module.layer_idx, self.keep_fraction) & torch.isfinite(log_weights)
+        return compact_to_longest_head(keys, values, keep, log_weights)
+
+
+@dataclass
+class MaskPerHeadPress(KVCompPress):
+    """The same eviction as EvictPerHeadPress, expressed only as b = -inf on the evicted slots, nothing removed."""
+
+    keep_fraction: float = 0.25
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        keep = seeded_keep_mask(keys, module.layer_idx, self.keep_fraction)
+        return keys, values, LayerState(log_weights.masked_fill(~keep, float("-inf")))
+
+
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_press_that_changes_nothing_generates_identical_tokens(make_model, attn_implementation):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    input_ids = prompt_ids(tokenizer, 48, batch=2)
+    expected, _ = greedy(model, input_ids)
+    got, cache = greedy(model, input_ids, press=KeepEverythingPress())
+    assert all(get_state(layer) is not None for layer in cache.layers), "the press did not install its state"
+    assert torch.equal(got, expected)
+
+
+def test_press_that_changes_nothing_on_smollm2(default_model):
+    model, tokenizer = default_model
+    messages = [{"role": "user", "content": "List three colours of the rainbow."}]
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    expected, _ = greedy(model, input_ids, max_new_tokens=20)
+    got, _ = greedy(model, input_ids, press=KeepEverythingPress(), max_new_tokens=20)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_compacted_cache_equals_masked_cache(make_model, attn_implementation):
+    """Removing evicted slots (compaction to the longest head, -inf padding) gives the same decoding as keeping
+    them with b = -inf: a -inf slot contributes nothing, and compaction loses nothing that is kept."""
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    input_ids = prompt_ids(tokenizer, 64)
+    masked, masked_cache = greedy(model, input_ids, press=MaskPerHeadPress())
+    compacted, compacted_cache = greedy(model, input_ids, press=EvictPerHeadPress())
+    assert torch.equal(compacted, masked)
+    assert compacted_cache.layers[0].keys.shape[-2] < masked_cache.layers[0].keys.shape[-2]
+
+
+def test_compaction_shrinks_memory_to_longest_head():
+    model, tokenizer = make_tiny_llama()
+    input_ids = prompt_ids(tokenizer, 400)
+    full = DynamicCache()
+    compressed = DynamicCache()
+    with torch.no_grad():
+        model(input_ids, past_key_values=full)
+        with EvictPerHeadPress(keep_fraction=0.25)(model):
+            model(input_ids, past_key_values=compressed)
+    assert cache_bytes(compressed) <= 0.40 * cache_bytes(full)
+    for layer in compressed.layers:
+        state = get_state(layer)
+        real = torch.isfinite(state.log_weights).sum(-1)
+        assert layer.keys.shape[-2] == int(real.max()), "the layer is not compacted to its longest head"
+
+
+def test_compact_to_longest_head_keeps_order_and_pads():
+    keys = torch.arange(2 * 1 * 5 * 1, dtype=torch.float32).view(1, 2, 5, 1)
+    keep = torch.tensor([[[True, False, True, True, False], [False, True, False, False, False]]])
+    log_weights = torch.tensor([[[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]]])
+    new_keys, new_values, state = compact_to_longest_head(keys, keys.clone(), keep, log_weights)
+    assert new_keys[0, 0, :, 0].tolist() == [0.0, 2.0, 3.0]
+    assert new_keys[0, 1, :, 0].tolist() == [6.0, 0.0, 0.0]
+    assert state.log_weights[0, 0].tolist() == [0.0, 2.0, 3.0]
+    assert state.log_weights[0, 1].tolist() == [6.0, float("-inf"), float("-inf")]
+
+
+def test_state_is_ignored_by_another_cache_and_cleared_on_next_prefill():
+    model, tokenizer = make_tiny_llama()
+    input_ids = prompt_ids(tokenizer, 40)
+    with torch.no_grad():
+        reference_logits = model(input_ids).logits
+        cache = DynamicCache()
+        with MaskPerHeadPress(keep_fraction=0.5)(model):
+            model(input_ids, past_key_values=cache)
+        assert get_state(cache.layers[0]) is not None
+        # A fresh cache on the same model: the old state must not leak into it.
+        torch.testing.assert_close(model(input_ids, past_key_values=DynamicCache()).logits, reference_logits)
+        # The same cache emptied and prefilled again: its old state is dropped.
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., :0, :], layer.values[..., :0, :]
+        torch.testing.assert_close(model(input_ids, past_key_values=cache).logits, reference_logits)
+        assert get_state(cache.layers[0]) is None
+
+
+def test_pipeline_and_generate_agree_on_a_compressed_context():
+    """kvpress's pipeline answers outside the press context; generate continuing the same compressed cache (with
+    the logical positions) must give the same answer."""
+    model, tokenizer = make_tiny_llama()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 6
+    question = "who is in want of a wife?"
+    press = EvictPerHeadPress(keep_fraction=0.5)
+    answer = pipe(context, question=question, press=press, max_new_tokens=12)["answer"]
+
+    inputs = pipe.preprocess(context, questions=[question], answer_prefix="", max_context_length=10**6)
+    context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model.model(input_ids=context_ids, past_key_values=cache)
+    all_ids = torch.cat([context_ids, question_ids], dim=1)
+    positions = torch.arange(context_ids.shape[1], all_ids.shape[1])
+    with torch.no_grad():
+        out = model.generate(all_ids, past_key_values=cache, cache_position=positions, max_new_tokens=12,
+                             do_sample=False, attention_mask=torch.ones_like(all_ids))
+    generated = tokenizer.decode(out[0, all_ids.shape[1]:], skip_special_tokens=True)
+    assert answer == generated
+
+
+def test_pipeline_reuses_one_compressed_context_for_several_questions():
+    model, tokenizer = make_tiny_llama()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 6
+    questions = ["who is in want of a wife?", "what is acknowledged?"]
+    press = EvictPerHeadPress(keep_fraction=0.5)
+    together = pipe(context, questions=questions, press=press, max_new_tokens=10)["answers"]
+    alone = [pipe(context, question=q, press=press, max_new_tokens=10)["answer"] for q in questions]
+    assert together == alone
+
+
+ORDER_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, ".")
+from transformers import DynamicCache
+from kvpress import AdaKVPress, KnormPress
+from tests.models import make_tiny_llama
+model, tokenizer = make_tiny_llama()
+ids = tokenizer("It is a truth universally acknowledged, " * 12, return_tensors="pt").input_ids[:, :48]
+def run(press):
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+result = {"adakv": run(AdaKVPress(KnormPress(compression_ratio=0.5)))}
+if "kvpress_cpp.attention" in sys.modules:
+    from tests.test_cache_attention import EvictPerHeadPress, MaskPerHeadPress
+    result["masked"], result["evicted"] = run(MaskPerHeadPress()), run(EvictPerHeadPress())
+print(json.dumps(result))
+"""
+
+
+def run_with_imports(imports: list[str]) -> dict:
+    result = subprocess.run([sys.executable, "-c", "\n".join(imports) + ORDER_SCRIPT], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_coexists_with_kvpress_attention_patch_in_either_import_order():
+    """kvpress's head-wise masking (AdaKV's fake keys) and our log-weights both keep working whichever package
+    patched transformers' attention functions first."""
+    kvpress_alone = run_with_imports(["import kvpress"])
+    for imports in (["import kvpress", "import kvpress_cpp.attention"],
+                    ["import kvpress_cpp.attention", "import kvpress"]):
+        both = run_with_imports(imports)
+        assert both["adakv"] == kvpress_alone["adakv"], f"kvpress's patch broken with {imports}"
+        assert both["masked"] == both["evicted"], f"log-weights not honoured with {imports}"
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_left_padded_batch_matches_no_press(make_model, attn_implementation):
+    """Padding is folded into the log-weights at prefill (-inf), so a padded batch decodes as without a press."""
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    tokenizer.padding_side = "left"
+    texts = ["It is a truth universally acknowledged, that a single man", "Emma Woodhouse, handsome, clever"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert not bool(batch.attention_mask.all()), "the batch must contain padding"
+    expected, _ = greedy(model, batch.input_ids, attention_mask=batch.attention_mask)
+    got, cache = greedy(model, batch.input_ids, press=KeepEverythingPress(), attention_mask=batch.attention_mask)
+    assert torch.isinf(get_state(cache.layers[0]).log_weights).any()
+    assert torch.equal(got, expected)
