@@ -14,3 +14,20 @@ def _update_scores_fake(scores, attn, decay, input_scale):
         f"and scores {tuple(scores.shape)}",
     )
     return scores.new_empty((scores.shape[0], scores.shape[1], attn.shape[-1]))
+
+
+@torch.library.register_fake("kvcomp::weightedkv_evict")
+def _weightedkv_evict_fake(keys, values, sums, counts, sinks, recent, evictions):
+    batch, kv_heads, total_len = keys.shape[:3]
+    torch._check(
+        evictions <= total_len - sinks - recent,
+        lambda: f"kvcomp::weightedkv_evict: expected evictions <= T - sinks - recent (enough middle slots to evict), "
+        f"got evictions = {evictions}, T = {total_len}, sinks = {sinks}, recent = {recent}",
+    )
+    out_len = total_len - evictions
+    return (
+        keys.new_empty((batch, kv_heads, out_len, keys.shape[3])),
+        values.new_empty((batch, kv_heads, out_len, values.shape[3])),
+        sums.new_empty((batch, kv_heads, out_len)),
+        counts.new_empty((batch, kv_heads, out_len)),
+    )

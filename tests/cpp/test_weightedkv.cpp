@@ -1,12 +1,18 @@
 // GoogleTest of the weightedkv family: the device-free pieces (merge weights incl. 0/0 and NaN, the NaN-safe argmin
-// order, the run folding) against hand computations and the greedy steps written out.
+// order, the run folding) against hand computations and the greedy steps written out, and the registered CPU kernel
+// through the dispatcher.
 #include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/weightedkv.h"
@@ -181,6 +187,50 @@ TEST(FoldRun, PaperStepFive) {
   ASSERT_EQ(cache.size(), 4u);
   EXPECT_EQ(cache[1].first, 2);
   EXPECT_NEAR(cache[1].second, 6.0f / 6.0f + 5.0f * 12.0f / 6.0f, 1e-5f);
+}
+
+using EvictResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+EvictResult call_weightedkv_evict(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums,
+                                  const at::Tensor& counts, int64_t sinks, int64_t recent, int64_t evictions) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvcomp::weightedkv_evict", "")
+          .typed<EvictResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                             int64_t, int64_t)>();
+  return op.call(keys, values, sums, counts, sinks, recent, evictions);
+}
+
+TEST(WeightedKVEvictOp, CpuKernelIsRegistered) {
+  const auto op = c10::Dispatcher::singleton().findOp({"kvcomp::weightedkv_evict", ""});
+  ASSERT_TRUE(op.has_value());
+  EXPECT_TRUE(op->hasKernelForDispatchKey(c10::DispatchKey::CPU));
+}
+
+TEST(WeightedKVEvictOp, OneStepByHand) {
+  // One row, 5 slots, 1 sink, 1 recent; means [.9, .3, .2, .6, .1]: slot 2 (0.2) merges into slot 3 (0.6).
+  const auto sums = at::tensor({0.9f, 0.6f, 0.2f, 1.8f, 0.1f}).view({1, 1, 5});
+  const auto counts = at::tensor({1.0f, 2.0f, 1.0f, 3.0f, 1.0f}).view({1, 1, 5});
+  const auto keys = at::arange(10, at::kFloat).view({1, 1, 5, 2});
+  const auto values = at::arange(5, at::kFloat).mul(4).view({1, 1, 5, 1});  // 0, 4, 8, 12, 16
+  const auto [k_out, v_out, s_out, n_out] = call_weightedkv_evict(keys, values, sums, counts, 1, 1, 1);
+  EXPECT_TRUE(at::equal(k_out, at::tensor({0.f, 1.f, 2.f, 3.f, 6.f, 7.f, 8.f, 9.f}).view({1, 1, 4, 2})));
+  EXPECT_TRUE(at::allclose(v_out.flatten(), at::tensor({0.0f, 4.0f, 0.25f * 8 + 0.75f * 12, 16.0f})));
+  EXPECT_TRUE(at::equal(s_out.flatten(), at::tensor({0.9f, 0.6f, 1.8f, 0.1f})));
+  EXPECT_TRUE(at::equal(n_out.flatten(), at::tensor({1.0f, 2.0f, 3.0f, 1.0f})));
+}
+
+TEST(WeightedKVEvictOp, ErrorNamesTheOpAndTheValues) {
+  const auto keys = at::zeros({1, 2, 6, 4});
+  const auto sums = at::ones({1, 2, 6});
+  try {
+    call_weightedkv_evict(keys, keys, sums, sums, 2, 3, 2);
+    FAIL() << "2 evictions from 1 middle slot were accepted";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("kvcomp::weightedkv_evict"), std::string::npos) << message;
+    EXPECT_NE(message.find("evictions = 2, T = 6, sinks = 2, recent = 3"), std::string::npos) << message;
+  }
 }
 
 }  // namespace
