@@ -5,7 +5,8 @@
 Decoding step (B=4, Hq=32, H=8, m=1024, d=128; the paper's 4 sinks and m/2 - 4 = 508 recent slots): the new token
 took the cache to m + 1 slots; fold its attention into the running sums a (update_scores, decay=1, input_scale=1/G),
 n <- [n + 1, 1], evict one slot. The ops against the same step written in vectorised plain PyTorch (argmin over the
-middle, gather the pair, merge, delete slot j with one gather or one boolean mask for all rows, whichever is faster). Targets: >= 2x on CPU, >= 5x on GPU.
+middle, gather the pair, merge, delete slot j with one gather or one boolean mask for all rows, whichever is
+faster). Targets: >= 2x on CPU, >= 5x on GPU.
 
 Prefill reduction (B=1, H=8, T=4096 -> m=1024, d=128): weightedkv_evict with evictions=3072 against the reference of
 tests/reference.py (Algorithm 1 step by step, Python loop, torch.cat deletion), timed once, at one CPU thread (its
@@ -86,7 +87,8 @@ def plain_step_mask(keys, values, sums, counts, attn):
     values, sums, counts, j = _plain_merge(keys, values, sums, counts, attn)
     kept = torch.arange(total, device=keys.device) != j  # (B, H, T)
     shape = (batch, kv_heads, total - 1)
-    return keys[kept].view(*shape, dim), values[kept].view(*shape, dim), sums[kept].view(shape), counts[kept].view(shape)
+    return (keys[kept].view(*shape, dim), values[kept].view(*shape, dim), sums[kept].view(shape),
+            counts[kept].view(shape))
 
 
 PLAIN_STEPS = {"gather": plain_step_gather, "mask": plain_step_mask}

@@ -144,7 +144,7 @@ def test_paper_figure_3(device):
         sums = ops.update_scores(sums, attn, decay=1.0, input_scale=1.0)
         counts = torch.cat([counts + 1, torch.ones(1, 1, 1, device=device)], dim=2)
         if keys.shape[2] > m:
-            keys, values, sums, counts = ops.weightedkv_evict(keys, values, sums, counts, sinks=0, recent=1, evictions=1)
+            keys, values, sums, counts = ops.weightedkv_evict(keys, values, sums, counts, 0, 1, evictions=1)
         if step == 5:
             assert keys[0, 0].argmax(-1).tolist() == [0, 2, 3, 4]  # k2 removed
             expected = torch.tensor([0, 1 / 6, 5 / 6, 0, 0, 0, 0, 0], device=device)
@@ -349,14 +349,15 @@ BAD_INPUTS = [  # (make args from (keys, values, sums, counts), message)
     (lambda k, v, s, n: (k, v, s[:, :, 1:], n, 1, 1, 1), r"expected sums.size\(2\) == 10 \(slots of keys\)"),
     (lambda k, v, s, n: (k, v, s, n[:, :1], 1, 1, 1), r"expected counts.size\(1\) == 3 \(kv heads of keys\)"),
     (lambda k, v, s, n: (k, v, s, n, -1, 1, 1), r"expected sinks >= 0, got sinks = -1"),
-    (lambda k, v, s, n: (k, v, s, n, 1, 0, 1), r"expected recent >= 1 \(the last middle slot needs a right neighbour\), "
-     r"got recent = 0"),
+    (lambda k, v, s, n: (k, v, s, n, 1, 0, 1),
+     r"expected recent >= 1 \(the last middle slot needs a right neighbour\), got recent = 0"),
     (lambda k, v, s, n: (k, v, s, n, 1, 1, -2), r"expected evictions >= 0, got evictions = -2"),
     (lambda k, v, s, n: (k, v, s, n, 4, 3, 4), r"expected evictions <= T - sinks - recent \(enough middle slots to "
      r"evict\), got evictions = 4, T = 10, sinks = 4, recent = 3"),
-    (lambda k, v, s, n: (k, v, s, n, 11, 1, 0), r"expected evictions <= T - sinks - recent .*, got evictions = 0, T = 10, sinks = 11, "
-     r"recent = 1"),
-    (lambda k, v, s, n: (k, v, s, n, 0, 2**62, 1), r"expected evictions <= T - sinks - recent .*, got evictions = 1, T = 10, sinks = 0, "
+    (lambda k, v, s, n: (k, v, s, n, 11, 1, 0),
+     r"expected evictions <= T - sinks - recent .*, got evictions = 0, T = 10, sinks = 11, recent = 1"),
+    (lambda k, v, s, n: (k, v, s, n, 0, 2**62, 1),
+     r"expected evictions <= T - sinks - recent .*, got evictions = 1, T = 10, sinks = 0, "
      r"recent = 4611686018427387904"),
 ]
 

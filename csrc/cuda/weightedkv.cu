@@ -116,8 +116,9 @@ struct WarpRunStack {
     const scalar_t* child = value_at(levels);
     scalar_t* parent = value_at(levels - 1);
     for (int64_t c = lane; c < dim; c += kWarpSize) {
-      parent[c] = static_cast<scalar_t>(kernels::weighted_merge(static_cast<float>(child[c]), static_cast<float>(parent[c]),
-                                                                coefficients.child, coefficients.parent));
+      const float merged = kernels::weighted_merge(static_cast<float>(child[c]), static_cast<float>(parent[c]),
+                                                   coefficients.child, coefficients.parent);
+      parent[c] = static_cast<scalar_t>(merged);
     }
     --levels;
     __syncwarp();  // every lane has read the closed level's key before a push reuses it

@@ -3,9 +3,9 @@
 //
 // One step of Algorithm 1 on the cache of one (batch, kv-head): mean = sums / counts; j = argmin mean over the middle
 // slots (neither the first `sinks` nor the last `recent`); V[j+1] <- (mean_j V_j + mean_{j+1} V_{j+1}) /
-// (mean_j + mean_{j+1}); delete slot j (key, value, sum, count). The survivors' sums and counts never change, so neither
-// do their means: applying the step e times evicts exactly the e middle slots with the smallest eviction_key (the mean,
-// ties to the lower slot), in that order. Where each one merges is then a local matter, see fold_run.
+// (mean_j + mean_{j+1}); delete slot j (key, value, sum, count). The survivors' sums and counts never change, so
+// neither do their means: applying the step e times evicts exactly the e middle slots with the smallest eviction_key
+// (the mean, ties to the lower slot), in that order. Where each one merges is then a local matter, see fold_run.
 #pragma once
 
 #include <cstdint>

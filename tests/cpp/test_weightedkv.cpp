@@ -122,7 +122,9 @@ std::vector<std::pair<int64_t, float>> greedy_steps(const std::vector<float>& me
   for (size_t s = 0; s < values.size(); ++s) cache.emplace_back(static_cast<int64_t>(s), values[s]);
   for (int64_t step = 0; step < evictions; ++step) {
     size_t best = sinks;
-    const auto key = [&](size_t i) { return k::eviction_key(means[cache[i].first], static_cast<uint32_t>(cache[i].first)); };
+    const auto key = [&](size_t i) {
+      return k::eviction_key(means[cache[i].first], static_cast<uint32_t>(cache[i].first));
+    };
     for (size_t i = sinks; i < cache.size() - recent; ++i)
       if (key(i) < key(best)) best = i;
     const auto c = k::merge_coefficients(means[cache[best].first], means[cache[best + 1].first]);
