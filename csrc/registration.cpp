@@ -15,4 +15,12 @@ TORCH_LIBRARY(kvcomp, m) {
   // softmax(scale * q.k + b) v of q new queries (B, Hq, q, d) over keys/values (B, H, T, d), causal over the last q
   // slots, GQA without repeating K/V -> (out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, T) float32).
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor log_weights, float scale) -> (Tensor, Tensor)");
+
+  // weightedkv family: `evictions` greedy steps of WeightedKV's Algorithm 1 on each (batch, kv-head): evict the middle
+  // slot (not the first `sinks`, not the last `recent`) of least mean sums/counts, fold its value into its right
+  // neighbour's, weighted by the two means. keys (B, H, T, d), values (B, H, T, d_v), sums, counts (B, H, T) float32
+  // -> the same with T - evictions slots. merge_values=False is the paper's eviction-only ablation (values dropped).
+  m.def(
+      "weightedkv_evict(Tensor keys, Tensor values, Tensor sums, Tensor counts, int sinks, int recent, int evictions,"
+      " bool merge_values=True) -> (Tensor, Tensor, Tensor, Tensor)");
 }

@@ -32,3 +32,20 @@ def _decode_attention_fake(query, keys, values, log_weights, scale):
     out = query.new_empty(query.shape)
     probs = query.new_empty((batch, query_heads, num_queries, keys.shape[2]), dtype=torch.float32)
     return out, probs
+
+
+@torch.library.register_fake("kvcomp::weightedkv_evict")
+def _weightedkv_evict_fake(keys, values, sums, counts, sinks, recent, evictions, merge_values=True):
+    batch, kv_heads, total_len = keys.shape[:3]
+    torch._check(
+        evictions <= total_len - sinks - recent,
+        lambda: f"kvcomp::weightedkv_evict: expected evictions <= T - sinks - recent (enough middle slots to evict), "
+        f"got evictions = {evictions}, T = {total_len}, sinks = {sinks}, recent = {recent}",
+    )
+    out_len = total_len - evictions
+    return (
+        keys.new_empty((batch, kv_heads, out_len, keys.shape[3])),
+        values.new_empty((batch, kv_heads, out_len, values.shape[3])),
+        sums.new_empty((batch, kv_heads, out_len)),
+        counts.new_empty((batch, kv_heads, out_len)),
+    )

@@ -72,3 +72,43 @@ def decode_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     return torch.ops.kvcomp.decode_attention(query, keys, values, log_weights, scale)
+
+
+def weightedkv_evict(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    sinks: int,
+    recent: int,
+    evictions: int,
+    merge_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """WeightedKV's eviction step (Algorithm 1, lines 7-10), applied ``evictions`` times in a row on every (batch,
+    kv head).
+
+    One step: ``ā = sums / counts``; ``j = argmin ā`` over the middle slots, i.e. neither the first ``sinks`` nor the
+    last ``recent`` ones (ties to the lower slot, NaN counts as +inf, so all-NaN evicts the first middle slot);
+    ``V[j+1] <- (ā_j V[j] + ā_{j+1} V[j+1]) / (ā_j + ā_{j+1})`` (the plain mean when that is 0/0; an infinite ā takes
+    its own value alone); then slot j's key, value, sum and count are deleted. ``sums[j+1]`` and ``counts[j+1]`` are
+    kept as they are. Each step recomputes the argmin on the cache the previous one left, exactly as ``evictions``
+    calls with ``evictions=1``; merged values are rounded to the cache dtype after every step, as a cache stored in it
+    would hold them, so the two agree bit for bit.
+
+    Args:
+        keys: (B, H, T, d) float32, float16 or bfloat16.
+        values: (B, H, T, d_v), the dtype of keys (d_v may differ from d).
+        sums: (B, H, T) float32 running attention sums a (``update_scores`` with decay=1, input_scale=1/G).
+        counts: (B, H, T) float32 number of attention rows summed into each slot, n.
+        sinks: >= 0 leading slots that are never evicted (the paper keeps 4).
+        recent: >= 1 trailing slots that are never evicted (the paper: m/2 - 4); at least 1, because the last
+            middle slot merges into its right neighbour.
+        evictions: 0 <= evictions <= T - sinks - recent steps: 1 when a decoding step took the cache to m + 1,
+            T - m to reduce a prefill of T tokens to m slots.
+        merge_values: False is the paper's eviction-only ablation: slot j's value is dropped with its key.
+
+    Returns:
+        (keys, values, sums, counts) with T - evictions slots: (B, H, T - e, d), (B, H, T - e, d_v), (B, H, T - e),
+        (B, H, T - e); new tensors, the survivors in their original order.
+    """
+    return torch.ops.kvcomp.weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions, merge_values)

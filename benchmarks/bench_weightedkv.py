@@ -1,0 +1,175 @@
+"""kvcomp::weightedkv_evict: one WeightedKV decoding step, and a prefill reduction, against plain PyTorch.
+
+    python -m benchmarks.bench_weightedkv        # writes benchmarks/results/weightedkv.json
+
+Decoding step (B=4, Hq=32, H=8, m=1024, d=128; the paper's 4 sinks and m/2 - 4 = 508 recent slots): the new token
+took the cache to m + 1 slots; fold its attention into the running sums a (update_scores, decay=1, input_scale=1/G),
+n <- [n + 1, 1], evict one slot. The ops against the same step written in vectorised plain PyTorch (argmin over the
+middle, gather the pair, merge, delete slot j with one gather or one boolean mask for all rows, whichever is
+faster). Targets: >= 2x on CPU, >= 5x on GPU.
+
+Prefill reduction (B=1, H=8, T=4096 -> m=1024, d=128): weightedkv_evict with evictions=3072 against the reference of
+tests/reference.py (Algorithm 1 step by step, Python loop, torch.cat deletion), timed once, at one CPU thread (its
+fastest: at two, OpenMP wake-ups in each of its ~10^5 small ops make it 10x slower).
+
+CPU timings keep freed memory in glibc's heap (see keep_freed_memory); this helps plain PyTorch more than the op,
+since it allocates more.
+"""
+
+import ctypes
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from benchmarks.common import configurations, copy_bandwidth_gbs, median_seconds, print_table, write_results
+from tests import reference
+
+BATCH, QUERY_HEADS, KV_HEADS, CACHE_SIZE, HEAD_DIM = 4, 32, 8, 1024, 128
+SINKS, RECENT = 4, CACHE_SIZE // 2 - 4
+PREFILL_LEN = 4096
+
+
+def decoding_state(dtype, device, seed=0):
+    """The cache right after the new token was appended: m + 1 keys / values, m old sums / counts, its attention."""
+    generator = torch.Generator().manual_seed(seed)
+    total = CACHE_SIZE + 1
+    keys = torch.randn(BATCH, KV_HEADS, total, HEAD_DIM, generator=generator).to(device, dtype)
+    values = torch.randn(BATCH, KV_HEADS, total, HEAD_DIM, generator=generator).to(device, dtype)
+    counts = torch.randint(1, 4 * CACHE_SIZE, (BATCH, KV_HEADS, CACHE_SIZE), generator=generator).float()
+    sums = torch.rand(BATCH, KV_HEADS, CACHE_SIZE, generator=generator) * counts / CACHE_SIZE
+    attn = torch.randn(BATCH, QUERY_HEADS, 1, total, generator=generator).softmax(-1)
+    return keys, values, sums.to(device), counts.to(device), attn.to(device, dtype)
+
+
+def op_step(keys, values, sums, counts, attn):
+    group = attn.shape[1] // sums.shape[1]
+    sums = torch.ops.kvcomp.update_scores(sums, attn, 1.0, 1.0 / group)
+    counts = F.pad(counts + 1, (0, 1), value=1.0)
+    return torch.ops.kvcomp.weightedkv_evict(keys, values, sums, counts, SINKS, RECENT, 1)
+
+
+def _plain_merge(keys, values, sums, counts, attn):
+    """Plain PyTorch, vectorised over (batch, kv head): sums, counts, the slot j to evict (B, H, 1) and the values
+    with V[j+1] merged."""
+    batch, kv_heads, total, dim = keys.shape
+    group = attn.shape[1] // kv_heads
+    sums = F.pad(sums, (0, 1)) + attn.view(batch, kv_heads, group, total).float().mean(2)
+    counts = F.pad(counts + 1, (0, 1), value=1.0)
+    mean = sums / counts
+    middle = mean[..., SINKS : total - RECENT]
+    j = torch.where(middle.isnan(), float("inf"), middle).argmin(-1, keepdim=True) + SINKS  # (B, H, 1)
+    pair = mean.gather(-1, torch.cat([j, j + 1], -1))  # (B, H, 2)
+    weight_sum = pair.sum(-1, keepdim=True)
+    coefficients = torch.where(weight_sum == 0, 0.5, pair / weight_sum)
+    pair_index = torch.cat([j, j + 1], -1)[..., None].expand(-1, -1, -1, dim)
+    pair_values = values.gather(2, pair_index).float()
+    merged = (coefficients[..., None] * pair_values).sum(2, keepdim=True).to(values.dtype)
+    values = values.scatter(2, pair_index[:, :, 1:], merged)
+    return values, sums, counts, j
+
+
+def plain_step_gather(keys, values, sums, counts, attn):
+    """The step in plain PyTorch, deleting slot j with one gather per tensor."""
+    batch, kv_heads, total, dim = keys.shape
+    values, sums, counts, j = _plain_merge(keys, values, sums, counts, attn)
+    kept = torch.arange(total - 1, device=keys.device).expand(batch, kv_heads, -1)
+    kept = kept + (kept >= j)  # skip slot j
+    kept_rows = kept[..., None].expand(-1, -1, -1, dim)
+    return keys.gather(2, kept_rows), values.gather(2, kept_rows), sums.gather(-1, kept), counts.gather(-1, kept)
+
+
+def plain_step_mask(keys, values, sums, counts, attn):
+    """The step in plain PyTorch, deleting slot j with one boolean mask for all tensors (faster than the gather for
+    half types on CPU, slower for float32)."""
+    batch, kv_heads, total, dim = keys.shape
+    values, sums, counts, j = _plain_merge(keys, values, sums, counts, attn)
+    kept = torch.arange(total, device=keys.device) != j  # (B, H, T)
+    shape = (batch, kv_heads, total - 1)
+    return (keys[kept].view(*shape, dim), values[kept].view(*shape, dim), sums[kept].view(shape),
+            counts[kept].view(shape))
+
+
+PLAIN_STEPS = {"gather": plain_step_gather, "mask": plain_step_mask}
+
+
+def prefill_state(device, seed=1):
+    """T = 4096 prompt slots: keys, values, a_i = sum_{j >= i} A[j, i] (random here), n_i = T - i."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, KV_HEADS, PREFILL_LEN, HEAD_DIM, generator=generator)
+    values = torch.randn(1, KV_HEADS, PREFILL_LEN, HEAD_DIM, generator=generator)
+    counts = torch.arange(PREFILL_LEN, 0, -1, dtype=torch.float32).expand(1, KV_HEADS, -1).contiguous()
+    sums = torch.rand(1, KV_HEADS, PREFILL_LEN, generator=generator) * counts / 64
+    return keys.to(device), values.to(device), sums.to(device), counts.to(device)
+
+
+def keep_freed_memory() -> None:
+    """Every step returns a fresh 17 MB cache (float32). By default glibc serves blocks that large with mmap (or trims
+    them off the heap top when freed), so each new tensor page-faults in anew: on this VM ~20 ms per step, noisy from
+    1 to 25 ms, for the op and plain PyTorch alike, which then measures the kernel's page zeroing. Keep freed blocks
+    in the heap, as a serving process (or a caching allocator) would, so that the timings compare the kernels."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum; blocks below it come from the heap
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def once_seconds(fn, device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    keep_freed_memory()
+    rows = []
+    for device, threads in configurations():
+        torch.set_num_threads(threads)
+        bandwidth = copy_bandwidth_gbs(device) if device == "cuda" else None
+        for dtype in (torch.float32, torch.bfloat16) if device == "cpu" else (torch.bfloat16, torch.float16):
+            state = decoding_state(dtype, device)
+            for plain_step in PLAIN_STEPS.values():  # same step, same result
+                for got, expected in zip(op_step(*state), plain_step(*state)):
+                    torch.testing.assert_close(got, expected, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5)
+            op_s = median_seconds(lambda: op_step(*state), num_threads=threads)
+            # the baseline is the faster of the two plain deletions
+            plain_times = {name: median_seconds(lambda: step(*state), num_threads=threads)
+                           for name, step in PLAIN_STEPS.items()}
+            plain_name = min(plain_times, key=plain_times.get)
+            plain_s = plain_times[plain_name]
+            keys, values = state[0], state[1]
+            moved = (keys.nbytes + values.nbytes) * (2 * CACHE_SIZE + 1) // (CACHE_SIZE + 1) + state[4].nbytes
+            row = {"case": "decode step", "device": device, "threads": threads, "dtype": str(dtype).split(".")[-1],
+                   "B": BATCH, "Hq": QUERY_HEADS, "H": KV_HEADS, "T": CACHE_SIZE + 1, "evictions": 1, "d": HEAD_DIM,
+                   "op_us": round(op_s * 1e6, 1), "plain_us": round(plain_s * 1e6, 1), "plain": plain_name,
+                   "speedup": round(plain_s / op_s, 2), "op_GBps": round(moved / op_s / 1e9, 1)}
+            if bandwidth:
+                row["fraction_of_copy_bw"] = round(moved / op_s / 1e9 / bandwidth, 2)
+            rows.append(row)
+
+        evictions = PREFILL_LEN - CACHE_SIZE
+        prefill = prefill_state(device)
+        op_s = median_seconds(lambda: torch.ops.kvcomp.weightedkv_evict(*prefill, SINKS, RECENT, evictions),
+                              num_threads=threads)
+        torch.set_num_threads(1 if device == "cpu" else threads)
+        reference_s = once_seconds(lambda: reference.weightedkv_evict(*prefill, SINKS, RECENT, evictions), device)
+        rows.append({"case": "prefill 4k->1k", "device": device, "threads": threads, "dtype": "float32", "B": 1,
+                     "H": KV_HEADS, "T": PREFILL_LEN, "evictions": evictions, "d": HEAD_DIM,
+                     "op_us": round(op_s * 1e6, 1), "reference_us": round(reference_s * 1e6, 1),
+                     "speedup": round(reference_s / op_s, 1),
+                     "reference_threads": 1 if device == "cpu" else threads})
+    print_table(rows, ["case", "device", "threads", "dtype", "B", "H", "T", "evictions", "op_us", "plain_us", "plain",
+                       "reference_us", "speedup", "op_GBps", "fraction_of_copy_bw"])
+    print("wrote", write_results("weightedkv", rows))
+
+
+if __name__ == "__main__":
+    main()

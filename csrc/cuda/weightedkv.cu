@@ -1,0 +1,313 @@
+// CUDA kernels of the weightedkv family: two launches for all (batch, kv-head) rows.
+//   1. select_and_fold: one block per row. Finds the eviction threshold (the e-th smallest eviction key of the middle:
+//      a CUB BlockReduce for a decoding step, a block radix select otherwise), writes the input slot of every output
+//      slot (a CUB BlockScan over the survivors), then folds each run of evicted slots into the survivor after it,
+//      one warp per run (kernels::fold_run), writing the merged values straight into the output.
+//   2. gather_survivors: one thread per 16 bytes (or element) of an output slot copies keys, values, sums and counts
+//      of the survivors, except the values that step 1 merged.
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+
+#include "kernels/weightedkv.h"
+#include "kvcomp/weightedkv.h"
+
+namespace kvcomp {
+namespace {
+
+constexpr int kSelectThreads = 256;
+constexpr int kWarpSize = 32;
+constexpr int kSelectWarps = kSelectThreads / kWarpSize;
+constexpr int kGatherThreads = 256;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+struct KeyOf {
+  const float* sums;  // [T] of this row
+  const float* counts;  // [T] of this row
+  __device__ uint64_t operator()(int64_t slot) const {
+    return kernels::eviction_key(kernels::mean_score(sums[slot], counts[slot]), static_cast<uint32_t>(slot));
+  }
+  __device__ float mean(int64_t slot) const { return kernels::mean_score(sums[slot], counts[slot]); }
+};
+
+struct MinKey {
+  __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a < b ? a : b; }
+};
+
+// The key of rank `rank` (0-based, ascending) among the keys of slots [begin, end): a radix select from the most
+// significant byte down, one shared-memory histogram per byte. Keys are unique (they contain the slot), so exactly
+// rank + 1 keys are <= the result.
+__device__ uint64_t block_select_key(const KeyOf& key_of, int64_t begin, int64_t end, uint32_t rank,
+                                     uint32_t* histogram /* shared [256] */, uint64_t* shared_prefix,
+                                     uint32_t* shared_rank) {
+  uint64_t prefix = 0, mask = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
+    __syncthreads();
+    for (int64_t slot = begin + threadIdx.x; slot < end; slot += blockDim.x) {
+      const uint64_t key = key_of(slot);
+      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 0xffu], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t below = 0;
+      int digit = 0;
+      for (; digit < 255; ++digit) {
+        if (rank < below + histogram[digit]) break;
+        below += histogram[digit];
+      }
+      *shared_prefix = prefix | (static_cast<uint64_t>(digit) << shift);
+      *shared_rank = rank - below;
+    }
+    __syncthreads();
+    prefix = *shared_prefix;
+    rank = *shared_rank;
+    mask |= static_cast<uint64_t>(0xffu) << shift;
+  }
+  return prefix;
+}
+
+// kernels::fold_run's stack for one warp: every lane runs the same control flow; lane l owns the channels
+// l, l + 32, ... of every value it touches, so the values need no synchronisation. The keys of the open levels live in
+// global scratch (written by lane 0, then __syncwarp).
+template <typename scalar_t>
+struct WarpRunStack {
+  const scalar_t* values;  // [T, d_v] of this row (input)
+  KeyOf key_of;
+  scalar_t* terminal_value;  // [d_v] in the output
+  uint64_t* keys;  // [run length] of scratch, level l at keys[l - 1]
+  scalar_t* open;  // [run length, d_v] of scratch, level l at open[(l - 1) * d_v]
+  int64_t dim;
+  int64_t terminal;
+  int64_t levels;
+  int lane;
+
+  __device__ scalar_t* value_at(int64_t level) const { return level == 0 ? terminal_value : open + (level - 1) * dim; }
+  __device__ int64_t slot_at(int64_t level) const { return level == 0 ? terminal : kernels::key_slot(keys[level - 1]); }
+
+  __device__ void reset(int64_t terminal_slot) {
+    terminal = terminal_slot;
+    levels = 0;
+    const scalar_t* source = values + terminal_slot * dim;
+    for (int64_t c = lane; c < dim; c += kWarpSize) terminal_value[c] = source[c];
+  }
+  __device__ int64_t depth() const { return levels; }
+  __device__ uint64_t top_key() const { return keys[levels - 1]; }
+  __device__ void push(uint64_t key) {
+    ++levels;
+    if (lane == 0) keys[levels - 1] = key;
+    const scalar_t* source = values + kernels::key_slot(key) * dim;
+    scalar_t* target = value_at(levels);
+    for (int64_t c = lane; c < dim; c += kWarpSize) target[c] = source[c];
+    __syncwarp();
+  }
+  __device__ void pop_and_merge() {
+    const kernels::MergeCoefficients coefficients =
+        kernels::merge_coefficients(key_of.mean(slot_at(levels)), key_of.mean(slot_at(levels - 1)));
+    const scalar_t* child = value_at(levels);
+    scalar_t* parent = value_at(levels - 1);
+    for (int64_t c = lane; c < dim; c += kWarpSize) {
+      const float merged = kernels::weighted_merge(static_cast<float>(child[c]), static_cast<float>(parent[c]),
+                                                   coefficients.child, coefficients.parent);
+      parent[c] = static_cast<scalar_t>(merged);
+    }
+    --levels;
+    __syncwarp();  // every lane has read the closed level's key before a push reuses it
+  }
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSelectThreads)
+    select_and_fold_kernel(const scalar_t* __restrict__ values,  // [B, H, T, d_v]
+                           const float* __restrict__ sums,  // [B, H, T]
+                           const float* __restrict__ counts,  // [B, H, T]
+                           scalar_t* __restrict__ values_out,  // [B, H, T - e, d_v]
+                           int32_t* __restrict__ sources,  // [B, H, T - e]: input slot of each output slot
+                           uint64_t* __restrict__ stack_keys,  // [B, H, e] scratch
+                           scalar_t* __restrict__ open_values,  // [B, H, e, d_v] scratch
+                           int64_t len, int64_t dim, int64_t middle_begin, int64_t middle_end, int64_t evictions) {
+  using BlockReduce = cub::BlockReduce<uint64_t, kSelectThreads>;
+  using BlockScan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ uint32_t histogram[256];
+  __shared__ uint64_t shared_threshold;
+  __shared__ uint32_t shared_rank;
+
+  const int64_t row = blockIdx.x;
+  const int64_t out_len = len - evictions;
+  const KeyOf key_of{sums + row * len, counts + row * len};
+
+  // 1. Threshold: a middle slot is evicted iff its key <= threshold.
+  uint64_t threshold;
+  if (evictions == middle_end - middle_begin) {
+    threshold = ~static_cast<uint64_t>(0);
+  } else if (evictions == 1) {
+    uint64_t best = ~static_cast<uint64_t>(0);
+    for (int64_t slot = middle_begin + threadIdx.x; slot < middle_end; slot += blockDim.x)
+      best = MinKey()(best, key_of(slot));
+    best = BlockReduce(reduce_storage).Reduce(best, MinKey());
+    if (threadIdx.x == 0) shared_threshold = best;
+    __syncthreads();
+    threshold = shared_threshold;
+  } else {
+    threshold = block_select_key(key_of, middle_begin, middle_end, static_cast<uint32_t>(evictions - 1), histogram,
+                                 &shared_threshold, &shared_rank);
+  }
+
+  // 2. The input slot of every output slot, in order.
+  int32_t* row_sources = sources + row * out_len;
+  int64_t written = 0;
+  for (int64_t tile = 0; tile < len; tile += kSelectThreads) {
+    const int64_t slot = tile + threadIdx.x;
+    const bool in_middle = slot >= middle_begin && slot < middle_end;
+    const int alive = slot < len && !(in_middle && key_of(slot) <= threshold);
+    int position, tile_alive;
+    BlockScan(scan_storage).ExclusiveSum(alive, position, tile_alive);
+    if (alive) row_sources[written + position] = static_cast<int32_t>(slot);
+    written += tile_alive;
+    __syncthreads();  // scan_storage is reused by the next tile
+  }
+  // __syncthreads above also made row_sources visible to the whole block.
+
+  // 3. Fold each run of evicted slots into the survivor after it: output slot o is such a survivor iff the input slot
+  // before its source was evicted. One warp per run.
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  WarpRunStack<scalar_t> stack{values + row * len * dim, key_of, nullptr, nullptr, nullptr, dim, 0, 0, lane};
+  for (int64_t tile = static_cast<int64_t>(warp) * kWarpSize; tile < out_len; tile += kSelectWarps * kWarpSize) {
+    const int64_t o = tile + lane;
+    const bool terminal = o < out_len && row_sources[o] != (o == 0 ? 0 : row_sources[o - 1] + 1);
+    unsigned pending = __ballot_sync(kFullMask, terminal);
+    while (pending) {
+      const int64_t out = tile + __ffs(pending) - 1;
+      pending &= pending - 1;
+      const int64_t terminal_slot = row_sources[out];
+      const int64_t first = out == 0 ? 0 : row_sources[out - 1] + 1;
+      const int64_t evicted_before = first - out;  // evicted slots left of this run: its scratch starts there
+      stack.terminal_value = values_out + (row * out_len + out) * dim;
+      stack.keys = stack_keys + row * evictions + evicted_before;
+      stack.open = open_values + (row * evictions + evicted_before) * dim;
+      kernels::fold_run(first, terminal_slot, stack, key_of);
+      __syncwarp();
+    }
+  }
+}
+
+// Chunk: uint4 (16 bytes) when every row of keys and values is a whole number of aligned 16-byte chunks, else
+// scalar_t.
+template <typename scalar_t, typename Chunk>
+__global__ void __launch_bounds__(kGatherThreads)
+    gather_survivors_kernel(const Chunk* __restrict__ keys,  // [B, H, T, key_chunks]
+                            const Chunk* __restrict__ values,  // [B, H, T, value_chunks]
+                            const float* __restrict__ sums,  // [B, H, T]
+                            const float* __restrict__ counts,  // [B, H, T]
+                            const int32_t* __restrict__ sources,  // [B, H, T - e]
+                            Chunk* __restrict__ keys_out,  // [B, H, T - e, key_chunks]
+                            Chunk* __restrict__ values_out,  // [B, H, T - e, value_chunks]
+                            float* __restrict__ sums_out,  // [B, H, T - e]
+                            float* __restrict__ counts_out,  // [B, H, T - e]
+                            int64_t len, int64_t out_len, int64_t key_chunks, int64_t value_chunks,
+                            int64_t chunks_per_slot, int64_t total) {
+  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t chunk = index % chunks_per_slot;
+    const int64_t out_slot = index / chunks_per_slot;  // row * out_len + o
+    const int64_t o = out_slot % out_len;
+    const int64_t row = out_slot / out_len;
+    const int64_t source = sources[out_slot];
+    const int64_t in_slot = row * len + source;
+    if (chunk < key_chunks) keys_out[out_slot * key_chunks + chunk] = keys[in_slot * key_chunks + chunk];
+    if (chunk < value_chunks) {
+      const bool merged = source != (o == 0 ? 0 : sources[out_slot - 1] + 1);  // written by select_and_fold
+      if (!merged) values_out[out_slot * value_chunks + chunk] = values[in_slot * value_chunks + chunk];
+    }
+    if (chunk == 0) {
+      sums_out[out_slot] = sums[in_slot];
+      counts_out[out_slot] = counts[in_slot];
+    }
+  }
+}
+
+template <typename scalar_t, typename Chunk>
+void launch_gather(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts,
+                   const at::Tensor& sources, at::Tensor& keys_out, at::Tensor& values_out, at::Tensor& sums_out,
+                   at::Tensor& counts_out, const WeightedKVEvictShape& shape, cudaStream_t stream) {
+  constexpr int64_t per_chunk = sizeof(Chunk) / sizeof(scalar_t);
+  const int64_t key_chunks = shape.key_dim / per_chunk, value_chunks = shape.value_dim / per_chunk;
+  const int64_t chunks_per_slot = std::max<int64_t>({key_chunks, value_chunks, 1});
+  const int64_t total = shape.rows() * shape.out_len() * chunks_per_slot;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kGatherThreads - 1) / kGatherThreads, 1 << 20));
+  gather_survivors_kernel<scalar_t, Chunk><<<blocks, kGatherThreads, 0, stream>>>(
+      reinterpret_cast<const Chunk*>(keys.const_data_ptr<scalar_t>()),
+      reinterpret_cast<const Chunk*>(values.const_data_ptr<scalar_t>()), sums.const_data_ptr<float>(),
+      counts.const_data_ptr<float>(), sources.const_data_ptr<int32_t>(),
+      reinterpret_cast<Chunk*>(keys_out.mutable_data_ptr<scalar_t>()),
+      reinterpret_cast<Chunk*>(values_out.mutable_data_ptr<scalar_t>()), sums_out.mutable_data_ptr<float>(),
+      counts_out.mutable_data_ptr<float>(), shape.len, shape.out_len(), key_chunks, value_chunks, chunks_per_slot,
+      total);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+bool aligned_16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts, int64_t sinks,
+    int64_t recent, int64_t evictions) {
+  const WeightedKVEvictShape shape = check_weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions);
+  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+  if (shape.evictions == 0) {
+    return {keys.contiguous().clone(), values.contiguous().clone(), sums.contiguous().clone(),
+            counts.contiguous().clone()};
+  }
+  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous();
+  const at::Tensor sums_c = sums.contiguous(), counts_c = counts.contiguous();
+  const int64_t out_len = shape.out_len();
+  at::Tensor keys_out = at::empty({shape.batch, shape.kv_heads, out_len, shape.key_dim}, keys_c.options());
+  at::Tensor values_out = at::empty({shape.batch, shape.kv_heads, out_len, shape.value_dim}, values_c.options());
+  at::Tensor sums_out = at::empty({shape.batch, shape.kv_heads, out_len}, sums_c.options());
+  at::Tensor counts_out = at::empty({shape.batch, shape.kv_heads, out_len}, counts_c.options());
+  if (shape.rows() == 0) return {keys_out, values_out, sums_out, counts_out};
+
+  const at::Tensor sources = at::empty({shape.rows(), out_len}, sums_c.options().dtype(at::kInt));
+  const at::Tensor stack_keys = at::empty({shape.rows(), shape.evictions}, sums_c.options().dtype(at::kLong));
+  const at::Tensor open_values = at::empty({shape.rows(), shape.evictions, shape.value_dim}, values_c.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
+    select_and_fold_kernel<scalar_t><<<static_cast<unsigned>(shape.rows()), kSelectThreads, 0, stream>>>(
+        values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
+        values_out.mutable_data_ptr<scalar_t>(), sources.mutable_data_ptr<int32_t>(),
+        reinterpret_cast<uint64_t*>(stack_keys.mutable_data_ptr<int64_t>()), open_values.mutable_data_ptr<scalar_t>(),
+        shape.len, shape.value_dim, shape.middle_begin(), shape.middle_end(), shape.evictions);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    const bool vectorised = (shape.key_dim * sizeof(scalar_t)) % 16 == 0 &&
+                            (shape.value_dim * sizeof(scalar_t)) % 16 == 0 && aligned_16(keys_c.const_data_ptr()) &&
+                            aligned_16(values_c.const_data_ptr()) && aligned_16(keys_out.const_data_ptr()) &&
+                            aligned_16(values_out.const_data_ptr());
+    if (vectorised) {
+      launch_gather<scalar_t, uint4>(keys_c, values_c, sums_c, counts_c, sources, keys_out, values_out, sums_out,
+                                     counts_out, shape, stream);
+    } else {
+      launch_gather<scalar_t, scalar_t>(keys_c, values_c, sums_c, counts_c, sources, keys_out, values_out, sums_out,
+                                        counts_out, shape, stream);
+    }
+  });
+  return {keys_out, values_out, sums_out, counts_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) { m.impl("weightedkv_evict", &weightedkv_evict_cuda); }
+
+}  // namespace kvcomp
