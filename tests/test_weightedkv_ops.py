@@ -66,10 +66,11 @@ SETTINGS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("total_len,sinks,recent,evictions", SETTINGS)
-def test_matches_reference(device, dtype, total_len, sinks, recent, evictions):
+@pytest.mark.parametrize("merge_values", [True, False], ids=["merge", "evict-only"])
+def test_matches_reference(device, dtype, total_len, sinks, recent, evictions, merge_values):
     inputs = make_inputs(2, 3, total_len, dtype, device, key_dim=16, value_dim=24, seed=evictions)
-    got = ops.weightedkv_evict(*inputs, sinks, recent, evictions)
-    expected = reference.weightedkv_evict(*to_cpu(inputs), sinks, recent, evictions)
+    got = ops.weightedkv_evict(*inputs, sinks, recent, evictions, merge_values)
+    expected = reference.weightedkv_evict(*to_cpu(inputs), sinks, recent, evictions, merge_values)
     assert got[0].shape == (2, 3, total_len - evictions, 16) and got[1].shape == (2, 3, total_len - evictions, 24)
     assert all(t.device == inputs[0].device for t in got)
     assert_matches(got, expected, dtype)

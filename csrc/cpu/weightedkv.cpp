@@ -70,7 +70,7 @@ struct RunStack {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cpu(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts, int64_t sinks,
-    int64_t recent, int64_t evictions) {
+    int64_t recent, int64_t evictions, bool merge_values) {
   const WeightedKVEvictShape shape = check_weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions);
   if (shape.evictions == 0) {
     return {keys.contiguous().clone(), values.contiguous().clone(), sums.contiguous().clone(),
@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cpu(
           std::memcpy(row_values_out + out * vd, row_values + alive_begin * vd, alive * vd * sizeof(scalar_t));
           std::memcpy(sums_out_ptr + row * out_len + out, row_sums + alive_begin, alive * sizeof(float));
           std::memcpy(counts_out_ptr + row * out_len + out, row_counts + alive_begin, alive * sizeof(float));
-          if (alive_begin > evicted_begin) {  // the last slot is recent, so a run of evicted slots ends in a survivor
+          if (merge_values && alive_begin > evicted_begin) {  // a run of evicted slots ends in a (recent) survivor
             stack.terminal_value = row_values_out + out * vd;
             kernels::fold_run(evicted_begin, alive_begin, stack, key_of);
           }

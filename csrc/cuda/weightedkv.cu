@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kSelectThreads)
                            int32_t* __restrict__ sources,  // [B, H, T - e]: input slot of each output slot
                            uint64_t* __restrict__ stack_keys,  // [B, H, e] scratch
                            scalar_t* __restrict__ open_values,  // [B, H, e, d_v] scratch
-                           int64_t len, int64_t dim, int64_t middle_begin, int64_t middle_end, int64_t evictions) {
+                           int64_t len, int64_t dim, int64_t middle_begin, int64_t middle_end, int64_t evictions,
+                           bool merge_values) {
   using BlockReduce = cub::BlockReduce<uint64_t, kSelectThreads>;
   using BlockScan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
@@ -181,6 +182,7 @@ __global__ void __launch_bounds__(kSelectThreads)
 
   // 3. Fold each run of evicted slots into the survivor after it: output slot o is such a survivor iff the input slot
   // before its source was evicted. One warp per run.
+  if (!merge_values) return;
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   WarpRunStack<scalar_t> stack{values + row * len * dim, key_of, nullptr, nullptr, nullptr, dim, 0, 0, lane};
@@ -217,7 +219,7 @@ __global__ void __launch_bounds__(kGatherThreads)
                             float* __restrict__ sums_out,  // [B, H, T - e]
                             float* __restrict__ counts_out,  // [B, H, T - e]
                             int64_t len, int64_t out_len, int64_t key_chunks, int64_t value_chunks,
-                            int64_t chunks_per_slot, int64_t total) {
+                            int64_t chunks_per_slot, int64_t total, bool merge_values) {
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t chunk = index % chunks_per_slot;
@@ -228,7 +230,7 @@ __global__ void __launch_bounds__(kGatherThreads)
     const int64_t in_slot = row * len + source;
     if (chunk < key_chunks) keys_out[out_slot * key_chunks + chunk] = keys[in_slot * key_chunks + chunk];
     if (chunk < value_chunks) {
-      const bool merged = source != (o == 0 ? 0 : sources[out_slot - 1] + 1);  // written by select_and_fold
+      const bool merged = merge_values && source != (o == 0 ? 0 : sources[out_slot - 1] + 1);  // by select_and_fold
       if (!merged) values_out[out_slot * value_chunks + chunk] = values[in_slot * value_chunks + chunk];
     }
     if (chunk == 0) {
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(kGatherThreads)
 template <typename scalar_t, typename Chunk>
 void launch_gather(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts,
                    const at::Tensor& sources, at::Tensor& keys_out, at::Tensor& values_out, at::Tensor& sums_out,
-                   at::Tensor& counts_out, const WeightedKVEvictShape& shape, cudaStream_t stream) {
+                   at::Tensor& counts_out, const WeightedKVEvictShape& shape, bool merge_values, cudaStream_t stream) {
   constexpr int64_t per_chunk = sizeof(Chunk) / sizeof(scalar_t);
   const int64_t key_chunks = shape.key_dim / per_chunk, value_chunks = shape.value_dim / per_chunk;
   const int64_t chunks_per_slot = std::max<int64_t>({key_chunks, value_chunks, 1});
@@ -254,7 +256,7 @@ void launch_gather(const at::Tensor& keys, const at::Tensor& values, const at::T
       reinterpret_cast<Chunk*>(keys_out.mutable_data_ptr<scalar_t>()),
       reinterpret_cast<Chunk*>(values_out.mutable_data_ptr<scalar_t>()), sums_out.mutable_data_ptr<float>(),
       counts_out.mutable_data_ptr<float>(), shape.len, shape.out_len(), key_chunks, value_chunks, chunks_per_slot,
-      total);
+      total, merge_values);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -262,7 +264,7 @@ bool aligned_16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointe
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts, int64_t sinks,
-    int64_t recent, int64_t evictions) {
+    int64_t recent, int64_t evictions, bool merge_values) {
   const WeightedKVEvictShape shape = check_weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions);
   const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
   if (shape.evictions == 0) {
@@ -288,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
         values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
         values_out.mutable_data_ptr<scalar_t>(), sources.mutable_data_ptr<int32_t>(),
         reinterpret_cast<uint64_t*>(stack_keys.mutable_data_ptr<int64_t>()), open_values.mutable_data_ptr<scalar_t>(),
-        shape.len, shape.value_dim, shape.middle_begin(), shape.middle_end(), shape.evictions);
+        shape.len, shape.value_dim, shape.middle_begin(), shape.middle_end(), shape.evictions, merge_values);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     const bool vectorised = (shape.key_dim * sizeof(scalar_t)) % 16 == 0 &&
@@ -297,10 +299,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
                             aligned_16(values_out.const_data_ptr());
     if (vectorised) {
       launch_gather<scalar_t, uint4>(keys_c, values_c, sums_c, counts_c, sources, keys_out, values_out, sums_out,
-                                     counts_out, shape, stream);
+                                     counts_out, shape, merge_values, stream);
     } else {
       launch_gather<scalar_t, scalar_t>(keys_c, values_c, sums_c, counts_c, sources, keys_out, values_out, sums_out,
-                                        counts_out, shape, stream);
+                                        counts_out, shape, merge_values, stream);
     }
   });
   return {keys_out, values_out, sums_out, counts_out};
