@@ -1,0 +1,90 @@
+"""WeightedKV ("WeightedKV: Attention Scores Weighted Key-Value Cache Merging for Large Language Models").
+
+Algorithm 1 per kv head: running attention sums a and counts n; when the cache exceeds m slots, the slot j of lowest
+average attention ā = a/n in the middle region (neither the sinks nor the recent window) loses its key, and its
+value is folded into its right neighbour's, weighted by the averaged scores:
+``V[j+1] ← (ā_j V_j + ā_{j+1} V_{j+1}) / (ā_j + ā_{j+1})``. No attention bias. GQA: a is the mean over the group's
+query heads. The prompt is reduced greedily, one token at a time, from a_i = Σ_{j≥i} A[j, i] and n_i = T - i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress_cpp import ops
+from kvpress_cpp.cache import LayerState
+from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+
+__all__ = ["WeightedKVPress"]
+
+
+@dataclass
+class WeightedKVPress(KVCompDecodingPress):
+    """WeightedKV in prefill and at every decoding step.
+
+    Attributes:
+        cache_size: m, the slots kept per layer and kv head: a token count (int ≥ 1) or a fraction of the prompt
+            length (float in (0, 1]).
+        sinks: leading tokens never evicted (paper: 4).
+        recent: the recent window never evicted (paper default m/2 - 4 when None).
+        evict_only: the paper's ablation: evict the key and the value, merge nothing.
+    """
+
+    cache_size: int | float = 0.25
+    sinks: int = 4
+    recent: int | None = None
+    evict_only: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (
+                isinstance(self.cache_size, float) and 0 < self.cache_size <= 1)):
+            raise ValueError(f"WeightedKVPress: cache_size must be a token count ≥ 1 or a fraction in (0, 1], "
+                             f"got {self.cache_size!r}")
+        if self.sinks < 0:
+            raise ValueError(f"WeightedKVPress: sinks must be ≥ 0, got {self.sinks}")
+        if self.recent is not None and self.recent < 1:
+            raise ValueError(f"WeightedKVPress: recent must be ≥ 1, got {self.recent}")
+
+    def regions(self, prompt_length: int) -> tuple[int, int, int]:
+        """(m, sinks, recent) for a prompt of this length."""
+        size = self.cache_size if isinstance(self.cache_size, int) else max(1, round(self.cache_size * prompt_length))
+        recent = self.recent if self.recent is not None else max(1, size // 2 - 4)
+        if self.sinks + recent >= size:
+            raise ValueError(f"WeightedKVPress: a cache of {size} slots has no middle region after {self.sinks} "
+                             f"sinks and a recent window of {recent}; raise cache_size or lower sinks / recent")
+        return size, self.sinks, recent
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        if not bool(torch.isfinite(log_weights).all()):
+            raise ValueError("WeightedKVPress: padded batches are not supported (padding would be merged into real "
+                             "values); pass sequences of equal length")
+        group_size = module.config.num_attention_heads // keys.shape[1]
+        sums = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, 1.0, 1.0 / group_size)
+        length = keys.shape[-2]
+        counts = torch.arange(length, 0, -1, dtype=torch.float32, device=keys.device).expand_as(sums)
+        size, sinks, recent = self.regions(length)
+        state = LayerState(log_weights, {"sums": sums, "counts": counts},
+                           {"size": size, "sinks": sinks, "recent": recent, "group_size": group_size})
+        return self._fit_size(keys, values, state)
+
+    def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
+        new_tokens = hidden_states.shape[1]
+        state.per_slot["sums"] = ops.update_scores(state.per_slot["sums"], attentions, 1.0,
+                                                   1.0 / state.counters["group_size"])
+        arrivals = torch.arange(new_tokens, 0, -1, dtype=torch.float32, device=keys.device)
+        counts = state.per_slot["counts"] + new_tokens
+        state.per_slot["counts"] = torch.cat([counts, arrivals.expand(*counts.shape[:2], new_tokens)], dim=-1)
+        return self._fit_size(keys, values, state)
+
+    def _fit_size(self, keys, values, state: LayerState):
+        size, sinks, recent = (state.counters[name] for name in ("size", "sinks", "recent"))
+        evictions = max(0, keys.shape[-2] - size)
+        if evictions:
+            keys, values, sums, counts = ops.weightedkv_evict(keys, values, state.per_slot["sums"],
+                                                              state.per_slot["counts"], sinks, recent, evictions,
+                                                              not self.evict_only)
+            state.per_slot = {"sums": sums, "counts": counts}
+        state.log_weights = torch.zeros_like(state.per_slot["sums"])
+        return keys, values, state

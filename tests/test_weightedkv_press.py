@@ -1,0 +1,81 @@
+"""WeightedKVPress end to end: the cache bound during long generations, the budget above the sequence, and the
+demo question on SmolLM2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses.weightedkv import WeightedKVPress
+from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, prompt_ids
+from tests.models import make_tiny_llama
+
+
+@dataclass
+class CheckedWeightedKVPress(WeightedKVPress):
+    steps_checked: int = 0
+
+    def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
+        keys, values, state = super().compress_decoding(module, hidden_states, keys, values, attentions, state,
+                                                        kwargs)
+        assert keys.shape[-2] <= state.counters["size"]
+        assert state.per_slot["sums"].shape[-1] == state.per_slot["counts"].shape[-1] == keys.shape[-2]
+        self.steps_checked += 1
+        return keys, values, state
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS[:2])
+@pytest.mark.parametrize("evict_only", [False, True])
+def test_cache_bounded_over_long_generation(make_model, attn_implementation, evict_only):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    press = CheckedWeightedKVPress(cache_size=32, evict_only=evict_only)
+    tokens, cache = greedy(model, prompt_ids(tokenizer, 96, batch=2), press=press, max_new_tokens=320)
+    assert tokens.shape == (2, 320) and press.steps_checked == 319 * model.config.num_hidden_layers
+    assert all(layer.keys.shape[-2] == 32 for layer in cache.layers)
+    assert all(bool((get_state(layer).log_weights == 0).all()) for layer in cache.layers), "WeightedKV has no bias"
+
+
+def test_merging_and_evict_only_differ_only_in_values():
+    """After the prompt's reduction (one generated token: no decoding step yet) both variants evicted the same
+    keys, chosen from the same attention; only the merge changed the kept values."""
+    model, tokenizer = make_tiny_llama()
+    input_ids = prompt_ids(tokenizer, 96)
+    _, merged = greedy(model, input_ids, press=WeightedKVPress(cache_size=24), max_new_tokens=1)
+    _, evicted = greedy(model, input_ids, press=WeightedKVPress(cache_size=24, evict_only=True), max_new_tokens=1)
+    assert torch.equal(merged.layers[0].keys, evicted.layers[0].keys), "the same keys must be evicted"
+    assert not torch.equal(merged.layers[0].values, evicted.layers[0].values), "values were not merged"
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_cache_size_above_sequence_changes_nothing(make_model, attn_implementation):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    input_ids = prompt_ids(tokenizer, 40, batch=2)
+    expected, _ = greedy(model, input_ids, max_new_tokens=24)
+    got, _ = greedy(model, input_ids, press=WeightedKVPress(cache_size=1000), max_new_tokens=24)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"cache_size": 0}, "cache_size must be a token count"), ({"cache_size": 2.0}, "cache_size must be"),
+    ({"sinks": -1}, "sinks must be"), ({"recent": 0}, "recent must be"),
+])
+def test_bad_hyperparameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WeightedKVPress(**kwargs)
+
+
+def test_too_small_cache_is_refused_clearly():
+    model, tokenizer = make_tiny_llama()
+    with pytest.raises(ValueError, match="has no middle region"):
+        greedy(model, prompt_ids(tokenizer, 40), press=WeightedKVPress(cache_size=8, recent=4), max_new_tokens=2)
+
+
+def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model):
+    """At 90% of the prompt. (At 60-75% the needle's digits have the lowest average attention of the prompt's own
+    queries and are evicted: SmolLM2 then answers a wrong number, with and without the value merge.)"""
+    model, tokenizer = default_model
+    found, answer = answers_hidden_fact(model, tokenizer, WeightedKVPress(cache_size=0.9))
+    assert found, answer
