@@ -15,20 +15,9 @@
 namespace kvcomp {
 namespace {
 
-using FloatVec = at::vec::Vectorized<float>;
+using cpu::FloatVec;
+using cpu::load_as_float;
 constexpr int64_t kSlotsPerTask = 4096;
-
-// count (<= FloatVec::size()) adjacent values as floats, zero-padded.
-template <typename scalar_t>
-FloatVec load_as_float(const scalar_t* values, int64_t count) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return FloatVec::loadu(values, count);
-  } else {
-    float widened[FloatVec::size()] = {};
-    for (int64_t i = 0; i < count; ++i) widened[i] = static_cast<float>(values[i]);
-    return FloatVec::loadu(widened);
-  }
-}
 
 at::Tensor update_scores_cpu(const at::Tensor& scores, const at::Tensor& attn, double decay, double input_scale) {
   const ScoreUpdateShape shape = check_update_scores(scores, attn, decay, input_scale);

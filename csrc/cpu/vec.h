@@ -14,3 +14,36 @@
 #endif
 
 #include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kvcomp::cpu {
+
+using FloatVec = at::vec::Vectorized<float>;
+
+// count (<= FloatVec::size()) adjacent values as floats, zero-padded.
+template <typename scalar_t>
+inline FloatVec load_as_float(const scalar_t* values, int64_t count = FloatVec::size()) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return FloatVec::loadu(values, count);
+  } else {
+    float widened[FloatVec::size()] = {};
+    for (int64_t i = 0; i < count; ++i) widened[i] = static_cast<float>(values[i]);
+    return FloatVec::loadu(widened);
+  }
+}
+
+// Stores the first count (<= FloatVec::size()) lanes, rounded to scalar_t.
+template <typename scalar_t>
+inline void store_from_float(const FloatVec& lanes, scalar_t* out, int64_t count = FloatVec::size()) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    lanes.store(out, count);
+  } else {
+    float narrowed[FloatVec::size()];
+    lanes.store(narrowed);
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<scalar_t>(narrowed[i]);
+  }
+}
+
+}  // namespace kvcomp::cpu
