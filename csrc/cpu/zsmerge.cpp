@@ -1,8 +1,12 @@
 // CPU kernels of the zsmerge family.
-#include <ATen/Dispatch.h>
+//
+// GCC 12 flags -Wmaybe-uninitialized inside _mm512_cvtph_ps (its pass-through operand is undefined by design)
+// wherever c10::Half's AVX-512 float conversion gets inlined into a loop; a false positive in the intrinsic header.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <ATen/Parallel.h>
 #include "cpu/vec.h"
-#include <ATen/cpu/vec/functional.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -13,6 +17,7 @@
 #include <vector>
 
 #include "kernels/zsmerge.h"
+#include "kvcomp/dispatch.h"
 #include "kvcomp/zsmerge.h"
 
 namespace kvcomp {
@@ -72,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> zsmerge_prefill_cpu(c
   at::Tensor out_scores = at::empty({shape.batch, shape.kv_heads, slots}, scores.options());
   at::Tensor out_counts = at::empty_like(out_scores);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "kvcomp::zsmerge_prefill", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_prefill", [&] {
     const scalar_t* keys_ptr = keys_c.const_data_ptr<scalar_t>();
     const scalar_t* values_ptr = values_c.const_data_ptr<scalar_t>();
     const float* scores_ptr = scores_c.const_data_ptr<float>();
@@ -125,7 +130,11 @@ float dot_as_float(const scalar_t* a, const scalar_t* b, int64_t head_dim) {
     const int64_t lanes = std::min<int64_t>(FloatVec::size(), head_dim - c);
     sum = at::vec::fmadd(load_as_float(a + c, lanes), load_as_float(b + c, lanes), sum);
   }
-  return at::vec::vec_reduce_all<float>([](const FloatVec& x, const FloatVec& y) { return x + y; }, sum);
+  float lanes[FloatVec::size()];
+  sum.store(lanes);
+  float total = 0.0f;
+  for (const float lane : lanes) total += lane;
+  return total;
 }
 
 // row_j <- (w_i row_i + w_j row_j) / (w_i + w_j), float32 math.
@@ -187,7 +196,7 @@ void zsmerge_decode_step_cpu(const at::Tensor& keys, const at::Tensor& values, c
                              int64_t residual) {
   const ZSMergeDecodeShape shape =
       check_zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
     scalar_t* keys_ptr = keys.mutable_data_ptr<scalar_t>();
     scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
     float* scores_ptr = scores.mutable_data_ptr<float>();

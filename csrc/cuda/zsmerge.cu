@@ -1,5 +1,4 @@
 // CUDA kernels of the zsmerge family.
-#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -10,6 +9,7 @@
 #include <tuple>
 
 #include "kernels/zsmerge.h"
+#include "kvcomp/dispatch.h"
 #include "kvcomp/zsmerge.h"
 
 namespace kvcomp {
@@ -101,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> zsmerge_prefill_cuda(
   TORCH_CHECK(tasks <= INT32_MAX, "kvcomp::zsmerge_prefill: expected at most 2^31 - 1 output slots in all, got ",
               tasks);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "kvcomp::zsmerge_prefill", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_prefill", [&] {
     zsmerge_prefill_kernel<scalar_t><<<static_cast<unsigned>(tasks), kPrefillThreads, 0, stream>>>(
         keys_c.const_data_ptr<scalar_t>(), values_c.const_data_ptr<scalar_t>(), scores_c.const_data_ptr<float>(),
         order.const_data_ptr<int64_t>(), out_keys.mutable_data_ptr<scalar_t>(),
@@ -221,7 +221,7 @@ void zsmerge_decode_step_cuda(const at::Tensor& keys, const at::Tensor& values, 
   TORCH_CHECK(rows <= INT32_MAX, "kvcomp::zsmerge_decode_step: expected at most 2^31 - 1 (batch, kv-head) rows, got ",
               rows);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
     zsmerge_decode_step_kernel<scalar_t><<<static_cast<unsigned>(rows), kDecodeThreads, 0, stream>>>(
         keys.mutable_data_ptr<scalar_t>(), values.mutable_data_ptr<scalar_t>(), scores.mutable_data_ptr<float>(),
         counts.mutable_data_ptr<float>(), shape.head_dim, shape.num_new, residual, context, recent, ring_position);
