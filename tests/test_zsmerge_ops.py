@@ -241,6 +241,8 @@ def test_decode_large_regions(device, dtype):
     """Context wider than the CUDA block (strided argmin), more residual slots than its 8 warps, d above 256."""
     budget = (5, 300, 20)
     cache = make_decode_inputs(2, 2, budget, 3, 300, dtype, device, seed=8)
+    cache[2][0, :, 20:320:7] = float("nan")  # NaN inside the SIMD / strided part of the argmin
+    cache[2][1, 1, 20:320] = float("nan")  # a whole context of NaN
     assert_caches_close(run_decode(ops.zsmerge_decode_step, cache, 2, budget),
                         run_decode(reference.zsmerge_decode_step, cache, 2, budget), dtype)
 

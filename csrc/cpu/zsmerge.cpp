@@ -36,6 +36,34 @@ int64_t grain_for(int64_t work_per_item) { return std::max<int64_t>(1, kMinWorkP
 // ---------------------------------------------------------------------------------------------------------------
 // zsmerge_prefill
 
+// The source order of one (batch, kv-head), the same as zsmerge_prefill_source_order (kvcomp/zsmerge.h) computes
+// with ATen ops on CUDA: [residual tokens ascending | context top-`context` ascending | recent]. Here a per-row
+// nth_element under the same strict total order (score descending, NaN below every number, -0.0 == +0.0, ties to
+// the lower position) and one linear pass, inside the op's parallel_for: no ATen launches per prefill.
+void select_prefill_sources(const float* scores,  // [T]
+                            int64_t tokens, int64_t recent, int64_t context,
+                            std::vector<int64_t>& candidates,  // scratch
+                            std::vector<char>& in_context,     // scratch
+                            int64_t* order) {                  // [T]
+  const int64_t num_candidates = tokens - recent;
+  candidates.resize(num_candidates);
+  for (int64_t position = 0; position < num_candidates; ++position) candidates[position] = position;
+  const auto ranks_higher = [scores](int64_t a, int64_t b) {
+    const bool nan_a = kernels::is_nan(scores[a]), nan_b = kernels::is_nan(scores[b]);
+    if (nan_a != nan_b) return nan_b;
+    if (!nan_a && scores[a] != scores[b]) return scores[a] > scores[b];
+    return a < b;
+  };
+  std::nth_element(candidates.begin(), candidates.begin() + (context - 1), candidates.end(), ranks_higher);
+  in_context.assign(num_candidates, 0);
+  for (int64_t k = 0; k < context; ++k) in_context[candidates[k]] = 1;
+  int64_t next_residual = 0, next_context = num_candidates - context;
+  for (int64_t position = 0; position < num_candidates; ++position) {
+    order[in_context[position] ? next_context++ : next_residual++] = position;
+  }
+  for (int64_t position = num_candidates; position < tokens; ++position) order[position] = position;
+}
+
 // One output slot of one (batch, kv-head): the float32 mean of `count` source rows (count = 1: a plain copy).
 template <typename scalar_t>
 void mean_of_rows(const scalar_t* rows,            // [T, d]
@@ -70,7 +98,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> zsmerge_prefill_cpu(c
   const at::Tensor keys_c = keys.contiguous();
   const at::Tensor values_c = values.contiguous();
   const at::Tensor scores_c = scores.contiguous();
-  const at::Tensor order = zsmerge_prefill_source_order(scores_c, recent, context);
+  at::Tensor order = at::empty({shape.batch, shape.kv_heads, shape.num_tokens}, scores.options().dtype(at::kLong));
+  {
+    const float* scores_ptr = scores_c.const_data_ptr<float>();
+    int64_t* order_ptr = order.mutable_data_ptr<int64_t>();
+    const int64_t tokens = shape.num_tokens;
+    at::parallel_for(0, shape.batch * shape.kv_heads, grain_for(16 * tokens), [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> candidates;
+      std::vector<char> in_context;
+      for (int64_t row = begin; row < end; ++row) {
+        select_prefill_sources(scores_ptr + row * tokens, tokens, recent, context, candidates, in_context,
+                               order_ptr + row * tokens);
+      }
+    });
+  }
   const int64_t slots = shape.budget.total();
   at::Tensor out_keys = at::empty({shape.batch, shape.kv_heads, slots, shape.head_dim}, keys.options());
   at::Tensor out_values = at::empty_like(out_keys);
@@ -137,6 +178,27 @@ float dot_as_float(const scalar_t* a, const scalar_t* b, int64_t head_dim) {
   return total;
 }
 
+// i* = argmin over scores[begin, end) under kernels::EvictsFirst (NaN as +inf, the first slot on ties): a SIMD
+// minimum of the keys, then the first slot holding it.
+int64_t argmin_for_eviction(const float* scores, int64_t begin, int64_t end) {
+  const FloatVec infinity(kernels::infinity());
+  FloatVec lowest = infinity;
+  int64_t slot = begin;
+  for (; slot + FloatVec::size() <= end; slot += FloatVec::size()) {
+    const FloatVec x = FloatVec::loadu(scores + slot);
+    lowest = at::vec::minimum(lowest, FloatVec::blendv(x, infinity, x.isnan()));
+  }
+  float lanes[FloatVec::size()];
+  lowest.store(lanes);
+  float minimum = kernels::infinity();
+  for (const float lane : lanes) minimum = std::min(minimum, lane);
+  for (; slot < end; ++slot) minimum = std::min(minimum, kernels::EvictsFirst::key(scores[slot]));
+  for (slot = begin; slot < end; ++slot) {
+    if (kernels::EvictsFirst::key(scores[slot]) == minimum) return slot;
+  }
+  return begin;  // not reached: some slot holds the minimum
+}
+
 // row_j <- (w_i row_i + w_j row_j) / (w_i + w_j), float32 math.
 template <typename scalar_t>
 void merge_row(const scalar_t* row_i, float w_i, scalar_t* row_j, float w_j, int64_t head_dim) {
@@ -158,12 +220,7 @@ void decode_one_head(scalar_t* keys, scalar_t* values,  // [M + q, d]
   const int64_t head_dim = shape.head_dim, slots = b.total();
   const size_t row_bytes = head_dim * sizeof(scalar_t);
   for (int64_t step = 0; step < shape.num_new; ++step) {
-    kernels::SlotChoice evicted{scores[b.residual], b.residual};
-    for (int64_t slot = b.residual + 1; slot < b.residual + b.context; ++slot) {
-      const kernels::SlotChoice candidate{scores[slot], slot};
-      if (kernels::EvictsFirst{}(candidate, evicted)) evicted = candidate;
-    }
-    const int64_t i = evicted.slot;
+    const int64_t i = argmin_for_eviction(scores, b.residual, b.residual + b.context);
     scalar_t* key_i = keys + i * head_dim;
     scalar_t* value_i = values + i * head_dim;
     if (b.residual > 0) {

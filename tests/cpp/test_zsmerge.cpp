@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/zsmerge.h"
+#include "kvcomp/zsmerge.h"
 
 namespace {
 
@@ -134,6 +135,51 @@ TEST(ZSMergeKernels, OldestRecentSlotWalksTheRing) {
   std::vector<int64_t> slots;
   for (int64_t step = 0; step < 5; ++step) slots.push_back(kvcomp::kernels::oldest_recent_slot(2, 4, 3, 1, step));
   EXPECT_EQ(slots, (std::vector<int64_t>{7, 8, 6, 7, 8}));
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// The ATen selection of the prefill (what the CUDA kernel runs), here on CPU tensors, against a stable sort.
+
+std::vector<int64_t> stable_sort_order(const float* scores, int64_t tokens, int64_t recent, int64_t context) {
+  std::vector<int64_t> candidates(tokens - recent);
+  for (size_t k = 0; k < candidates.size(); ++k) candidates[k] = static_cast<int64_t>(k);
+  std::stable_sort(candidates.begin(), candidates.end(), [scores](int64_t a, int64_t b) {
+    const bool nan_a = std::isnan(scores[a]), nan_b = std::isnan(scores[b]);
+    if (nan_a || nan_b) return !nan_a && nan_b;  // numbers before NaN
+    return scores[a] > scores[b];
+  });
+  std::vector<int64_t> kept(candidates.begin(), candidates.begin() + context);
+  std::vector<int64_t> others(candidates.begin() + context, candidates.end());
+  std::sort(kept.begin(), kept.end());
+  std::sort(others.begin(), others.end());
+  std::vector<int64_t> order = others;
+  order.insert(order.end(), kept.begin(), kept.end());
+  for (int64_t position = tokens - recent; position < tokens; ++position) order.push_back(position);
+  return order;
+}
+
+TEST(ZSMergeSelection, AtenSourceOrderMatchesAStableSort) {
+  at::manual_seed(0);
+  const int64_t tokens = 40, recent = 5, context = 9;
+  // Scores on a coarse grid (many ties), with NaN, +-inf and -0.0 sprinkled in; one row all NaN.
+  auto scores = (at::rand({2, 3, tokens}) * 4).floor() / 4;
+  auto flat = scores.view({-1});
+  for (int64_t k = 0; k < flat.numel(); k += 7) flat[k] = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t k = 3; k < flat.numel(); k += 11) flat[k] = -kInf;
+  for (int64_t k = 5; k < flat.numel(); k += 13) flat[k] = kInf;
+  for (int64_t k = 1; k < flat.numel(); k += 5) flat[k] = -0.0f;
+  scores[1][2].fill_(std::numeric_limits<float>::quiet_NaN());
+  scores[0][1].fill_(0.0f);  // all zero, every other one negative: the top-9 are the first nine positions
+  scores[0][1].slice(0, 0, tokens, 2).fill_(-0.0f);
+  const auto order = kvcomp::zsmerge_prefill_source_order(scores, recent, context);
+  ASSERT_EQ(order.sizes(), scores.sizes());
+  for (int64_t row = 0; row < 6; ++row) {
+    const auto row_scores = scores.view({6, tokens})[row].contiguous();
+    const auto expected = stable_sort_order(row_scores.data_ptr<float>(), tokens, recent, context);
+    const auto got = order.view({6, tokens})[row].contiguous();
+    EXPECT_EQ(std::vector<int64_t>(got.data_ptr<int64_t>(), got.data_ptr<int64_t>() + tokens), expected)
+        << "row " << row;
+  }
 }
 
 // ----------------------------------------------------------------------------------------------------------------

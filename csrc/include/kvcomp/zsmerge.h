@@ -92,7 +92,8 @@ inline ZSMergeDecodeShape check_zsmerge_decode_step(const at::Tensor& keys, cons
   return {keys.size(0), keys.size(1), keys.size(2) - budget.total(), keys.size(3), budget};
 }
 
-// The prefill's choice of tokens, made with ATen ops on the device of the scores (no host round trip): for each
+// The prefill's choice of tokens, made with ATen ops on the device of the scores (no host round trip; the CUDA
+// kernel's selection, while the CPU kernel runs the same order per row in C++, see cpu/zsmerge.cpp): for each
 // (batch, kv-head) the token positions in the order the output slots consume them,
 //   [ n residual tokens ascending | the context top-`context` ascending | the last `recent` tokens ascending ],
 // shape (B, H, T) int64. Residual slot g averages entries residual_group_bounds(n, residual, g) of the first part;
