@@ -138,3 +138,38 @@ def zsmerge_decode_step_vectorised(
         counts.scatter_(2, i, counts[:, :, oldest : oldest + 1].clone())
         for cache in (keys, values, scores, counts):
             cache[:, :, oldest] = cache[:, :, fresh]
+
+
+def zsmerge_prefill_vectorised(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, recent: int, context: int, residual: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same prefill as ``zsmerge_prefill``, vectorised over (batch, kv head) with stable sorts, gathers and
+    index_add: the fair plain-PyTorch baseline of the benchmark."""
+    batch, kv_heads, tokens, head_dim = keys.shape
+    candidates = tokens - recent
+    n = candidates - context
+    cand = scores[..., :candidates]
+    # best first: by score descending (NaN as -inf), then NaN after every number; stable sorts keep positions in order.
+    order = torch.where(cand.isnan(), float("-inf"), cand).sort(dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, cand.isnan().gather(-1, order).to(torch.uint8).sort(dim=-1, stable=True).indices)
+    in_context = torch.zeros_like(cand, dtype=torch.long).scatter_(-1, order[..., :context], 1)
+    positions = torch.arange(candidates, device=scores.device)
+    source = (positions + in_context * tokens).sort(-1).indices  # [residual ascending | context ascending]
+    kept = torch.cat([source[..., n:], torch.arange(candidates, tokens, device=scores.device).expand(batch, kv_heads, recent)], -1)
+    rows = kept.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    out = [keys.gather(2, rows), values.gather(2, rows), scores.gather(2, kept), torch.ones(kept.shape, device=scores.device)]
+    if residual == 0:
+        return tuple(out)
+    sizes = torch.tensor([n // residual + (1 if g < n % residual else 0) for g in range(residual)], device=scores.device)
+    group = torch.repeat_interleave(torch.arange(residual, device=scores.device), sizes)  # (n,) group of each rank
+    members = source[..., :n]
+    member_rows = members.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    means = []
+    for cache in (keys, values):
+        sums = torch.zeros(batch, kv_heads, residual, head_dim, device=cache.device).index_add_(
+            2, group, cache.gather(2, member_rows).float())
+        means.append((sums / sizes[:, None]).to(cache.dtype))
+    group_max = torch.full((batch, kv_heads, residual), float("-inf"), device=scores.device).scatter_reduce(
+        2, group.expand(batch, kv_heads, n), scores.gather(2, members), "amax")
+    counts = sizes.float().expand(batch, kv_heads, residual)
+    return tuple(torch.cat([r, o], 2) for r, o in zip((*means, group_max, counts), out))

@@ -203,6 +203,17 @@ def test_prefill_large_groups_and_head_dim(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", BUDGETS, ids=BUDGET_IDS)
+def test_prefill_vectorised_baseline_matches_reference(device, budget):
+    keys, values, scores = make_prefill_inputs(2, 3, 27, 8, torch.bfloat16, device, seed=20)
+    scores[0, 0, ::3] = float("nan")
+    scores[0, 1, ::2] = 0.5
+    scores[1, 1] = float("nan")
+    assert_caches_close(reference.zsmerge_prefill_vectorised(keys, values, scores, *budget),
+                        reference.zsmerge_prefill(keys, values, scores, *budget), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefill_empty_batch(device):
     keys, values, scores = make_prefill_inputs(0, 2, 12, 8, torch.float32, device)
     out = ops.zsmerge_prefill(keys, values, scores, 2, 3, 1)
