@@ -60,7 +60,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
       out_values[task * head_dim + c] = row_values[sources[0] * head_dim + c];
     } else {
       float key_sum = 0.0f, value_sum = 0.0f;
-      for (int64_t k = 0; k < count; ++k) {
+#pragma unroll 4
+      for (int64_t k = 0; k < count; ++k) {  // independent loads: unrolled, several rows are in flight at once
         const int64_t source = sources[k];
         key_sum += static_cast<float>(row_keys[source * head_dim + c]);
         value_sum += static_cast<float>(row_values[source * head_dim + c]);
