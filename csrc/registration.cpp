@@ -23,4 +23,17 @@ TORCH_LIBRARY(kvcomp, m) {
   m.def(
       "weightedkv_evict(Tensor keys, Tensor values, Tensor sums, Tensor counts, int sinks, int recent, int evictions,"
       " bool merge_values=True) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // zsmerge family, cache of M = residual + context + recent slots per (batch, kv-head) (layout in
+  // csrc/kernels/zsmerge.h). Prefill of T > M tokens: keys/values (B, H, T, d), scores (B, H, T) float32 ->
+  // keys, values (B, H, M, d), scores, counts (B, H, M) float32: the last `recent` tokens, the top-`context` of the
+  // rest by score (ties to the lower position, NaN lowest), the others averaged into `residual` contiguous groups.
+  m.def("zsmerge_prefill(Tensor keys, Tensor values, Tensor scores, int recent, int context, int residual) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  // In place, for q >= 1 new tokens appended at slots [M, M + q) of keys/values (B, H, M + q, d) and scores/counts
+  // (B, H, M + q) float32, one at a time: evict the context argmin i*, merge it into the residual slot of largest
+  // k_i* . k_j (counts-weighted mean, counts add, scores max), move the oldest recent token (ring slot
+  // (ring_position + t) mod recent) into i* and the new token into its ring slot. Slots [0, M) are the result.
+  m.def("zsmerge_decode_step(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) scores, Tensor(d!) counts, "
+        "int ring_position, int recent, int context, int residual) -> ()");
 }

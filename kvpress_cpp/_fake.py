@@ -49,3 +49,22 @@ def _weightedkv_evict_fake(keys, values, sums, counts, sinks, recent, evictions,
         sums.new_empty((batch, kv_heads, out_len)),
         counts.new_empty((batch, kv_heads, out_len)),
     )
+
+
+@torch.library.register_fake("kvcomp::zsmerge_prefill")
+def _zsmerge_prefill_fake(keys, values, scores, recent, context, residual):
+    slots = recent + context + residual
+    torch._check(
+        keys.shape[2] > slots,
+        lambda: f"kvcomp::zsmerge_prefill: expected more tokens than slots, T = keys.size(2) > M = {slots}, "
+        f"got T = {keys.shape[2]}",
+    )
+    batch, kv_heads, _, head_dim = keys.shape
+    out_keys = keys.new_empty((batch, kv_heads, slots, head_dim))
+    out_scores = scores.new_empty((batch, kv_heads, slots))
+    return out_keys, torch.empty_like(out_keys), out_scores, torch.empty_like(out_scores)
+
+
+@torch.library.register_fake("kvcomp::zsmerge_decode_step")
+def _zsmerge_decode_step_fake(keys, values, scores, counts, ring_position, recent, context, residual):
+    return None  # in place: no outputs

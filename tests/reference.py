@@ -109,3 +109,160 @@ def weightedkv_evict(
         torch.stack(parts).view(shape).to(like.dtype)
         for parts, shape, like in zip(out, shapes, (keys, values, sums, counts))
     )
+
+
+def zsmerge_prefill(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, recent: int, context: int, residual: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ZSMerge prefill (methods.md), one (batch, kv head) at a time with Python lists: keep the last `recent` tokens;
+    keep the top-`context` of the rest by score (ties to the lower position, NaN below every number), in position
+    order; split the others, in order, into `residual` contiguous groups (the first n mod residual one longer) and
+    average each group's keys and values in float32, score = group max (NaN propagates), count = group size.
+    Output slots: [residual groups | context | recent]."""
+    batch, kv_heads, tokens, head_dim = keys.shape
+    slots = recent + context + residual
+    out_keys = keys.new_empty((batch, kv_heads, slots, head_dim))
+    out_values = values.new_empty((batch, kv_heads, slots, head_dim))
+    out_scores = torch.empty(batch, kv_heads, slots, device=scores.device)
+    out_counts = torch.empty(batch, kv_heads, slots, device=scores.device)
+    for b in range(batch):
+        for h in range(kv_heads):
+            score = scores[b, h].tolist()
+            candidates = range(tokens - recent)
+
+            def rank(position):  # sorts best first
+                nan = score[position] != score[position]
+                return (1, 0.0, position) if nan else (0, -score[position], position)
+
+            kept = sorted(sorted(candidates, key=rank)[:context])
+            others = [position for position in candidates if position not in set(kept)]
+            groups, start = [], 0
+            for group in range(residual):
+                size = len(others) // residual + (1 if group < len(others) % residual else 0)
+                groups.append(others[start : start + size])
+                start += size
+            for slot, members in enumerate(groups):
+                out_keys[b, h, slot] = keys[b, h, members].float().mean(0).to(keys.dtype)
+                out_values[b, h, slot] = values[b, h, members].float().mean(0).to(values.dtype)
+                out_scores[b, h, slot] = scores[b, h, members].max()
+                out_counts[b, h, slot] = len(members)
+            for slot, position in enumerate(kept + list(range(tokens - recent, tokens)), start=residual):
+                out_keys[b, h, slot] = keys[b, h, position]
+                out_values[b, h, slot] = values[b, h, position]
+                out_scores[b, h, slot] = scores[b, h, position]
+                out_counts[b, h, slot] = 1.0
+    return out_keys, out_values, out_scores, out_counts
+
+
+def zsmerge_decode_step(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    counts: torch.Tensor,
+    ring_position: int,
+    recent: int,
+    context: int,
+    residual: int,
+) -> None:
+    """ZSMerge decode step (methods.md, the authors' order), in place, one new token and one (batch, kv head) at a
+    time. Slots [0, M) are [residual | context | recent ring], the q new tokens sit at [M, M + q). Per new token t:
+    i* = argmin of the context scores (NaN as +inf, first on ties); if residual: j* = argmax over the residual slots
+    of k_i*·k_j (eq. 6, float32, NaN as -inf, first on ties), k_j <- (w_i k_i + w_j k_j)/(w_i + w_j) computed in
+    float32 and stored in the cache dtype, same for v, w_j <- w_i + w_j, s_j <- max(s_i, s_j); then the oldest
+    recent token (ring slot (ring_position + t) mod recent) moves into i*, and the new token into that ring slot."""
+    batch, kv_heads, total, _ = keys.shape
+    slots = recent + context + residual
+    inf = float("inf")
+    for b in range(batch):
+        for h in range(kv_heads):
+            for step in range(total - slots):
+                ctx = scores[b, h, residual : residual + context]
+                i = residual + int(torch.where(ctx.isnan(), inf, ctx).argmin())
+                if residual > 0:
+                    similarity = keys[b, h, :residual].float() @ keys[b, h, i].float()
+                    j = int(torch.where(similarity.isnan(), -inf, similarity).argmax())
+                    w_i, w_j = counts[b, h, i].clone(), counts[b, h, j].clone()
+                    for cache in (keys, values):
+                        merged = (w_i * cache[b, h, i].float() + w_j * cache[b, h, j].float()) / (w_i + w_j)
+                        cache[b, h, j] = merged.to(cache.dtype)
+                    counts[b, h, j] = w_i + w_j
+                    scores[b, h, j] = torch.maximum(scores[b, h, i], scores[b, h, j])
+                oldest = residual + context + (ring_position + step) % recent
+                for cache in (keys, values, scores, counts):
+                    cache[b, h, i] = cache[b, h, oldest].clone()
+                    cache[b, h, oldest] = cache[b, h, slots + step]
+
+
+def zsmerge_decode_step_vectorised(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    counts: torch.Tensor,
+    ring_position: int,
+    recent: int,
+    context: int,
+    residual: int,
+) -> None:
+    """The same step as ``zsmerge_decode_step``, vectorised over (batch, kv head) with gathers and scatters (a loop
+    over the q new tokens only): what a plain-PyTorch press would run, the fair baseline of the benchmark."""
+    batch, kv_heads, total, head_dim = keys.shape
+    slots = recent + context + residual
+    inf = float("inf")
+    for step in range(total - slots):
+        ctx = scores[:, :, residual : residual + context]
+        i = residual + ctx.masked_fill(ctx.isnan(), inf).argmin(-1, keepdim=True)  # (B, H, 1)
+        i_rows = i.unsqueeze(-1).expand(batch, kv_heads, 1, head_dim)
+        if residual > 0:
+            key_i = keys.gather(2, i_rows).float()
+            similarity = (keys[:, :, :residual].float() @ key_i.transpose(-1, -2)).squeeze(-1)  # (B, H, residual)
+            j = similarity.masked_fill(similarity.isnan(), -inf).argmax(-1, keepdim=True)
+            j_rows = j.unsqueeze(-1).expand(batch, kv_heads, 1, head_dim)
+            w_i, w_j = counts.gather(2, i), counts.gather(2, j)
+            for cache in (keys, values):
+                merged = (w_i[..., None] * cache.gather(2, i_rows).float() + w_j[..., None] * cache.gather(2, j_rows).float())
+                cache.scatter_(2, j_rows, (merged / (w_i + w_j)[..., None]).to(cache.dtype))
+            scores.scatter_(2, j, torch.maximum(scores.gather(2, i), scores.gather(2, j)))
+            counts.scatter_(2, j, w_i + w_j)
+        oldest = residual + context + (ring_position + step) % recent
+        fresh = slots + step
+        keys.scatter_(2, i_rows, keys[:, :, oldest : oldest + 1].clone())
+        values.scatter_(2, i_rows, values[:, :, oldest : oldest + 1].clone())
+        scores.scatter_(2, i, scores[:, :, oldest : oldest + 1].clone())
+        counts.scatter_(2, i, counts[:, :, oldest : oldest + 1].clone())
+        for cache in (keys, values, scores, counts):
+            cache[:, :, oldest] = cache[:, :, fresh]
+
+
+def zsmerge_prefill_vectorised(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, recent: int, context: int, residual: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same prefill as ``zsmerge_prefill``, vectorised over (batch, kv head) with stable sorts, gathers and
+    index_add: the fair plain-PyTorch baseline of the benchmark."""
+    batch, kv_heads, tokens, head_dim = keys.shape
+    candidates = tokens - recent
+    n = candidates - context
+    cand = scores[..., :candidates]
+    # best first: by score descending (NaN as -inf), then NaN after every number; stable sorts keep positions in order.
+    order = torch.where(cand.isnan(), float("-inf"), cand).sort(dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, cand.isnan().gather(-1, order).to(torch.uint8).sort(dim=-1, stable=True).indices)
+    in_context = torch.zeros_like(cand, dtype=torch.long).scatter_(-1, order[..., :context], 1)
+    positions = torch.arange(candidates, device=scores.device)
+    source = (positions + in_context * tokens).sort(-1).indices  # [residual ascending | context ascending]
+    kept = torch.cat([source[..., n:], torch.arange(candidates, tokens, device=scores.device).expand(batch, kv_heads, recent)], -1)
+    rows = kept.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    out = [keys.gather(2, rows), values.gather(2, rows), scores.gather(2, kept), torch.ones(kept.shape, device=scores.device)]
+    if residual == 0:
+        return tuple(out)
+    sizes = torch.tensor([n // residual + (1 if g < n % residual else 0) for g in range(residual)], device=scores.device)
+    group = torch.repeat_interleave(torch.arange(residual, device=scores.device), sizes)  # (n,) group of each rank
+    members = source[..., :n]
+    member_rows = members.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    means = []
+    for cache in (keys, values):
+        sums = torch.zeros(batch, kv_heads, residual, head_dim, device=cache.device).index_add_(
+            2, group, cache.gather(2, member_rows).float())
+        means.append((sums / sizes[:, None]).to(cache.dtype))
+    group_max = torch.full((batch, kv_heads, residual), float("-inf"), device=scores.device).scatter_reduce(
+        2, group.expand(batch, kv_heads, n), scores.gather(2, members), "amax")
+    counts = sizes.float().expand(batch, kv_heads, residual)
+    return tuple(torch.cat([r, o], 2) for r, o in zip((*means, group_max, counts), out))

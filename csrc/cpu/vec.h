@@ -24,7 +24,7 @@ using FloatVec = at::vec::Vectorized<float>;
 
 // count (<= FloatVec::size()) adjacent values as floats, zero-padded.
 template <typename scalar_t>
-inline FloatVec load_as_float(const scalar_t* values, int64_t count) {
+inline FloatVec load_as_float(const scalar_t* values, int64_t count = FloatVec::size()) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return FloatVec::loadu(values, count);
   } else {
@@ -36,12 +36,12 @@ inline FloatVec load_as_float(const scalar_t* values, int64_t count) {
 
 // Stores the first count (<= FloatVec::size()) lanes, rounded to scalar_t.
 template <typename scalar_t>
-inline void store_from_float(const FloatVec& vec, scalar_t* out, int64_t count) {
+inline void store_from_float(const FloatVec& lanes, scalar_t* out, int64_t count = FloatVec::size()) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    vec.store(out, count);
+    lanes.store(out, count);
   } else {
     float narrowed[FloatVec::size()];
-    vec.store(narrowed);
+    lanes.store(narrowed);
     for (int64_t i = 0; i < count; ++i) out[i] = static_cast<scalar_t>(narrowed[i]);
   }
 }

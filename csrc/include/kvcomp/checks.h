@@ -46,4 +46,14 @@ inline void check_finite(const char* op, const char* name, double value) {
   TORCH_CHECK(std::isfinite(value), op, ": expected a finite ", name, ", got ", value);
 }
 
+inline void check_at_least(const char* op, const char* name, int64_t value, int64_t low) {
+  TORCH_CHECK(value >= low, op, ": expected ", name, " >= ", low, ", got ", value);
+}
+
+// For the tensors an op updates in place: a silent .contiguous() copy would update the copy, not the caller's cache.
+inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), op, ": expected a contiguous ", name, " (it is updated in place), got strides ",
+              t.strides(), " for shape ", t.sizes());
+}
+
 }  // namespace kvcomp

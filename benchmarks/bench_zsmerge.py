@@ -1,0 +1,108 @@
+"""One ZSMerge decoding step and the ZSMerge prefill, kvcomp ops against plain PyTorch (tests/reference.py).
+
+    python -m benchmarks.bench_zsmerge           # writes benchmarks/results/zsmerge.json
+
+Decode step = update_scores (λ = 0.98, the G query heads summed) + zsmerge_decode_step on a full cache of M slots
+plus q appended tokens, at B=4, Hq=32, H=8, M=1024, d=128, q=1. Two plain-PyTorch baselines run the same step:
+"loop", the references written one head and one token at a time (Python loops over B*H heads, so unfairly slow),
+and "vectorised", the same step over all heads at once with gathers and scatters (what a plain-PyTorch press would
+do). Prefill = zsmerge_prefill of T=4096 tokens into M=1024 slots against the loop and vectorised references.
+Targets (the issue): decode step >= 2x the plain-PyTorch step on CPU, >= 5x on GPU.
+"""
+
+import torch
+
+import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from benchmarks.common import configurations, median_seconds, print_table, write_results
+from tests import reference
+
+DECAY = 0.98
+BATCH, QUERY_HEADS, KV_HEADS, HEAD_DIM = 4, 32, 8, 128
+SLOTS = 1024
+
+
+def budget(residual):
+    """(recent, context, residual) with the authors' split: recent = 40% of M, context the rest."""
+    recent = round(0.4 * SLOTS)
+    return recent, SLOTS - recent - residual, residual
+
+
+DECODE_CASES = [  # (dtype, residual)
+    (torch.float32, 1),  # the paper's default Br = 1
+    (torch.float32, 32),
+    (torch.bfloat16, 1),
+]
+PREFILL_CASES = [(torch.float32, 1, 4096), (torch.float32, 32, 4096), (torch.bfloat16, 1, 4096)]  # (dtype, Br, T)
+
+
+def decode_inputs(dtype, device, num_new=1, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    total = SLOTS + num_new
+    keys = torch.randn(BATCH, KV_HEADS, total, HEAD_DIM, generator=generator).to(device, dtype)
+    values = torch.randn(BATCH, KV_HEADS, total, HEAD_DIM, generator=generator).to(device, dtype)
+    scores = torch.rand(BATCH, KV_HEADS, SLOTS, generator=generator).to(device)
+    counts = torch.ones(BATCH, KV_HEADS, total, device=device)
+    attn = torch.rand(BATCH, QUERY_HEADS, num_new, total, generator=generator).softmax(-1).to(device, dtype)
+    return keys, values, scores, counts, attn
+
+
+def make_step(update, decode, inputs, recent, context, residual):
+    keys, values, scores, counts, attn = inputs
+
+    def step():
+        new_scores = update(scores, attn, DECAY, 1.0)  # (B, H, M + q)
+        decode(keys, values, new_scores, counts, 0, recent, context, residual)
+
+    return step
+
+
+def main() -> None:
+    rows = []
+    for device, threads in configurations():
+        for dtype, residual in DECODE_CASES:
+            recent, context, _ = budget(residual)
+            inputs = decode_inputs(dtype, device)
+            steps = {
+                "op": make_step(torch.ops.kvcomp.update_scores, torch.ops.kvcomp.zsmerge_decode_step, inputs,
+                                recent, context, residual),
+                "vectorised": make_step(reference.update_scores, reference.zsmerge_decode_step_vectorised, inputs,
+                                        recent, context, residual),
+                "loop": make_step(reference.update_scores, reference.zsmerge_decode_step, inputs, recent, context,
+                                  residual),
+            }
+            seconds = {name: median_seconds(fn, num_threads=threads) for name, fn in steps.items()}
+            rows.append({"what": "decode step", "device": device, "threads": threads, "dtype": str(dtype)[6:],
+                         "B": BATCH, "Hq": QUERY_HEADS, "H": KV_HEADS, "M": SLOTS, "d": HEAD_DIM, "q": 1,
+                         "Bp": recent, "Bc": context, "Br": residual,
+                         "op_us": round(seconds["op"] * 1e6, 1),
+                         "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
+                         "loop_us": round(seconds["loop"] * 1e6, 1),
+                         "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1),
+                         "speedup_vs_loop": round(seconds["loop"] / seconds["op"], 1)})
+        for dtype, residual, tokens in PREFILL_CASES:
+            recent, context, _ = budget(residual)
+            generator = torch.Generator().manual_seed(1)
+            keys = torch.randn(BATCH, KV_HEADS, tokens, HEAD_DIM, generator=generator).to(device, dtype)
+            values = torch.randn(BATCH, KV_HEADS, tokens, HEAD_DIM, generator=generator).to(device, dtype)
+            scores = torch.rand(BATCH, KV_HEADS, tokens, generator=generator).to(device)
+            args = (keys, values, scores, recent, context, residual)
+            seconds = {
+                "op": median_seconds(lambda: torch.ops.kvcomp.zsmerge_prefill(*args), num_threads=threads),
+                "vectorised": median_seconds(lambda: reference.zsmerge_prefill_vectorised(*args), num_threads=threads),
+                "loop": median_seconds(lambda: reference.zsmerge_prefill(*args), min_run_time=0.1, num_threads=threads),
+            }
+            rows.append({"what": "prefill", "device": device, "threads": threads, "dtype": str(dtype)[6:],
+                         "B": BATCH, "H": KV_HEADS, "T": tokens, "M": SLOTS, "d": HEAD_DIM,
+                         "Bp": recent, "Bc": context, "Br": residual,
+                         "op_us": round(seconds["op"] * 1e6, 1),
+                         "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
+                         "loop_us": round(seconds["loop"] * 1e6, 1),
+                         "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1),
+                         "speedup_vs_loop": round(seconds["loop"] / seconds["op"], 1)})
+    print_table(rows, ["what", "device", "threads", "dtype", "T", "M", "Bp", "Bc", "Br", "op_us", "vectorised_us",
+                       "loop_us", "speedup_vs_vectorised", "speedup_vs_loop"])
+    print("wrote", write_results("zsmerge", rows))
+
+
+if __name__ == "__main__":
+    main()
