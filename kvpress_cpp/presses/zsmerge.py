@@ -1,0 +1,120 @@
+"""ZSMerge (Liu, Liu and Tang, "ZSMerge: Zero-Shot KV Cache Compression for Memory-Efficient Long-Context LLMs").
+
+Each layer and kv head holds at most M = Bp + Bc + Br slots: the Bp most recent tokens (a ring), the Bc tokens of
+highest contribution score, and Br residual slots into which evicted tokens are merged. Scores decay (eq. 5,
+``s ← λ·s + a`` with a the attention summed over the query heads of the group); a merged slot standing for w tokens
+is attended with the bias α·ln w (eq. 8) through the shared attention path. Order of operations and defaults follow
+the authors' code (``../shared/docs/methods.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress_cpp import ops
+from kvpress_cpp.cache import LayerState
+from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+
+__all__ = ["ZSMergePress"]
+
+
+@dataclass
+class ZSMergePress(KVCompDecodingPress):
+    """ZSMerge in prefill and at every decoding step.
+
+    Attributes:
+        budget: M, the slots kept per layer and kv head: a token count (int ≥ 1) or a fraction of the prompt
+            length (float in (0, 1]).
+        recent_fraction: Bp / M, the recent ring (authors' scripts: 0.4).
+        residual_slots: Br, the merge slots (paper default 1; 0 turns ZSMerge into pure eviction).
+        decay: λ of the contribution score (eq. 5).
+        alpha: α of the merge-count bias α·ln w (eq. 8; 0 is pure eviction).
+        prefill_merge: "contiguous" (default: the evicted prompt tokens form Br contiguous groups, averaged) or
+            "similarity" (eqs. 6-7 applied token by token to the prompt beyond the budget, as in decoding).
+    """
+
+    budget: int | float = 0.25
+    recent_fraction: float = 0.4
+    residual_slots: int = 1
+    decay: float = 0.98
+    alpha: float = 0.6
+    prefill_merge: str = "contiguous"
+
+    def __post_init__(self):
+        if isinstance(self.budget, bool) or not (
+            (isinstance(self.budget, int) and self.budget >= 1) or (isinstance(self.budget, float) and 0 < self.budget <= 1)
+        ):
+            raise ValueError(f"ZSMergePress: budget must be a token count ≥ 1 or a fraction in (0, 1], got {self.budget!r}")
+        if not 0 < self.recent_fraction < 1:
+            raise ValueError(f"ZSMergePress: recent_fraction must be in (0, 1), got {self.recent_fraction}")
+        if self.residual_slots < 0:
+            raise ValueError(f"ZSMergePress: residual_slots must be ≥ 0, got {self.residual_slots}")
+        if not 0 <= self.decay <= 1:
+            raise ValueError(f"ZSMergePress: decay (λ) must be in [0, 1], got {self.decay}")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"ZSMergePress: alpha must be in [0, 1], got {self.alpha}")
+        if self.prefill_merge not in ("contiguous", "similarity"):
+            raise ValueError(f"ZSMergePress: prefill_merge must be 'contiguous' or 'similarity', got {self.prefill_merge!r}")
+
+    def split(self, prompt_length: int) -> tuple[int, int, int]:
+        """(Bp, Bc, Br) for a prompt of this length."""
+        budget = self.budget if isinstance(self.budget, int) else max(1, round(self.budget * prompt_length))
+        recent = max(1, round(self.recent_fraction * budget))
+        context = budget - recent - self.residual_slots
+        if context < 1:
+            raise ValueError(
+                f"ZSMergePress: a budget of {budget} slots leaves no context slot after {recent} recent and "
+                f"{self.residual_slots} residual slots; raise the budget or lower recent_fraction / residual_slots"
+            )
+        return recent, context, self.residual_slots
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        if not bool(torch.isfinite(log_weights).all()):
+            raise ValueError("ZSMergePress: padded batches are not supported (the residual groups would mix padding "
+                             "into real tokens); pass sequences of equal length")
+        scores = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.decay, 1.0)
+        recent, context, residual = self.split(keys.shape[-2])
+        state = LayerState(log_weights, {"scores": scores}, {"recent": recent, "context": context,
+                                                             "residual": residual, "tokens_seen": keys.shape[-2]})
+        return self._fit_budget(keys, values, state)
+
+    def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
+        new_tokens = hidden_states.shape[1]
+        state.per_slot["scores"] = ops.update_scores(state.per_slot["scores"], attentions, self.decay, 1.0)
+        if "counts" in state.per_slot:
+            state.per_slot["counts"] = torch.nn.functional.pad(state.per_slot["counts"], (0, new_tokens), value=1.0)
+        state.counters["tokens_seen"] += new_tokens
+        return self._fit_budget(keys, values, state)
+
+    def _fit_budget(self, keys, values, state: LayerState):
+        """Append while there is room; lay out the recent / context / residual regions the first time the cache
+        exceeds M; merge every later token (eqs. 6-7)."""
+        recent, context, residual = (state.counters[name] for name in ("recent", "context", "residual"))
+        budget = recent + context + residual
+        scores = state.per_slot["scores"]
+        if keys.shape[-2] <= budget:
+            state.log_weights = torch.zeros_like(scores)
+            return keys, values, state
+        if "counts" not in state.per_slot:
+            laid_out = budget + 1 if self.prefill_merge == "similarity" else keys.shape[-2]
+            head_k, head_v, head_s, counts = ops.zsmerge_prefill(keys[..., :laid_out, :], values[..., :laid_out, :],
+                                                                 scores[..., :laid_out], recent, context, residual)
+            keys = torch.cat([head_k, keys[..., laid_out:, :]], dim=-2)
+            values = torch.cat([head_v, values[..., laid_out:, :]], dim=-2)
+            scores = torch.cat([head_s, scores[..., laid_out:]], dim=-1)
+            counts = torch.nn.functional.pad(counts, (0, scores.shape[-1] - budget), value=1.0)
+            state.counters["ring_position"] = 0
+        else:
+            counts = state.per_slot["counts"]
+        new_tokens = keys.shape[-2] - budget
+        if new_tokens:
+            keys, values = keys.contiguous(), values.contiguous()
+            scores, counts = scores.contiguous(), counts.contiguous()
+            ops.zsmerge_decode_step(keys, values, scores, counts, state.counters["ring_position"], recent, context,
+                                    residual)
+            state.counters["ring_position"] = (state.counters["ring_position"] + new_tokens) % recent
+        state.per_slot = {"scores": scores[..., :budget], "counts": counts[..., :budget]}
+        state.log_weights = ops.merge_count_bias(state.per_slot["counts"], self.alpha)
+        return keys[..., :budget, :], values[..., :budget, :], state

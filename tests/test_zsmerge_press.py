@@ -1,0 +1,97 @@
+"""ZSMergePress end to end: the paper's invariants during long generations, its degenerate cases, and the demo
+question on SmolLM2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses.zsmerge import ZSMergePress
+from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, prompt_ids
+from tests.models import make_tiny_llama
+
+
+@dataclass
+class CheckedZSMergePress(ZSMergePress):
+    """Asserts after every decoding step what the paper guarantees for every (batch, kv head)."""
+
+    steps_checked: int = 0
+
+    def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
+        keys, values, state = super().compress_decoding(module, hidden_states, keys, values, attentions, state,
+                                                        kwargs)
+        budget = sum(state.counters[name] for name in ("recent", "context", "residual"))
+        assert keys.shape[-2] <= budget, f"{keys.shape[-2]} slots held for a budget of {budget}"
+        counts = state.per_slot.get("counts")
+        represented = counts.sum(-1) if counts is not None else torch.full(keys.shape[:2], keys.shape[-2])
+        assert torch.all(represented == state.counters["tokens_seen"]), "Σ w differs from the tokens seen"
+        self.steps_checked += 1
+        return keys, values, state
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS[:2])
+@pytest.mark.parametrize("prefill_merge", ["contiguous", "similarity"])
+def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn_implementation, prefill_merge):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    press = CheckedZSMergePress(budget=32, residual_slots=2, prefill_merge=prefill_merge)
+    tokens, cache = greedy(model, prompt_ids(tokenizer, 96, batch=2), press=press, max_new_tokens=320)
+    assert tokens.shape == (2, 320)
+    assert press.steps_checked == 319 * model.config.num_hidden_layers
+    for layer in cache.layers:
+        assert layer.keys.shape[-2] == 32
+        assert bool((get_state(layer).per_slot["counts"][..., :2] > 1).all()), "the residual slots never merged"
+
+
+def test_merge_count_bias_is_alpha_log_w():
+    model, tokenizer = make_tiny_llama()
+    _, cache = greedy(model, prompt_ids(tokenizer, 96), press=ZSMergePress(budget=24, alpha=0.6), max_new_tokens=8)
+    for layer in cache.layers:
+        state = get_state(layer)
+        torch.testing.assert_close(state.log_weights, 0.6 * state.per_slot["counts"].log())
+
+
+def test_alpha_zero_is_pure_eviction_attention():
+    """α = 0 (paper §3.5): no compensation, every kept slot is attended as a single token."""
+    model, tokenizer = make_tiny_llama()
+    _, cache = greedy(model, prompt_ids(tokenizer, 96), press=ZSMergePress(budget=24, alpha=0.0), max_new_tokens=8)
+    for layer in cache.layers:
+        state = get_state(layer)
+        assert bool((state.per_slot["counts"] > 1).any()) and bool((state.log_weights == 0).all())
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_budget_above_sequence_changes_nothing(make_model, attn_implementation):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    input_ids = prompt_ids(tokenizer, 40, batch=2)
+    expected, _ = greedy(model, input_ids, max_new_tokens=24)
+    got, cache = greedy(model, input_ids, press=ZSMergePress(budget=1000), max_new_tokens=24)
+    assert cache.layers[0].keys.shape[-2] == 40 + 23
+    assert torch.equal(got, expected)
+
+
+def test_padded_batch_is_refused_clearly():
+    model, tokenizer = make_tiny_llama()
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["a single man in possession", "a truth"], return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="ZSMergePress: padded batches are not supported"):
+        greedy(model, batch.input_ids, press=ZSMergePress(budget=4), attention_mask=batch.attention_mask)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
+    ({"decay": 1.2}, r"decay \(λ\) must be in \[0, 1\]"), ({"alpha": -0.1}, r"alpha must be in \[0, 1\]"),
+    ({"prefill_merge": "mean"}, "prefill_merge must be"), ({"residual_slots": -1}, "residual_slots must be"),
+])
+def test_bad_hyperparameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZSMergePress(**kwargs)
+
+
+def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model):
+    """At 75% of the prompt. (At 50% one digit of the needle is lost: SmolLM2 answers 7291.)"""
+    model, tokenizer = default_model
+    found, answer = answers_hidden_fact(model, tokenizer, ZSMergePress(budget=0.75))
+    assert found, answer
