@@ -1,5 +1,7 @@
 """kvpress_cpp's presses: kvpress press classes backed by the kvcomp ops."""
 
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress
+from kvpress_cpp.presses.weightedkv import WeightedKVPress
+from kvpress_cpp.presses.zsmerge import ZSMergePress
 
-__all__ = ["KVCompPress", "KVCompDecodingPress"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "WeightedKVPress", "ZSMergePress"]
