@@ -199,8 +199,8 @@ EvictResult call_weightedkv_evict(const at::Tensor& keys, const at::Tensor& valu
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvcomp::weightedkv_evict", "")
           .typed<EvictResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                             int64_t, int64_t)>();
-  return op.call(keys, values, sums, counts, sinks, recent, evictions);
+                             int64_t, int64_t, bool)>();
+  return op.call(keys, values, sums, counts, sinks, recent, evictions, /*merge_values=*/true);
 }
 
 TEST(WeightedKVEvictOp, CpuKernelIsRegistered) {
