@@ -36,4 +36,14 @@ TORCH_LIBRARY(kvcomp, m) {
   // (ring_position + t) mod recent) into i* and the new token into its ring slot. Slots [0, M) are the result.
   m.def("zsmerge_decode_step(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) scores, Tensor(d!) counts, "
         "int ring_position, int recent, int context, int residual) -> ()");
+
+  // keepkv family. keys (B, H, T, d), keep (B, H, T) bool -> targets (B, H, T) int64: -1 retained; for an evicted
+  // slot the retained slot of its row with the highest key cosine similarity (float32, zero keys 0, NaN as -inf,
+  // ties to the lower slot) if that similarity >= threshold in [-1, 1], else -2.
+  m.def("keepkv_match(Tensor keys, Tensor keep, float threshold) -> Tensor");
+  // KeepKV's ZIP merge of each retained slot c with the evicted slots targeting it (eq. 7, set form, log domain):
+  // keys, values (B, H, T, d), votes p, log_scores ln s, targets (B, H, T) -> merged keys, values, votes (B, H, T, .);
+  // convex=True uses the convex key (the authors' released variant). Evicted slots keep their inputs.
+  m.def("keepkv_zip_merge(Tensor keys, Tensor values, Tensor votes, Tensor log_scores, Tensor targets, bool convex) "
+        "-> (Tensor, Tensor, Tensor)");
 }

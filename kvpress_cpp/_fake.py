@@ -68,3 +68,13 @@ def _zsmerge_prefill_fake(keys, values, scores, recent, context, residual):
 @torch.library.register_fake("kvcomp::zsmerge_decode_step")
 def _zsmerge_decode_step_fake(keys, values, scores, counts, ring_position, recent, context, residual):
     return None  # in place: no outputs
+
+
+@torch.library.register_fake("kvcomp::keepkv_match")
+def _keepkv_match_fake(keys, keep, threshold):
+    return keep.new_empty(keep.shape, dtype=torch.int64)
+
+
+@torch.library.register_fake("kvcomp::keepkv_zip_merge")
+def _keepkv_zip_merge_fake(keys, values, votes, log_scores, targets, convex):
+    return keys.new_empty(keys.shape), values.new_empty(values.shape), votes.new_empty(votes.shape)

@@ -173,3 +173,55 @@ def zsmerge_decode_step(
     tensor to M and advances ``ring_position = (ring_position + q) % recent``.
     """
     torch.ops.kvcomp.zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual)
+
+
+def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8) -> torch.Tensor:
+    """KeepKV's merge targets: each evicted slot's most similar retained slot of the same (batch, kv head).
+
+    Similarity is the key cosine in float32 (a zero key has similarity 0 with everything; NaN counts as -inf; ties go
+    to the lower slot). Rows with few evicted slots (a decoding step) compute it directly, others with a GEMM of
+    normalised keys (on CUDA torch's float32 matmul settings apply, TF32 only if allowed).
+
+    Args:
+        keys: (B, H, T, d) float32, float16 or bfloat16.
+        keep: (B, H, T) bool, True for the retained slots.
+        threshold: in [-1, 1] (KeepKV's default 0.8); an evicted slot merges only if its best similarity >= threshold.
+
+    Returns:
+        (B, H, T) int64 targets: -1 for a retained slot; for an evicted slot the index t of its retained target, or -2
+        (evicted without merge: best similarity below threshold, NaN, or nothing retained in the row).
+    """
+    return torch.ops.kvcomp.keepkv_match(keys, keep, threshold)
+
+
+def keepkv_zip_merge(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    votes: torch.Tensor,
+    log_scores: torch.Tensor,
+    targets: torch.Tensor,
+    convex: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KeepKV's ZIP merge (paper eq. 7, set form) of every retained slot with the evicted slots that target it.
+
+    For retained c and S = {c} ∪ {e : targets[e] == c}, in the log domain (m = max ℓ over S, w = p·exp(ℓ - m), float32
+    accumulation): ``k_r = (Σ w k)·(m + ln(Σ w / Σ p)) / (Σ w ℓ)``, ``v_r = Σ w v / Σ w``, ``p_r = Σ p``. For the query
+    whose logits gave ℓ, attention with bias ln p is then unchanged by the merge (theorem 3). Guard: when
+    |Σ w ℓ| <= 1e-3 · Σ w · max|ℓ| (near-zero denominator) or m + ln(Σ w / Σ p) has the other sign than Σ w ℓ (or
+    either is not finite), the convex key ``Σ w k / Σ w`` is used instead; ``convex=True`` always uses it (the
+    authors' released code). Members with p <= 0, ℓ = -inf or NaN carry w = 0; a set with Σ w = 0 keeps c's key and
+    value (its vote still becomes Σ p). Sets of one slot and evicted slots are returned unchanged.
+
+    Args:
+        keys, values: (B, H, T, d) float32, float16 or bfloat16 (one dtype).
+        votes: (B, H, T) float32 electoral votes p >= 0.
+        log_scores: (B, H, T) float32 ℓ = ln s (logits q·k·scale, or the log of KeepKV's EMA score estimate).
+        targets: (B, H, T) int64 from ``keepkv_match``: -1 retained, -2 evicted without merge, t >= 0 the retained
+            slot t of the same row. Anything else raises (on CUDA this check costs one host sync).
+        convex: use the convex key for every set.
+
+    Returns:
+        keys (B, H, T, d), values (B, H, T, d) in the input dtype and votes (B, H, T) float32, new tensors; the caller
+        drops the evicted slots (targets != -1).
+    """
+    return torch.ops.kvcomp.keepkv_zip_merge(keys, values, votes, log_scores, targets, convex)

@@ -266,3 +266,119 @@ def zsmerge_prefill_vectorised(
         2, group.expand(batch, kv_heads, n), scores.gather(2, members), "amax")
     counts = sizes.float().expand(batch, kv_heads, residual)
     return tuple(torch.cat([r, o], 2) for r, o in zip((*means, group_max, counts), out))
+
+
+def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float) -> torch.Tensor:
+    """For each evicted slot, the retained slot of its row with the highest key cosine (float64; zero keys 0, NaN as
+    -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1."""
+    batch, kv_heads, slots, _ = keys.shape
+    targets = torch.where(keep, -1, -2).to(torch.int64)
+    for b in range(batch):
+        for h in range(kv_heads):
+            retained = [t for t in range(slots) if keep[b, h, t]]
+            for e in range(slots):
+                if keep[b, h, e] or not retained:
+                    continue
+                best, best_slot = None, None
+                for r in retained:
+                    a, c = keys[b, h, e].double(), keys[b, h, r].double()
+                    na, nc = a.norm(), c.norm()
+                    cos = 0.0 if na == 0 or nc == 0 else float(a @ c / (na * nc))
+                    cos = float("-inf") if cos != cos else cos
+                    if best is None or cos > best:
+                        best, best_slot = cos, r
+                if best >= threshold:
+                    targets[b, h, e] = best_slot
+    return targets
+
+
+KEEPKV_GUARD_EPS = 1e-3  # kernels::kZipGuardRelativeEps
+
+
+def keepkv_zip_coefficients(ell: torch.Tensor, p: torch.Tensor, convex: bool):
+    """(w, key_scale, value_scale) of one set from its log-scores and votes (1-d, float64), or None when Σ w = 0."""
+    contributes = (p > 0) & (ell > float("-inf"))
+    if not contributes.any():
+        return None
+    m = ell[contributes].max()
+    w = torch.where(contributes, p * torch.exp(torch.where(contributes, ell - m, 0.0)), 0.0)
+    weight, votes = w.sum(), p.sum()
+    if not (weight > 0) or not torch.isfinite(weight):
+        return None
+    weighted_log = (w[contributes] * ell[contributes]).sum()
+    max_abs = ell[contributes & (w > 0)].abs().max() if (w > 0).any() else torch.tensor(0.0)
+    numerator = m + torch.log(weight / votes)
+    usable = (not convex and bool(torch.isfinite(numerator)) and bool(torch.isfinite(weighted_log))
+              and abs(float(weighted_log)) > KEEPKV_GUARD_EPS * float(weight) * float(max_abs)
+              and (float(numerator) == 0 or (float(numerator) > 0) == (float(weighted_log) > 0)))
+    key_scale = numerator / weighted_log if usable else 1 / weight
+    return w, key_scale, 1 / weight
+
+
+def keepkv_zip_merge(keys, values, votes, log_scores, targets, convex=False):
+    """KeepKV's set ZIP merge straight from the formulas, one set at a time, float64 inside (see ops.keepkv_zip_merge):
+    returns (keys, values, votes) in the input dtypes."""
+    out_k, out_v, out_p = keys.clone(), values.clone(), votes.clone()
+    batch, kv_heads, slots, _ = keys.shape
+    for b in range(batch):
+        for h in range(kv_heads):
+            for c in range(slots):
+                if targets[b, h, c] != -1:
+                    continue
+                members = [c] + [e for e in range(slots) if targets[b, h, e] == c]
+                if len(members) == 1:
+                    continue
+                p = votes[b, h, members].double()
+                out_p[b, h, c] = p.sum().to(votes.dtype)
+                coefficients = keepkv_zip_coefficients(log_scores[b, h, members].double(), p, convex)
+                if coefficients is None:
+                    continue
+                w, key_scale, value_scale = coefficients
+                out_k[b, h, c] = (key_scale * (w[:, None] * keys[b, h, members].double()).sum(0)).to(keys.dtype)
+                out_v[b, h, c] = (value_scale * (w[:, None] * values[b, h, members].double()).sum(0)).to(values.dtype)
+    return out_k, out_v, out_p
+
+
+def keepkv_match_vectorised(keys: torch.Tensor, keep: torch.Tensor, threshold: float) -> torch.Tensor:
+    """keepkv_match over all rows at once (normalise, one batched matmul, masked argmax): the plain-PyTorch baseline."""
+    k = keys.float()
+    normalised = k / k.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    similarity = normalised @ normalised.transpose(-1, -2)  # (B, H, T, T)
+    similarity = similarity.nan_to_num(nan=float("-inf")).masked_fill(~keep[:, :, None, :], float("-inf"))
+    best, slot = similarity.max(-1)
+    targets = torch.where(best >= threshold, slot, -2)
+    return torch.where(keep, -1, targets)
+
+
+def keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, convex=False):
+    """keepkv_zip_merge over all rows at once with scatters (float32): the plain-PyTorch baseline of the benchmark."""
+    batch, kv_heads, slots, head_dim = keys.shape
+    inf = float("inf")
+    position = torch.arange(slots, device=keys.device)
+    group = torch.where(targets >= 0, targets, torch.where(targets == -1, position, slots))  # -2 -> bucket T
+    contributes = (votes > 0) & (log_scores > -inf)
+    ell = log_scores.masked_fill(~contributes, -inf)
+    m = torch.full((batch, kv_heads, slots + 1), -inf, device=keys.device).scatter_reduce(2, group, ell, "amax")
+    m_member = m.gather(2, group)
+    w = torch.where(contributes, votes * torch.exp(torch.where(contributes, ell - m_member, 0.0)), 0.0)
+    zeros = torch.zeros(batch, kv_heads, slots + 1, device=keys.device)
+    weight = zeros.scatter_add(2, group, w)
+    vote_sum = zeros.scatter_add(2, group, votes)
+    size = zeros.scatter_add(2, group, torch.ones_like(votes))
+    weighted_log = zeros.scatter_add(2, group, torch.where(w > 0, w * ell, 0.0))
+    max_abs = zeros.scatter_reduce(2, group, torch.where(w > 0, ell.abs(), 0.0), "amax")
+    rows = group[..., None].expand(-1, -1, -1, head_dim)
+    key_sum = torch.zeros(batch, kv_heads, slots + 1, head_dim, device=keys.device).scatter_add(
+        2, rows, w[..., None] * keys.float())
+    value_sum = torch.zeros_like(key_sum).scatter_add(2, rows, w[..., None] * values.float())
+    numerator = m + torch.log(weight / vote_sum)
+    usable = (torch.isfinite(numerator) & torch.isfinite(weighted_log)
+              & (weighted_log.abs() > KEEPKV_GUARD_EPS * weight * max_abs)
+              & ((numerator == 0) | ((numerator > 0) == (weighted_log > 0)))) & (not convex)
+    key_scale = torch.where(usable, numerator / weighted_log, 1 / weight)[..., :slots]
+    merged = ((size > 1) & (weight > 0) & torch.isfinite(weight))[..., :slots] & (targets == -1)
+    out_k = torch.where(merged[..., None], (key_sum[..., :slots, :] * key_scale[..., None]).to(keys.dtype), keys)
+    out_v = torch.where(merged[..., None], (value_sum[..., :slots, :] / weight[..., :slots, None]).to(values.dtype),
+                        values)
+    out_p = torch.where((size[..., :slots] > 1) & (targets == -1), vote_sum[..., :slots], votes)
+    return out_k, out_v, out_p

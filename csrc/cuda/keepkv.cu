@@ -1,0 +1,285 @@
+// CUDA kernels of the keepkv family.
+//
+// keepkv_match: the evicted slots of each row are listed by one ATen sort (kvcomp/keepkv.h) and their largest count
+// is read back once (one host sync per call). Up to kDirectMaxEvicted evicted slots per row (a decoding step): one
+// block per (row, evicted slot) computes the cosines directly, warps over the retained slots, lanes over d. More
+// (prefill): normalised keys, at::matmul of chunks of evicted rows against the retained rows, then a fused masked
+// argmax kernel. Both argmaxes use kernels::MergesFirst (NaN as -inf, ties to the lower slot). The GEMM follows
+// torch's float32 matmul settings (TF32 only if the caller allowed it).
+//
+// keepkv_zip_merge: the targets are validated on the device and checked once (one host sync; an invalid target
+// raises the CPU kernel's error), the members of each set are grouped by an ATen sort, then one block per
+// (row, slot) merges a retained slot with its members (block reductions for m and the sums, threads over d).
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/stack.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <tuple>
+
+#include "kernels/keepkv.h"
+#include "kvcomp/dispatch.h"
+#include "kvcomp/keepkv.h"
+
+namespace kvcomp {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpSize = 32;
+constexpr int64_t kDirectMaxEvicted = 8;
+constexpr int64_t kMatchChunkElements = 1 << 26;  // similarities per GEMM chunk (256 MiB of float32)
+
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return a > b ? a : b; }
+};
+struct ZipSumsOp {
+  __device__ kernels::ZipSums operator()(const kernels::ZipSums& a, const kernels::ZipSums& b) const {
+    return kernels::ZipSums::combine(a, b);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// keepkv_match, direct path: block (row, rank) handles the rank-th evicted slot of the row.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    keepkv_match_direct_kernel(const scalar_t* __restrict__ keys,       // [R, T, d]
+                               const bool* __restrict__ keep,           // [R, T]
+                               const int64_t* __restrict__ evicted,     // [R, T] evicted slots first
+                               const int64_t* __restrict__ num_evicted, // [R]
+                               int64_t* __restrict__ targets,           // [R, T]
+                               int64_t slots, int64_t head_dim, float threshold) {
+  using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  const int64_t row = blockIdx.x, rank = blockIdx.y;
+  if (rank >= num_evicted[row]) return;
+  const int64_t e = evicted[row * slots + rank];
+  const scalar_t* row_keys = keys + row * slots * head_dim;
+  const scalar_t* key_e = row_keys + e * head_dim;
+  const bool* row_keep = keep + row * slots;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, warps = kThreads / kWarpSize;
+  float norm_sq_e = 0.0f;
+  for (int64_t c = lane; c < head_dim; c += kWarpSize) {
+    const float x = static_cast<float>(key_e[c]);
+    norm_sq_e += x * x;
+  }
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) norm_sq_e += __shfl_xor_sync(0xffffffffu, norm_sq_e, offset);
+  kernels::SlotChoice best = kernels::MergesFirst::none();
+  for (int64_t r = warp; r < slots; r += warps) {  // warp-uniform: every lane takes part in the shuffles
+    if (!row_keep[r]) continue;
+    const scalar_t* key_r = row_keys + r * head_dim;
+    float dot = 0.0f, norm_sq_r = 0.0f;
+    for (int64_t c = lane; c < head_dim; c += kWarpSize) {
+      const float x = static_cast<float>(key_r[c]);
+      dot += static_cast<float>(key_e[c]) * x;
+      norm_sq_r += x * x;
+    }
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      norm_sq_r += __shfl_xor_sync(0xffffffffu, norm_sq_r, offset);
+    }
+    const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
+    if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+  }
+  const kernels::SlotChoice chosen = BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
+  if (threadIdx.x == 0) targets[row * slots + e] = kernels::match_target(chosen, threshold);
+}
+
+// keepkv_match, GEMM path: block (row, k) takes row k of the similarity chunk (evicted rank begin + k) against the
+// row's retained slots (ranks < T - num_evicted[row]).
+__global__ void __launch_bounds__(kThreads)
+    keepkv_match_argmax_kernel(const float* __restrict__ similarities,  // [R, C, R_max]
+                               const int64_t* __restrict__ evicted,     // [R, T] evicted slots first
+                               const int64_t* __restrict__ retained,    // [R, T] retained slots first
+                               const int64_t* __restrict__ num_evicted, // [R]
+                               int64_t* __restrict__ targets,           // [R, T]
+                               int64_t slots, int64_t chunk, int64_t max_retained, int64_t begin, float threshold) {
+  using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  const int64_t row = blockIdx.x, k = blockIdx.y;
+  const int64_t rank = begin + k, evicted_count = num_evicted[row];
+  if (rank >= evicted_count) return;
+  const int64_t retained_count = slots - evicted_count;
+  const float* sim = similarities + (row * chunk + k) * max_retained;
+  kernels::SlotChoice best = kernels::MergesFirst::none();
+  for (int64_t r = threadIdx.x; r < retained_count; r += kThreads) {
+    const kernels::SlotChoice candidate{sim[r], retained[row * slots + r]};
+    if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+  }
+  const kernels::SlotChoice chosen = BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
+  if (threadIdx.x == 0) targets[row * slots + evicted[row * slots + rank]] = kernels::match_target(chosen, threshold);
+}
+
+at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, double threshold) {
+  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold);
+  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+  const int64_t rows = shape.rows(), slots = shape.slots, head_dim = shape.head_dim;
+  const at::Tensor keep_rows = keep.reshape({rows, slots}).contiguous();
+  at::Tensor targets = at::where(keep_rows, kernels::kKeepKVRetained, kernels::kKeepKVEvictedNoMerge);
+  if (rows == 0 || slots == 0) return targets.view({shape.batch, shape.kv_heads, slots});
+  TORCH_CHECK(rows <= INT32_MAX, "kvcomp::keepkv_match: expected at most 2^31 - 1 (batch, kv-head) rows, got ", rows);
+  const at::Tensor num_evicted = keep_rows.logical_not().sum(1);  // int64 [R]
+  const at::Tensor extremes = at::stack({num_evicted.max(), num_evicted.min()}).cpu();  // the one host sync
+  const int64_t max_evicted = extremes[0].item<int64_t>();
+  const int64_t max_retained = slots - extremes[1].item<int64_t>();
+  if (max_evicted == 0 || max_retained == 0) return targets.view({shape.batch, shape.kv_heads, slots});
+  const at::Tensor evicted = keepkv_partition(keep_rows, /*evicted_first=*/true);
+  const at::Tensor keys_c = keys.reshape({rows, slots, head_dim}).contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const float threshold_f = static_cast<float>(threshold);
+  if (max_evicted <= kDirectMaxEvicted) {
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(max_evicted));
+    KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_match", [&] {
+      keepkv_match_direct_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          keys_c.const_data_ptr<scalar_t>(), keep_rows.const_data_ptr<bool>(), evicted.const_data_ptr<int64_t>(),
+          num_evicted.const_data_ptr<int64_t>(), targets.mutable_data_ptr<int64_t>(), slots, head_dim, threshold_f);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return targets.view({shape.batch, shape.kv_heads, slots});
+  }
+  const at::Tensor retained = keepkv_partition(keep_rows, /*evicted_first=*/false);
+  const at::Tensor keys_f = keys_c.to(at::kFloat);
+  const at::Tensor norm_sq = (keys_f * keys_f).sum(-1, /*keepdim=*/true);
+  const at::Tensor normalised = keys_f * at::where(norm_sq.gt(0), at::rsqrt(norm_sq), 0.0);  // zero keys stay 0
+  const auto gather_rows = [&](const at::Tensor& index) {
+    return normalised.gather(1, index.unsqueeze(-1).expand({rows, index.size(1), head_dim}));
+  };
+  const at::Tensor retained_t = gather_rows(retained.narrow(1, 0, max_retained)).transpose(1, 2);  // [R, d, R_max]
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(max_evicted, kMatchChunkElements / (rows * max_retained)));
+  TORCH_CHECK(chunk <= 65535, "kvcomp::keepkv_match: internal chunk too large");
+  for (int64_t begin = 0; begin < max_evicted; begin += chunk) {
+    const int64_t count = std::min(chunk, max_evicted - begin);
+    const at::Tensor similarities = at::matmul(gather_rows(evicted.narrow(1, begin, count)), retained_t).contiguous();
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(count));
+    keepkv_match_argmax_kernel<<<grid, kThreads, 0, stream>>>(
+        similarities.const_data_ptr<float>(), evicted.const_data_ptr<int64_t>(), retained.const_data_ptr<int64_t>(),
+        num_evicted.const_data_ptr<int64_t>(), targets.mutable_data_ptr<int64_t>(), slots, count, max_retained, begin,
+        threshold_f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return targets.view({shape.batch, shape.kv_heads, slots});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// keepkv_zip_merge: block (row, c). Only a retained slot with members does any work; the outputs start as copies.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    keepkv_zip_merge_kernel(const scalar_t* __restrict__ keys,        // [R, T, d]
+                            const scalar_t* __restrict__ values,      // [R, T, d]
+                            const float* __restrict__ votes,          // [R, T]
+                            const float* __restrict__ log_scores,     // [R, T]
+                            const int64_t* __restrict__ targets,      // [R, T]
+                            const int64_t* __restrict__ members,      // [R * T] flat positions, see keepkv_members
+                            const int64_t* __restrict__ offsets,      // [R * (T + 1) + 1]
+                            scalar_t* __restrict__ out_keys,          // [R, T, d]
+                            scalar_t* __restrict__ out_values,        // [R, T, d]
+                            float* __restrict__ out_votes,            // [R, T]
+                            int64_t slots, int64_t head_dim, bool convex) {
+  using MaxReduce = cub::BlockReduce<float, kThreads>;
+  using SumsReduce = cub::BlockReduce<kernels::ZipSums, kThreads>;
+  __shared__ union {
+    typename MaxReduce::TempStorage max;
+    typename SumsReduce::TempStorage sums;
+  } storage;
+  __shared__ float shared_max;
+  __shared__ kernels::ZipCoefficients shared_coefficients;
+  const int64_t flat = blockIdx.x;  // row * T + c
+  const int64_t row = flat / slots, c = flat % slots;
+  if (targets[flat] != kernels::kKeepKVRetained) return;
+  const int64_t bucket = row * (slots + 1) + c;
+  const int64_t first = offsets[bucket], count = offsets[bucket + 1] - first;
+  if (count == 0) return;
+  const int64_t* set = members + first;  // flat positions of the evicted members
+  // Member k = -1 is c itself.
+  float local_max = -kernels::infinity();
+  for (int64_t k = static_cast<int64_t>(threadIdx.x) - 1; k < count; k += kThreads) {
+    const int64_t i = k < 0 ? flat : set[k];
+    local_max = kernels::zip_max_log(local_max, votes[i], log_scores[i]);
+  }
+  const float block_max = MaxReduce(storage.max).Reduce(local_max, MaxOp{});
+  if (threadIdx.x == 0) shared_max = block_max;
+  __syncthreads();
+  const float max_log = shared_max;
+  kernels::ZipSums local;
+  for (int64_t k = static_cast<int64_t>(threadIdx.x) - 1; k < count; k += kThreads) {
+    const int64_t i = k < 0 ? flat : set[k];
+    local.add(votes[i], log_scores[i], max_log);
+  }
+  const kernels::ZipSums sums = SumsReduce(storage.sums).Reduce(local, ZipSumsOp{});
+  if (threadIdx.x == 0) {
+    shared_coefficients = kernels::zip_coefficients(max_log, sums, convex);
+    out_votes[flat] = sums.votes;
+  }
+  __syncthreads();
+  const kernels::ZipCoefficients coefficients = shared_coefficients;
+  if (!coefficients.merged) return;
+  for (int64_t d = threadIdx.x; d < head_dim; d += kThreads) {
+    float key_acc = 0.0f, value_acc = 0.0f;
+    for (int64_t k = -1; k < count; ++k) {
+      const int64_t i = k < 0 ? flat : set[k];
+      const float w = kernels::zip_weight(votes[i], log_scores[i], max_log);
+      if (w > 0.0f) {
+        key_acc += w * static_cast<float>(keys[i * head_dim + d]);
+        value_acc += w * static_cast<float>(values[i * head_dim + d]);
+      }
+    }
+    out_keys[flat * head_dim + d] = static_cast<scalar_t>(key_acc * coefficients.key_scale);
+    out_values[flat * head_dim + d] = static_cast<scalar_t>(value_acc * coefficients.value_scale);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::Tensor& keys, const at::Tensor& values,
+                                                                     const at::Tensor& votes,
+                                                                     const at::Tensor& log_scores,
+                                                                     const at::Tensor& targets, bool convex) {
+  const KeepKVShape shape = check_keepkv_zip_merge(keys, values, votes, log_scores, targets);
+  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+  at::Tensor out_keys = keys.contiguous().clone();
+  at::Tensor out_values = values.contiguous().clone();
+  at::Tensor out_votes = votes.contiguous().clone();
+  const int64_t rows = shape.rows(), slots = shape.slots;
+  if (rows == 0 || slots == 0) return {out_keys, out_values, out_votes};
+  const at::Tensor target_rows = targets.reshape({rows, slots}).contiguous();
+  // Validation on the device, read back once: a target is -1, -2 or a retained slot of its row.
+  const at::Tensor merged = target_rows.ge(0);
+  const at::Tensor in_range = merged.logical_and(target_rows.lt(slots));
+  const at::Tensor target_kind = target_rows.gather(1, at::where(in_range, target_rows, 0));
+  const at::Tensor valid = target_rows.eq(kernels::kKeepKVRetained)
+                               .logical_or(target_rows.eq(kernels::kKeepKVEvictedNoMerge))
+                               .logical_or(in_range.logical_and(target_kind.eq(kernels::kKeepKVRetained)));
+  const at::Tensor invalid = at::nonzero(valid.logical_not().reshape({-1}));
+  if (invalid.size(0) > 0) {  // nonzero synchronised already
+    const int64_t position = invalid[0][0].item<int64_t>();
+    const int64_t row = position / slots, e = position % slots;
+    fail_keepkv_target(slots, row / shape.kv_heads, row % shape.kv_heads, e,
+                       target_rows.reshape({-1})[position].item<int64_t>());
+  }
+  const KeepKVMembers sets = keepkv_members(target_rows);
+  const int64_t blocks = rows * slots;
+  TORCH_CHECK(blocks <= INT32_MAX, "kvcomp::keepkv_zip_merge: expected at most 2^31 - 1 slots in all, got ", blocks);
+  const at::Tensor log_c = log_scores.contiguous();
+  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous(), votes_c = votes.contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_zip_merge", [&] {
+    keepkv_zip_merge_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        keys_c.const_data_ptr<scalar_t>(), values_c.const_data_ptr<scalar_t>(), votes_c.const_data_ptr<float>(),
+        log_c.const_data_ptr<float>(), target_rows.const_data_ptr<int64_t>(), sets.members.const_data_ptr<int64_t>(),
+        sets.offsets.const_data_ptr<int64_t>(), out_keys.mutable_data_ptr<scalar_t>(),
+        out_values.mutable_data_ptr<scalar_t>(), out_votes.mutable_data_ptr<float>(), slots, shape.head_dim, convex);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out_keys, out_values, out_votes};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) {
+  m.impl("keepkv_match", &keepkv_match_cuda);
+  m.impl("keepkv_zip_merge", &keepkv_zip_merge_cuda);
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,101 @@
+// Validation and output shapes of the keepkv family, called first by the CPU and the CUDA kernels alike, plus the
+// ATen pieces the CUDA path builds on the device (the partition of a row into evicted and retained slots, the
+// members of each merge set). Device-free math: kernels/keepkv.h.
+#pragma once
+
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+
+#include "kvcomp/checks.h"
+
+namespace kvcomp {
+
+struct KeepKVShape {
+  int64_t batch, kv_heads, slots, head_dim;
+  int64_t rows() const { return batch * kv_heads; }
+};
+
+inline void check_keepkv_keys(const char* op, const at::Tensor& keys) {
+  check_dim(op, "keys", keys, 4, "(B, H, T, d)");
+  check_floating(op, "keys", keys);
+}
+
+// A (B, H, T) per-slot tensor beside keys (B, H, T, d).
+inline void check_keepkv_per_slot(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                                  const at::Tensor& keys) {
+  check_dim(op, name, t, 3, "(B, H, T)");
+  check_dtype(op, name, t, dtype);
+  check_same_device(op, name, t, "keys", keys);
+  check_size(op, name, t, 0, keys.size(0), "batch of keys");
+  check_size(op, name, t, 1, keys.size(1), "kv heads of keys");
+  check_size(op, name, t, 2, keys.size(2), "slots of keys");
+}
+
+inline KeepKVShape check_keepkv_match(const at::Tensor& keys, const at::Tensor& keep, double threshold) {
+  constexpr const char* op = "kvcomp::keepkv_match";
+  check_keepkv_keys(op, keys);
+  check_keepkv_per_slot(op, "keep", keep, at::kBool, keys);
+  check_range(op, "threshold", threshold, -1.0, 1.0);  // NaN fails the range test too
+  return {keys.size(0), keys.size(1), keys.size(2), keys.size(3)};
+}
+
+inline KeepKVShape check_keepkv_zip_merge(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& votes,
+                                          const at::Tensor& log_scores, const at::Tensor& targets) {
+  constexpr const char* op = "kvcomp::keepkv_zip_merge";
+  check_keepkv_keys(op, keys);
+  check_dim(op, "values", values, 4, "(B, H, T, d)");
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": expected values of the dtype of keys (",
+              keys.scalar_type(), "), got ", values.scalar_type());
+  check_same_device(op, "values", values, "keys", keys);
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": expected values of the shape of keys (", keys.sizes(),
+              "), got ", values.sizes());
+  check_keepkv_per_slot(op, "votes", votes, at::kFloat, keys);
+  check_keepkv_per_slot(op, "log_scores", log_scores, at::kFloat, keys);
+  check_keepkv_per_slot(op, "targets", targets, at::kLong, keys);
+  return {keys.size(0), keys.size(1), keys.size(2), keys.size(3)};
+}
+
+// The error for a target that is neither -1, -2 nor a retained slot of its row; the same words on CPU and CUDA.
+[[noreturn]] inline void fail_keepkv_target(int64_t slots, int64_t batch_index, int64_t head, int64_t slot,
+                                            int64_t target) {
+  TORCH_CHECK(false, "kvcomp::keepkv_zip_merge: expected every target to be -1 (retained), -2 (evicted without ",
+              "merge) or the index in [0, ", slots, ") of a retained slot (target -1) of the same row, got targets[",
+              batch_index, ", ", head, ", ", slot, "] = ", target);
+}
+
+// Rows (B * H, T) of slot positions with the evicted slots first (ascending) when evicted_first, else the retained
+// slots first (ascending): a stable partition by one sort of unique int64 keys, on the device of keep.
+inline at::Tensor keepkv_partition(const at::Tensor& keep_rows, bool evicted_first) {
+  const int64_t slots = keep_rows.size(1);
+  const at::Tensor positions = at::arange(slots, keep_rows.options().dtype(at::kLong));
+  const at::Tensor later = (evicted_first ? keep_rows : keep_rows.logical_not()).to(at::kLong);
+  return std::get<1>((later * slots + positions).sort(/*dim=*/1));
+}
+
+// The members of every merge set, for targets rows (R, T) already validated: `members` (R * T) holds the flat
+// positions row * T + e of the merged evicted slots, grouped by (row, target) in ascending e, and the members of
+// (row, c) are members[offsets[row * (T + 1) + c] : offsets[row * (T + 1) + c + 1]]; offsets has R * (T + 1) + 1
+// entries (bucket T of each row collects the slots that merge nowhere). Sort + scatter_add + cumsum on the device.
+struct KeepKVMembers {
+  at::Tensor members, offsets;
+};
+
+inline KeepKVMembers keepkv_members(const at::Tensor& target_rows) {
+  const int64_t rows = target_rows.size(0), slots = target_rows.size(1);
+  const auto long_options = target_rows.options().dtype(at::kLong);
+  const at::Tensor row_base = at::arange(rows, long_options).unsqueeze(1) * (slots + 1);
+  const at::Tensor bucket = (at::where(target_rows.ge(0), target_rows, slots) + row_base).reshape({-1});
+  const at::Tensor members = std::get<1>(bucket.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor counts = at::zeros({rows * (slots + 1)}, long_options).scatter_add_(0, bucket,
+                                                                                       at::ones_like(bucket));
+  const at::Tensor offsets = at::cat({at::zeros({1}, long_options), at::cumsum(counts, 0)});
+  return {members, offsets};
+}
+
+}  // namespace kvcomp

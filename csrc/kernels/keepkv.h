@@ -1,0 +1,116 @@
+// Device-free math of the keepkv family (kvcomp::keepkv_match, kvcomp::keepkv_zip_merge), used by the CPU loops, the
+// CUDA kernels and GoogleTest.
+//
+// KeepKV (methods.md): electoral votes p enter attention as the bias ln p. An evicted slot e merges into the retained
+// slot c of highest key cosine similarity (if >= threshold); each retained slot c then stands for the set
+// S = {c} ∪ {e : target(e) = c} and becomes, in the log domain (ℓ = ln s, m = max ℓ over S, w_i = p_i exp(ℓ_i - m)):
+//   k_r = (Σ w k) · (m + ln(Σ w / Σ p)) / (Σ w ℓ)     ZIP key (paper eq. 7): q·k_r·scale = ln(Σ p s / Σ p) for the
+//                                                      query q with ℓ_i = q·k_i·scale, so p_r s_r = Σ p s (theorem 3)
+//   k_r = (Σ w k) / (Σ w)                              convex key (the authors' released code; the guard's fallback)
+//   v_r = (Σ w v) / (Σ w),  p_r = Σ p.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+#include "zsmerge.h"  // is_nan, infinity, SlotChoice, MergesFirst, KeepBetter, kNoSlot
+
+namespace kvcomp::kernels {
+
+// keepkv_match's target codes besides a slot index t >= 0 (merge into retained slot t).
+constexpr int64_t kKeepKVRetained = -1;        // the slot itself is retained
+constexpr int64_t kKeepKVEvictedNoMerge = -2;  // evicted, no retained slot similar enough (or none retained)
+
+// The guard of the ZIP key: it is used only when |Σ w ℓ| > kZipGuardRelativeEps · Σ w · max|ℓ| (the denominator is
+// not a cancellation-dominated near-zero: float32 rounding of Σ w ℓ is ~n·6e-8 of Σ w·max|ℓ|, so this keeps the
+// key's scale accurate to ~n·6e-5) and m + ln(Σ w / Σ p) has the sign of Σ w ℓ (or is 0: a zero key, exact by the
+// theorem). Otherwise the convex key is used.
+constexpr float kZipGuardRelativeEps = 1e-3f;
+
+KVCOMP_HOST_DEVICE inline bool is_finite(float x) { return !is_nan(x) && x != infinity() && x != -infinity(); }
+
+// 1 / ||k|| from ||k||^2, 0 for a zero key (so its cosine with anything is 0). Used to normalise keys for the GEMM.
+KVCOMP_HOST_DEVICE inline float inverse_norm(float norm_sq) { return norm_sq > 0.0f ? 1.0f / sqrtf(norm_sq) : 0.0f; }
+
+// cos(a, b) from a·b, ||a||^2 and ||b||^2 in float32; 0 when either key is zero.
+KVCOMP_HOST_DEVICE inline float cosine_similarity(float dot, float norm_sq_a, float norm_sq_b) {
+  if (norm_sq_a == 0.0f || norm_sq_b == 0.0f) return 0.0f;
+  return dot / (sqrtf(norm_sq_a) * sqrtf(norm_sq_b));
+}
+
+// The target of an evicted slot from the best retained candidate under MergesFirst (NaN as -inf, ties to the lower
+// slot): its slot if the similarity is >= threshold, else kKeepKVEvictedNoMerge (also when nothing is retained or
+// the best similarity is NaN).
+KVCOMP_HOST_DEVICE inline int64_t match_target(const SlotChoice& best, float threshold) {
+  return (best.slot != kNoSlot && best.value >= threshold) ? best.slot : kKeepKVEvictedNoMerge;
+}
+
+// Whether a member of a set carries weight: p > 0 and ℓ > -inf (NaN votes or log-scores count as w = 0).
+KVCOMP_HOST_DEVICE inline bool zip_contributes(float vote, float log_score) {
+  return vote > 0.0f && log_score > -infinity();
+}
+
+// w_i = p_i exp(ℓ_i - m), 0 for a member that does not contribute.
+KVCOMP_HOST_DEVICE inline float zip_weight(float vote, float log_score, float max_log) {
+  return zip_contributes(vote, log_score) ? vote * expf(log_score - max_log) : 0.0f;
+}
+
+// The sums of one set S, accumulated in float32 over its members after the first pass found max_log.
+struct ZipSums {
+  float weight = 0.0f;        // Σ w
+  float votes = 0.0f;         // Σ p (all members)
+  float weighted_log = 0.0f;  // Σ w ℓ (members with w > 0)
+  float max_abs_log = 0.0f;   // max |ℓ| over members with w > 0
+
+  KVCOMP_HOST_DEVICE void add(float vote, float log_score, float max_log) {
+    votes += vote;
+    const float w = zip_weight(vote, log_score, max_log);
+    if (w > 0.0f) {
+      weight += w;
+      weighted_log += w * log_score;
+      const float magnitude = fabsf(log_score);
+      max_abs_log = magnitude > max_abs_log ? magnitude : max_abs_log;
+    }
+  }
+  KVCOMP_HOST_DEVICE static ZipSums combine(const ZipSums& a, const ZipSums& b) {
+    ZipSums out;
+    out.weight = a.weight + b.weight;
+    out.votes = a.votes + b.votes;
+    out.weighted_log = a.weighted_log + b.weighted_log;
+    out.max_abs_log = a.max_abs_log > b.max_abs_log ? a.max_abs_log : b.max_abs_log;
+    return out;
+  }
+};
+
+// The merged row is k_r = key_scale · Σ w k and v_r = value_scale · Σ w v.
+struct ZipCoefficients {
+  float key_scale;
+  float value_scale;
+  bool merged;    // false: Σ w is 0 (or NaN): the retained slot keeps its key and value
+  bool zip_used;  // the ZIP key passed the guard (false for convex=true and for the fallback)
+};
+
+KVCOMP_HOST_DEVICE inline bool zip_guard_passes(float numerator, const ZipSums& sums) {
+  const float denominator = sums.weighted_log;
+  if (!is_finite(numerator) || !is_finite(denominator)) return false;
+  if (!(fabsf(denominator) > kZipGuardRelativeEps * sums.weight * sums.max_abs_log)) return false;
+  return numerator == 0.0f || ((numerator > 0.0f) == (denominator > 0.0f));
+}
+
+KVCOMP_HOST_DEVICE inline ZipCoefficients zip_coefficients(float max_log, const ZipSums& sums, bool convex) {
+  if (!(sums.weight > 0.0f) || !is_finite(sums.weight)) return {1.0f, 1.0f, false, false};
+  const float value_scale = 1.0f / sums.weight;
+  if (!convex) {
+    const float numerator = max_log + logf(sums.weight / sums.votes);  // ln(Σ p s / Σ p) - m + m
+    if (zip_guard_passes(numerator, sums)) return {numerator / sums.weighted_log, value_scale, true, true};
+  }
+  return {value_scale, value_scale, true, false};
+}
+
+// Running maximum of ℓ over the contributing members (the shift m of the log domain); -inf when none contributes.
+KVCOMP_HOST_DEVICE inline float zip_max_log(float current, float vote, float log_score) {
+  return (zip_contributes(vote, log_score) && log_score > current) ? log_score : current;
+}
+
+}  // namespace kvcomp::kernels

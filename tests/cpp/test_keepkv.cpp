@@ -1,0 +1,189 @@
+// GoogleTest of the keepkv family: the device-free pieces (cosine with zero norms, the match decision, the log-domain
+// ZIP coefficients and their guard) against hand computations, the ATen grouping of merge sets the CUDA path uses,
+// and both CPU kernels through the dispatcher.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "kernels/keepkv.h"
+#include "kvcomp/keepkv.h"
+
+namespace {
+
+namespace k = kvcomp::kernels;
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+TEST(KeepKVKernels, CosineOfZeroKeysIsZero) {
+  EXPECT_EQ(k::cosine_similarity(0.0f, 0.0f, 4.0f), 0.0f);
+  EXPECT_EQ(k::cosine_similarity(0.0f, 9.0f, 0.0f), 0.0f);
+  EXPECT_FLOAT_EQ(k::cosine_similarity(6.0f, 4.0f, 9.0f), 1.0f);   // (2,0)·(3,0)
+  EXPECT_FLOAT_EQ(k::cosine_similarity(-3.0f, 2.0f, 4.5f), -1.0f);  // (1,1)·(-1.5,-1.5)
+  EXPECT_FLOAT_EQ(k::cosine_similarity(1.0f, 2.0f, 2.0f), 0.5f);
+  EXPECT_EQ(k::inverse_norm(0.0f), 0.0f);
+  EXPECT_FLOAT_EQ(k::inverse_norm(16.0f), 0.25f);
+}
+
+TEST(KeepKVKernels, MatchTargetAppliesTheThreshold) {
+  EXPECT_EQ(k::match_target({0.8f, 5}, 0.8f), 5);  // >= threshold
+  EXPECT_EQ(k::match_target({0.79f, 5}, 0.8f), k::kKeepKVEvictedNoMerge);
+  EXPECT_EQ(k::match_target({kNan, 5}, -1.0f), k::kKeepKVEvictedNoMerge);
+  EXPECT_EQ(k::match_target(k::MergesFirst::none(), -1.0f), k::kKeepKVEvictedNoMerge);  // nothing retained
+  EXPECT_EQ(k::match_target({-1.0f, 0}, -1.0f), 0);
+}
+
+// Sums of a set given as (p, ℓ) pairs, the two passes of the kernels.
+std::pair<float, k::ZipSums> sums_of(const std::vector<std::pair<float, float>>& set) {
+  float max_log = -kInf;
+  for (const auto& [p, l] : set) max_log = k::zip_max_log(max_log, p, l);
+  k::ZipSums sums;
+  for (const auto& [p, l] : set) sums.add(p, l, max_log);
+  return {max_log, sums};
+}
+
+TEST(KeepKVKernels, ZipKeyScaleMatchesTheUnshiftedFormula) {
+  // p = (1, 2), ℓ = (1, 2): Σ p s = e + 2e^2, Σ p = 3, Σ p s ℓ = e + 4e^2.
+  // Unshifted: k_r = (Σ p s k) · ln((e + 2e^2)/3) / (e + 4e^2); shifted by m = 2 the scale on Σ w k (w = p s / e^2)
+  // is ln((e + 2e^2)/3) / ((e + 4e^2)/e^2).
+  const auto [m, sums] = sums_of({{1.0f, 1.0f}, {2.0f, 2.0f}});
+  EXPECT_EQ(m, 2.0f);
+  const double e = std::exp(1.0), e2 = std::exp(2.0);
+  EXPECT_NEAR(sums.weight, (e + 2 * e2) / e2, 1e-6);
+  EXPECT_NEAR(sums.votes, 3.0, 1e-7);
+  EXPECT_NEAR(sums.weighted_log, (e + 4 * e2) / e2, 1e-6);
+  const auto c = k::zip_coefficients(m, sums, /*convex=*/false);
+  ASSERT_TRUE(c.merged && c.zip_used);
+  EXPECT_NEAR(c.key_scale, std::log((e + 2 * e2) / 3) / ((e + 4 * e2) / e2), 1e-6);
+  EXPECT_NEAR(c.value_scale, e2 / (e + 2 * e2), 1e-6);
+  // Theorem 3 in one dimension: keys k_i = ℓ_i (q = 1, scale 1) -> q·k_r = ln(Σ p s / Σ p).
+  const float key = c.key_scale * static_cast<float>((1.0 * 1 * e + 2.0 * 2 * e2) / e2);
+  EXPECT_NEAR(key, std::log((e + 2 * e2) / 3), 1e-6);
+  const auto convex = k::zip_coefficients(m, sums, /*convex=*/true);
+  EXPECT_TRUE(convex.merged && !convex.zip_used);
+  EXPECT_FLOAT_EQ(convex.key_scale, convex.value_scale);
+}
+
+TEST(KeepKVKernels, ZipIsShiftInvariant) {
+  // Adding a constant to every ℓ must not overflow: ℓ = 1000 + (0, 1).
+  const auto [m, sums] = sums_of({{1.0f, 1000.0f}, {1.0f, 1001.0f}});
+  const auto c = k::zip_coefficients(m, sums, false);
+  ASSERT_TRUE(c.merged && c.zip_used);
+  const double numerator = 1001.0 + std::log((std::exp(-1.0) + 1.0) / 2.0);
+  EXPECT_NEAR(c.key_scale, numerator / (std::exp(-1.0) * 1000.0 + 1001.0), 1e-6);
+}
+
+TEST(KeepKVKernels, GuardFallsBackOnANearZeroDenominator) {
+  // p = (e^2, 1), ℓ = (-1, 1): p s = (e, e), Σ w ℓ = 0.
+  const auto [m, sums] = sums_of({{std::exp(2.0f), -1.0f}, {1.0f, 1.0f}});
+  EXPECT_NEAR(sums.weighted_log, 0.0f, 1e-6);
+  const auto c = k::zip_coefficients(m, sums, false);
+  EXPECT_TRUE(c.merged);
+  EXPECT_FALSE(c.zip_used);
+  EXPECT_FLOAT_EQ(c.key_scale, 1.0f / sums.weight);
+  k::ZipSums tiny = sums;
+  tiny.weighted_log = 0.5e-3f * tiny.weight * tiny.max_abs_log;  // inside the guard band
+  EXPECT_FALSE(k::zip_guard_passes(0.1f, tiny));
+  tiny.weighted_log = 2e-3f * tiny.weight * tiny.max_abs_log;  // outside
+  EXPECT_TRUE(k::zip_guard_passes(0.1f, tiny));
+}
+
+TEST(KeepKVKernels, GuardFallsBackOnASignMismatch) {
+  k::ZipSums sums;
+  sums.weight = 1.0f;
+  sums.votes = 2.0f;
+  sums.weighted_log = 0.5f;
+  sums.max_abs_log = 1.0f;
+  EXPECT_TRUE(k::zip_guard_passes(0.3f, sums));
+  EXPECT_FALSE(k::zip_guard_passes(-0.3f, sums));
+  EXPECT_TRUE(k::zip_guard_passes(0.0f, sums));  // a zero key: exact by the theorem
+  EXPECT_FALSE(k::zip_guard_passes(kNan, sums));
+  EXPECT_FALSE(k::zip_guard_passes(kInf, sums));
+  sums.weighted_log = -0.5f;
+  EXPECT_TRUE(k::zip_guard_passes(-0.3f, sums));
+  EXPECT_FALSE(k::zip_guard_passes(0.3f, sums));
+}
+
+TEST(KeepKVKernels, ZeroWeightSetsKeepTheSlot) {
+  const auto [m, sums] = sums_of({{0.0f, 1.0f}, {2.0f, -kInf}, {kNan, 3.0f}, {1.0f, kNan}});
+  EXPECT_EQ(m, -kInf);
+  EXPECT_EQ(sums.weight, 0.0f);
+  EXPECT_FALSE(k::zip_coefficients(m, sums, false).merged);
+  EXPECT_FALSE(k::zip_coefficients(m, sums, true).merged);
+  // +inf log-score: Σ w is NaN -> unchanged, no NaN key
+  const auto [m2, sums2] = sums_of({{1.0f, kInf}, {1.0f, 0.0f}});
+  EXPECT_FALSE(k::zip_coefficients(m2, sums2, false).merged);
+}
+
+TEST(KeepKVSets, MembersAreGroupedByTarget) {
+  // Two rows of T = 5: row 0 merges 1 and 3 into 0, row 1 merges 4 into 2, 0 is evicted without merge.
+  const auto targets = at::tensor({-1, 0, -1, 0, -2, -2, -1, -1, -1, 2}, at::kLong).view({2, 5});
+  const auto sets = kvcomp::keepkv_members(targets);
+  ASSERT_EQ(sets.offsets.numel(), 2 * 6 + 1);
+  const auto off = sets.offsets.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t* m = sets.members.contiguous().data_ptr<int64_t>();
+  EXPECT_EQ(o[1] - o[0], 2);  // (row 0, slot 0): members 1, 3
+  EXPECT_EQ(m[o[0]], 1);
+  EXPECT_EQ(m[o[0] + 1], 3);
+  EXPECT_EQ(o[6 + 2 + 1] - o[6 + 2], 1);  // (row 1, slot 2): member 5 + 4 = 9
+  EXPECT_EQ(m[o[6 + 2]], 9);
+  EXPECT_EQ(o[6 + 1] - o[6 + 0], 0);
+}
+
+TEST(KeepKVSets, PartitionPutsEvictedFirstInOrder) {
+  const auto keep = at::tensor({1, 0, 1, 0, 0}).ne(0).view({1, 5});
+  const auto evicted = kvcomp::keepkv_partition(keep, true).contiguous();
+  const auto retained = kvcomp::keepkv_partition(keep, false).contiguous();
+  EXPECT_EQ(std::vector<int64_t>(evicted.data_ptr<int64_t>(), evicted.data_ptr<int64_t>() + 5),
+            (std::vector<int64_t>{1, 3, 4, 0, 2}));
+  EXPECT_EQ(std::vector<int64_t>(retained.data_ptr<int64_t>(), retained.data_ptr<int64_t>() + 5),
+            (std::vector<int64_t>{0, 2, 1, 3, 4}));
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// Through the dispatcher
+
+TEST(KeepKVOps, CpuKernelsAreRegistered) {
+  for (const char* name : {"kvcomp::keepkv_match", "kvcomp::keepkv_zip_merge"}) {
+    const auto op = c10::Dispatcher::singleton().findOp({name, ""});
+    ASSERT_TRUE(op.has_value()) << name;
+    EXPECT_TRUE(op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) << name;
+  }
+}
+
+TEST(KeepKVOps, MatchAndMergeByHand) {
+  using MatchFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+  using MergeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, bool);
+  const auto match = c10::Dispatcher::singleton().findSchemaOrThrow("kvcomp::keepkv_match", "").typed<MatchFn>();
+  const auto merge = c10::Dispatcher::singleton().findSchemaOrThrow("kvcomp::keepkv_zip_merge", "").typed<MergeFn>();
+  // d = 2: slots 0 (1, 0) and 1 (0, 1) retained; 2 (2, 0.1) evicted -> 0; 3 (-1, -1) evicted, best cos 0 < 0.5 -> -2.
+  const auto keys = at::tensor({1.f, 0.f, 0.f, 1.f, 2.f, 0.1f, -1.f, -1.f}).view({1, 1, 4, 2});
+  const auto keep = at::tensor({1, 1, 0, 0}).ne(0).view({1, 1, 4});
+  const auto targets = match.call(keys, keep, 0.5);
+  const std::vector<int64_t> expected{-1, -1, 0, -2};
+  for (int64_t t = 0; t < 4; ++t) EXPECT_EQ(targets[0][0][t].item<int64_t>(), expected[t]) << "slot " << t;
+  // ℓ = q·k with q = (1, 0): ℓ_0 = 1, ℓ_2 = 2; votes 1 and 3.
+  const auto votes = at::tensor({1.f, 1.f, 3.f, 1.f}).view({1, 1, 4});
+  const auto logs = at::tensor({1.f, 0.f, 2.f, -1.f}).view({1, 1, 4});
+  const auto [out_k, out_v, out_p] = merge.call(keys, keys * 10, votes, logs, targets, false);
+  EXPECT_FLOAT_EQ(out_p[0][0][0].item<float>(), 4.0f);
+  // q·k_r = ln((e + 3 e^2) / 4)
+  const double e = std::exp(1.0), e2 = std::exp(2.0);
+  EXPECT_NEAR(out_k[0][0][0][0].item<float>(), std::log((e + 3 * e2) / 4), 1e-5);
+  EXPECT_NEAR(out_v[0][0][0][0].item<float>(), 10 * (e * 1 + 3 * e2 * 2) / (e + 3 * e2), 1e-4);
+  EXPECT_TRUE(at::equal(out_k.narrow(2, 1, 3), keys.narrow(2, 1, 3)));
+  const auto bad = targets.clone();
+  bad[0][0][3] = 1;
+  bad[0][0][2] = 3;  // targets an evicted slot
+  EXPECT_THROW(merge.call(keys, keys, votes, logs, bad, false), c10::Error);
+}
+
+}  // namespace

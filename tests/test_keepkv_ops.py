@@ -1,0 +1,511 @@
+"""kvcomp::keepkv_match and kvcomp::keepkv_zip_merge against their plain-PyTorch references, KeepKV's theorem 3
+(attention of the scoring query is unchanged by a ZIP merge), attention sag of convex merging (theorem 2), vote
+conservation, the ZIP guard, NaN / inf / zero votes, opcheck, torch.compile and bad input."""
+
+import math
+
+import pytest
+import torch
+
+import kvpress_cpp
+from kvpress_cpp import ops
+from tests import reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def tolerances(dtype):
+    return {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+def keep_pattern(name, batch, heads, slots, generator):
+    if name == "random":
+        keep = torch.rand(batch, heads, slots, generator=generator) < 0.4
+        keep[..., 0] = True
+        return keep
+    if name == "one_evicted":  # a decoding step: the newest slot is evicted
+        keep = torch.ones(batch, heads, slots, dtype=torch.bool)
+        keep[..., -1] = False
+        return keep
+    if name == "many_evicted":  # prefill-like: more than the direct path's 8 evicted slots per row
+        keep = torch.zeros(batch, heads, slots, dtype=torch.bool)
+        keep[..., ::4] = True
+        return keep
+    if name == "none_retained":
+        return torch.zeros(batch, heads, slots, dtype=torch.bool)
+    if name == "all_retained":
+        return torch.ones(batch, heads, slots, dtype=torch.bool)
+    if name == "mixed_rows":  # one row keeps nothing, one keeps everything, the others random
+        keep = torch.rand(batch, heads, slots, generator=generator) < 0.5
+        keep[0, 0] = False
+        keep[-1, -1] = True
+        return keep
+    raise ValueError(name)
+
+
+KEEP_PATTERNS = ["random", "one_evicted", "many_evicted", "none_retained", "all_retained", "mixed_rows"]
+
+
+def correlated_keys(batch, heads, slots, head_dim, generator):
+    """Keys around a few directions, so that cosines spread over [-1, 1] and thresholds like 0.8 matter."""
+    centres = torch.randn(batch, heads, 3, head_dim, generator=generator)
+    which = torch.randint(0, 3, (batch, heads, slots), generator=generator)
+    base = centres.gather(2, which[..., None].expand(-1, -1, -1, head_dim))
+    return base + 0.4 * torch.randn(batch, heads, slots, head_dim, generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# keepkv_match
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", KEEP_PATTERNS)
+@pytest.mark.parametrize("threshold", [0.8, -1.0, 1.0])
+@pytest.mark.parametrize("heads", [2, 3])
+def test_match_matches_reference(device, dtype, pattern, threshold, heads):
+    generator = torch.Generator().manual_seed(0)
+    keys = correlated_keys(2, heads, 40, 16, generator).to(dtype)
+    keep = keep_pattern(pattern, 2, heads, 40, generator)
+    got = ops.keepkv_match(keys.to(device), keep.to(device), threshold)
+    expected = reference.keepkv_match(keys, keep, threshold)
+    assert got.dtype == torch.int64 and got.shape == keep.shape and got.device.type == device
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("evicted", [1, 8, 9, 300])  # both sides of the direct / GEMM switch
+def test_match_large_rows(device, evicted):
+    generator = torch.Generator().manual_seed(1)
+    slots = 600
+    keys = correlated_keys(2, 2, slots, 72, generator)
+    keep = torch.ones(2, 2, slots, dtype=torch.bool)
+    keep[..., torch.randperm(slots, generator=generator)[:evicted]] = False
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 0.5).cpu()
+    expected = reference.keepkv_match_vectorised(keys.double(), keep, 0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("many", [False, True])
+def test_match_zero_norm_nan_and_ties(device, many):
+    keys = torch.randn(1, 1, 24, 8, generator=torch.Generator().manual_seed(2))
+    keep = torch.zeros(1, 1, 24, dtype=torch.bool)
+    keep[..., 12:] = True
+    if not many:
+        keep[..., 3:12] = True  # evicted: 0, 1, 2 only (direct path)
+    keys[0, 0, 0] = 0.0  # zero key: similarity 0 with every retained slot -> the lowest retained slot at threshold 0
+    keys[0, 0, 1] = float("nan")  # NaN similarities count as -inf: no target even at threshold -1
+    keys[0, 0, 14] = keys[0, 0, 2] * 2.0  # same direction twice (power-of-two scales: exact cosines): a tie,
+    keys[0, 0, 20] = keys[0, 0, 2] * 4.0  # the lower slot wins
+    lowest_retained = 12 if many else 3
+    got = ops.keepkv_match(keys.to(device), keep.to(device), -1.0).cpu()
+    assert got[0, 0, 0] == lowest_retained and got[0, 0, 1] == -2 and got[0, 0, 2] == 14
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 0.0).cpu()
+    assert got[0, 0, 0] == lowest_retained and got[0, 0, 1] == -2
+    keys[0, 0][keep[0, 0]] = 0.0  # every retained key zero: similarity 0 for all of them
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 0.1).cpu()
+    assert (got[0, 0, :12][~keep[0, 0, :12]] == -2).all() and (got[0, 0, 12:] == -1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_match_inf_keys_do_not_crash(device):
+    keys = torch.randn(2, 2, 16, 8)
+    keys[0, 0, 3, 2] = float("inf")
+    keys[1, 1, :, 0] = float("-inf")
+    keep = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(3)) < 0.5
+    got = ops.keepkv_match(keys.to(device), keep.to(device), -1.0).cpu()
+    assert ((got == -1) == keep).all() and (got >= -2).all() and (got < 16).all()
+    retained_target = keep.gather(2, got.clamp_min(0))
+    assert retained_target[got >= 0].all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# keepkv_zip_merge against the reference
+
+
+def merge_inputs(batch, heads, slots, head_dim, dtype, seed=0, pattern="random"):
+    generator = torch.Generator().manual_seed(seed)
+    keys = correlated_keys(batch, heads, slots, head_dim, generator)
+    values = torch.randn(batch, heads, slots, head_dim, generator=generator)
+    votes = 0.5 + 2.5 * torch.rand(batch, heads, slots, generator=generator)
+    log_scores = 1.0 + 4.0 * torch.rand(batch, heads, slots, generator=generator)
+    keep = keep_pattern(pattern, batch, heads, slots, generator)
+    targets = reference.keepkv_match(keys, keep, 0.3)
+    return keys.to(dtype), values.to(dtype), votes, log_scores, targets
+
+
+def assert_merge_close(got, expected, dtype):
+    for name, a, b in zip(("keys", "values", "votes"), got, expected):
+        tol = tolerances(dtype) if name != "votes" else {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(a.cpu(), b, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}", **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", KEEP_PATTERNS)
+@pytest.mark.parametrize("convex", [False, True])
+@pytest.mark.parametrize("heads", [2, 3])
+def test_zip_merge_matches_reference(device, dtype, pattern, convex, heads):
+    inputs = merge_inputs(2, heads, 30, 16, dtype, pattern=pattern)
+    got = ops.keepkv_zip_merge(*(t.to(device) for t in inputs), convex)
+    assert [t.dtype for t in got] == [dtype, dtype, torch.float32] and all(t.device.type == device for t in got)
+    assert_merge_close(got, reference.keepkv_zip_merge(*inputs, convex), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("convex", [False, True])
+def test_zip_merge_vectorised_baseline_matches_reference(device, convex):
+    inputs = merge_inputs(2, 3, 30, 16, torch.float32, seed=4)
+    got = reference.keepkv_zip_merge_vectorised(*(t.to(device) for t in inputs), convex)
+    assert_merge_close(got, reference.keepkv_zip_merge(*inputs, convex), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zip_merge_large_sets_and_head_dim(device):
+    """A set with more members than the CUDA block's 256 threads, d above the block size."""
+    slots, head_dim = 700, 300
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 2, slots, head_dim, generator=generator)
+    values = torch.randn(1, 2, slots, head_dim, generator=generator)
+    votes = 1.0 + torch.rand(1, 2, slots, generator=generator)
+    log_scores = 1.0 + torch.rand(1, 2, slots, generator=generator)
+    targets = torch.full((1, 2, slots), -1)
+    targets[0, 0, 1:600] = 0  # 599 members into slot 0
+    targets[0, 1, 100:400] = torch.randint(400, slots, (300,), generator=generator)
+    inputs = (keys, values, votes, log_scores, targets)
+    for convex in (False, True):
+        got = ops.keepkv_zip_merge(*(t.to(device) for t in inputs), convex)
+        assert_merge_close(got, reference.keepkv_zip_merge(*inputs, convex), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zip_merge_untouched_slots_are_bit_exact(device):
+    keys, values, votes, log_scores, targets = merge_inputs(2, 2, 30, 16, torch.bfloat16, seed=6)
+    out_k, out_v, out_p = ops.keepkv_zip_merge(*(t.to(device) for t in (keys, values, votes, log_scores, targets)))
+    merged_into = torch.zeros_like(targets).scatter_add_(2, targets.clamp_min(0), (targets >= 0).long()) > 0
+    untouched = ~merged_into
+    assert torch.equal(out_k.cpu()[untouched], keys[untouched]) and torch.equal(out_v.cpu()[untouched], values[untouched])
+    assert torch.equal(out_p.cpu()[untouched], votes[untouched])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# theorem 3, attention sag, votes
+
+
+def theorem_setup(batch, kv_heads, group, slots, head_dim, dtype, seed, targets, query_in_group=0):
+    """Keys whose logits for one query head per kv head (head h * G + query_in_group) lie in [1, 5]; ℓ is exactly
+    q·k·scale of the stored keys (float64, rounded to float32 for the float32 op)."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = 1.0 / math.sqrt(head_dim)
+    query = torch.randn(batch, kv_heads * group, 1, head_dim, generator=generator, dtype=torch.float64)
+    query = query.to(dtype).double()  # ℓ from the query the attention will use
+    q = query[:, query_in_group::group, 0]  # (B, H, d): the scoring query head of each kv head
+    noise = torch.randn(batch, kv_heads, slots, head_dim, generator=generator, dtype=torch.float64)
+    noise -= (noise @ q[..., None]) / (q * q).sum(-1)[..., None, None] * q[:, :, None]  # orthogonal to q
+    logit = 1.0 + 4.0 * torch.rand(batch, kv_heads, slots, generator=generator, dtype=torch.float64)
+    keys = (noise + (logit / (scale * (q * q).sum(-1)[..., None]))[..., None] * q[:, :, None]).to(dtype)
+    values = torch.randn(batch, kv_heads, slots, head_dim, generator=generator, dtype=torch.float64).to(dtype)
+    votes = (0.5 + 2.5 * torch.rand(batch, kv_heads, slots, generator=generator)).to(torch.float64)
+    votes = votes.to(torch.float32).to(dtype if dtype == torch.float64 else torch.float32)
+    log_scores = scale * (keys.double() @ q[..., None]).squeeze(-1)
+    log_scores = log_scores.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return query.to(dtype), keys, values, votes, log_scores, targets.expand(batch, kv_heads, slots).clone(), scale
+
+
+def attention(query, keys, values, votes, scale):
+    """float64 softmax(q·k·scale + ln p)·v with votes 0 for dropped slots: (B, Hq, 1, d) and probs (B, Hq, 1, T)."""
+    votes = votes.double()
+    bias = torch.where(votes > 0, votes.log(), float("-inf"))  # ln p in float64 (merge_count_bias is float32)
+    out, probs = reference.decode_attention(query.double(), keys.double(), values.double(), bias, scale)
+    return out.double(), probs
+
+
+TARGET_CASES = {  # slots 0..11
+    "single": [-1, -1, 0, -1, -1, -1, -1, -1, -1, -1, -1, -1],
+    "set": [-1, 0, 0, 0, -1, 0, -1, -1, -1, -1, -1, -1],
+    "several": [-1, 0, -1, 2, 2, -1, 5, 0, -2, -1, 9, 9],
+    "all_into_last": [11] * 11 + [-1],
+}
+
+
+def dropped_votes(votes, targets):
+    """votes with every non-retained slot dropped (the compacted cache, by bias -inf) ..."""
+    return torch.where(targets == -1, votes, 0)
+
+
+@pytest.mark.parametrize("case", list(TARGET_CASES))
+@pytest.mark.parametrize("group", [1, 4])
+def test_theorem3_float64_reference(case, group):
+    targets = torch.tensor(TARGET_CASES[case])
+    query, keys, values, votes, log_scores, targets, scale = theorem_setup(2, 2, group, 12, 16, torch.float64, 0,
+                                                                           targets, query_in_group=group - 1)
+    out_k, out_v, out_p = reference.keepkv_zip_merge(keys, values, votes, log_scores, targets)
+    head = slice(group - 1, None, group)
+    after, _ = attention(query, out_k, out_v, dropped_votes(out_p, targets), scale)
+    before, _ = attention(query, keys, values, torch.where(targets == -2, 0, votes), scale)
+    torch.testing.assert_close(after[:, head], before[:, head], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(TARGET_CASES))
+@pytest.mark.parametrize("group", [1, 4])
+def test_theorem3_float32_op(device, case, group):
+    """Over the merged-and-compacted cache the scoring query's output equals the one over the unmerged cache (minus
+    the slots evicted without merge); other query heads of a group generally differ."""
+    targets = torch.tensor(TARGET_CASES[case])
+    query, keys, values, votes, log_scores, targets, scale = theorem_setup(2, 3, group, 12, 32, torch.float32, 1,
+                                                                           targets, query_in_group=group - 1)
+    out_k, out_v, out_p = ops.keepkv_zip_merge(*(t.to(device) for t in (keys, values, votes, log_scores, targets)))
+    out_k, out_v, out_p = out_k.cpu(), out_v.cpu(), out_p.cpu()
+    head = slice(group - 1, None, group)
+    after, after_probs = attention(query, out_k, out_v, dropped_votes(out_p, targets), scale)
+    before, before_probs = attention(query, keys, values, torch.where(targets == -2, 0, votes), scale)
+    torch.testing.assert_close(after[:, head], before[:, head], rtol=1e-4, atol=1e-4)
+    # the merged slot's probability is the sum of the probabilities of its set
+    group_of = torch.where(targets >= 0, targets, torch.arange(12))
+    summed = torch.zeros_like(before_probs).scatter_add_(-1, group_of.repeat_interleave(group, 1)[:, :, None],
+                                                         before_probs)
+    torch.testing.assert_close(after_probs[:, head], summed[:, head], rtol=1e-4, atol=1e-5)
+    # the same through the library's float32 decode attention
+    got, _ = ops.decode_attention(query.to(device), out_k.to(device), out_v.to(device),
+                                  ops.merge_count_bias(dropped_votes(out_p, targets).to(device), 1.0), scale)
+    torch.testing.assert_close(got.cpu()[:, head].double(), before[:, head], rtol=1e-4, atol=1e-4)
+
+
+def masses(query, keys, votes, scale):
+    """Unnormalised attention masses p·exp(q·k·scale) of every slot, float64: (B, H, T) for MHA."""
+    return votes.double() * torch.exp(scale * (keys.double() @ query.double()[:, :, 0, :, None]).squeeze(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_convex_merge_attention_sag_and_jensen(device):
+    """Theorem 2 (attention sag): a convex merge whose merged pair counts once (vote 1, as in the convex-merging
+    methods the paper criticises) gets less attention mass than the sum of the slots it replaced. With electoral
+    votes (p_r = Σ p) the convex key errs the other way, p_r exp(Σ w ℓ / Σ w) >= Σ p s (Jensen on x ln x); the ZIP
+    key is exact (theorem 3)."""
+    targets = torch.tensor(TARGET_CASES["several"])
+    query, keys, values, votes, log_scores, targets, scale = theorem_setup(2, 2, 1, 12, 32, torch.float32, 2,
+                                                                           targets)
+    merged_slots = [0, 2, 5, 9]
+    group_of = torch.where(targets >= 0, targets, torch.arange(12))
+
+    def replaced(vote_input):
+        before = masses(query, keys, torch.where(targets == -2, 0, vote_input), scale)
+        return torch.zeros_like(before).scatter_add_(-1, group_of, before)[..., merged_slots]
+
+    ones = torch.ones_like(votes)
+    out_k = ops.keepkv_zip_merge(*(t.to(device) for t in (keys, values, ones, log_scores, targets)), True)[0].cpu()
+    sag = masses(query, out_k, ones, scale)[..., merged_slots]
+    assert (sag < replaced(ones)).all()
+    out_k, _, out_p = (t.cpu() for t in ops.keepkv_zip_merge(
+        *(t.to(device) for t in (keys, values, votes, log_scores, targets)), True))
+    assert (masses(query, out_k, out_p, scale)[..., merged_slots] > replaced(votes)).all()
+    out_k, _, out_p = (t.cpu() for t in ops.keepkv_zip_merge(
+        *(t.to(device) for t in (keys, values, votes, log_scores, targets)), False))
+    torch.testing.assert_close(masses(query, out_k, out_p, scale)[..., merged_slots], replaced(votes),
+                               rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pattern", ["random", "many_evicted", "mixed_rows"])
+@pytest.mark.parametrize("convex", [False, True])
+def test_votes_are_conserved(device, pattern, convex):
+    keys, values, votes, log_scores, _ = merge_inputs(2, 3, 40, 8, torch.float32, seed=7, pattern=pattern)
+    keep = keep_pattern(pattern, 2, 3, 40, torch.Generator().manual_seed(8))
+    targets = ops.keepkv_match(keys.to(device), keep.to(device), 0.5)
+    _, _, out_p = ops.keepkv_zip_merge(keys.to(device), values.to(device), votes.to(device), log_scores.to(device),
+                                       targets, convex)
+    targets, out_p = targets.cpu(), out_p.cpu()
+    kept = torch.where(targets == -1, out_p, 0).sum(-1)
+    expected = votes.sum(-1) - torch.where(targets == -2, votes, 0).sum(-1)
+    torch.testing.assert_close(kept, expected, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the guard, NaN / inf / zero votes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_guard_falls_back_to_the_convex_key(device):
+    """ℓ = (+1, -1) with equal w: Σ w ℓ = 0 (near-zero denominator) -> convex key; ℓ = (-0.2, -0.1) with votes 1:
+    Σ w ℓ < 0 but m + ln(Σ w / Σ p) ... > 0? (checked below) -> sign test; ℓ = (2, 3): the ZIP key."""
+    keys = torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(9))
+    values = torch.randn(1, 3, 2, 8)
+    votes = torch.tensor([[[math.e ** 2, 1.0], [1.0, 1.0], [1.0, 2.0]]])  # p s = e^2 e^-1 = e and 1 e^1: equal
+    log_scores = torch.tensor([[[-1.0, 1.0], [-1.0, 1.0], [2.0, 3.0]]])
+    targets = torch.tensor([[[-1, 0], [-1, 0], [-1, 0]]])
+    out_k, _, _ = ops.keepkv_zip_merge(*(t.to(device) for t in (keys, values, votes, log_scores, targets)))
+    out_k = out_k.cpu()
+    convex_k, _, _ = ops.keepkv_zip_merge(*(t.to(device) for t in (keys, values, votes, log_scores, targets)), True)
+    convex_k = convex_k.cpu()
+    # head 0: equal weights, ℓ = ±1: Σ w ℓ = 0 -> the convex key (the mean of the two keys)
+    torch.testing.assert_close(out_k[0, 0, 0], keys[0, 0].mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_k[0, 0, 0], convex_k[0, 0, 0])
+    # head 1: votes 1, ℓ = ±1: Σ w ℓ = e - 1/e > 0 but ln((e + 1/e)/2) > 0 too: ZIP (same sign), not convex
+    w = torch.tensor([math.exp(-1), math.exp(1)])
+    zip_key = (w[:, None] * keys[0, 1].double()).sum(0) * math.log(w.sum() / 2) / float((w * torch.tensor([-1.0, 1.0])).sum())
+    torch.testing.assert_close(out_k[0, 1, 0].double(), zip_key, rtol=1e-5, atol=1e-6)
+    # head 2: all positive, the ZIP key differs from the convex one
+    assert not torch.allclose(out_k[0, 2, 0], convex_k[0, 2, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_guard_sign_mismatch(device):
+    """Σ w ℓ > 0 while m + ln(Σ w / Σ p) < 0 (mean score below 1, its s-weighted mean log above 0): ℓ = (1, -0.5),
+    p = (1, 6): Σ p s ℓ = e - 3 e^-0.5 ≈ 0.90 > 0, ln((e + 6 e^-0.5) / 7) ≈ -0.10 < 0 -> the convex key."""
+    keys = torch.randn(1, 1, 2, 8, generator=torch.Generator().manual_seed(10))
+    values = torch.randn(1, 1, 2, 8)
+    votes = torch.tensor([[[1.0, 6.0]]])
+    log_scores = torch.tensor([[[1.0, -0.5]]])
+    assert math.log((math.e + 6 * math.exp(-0.5)) / 7) < 0 < math.e - 3 * math.exp(-0.5)
+    targets = torch.tensor([[[-1, 0]]])
+    inputs = [t.to(device) for t in (keys, values, votes, log_scores, targets)]
+    out_k = ops.keepkv_zip_merge(*inputs)[0].cpu()
+    convex_k = ops.keepkv_zip_merge(*inputs, True)[0].cpu()
+    torch.testing.assert_close(out_k, convex_k)
+    torch.testing.assert_close(out_k, reference.keepkv_zip_merge(keys, values, votes, log_scores, targets)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_inf_and_zero_votes_do_not_crash(device):
+    keys, values, votes, log_scores, _ = merge_inputs(2, 2, 12, 8, torch.float32, seed=11)
+    targets = torch.tensor([-1, 0, 0, -1, 3, 3, -1, 6, -1, 8, 8, -2]).expand(2, 2, 12).clone()
+    votes[0, 0, [0, 1, 2]] = 0.0  # a whole set with zero votes: c unchanged, vote 0
+    log_scores[0, 1, [3, 4, 5]] = float("-inf")  # all w = 0: c unchanged, votes add
+    log_scores[1, 0, 7] = float("nan")  # a NaN member: w = 0, the rest merge
+    log_scores[1, 1, 9] = float("inf")  # +inf: Σ w NaN -> c unchanged
+    votes[1, 1, 6] = float("nan")
+    keys[1, 1, 10] = float("nan")
+    inputs = [t.to(device) for t in (keys, values, votes, log_scores, targets)]
+    for convex in (False, True):
+        out_k, out_v, out_p = (t.cpu() for t in ops.keepkv_zip_merge(*inputs, convex))
+        expected = reference.keepkv_zip_merge(keys, values, votes, log_scores, targets, convex)
+        assert_merge_close((out_k, out_v, out_p), expected, torch.float32)
+        assert torch.equal(out_k[0, 0, 0], keys[0, 0, 0]) and out_p[0, 0, 0] == 0
+        assert torch.equal(out_k[0, 1, 3], keys[0, 1, 3])
+        assert out_p[0, 1, 3].item() == pytest.approx(votes[0, 1, 3:6].sum().item(), rel=1e-6)
+        assert torch.isfinite(out_k[1, 0, 6]).all()
+        assert torch.equal(out_k[1, 1, 8], keys[1, 1, 8])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatcher, opcheck, torch.compile
+
+
+@pytest.mark.parametrize("op", ["keepkv_match", "keepkv_zip_merge"])
+def test_cpu_kernel_always_registered(op):
+    assert "CPU: registered" in torch._C._dispatch_dump(f"kvcomp::{op}")
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="CPU build of torch: no CUDA kernels expected")
+@pytest.mark.parametrize("op", ["keepkv_match", "keepkv_zip_merge"])
+def test_cuda_kernel_built_with_cuda_torch(op):
+    assert kvpress_cpp.cuda_kernels_built()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcomp::{op}", "CUDA")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for dtype, pattern in ((torch.float32, "random"), (torch.bfloat16, "many_evicted"), (torch.float16, "one_evicted")):
+        keys, values, votes, log_scores, targets = (t.to(device) for t in merge_inputs(2, 3, 20, 8, dtype,
+                                                                                        pattern=pattern))
+        keep = targets == -1
+        torch.library.opcheck(torch.ops.kvcomp.keepkv_match.default, (keys, keep, 0.8))
+        for convex in (False, True):
+            torch.library.opcheck(torch.ops.kvcomp.keepkv_zip_merge.default,
+                                  (keys, values, votes, log_scores, targets, convex))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    def step(keys, values, votes, log_scores, keep):
+        targets = ops.keepkv_match(keys, keep, 0.3)
+        keys, values, votes = ops.keepkv_zip_merge(keys, values, votes, log_scores, targets)
+        return keys, values, votes, ops.merge_count_bias(torch.where(targets == -1, votes, 0.0), 1.0)
+
+    keys, values, votes, log_scores, targets = (t.to(device) for t in merge_inputs(2, 2, 24, 8, torch.float32))
+    inputs = (keys, values, votes, log_scores, targets == -1)
+    compiled = torch.compile(step, fullgraph=True)
+    for got, expected in zip(compiled(*inputs), step(*inputs)):
+        torch.testing.assert_close(got, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad input
+
+MATCH_BAD_INPUTS = [
+    (lambda k, m: (k[0], m, 0.8), r"expected keys of shape \(B, H, T, d\), got a 3-d tensor"),
+    (lambda k, m: (k.double(), m, 0.8), r"expected keys of dtype float32, float16 or bfloat16, got Double"),
+    (lambda k, m: (k, m[0], 0.8), r"expected keep of shape \(B, H, T\), got a 2-d tensor"),
+    (lambda k, m: (k, m.float(), 0.8), r"expected keep of dtype Bool, got Float"),
+    (lambda k, m: (k, m[:1], 0.8), r"expected keep.size\(0\) == 2 \(batch of keys\)"),
+    (lambda k, m: (k, m[:, :1], 0.8), r"expected keep.size\(1\) == 3 \(kv heads of keys\)"),
+    (lambda k, m: (k, m[..., :-1], 0.8), r"expected keep.size\(2\) == 20 \(slots of keys\)"),
+    (lambda k, m: (k, m, 1.5), r"expected threshold in \[-1, 1\], got 1.5"),
+    (lambda k, m: (k, m, -1.01), r"expected threshold in \[-1, 1\], got -1.01"),
+    (lambda k, m: (k, m, float("nan")), r"expected threshold in \[-1, 1\], got nan"),
+]
+
+
+@pytest.mark.parametrize("make_args,message", MATCH_BAD_INPUTS)
+def test_match_bad_input_names_op_and_value(make_args, message):
+    keys, _, _, _, targets = merge_inputs(2, 3, 20, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_match: " + message):
+        torch.ops.kvcomp.keepkv_match(*make_args(keys, targets == -1))
+
+
+def with_target(t, slot, value):
+    t = t.clone()
+    t[1, 2, slot] = value
+    return t
+
+
+MERGE_BAD_INPUTS = [
+    (lambda k, v, p, l, t: (k[0], v, p, l, t), r"expected keys of shape \(B, H, T, d\), got a 3-d tensor"),
+    (lambda k, v, p, l, t: (k, v[0], p, l, t), r"expected values of shape \(B, H, T, d\), got a 3-d tensor"),
+    (lambda k, v, p, l, t: (k.int(), v.int(), p, l, t), r"expected keys of dtype float32, float16 or bfloat16, got Int"),
+    (lambda k, v, p, l, t: (k, v.half(), p, l, t), r"expected values of the dtype of keys \(Float\), got Half"),
+    (lambda k, v, p, l, t: (k, v[..., :4], p, l, t), r"expected values of the shape of keys"),
+    (lambda k, v, p, l, t: (k, v, p.double(), l, t), r"expected votes of dtype Float, got Double"),
+    (lambda k, v, p, l, t: (k, v, p, l.half(), t), r"expected log_scores of dtype Float, got Half"),
+    (lambda k, v, p, l, t: (k, v, p, l, t.int()), r"expected targets of dtype Long, got Int"),
+    (lambda k, v, p, l, t: (k, v, p[0], l, t), r"expected votes of shape \(B, H, T\), got a 2-d tensor"),
+    (lambda k, v, p, l, t: (k, v, p, l[..., :-1], t), r"expected log_scores.size\(2\) == 20 \(slots of keys\)"),
+    (lambda k, v, p, l, t: (k, v, p, l, t[:1]), r"expected targets.size\(0\) == 2 \(batch of keys\)"),
+    (lambda k, v, p, l, t: (k, v, p, l, with_target(t, 5, 20)), r"expected every target to be -1 .* got targets\[1, 2, 5\] = 20"),
+    (lambda k, v, p, l, t: (k, v, p, l, with_target(t, 5, -3)), r"expected every target to be -1 .* got targets\[1, 2, 5\] = -3"),
+    (lambda k, v, p, l, t: (k, v, p, l, with_target(with_target(t, 5, 6), 6, -2)), r"expected every target to be -1 .* got targets\[1, 2, 5\] = 6"),
+    (lambda k, v, p, l, t: (k, v, p, l, with_target(with_target(t, 5, 6), 6, 7)), r"expected every target to be -1 .* got targets\[1, 2, [56]\] = [67]"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make_args,message", MERGE_BAD_INPUTS)
+def test_merge_bad_input_names_op_and_value(device, make_args, message):
+    inputs = merge_inputs(2, 3, 20, 8, torch.float32, seed=12)
+    targets = inputs[4].clone()
+    targets[1, 2, :8] = -1
+    args = make_args(*(t.to(device) for t in (*inputs[:4], targets)))
+    with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_zip_merge: " + message):
+        torch.ops.kvcomp.keepkv_zip_merge(*args, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_mixed_devices_rejected():
+    keys, values, votes, log_scores, targets = merge_inputs(2, 3, 20, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_match: expected keep on the device of keys"):
+        torch.ops.kvcomp.keepkv_match(keys.cuda(), targets == -1, 0.8)
+    with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_zip_merge: expected targets on the device of keys"):
+        torch.ops.kvcomp.keepkv_zip_merge(keys.cuda(), values.cuda(), votes.cuda(), log_scores.cuda(), targets, False)
+    with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_zip_merge: expected values on the device of keys"):
+        torch.ops.kvcomp.keepkv_zip_merge(keys.cuda(), values, votes, log_scores, targets, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    keys, values, votes, log_scores, targets = (t[:0].to(device) for t in merge_inputs(2, 2, 10, 8, torch.float32))
+    assert ops.keepkv_match(keys, targets == -1, 0.8).shape == (0, 2, 10)
+    assert [tuple(t.shape) for t in ops.keepkv_zip_merge(keys, values, votes, log_scores, targets)] == \
+        [(0, 2, 10, 8)] * 2 + [(0, 2, 10)]
