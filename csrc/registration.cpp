@@ -36,4 +36,16 @@ TORCH_LIBRARY(kvcomp, m) {
   // (ring_position + t) mod recent) into i* and the new token into its ring slot. Slots [0, M) are the result.
   m.def("zsmerge_decode_step(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) scores, Tensor(d!) counts, "
         "int ring_position, int recent, int context, int residual) -> ()");
+
+  // gvote family (prefill only). Nucleus budget of the last prompt query: probs (B, Hq, T) float32 -> (B, Hq) int64,
+  // the smallest k >= 1 with (sum of the k largest) >= p * (row sum), NaN and negative entries counting as 0 mass.
+  m.def("nucleus_budget(Tensor probs, float p) -> Tensor");
+  // RoPE with the rotary tables averaged over n_f future positions: queries (B, Hq, S, d) pre-RoPE, cos / sin (n_f, d)
+  // -> q * mean(cos) + rotate_half(q) * mean(sin), (B, Hq, S, d) in the queries' dtype.
+  m.def("averaged_rope(Tensor queries, Tensor cos, Tensor sin) -> Tensor");
+  // Union keep mask: keys (B, H, T, d), queries (B, Hq, S, d), budgets (B, Hq) int64 -> keep (B, H, T) bool, the union
+  // over the G query heads of each kv head and their S samples of each sample's top-budget keys by scale * q.k (ties
+  // to the lower slot, NaN lowest), plus the first `sinks` slots; at most chunk_size rows of T logits at a time.
+  m.def("gvote_union_mask(Tensor keys, Tensor queries, Tensor budgets, int sinks, float scale, int chunk_size) "
+        "-> Tensor");
 }

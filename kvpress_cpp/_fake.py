@@ -68,3 +68,18 @@ def _zsmerge_prefill_fake(keys, values, scores, recent, context, residual):
 @torch.library.register_fake("kvcomp::zsmerge_decode_step")
 def _zsmerge_decode_step_fake(keys, values, scores, counts, ring_position, recent, context, residual):
     return None  # in place: no outputs
+
+
+@torch.library.register_fake("kvcomp::nucleus_budget")
+def _nucleus_budget_fake(probs, p):
+    return probs.new_empty(probs.shape[:2], dtype=torch.int64)
+
+
+@torch.library.register_fake("kvcomp::averaged_rope")
+def _averaged_rope_fake(queries, cos, sin):
+    return torch.empty_like(queries, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kvcomp::gvote_union_mask")
+def _gvote_union_mask_fake(keys, queries, budgets, sinks, scale, chunk_size):
+    return keys.new_empty(keys.shape[:3], dtype=torch.bool)
