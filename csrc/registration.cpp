@@ -46,4 +46,16 @@ TORCH_LIBRARY(kvcomp, m) {
   // convex=True uses the convex key (the authors' released variant). Evicted slots keep their inputs.
   m.def("keepkv_zip_merge(Tensor keys, Tensor values, Tensor votes, Tensor log_scores, Tensor targets, bool convex) "
         "-> (Tensor, Tensor, Tensor)");
+
+  // gvote family (prefill only). Nucleus budget of the last prompt query: probs (B, Hq, T) float32 -> (B, Hq) int64,
+  // the smallest k >= 1 with (sum of the k largest) >= p * (row sum), NaN and negative entries counting as 0 mass.
+  m.def("nucleus_budget(Tensor probs, float p) -> Tensor");
+  // RoPE with the rotary tables averaged over n_f future positions: queries (B, Hq, S, d) pre-RoPE, cos / sin (n_f, d)
+  // -> q * mean(cos) + rotate_half(q) * mean(sin), (B, Hq, S, d) in the queries' dtype.
+  m.def("averaged_rope(Tensor queries, Tensor cos, Tensor sin) -> Tensor");
+  // Union keep mask: keys (B, H, T, d), queries (B, Hq, S, d), budgets (B, Hq) int64 -> keep (B, H, T) bool, the union
+  // over the G query heads of each kv head and their S samples of each sample's top-budget keys by scale * q.k (ties
+  // to the lower slot, NaN lowest), plus the first `sinks` slots; at most chunk_size rows of T logits at a time.
+  m.def("gvote_union_mask(Tensor keys, Tensor queries, Tensor budgets, int sinks, float scale, int chunk_size) "
+        "-> Tensor");
 }

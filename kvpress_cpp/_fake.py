@@ -78,3 +78,18 @@ def _keepkv_match_fake(keys, keep, threshold):
 @torch.library.register_fake("kvcomp::keepkv_zip_merge")
 def _keepkv_zip_merge_fake(keys, values, votes, log_scores, targets, convex):
     return keys.new_empty(keys.shape), values.new_empty(values.shape), votes.new_empty(votes.shape)
+
+
+@torch.library.register_fake("kvcomp::nucleus_budget")
+def _nucleus_budget_fake(probs, p):
+    return probs.new_empty(probs.shape[:2], dtype=torch.int64)
+
+
+@torch.library.register_fake("kvcomp::averaged_rope")
+def _averaged_rope_fake(queries, cos, sin):
+    return torch.empty_like(queries, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kvcomp::gvote_union_mask")
+def _gvote_union_mask_fake(keys, queries, budgets, sinks, scale, chunk_size):
+    return keys.new_empty(keys.shape[:3], dtype=torch.bool)

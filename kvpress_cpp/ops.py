@@ -225,3 +225,76 @@ def keepkv_zip_merge(
         drops the evicted slots (targets != -1).
     """
     return torch.ops.kvcomp.keepkv_zip_merge(keys, values, votes, log_scores, targets, convex)
+
+
+def nucleus_budget(probs: torch.Tensor, p: float = 0.95) -> torch.Tensor:
+    """GVote's budget (step 1 of its Algorithm 1): the size of the top-p (nucleus) set of each head's attention.
+
+    Args:
+        probs: (B, Hq, T) float32 attention probabilities of the last prompt query (e.g. ``decode_attention``'s probs
+            with q = 1, squeezed). Rows need not sum to exactly 1: the mass is taken relative to the row sum. NaN,
+            negative values and -0 count as mass 0; +inf takes the whole mass.
+        p: p_nuc in (0, 1] (paper default 0.95).
+
+    Returns:
+        (B, Hq) int64: the smallest k >= 1 with (sum of the k largest masses) >= p * (row sum), the sums accumulated
+        in float64 over the masses in descending order. p = 1 gives the support (the number of positive masses)
+        exactly; a row without any positive mass gives 1; T = 0 gives 0. Computed on the device, no host sync.
+    """
+    return torch.ops.kvcomp.nucleus_budget(probs, p)
+
+
+def averaged_rope(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with the rotary tables averaged over the n_f positions after the prompt (GVote step 3).
+
+    ``out = q * mean_f(cos) + rotate_half(q) * mean_f(sin)``, rotate_half(x) = cat(-x[d/2:], x[:d/2]) (transformers'
+    convention). By linearity this is the mean over the n_f positions of ``apply_rotary_pos_emb`` applied to q.
+
+    Args:
+        queries: (B, Hq, S, d) pre-RoPE queries (e.g. the S sampled hidden states through q_proj / q_norm), float32,
+            float16 or bfloat16, d even.
+        cos: (n_f, d) rotary cos table of the future positions (transformers' layout: the d/2 frequencies repeated
+            twice), any of the three float dtypes, on the device of queries.
+        sin: (n_f, d) rotary sin table, same layout.
+
+    Returns:
+        (B, Hq, S, d) in the dtype of queries: the means are taken in float64 and rounded to float32 once, the
+        product in float32, rounded once to the queries' dtype.
+    """
+    return torch.ops.kvcomp.averaged_rope(queries, cos, sin)
+
+
+def gvote_union_mask(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    budgets: torch.Tensor,
+    sinks: int = 4,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """GVote's keep set (step 4): the union over samples and over the query heads of a group of each sample's top-k
+    keys, plus the sinks.
+
+    For each (batch, query head h, sample s), the k = clamp(budgets[b, h], 0, T) slots of largest logit
+    ``scale * q_s·k_t`` (float32; ties go to the lower slot, NaN ranks below every number, -inf included) are kept;
+    kv head g keeps the union over its query heads g*G .. g*G + G - 1 and all their samples, plus slots
+    [0, min(sinks, T)).
+
+    Args:
+        keys: (B, H, T, d) post-RoPE keys, float32, float16 or bfloat16.
+        queries: (B, Hq, S, d) the sampled future queries (post ``averaged_rope``), the dtype of keys, Hq a multiple
+            of H.
+        budgets: (B, Hq) int64, e.g. from :func:`nucleus_budget`; values outside [0, T] are clamped (on the device).
+        sinks: >= 0 first slots always kept (paper: 4).
+        scale: finite and > 0; default ``d ** -0.5``. (A positive scale does not change the order, except where
+            float32 rounding makes two logits equal.)
+        chunk_size: >= 1; at most this many (query head, sample) rows of T float32 logits exist at once (plus, for
+            float16 / bfloat16 caches, a float32 copy of the keys of the kv heads of a chunk). The result does not
+            depend on it.
+
+    Returns:
+        (B, H, T) bool keep mask.
+    """
+    if scale is None:
+        scale = keys.shape[-1] ** -0.5
+    return torch.ops.kvcomp.gvote_union_mask(keys, queries, budgets, sinks, scale, chunk_size)

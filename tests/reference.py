@@ -382,3 +382,59 @@ def keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, convex
                         values)
     out_p = torch.where((size[..., :slots] > 1) & (targets == -1), vote_sum[..., :slots], votes)
     return out_k, out_v, out_p
+
+
+def nucleus_budget(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """GVote's |top-p(A0)|: masses (NaN and negatives as 0) sorted in descending order, cumsum in float64, the first
+    k whose cumsum reaches p * total; p = 1 is the support (positive masses); at least 1 (0 for T = 0)."""
+    masses = torch.where(probs.float() > 0, probs.float(), 0.0).double()
+    if probs.shape[-1] == 0:
+        return torch.zeros(probs.shape[:2], dtype=torch.int64)
+    support = (masses > 0).sum(-1)
+    if p >= 1.0:
+        return support.clamp_min(1)
+    cumulative = masses.sort(-1, descending=True).values.cumsum(-1)
+    target = p * cumulative[..., -1:]
+    below = (cumulative < target).sum(-1)
+    return torch.minimum(below + 1, support).clamp_min(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: cat(-x[d/2:], x[:d/2])."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def averaged_rope(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation applied at each of the n_f future positions, then averaged (float64), in the queries' dtype."""
+    q = queries.double()
+    rotated = [q * c.double() + rotate_half(q) * s.double() for c, s in zip(cos, sin)]
+    return torch.stack(rotated).mean(0).to(queries.dtype)
+
+
+def topk_slots(logits: torch.Tensor, k: int) -> list[int]:
+    """The k slots of largest logit, ties to the lower slot, NaN below everything (a stable sort)."""
+    k = max(0, min(k, logits.shape[-1]))
+    order = torch.where(logits.isnan(), float("-inf"), logits).argsort(descending=True, stable=True)
+    order = order[logits[order].isnan().argsort(stable=True)]  # NaN after -inf, in slot order
+    return order[:k].tolist()
+
+
+def gvote_union_mask(keys: torch.Tensor, queries: torch.Tensor, budgets: torch.Tensor, sinks: int,
+                     scale: float) -> torch.Tensor:
+    """The keep set as a Python set union of every sample's top-k slots over the G query heads of each kv head, plus
+    the sinks, from the full (B, Hq, S, T) float32 logits."""
+    batch, kv_heads, total_len, _ = keys.shape
+    query_heads, samples = queries.shape[1:3]
+    group = query_heads // kv_heads
+    k = keys.float().repeat_interleave(group, dim=1)
+    logits = (queries.float() @ k.transpose(-1, -2)) * scale  # (B, Hq, S, T)
+    keep = torch.zeros(batch, kv_heads, total_len, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(kv_heads):
+            kept = set(range(min(sinks, total_len)))
+            for g in range(group):
+                for s in range(samples):
+                    kept |= set(topk_slots(logits[b, h * group + g, s].cpu(), int(budgets[b, h * group + g])))
+            keep[b, h, sorted(kept)] = True
+    return keep

@@ -1,0 +1,295 @@
+// CUDA kernels of the gvote family. Nothing here waits on the host: budgets stay on the device from nucleus_budget
+// to gvote_union_mask.
+//   nucleus_budget: masses (NaN / negatives -> 0) -> CUB segmented radix sort, descending, one segment per row ->
+//     one block per row: two BlockScans of the sorted row in float64 (the total, then the count of prefixes below
+//     p * total).
+//   averaged_rope: the float64 means of cos / sin (ATen, shared with the CPU), then one thread per output element.
+//   gvote_union_mask: per chunk of rows (kvcomp::for_each_logit_chunk: float32 GEMM by cuBLAS), one block per row
+//     finds the k-th smallest selection key with a block radix select (shared-memory histograms, one byte per pass,
+//     slot bytes that are zero for every slot skipped), then one thread per (kv head, slot) ORs its rows into the mask.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/gvote.h"
+#include "kvcomp/dispatch.h"
+#include "kvcomp/gvote.h"
+
+namespace kvcomp {
+namespace {
+
+namespace g = kernels::gvote;
+
+constexpr int kThreads = 256;
+
+// ---------------------------------------------------------------------------------------------------------------
+// nucleus_budget
+
+__global__ void __launch_bounds__(kThreads)
+    nucleus_masses_kernel(const float* __restrict__ probs,  // [B * Hq * T]
+                          float* __restrict__ masses,  // [B * Hq * T]
+                          int64_t total) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    masses[i] = g::nucleus_mass(probs[i]);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    nucleus_count_kernel(const float* __restrict__ sorted,  // [B * Hq, T], each row descending
+                         int64_t* __restrict__ budgets,  // [B * Hq]
+                         int64_t len, double p) {
+  using BlockScan = cub::BlockScan<double, kThreads>;
+  using CountScan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ typename CountScan::TempStorage count_storage;
+  const float* row = sorted + static_cast<int64_t>(blockIdx.x) * len;
+  // Pass 0: the total (float64 running sum of the descending row, tile by tile); pass 1: how many prefixes stay
+  // below p * total, and the support (p = 1 is the support exactly, see kernels::gvote::nucleus_count_sorted).
+  double total = 0.0;
+  int64_t below = 0, positive = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    const double target = p * total;
+    double carry = 0.0;
+    for (int64_t tile = 0; tile < len; tile += kThreads) {
+      const int64_t slot = tile + threadIdx.x;
+      const float mass = slot < len ? row[slot] : 0.0f;
+      double prefix, tile_sum;
+      BlockScan(scan_storage).InclusiveSum(static_cast<double>(mass), prefix, tile_sum);
+      if (pass == 1 && mass > 0.0f) {
+        ++positive;
+        if (carry + prefix < target) ++below;
+      }
+      carry += tile_sum;
+      __syncthreads();  // scan_storage is reused by the next tile
+    }
+    total = carry;
+  }
+  int64_t ignored, below_all, positive_all;
+  CountScan(count_storage).ExclusiveSum(below, ignored, below_all);
+  __syncthreads();
+  CountScan(count_storage).ExclusiveSum(positive, ignored, positive_all);
+  if (threadIdx.x == 0) {
+    const int64_t nucleus = below_all + 1 < positive_all ? below_all + 1 : positive_all;
+    const int64_t budget = positive_all == 0 ? 1 : (p >= 1.0 ? positive_all : nucleus);
+    budgets[blockIdx.x] = len == 0 ? 0 : budget;
+  }
+}
+
+at::Tensor nucleus_budget_cuda(const at::Tensor& probs, double p) {
+  const NucleusBudgetShape shape = check_nucleus_budget(probs, p);
+  const c10::cuda::OptionalCUDAGuard device_guard(probs.device());
+  const at::Tensor probs_c = probs.contiguous();
+  at::Tensor budgets = at::empty({shape.batch, shape.query_heads}, probs_c.options().dtype(at::kLong));
+  if (shape.rows() == 0) return budgets;
+  if (shape.len == 0) return budgets.zero_();
+  const int64_t total = shape.rows() * shape.len;
+  TORCH_CHECK(total <= std::numeric_limits<int32_t>::max(), "kvcomp::nucleus_budget: expected at most 2^31 - 1 ",
+              "probabilities on CUDA (one segmented sort), got probs of shape ", probs.sizes());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  at::Tensor masses = at::empty_like(probs_c);
+  at::Tensor sorted = at::empty_like(probs_c);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, 1 << 16));
+  nucleus_masses_kernel<<<blocks, kThreads, 0, stream>>>(probs_c.const_data_ptr<float>(),
+                                                         masses.mutable_data_ptr<float>(), total);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const at::Tensor offsets = at::arange(0, total + 1, shape.len, probs_c.options().dtype(at::kInt));
+  const int* begin_offsets = offsets.const_data_ptr<int>();
+  const int num_items = static_cast<int>(total), num_segments = static_cast<int>(shape.rows());
+  size_t temp_bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortKeysDescending(
+      nullptr, temp_bytes, masses.const_data_ptr<float>(), sorted.mutable_data_ptr<float>(), num_items, num_segments,
+      begin_offsets, begin_offsets + 1, 0, 32, stream));
+  const at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, probs_c.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortKeysDescending(
+      temp.mutable_data_ptr(), temp_bytes, masses.const_data_ptr<float>(), sorted.mutable_data_ptr<float>(),
+      num_items, num_segments, begin_offsets, begin_offsets + 1, 0, 32, stream));
+
+  nucleus_count_kernel<<<static_cast<unsigned>(shape.rows()), kThreads, 0, stream>>>(
+      sorted.const_data_ptr<float>(), budgets.mutable_data_ptr<int64_t>(), shape.len, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return budgets;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// averaged_rope
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    averaged_rope_kernel(const scalar_t* __restrict__ queries,  // [B * Hq * S, d]
+                         const float* __restrict__ tables,  // [2, d]: mean cos, mean sin
+                         scalar_t* __restrict__ out,  // [B * Hq * S, d]
+                         int64_t dim, int64_t total) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t channel = i % dim;
+    const int64_t row_start = i - channel;
+    const g::RotateHalfSource source = g::rotate_half_source(channel, dim);
+    out[i] = static_cast<scalar_t>(g::averaged_rope_channel(static_cast<float>(queries[i]),
+                                                            static_cast<float>(queries[row_start + source.index]),
+                                                            source.sign, tables[channel], tables[dim + channel]));
+  }
+}
+
+at::Tensor averaged_rope_cuda(const at::Tensor& queries, const at::Tensor& cos, const at::Tensor& sin) {
+  const AveragedRopeShape shape = check_averaged_rope(queries, cos, sin);
+  const c10::cuda::OptionalCUDAGuard device_guard(queries.device());
+  const at::Tensor queries_c = queries.contiguous();
+  at::Tensor out = at::empty_like(queries_c);
+  const int64_t total = shape.rows * shape.dim;
+  if (total == 0) return out;
+  const at::Tensor tables = averaged_rope_tables(cos, sin);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, 1 << 16));
+  KVCOMP_DISPATCH_CACHE_TYPES(queries.scalar_type(), "kvcomp::averaged_rope", [&] {
+    averaged_rope_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        queries_c.const_data_ptr<scalar_t>(), tables.const_data_ptr<float>(), out.mutable_data_ptr<scalar_t>(),
+        shape.dim, total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// gvote_union_mask
+
+struct RowKeys {
+  const float* logits;  // [T] of this row, unscaled
+  float scale;
+  __device__ uint64_t operator()(int64_t slot) const {
+    return g::selection_key(logits[slot] * scale, static_cast<uint32_t>(slot));
+  }
+};
+
+// The key of rank `rank` (0-based, ascending) among the row's T unique keys: a radix select from the most
+// significant byte down, one shared-memory histogram per byte. Slot bytes that are 0 for every slot < T are skipped.
+__device__ uint64_t block_select_key(const RowKeys& key_of, int64_t len, uint32_t rank, uint32_t* histogram,
+                                     uint64_t* shared_prefix, uint32_t* shared_rank) {
+  uint64_t prefix = 0, mask = 0;
+  const uint64_t largest_slot = static_cast<uint64_t>(len - 1);
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    if (shift < 32 && shift > 0 && (largest_slot >> shift) == 0) {  // this byte is 0 in every key
+      mask |= static_cast<uint64_t>(0xffu) << shift;
+      continue;
+    }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
+    __syncthreads();
+    for (int64_t slot = threadIdx.x; slot < len; slot += blockDim.x) {
+      const uint64_t key = key_of(slot);
+      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 0xffu], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t below = 0;
+      int digit = 0;
+      for (; digit < 255; ++digit) {
+        if (rank < below + histogram[digit]) break;
+        below += histogram[digit];
+      }
+      *shared_prefix = prefix | (static_cast<uint64_t>(digit) << shift);
+      *shared_rank = rank - below;
+    }
+    __syncthreads();
+    prefix = *shared_prefix;
+    rank = *shared_rank;
+    mask |= static_cast<uint64_t>(0xffu) << shift;
+  }
+  return prefix;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    select_threshold_kernel(const float* __restrict__ logits,  // [n, T] unscaled q.k of rows first_row ..
+                            const int64_t* __restrict__ budgets,  // [B * Hq]
+                            uint64_t* __restrict__ thresholds,  // [n]
+                            int64_t first_row, int64_t samples, int64_t len, float scale) {
+  __shared__ uint32_t histogram[256];
+  __shared__ uint64_t shared_prefix;
+  __shared__ uint32_t shared_rank;
+  const int64_t row = blockIdx.x;
+  const int64_t k = g::clamp_budget(budgets[(first_row + row) / samples], len);
+  if (k == 0 || k == len) return;  // the OR kernel reads the budget itself
+  const RowKeys key_of{logits + row * len, scale};
+  const uint64_t threshold =
+      block_select_key(key_of, len, static_cast<uint32_t>(k - 1), histogram, &shared_prefix, &shared_rank);
+  if (threadIdx.x == 0) thresholds[row] = threshold;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    or_into_mask_kernel(const float* __restrict__ logits,  // [n, T]
+                        const int64_t* __restrict__ budgets,  // [B * Hq]
+                        const uint64_t* __restrict__ thresholds,  // [n]
+                        bool* __restrict__ mask,  // [B * H, T]
+                        int64_t first_row, int64_t rows, int64_t samples, int64_t per_head, int64_t first_head,
+                        int64_t heads, int64_t len, float scale) {
+  const int64_t total = heads * len;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t slot = i % len;
+    const int64_t head = first_head + i / len;
+    // The chunk's rows of this kv head.
+    const int64_t head_begin = head * per_head, head_end = head_begin + per_head, chunk_end = first_row + rows;
+    const int64_t begin = (head_begin > first_row ? head_begin : first_row) - first_row;
+    const int64_t end = (head_end < chunk_end ? head_end : chunk_end) - first_row;
+    bool keep = false;
+    for (int64_t row = begin; row < end && !keep; ++row) {
+      const int64_t k = g::clamp_budget(budgets[(first_row + row) / samples], len);
+      if (k == 0) continue;
+      keep = k == len || g::selection_key(logits[row * len + slot] * scale, static_cast<uint32_t>(slot)) <=
+                             thresholds[row];
+    }
+    if (keep) mask[head * len + slot] = true;  // never cleared: sinks and earlier chunks stay
+  }
+}
+
+at::Tensor gvote_union_mask_cuda(const at::Tensor& keys, const at::Tensor& queries, const at::Tensor& budgets,
+                                 int64_t sinks, double scale, int64_t chunk_size) {
+  const GVoteUnionShape shape = check_gvote_union_mask(keys, queries, budgets, sinks, scale, chunk_size);
+  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+  at::Tensor mask = at::zeros({shape.batch, shape.kv_heads, shape.len}, keys.options().dtype(at::kBool));
+  const int64_t len = shape.len;
+  if (sinks > 0 && len > 0) mask.narrow(2, 0, std::min(sinks, len)).fill_(true);
+  const at::Tensor budgets_c = budgets.contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t samples = shape.samples, per_head = shape.rows_per_kv_head();
+  const float scale_f = static_cast<float>(scale);
+  for_each_logit_chunk(keys, queries, shape, chunk_size, [&](const at::Tensor& logits, int64_t first_row) {
+    const int64_t rows = logits.size(0);
+    const at::Tensor thresholds = at::empty({rows}, budgets_c.options());
+    select_threshold_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(),
+        reinterpret_cast<uint64_t*>(thresholds.mutable_data_ptr<int64_t>()), first_row, samples, len, scale_f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t first_head = first_row / per_head;
+    const int64_t heads = (first_row + rows - 1) / per_head - first_head + 1;
+    const int64_t total = heads * len;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, 1 << 16));
+    or_into_mask_kernel<<<blocks, kThreads, 0, stream>>>(
+        logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(),
+        reinterpret_cast<const uint64_t*>(thresholds.const_data_ptr<int64_t>()), mask.mutable_data_ptr<bool>(),
+        first_row, rows, samples, per_head, first_head, heads, len, scale_f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return mask;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) {
+  m.impl("nucleus_budget", &nucleus_budget_cuda);
+  m.impl("averaged_rope", &averaged_rope_cuda);
+  m.impl("gvote_union_mask", &gvote_union_mask_cuda);
+}
+
+}  // namespace kvcomp
