@@ -1,0 +1,95 @@
+"""GVote ("Lookahead Q-Cache"-style voting: budget-free KV compression by Gaussian sampling of future queries).
+
+Per layer, at prefill only (``../shared/docs/methods.md``):
+1. the budget of each query head is the size of the top-p set of the last prompt query's attention (p_nuc);
+2. the attention input is summarised by its per-channel mean and variance over the non-sink tokens;
+3. S future queries are sampled from that Gaussian (seeded), projected by the layer's q projection (and q_norm),
+   and rotated with RoPE averaged over the n_f positions after the prompt;
+4. every sample keeps its top-budget keys; a kv head keeps the union over its query heads' samples, plus the sinks.
+The result has a different length per head: each layer is compacted to its longest head, the rest padded with -inf.
+The compression ratio chosen is readable after a run (per layer and overall).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from kvpress.utils import get_prerope_query_states
+
+from kvpress_cpp import ops
+from kvpress_cpp.cache import compact_to_longest_head
+from kvpress_cpp.presses.base import KVCompPress, query_states
+
+__all__ = ["GVotePress"]
+
+
+@dataclass
+class GVotePress(KVCompPress):
+    """GVote at prefill: no budget to set, the sampled future queries choose it.
+
+    Attributes:
+        nucleus_p: p_nuc of the budget (paper default 0.95).
+        num_samples: S sampled future queries per layer (paper default 8).
+        future_positions: n_f positions after the prompt whose rotary tables are averaged (512).
+        sinks: leading tokens always kept (4).
+        seed: seed of the Gaussian samples (each layer draws from seed + layer index).
+        chunk_size: (sample, head) rows whose logits are held at once (peak memory chunk_size × T, not S × T).
+    """
+
+    nucleus_p: float = 0.95
+    num_samples: int = 8
+    future_positions: int = 512
+    sinks: int = 4
+    seed: int = 0
+    chunk_size: int = 64
+    layer_compression_ratios: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 < self.nucleus_p <= 1:
+            raise ValueError(f"GVotePress: nucleus_p must be in (0, 1], got {self.nucleus_p}")
+        for name in ("num_samples", "future_positions", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GVotePress: {name} must be ≥ 1, got {getattr(self, name)}")
+        if self.sinks < 0:
+            raise ValueError(f"GVotePress: sinks must be ≥ 0, got {self.sinks}")
+
+    @property
+    def compression_ratio(self) -> float:
+        """Fraction of the prompt's slots removed, averaged over the layers of the last run (0 before any run)."""
+        ratios = self.layer_compression_ratios
+        return sum(ratios.values()) / len(ratios) if ratios else 0.0
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        if not bool(torch.isfinite(log_weights).all()):
+            raise ValueError("GVotePress: padded batches are not supported (padding would enter the hidden-state "
+                             "statistics); pass sequences of equal length")
+        if module.layer_idx == 0:
+            self.layer_compression_ratios = {}
+        budgets = self._nucleus_budgets(module, hidden_states, keys, values, log_weights, kwargs)
+        future_queries = self._sample_future_queries(module, hidden_states)
+        keep = ops.gvote_union_mask(keys, future_queries.to(keys.dtype), budgets, self.sinks, module.scaling,
+                                    self.chunk_size)
+        self.layer_compression_ratios[module.layer_idx] = 1.0 - float(keep.float().mean())
+        return compact_to_longest_head(keys, values, keep, log_weights)
+
+    def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
+        """Step 1: (B, Hq) top-p sizes of the last prompt query's attention."""
+        cos, sin = kwargs["position_embeddings"]
+        last = query_states(module, hidden_states[:, -1:], {"position_embeddings": (cos[:, -1:], sin[:, -1:])})
+        _, probs = ops.decode_attention(last, keys, values, log_weights, module.scaling)
+        return ops.nucleus_budget(probs[:, :, 0], self.nucleus_p)
+
+    def _sample_future_queries(self, module, hidden_states) -> torch.Tensor:
+        """Steps 2-3: (B, Hq, S, d) queries of Gaussian samples of the attention input, with averaged RoPE."""
+        body = hidden_states[:, self.sinks:].float()
+        mean, std = body.mean(1, keepdim=True), body.var(1, unbiased=False, keepdim=True).sqrt()
+        generator = torch.Generator(device=hidden_states.device).manual_seed(self.seed + module.layer_idx)
+        noise = torch.randn(hidden_states.shape[0], self.num_samples, hidden_states.shape[-1], generator=generator,
+                            device=hidden_states.device)
+        samples = (mean + std * noise).to(hidden_states.dtype)
+        queries = get_prerope_query_states(module, samples)
+        prompt_length = hidden_states.shape[1]
+        positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
+        cos, sin = module.rotary_emb(samples, positions.unsqueeze(0))
+        return ops.averaged_rope(queries, cos[0], sin[0])

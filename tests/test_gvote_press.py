@@ -1,0 +1,82 @@
+"""GVotePress end to end: reproducibility, monotonicity in p_nuc and S, per-head lengths, kvpress's pipeline, and
+the paper's adaptivity claim on SmolLM2."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses.gvote import GVotePress
+from kvpress_cpp.texts import austen_novel
+from tests.generation import TINY_MODELS, greedy, prompt_ids
+from tests.models import make_tiny_llama
+
+
+def kept_per_head(model, input_ids, press) -> torch.Tensor:
+    """(layers, B, H) tokens each head kept after the prompt."""
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids, past_key_values=cache)
+    return torch.stack([torch.isfinite(get_state(layer).log_weights).sum(-1) for layer in cache.layers])
+
+
+def test_same_seed_same_cache_other_seed_other_samples():
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 200)
+    first = kept_per_head(model, ids, GVotePress(seed=3))
+    assert torch.equal(first, kept_per_head(model, ids, GVotePress(seed=3)))
+    assert bool((first < 200).any()), "nothing was compressed: the test says nothing"
+
+
+@pytest.mark.parametrize("low,high", [({"nucleus_p": 0.8}, {"nucleus_p": 0.95}), ({"num_samples": 2}, {"num_samples": 8})])
+def test_higher_p_or_more_samples_never_keep_fewer(low, high):
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 200)
+    assert bool((kept_per_head(model, ids, GVotePress(**high)) >= kept_per_head(model, ids, GVotePress(**low))).all())
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_generate_with_per_head_lengths(make_model, attn_implementation):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    press = GVotePress(nucleus_p=0.6)
+    tokens, cache = greedy(model, prompt_ids(tokenizer, 160, batch=2), press=press, max_new_tokens=8)
+    assert tokens.shape == (2, 8)
+    assert 0 < press.compression_ratio < 1 and set(press.layer_compression_ratios) == {0, 1}
+    assert cache.layers[0].keys.shape[-2] < 160 + 7, "no memory was freed"
+
+
+def test_pipeline_reuses_the_compressed_context():
+    model, tokenizer = make_tiny_llama()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 6
+    questions = ["who is in want of a wife?", "what is acknowledged?"]
+    press = GVotePress(nucleus_p=0.6)
+    together = pipe(context, questions=questions, press=press, max_new_tokens=8)["answers"]
+    assert together == [pipe(context, question=q, press=press, max_new_tokens=8)["answer"] for q in questions]
+    assert press.compression_ratio > 0
+
+
+@pytest.mark.parametrize("kwargs,message", [({"nucleus_p": 0}, "nucleus_p must be in"), ({"num_samples": 0}, "num_samples"),
+                                            ({"sinks": -1}, "sinks must be")])
+def test_bad_hyperparameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GVotePress(**kwargs)
+
+
+def test_smollm2_compresses_repetitive_text_more_than_dense_text(default_model):
+    """The paper's adaptivity claim: no budget is set, and a repetitive text is compressed more than a dense one
+    (Austen's words shuffled: nothing repeats in order). (The demo question is not answered at the paper's defaults on
+    SmolLM2-135M: see the issue note.)"""
+    model, tokenizer = default_model
+    words = austen_novel("emma").split()
+    dense = " ".join(random.Random(0).sample(words, 1500))
+    ratios = {}
+    for name, text in {"repetitive": "The cat sat on the mat. " * 150, "dense": dense}.items():
+        press = GVotePress()
+        kept_per_head(model, tokenizer(text, return_tensors="pt").input_ids[:, :1000], press)
+        ratios[name] = press.compression_ratio
+    assert ratios["repetitive"] > ratios["dense"] + 0.05, ratios
