@@ -109,7 +109,7 @@ def plot(rows: list[dict], title: str, name: str) -> None:
         ax.set_ylabel("cumulative perplexity")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = RESULTS_DIR / f"{name}.png"
     fig.savefig(path, dpi=120)
@@ -168,7 +168,7 @@ def main() -> None:
     print_table(rows, ["method", "cache_size", "ppl", "ppl_beyond_m", "full_ppl_beyond_m", "max_slots", "step_ms",
                        "finite"])
     print("wrote", write_results(name, rows))
-    plot(rows, f"streaming perplexity, SmolLM2-135M, {args.text}, {args.tokens} tokens (prefill {args.prefill}, "
+    plot(rows, f"streaming perplexity, SmolLM2-135M, {args.text}, {args.tokens} tokens\n(prefill {args.prefill}, "
                f"then one token per forward)", name)
     print(f"total {time.perf_counter() - started:.0f} s")
 
