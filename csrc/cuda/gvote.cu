@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cuda/block_select.cuh"
 #include "kernels/gvote.h"
 #include "kvcomp/dispatch.h"
 #include "kvcomp/gvote.h"
@@ -173,42 +174,6 @@ struct RowKeys {
   }
 };
 
-// The key of rank `rank` (0-based, ascending) among the row's T unique keys: a radix select from the most
-// significant byte down, one shared-memory histogram per byte. Slot bytes that are 0 for every slot < T are skipped.
-__device__ uint64_t block_select_key(const RowKeys& key_of, int64_t len, uint32_t rank, uint32_t* histogram,
-                                     uint64_t* shared_prefix, uint32_t* shared_rank) {
-  uint64_t prefix = 0, mask = 0;
-  const uint64_t largest_slot = static_cast<uint64_t>(len - 1);
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    if (shift < 32 && shift > 0 && (largest_slot >> shift) == 0) {  // this byte is 0 in every key
-      mask |= static_cast<uint64_t>(0xffu) << shift;
-      continue;
-    }
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
-    __syncthreads();
-    for (int64_t slot = threadIdx.x; slot < len; slot += blockDim.x) {
-      const uint64_t key = key_of(slot);
-      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 0xffu], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t below = 0;
-      int digit = 0;
-      for (; digit < 255; ++digit) {
-        if (rank < below + histogram[digit]) break;
-        below += histogram[digit];
-      }
-      *shared_prefix = prefix | (static_cast<uint64_t>(digit) << shift);
-      *shared_rank = rank - below;
-    }
-    __syncthreads();
-    prefix = *shared_prefix;
-    rank = *shared_rank;
-    mask |= static_cast<uint64_t>(0xffu) << shift;
-  }
-  return prefix;
-}
-
 __global__ void __launch_bounds__(kThreads)
     select_threshold_kernel(const float* __restrict__ logits,  // [n, T] unscaled q.k of rows first_row ..
                             const int64_t* __restrict__ budgets,  // [B * Hq]
@@ -222,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
   if (k == 0 || k == len) return;  // the OR kernel reads the budget itself
   const RowKeys key_of{logits + row * len, scale};
   const uint64_t threshold =
-      block_select_key(key_of, len, static_cast<uint32_t>(k - 1), histogram, &shared_prefix, &shared_rank);
+      gpu::block_select_key(key_of, 0, len, static_cast<uint32_t>(k - 1), histogram, &shared_prefix, &shared_rank);
   if (threadIdx.x == 0) thresholds[row] = threshold;
 }
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "cuda/block_select.cuh"
 #include "kernels/weightedkv.h"
 #include "kvcomp/weightedkv.h"
 
@@ -42,39 +43,6 @@ struct KeyOf {
 struct MinKey {
   __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a < b ? a : b; }
 };
-
-// The key of rank `rank` (0-based, ascending) among the keys of slots [begin, end): a radix select from the most
-// significant byte down, one shared-memory histogram per byte. Keys are unique (they contain the slot), so exactly
-// rank + 1 keys are <= the result.
-__device__ uint64_t block_select_key(const KeyOf& key_of, int64_t begin, int64_t end, uint32_t rank,
-                                     uint32_t* histogram /* shared [256] */, uint64_t* shared_prefix,
-                                     uint32_t* shared_rank) {
-  uint64_t prefix = 0, mask = 0;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
-    __syncthreads();
-    for (int64_t slot = begin + threadIdx.x; slot < end; slot += blockDim.x) {
-      const uint64_t key = key_of(slot);
-      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 0xffu], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t below = 0;
-      int digit = 0;
-      for (; digit < 255; ++digit) {
-        if (rank < below + histogram[digit]) break;
-        below += histogram[digit];
-      }
-      *shared_prefix = prefix | (static_cast<uint64_t>(digit) << shift);
-      *shared_rank = rank - below;
-    }
-    __syncthreads();
-    prefix = *shared_prefix;
-    rank = *shared_rank;
-    mask |= static_cast<uint64_t>(0xffu) << shift;
-  }
-  return prefix;
-}
 
 // kernels::fold_run's stack for one warp: every lane runs the same control flow; lane l owns the channels
 // l, l + 32, ... of every value it touches, so the values need no synchronisation. The keys of the open levels live in
@@ -161,7 +129,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
     threshold = shared_threshold;
   } else {
-    threshold = block_select_key(key_of, middle_begin, middle_end, static_cast<uint32_t>(evictions - 1), histogram,
+    threshold = gpu::block_select_key(key_of, middle_begin, middle_end, static_cast<uint32_t>(evictions - 1), histogram,
                                  &shared_threshold, &shared_rank);
   }
 

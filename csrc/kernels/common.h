@@ -1,8 +1,36 @@
 // Shared by the device-free math headers: they compile as plain C++ (CPU loops, GoogleTest) and as CUDA.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
+
 #if defined(__CUDACC__)
 #define KVCOMP_HOST_DEVICE __host__ __device__
 #else
 #define KVCOMP_HOST_DEVICE
 #endif
+
+namespace kvcomp::kernels {
+
+// The bits of a float and back, on every device: orderings on the bits cannot be optimised away by fast-math flags.
+KVCOMP_HOST_DEVICE inline uint32_t float_bits(float value) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(value);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+#endif
+}
+
+KVCOMP_HOST_DEVICE inline float bits_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+#endif
+}
+
+}  // namespace kvcomp::kernels

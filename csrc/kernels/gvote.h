@@ -62,16 +62,6 @@ KVCOMP_HOST_DEVICE inline float averaged_rope_channel(float q, float q_source, f
 // the top k iff selection_key(s) <= the k-th smallest selection_key of the row. The key is unique per slot (it holds
 // the slot in its low 32 bits), so exactly k slots pass.
 
-KVCOMP_HOST_DEVICE inline uint32_t float_bits(float value) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(value);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-#endif
-}
-
 // Unsigned integer in the order of the float, -0 == +0, every NaN (either sign, any payload) below -inf.
 KVCOMP_HOST_DEVICE inline uint32_t ascending_logit_order(float logit) {
   uint32_t bits = float_bits(logit);

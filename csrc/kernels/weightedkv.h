@@ -25,26 +25,6 @@ KVCOMP_HOST_DEVICE inline float mean_score(float sum, float count) {
 #endif
 }
 
-KVCOMP_HOST_DEVICE inline uint32_t float_bits(float value) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(value);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-#endif
-}
-
-KVCOMP_HOST_DEVICE inline float bits_float(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-#endif
-}
-
 constexpr uint32_t kPositiveInfinityBits = 0x7f800000u;
 
 // NaN (any payload) reads as +inf; -0 reads as +0. Works on the bits, so no compiler flag can optimise it away.
