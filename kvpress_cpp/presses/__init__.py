@@ -1,7 +1,8 @@
 """kvpress_cpp's presses: kvpress press classes backed by the kvcomp ops."""
 
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress
+from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "WeightedKVPress", "ZSMergePress"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "KeepKVPress", "WeightedKVPress", "ZSMergePress"]
