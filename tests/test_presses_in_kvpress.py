@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, pipeline
 
+from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests.generation import greedy, prompt_ids
@@ -16,6 +17,7 @@ from tests.models import make_tiny_llama
 DECODING_PRESSES = [
     pytest.param(lambda: ZSMergePress(budget=16), id="zsmerge"),
     pytest.param(lambda: WeightedKVPress(cache_size=16), id="weightedkv"),
+    pytest.param(lambda: KeepKVPress(budget=16, recent=8), id="keepkv"),
 ]
 CONTEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 4
 

@@ -2,7 +2,8 @@
 
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress
 from kvpress_cpp.presses.gvote import GVotePress
+from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "GVotePress", "WeightedKVPress", "ZSMergePress"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "GVotePress", "KeepKVPress", "WeightedKVPress", "ZSMergePress"]

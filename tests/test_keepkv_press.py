@@ -1,0 +1,171 @@
+"""KeepKVPress end to end: the budget and the electoral-vote invariant during long generations, its options (convex
+merge, a kvpress scorer, pyramid budgets, merge-first prefill), degenerate cases, and the demo question on SmolLM2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kvpress import KnormPress
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses.keepkv import KeepKVPress, pyramid_budgets
+from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, prompt_ids
+from tests.models import make_tiny_llama
+
+
+def check_votes(keys, state) -> None:
+    """Σ p = tokens seen − tokens dropped without merge, for every (batch, kv head); votes enter attention as ln p."""
+    votes = state.per_slot["votes"]
+    represented = votes.sum(-1)
+    expected = state.counters["tokens_seen"] - state.counters["dropped"]
+    assert torch.equal(represented, expected.to(represented.dtype)), "Σ votes differs from tokens seen − dropped"
+    torch.testing.assert_close(state.log_weights, votes.log())
+    assert votes.shape[-1] == keys.shape[-2] == state.per_slot["ema"].shape[-1]
+
+
+@dataclass
+class CheckedKeepKVPress(KeepKVPress):
+    """Asserts after every prefill and decoding step what the method guarantees for every (batch, kv head)."""
+
+    steps_checked: int = 0
+    prefills_checked: int = 0
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        keys, values, state = super().compress_prefill(module, hidden_states, keys, values, attentions, log_weights,
+                                                       kwargs)
+        assert keys.shape[-2] <= state.counters["budget"]
+        check_votes(keys, state)
+        self.prefills_checked += 1
+        return keys, values, state
+
+    def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
+        keys, values, state = super().compress_decoding(module, hidden_states, keys, values, attentions, state,
+                                                        kwargs)
+        budget = state.counters["budget"]
+        assert keys.shape[-2] <= budget, f"{keys.shape[-2]} slots held for a budget of {budget}"
+        check_votes(keys, state)
+        self.steps_checked += 1
+        return keys, values, state
+
+
+LONG_CASES = [pytest.param(*model.values, {}, id=f"{model.id}-zip") for model in TINY_MODELS[:3]] + [
+    pytest.param(*TINY_MODELS[1].values, {"convex": True}, id="llama-sdpa-convex"),
+    pytest.param(*TINY_MODELS[1].values, {"merge_first": True}, id="llama-sdpa-merge-first"),
+]
+
+
+@pytest.mark.parametrize("make_model,attn_implementation,options", LONG_CASES)
+def test_budget_and_vote_invariants_over_long_generation(make_model, attn_implementation, options):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    # A low threshold so that merges happen on a random tiny model (its keys are far less alike than a real one's).
+    press = CheckedKeepKVPress(budget=32, recent=8, similarity_threshold=0.3, **options)
+    tokens, cache = greedy(model, prompt_ids(tokenizer, 96, batch=2), press=press, max_new_tokens=320)
+    assert tokens.shape == (2, 320)
+    assert press.steps_checked == 319 * model.config.num_hidden_layers
+    for layer in cache.layers:
+        state = get_state(layer)
+        assert layer.keys.shape[-2] == 32
+        assert state.counters["tokens_seen"] == 96 + 319
+        assert bool((state.per_slot["votes"] > 1).any()), "nothing ever merged"
+        assert bool((state.counters["dropped"] > 0).any()) or options.get("merge_first"), "nothing ever dropped"
+
+
+def test_threshold_one_only_drops():
+    """No two keys are parallel: with a similarity threshold of 1 every eviction is a plain drop (votes stay 1)."""
+    model, tokenizer = make_tiny_llama()
+    press = CheckedKeepKVPress(budget=24, recent=8, similarity_threshold=1.0)
+    _, cache = greedy(model, prompt_ids(tokenizer, 64), press=press, max_new_tokens=16)
+    for layer in cache.layers:
+        state = get_state(layer)
+        assert bool((state.per_slot["votes"] == 1).all())
+        assert bool((state.counters["dropped"] == 64 + 15 - 24).all())
+
+
+@pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS)
+def test_budget_above_sequence_changes_nothing(make_model, attn_implementation):
+    model, tokenizer = make_model(attn_implementation=attn_implementation)
+    input_ids = prompt_ids(tokenizer, 40, batch=2)
+    expected, _ = greedy(model, input_ids, max_new_tokens=24)
+    got, cache = greedy(model, input_ids, press=KeepKVPress(budget=1000), max_new_tokens=24)
+    assert cache.layers[0].keys.shape[-2] == 40 + 23
+    assert torch.equal(got, expected)
+
+
+def test_scorer_chooses_the_prompt_heavy_hitters():
+    """With kvpress's KnormPress as scorer the prompt keeps the sinks, the recent window and the keys of smallest
+    norm (KnormPress scores -‖k‖); a threshold of 1 merges nothing, so the kept keys are the prompt's own."""
+    model, tokenizer = make_tiny_llama()
+    seen = {}
+
+    @dataclass
+    class Recording(KeepKVPress):
+        def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+            seen[module.layer_idx] = keys.clone()
+            return super().compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
+
+    press = Recording(budget=24, sinks=4, recent=8, similarity_threshold=1.0, scorer=KnormPress())
+    _, cache = greedy(model, prompt_ids(tokenizer, 64), press=press, max_new_tokens=1)
+    for layer_idx, layer in enumerate(cache.layers):
+        keys = seen[layer_idx]
+        middle = -keys[..., 4:56, :].norm(dim=-1)
+        chosen = torch.topk(middle, 24 - 12, dim=-1).indices.sort(-1).values + 4
+        index = torch.cat([torch.arange(4).expand(1, 2, 4), chosen, torch.arange(56, 64).expand(1, 2, 8)], -1)
+        expected = keys.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+        torch.testing.assert_close(layer.keys[..., :24, :], expected)
+    # The EMA choice is a different set on this model: the scorer really chose.
+    _, ema_cache = greedy(model, prompt_ids(tokenizer, 64), press=KeepKVPress(budget=24, recent=8,
+                                                                               similarity_threshold=1.0),
+                          max_new_tokens=1)
+    assert not torch.equal(ema_cache.layers[0].keys[..., :24, :], cache.layers[0].keys[..., :24, :])
+
+
+def test_pyramid_budgets_decay_and_average_to_the_uniform_budget():
+    assert pyramid_budgets(32, 4) == [48, 40, 24, 16]
+    for budget, layers in [(32, 30), (17, 7), (100, 2), (5, 3)]:
+        budgets = pyramid_budgets(budget, layers)
+        assert sum(budgets) == budget * layers
+        assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
+    model, tokenizer = make_tiny_llama(num_hidden_layers=4)
+    press = CheckedKeepKVPress(budget=32, recent=8, layer_budgets="pyramid")
+    _, cache = greedy(model, prompt_ids(tokenizer, 96), press=press, max_new_tokens=40)
+    sizes = [layer.keys.shape[-2] for layer in cache.layers]
+    assert sizes == [48, 40, 24, 16]
+    assert sum(sizes) / len(sizes) == 32
+
+
+def test_padded_batch_is_refused_clearly():
+    model, tokenizer = make_tiny_llama()
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["a single man in possession", "a truth"], return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="KeepKVPress: padded batches are not supported"):
+        greedy(model, batch.input_ids, press=KeepKVPress(budget=4, sinks=1, recent=1),
+               attention_mask=batch.attention_mask)
+
+
+def test_budget_without_room_for_heavy_hitters_is_refused():
+    model, tokenizer = make_tiny_llama()
+    with pytest.raises(ValueError, match="KeepKVPress: a budget of 16 slots .* leaves no heavy hitter"):
+        greedy(model, prompt_ids(tokenizer, 64), press=KeepKVPress(budget=16, recent=12))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
+    ({"budget": True}, "budget must be a token count"), ({"sinks": -1}, "sinks must be ≥ 0"),
+    ({"recent": 0}, "recent must be ≥ 1"), ({"similarity_threshold": 1.5}, r"similarity_threshold must be in \[-1, 1\]"),
+    ({"ema_decay": 1.0}, r"ema_decay \(β\) must be in \(0, 1\)"), ({"ema_decay": 0.0}, r"ema_decay \(β\)"),
+    ({"scorer": "knorm"}, "scorer must be a kvpress ScorerPress"), ({"layer_budgets": "linear"}, "layer_budgets must"),
+    ({"merge_first": True, "scorer": KnormPress()}, "merge_first .* cannot be combined with a scorer"),
+])
+def test_bad_hyperparameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KeepKVPress(**kwargs)
+
+
+def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model):
+    """At 90% of the prompt. (At 50% SmolLM2 answers 7679 and at 75% 767, ZIP or convex merge alike; the needle is
+    7294.)"""
+    model, tokenizer = default_model
+    found, answer = answers_hidden_fact(model, tokenizer, KeepKVPress(budget=0.9))
+    assert found, answer
