@@ -27,6 +27,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
 from kvpress_cpp.cache import cache_bytes
+from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -89,11 +90,18 @@ class StepRecorder(LogitsProcessor):
         return scores
 
 
-def presses(budgets: list[float]):
+PRESSES = {
+    "ZSMerge": lambda fraction: ZSMergePress(budget=fraction),
+    "WeightedKV": lambda fraction: WeightedKVPress(cache_size=fraction),
+    "KeepKV": lambda fraction: KeepKVPress(budget=fraction),
+}
+
+
+def presses(budgets: list[float], methods: list[str] = tuple(PRESSES)):
     yield "full", None, None
     for fraction in budgets:
-        yield "ZSMerge", fraction, ZSMergePress(budget=fraction)
-        yield "WeightedKV", fraction, WeightedKVPress(cache_size=fraction)
+        for method in methods:
+            yield method, fraction, PRESSES[method](fraction)
 
 
 def generate(model, ids, press, new_tokens: int, device: str, pad_token_id: int):
@@ -124,6 +132,8 @@ def expected_slots(press, length: int) -> int | None:
         return sum(press.split(length))
     if isinstance(press, WeightedKVPress):
         return press.regions(length)[0]
+    if isinstance(press, KeepKVPress):
+        return press.layer_budget(length, 0, 1)
     return None
 
 
@@ -164,6 +174,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (default per model)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help="fractions of the prompt")
+    parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     parser.add_argument("--name", default=None, help="result file stem (default: decode, or decode_<model>_<device>)")
@@ -187,10 +198,10 @@ def main() -> None:
 
     # Warm-up: one short generation per press type (allocator, kernels, lazy imports).
     warm = prompt_ids(tokenizer, min(lengths), model.config.vocab_size, args.device)
-    for _, _, press in presses(args.budgets[:1]):
+    for _, _, press in presses(args.budgets[:1], args.methods):
         generate(model, warm, press, 4, args.device, pad_token_id)
 
-    cases = [(length, case) for length in lengths for case in presses(args.budgets)]
+    cases = [(length, case) for length in lengths for case in presses(args.budgets, args.methods)]
     rows, reference = [], {}
     for length, (method, fraction, press) in tqdm(cases, desc="generate", unit="run"):
         ids = prompt_ids(tokenizer, length, model.config.vocab_size, args.device)

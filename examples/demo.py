@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, load_default_model
-from kvpress_cpp.presses import WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import GVotePress, KeepKVPress, WeightedKVPress, ZSMergePress
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 
@@ -32,13 +32,16 @@ def ask(model, tokenizer, prompt: str, press, max_new_tokens: int) -> tuple[str,
 
 def presses() -> list[tuple[str, object]]:
     """(name, press) pairs the demo runs; None is the full cache. Each method at a budget where SmolLM2 still finds
-    the fact and at 25% of the prompt, where its memory saving shows."""
+    the fact and at 25% of the prompt, where its memory saving shows; GVote chooses its own budget."""
     return [
         ("full cache", None),
         ("ZSMerge 75%", ZSMergePress(budget=0.75)),
         ("ZSMerge 25%", ZSMergePress(budget=0.25)),
         ("WeightedKV 90%", WeightedKVPress(cache_size=0.9)),
         ("WeightedKV 25%", WeightedKVPress(cache_size=0.25)),
+        ("KeepKV 90%", KeepKVPress(budget=0.9)),
+        ("KeepKV 25%", KeepKVPress(budget=0.25)),
+        ("GVote (own budget)", GVotePress()),
     ]
 
 
