@@ -1,6 +1,6 @@
 """kvcomp::update_scores against its plain-PyTorch reference (tests/reference.py).
 
-    python benchmarks/bench_scores.py            # writes benchmarks/results/scores.json
+    python -m benchmarks.bench_scores            # writes benchmarks/results/scores.json
 
 Targets (issue 2): >= 2x the reference on CPU at B=1, Hq=32, H=8, T=8k, q=1; on GPU >= 60% of the measured copy
 bandwidth at T >= 16k.
