@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import RESULTS_DIR, configurations, copy_bandwidth_gbs, median_seconds, print_table, write_results
+from benchmarks.common import (
+    RESULTS_DIR, configurations, copy_bandwidth_gbs, median_seconds, print_table, pyplot, write_results,
+)
 
 LENGTHS = [1024, 8192, 32768]
 QUERY_HEADS, KV_HEADS, NUM_QUERIES = 32, 8, 1
@@ -71,14 +73,7 @@ def make_inputs(batch, head_dim, total_len, dtype, device):
 
 
 def plot(rows: list[dict]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = sorted({(r["device"], r["threads"], r["B"], r["d"], r["dtype"]) for r in rows})
     for device, threads, batch, head_dim, dtype in series:

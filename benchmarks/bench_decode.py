@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from benchmarks.common import RESULTS_DIR, print_table, write_results
+from benchmarks.common import RESULTS_DIR, print_table, pyplot, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
@@ -138,14 +138,7 @@ def expected_slots(press, length: int) -> int | None:
 
 
 def plot(rows: list[dict], name: str, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
+    plt = pyplot()
     fig, (ax_speed, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4.5))
     for method in dict.fromkeys(r["method"] for r in rows):
         points = [r for r in rows if r["method"] == method]

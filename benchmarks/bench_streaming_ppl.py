@@ -34,7 +34,7 @@ from kvpress import DecodingPress, StreamingLLMPress, TOVAPress
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.common import RESULTS_DIR, print_table, write_results
+from benchmarks.common import RESULTS_DIR, print_table, pyplot, write_results
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -86,14 +86,7 @@ def perplexity(nll: torch.Tensor) -> float:
 
 
 def plot(rows: list[dict], title: str, name: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
+    plt = pyplot()
     sizes = sorted({r["cache_size"] for r in rows if r["cache_size"] is not None})
     fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
     full = next((r for r in rows if r["method"] == "full"), None)

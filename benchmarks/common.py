@@ -48,6 +48,16 @@ def environment() -> dict:
     return env
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks run headless and write PNGs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_results(name: str, rows: list[dict]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
