@@ -82,9 +82,13 @@ class KVCompPress(BasePress):
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """kvpress's entry point for composed presses: the prefill compression, keys and values only."""
-        log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
-        result = self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
+        result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         return (keys, values) if result is None else result[:2]
+
+    def _compress_prompt(self, module, hidden_states, keys, values, attentions, kwargs):
+        """compress_prefill with the prompt's log-weights: 0, or -inf where transformers' mask marks padding."""
+        log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
+        return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
@@ -96,8 +100,7 @@ class KVCompPress(BasePress):
         is_prefill = keys.shape[-2] == hidden_states.shape[1]
         attentions = output[1] if len(output) > 1 else None
         if is_prefill:
-            log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
-            result = self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
+            result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
             result = self.compress_decoding(module, hidden_states, keys, values, attentions, get_state(layer),
                                             kwargs)
