@@ -58,4 +58,16 @@ TORCH_LIBRARY(kvcomp, m) {
   // to the lower slot, NaN lowest), plus the first `sinks` slots; at most chunk_size rows of T logits at a time.
   m.def("gvote_union_mask(Tensor keys, Tensor queries, Tensor budgets, int sinks, float scale, int chunk_size) "
         "-> Tensor");
+
+  // kvzap family. The KVzap surrogate of one layer on its attention input: hidden (B, T, Dh) -> log-scores (B, H, T)
+  // float32; linear (weight1 (H, Dh), bias1 (H)) or MLP (weight1 (Dh', Dh), bias1 (Dh'), exact GELU, weight2 (H, Dh'),
+  // bias2 (H)), weights and biases in the dtype of hidden; GEMMs by ATen, bias / GELU / layout fused around them.
+  m.def("kvzap_score(Tensor hidden, Tensor weight1, Tensor bias1, Tensor? weight2=None, Tensor? bias2=None) -> Tensor");
+  // KVzap's DMS-style keep rule for a pass that took the cache from tokens_before to tokens_after tokens: every slot
+  // whose absolute position (positions (B, H, T) int64) left the window of the last `window` tokens in this pass,
+  // [max(0, tokens_before - window), max(0, tokens_after - window)), is evicted iff its score < threshold.
+  // log_weights, scores (B, H, T) float32 -> (log_weights with -inf on the evicted slots, held (B, H) int64: the
+  // slots of each row whose log-weight is not -inf).
+  m.def("kvzap_threshold(Tensor log_weights, Tensor scores, Tensor positions, float threshold, int window, "
+        "int tokens_before, int tokens_after) -> (Tensor, Tensor)");
 }

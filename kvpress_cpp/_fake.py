@@ -93,3 +93,15 @@ def _averaged_rope_fake(queries, cos, sin):
 @torch.library.register_fake("kvcomp::gvote_union_mask")
 def _gvote_union_mask_fake(keys, queries, budgets, sinks, scale, chunk_size):
     return keys.new_empty(keys.shape[:3], dtype=torch.bool)
+
+
+@torch.library.register_fake("kvcomp::kvzap_score")
+def _kvzap_score_fake(hidden, weight1, bias1, weight2=None, bias2=None):
+    heads = (weight2 if weight2 is not None else weight1).shape[0]
+    return hidden.new_empty((hidden.shape[0], heads, hidden.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("kvcomp::kvzap_threshold")
+def _kvzap_threshold_fake(log_weights, scores, positions, threshold, window, tokens_before, tokens_after):
+    held = log_weights.new_empty(log_weights.shape[:2], dtype=torch.int64)
+    return log_weights.new_empty(log_weights.shape), held

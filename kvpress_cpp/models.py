@@ -131,6 +131,9 @@ def load_default_model(
         str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=attn_implementation
     )
     _fix_gguf_tokenizer(tokenizer, model.config)
+    # The hub name, not the cache directory: kvpress (and KVzap's packaged surrogates) name things after
+    # name_or_path.split("/")[-1].
+    model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
     model.to(device)
     model.eval()
     return model, tokenizer

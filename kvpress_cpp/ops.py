@@ -298,3 +298,66 @@ def gvote_union_mask(
     if scale is None:
         scale = keys.shape[-1] ** -0.5
     return torch.ops.kvcomp.gvote_union_mask(keys, queries, budgets, sinks, scale, chunk_size)
+
+
+def kvzap_score(
+    hidden: torch.Tensor,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor,
+    weight2: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KVzap's surrogate of one layer: predicted log KVzip+ scores of every token for every kv head.
+
+    Linear surrogate (weight2 = bias2 = None): ``x·W1ᵀ + b1``. MLP surrogate: ``GELU(x·W1ᵀ + b1)·W2ᵀ + b2`` with the
+    exact (erf) GELU of ``nn.GELU()``. The matrix products are ATen's (MKL / oneDNN, cuBLAS); the bias + GELU pass and
+    the final bias + float32 pass are fused kernels, and the last product is computed as ``W·xᵀ`` so it comes out in
+    the (B, H, T) layout without a transpose. In float16 / bfloat16 the hidden layer is rounded to that dtype between
+    the two products (as the module run in that dtype would); everything else is float32.
+
+    Args:
+        hidden: (B, T, Dh) the layer's attention input (the output of its input norm), float32, float16 or bfloat16.
+        weight1: (H, Dh) for the linear surrogate, (Dh', Dh) for the MLP; the dtype and device of hidden.
+        bias1: (H,) or (Dh',).
+        weight2: (H, Dh') for the MLP, else None.
+        bias2: (H,) for the MLP, else None.
+
+    Returns:
+        (B, H, T) float32 scores (kvpress's ``KVzapPress.score`` layout).
+    """
+    return torch.ops.kvcomp.kvzap_score(hidden, weight1, bias1, weight2, bias2)
+
+
+def kvzap_threshold(
+    log_weights: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    threshold: float,
+    window: int,
+    tokens_before: int,
+    tokens_after: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVzap's keep rule (DMS style) for one pass that took the cache from ``tokens_before`` to ``tokens_after``
+    tokens (0 → T at prefill, n → n + q for q new tokens).
+
+    A token is decided once, when it leaves the sliding window of the last ``window`` tokens: the slots whose absolute
+    position lies in ``[max(0, tokens_before - window), max(0, tokens_after - window))`` are decided in this pass and
+    evicted iff ``score < threshold`` (float32 comparison; NaN scores are kept, as kvpress's DMSPress keeps them).
+    Every other slot keeps its log-weight: the window is never evicted, earlier decisions stand.
+
+    Args:
+        log_weights: (B, H, T) float32 per-slot log-weights (0 token, -inf evicted or padding).
+        scores: (B, H, T) float32 the slots' surrogate scores (any value for slots not decided now).
+        positions: (B, H, T) int64 absolute cache position of each slot (any value for padding slots, whose
+            log-weight is already -inf).
+        threshold: τ, not NaN (±inf allowed).
+        window: w ≥ 0 (KVzap: 128).
+        tokens_before, tokens_after: 0 ≤ tokens_before ≤ tokens_after.
+
+    Returns:
+        (log_weights (B, H, T) float32 with -inf on the slots evicted now, held (B, H) int64: the number of slots of
+        each row whose new log-weight is not -inf, so that a caller compacting to the longest head needs no extra
+        reduction).
+    """
+    return torch.ops.kvcomp.kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_before,
+                                            tokens_after)

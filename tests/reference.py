@@ -438,3 +438,50 @@ def gvote_union_mask(keys: torch.Tensor, queries: torch.Tensor, budgets: torch.T
                     kept |= set(topk_slots(logits[b, h * group + g, s].cpu(), int(budgets[b, h * group + g])))
             keep[b, h, sorted(kept)] = True
     return keep
+
+
+def kvzap_surrogate_module(weight1, bias1, weight2=None, bias2=None) -> torch.nn.Module:
+    """The surrogate as kvpress's KVzapModel builds one layer of it: nn.Linear, or Linear → nn.GELU() → Linear,
+    holding the given weights (float32)."""
+    def linear(weight, bias):
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
+        layer.weight.data.copy_(weight.float())
+        layer.bias.data.copy_(bias.float())
+        return layer
+
+    if weight2 is None:
+        return linear(weight1, bias1)
+    return torch.nn.Sequential(linear(weight1, bias1), torch.nn.GELU(), linear(weight2, bias2))
+
+
+def kvzap_score(hidden, weight1, bias1, weight2=None, bias2=None) -> torch.Tensor:
+    """(B, H, T) float32: the surrogate module run in float32 on (B, T, Dh), transposed as kvpress's
+    KVzapPress.score does."""
+    module = kvzap_surrogate_module(weight1.cpu(), bias1.cpu(), None if weight2 is None else weight2.cpu(),
+                                    None if bias2 is None else bias2.cpu())
+    with torch.no_grad():
+        return module(hidden.float().cpu()).transpose(1, 2).contiguous()
+
+
+def kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_before, tokens_after):
+    """The keep rule slot by slot, in Python: a slot whose position left the window in this pass is evicted iff its
+    (float32) score < threshold."""
+    begin, end = max(0, tokens_before - window), max(0, tokens_after - window)
+    out = log_weights.clone().cpu()
+    tau = torch.tensor(threshold, dtype=torch.float32)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in log_weights.shape)).tolist():
+        b, h, t = index
+        position = int(positions[b, h, t])
+        if begin <= position < end and bool(scores[b, h, t].cpu() < tau):
+            out[b, h, t] = float("-inf")
+    held = (out != float("-inf")).sum(-1)
+    return out, held
+
+
+def dms_keep(scores: torch.Tensor, threshold: float, window: int) -> torch.Tensor:
+    """The KVzap / DMS rule over a whole sequence at once (paper Algorithm 1): scores (B, H, N) of every token ever
+    seen → keep (B, H, N) bool: the last `window` tokens, and every earlier token whose score is not below the
+    threshold (NaN kept, as DMSPress's `scores < threshold` never selects it)."""
+    total = scores.shape[-1]
+    in_window = torch.arange(total, device=scores.device) >= total - window
+    return in_window | ~(scores.float() < torch.tensor(threshold, dtype=torch.float32))

@@ -3,7 +3,9 @@
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.presses.keepkv import KeepKVPress
+from kvpress_cpp.presses.kvzap import KVzapPress, KVzapThresholdPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "GVotePress", "KeepKVPress", "WeightedKVPress", "ZSMergePress"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "GVotePress", "KeepKVPress", "KVzapPress", "KVzapThresholdPress",
+           "WeightedKVPress", "ZSMergePress"]

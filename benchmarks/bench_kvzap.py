@@ -1,0 +1,193 @@
+"""The kvzap family against plain PyTorch, and KVzap's cost next to the model it prunes:
+
+    python -m benchmarks.bench_kvzap          # writes benchmarks/results/kvzap.json and kvzap.png
+    python -m benchmarks.bench_kvzap --quick  # (a) only, no SmolLM2 forward
+
+(a) Scoring + thresholding of one layer, B = 1, float32: ``kvzap_score`` + ``kvzap_threshold`` against the surrogate
+    as an nn.Module (what kvpress's KVzapPress.score runs) followed by the DMS rule in plain PyTorch (DMSPress's
+    ``scores < threshold`` on the tokens that left the window, written into log-weights, held count per head).
+    Prefill of T = 4096 tokens and one decoding step over a 4096-slot cache, for a SmolLM2-135M layer (Dh = 576,
+    H = 3, MLP width 72) and a Llama-3.1-8B / Qwen3-8B layer (Dh = 4096, H = 8, MLP width 512), linear and MLP.
+(b) The 30 layers' scoring + thresholding as a share of SmolLM2-135M's own forward over the same 4096 tokens (CPU,
+    one thread).
+(c) FLOPs of the surrogate over the FLOPs of the model's linear projections (q, k, v, o, gate, up, down) per token
+    (the paper's Table 3 measure: ≤ 1.1% for KVzap-MLP).
+Random surrogate weights: the timings do not depend on trained values.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from benchmarks.common import configurations, median_seconds, print_table, pyplot, write_results, RESULTS_DIR
+from tests import reference
+
+LENGTH, WINDOW, THRESHOLD = 4096, 128, 0.0
+# name: (hidden size Dh, kv heads H, query heads, head dim, MLP intermediate size, layers)
+SHAPES = {
+    "SmolLM2-135M": (576, 3, 9, 64, 1536, 30),
+    "Llama-3.1-8B": (4096, 8, 32, 128, 14336, 32),
+    "Qwen3-8B": (4096, 8, 32, 128, 12288, 36),
+}
+
+
+def surrogate_tensors(dim, heads, hidden_dim, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def linear(out_dim, in_dim):
+        bound = in_dim ** -0.5
+        return [((torch.rand(*shape, generator=generator) * 2 - 1) * bound).to(device)
+                for shape in ((out_dim, in_dim), (out_dim,))]
+
+    return linear(heads, dim) if hidden_dim is None else linear(hidden_dim, dim) + linear(heads, hidden_dim)
+
+
+def plain_dms_rule(log_weights, scores, tokens_before, tokens_after):
+    """DMSPress's rule as plain PyTorch on per-slot tensors laid out by position (slot i = token i)."""
+    begin, end = max(0, tokens_before - WINDOW), max(0, tokens_after - WINDOW)
+    evict = scores[..., begin:end] < THRESHOLD
+    log_weights = log_weights.clone()
+    log_weights[..., begin:end] = log_weights[..., begin:end].masked_fill(evict, float("-inf"))
+    return log_weights, (log_weights != float("-inf")).sum(-1)
+
+
+def surrogate_flops(dim, heads, hidden_dim):
+    return 2 * dim * heads if hidden_dim is None else 2 * (dim * hidden_dim + hidden_dim * heads)
+
+
+def projection_flops(dim, kv_heads, query_heads, head_dim, intermediate):
+    attention = 2 * dim * (query_heads + 2 * kv_heads) * head_dim + 2 * query_heads * head_dim * dim
+    return attention + 3 * 2 * dim * intermediate
+
+
+def bench_layer(rows, device, threads, model_name, kind):
+    dim, heads = SHAPES[model_name][:2]
+    hidden_dim = None if kind == "linear" else dim // 8
+    weights = surrogate_tensors(dim, heads, hidden_dim, device)
+    module = reference.kvzap_surrogate_module(*(w.cpu() for w in weights)).to(device).eval()
+    hidden = torch.randn(1, LENGTH, dim, device=device)
+    zeros = torch.zeros(1, heads, LENGTH, device=device)
+    positions = torch.arange(LENGTH, device=device).expand(1, heads, LENGTH)
+
+    def op_prefill():
+        scores = torch.ops.kvcomp.kvzap_score(hidden, *weights)
+        return torch.ops.kvcomp.kvzap_threshold(zeros, scores, positions, THRESHOLD, WINDOW, 0, LENGTH)
+
+    def plain_prefill():
+        with torch.no_grad():
+            scores = module(hidden).transpose(1, 2)
+        return plain_dms_rule(zeros, scores, 0, LENGTH)
+
+    # One decoding step: score the new token and decide the one that leaves the window, over a 4096-slot cache.
+    new_hidden = hidden[:, -1:]
+    old_scores = torch.ops.kvcomp.kvzap_score(hidden[:, :-1], *weights)
+    old_lw, _ = torch.ops.kvcomp.kvzap_threshold(zeros[..., :-1], old_scores, positions[..., :-1], THRESHOLD, WINDOW,
+                                                  0, LENGTH - 1)
+
+    def op_decode():
+        scores = torch.cat([old_scores, torch.ops.kvcomp.kvzap_score(new_hidden, *weights)], -1)
+        lw = torch.nn.functional.pad(old_lw, (0, 1))
+        return torch.ops.kvcomp.kvzap_threshold(lw, scores, positions, THRESHOLD, WINDOW, LENGTH - 1, LENGTH)
+
+    def plain_decode():
+        with torch.no_grad():
+            scores = torch.cat([old_scores, module(new_hidden).transpose(1, 2)], -1)
+        return plain_dms_rule(torch.nn.functional.pad(old_lw, (0, 1)), scores, LENGTH - 1, LENGTH)
+
+    for phase, op_fn, plain_fn in (("prefill", op_prefill, plain_prefill), ("decode step", op_decode, plain_decode)):
+        got, expected = op_fn(), plain_fn()
+        torch.testing.assert_close(got[0], expected[0])  # same decisions (random weights: no score sits on τ)
+        assert torch.equal(got[1], expected[1])
+        op_s = median_seconds(op_fn, num_threads=threads)
+        plain_s = median_seconds(plain_fn, num_threads=threads)
+        rows.append({"case": "score+threshold", "model": model_name, "surrogate": kind, "phase": phase,
+                     "device": device, "threads": threads, "T": LENGTH, "op_us": round(op_s * 1e6, 1),
+                     "plain_us": round(plain_s * 1e6, 1), "speedup": round(plain_s / op_s, 2)})
+
+
+def bench_forward_share(rows, threads):
+    """(b): SmolLM2-135M's forward over LENGTH tokens against its 30 layers' scoring + thresholding."""
+    from kvpress_cpp.models import load_default_model
+
+    model, _ = load_default_model()
+    config = model.config
+    ids = torch.randint(10, config.vocab_size - 10, (1, LENGTH))
+    with torch.no_grad():  # ~30-60 s on the 2-core CI CPU: one warm-up on a short prompt, then one timed run
+        model(ids[:, :256], use_cache=False)
+        start = time.perf_counter()
+        model(ids, use_cache=False)
+        forward_s = time.perf_counter() - start
+    dim, heads = config.hidden_size, config.num_key_value_heads
+    for kind in ("linear", "mlp"):
+        weights = surrogate_tensors(dim, heads, None if kind == "linear" else dim // 8, "cpu")
+        hidden = torch.randn(1, LENGTH, dim)
+        zeros = torch.zeros(1, heads, LENGTH)
+        positions = torch.arange(LENGTH).expand(1, heads, LENGTH)
+
+        def all_layers():
+            for _ in range(config.num_hidden_layers):
+                scores = torch.ops.kvcomp.kvzap_score(hidden, *weights)
+                torch.ops.kvcomp.kvzap_threshold(zeros, scores, positions, THRESHOLD, WINDOW, 0, LENGTH)
+
+        kvzap_s = median_seconds(all_layers, num_threads=threads)
+        rows.append({"case": "share of forward", "model": "SmolLM2-135M", "surrogate": kind, "phase": "prefill",
+                     "device": "cpu", "threads": threads, "T": LENGTH, "op_us": round(kvzap_s * 1e6, 1),
+                     "forward_ms": round(forward_s * 1e3, 1), "share_pct": round(100 * kvzap_s / forward_s, 3)})
+
+
+def flop_rows():
+    rows = []
+    for name, (dim, heads, query_heads, head_dim, intermediate, _) in SHAPES.items():
+        for kind in ("linear", "mlp"):
+            ratio = surrogate_flops(dim, heads, None if kind == "linear" else dim // 8) / projection_flops(
+                dim, heads, query_heads, head_dim, intermediate)
+            rows.append({"case": "FLOP ratio", "model": name, "surrogate": kind, "flop_pct": round(100 * ratio, 3)})
+    return rows
+
+
+def plot(rows):
+    plt = pyplot()
+    timed = [r for r in rows if r["case"] == "score+threshold" and r["threads"] == 1 and r["device"] == "cpu"]
+    labels = [f"{r['model']}\n{r['surrogate']}, {r['phase']}" for r in timed]
+    fig, ax = plt.subplots(figsize=(max(8, len(timed) * 1.1), 4.5))
+    x = torch.arange(len(timed)).float()
+    ax.bar(x - 0.2, [r["op_us"] for r in timed], 0.4, label="kvzap_score + kvzap_threshold")
+    ax.bar(x + 0.2, [r["plain_us"] for r in timed], 0.4, label="nn.Module + plain-PyTorch DMS rule")
+    for xi, r in zip(x.tolist(), timed):
+        ax.text(xi, max(r["op_us"], r["plain_us"]) * 1.1, f"{r['speedup']}x", ha="center", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("µs (median, CPU, 1 thread, float32)")
+    ax.set_xticks(x.tolist(), labels, fontsize=7)
+    ax.set_title(f"KVzap scoring + thresholding of one layer, T = {LENGTH}, window {WINDOW}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS_DIR / "kvzap.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    rows = []
+    for device, threads in configurations():
+        torch.set_num_threads(threads)
+        for model_name in ("SmolLM2-135M", "Llama-3.1-8B"):
+            for kind in ("linear", "mlp"):
+                bench_layer(rows, device, threads, model_name, kind)
+    if not quick:
+        # One thread: on the shared 2-core CI VM, two-thread ATen calls pay OpenMP wake-ups of tens of ms, which
+        # would measure the machine rather than KVzap (two-thread rows of (a) are in the JSON for reference).
+        torch.set_num_threads(1)
+        bench_forward_share(rows, 1)
+    rows += flop_rows()
+    print_table(rows, ["case", "model", "surrogate", "phase", "device", "threads", "T", "op_us", "plain_us", "speedup",
+                       "forward_ms", "share_pct", "flop_pct"])
+    print("wrote", write_results("kvzap", rows), "and", plot(rows))
+
+
+if __name__ == "__main__":
+    main()

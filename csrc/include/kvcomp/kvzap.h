@@ -1,0 +1,115 @@
+// Validation and output shapes of the kvzap family, called first by the CPU and the CUDA kernels alike, and the
+// surrogate driver they share: the GEMMs are ATen's (MKL / oneDNN on CPU, cuBLAS on CUDA), the elementwise passes
+// around them (bias + GELU after the first GEMM, bias + float32 after the last) are each device's own kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Optional.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvcomp/checks.h"
+
+namespace kvcomp {
+
+struct KVzapScoreShape {
+  int64_t batch, len, input_dim, hidden_dim, heads;  // hidden_dim = 0 for the linear surrogate
+  bool mlp() const { return hidden_dim > 0; }
+};
+
+inline KVzapScoreShape check_kvzap_score(const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
+                                         const c10::optional<at::Tensor>& weight2,
+                                         const c10::optional<at::Tensor>& bias2) {
+  constexpr const char* op = "kvcomp::kvzap_score";
+  check_dim(op, "hidden", hidden, 3, "(B, T, Dh)");
+  check_floating(op, "hidden", hidden);
+  const bool mlp = weight2.has_value();
+  TORCH_CHECK(mlp == bias2.has_value(), op, ": expected weight2 and bias2 both given (MLP surrogate) or both None "
+              "(linear surrogate), got weight2 ", mlp ? "given" : "None", " and bias2 ",
+              bias2.has_value() ? "given" : "None");
+  check_dim(op, "weight1", weight1, 2, mlp ? "(Dh', Dh)" : "(H, Dh)");
+  check_dim(op, "bias1", bias1, 1, mlp ? "(Dh')" : "(H)");
+  const auto same_dtype = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == hidden.scalar_type(), op, ": expected ", name, " of the dtype of hidden (",
+                hidden.scalar_type(), "), got ", t.scalar_type());
+    check_same_device(op, name, t, "hidden", hidden);
+  };
+  same_dtype("weight1", weight1);
+  same_dtype("bias1", bias1);
+  KVzapScoreShape shape{hidden.size(0), hidden.size(1), hidden.size(2), 0, weight1.size(0)};
+  check_size(op, "weight1", weight1, 1, shape.input_dim, "hidden size Dh of hidden");
+  check_size(op, "bias1", bias1, 0, weight1.size(0), "output size of weight1");
+  if (mlp) {
+    const at::Tensor& w2 = *weight2;
+    const at::Tensor& b2 = *bias2;
+    check_dim(op, "weight2", w2, 2, "(H, Dh')");
+    check_dim(op, "bias2", b2, 1, "(H)");
+    same_dtype("weight2", w2);
+    same_dtype("bias2", b2);
+    shape.hidden_dim = weight1.size(0);
+    shape.heads = w2.size(0);
+    check_size(op, "weight2", w2, 1, shape.hidden_dim, "output size of weight1");
+    check_size(op, "bias2", b2, 0, shape.heads, "output size of weight2");
+    TORCH_CHECK(shape.hidden_dim >= 1, op, ": expected a hidden layer of at least one unit, got weight1 of shape ",
+                weight1.sizes());
+  }
+  TORCH_CHECK(shape.heads >= 1, op, ": expected at least one output head, got ", shape.heads);
+  return shape;
+}
+
+// The surrogate on hidden (B, T, Dh) -> (B, H, T) float32:
+//   bias_gelu_(pre, bias): pre (N, Dh') contiguous, in place: GELU(pre + bias), rounded to pre's dtype;
+//   bias_to_float(product, bias): product (B, H, T) contiguous, in hidden's dtype -> float32 product + bias[h]
+//     (may reuse product's storage when it is already float32).
+// The last GEMM computes W·xᵀ per batch row, so its output is already (B, H, T): no transpose pass.
+template <typename BiasGelu, typename BiasToFloat>
+at::Tensor run_kvzap_surrogate(const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
+                               const c10::optional<at::Tensor>& weight2, const c10::optional<at::Tensor>& bias2,
+                               const KVzapScoreShape& shape, BiasGelu&& bias_gelu_, BiasToFloat&& bias_to_float) {
+  at::Tensor input = hidden;  // (B, T, D_in)
+  if (shape.mlp()) {
+    at::Tensor pre = at::mm(hidden.reshape({shape.batch * shape.len, shape.input_dim}), weight1.t());
+    bias_gelu_(pre, bias1.contiguous());
+    input = pre.view({shape.batch, shape.len, shape.hidden_dim});
+  }
+  const at::Tensor& weight = shape.mlp() ? *weight2 : weight1;
+  const at::Tensor& bias = shape.mlp() ? *bias2 : bias1;
+  at::Tensor product = shape.batch == 1 ? at::mm(weight, input.select(0, 0).t()).unsqueeze(0)
+                                        : at::matmul(weight, input.transpose(1, 2));
+  return bias_to_float(product.contiguous(), bias.contiguous());
+}
+
+struct KVzapThresholdShape {
+  int64_t batch, heads, len;
+  int64_t rows() const { return batch * heads; }
+};
+
+inline KVzapThresholdShape check_kvzap_threshold(const at::Tensor& log_weights, const at::Tensor& scores,
+                                                 const at::Tensor& positions, double threshold, int64_t window,
+                                                 int64_t tokens_before, int64_t tokens_after) {
+  constexpr const char* op = "kvcomp::kvzap_threshold";
+  check_dim(op, "log_weights", log_weights, 3, "(B, H, T)");
+  check_dim(op, "scores", scores, 3, "(B, H, T)");
+  check_dim(op, "positions", positions, 3, "(B, H, T)");
+  check_dtype(op, "log_weights", log_weights, at::kFloat);
+  check_dtype(op, "scores", scores, at::kFloat);
+  check_dtype(op, "positions", positions, at::kLong);
+  check_same_device(op, "scores", scores, "log_weights", log_weights);
+  check_same_device(op, "positions", positions, "log_weights", log_weights);
+  const KVzapThresholdShape shape{log_weights.size(0), log_weights.size(1), log_weights.size(2)};
+  for (int64_t dim = 0; dim < 3; ++dim) {
+    check_size(op, "scores", scores, dim, log_weights.size(dim), "shape of log_weights");
+    check_size(op, "positions", positions, dim, log_weights.size(dim), "shape of log_weights");
+  }
+  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
+  check_at_least(op, "window", window, 0);
+  check_at_least(op, "tokens_before", tokens_before, 0);
+  TORCH_CHECK(tokens_after >= tokens_before, op, ": expected tokens_after >= tokens_before (", tokens_before,
+              "), got tokens_after = ", tokens_after);
+  return shape;
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,261 @@
+"""KVzap ("KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", ``../shared/docs/methods.md``).
+
+A per-layer surrogate (linear ``Dh → H``, or MLP ``Dh → Dh/8 → GELU → H``) reads the layer's attention input (the
+output of its input norm) and predicts each token's log KVzip+ score for every kv head. Tokens are pruned DMS style:
+a token is decided once, when it leaves the sliding window of the last w = 128 tokens, and evicted if its score is
+below the threshold τ. This works in prefill and in decoding alike.
+
+* :class:`KVzapPress` is a kvpress scorer (a subclass of kvpress's own ``KVzapPress``) whose ``score`` runs
+  ``kvcomp::kvzap_score``; kvpress's ``DMSPress`` and ``AdaKVPress`` accept it.
+* :class:`KVzapThresholdPress` prunes our cache itself, in prefill and at every decoding step: evicted slots get
+  log-weight -inf and each layer is compacted to its longest head (``compact_to_longest_head``), so memory is really
+  freed. The compression reached is readable afterwards (``compression_ratio``, ``layer_compression_ratios``).
+
+Surrogate weights load from a local directory in the layout of kvpress's ``KVzapModel`` (``config.json`` +
+``model.safetensors``, written by ``KVzapModel.save_pretrained``); nothing is fetched from a hub. Without
+``surrogate_dir`` the packaged weights are used: ``kvpress_cpp/surrogates/<model name>/<model_type>/``, with the
+model name ``model.config.name_or_path.split("/")[-1]`` as kvpress names its hub checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from kvpress.presses.kvzap_press import KVzapModel
+from kvpress.presses.kvzap_press import KVzapPress as _KVzapScorer
+from torch import nn
+
+from kvpress_cpp import ops
+from kvpress_cpp.cache import compact_to_longest_head
+from kvpress_cpp.presses.base import KVCompDecodingPress
+
+__all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
+           "SURROGATES_DIR", "DEFAULT_THRESHOLD"]
+
+#: Packaged surrogate weights: ``SURROGATES_DIR / <model name> / <model_type> / {config.json, model.safetensors}``.
+SURROGATES_DIR = Path(__file__).resolve().parent.parent / "surrogates"
+TRAIN_COMMAND = "python -m kvpress_cpp.train_kvzap"
+
+#: τ for the default model (SmolLM2-135M-Instruct, a Llama). The paper uses -4 for Qwen3 and -7 for Llama-3.1. On
+#: SmolLM2's own KVzip+ log-scores (the surrogate's training targets; 2 x 1k tokens of Austen, all 30 layers) the
+#: median is -7.4 and τ = -7 falls below 59% of the scores (about 2.4x compression outside the window; -8: 35%,
+#: -6: 76%), inside the paper's 2-4x range. Re-check with the trained surrogate, whose predictions spread less.
+DEFAULT_THRESHOLD = -7.0
+
+
+def default_surrogate_dir(model: nn.Module, model_type: str) -> Path:
+    """Where the packaged surrogate of `model` lives: ``kvpress_cpp/surrogates/<model name>/<model_type>``."""
+    return SURROGATES_DIR / str(model.config.name_or_path).split("/")[-1] / model_type
+
+
+def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str | Path | None = None) -> KVzapModel:
+    """kvpress's ``KVzapModel`` for `model` from a local directory (``surrogate_dir``, or the packaged default),
+    checked against the model's shape. Raises FileNotFoundError naming the expected path when it is missing."""
+    if model_type not in ("linear", "mlp"):
+        raise ValueError(f"KVzap: model_type must be 'linear' or 'mlp', got {model_type!r}")
+    path = Path(surrogate_dir) if surrogate_dir is not None else default_surrogate_dir(model, model_type)
+    missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"KVzap: no {model_type} surrogate for {model.config.name_or_path!r}: expected {', '.join(missing)} in "
+            f"{path} (kvpress's KVzapModel layout, written by KVzapModel.save_pretrained). Train one with "
+            f"`{TRAIN_COMMAND}`, or pass surrogate_dir= to a directory that holds one. Nothing is downloaded."
+        )
+    surrogate = KVzapModel.from_pretrained(path, local_files_only=True).eval()
+    config, model_config = surrogate.config, model.config
+    expected = {
+        "n_modules": (config.n_modules, model_config.num_hidden_layers, "layers of the model"),
+        "input_dim": (config.input_dim, model_config.hidden_size, "hidden size of the model"),
+        "output_dim": (config.output_dim, model_config.num_key_value_heads, "kv heads of the model"),
+    }
+    for name, (got, want, meaning) in expected.items():
+        if got != want:
+            raise ValueError(f"KVzap: the surrogate in {path} has {name} = {got}, expected {want} ({meaning})")
+    if (config.hidden_dim is None) != (model_type == "linear"):
+        raise ValueError(f"KVzap: the surrogate in {path} is {'linear' if config.hidden_dim is None else 'an MLP'}, "
+                         f"but model_type = {model_type!r}")
+    return surrogate
+
+
+def save_surrogate(surrogate: KVzapModel, path: str | Path) -> Path:
+    """Write `surrogate` in the layout ``KVzapModel.save_pretrained`` writes (config.json + model.safetensors), which
+    ``KVzapModel.from_pretrained`` and :func:`load_surrogate` read.
+
+    With transformers 4.57, ``KVzapModel.save_pretrained`` itself raises a TypeError: it instantiates the config
+    class without arguments to look for generation defaults, and KVzapConfig's arguments are required.
+    """
+    from safetensors.torch import save_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    surrogate.config.to_json_file(path / "config.json")
+    save_model(surrogate, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def surrogate_tensors(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(weight1, bias1) of a linear surrogate layer, (weight1, bias1, weight2, bias2) of an MLP one."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight, layer.bias
+    first, activation, last = layer
+    if not (isinstance(first, nn.Linear) and isinstance(last, nn.Linear) and isinstance(activation, nn.GELU)
+            and activation.approximate == "none"):
+        raise TypeError(f"KVzap: expected a surrogate layer Linear or Linear → GELU() → Linear, got {layer}")
+    return first.weight, first.bias, last.weight, last.bias
+
+
+@dataclass
+class KVzapPress(_KVzapScorer):
+    """kvpress's KVzap scorer with ``score`` computed by ``kvcomp::kvzap_score`` (float32 scores (B, H, T)) and the
+    surrogate read from a local directory.
+
+    Use it where kvpress expects a ScorerPress: ``DMSPress(KVzapPress(), threshold=-7, decoding=True)``,
+    ``AdaKVPress(KVzapPress(compression_ratio=0.5))``. Setting ``kvzap_model`` by hand (a ``KVzapModel``) also
+    works; it is then used as is.
+
+    Attributes:
+        model_type: "linear" or "mlp" (paper: KVzap-Linear, KVzap-MLP).
+        surrogate_dir: directory with config.json + model.safetensors; None for the packaged weights of the model
+            (``kvpress_cpp/surrogates/<model name>/<model_type>``).
+    """
+
+    surrogate_dir: str | Path | None = None
+    _loaded_from: Path | None = field(default=None, init=False, repr=False, compare=False)
+    _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _weights_of: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model_type not in ("linear", "mlp"):
+            raise ValueError(f"KVzapPress: model_type must be 'linear' or 'mlp', got {self.model_type!r}")
+
+    def post_init_from_model(self, model):
+        if getattr(self, "kvzap_model", None) is not None and self._loaded_from is None:
+            return  # set by hand
+        path = Path(self.surrogate_dir) if self.surrogate_dir is not None else default_surrogate_dir(
+            model, self.model_type)
+        if path != self._loaded_from:
+            self.kvzap_model = load_surrogate(model, self.model_type, path)
+            self._loaded_from = path
+
+    def layer_weights(self, layer_idx: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The surrogate tensors of one layer on `device` in `dtype`, converted once and cached."""
+        surrogate = getattr(self, "kvzap_model", None)
+        if surrogate is None:
+            raise RuntimeError("KVzapPress: no surrogate loaded; use the press on a model (`with press(model):`, "
+                               "which loads it) or set press.kvzap_model")
+        if self._weights_of is not surrogate:
+            self._weights, self._weights_of = {}, surrogate
+        key = (layer_idx, device, dtype)
+        if key not in self._weights:
+            self._weights[key] = tuple(t.detach().to(device, dtype).contiguous()
+                                       for t in surrogate_tensors(surrogate.layers[layer_idx]))
+        return self._weights[key]
+
+    def layer_scores(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, H, T) float32 scores of the tokens of hidden_states (B, T, Dh) at layer `layer_idx`."""
+        weights = self.layer_weights(layer_idx, hidden_states.device, hidden_states.dtype)
+        return ops.kvzap_score(hidden_states, *weights)
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        return self.layer_scores(module.layer_idx, hidden_states)
+
+
+@dataclass
+class KVzapThresholdPress(KVCompDecodingPress):
+    """KVzap in prefill and at every decoding step, on our cache (paper Algorithm 1 with DMS's score buffer).
+
+    Every token is decided once, in absolute cache positions: when it leaves the window of the last
+    ``sliding_window`` tokens it is evicted if its surrogate score is below ``threshold`` (NaN is kept, as in
+    kvpress's DMSPress); the window itself is never evicted. Evicted slots get log-weight -inf at once; a layer is
+    compacted to its longest head (memory freed) at prefill and, while decoding, as soon as that frees at least
+    ``compaction_slack`` slots (so the cache is not copied at every step). Each slot's absolute position and score
+    are kept in the layer's state (``per_slot["positions"]``, ``per_slot["scores"]``).
+
+    Attributes:
+        threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
+        sliding_window: w, the most recent tokens, never evicted (paper: 128).
+        model_type: "linear" or "mlp".
+        surrogate_dir: the surrogate's directory; None for ``kvpress_cpp/surrogates/<model name>/<model_type>``.
+        compaction_slack: compact a layer during decoding once it would shrink by at least this many slots (≥ 1).
+    """
+
+    threshold: float = DEFAULT_THRESHOLD
+    sliding_window: int = 128
+    model_type: Literal["linear", "mlp"] = "mlp"
+    surrogate_dir: str | Path | None = None
+    compaction_slack: int = 32
+    scorer: KVzapPress = field(init=False, repr=False, compare=False)
+    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.sliding_window < 0:
+            raise ValueError(f"KVzapThresholdPress: sliding_window must be ≥ 0, got {self.sliding_window}")
+        if self.compaction_slack < 1:
+            raise ValueError(f"KVzapThresholdPress: compaction_slack must be ≥ 1, got {self.compaction_slack}")
+        if self.threshold != self.threshold:
+            raise ValueError("KVzapThresholdPress: threshold must not be NaN")
+        self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)
+
+    def post_init_from_model(self, model):
+        if (self.scorer.model_type, self.scorer.surrogate_dir) != (self.model_type, self.surrogate_dir):
+            self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)  # fields changed
+        self.scorer.post_init_from_model(model)
+
+    @property
+    def layer_compression_ratios(self) -> dict[int, float]:
+        """Per layer, the fraction of the (batch, kv head, token) slots seen so far that were evicted, after the
+        last forward (padding counts as evicted)."""
+        return {layer: 1.0 - float(held.sum()) / (held.numel() * tokens) if tokens else 0.0
+                for layer, (held, tokens) in sorted(self._held.items())}
+
+    @property
+    def compression_ratio(self) -> float:
+        """The mean of :attr:`layer_compression_ratios` (0 before any run). Read-only: it results from the
+        threshold and the input."""
+        ratios = self.layer_compression_ratios
+        return sum(ratios.values()) / len(ratios) if ratios else 0.0
+
+    @compression_ratio.setter
+    def compression_ratio(self, value):
+        raise AttributeError(f"compression ratio cannot be set for {type(self).__name__}: it depends on the "
+                             f"threshold and the input")
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        if module.layer_idx == 0:
+            self._held = {}
+        batch, heads, length = keys.shape[:3]
+        scores = self.scorer.layer_scores(module.layer_idx, hidden_states)
+        positions = torch.arange(length, device=keys.device).expand(batch, heads, length)
+        log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
+                                                0, length)
+        self._held[module.layer_idx] = (held, length)
+        keys, values, state = compact_to_longest_head(keys, values, log_weights != float("-inf"), log_weights,
+                                                      {"scores": scores, "positions": positions})
+        state.counters["tokens"] = length
+        return keys, values, state
+
+    def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
+        if state is None:  # the press was not active at prefill: nothing to align with
+            return None
+        new_tokens = hidden_states.shape[1]
+        batch, heads, length = keys.shape[:3]
+        log_weights = state.align(length - new_tokens, new_tokens)
+        before = state.counters["tokens"]
+        positions = torch.arange(before, before + new_tokens, device=keys.device).expand(batch, heads, new_tokens)
+        positions = torch.cat([state.per_slot["positions"], positions], dim=-1)
+        scores = torch.cat([state.per_slot["scores"], self.scorer.layer_scores(module.layer_idx, hidden_states)], -1)
+        log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
+                                                before, before + new_tokens)
+        self._held[module.layer_idx] = (held, before + new_tokens)
+        counters = {**state.counters, "tokens": before + new_tokens}
+        if length - int(held.max()) >= self.compaction_slack:
+            keys, values, state = compact_to_longest_head(keys, values, log_weights != float("-inf"), log_weights,
+                                                          {"scores": scores, "positions": positions})
+        else:
+            state.log_weights, state.per_slot = log_weights, {"scores": scores, "positions": positions}
+        state.counters = counters
+        return keys, values, state

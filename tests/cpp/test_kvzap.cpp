@@ -1,0 +1,116 @@
+// GoogleTest of the kvzap family: the device-free pieces (exact GELU, the decision window, the keep rule with its
+// NaN and boundary cases) against hand computations, and the registered CPU kernels through the dispatcher.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "kernels/kvzap.h"
+
+namespace {
+
+namespace z = kvcomp::kernels::kvzap;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+TEST(KVzapGelu, KnownValues) {
+  // Φ(1) = 0.8413447460685429, so GELU(1) = Φ(1) and GELU(-1) = -(1 - Φ(1)).
+  EXPECT_FLOAT_EQ(z::gelu(1.0f), 0.84134474606854293f);
+  EXPECT_FLOAT_EQ(z::gelu(-1.0f), -0.15865525393145707f);
+  EXPECT_FLOAT_EQ(z::gelu(2.0f), 2.0f * 0.97724986805182079f);
+  EXPECT_EQ(z::gelu(0.0f), 0.0f);
+  EXPECT_FLOAT_EQ(z::gelu(10.0f), 10.0f);  // Φ ≈ 1
+  EXPECT_NEAR(z::gelu(-10.0f), 0.0f, 1e-20f);  // Φ ≈ 0
+  EXPECT_TRUE(std::isnan(z::gelu(kNaN)));
+}
+
+TEST(KVzapGelu, IsTheErfFormNotTheTanhApproximation) {
+  for (float x = -5.0f; x <= 5.0f; x += 0.25f) {
+    const double exact = 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    EXPECT_NEAR(z::gelu(x), exact, 1e-6) << x;
+  }
+  // The tanh approximation differs by ~1e-4 around |x| = 2; the exact form does not.
+  const float x = 2.0f;
+  const double tanh_form = 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+  EXPECT_GT(std::abs(z::gelu(x) - tanh_form), 1e-5);
+}
+
+TEST(KVzapDecisionRange, SlidesWithTheWindow) {
+  auto range = z::decision_range(0, 300, 128);  // prefill of 300 tokens: 0..171 leave the window
+  EXPECT_EQ(range.begin, 0);
+  EXPECT_EQ(range.end, 172);
+  range = z::decision_range(300, 301, 128);  // one decoding step: position 172 leaves
+  EXPECT_EQ(range.begin, 172);
+  EXPECT_EQ(range.end, 173);
+  range = z::decision_range(0, 100, 128);  // short prompt: nothing leaves
+  EXPECT_EQ(range.begin, 0);
+  EXPECT_EQ(range.end, 0);
+  range = z::decision_range(120, 140, 128);  // the window fills up mid-pass
+  EXPECT_EQ(range.begin, 0);
+  EXPECT_EQ(range.end, 12);
+  range = z::decision_range(5, 9, 0);  // no window: every new token is decided at once
+  EXPECT_EQ(range.begin, 5);
+  EXPECT_EQ(range.end, 9);
+}
+
+TEST(KVzapKeepRule, EvictsOnlyDecidedTokensBelowTheThreshold) {
+  const z::DecisionRange range{10, 20};
+  EXPECT_TRUE(z::evicted_now(-5.0f, 10, range, -4.0f));
+  EXPECT_TRUE(z::evicted_now(-5.0f, 19, range, -4.0f));
+  EXPECT_FALSE(z::evicted_now(-5.0f, 9, range, -4.0f));  // decided earlier
+  EXPECT_FALSE(z::evicted_now(-5.0f, 20, range, -4.0f));  // still in the window
+  EXPECT_FALSE(z::evicted_now(-4.0f, 15, range, -4.0f));  // score == τ is kept
+  EXPECT_FALSE(z::evicted_now(kNaN, 15, range, -4.0f));  // NaN is kept (kvpress's `scores < threshold`)
+  EXPECT_TRUE(z::evicted_now(-kInf, 15, range, -4.0f));
+  EXPECT_FALSE(z::evicted_now(-1e30f, 15, range, -kInf));  // τ = -inf keeps everything
+  EXPECT_TRUE(z::evicted_now(1e30f, 15, range, kInf));  // τ = +inf evicts every decided token
+}
+
+TEST(KVzapKeepRule, LogWeightsAndHeldSlots) {
+  const z::DecisionRange range{0, 5};
+  EXPECT_EQ(z::thresholded_log_weight(0.0f, -9.0f, 3, range, -4.0f), -kInf);
+  EXPECT_EQ(z::thresholded_log_weight(0.0f, -1.0f, 3, range, -4.0f), 0.0f);
+  EXPECT_EQ(z::thresholded_log_weight(-kInf, 9.0f, 3, range, -4.0f), -kInf);  // an eviction stands
+  EXPECT_EQ(z::thresholded_log_weight(0.7f, -9.0f, 8, range, -4.0f), 0.7f);  // window: untouched
+  EXPECT_TRUE(z::is_held(0.0f));
+  EXPECT_TRUE(z::is_held(-1e30f));
+  EXPECT_FALSE(z::is_held(-kInf));
+}
+
+TEST(KVzapOps, ThresholdThroughTheDispatcher) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kvcomp::kvzap_threshold", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                        const at::Tensor&, double, int64_t, int64_t,
+                                                                        int64_t)>();
+  const at::Tensor log_weights = at::zeros({1, 2, 4});
+  const at::Tensor scores = at::tensor({-5.0f, -3.0f, -5.0f, -5.0f, -3.0f, -5.0f, -3.0f, -5.0f}).view({1, 2, 4});
+  const at::Tensor positions = at::arange(4, at::kLong).view({1, 1, 4}).expand({1, 2, 4});
+  const auto [out, held] = op.call(log_weights, scores, positions, -4.0, 1, 0, 4);  // positions 0..2 decided
+  EXPECT_EQ(held[0][0].item<int64_t>(), 2);  // evicts 0 and 2
+  EXPECT_EQ(held[0][1].item<int64_t>(), 3);  // evicts 1
+  EXPECT_EQ(out[0][0][0].item<float>(), -kInf);
+  EXPECT_EQ(out[0][0][3].item<float>(), 0.0f);  // the window
+  EXPECT_EQ(out[0][1][1].item<float>(), -kInf);
+}
+
+TEST(KVzapOps, ScoreThroughTheDispatcher) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kvcomp::kvzap_score", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  const at::Tensor hidden = at::randn({2, 7, 16});
+  const at::Tensor w1 = at::randn({4, 16}), b1 = at::randn({4}), w2 = at::randn({3, 4}), b2 = at::randn({3});
+  const at::Tensor expected = at::linear(at::gelu(at::linear(hidden, w1, b1)), w2, b2).transpose(1, 2);
+  const at::Tensor got = op.call(hidden, w1, b1, w2, b2);
+  ASSERT_EQ(got.sizes(), expected.sizes());
+  EXPECT_TRUE(at::allclose(got, expected, 1e-5, 1e-5));
+  const at::Tensor linear = op.call(hidden, w1, b1, std::nullopt, std::nullopt);
+  EXPECT_TRUE(at::allclose(linear, at::linear(hidden, w1, b1).transpose(1, 2), 1e-5, 1e-5));
+}
+
+}  // namespace

@@ -1,0 +1,318 @@
+"""The kvzap family (kvcomp::kvzap_score, kvzap_threshold) against the plain-PyTorch references (nn.Linear / nn.GELU
+modules, the keep rule slot by slot), the rule's properties (decided once, window never evicted, lower τ keeps
+more), opcheck, torch.compile and bad input."""
+
+import pytest
+import torch
+
+import kvpress_cpp
+from kvpress_cpp import ops
+from tests import reference
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NAN, INF = float("nan"), float("inf")
+
+
+def surrogate(input_dim, heads, hidden_dim=None, dtype=torch.float32, device="cpu", seed=0):
+    """Random surrogate tensors, (w1, b1) or (w1, b1, w2, b2), at nn.Linear's init scale."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def linear(out_dim, in_dim):
+        bound = in_dim ** -0.5
+        weight = (torch.rand(out_dim, in_dim, generator=generator) * 2 - 1) * bound
+        bias = (torch.rand(out_dim, generator=generator) * 2 - 1) * bound
+        return weight.to(device, dtype), bias.to(device, dtype)
+
+    if hidden_dim is None:
+        return linear(heads, input_dim)
+    return (*linear(hidden_dim, input_dim), *linear(heads, hidden_dim))
+
+
+def hidden_states(batch, length, dim, dtype=torch.float32, device="cpu", seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, length, dim, generator=generator) * 2).to(device, dtype)
+
+
+SCORE_TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+    torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kvzap_score
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_dim", [None, 72, 9])
+@pytest.mark.parametrize("batch,length,dim,heads", [(1, 37, 576, 3), (2, 130, 64, 2), (3, 1, 16, 8)])
+def test_score_matches_module(device, dtype, hidden_dim, batch, length, dim, heads):
+    weights = surrogate(dim, heads, hidden_dim, dtype, device)
+    hidden = hidden_states(batch, length, dim, dtype, device)
+    got = ops.kvzap_score(hidden, *weights)
+    assert got.dtype == torch.float32 and got.shape == (batch, heads, length) and got.device == hidden.device
+    expected = reference.kvzap_score(hidden, *weights)
+    torch.testing.assert_close(got.cpu(), expected, **SCORE_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_matches_module_in_its_own_dtype(device, dtype):
+    """What kvpress's KVzapPress.score computes (the module cast to the hidden dtype) up to that dtype's rounding."""
+    weights = surrogate(64, 4, 8, dtype, device, seed=3)
+    hidden = hidden_states(2, 50, 64, dtype, device)
+    module = reference.kvzap_surrogate_module(*weights).to(device, dtype)
+    with torch.no_grad():
+        expected = module(hidden).transpose(1, 2).float()
+    torch.testing.assert_close(ops.kvzap_score(hidden, *weights), expected, **SCORE_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_score_gelu_is_exact_not_tanh(device):
+    """A 1-d hidden layer with identity weights exposes the activation: exact erf GELU, not the tanh approximation."""
+    x = torch.linspace(-6, 6, 241, device=device).view(1, -1, 1)
+    one, zero = torch.ones(1, 1, device=device), torch.zeros(1, device=device)
+    got = ops.kvzap_score(x, one, zero, one, zero)[0, 0]
+    torch.testing.assert_close(got, torch.nn.functional.gelu(x.view(-1)), rtol=1e-6, atol=1e-6)
+    assert (got - torch.nn.functional.gelu(x.view(-1), approximate="tanh")).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_score_non_contiguous_hidden(device):
+    weights = surrogate(32, 3, 16, device=device)
+    hidden = hidden_states(2, 40, 64, device=device)[..., ::2]  # strided
+    torch.testing.assert_close(ops.kvzap_score(hidden, *weights), ops.kvzap_score(hidden.contiguous(), *weights))
+    transposed = hidden_states(40, 2, 32, device=device).transpose(0, 1)
+    torch.testing.assert_close(ops.kvzap_score(transposed, *weights),
+                               reference.kvzap_score(transposed, *weights).to(device), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_score_empty(device):
+    weights = surrogate(16, 3, 4, device=device)
+    assert ops.kvzap_score(hidden_states(2, 0, 16, device=device), *weights).shape == (2, 3, 0)
+    assert ops.kvzap_score(hidden_states(0, 5, 16, device=device), *weights[:2]).shape == (0, 4, 5)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_cuda_matches_cpu(dtype):
+    weights = surrogate(576, 3, 72, dtype, "cuda")
+    hidden = hidden_states(2, 4096, 576, dtype, "cuda")
+    torch.testing.assert_close(ops.kvzap_score(hidden, *weights).cpu(),
+                               ops.kvzap_score(hidden.cpu(), *(w.cpu() for w in weights)), **SCORE_TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kvzap_threshold
+
+
+def threshold_inputs(batch, heads, length, device="cpu", seed=0, first_position=0, evicted_fraction=0.2):
+    """Random log-weights (some already -inf), scores, and positions: each row a random increasing run of absolute
+    positions (as after earlier evictions and compaction)."""
+    generator = torch.Generator().manual_seed(seed)
+    log_weights = torch.zeros(batch, heads, length)
+    log_weights[torch.rand(batch, heads, length, generator=generator) < evicted_fraction] = -INF
+    scores = torch.randn(batch, heads, length, generator=generator) * 3 - 4
+    steps = torch.randint(1, 4, (batch, heads, length), generator=generator)
+    positions = first_position + steps.cumsum(-1) - 1
+    return log_weights.to(device), scores.to(device), positions.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 1, 16, 128, 10_000])
+@pytest.mark.parametrize("threshold", [-4.0, -7.0, -INF, INF])
+@pytest.mark.parametrize("before_after", [(0, 300), (250, 251), (250, 270), (0, 0), (400, 400)])
+def test_threshold_matches_reference(device, window, threshold, before_after):
+    log_weights, scores, positions = threshold_inputs(2, 3, 150, device, seed=window)
+    args = (threshold, window, *before_after)
+    got_lw, got_held = ops.kvzap_threshold(log_weights, scores, positions, *args)
+    expected_lw, expected_held = reference.kvzap_threshold(log_weights.cpu(), scores.cpu(), positions.cpu(), *args)
+    assert got_lw.dtype == torch.float32 and got_held.dtype == torch.int64 and got_held.shape == (2, 3)
+    assert torch.equal(got_lw.cpu(), expected_lw)
+    assert torch.equal(got_held.cpu(), expected_held)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threshold_by_hand(device):
+    lw = torch.tensor([[[0.0, 0.0, 0.0, -INF, 0.0, 0.0, 0.0]]], device=device)
+    scores = torch.tensor([[[-5.0, -3.0, NAN, -9.0, -4.0, -9.0, -9.0]]], device=device)
+    positions = torch.arange(7, device=device).view(1, 1, 7)
+    # prefill of 7 tokens, window 2: positions 0..4 are decided; -5 < -4 evicted, -3 kept, NaN kept, already -inf
+    # stays, -4 is not below -4: kept; 5 and 6 (the window) kept whatever their score.
+    out, held = ops.kvzap_threshold(lw, scores, positions, -4.0, 2, 0, 7)
+    assert out.tolist() == [[[-INF, 0.0, 0.0, -INF, 0.0, 0.0, 0.0]]]
+    assert held.tolist() == [[5]]
+    # one more token (7 -> 8): only position 5 leaves the window now
+    out, held = ops.kvzap_threshold(out, scores, positions, -4.0, 2, 7, 8)
+    assert out.tolist() == [[[-INF, 0.0, 0.0, -INF, 0.0, -INF, 0.0]]] and held.tolist() == [[4]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threshold_decides_each_token_once(device):
+    """Step-by-step passes (0 -> T0, then one or several tokens at a time) evict exactly what one pass over the
+    whole sequence evicts: the window slides, every position is decided in exactly one pass."""
+    total, window, threshold = 300, 32, -4.0
+    log_weights, scores, _ = threshold_inputs(2, 4, total, device, seed=5, evicted_fraction=0.0)
+    positions = torch.arange(total, device=device).expand(2, 4, total)
+    at_once, _ = ops.kvzap_threshold(log_weights, scores, positions, threshold, window, 0, total)
+    stepwise, before = log_weights.clone(), 0
+    for after in [100, 101, 102, 140, 141, 200, 299, 300]:
+        stepwise, _ = ops.kvzap_threshold(stepwise, scores, positions, threshold, window, before, after)
+        before = after
+    assert torch.equal(stepwise, at_once)
+    keep = reference.dms_keep(scores.cpu(), threshold, window)
+    assert torch.equal(at_once.cpu() == 0, keep)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threshold_never_evicts_the_window_and_lower_tau_keeps_more(device):
+    log_weights, scores, positions = threshold_inputs(1, 3, 500, device, seed=7, evicted_fraction=0.0)
+    total = int(positions.max()) + 1
+    previous = None
+    for threshold in [4.0, 0.0, -4.0, -7.0, -20.0]:
+        out, held = ops.kvzap_threshold(log_weights, scores, positions, threshold, 64, 0, total)
+        assert (out[positions >= total - 64] == 0).all()
+        if previous is not None:
+            assert (held >= previous).all() and (out[previous_out == 0] == 0).all()
+        previous, previous_out = held, out
+    assert torch.equal(held, (log_weights == 0).sum(-1))  # τ below every score keeps everything
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threshold_non_contiguous_and_empty(device):
+    log_weights, scores, positions = threshold_inputs(3, 4, 60, device, seed=2)
+    got = ops.kvzap_threshold(log_weights.transpose(0, 1), scores.transpose(0, 1), positions.transpose(0, 1), -4.0,
+                              8, 0, 90)
+    expected = ops.kvzap_threshold(log_weights.transpose(0, 1).contiguous(), scores.transpose(0, 1).contiguous(),
+                                   positions.transpose(0, 1).contiguous(), -4.0, 8, 0, 90)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    out, held = ops.kvzap_threshold(log_weights[..., :0], scores[..., :0], positions[..., :0], -4.0, 8, 0, 90)
+    assert out.shape == (3, 4, 0) and held.tolist() == [[0] * 4] * 3
+
+
+@CUDA
+def test_threshold_cuda_matches_cpu_at_scale():
+    log_weights, scores, positions = threshold_inputs(4, 8, 20_000, "cpu", seed=11)
+    total = int(positions.max()) + 1
+    for before, after in [(0, total), (total - 5, total)]:
+        got = ops.kvzap_threshold(log_weights.cuda(), scores.cuda(), positions.cuda(), -4.0, 128, before, after)
+        expected = ops.kvzap_threshold(log_weights, scores, positions, -4.0, 128, before, after)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatcher, opcheck, torch.compile
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = hidden_states(2, 7, 16, dtype, device)
+        torch.library.opcheck(torch.ops.kvcomp.kvzap_score.default, (hidden, *surrogate(16, 3, 5, dtype, device)))
+        torch.library.opcheck(torch.ops.kvcomp.kvzap_score.default, (hidden, *surrogate(16, 3, None, dtype, device)))
+    log_weights, scores, positions = threshold_inputs(2, 3, 20, device)
+    torch.library.opcheck(torch.ops.kvcomp.kvzap_threshold.default, (log_weights, scores, positions, -4.0, 4, 3, 50))
+
+
+def test_compile_fullgraph():
+    weights = surrogate(32, 3, 8)
+
+    def score_and_threshold(hidden, log_weights, positions):
+        scores = ops.kvzap_score(hidden, *weights)
+        out, held = ops.kvzap_threshold(log_weights, scores, positions, -0.5, 4, 0, hidden.shape[1])
+        return out, held * 2
+
+    compiled = torch.compile(score_and_threshold, fullgraph=True)
+    hidden = hidden_states(2, 40, 32)
+    log_weights = torch.zeros(2, 3, 40)
+    positions = torch.arange(40).expand(2, 3, 40)
+    for got, expected in zip(compiled(hidden, log_weights, positions),
+                             score_and_threshold(hidden, log_weights, positions)):
+        assert torch.equal(got, expected)
+
+
+def test_cpu_kernels_registered():
+    for name in ("kvzap_score", "kvzap_threshold"):
+        assert "CPU: registered" in torch._C._dispatch_dump(f"kvcomp::{name}")
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="CPU build of torch: no CUDA kernels expected")
+def test_cuda_kernels_built_with_cuda_torch():
+    assert kvpress_cpp.cuda_kernels_built()
+    for name in ("kvzap_score", "kvzap_threshold"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcomp::{name}", "CUDA")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def bad_score_cases():
+    h = hidden_states(2, 5, 16)
+    w1, b1, w2, b2 = surrogate(16, 3, 8)
+    return [
+        ((h[0], w1, b1, w2, b2), r"expected hidden of shape \(B, T, Dh\), got a 2-d tensor"),
+        ((h.int(), w1, b1, w2, b2), r"expected hidden of dtype float32, float16 or bfloat16, got Int"),
+        ((h, w1, b1, w2, None), r"expected weight2 and bias2 both given \(MLP surrogate\) or both None"),
+        ((h, w1, b1, None, b2), r"expected weight2 and bias2 both given"),
+        ((h, w1[0], b1, w2, b2), r"expected weight1 of shape \(Dh', Dh\), got a 1-d tensor"),
+        ((h, w1, b1[None], w2, b2), r"expected bias1 of shape \(Dh'\), got a 2-d tensor"),
+        ((h, w1.half(), b1, w2, b2), r"expected weight1 of the dtype of hidden \(Float\), got Half"),
+        ((h, w1, b1.double(), w2, b2), r"expected bias1 of the dtype of hidden \(Float\), got Double"),
+        ((h, w1, b1, w2.bfloat16(), b2), r"expected weight2 of the dtype of hidden \(Float\), got BFloat16"),
+        ((h, w1[:, :7], b1, w2, b2), r"expected weight1.size\(1\) == 16 \(hidden size Dh of hidden\)"),
+        ((h, w1, b1[:3], w2, b2), r"expected bias1.size\(0\) == 8 \(output size of weight1\)"),
+        ((h, w1, b1, w2[:, :3], b2), r"expected weight2.size\(1\) == 8 \(output size of weight1\)"),
+        ((h, w1, b1, w2, b2[:2]), r"expected bias2.size\(0\) == 3 \(output size of weight2\)"),
+        ((h, w1[:0], b1[:0], w2[:, :0], b2), r"expected a hidden layer of at least one unit"),
+        ((h, w1[:0], b1[:0]), r"expected at least one output head, got 0"),
+        ((h, w2, b2), r"expected weight1.size\(1\) == 16 \(hidden size Dh of hidden\), got weight1 of shape \[3, 8\]"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_bad_score_input_names_op_and_value(case):
+    args, message = bad_score_cases()[case]
+    with pytest.raises(RuntimeError, match=r"kvcomp::kvzap_score: " + message):
+        torch.ops.kvcomp.kvzap_score(*args)
+
+
+def bad_threshold_cases():
+    lw, s, p = threshold_inputs(2, 3, 10)
+    return [
+        ((lw[0], s, p, -4.0, 4, 0, 10), r"expected log_weights of shape \(B, H, T\), got a 2-d tensor"),
+        ((lw, s[..., None], p, -4.0, 4, 0, 10), r"expected scores of shape \(B, H, T\), got a 4-d tensor"),
+        ((lw, s, p[0], -4.0, 4, 0, 10), r"expected positions of shape \(B, H, T\), got a 2-d tensor"),
+        ((lw.half(), s, p, -4.0, 4, 0, 10), r"expected log_weights of dtype Float, got Half"),
+        ((lw, s.bfloat16(), p, -4.0, 4, 0, 10), r"expected scores of dtype Float, got BFloat16"),
+        ((lw, s, p.int(), -4.0, 4, 0, 10), r"expected positions of dtype Long, got Int"),
+        ((lw, s[:, :2], p, -4.0, 4, 0, 10), r"expected scores.size\(1\) == 3 \(shape of log_weights\)"),
+        ((lw, s, p[..., :9], -4.0, 4, 0, 10), r"expected positions.size\(2\) == 10 \(shape of log_weights\)"),
+        ((lw, s, p, NAN, 4, 0, 10), r"expected a threshold that is not NaN, got threshold = nan"),
+        ((lw, s, p, -4.0, -1, 0, 10), r"expected window >= 0, got -1"),
+        ((lw, s, p, -4.0, 4, -2, 10), r"expected tokens_before >= 0, got -2"),
+        ((lw, s, p, -4.0, 4, 11, 10), r"expected tokens_after >= tokens_before \(11\), got tokens_after = 10"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_bad_threshold_input_names_op_and_value(case):
+    args, message = bad_threshold_cases()[case]
+    with pytest.raises(RuntimeError, match=r"kvcomp::kvzap_threshold: " + message):
+        torch.ops.kvcomp.kvzap_threshold(*args)
+
+
+@CUDA
+def test_mixed_devices_rejected():
+    h = hidden_states(1, 5, 16, device="cuda")
+    w1, b1 = surrogate(16, 3, None, device="cuda")
+    with pytest.raises(RuntimeError, match=r"kvcomp::kvzap_score: expected bias1 on the device of hidden"):
+        torch.ops.kvcomp.kvzap_score(h, w1, b1.cpu())
+    lw, s, p = threshold_inputs(1, 2, 5, "cuda")
+    with pytest.raises(RuntimeError, match=r"kvcomp::kvzap_threshold: expected positions on the device of"):
+        torch.ops.kvcomp.kvzap_threshold(lw, s, p.cpu(), -4.0, 2, 0, 5)

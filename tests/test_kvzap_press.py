@@ -1,0 +1,319 @@
+"""KVzap's presses: the scorer against kvpress's own KVzapPress, surrogate loading, and the thresholded press through
+prefill and decoding against a plain-PyTorch replay of the DMS rule in absolute positions; kvpress's DMSPress,
+AdaKVPress and pipeline on top. Surrogates are random, written in kvpress's KVzapModel format to a temp dir."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpress import AdaKVPress, DMSPress
+from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
+from transformers import DynamicCache, pipeline
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses import KVzapPress, KVzapThresholdPress
+from kvpress_cpp.presses import kvzap as kvzap_module
+from kvpress_cpp.presses.kvzap import save_surrogate
+from tests import reference
+from tests.generation import greedy, prompt_ids
+from tests.models import make_tiny_llama
+
+INF = float("inf")
+
+
+def write_surrogate(path, model, model_type="mlp", seed=0, scale=1.0):
+    """A random KVzapModel for `model`, saved in save_pretrained's layout (config.json + model.safetensors).
+    `scale` multiplies the weights (a wider spread of scores)."""
+    config = model.config
+    torch.manual_seed(seed)
+    surrogate = KVzapModel(KVzapConfig(input_dim=config.hidden_size, output_dim=config.num_key_value_heads,
+                                       n_modules=config.num_hidden_layers,
+                                       hidden_dim=None if model_type == "linear" else config.hidden_size // 8))
+    with torch.no_grad():
+        for parameter in surrogate.parameters():
+            parameter.mul_(scale)
+    return save_surrogate(surrogate, path)
+
+
+def kvpress_scorer(model, model_type, directory):
+    """kvpress's own KVzapPress holding the surrogate of `directory`, set by hand; its kvzap_model_name is set to
+    the hub name it would look up, so post_init_from_model does not try the hub."""
+    scorer = KvpressKVzapPress(model_type=model_type)
+    scorer.kvzap_model = KVzapModel.from_pretrained(directory, local_files_only=True)
+    scorer.kvzap_model_name = f"nvidia/KVzap-{model_type}-{model.config.name_or_path.split('/')[-1]}"
+    return scorer
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def surrogates(llama, tmp_path_factory):
+    """{model_type: directory} of random surrogates for the tiny Llama (scores spread over about ±3)."""
+    root = tmp_path_factory.mktemp("surrogates")
+    return {kind: write_surrogate(root / kind, llama[0], kind, seed=i, scale=4.0)
+            for i, kind in enumerate(("linear", "mlp"))}
+
+
+class Recorder:
+    """Wraps a KVzapThresholdPress's scorer: every layer's scores as computed, in order."""
+
+    def __init__(self, press):
+        self.scores: dict[int, list[torch.Tensor]] = {}
+        original = press.scorer.layer_scores
+
+        def recorded(layer_idx, hidden_states):
+            scores = original(layer_idx, hidden_states)
+            self.scores.setdefault(layer_idx, []).append(scores)
+            return scores
+
+        press.scorer.layer_scores = recorded
+
+    def all_scores(self, layer_idx):
+        return torch.cat(self.scores[layer_idx], dim=-1)
+
+
+def kept_positions(layer) -> list[list[set[int]]]:
+    """Per (batch, head): the absolute positions of the slots the cache layer still attends to."""
+    state = get_state(layer)
+    held = state.log_weights != -INF
+    positions = state.per_slot["positions"]
+    return [[set(positions[b, h][held[b, h]].tolist()) for h in range(held.shape[1])] for b in range(held.shape[0])]
+
+
+def expected_positions(keep: torch.Tensor) -> list[list[set[int]]]:
+    return [[set(torch.nonzero(keep[b, h]).view(-1).tolist()) for h in range(keep.shape[1])]
+            for b in range(keep.shape[0])]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scorer
+
+
+@pytest.mark.parametrize("model_type", ["linear", "mlp"])
+def test_score_equals_kvpress_kvzap_score(llama, surrogates, model_type):
+    model, tokenizer = llama
+    ours = KVzapPress(model_type=model_type, surrogate_dir=surrogates[model_type])
+    ours.post_init_from_model(model)
+    theirs = kvpress_scorer(model, model_type, surrogates[model_type])
+    hidden = torch.randn(2, 77, model.config.hidden_size)
+    for module in (layer.self_attn for layer in model.model.layers):
+        got = ours.score(module, hidden, None, None, None, {})
+        expected = theirs.score(module, hidden, None, None, None, {})
+        assert got.dtype == torch.float32 and got.shape == expected.shape == (2, 2, 77)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_score_uses_a_hand_set_surrogate(llama, surrogates):
+    model, _ = llama
+    press = KVzapPress(model_type="linear")
+    press.kvzap_model = KVzapModel.from_pretrained(surrogates["linear"], local_files_only=True)
+    press.post_init_from_model(model)  # keeps the hand-set model, looks for no file
+    module = model.model.layers[1].self_attn
+    hidden = torch.randn(1, 9, model.config.hidden_size)
+    linear = press.kvzap_model.layers[1]
+    torch.testing.assert_close(press.score(module, hidden, None, None, None, {}),
+                               reference.kvzap_score(hidden, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_default_surrogate_dir_is_packaged_by_model_name(llama, surrogates, tmp_path, monkeypatch):
+    model, _ = llama
+    monkeypatch.setattr(kvzap_module, "SURROGATES_DIR", tmp_path)
+    monkeypatch.setattr(model.config, "name_or_path", "SomeOrg/Tiny-Llama")
+    target = tmp_path / "Tiny-Llama" / "mlp"
+    assert kvzap_module.default_surrogate_dir(model, "mlp") == target
+    with pytest.raises(FileNotFoundError, match=rf"expected config.json, model.safetensors in {target}.*"
+                                                r"python -m kvpress_cpp.train_kvzap"):
+        KVzapThresholdPress().post_init_from_model(model)
+    write_surrogate(target, model, "mlp")
+    press = KVzapThresholdPress()
+    press.post_init_from_model(model)
+    assert press.scorer.kvzap_model.config.hidden_dim == model.config.hidden_size // 8
+
+
+def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
+    model, _ = llama
+    with pytest.raises(FileNotFoundError, match=r"no linear surrogate .* expected config.json, model.safetensors in "
+                                                rf"{tmp_path / 'nowhere'}"):
+        with KVzapThresholdPress(model_type="linear", surrogate_dir=tmp_path / "nowhere")(model):
+            pass
+    with pytest.raises(ValueError, match=r"is an MLP, but model_type = 'linear'"):
+        KVzapPress(model_type="linear", surrogate_dir=surrogates["mlp"]).post_init_from_model(model)
+    other = KVzapModel(KVzapConfig(input_dim=64, output_dim=3, n_modules=2))
+    save_surrogate(other, tmp_path / "three_heads")
+    with pytest.raises(ValueError, match=r"has output_dim = 3, expected 2 \(kv heads of the model\)"):
+        KVzapPress(model_type="linear", surrogate_dir=tmp_path / "three_heads").post_init_from_model(model)
+    with pytest.raises(ValueError, match=r"model_type must be 'linear' or 'mlp'"):
+        KVzapPress(model_type="cubic")
+    with pytest.raises(ValueError, match=r"sliding_window must be ≥ 0, got -1"):
+        KVzapThresholdPress(sliding_window=-1)
+
+
+def test_default_model_is_named_after_the_hub_checkpoint():
+    from kvpress_cpp.models import load_default_model
+
+    model, _ = load_default_model()
+    assert model.config.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert kvzap_module.default_surrogate_dir(model, "mlp").parts[-3:] == ("surrogates", "SmolLM2-135M-Instruct",
+                                                                           "mlp")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# thresholded press: the DMS rule in absolute positions
+
+
+@pytest.mark.parametrize("model_type", ["linear", "mlp"])
+@pytest.mark.parametrize("window,prompt_length,slack", [(16, 200, 1), (128, 200, 32), (16, 40, 8), (300, 100, 1)])
+def test_decisions_equal_the_dms_rule_replayed(llama, surrogates, model_type, window, prompt_length, slack):
+    """Prefill + 100 decoding steps: every cache layer holds exactly the positions that the DMS rule, replayed in
+    Python on the scores the press computed, keeps: the last `window` tokens and every earlier token whose score is
+    not below τ. The slots kept from the prompt hold the prompt's own keys and values."""
+    model, tokenizer = llama
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=window, model_type=model_type,
+                                surrogate_dir=surrogates[model_type], compaction_slack=slack)
+    recorder = Recorder(press)
+    ids = prompt_ids(tokenizer, prompt_length)
+    _, cache = greedy(model, ids, press=press, max_new_tokens=101)
+    _, full_cache = greedy(model, ids, max_new_tokens=1)
+    total = prompt_length + 100
+    evicted = 0
+    for layer_idx, layer in enumerate(cache.layers):
+        scores = recorder.all_scores(layer_idx)
+        assert scores.shape[-1] == total
+        keep = reference.dms_keep(scores, 0.0, window)
+        assert kept_positions(layer) == expected_positions(keep)
+        assert all(set(range(max(0, total - window), total)) <= kept for kept in kept_positions(layer)[0])
+        evicted += int((~keep).sum())
+        # compaction: the layer is at most `slack` - 1 slots longer than its longest head
+        assert layer.keys.shape[-2] - int(keep.sum(-1).max()) < slack
+        # prompt slots carry the prompt's keys / values (prefill attention is not changed by the press)
+        state = get_state(layer)
+        positions, held = state.per_slot["positions"], state.log_weights != -INF
+        for h in range(layer.keys.shape[1]):
+            slots = torch.nonzero(held[0, h] & (positions[0, h] < prompt_length)).view(-1)
+            source = positions[0, h, slots]
+            torch.testing.assert_close(layer.keys[0, h, slots], full_cache.layers[layer_idx].keys[0, h, source])
+            torch.testing.assert_close(layer.values[0, h, slots], full_cache.layers[layer_idx].values[0, h, source])
+    if total > window:
+        assert evicted > 0, "the test should exercise evictions"
+    ratios = press.layer_compression_ratios
+    assert sorted(ratios) == [0, 1]
+    heads = model.config.num_key_value_heads
+    assert press.compression_ratio == pytest.approx(evicted / (2 * heads * total))
+
+
+def test_decisions_in_a_batch_are_per_row(llama, surrogates):
+    model, tokenizer = llama
+    ids = torch.cat([prompt_ids(tokenizer, 150), prompt_ids(tokenizer, 170)[:, 20:]], dim=0)
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=32, surrogate_dir=surrogates["mlp"],
+                                compaction_slack=1)
+    recorder = Recorder(press)
+    together, cache = greedy(model, ids, press=press, max_new_tokens=30)
+    for layer_idx, layer in enumerate(cache.layers):
+        keep = reference.dms_keep(recorder.all_scores(layer_idx), 0.0, 32)
+        assert kept_positions(layer) == expected_positions(keep)
+    alone = torch.cat([greedy(model, row[None], press=KVzapThresholdPress(
+        threshold=0.0, sliding_window=32, surrogate_dir=surrogates["mlp"]), max_new_tokens=30)[0] for row in ids])
+    assert torch.equal(together, alone)
+
+
+def test_lower_threshold_keeps_more(llama, surrogates):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 300)
+    previous_ratio, previous_kept = 1.0, None
+    for threshold in [3.0, 1.0, 0.0, -1.0, -3.0, -INF]:
+        press = KVzapThresholdPress(threshold=threshold, sliding_window=16, surrogate_dir=surrogates["linear"],
+                                    model_type="linear")
+        _, cache = greedy(model, ids, press=press, max_new_tokens=1)
+        kept = [kept_positions(layer) for layer in cache.layers]
+        assert press.compression_ratio <= previous_ratio
+        if previous_kept is not None:
+            assert all(a <= b for layer_a, layer_b in zip(previous_kept, kept) for a, b in zip(layer_a[0], layer_b[0]))
+        previous_ratio, previous_kept = press.compression_ratio, kept
+    assert press.compression_ratio == 0.0
+    assert all(layer.keys.shape[-2] == 300 for layer in cache.layers)
+
+
+def test_compression_ratio_is_read_only_and_memory_shrinks(llama, surrogates):
+    model, tokenizer = llama
+    press = KVzapThresholdPress(threshold=1.0, sliding_window=16, surrogate_dir=surrogates["mlp"])
+    assert press.compression_ratio == 0.0  # before any run
+    _, cache = greedy(model, prompt_ids(tokenizer, 200), press=press, max_new_tokens=10)
+    assert 0.2 < press.compression_ratio < 1.0
+    with pytest.raises(AttributeError, match="cannot be set"):
+        press.compression_ratio = 0.5
+    assert all(layer.keys.shape[-2] < 209 for layer in cache.layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inside kvpress
+
+
+def test_prefill_evicts_what_kvpress_dms_press_masks(llama, surrogates):
+    """At prefill (where compression cannot change the hidden states), our press evicts exactly the positions that
+    kvpress's DMSPress over kvpress's KVzapPress masks, and DMSPress over our scorer masks the same ones."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 180)
+    ours = KVzapThresholdPress(threshold=0.0, sliding_window=32, surrogate_dir=surrogates["mlp"])
+    _, cache = greedy(model, ids, press=ours, max_new_tokens=1)
+    theirs_scorer = kvpress_scorer(model, "mlp", surrogates["mlp"])
+    for scorer in (theirs_scorer, KVzapPress(model_type="mlp", surrogate_dir=surrogates["mlp"])):
+        dms = DMSPress(press=scorer, threshold=0.0, sliding_window_size=32)
+        with torch.no_grad(), dms(model):
+            model(ids, past_key_values=DynamicCache())
+        for layer_idx, layer in enumerate(cache.layers):
+            batch, heads, positions = model.model.layers[layer_idx].self_attn.masked_key_indices
+            masked = [[set() for _ in range(2)]]
+            for h, p in zip(heads.tolist(), positions.tolist()):
+                masked[0][h].add(p)
+            assert [[set(range(180)) - kept for kept in row] for row in kept_positions(layer)] == masked
+        assert dms.compression_ratio == pytest.approx(ours.compression_ratio)
+
+
+def test_dms_and_adakv_accept_our_scorer_under_generate(llama, surrogates):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 120)
+    theirs_scorer = kvpress_scorer(model, "linear", surrogates["linear"])
+    ours_scorer = KVzapPress(model_type="linear", surrogate_dir=surrogates["linear"])
+    for make in (lambda s: DMSPress(press=s, threshold=0.0, sliding_window_size=16, decoding=True),
+                 lambda s: AdaKVPress(press=s)):
+        theirs_scorer.compression_ratio = ours_scorer.compression_ratio = 0.5
+        expected, _ = greedy(model, ids, press=make(theirs_scorer), max_new_tokens=12)
+        got, _ = greedy(model, ids, press=make(ours_scorer), max_new_tokens=12)
+        assert torch.equal(got, expected)
+
+
+def test_pipeline_compresses_prefill_and_decoding(llama, surrogates):
+    model, tokenizer = llama
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogates["mlp"], compaction_slack=1)
+    decoding_calls = []
+    original = press.compress_decoding
+
+    def counted(*args):
+        result = original(*args)
+        decoding_calls.append(result is not None)
+        return result
+
+    press.compress_decoding = counted
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 4
+    cache = DynamicCache()
+    answer = pipe(context, question="who is in want of a wife?", press=press, max_new_tokens=20, cache=cache)
+    assert isinstance(answer["answer"], str)
+    assert decoding_calls and all(decoding_calls)
+    assert 0 < press.compression_ratio < 1
+
+
+def test_default_model_runs_with_a_random_surrogate(default_model, tmp_path):
+    """SmolLM2-135M (30 layers, 576 → 3 kv heads) end to end with a random MLP surrogate of the shipped shape."""
+    model, tokenizer = default_model
+    write_surrogate(tmp_path / "mlp", model, "mlp", scale=3.0)
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=32, surrogate_dir=tmp_path / "mlp")
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 20, return_tensors="pt").input_ids
+    _, cache = greedy(model, ids, press=press, max_new_tokens=4)
+    assert len(press.layer_compression_ratios) == 30
+    assert 0 < press.compression_ratio < 1
+    assert press.scorer.kvzap_model.config.hidden_dim == 72
