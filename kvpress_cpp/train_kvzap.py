@@ -421,10 +421,15 @@ def train_mlps(
     weight_decay: float = 0.01,
     seed: int = 0,
     progress: bool = False,
+    x_stop: torch.Tensor | None = None,
+    y_stop: torch.Tensor | None = None,
 ) -> list[nn.Sequential]:
     """Fit one ``Linear(D, hidden) -> GELU -> Linear(hidden, H)`` per layer to (x (L, N, D), y (L, N, H)), AdamW on the
     MSE, all L layers at once (batched matmuls; the loss is the sum of the per-layer mean squared errors, so each
     layer trains as it would alone, on the same minibatch rows).
+
+    With ``x_stop`` (L, M, D) and ``y_stop`` (L, M, H), early stopping: each layer keeps the weights of the epoch with
+    the lowest MSE on those rows (which must not be the rows the model is evaluated on).
 
     x may be float16 (storage); every minibatch is converted to float32. Inputs and targets are standardised per layer
     during training (cosine learning-rate decay, minibatches shuffled by a generator seeded with ``seed``, init seeded
@@ -450,22 +455,44 @@ def train_mlps(
     steps_per_epoch = math.ceil(n / batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
     gen = torch.Generator().manual_seed(seed)
+
+    def forward(xb: torch.Tensor) -> torch.Tensor:  # standardised x -> standardised y, (L, B, H)
+        return torch.baddbmm(b2, nn.functional.gelu(torch.baddbmm(b1, xb, w1)), w2)
+
+    def stop_mse() -> torch.Tensor:  # (L,)
+        with torch.no_grad():
+            xs = (x_stop.float() - x_mean) / x_std
+            return ((forward(xs) - (y_stop.float() - y_mean) / y_std) ** 2).mean(dim=(1, 2))
+
+    best_params = [p.detach().clone() for p in (w1, b1, w2, b2)]
+    best_mse = stop_mse() if x_stop is not None else None
+    best_epoch = torch.zeros(n_layers, dtype=torch.long)
     bar = tqdm(range(epochs), desc=f"MLP x {n_layers} layers", unit="epoch", disable=not progress)
-    for _ in bar:
+    for epoch in bar:
         perm = torch.randperm(n, generator=gen)
         total = 0.0
         for start in range(0, n, batch_size):
             idx = perm[start : start + batch_size]
             xb = (x[:, idx].float() - x_mean) / x_std
             yb = (y[:, idx] - y_mean) / y_std
-            pred = torch.baddbmm(b2, nn.functional.gelu(torch.baddbmm(b1, xb, w1)), w2)
-            loss = ((pred - yb) ** 2).mean(dim=(1, 2)).sum()
+            loss = ((forward(xb) - yb) ** 2).mean(dim=(1, 2)).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
             total += loss.item() * len(idx)
-        bar.set_postfix(loss_per_layer=f"{total / n / n_layers:.4f}")
+        postfix = {"loss_per_layer": f"{total / n / n_layers:.4f}"}
+        if best_mse is not None:
+            mse = stop_mse()
+            better = mse < best_mse
+            best_mse = torch.where(better, mse, best_mse)
+            best_epoch[better] = epoch + 1
+            for best, p in zip(best_params, (w1, b1, w2, b2)):
+                best[better] = p.detach()[better]
+            postfix["stop_mse"] = f"{float(best_mse.mean()):.4f}"
+        bar.set_postfix(postfix)
+    if best_mse is not None:
+        w1, b1, w2, b2 = best_params
     mlps = []
     with torch.no_grad():  # fold the standardisation into the weights
         for layer in range(n_layers):
@@ -475,6 +502,7 @@ def train_mlps(
             mlp[0].bias.copy_(b1[layer, 0] - (mean / std) @ w1[layer])
             mlp[2].weight.copy_((w2[layer] * y_std[layer]).T)
             mlp[2].bias.copy_(b2[layer, 0] * y_std[layer, 0] + y_mean[layer, 0])
+            mlp.best_epoch = int(best_epoch[layer]) if best_mse is not None else epochs
             mlps.append(mlp.eval())
     return mlps
 
@@ -550,10 +578,14 @@ def train_surrogates(
     lr: float,
     weight_decay: float,
     seed: int,
-    ridge_alphas: Sequence[float] = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1),
+    ridge_alphas: Sequence[float] = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0),
     progress: bool = True,
 ) -> tuple[list[nn.Linear], list[nn.Sequential], dict]:
-    """Fit both surrogates on every layer; returns (linear layers, MLPs, metrics dict)."""
+    """Fit both surrogates on every layer; returns (linear layers, MLPs, metrics dict).
+
+    ~15% of the training chunks form an inner split: it picks ridge's λ (the final ridge refits on all training
+    chunks) and early-stops the MLP (trained on the other training chunks). Metrics use the held-out chunks only.
+    """
     train, val = data.token_mask(val=False), data.token_mask(val=True)
     # Inner validation for λ: ~15% of the training chunks (never the held-out ones).
     train_chunks = sorted({int(c) for c in data.chunk[train].unique()})
@@ -577,9 +609,18 @@ def train_surrogates(
         linears.append(linear)
         lambdas.append(lam)
         alphas.append(alpha)
-    x_train_all, y_train_all = data.features[:, train], data.targets[:, train]
-    mlps = train_mlps(x_train_all, y_train_all, hidden_dim, epochs, batch_size, lr, weight_decay, seed, progress)
-    del x_train_all, y_train_all
+    # The MLP trains on the training chunks minus the inner ones and keeps, per layer, its best epoch on the inner
+    # ones (early stopping); the held-out chunks stay unseen.
+    fit_rows = train.nonzero().squeeze(1)
+    fit_rows, stop_rows = fit_rows[~inner_val], fit_rows[inner_val]
+    if len(stop_rows) == 0:  # a single training chunk: no early stopping
+        fit_rows, x_stop, y_stop = train.nonzero().squeeze(1), None, None
+    else:
+        x_stop, y_stop = data.features[:, stop_rows], data.targets[:, stop_rows]
+    mlps = train_mlps(
+        data.features[:, fit_rows], data.targets[:, fit_rows], hidden_dim, epochs, batch_size, lr, weight_decay, seed,
+        progress, x_stop, y_stop,
+    )  # fmt: skip
     for layer in range(n_layers):
         x_train, y_train = data.features[layer, train].float(), data.targets[layer, train]
         x_val, y_val = data.features[layer, val].float(), data.targets[layer, val]
@@ -599,6 +640,7 @@ def train_surrogates(
         "r2": {k: [[round(float(v), 4) for v in row] for row in r2[k]] for k in r2},
         "coefficient_of_determination": {k: [[round(float(v), 4) for v in row] for row in cod[k]] for k in cod},
         "r2_train": {k: [[round(float(v), 4) for v in row] for row in train_r2[k]] for k in train_r2},
+        "mlp_best_epoch": [m.best_epoch for m in mlps],
         "ridge_lambda": [round(v, 6) for v in lambdas],
         "ridge_alpha": alphas,
         "target_quantiles": {

@@ -181,6 +181,26 @@ def test_mlp_training_reduces_validation_mse_and_beats_linear_on_nonlinear_targe
     assert isinstance(trained[0], nn.Linear) and isinstance(trained[1], nn.GELU) and trained[0].out_features == 32
 
 
+def test_mlp_early_stopping_keeps_each_layers_best_epoch():
+    gen = torch.Generator().manual_seed(4)
+    d = 12
+    x = torch.randn(2, 1200, d, generator=gen)
+    proj = torch.randn(d, 1, generator=gen)
+    y = torch.stack([torch.tanh(x[0] @ proj) * 2, torch.randn(1200, 1, generator=gen)])  # learnable, pure noise
+    fit, stop = slice(0, 900), slice(900, 1200)
+    kwargs = dict(hidden_dim=64, epochs=12, batch_size=100, lr=1e-2, weight_decay=0.0, seed=0)
+    plain = tk.train_mlps(x[:, fit], y[:, fit], **kwargs)
+    stopped = tk.train_mlps(x[:, fit], y[:, fit], **kwargs, x_stop=x[:, stop], y_stop=y[:, stop])
+    with torch.no_grad():
+        for layer in range(2):
+            mse_plain = nn.functional.mse_loss(plain[layer](x[layer, stop]), y[layer, stop])
+            mse_stopped = nn.functional.mse_loss(stopped[layer](x[layer, stop]), y[layer, stop])
+            assert mse_stopped <= mse_plain * (1 + 1e-5)
+    assert stopped[0].best_epoch > 0  # the learnable layer improves
+    assert stopped[1].best_epoch < 12  # the noise layer overfits: an earlier epoch is better on unseen rows
+    assert plain[0].best_epoch == 12
+
+
 def test_r2_scores_match_direct_formulas():
     gen = torch.Generator().manual_seed(3)
     target = torch.randn(500, 3, generator=gen)
