@@ -1,0 +1,826 @@
+"""Train KVzap surrogates: compute KVzip+ targets on local text and fit per-layer linear and MLP models.
+
+``python -m kvpress_cpp.train_kvzap --out DIR`` (see ``--help``) runs three steps.
+
+1. **KVzip+ targets** (KVzap paper, eq. 3). Each chunk ``p`` of local text becomes the prompt
+   ``user: <p>\\n\\nRepeat the previous context exactly.`` / ``assistant: <p>`` (rendered with the tokenizer's chat
+   template; ``p`` is tokenised once, so both copies hold the same ids). One eager forward pass of the model; forward
+   hooks on every attention module turn that layer's attention probabilities into scores at once, so only one
+   layer's (Hq, T, T) probabilities are alive at a time. For context token i and kv head g::
+
+       s_i = max_{j in repeated copy of p} max_{h in group(g)} a^h_ji * ||W_O^h v_i|| / ||h_j||
+
+   ``a^h`` is query head h's softmax attention (over all keys of the prompt, causal), ``W_O^h`` the columns of
+   ``o_proj`` that read head h's output (no bias), ``v_i`` the value of token i for h's kv head. ``h_j`` follows the
+   paper's eq. 2, ``h_j^out = h_j + sum_i a_ji W_O v_i``: the **residual stream entering the layer** at row j (the
+   decoder layer's input, before its input norm), whose update the term a_ji W_O v_i is. ``--h-norm attention-input``
+   uses instead the normalised attention input (the layer's ``input_layernorm`` output), as kvpress's
+   ``KVzipPress(kvzip_plus_normalization=True)`` does. The regression target is ``log s_i``, shape (T_ctx, H) per layer;
+   the regression input is the attention input at token i (``input_layernorm`` output, the ``hidden_states`` that
+   KVzap's surrogate reads at inference), shape (T_ctx, D).
+2. **Fits**, per layer: ridge regression (closed form, float64, unpenalised intercept, λ chosen on an inner split of
+   the training chunks) and an MLP ``D -> D/8 -> GELU -> H`` (AdamW on MSE, inputs and targets standardised during
+   training and folded back into the weights). Held-out chunks (not random tokens) give the validation R²:
+   squared Pearson correlation per (layer, head), the paper's metric; the coefficient of determination is reported too.
+3. **Output** in kvpress's ``KVzapModel`` layout, float32: ``<out>/linear/`` and ``<out>/mlp/`` (config.json +
+   model.safetensors), ``<out>/training_report.json`` (settings, data sizes, λ, R² per layer and head, quantiles of
+   the targets and of the predicted log-scores on held-out text, timings) and ``<out>/r2_per_layer.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from kvpress_cpp.models import DEFAULT_MODEL_NAME
+
+__all__ = [
+    "REPEAT_INSTRUCTION",
+    "RepeatPrompt",
+    "build_repeat_prompt",
+    "kvzip_plus_targets",
+    "sample_chunks",
+    "collect_dataset",
+    "load_data_cache",
+    "fit_ridge",
+    "select_ridge",
+    "train_mlp",
+    "train_mlps",
+    "r2_scores",
+    "build_kvzap_model",
+    "save_kvzap_model",
+    "train_surrogates",
+    "main",
+]
+
+#: The instruction closing the user turn, as in the paper and kvpress's KVzipPress.
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
+#: Floor applied to s before the log: a softmax probability that underflowed to 0 gives log s = log(tiny) ~ -87.3.
+SCORE_FLOOR = torch.finfo(torch.float32).tiny
+#: Quantiles reported for targets and predictions (for choosing KVzap's threshold τ).
+QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
+H_NORMS = ("residual", "attention-input")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Step 1: KVzip+ targets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids of one repeat prompt and where the two copies of the context sit in it.
+
+    ``input_ids``: (1, T). ``context``: positions of the user's copy of p; ``repeat``: positions of the assistant's
+    copy (same length, same ids). The prompt ends with the repeated copy (later tokens cannot change causal attention).
+    """
+
+    input_ids: torch.Tensor
+    context: range
+    repeat: range
+
+
+def _template_pieces(tokenizer) -> tuple[str, str]:
+    """(text before the context, text between the context and its repetition), from the chat template if any."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return "user: ", REPEAT_INSTRUCTION + "\nassistant: "
+    mark_user, mark_assistant = "\x00KVZAP_CONTEXT\x00", "\x00KVZAP_REPEAT\x00"
+    messages = [
+        {"role": "user", "content": mark_user + REPEAT_INSTRUCTION},
+        {"role": "assistant", "content": mark_assistant},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False)
+    if rendered.count(mark_user) != 1 or rendered.count(mark_assistant) != 1:
+        raise ValueError("train_kvzap: the chat template does not copy message contents verbatim")
+    before, rest = rendered.split(mark_user)
+    middle, _ = rest.split(mark_assistant)
+    return before, middle
+
+
+def build_repeat_prompt(tokenizer, context_ids: Sequence[int]) -> RepeatPrompt:
+    """The KVzip repeat prompt around ``context_ids`` (a list of token ids, tokenised without special tokens)."""
+    if len(context_ids) == 0:
+        raise ValueError("train_kvzap.build_repeat_prompt: empty context")
+    before, middle = _template_pieces(tokenizer)
+    before_ids = tokenizer.encode(before, add_special_tokens=False)
+    middle_ids = tokenizer.encode(middle, add_special_tokens=False)
+    ids = list(before_ids) + list(context_ids) + list(middle_ids) + list(context_ids)
+    n, c0 = len(context_ids), len(before_ids)
+    r0 = c0 + n + len(middle_ids)
+    return RepeatPrompt(torch.tensor([ids], dtype=torch.long), range(c0, c0 + n), range(r0, r0 + n))
+
+
+def _decoder(model) -> nn.Module:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def _decoder_layers(model) -> nn.ModuleList:
+    layers = getattr(_decoder(model), "layers", None)
+    if layers is None:
+        raise ValueError(f"train_kvzap: cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+@contextmanager
+def _eager_attention(model) -> Iterator[None]:
+    """Temporarily switch the model to eager attention, whose attention modules return their probabilities."""
+    previous = model.config._attn_implementation
+    if previous == "eager":
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _value_output_norms(attn: nn.Module, hidden: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+    """||W_O^h v_i|| for every query head h: (n, Hq) float32. ``hidden`` (n, D) is the attention input."""
+    head_dim = attn.head_dim
+    v = attn.v_proj(hidden).float().view(-1, n_kv, head_dim)  # (n, H, d)
+    v = v.repeat_interleave(n_heads // n_kv, dim=1)  # (n, Hq, d): query head h reads kv head h // G
+    wo = attn.o_proj.weight.float().view(-1, n_heads, head_dim)  # (D, Hq, d)
+    gram = torch.einsum("khd,khe->hde", wo, wo)  # W_O^h^T W_O^h: (Hq, d, d)
+    sq = torch.einsum("nhd,hde,nhe->nh", v, gram, v)
+    return sq.clamp_min(0).sqrt()
+
+
+def _layer_scores(
+    probs: torch.Tensor, wov_norm: torch.Tensor, h_norm: torch.Tensor, prompt: RepeatPrompt, n_kv: int, row_block: int
+) -> torch.Tensor:
+    """KVzip+ scores s (n, H) from one layer's probabilities ``probs`` (Hq, T, T), ||W_O^h v_i|| (n, Hq) and the
+    norms ||h_j|| (n,) of the repeated rows. The max over rows runs in blocks of ``row_block`` rows."""
+    c, r = prompt.context, prompt.repeat
+    n_heads = probs.shape[0]
+    best = torch.zeros(n_heads, len(c), dtype=torch.float32, device=probs.device)  # max_j a_ji / ||h_j||
+    for start in range(0, len(r), row_block):
+        stop = min(start + row_block, len(r))
+        block = probs[:, r.start + start : r.start + stop, c.start : c.stop].float()  # (Hq, rows, n)
+        block = block / h_norm[start:stop].view(1, -1, 1)
+        best = torch.maximum(best, block.amax(dim=1))
+    per_query_head = best * wov_norm.T  # (Hq, n)
+    return per_query_head.view(n_kv, n_heads // n_kv, -1).amax(dim=1).T.contiguous()  # (n, H)
+
+
+@torch.inference_mode()
+def kvzip_plus_targets(
+    model, prompt: RepeatPrompt, h_norm: str = "residual", row_block: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Surrogate inputs and KVzip+ log-scores of the context tokens of ``prompt``, for every layer.
+
+    Returns ``(features, log_scores)``: features (L, n, D) are the attention inputs (``input_layernorm`` outputs) at
+    the n context tokens; log_scores (L, n, H) are ``log max(s_i, SCORE_FLOOR)`` with s the KVzip+ score of the module
+    docstring; both float32 on the model's device. ``h_norm`` picks ``h_j``: "residual" (the paper's eq. 2, the layer
+    input) or "attention-input" (the normalised attention input, as kvpress's KVzipPress). The model runs once in eager
+    attention (switched temporarily if needed), only its decoder (no LM head).
+    """
+    if h_norm not in H_NORMS:
+        raise ValueError(f"train_kvzap.kvzip_plus_targets: h_norm must be one of {H_NORMS}, got {h_norm!r}")
+    config = model.config
+    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    layers = _decoder_layers(model)
+    c, r = prompt.context, prompt.repeat
+    features: list[torch.Tensor | None] = [None] * len(layers)
+    scores: list[torch.Tensor | None] = [None] * len(layers)
+    residual_norms: list[torch.Tensor | None] = [None] * len(layers)
+
+    def layer_pre_hook(idx):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            residual_norms[idx] = hidden[0, r.start : r.stop].float().norm(dim=-1)
+
+        return hook
+
+    def attention_hook(idx):
+        def hook(module, args, kwargs, output):
+            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if probs is None:
+                raise RuntimeError(
+                    "train_kvzap: the attention module returned no probabilities; KVzip+ targets need eager attention"
+                )
+            hidden = kwargs["hidden_states"][0]  # (T, D), the normalised attention input
+            if h_norm == "residual":
+                norms = residual_norms[idx]
+            else:
+                norms = hidden[r.start : r.stop].float().norm(dim=-1)
+            wov = _value_output_norms(module, hidden[c.start : c.stop], n_heads, n_kv)
+            s = _layer_scores(probs[0], wov, norms, prompt, n_kv, row_block)
+            scores[idx] = s.clamp_min(SCORE_FLOOR).log()
+            features[idx] = hidden[c.start : c.stop].float().clone()
+            residual_norms[idx] = None
+
+        return hook
+
+    handles = []
+    try:
+        for idx, layer in enumerate(layers):
+            if h_norm == "residual":
+                handles.append(layer.register_forward_pre_hook(layer_pre_hook(idx), with_kwargs=True))
+            handles.append(layer.self_attn.register_forward_hook(attention_hook(idx), with_kwargs=True))
+        device = next(model.parameters()).device
+        with _eager_attention(model):
+            _decoder(model)(input_ids=prompt.input_ids.to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(features), torch.stack(scores)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_text(name: str) -> str:
+    """"austen" (the six novels), "python-docs" (the Python 3.11 docs sources) or the path of a UTF-8 text file."""
+    if name == "austen":
+        from kvpress_cpp.texts import austen_text
+
+        return austen_text()
+    if name == "python-docs":
+        from kvpress_cpp.texts import python_docs_text
+
+        return python_docs_text()
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"train_kvzap: unknown text {name!r} (use austen, python-docs or a file path)")
+    return path.read_text(encoding="utf-8")
+
+
+def sample_chunks(tokenizer, text: str, n_chunks: int, context_tokens: int, rng: random.Random) -> list[list[int]]:
+    """``n_chunks`` non-overlapping chunks of exactly ``context_tokens`` tokens spread over ``text``.
+
+    The text is cut into n_chunks equal character segments; each chunk starts at a random point of the first
+    ``seg - 8 * context_tokens`` characters of its segment, moved to the next line start if there is one before that
+    limit. Chunks therefore never overlap when segments hold 8 characters per token of room (and tokens average at
+    most 8 characters); shorter texts still give chunks, possibly overlapping.
+    """
+    seg = len(text) // max(n_chunks, 1)
+    chunks = []
+    for k in range(n_chunks):
+        lo = k * seg
+        need = 8 * context_tokens
+        limit = lo + max(1, seg - need)
+        start = lo + rng.randrange(limit - lo)
+        newline = text.find("\n", start, limit)
+        if newline != -1:
+            start = newline + 1
+        while start < len(text) and text[start] == "\n":
+            start += 1
+        ids: list[int] = []
+        window = need
+        while True:
+            ids = tokenizer.encode(text[start : start + window], add_special_tokens=False)
+            if len(ids) > context_tokens or start + window >= len(text):
+                break
+            window *= 2
+        if len(ids) < context_tokens:
+            raise ValueError(
+                f"train_kvzap: the text is too short for {n_chunks} chunks of {context_tokens} tokens "
+                f"(chunk {k} has {len(ids)})"
+            )
+        chunks.append(ids[:context_tokens])
+    return chunks
+
+
+@dataclass
+class Dataset:
+    """features (L, N, D) float16 (storage), targets (L, N, H) float32, chunk (N,) chunk index of each token,
+    plus per-chunk text name and validation flag."""
+
+    features: torch.Tensor
+    targets: torch.Tensor
+    chunk: torch.Tensor
+    chunk_text: list[str]
+    chunk_is_val: list[bool]
+
+    def token_mask(self, val: bool) -> torch.Tensor:
+        flags = torch.tensor(self.chunk_is_val, dtype=torch.bool)
+        return flags[self.chunk] if val else ~flags[self.chunk]
+
+
+def load_data_cache(path: str | Path) -> tuple[Dataset, dict, float]:
+    """(dataset, data settings, seconds the collection took) from a ``--data-cache`` file written by :func:`main`."""
+    stored = torch.load(path)
+    settings, seconds = stored.pop("settings"), stored.pop("collect_seconds")
+    return Dataset(**stored), settings, seconds
+
+
+def collect_dataset(
+    model,
+    tokenizer,
+    texts: dict[str, str],
+    n_tokens: int,
+    context_tokens: int,
+    val_fraction: float,
+    seed: int,
+    h_norm: str = "residual",
+    progress: bool = True,
+) -> Dataset:
+    """Sample chunks from ``texts`` (about n_tokens context tokens, split evenly between texts), hold out
+    ``val_fraction`` of each text's chunks (at least one), and compute features and KVzip+ log-scores for all."""
+    rng = random.Random(seed)
+    n_chunks = max(1, n_tokens // context_tokens)
+    names = list(texts)
+    per_text = [n_chunks // len(names) + (1 if i < n_chunks % len(names) else 0) for i in range(len(names))]
+    chunks, chunk_text, chunk_is_val = [], [], []
+    for name, count in zip(names, per_text):
+        if count == 0:
+            continue
+        ids = sample_chunks(tokenizer, texts[name], count, context_tokens, rng)
+        n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
+        val = set(rng.sample(range(count), n_val))
+        chunks += ids
+        chunk_text += [name] * count
+        chunk_is_val += [k in val for k in range(count)]
+    config = model.config
+    n_layers, dim, n_kv = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    total = len(chunks) * context_tokens
+    features = torch.empty(n_layers, total, dim, dtype=torch.float16)
+    targets = torch.empty(n_layers, total, n_kv, dtype=torch.float32)
+    chunk_index = torch.arange(len(chunks)).repeat_interleave(context_tokens)
+    for k, ids in enumerate(tqdm(chunks, desc="KVzip+ targets", unit="chunk", disable=not progress)):
+        x, y = kvzip_plus_targets(model, build_repeat_prompt(tokenizer, ids), h_norm=h_norm)
+        if not torch.isfinite(x.half()).all():
+            raise RuntimeError("train_kvzap: attention inputs overflow float16 storage")
+        sl = slice(k * context_tokens, (k + 1) * context_tokens)
+        features[:, sl] = x.cpu().half()
+        targets[:, sl] = y.cpu()
+    return Dataset(features, targets, chunk_index, chunk_text, chunk_is_val)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Step 2: fits and metrics
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def r2_scores(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column of (N, H) tensors: (squared Pearson correlation, coefficient of determination 1 - SSE/SST)."""
+    pred, target = pred.double(), target.double()
+    pc, tc = pred - pred.mean(0), target - target.mean(0)
+    pearson = (pc * tc).sum(0) / (pc.norm(dim=0) * tc.norm(dim=0)).clamp_min(1e-300)
+    sst = (tc**2).sum(0).clamp_min(1e-300)
+    cod = 1 - ((pred - target) ** 2).sum(0) / sst
+    return (pearson**2).float(), cod.float()
+
+
+def fit_ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge regression with an unpenalised intercept, in float64.
+
+    Minimises ``||y - x W - b||² + lam ||W||²``; x (N, D), y (N, H). Returns W (D, H) and b (H,) as float32.
+    """
+    x, y = x.double(), y.double()
+    x_mean, y_mean = x.mean(0), y.mean(0)
+    xc, yc = x - x_mean, y - y_mean
+    gram = xc.T @ xc
+    gram.diagonal().add_(lam)
+    w = torch.linalg.solve(gram, xc.T @ yc)
+    b = y_mean - x_mean @ w
+    return w.float(), b.float()
+
+
+def select_ridge(
+    x: torch.Tensor, y: torch.Tensor, inner_val: torch.Tensor, alphas: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Choose λ = alpha · trace(Xc^T Xc)/D by the MSE on the rows ``inner_val`` (bool, N) of a fit on the others, then
+    refit on all rows. Returns (W, b, λ, alpha)."""
+    xf = x.double()
+    xc = xf - xf.mean(0)
+    scale = float((xc**2).sum() / x.shape[1])
+    best = (math.inf, alphas[0])
+    if inner_val.any() and (~inner_val).any() and len(alphas) > 1:
+        for alpha in alphas:
+            w, b = fit_ridge(x[~inner_val], y[~inner_val], alpha * scale)
+            mse = float(((x[inner_val].float() @ w + b - y[inner_val]) ** 2).mean())
+            best = min(best, (mse, alpha))
+    alpha = best[1]
+    w, b = fit_ridge(x, y, alpha * scale)
+    return w, b, alpha * scale, alpha
+
+
+def train_mlps(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    hidden_dim: int,
+    epochs: int = 10,
+    batch_size: int = 256,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+    progress: bool = False,
+    x_stop: torch.Tensor | None = None,
+    y_stop: torch.Tensor | None = None,
+) -> list[nn.Sequential]:
+    """Fit one ``Linear(D, hidden) -> GELU -> Linear(hidden, H)`` per layer to (x (L, N, D), y (L, N, H)), AdamW on the
+    MSE, all L layers at once (batched matmuls; the loss is the sum of the per-layer mean squared errors, so each
+    layer trains as it would alone, on the same minibatch rows).
+
+    With ``x_stop`` (L, M, D) and ``y_stop`` (L, M, H), early stopping: each layer keeps the weights of the epoch with
+    the lowest MSE on those rows (which must not be the rows the model is evaluated on).
+
+    x may be float16 (storage); every minibatch is converted to float32. Inputs and targets are standardised per layer
+    during training (cosine learning-rate decay, minibatches shuffled by a generator seeded with ``seed``, init seeded
+    with ``seed``); the standardisation is folded into the returned float32 modules' weights, so they map raw x to
+    raw y.
+    """
+    n_layers, n, dim = x.shape
+    n_out = y.shape[2]
+    y = y.float()
+    x_mean = x.float().mean(1, keepdim=True)  # (L, 1, D)
+    x_std = x.float().std(1, keepdim=True)
+    x_std = torch.where(x_std > 1e-6, x_std, torch.ones_like(x_std))
+    y_mean, y_std = y.mean(1, keepdim=True), y.std(1, keepdim=True)
+    y_std = torch.where(y_std > 1e-6, y_std, torch.ones_like(y_std))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        init = [(nn.Linear(dim, hidden_dim), nn.Linear(hidden_dim, n_out)) for _ in range(n_layers)]
+    w1 = nn.Parameter(torch.stack([m[0].weight.detach().T for m in init]))  # (L, D, hidden)
+    b1 = nn.Parameter(torch.stack([m[0].bias.detach()[None] for m in init]))  # (L, 1, hidden)
+    w2 = nn.Parameter(torch.stack([m[1].weight.detach().T for m in init]))  # (L, hidden, H)
+    b2 = nn.Parameter(torch.stack([m[1].bias.detach()[None] for m in init]))  # (L, 1, H)
+    opt = torch.optim.AdamW([w1, b1, w2, b2], lr=lr, weight_decay=weight_decay)
+    steps_per_epoch = math.ceil(n / batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
+    gen = torch.Generator().manual_seed(seed)
+
+    def forward(xb: torch.Tensor) -> torch.Tensor:  # standardised x -> standardised y, (L, B, H)
+        return torch.baddbmm(b2, nn.functional.gelu(torch.baddbmm(b1, xb, w1)), w2)
+
+    def stop_mse() -> torch.Tensor:  # (L,)
+        with torch.no_grad():
+            xs = (x_stop.float() - x_mean) / x_std
+            return ((forward(xs) - (y_stop.float() - y_mean) / y_std) ** 2).mean(dim=(1, 2))
+
+    best_params = [p.detach().clone() for p in (w1, b1, w2, b2)]
+    best_mse = stop_mse() if x_stop is not None else None
+    best_epoch = torch.zeros(n_layers, dtype=torch.long)
+    bar = tqdm(range(epochs), desc=f"MLP x {n_layers} layers", unit="epoch", disable=not progress)
+    for epoch in bar:
+        perm = torch.randperm(n, generator=gen)
+        total = 0.0
+        for start in range(0, n, batch_size):
+            idx = perm[start : start + batch_size]
+            xb = (x[:, idx].float() - x_mean) / x_std
+            yb = (y[:, idx] - y_mean) / y_std
+            loss = ((forward(xb) - yb) ** 2).mean(dim=(1, 2)).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+        postfix = {"loss_per_layer": f"{total / n / n_layers:.4f}"}
+        if best_mse is not None:
+            mse = stop_mse()
+            better = mse < best_mse
+            best_mse = torch.where(better, mse, best_mse)
+            best_epoch[better] = epoch + 1
+            for best, p in zip(best_params, (w1, b1, w2, b2)):
+                best[better] = p.detach()[better]
+            postfix["stop_mse"] = f"{float(best_mse.mean()):.4f}"
+        bar.set_postfix(postfix)
+    if best_mse is not None:
+        w1, b1, w2, b2 = best_params
+    mlps = []
+    with torch.no_grad():  # fold the standardisation into the weights
+        for layer in range(n_layers):
+            mlp = nn.Sequential(nn.Linear(dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, n_out))
+            mean, std = x_mean[layer, 0], x_std[layer, 0]
+            mlp[0].weight.copy_((w1[layer] / std[:, None]).T)
+            mlp[0].bias.copy_(b1[layer, 0] - (mean / std) @ w1[layer])
+            mlp[2].weight.copy_((w2[layer] * y_std[layer]).T)
+            mlp[2].bias.copy_(b2[layer, 0] * y_std[layer, 0] + y_mean[layer, 0])
+            mlp.best_epoch = int(best_epoch[layer]) if best_mse is not None else epochs
+            mlps.append(mlp.eval())
+    return mlps
+
+
+def train_mlp(x: torch.Tensor, y: torch.Tensor, hidden_dim: int, **kwargs) -> nn.Sequential:
+    """:func:`train_mlps` for a single layer: x (N, D), y (N, H)."""
+    return train_mlps(x[None], y[None], hidden_dim, **kwargs)[0]
+
+
+def build_kvzap_model(layers: Sequence[nn.Module], hidden_dim: int | None):
+    """A kvpress ``KVzapModel`` (float32) holding ``layers``: nn.Linear (hidden_dim None) or the MLP Sequentials."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    first = layers[0] if hidden_dim is None else layers[0][0]
+    last = layers[0] if hidden_dim is None else layers[0][2]
+    config = KVzapConfig(
+        input_dim=first.in_features, output_dim=last.out_features, n_modules=len(layers), hidden_dim=hidden_dim
+    )
+    model = KVzapModel(config).float()
+    with torch.no_grad():
+        for dst, src in zip(model.layers, layers):
+            dst.load_state_dict(src.state_dict())
+    return model.eval()
+
+
+def save_kvzap_model(model, directory: str | Path) -> None:
+    """Write ``model`` (a KVzapModel) as config.json + model.safetensors, loadable by ``KVzapModel.from_pretrained``.
+
+    ``PreTrainedModel.save_pretrained`` cannot be used with transformers 4.57: it instantiates the config class without
+    arguments, which ``KVzapConfig`` (keyword-only required fields) refuses.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = "float32"
+    model.config.to_json_file(directory / "config.json")
+    tensors = {name: t.detach().float().contiguous() for name, t in model.state_dict().items()}
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _quantiles(values: torch.Tensor) -> dict[str, float]:
+    values = values.flatten().float()
+    if values.numel() > 1_000_000:  # torch.quantile's size limit; an even subsample is plenty
+        values = values[torch.linspace(0, values.numel() - 1, 1_000_000).long()]
+    q = torch.quantile(values, torch.tensor(QUANTILES))
+    return {f"{p:g}": round(float(v), 4) for p, v in zip(QUANTILES, q)}
+
+
+def _summary(r2: torch.Tensor) -> dict:
+    """r2 (L, H) -> mean/min/max over layers of the per-layer mean, and the mean over all heads."""
+    per_layer = r2.mean(1)
+    return {
+        "mean": round(float(r2.mean()), 4),
+        "layer_mean_min": round(float(per_layer.min()), 4),
+        "layer_mean_max": round(float(per_layer.max()), 4),
+        "head_min": round(float(r2.min()), 4),
+        "head_max": round(float(r2.max()), 4),
+    }
+
+
+def train_surrogates(
+    data: Dataset,
+    hidden_dim: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    seed: int,
+    ridge_alphas: Sequence[float] = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0),
+    progress: bool = True,
+) -> tuple[list[nn.Linear], list[nn.Sequential], dict]:
+    """Fit both surrogates on every layer; returns (linear layers, MLPs, metrics dict).
+
+    ~15% of the training chunks form an inner split: it picks ridge's λ (the final ridge refits on all training
+    chunks) and early-stops the MLP (trained on the other training chunks). Metrics use the held-out chunks only.
+    """
+    train, val = data.token_mask(val=False), data.token_mask(val=True)
+    # Inner validation for λ: ~15% of the training chunks (never the held-out ones).
+    train_chunks = sorted({int(c) for c in data.chunk[train].unique()})
+    rng = random.Random(seed + 1)
+    inner = set(rng.sample(train_chunks, max(1, round(0.15 * len(train_chunks))))) if len(train_chunks) > 1 else set()
+    inner_val = torch.tensor([int(c) in inner for c in data.chunk[train]], dtype=torch.bool)
+    n_layers, n_heads = data.targets.shape[0], data.targets.shape[2]
+    linears: list[nn.Linear] = []
+    r2 = {k: torch.zeros(n_layers, n_heads) for k in ("linear", "mlp")}
+    cod = {k: torch.zeros(n_layers, n_heads) for k in ("linear", "mlp")}
+    train_r2 = {k: torch.zeros(n_layers, n_heads) for k in ("linear", "mlp")}
+    preds = {k: torch.zeros(n_layers, int(val.sum()), n_heads) for k in ("linear", "mlp")}
+    lambdas, alphas = [], []
+    for layer in tqdm(range(n_layers), desc="ridge", unit="layer", disable=not progress):
+        x_train, y_train = data.features[layer, train].float(), data.targets[layer, train]
+        w, b, lam, alpha = select_ridge(x_train, y_train, inner_val, ridge_alphas)
+        linear = nn.Linear(w.shape[0], w.shape[1])
+        with torch.no_grad():
+            linear.weight.copy_(w.T)
+            linear.bias.copy_(b)
+        linears.append(linear)
+        lambdas.append(lam)
+        alphas.append(alpha)
+    # The MLP trains on the training chunks minus the inner ones and keeps, per layer, its best epoch on the inner
+    # ones (early stopping); the held-out chunks stay unseen.
+    fit_rows = train.nonzero().squeeze(1)
+    fit_rows, stop_rows = fit_rows[~inner_val], fit_rows[inner_val]
+    if len(stop_rows) == 0:  # a single training chunk: no early stopping
+        fit_rows, x_stop, y_stop = train.nonzero().squeeze(1), None, None
+    else:
+        x_stop, y_stop = data.features[:, stop_rows], data.targets[:, stop_rows]
+    mlps = train_mlps(
+        data.features[:, fit_rows], data.targets[:, fit_rows], hidden_dim, epochs, batch_size, lr, weight_decay, seed,
+        progress, x_stop, y_stop,
+    )  # fmt: skip
+    for layer in range(n_layers):
+        x_train, y_train = data.features[layer, train].float(), data.targets[layer, train]
+        x_val, y_val = data.features[layer, val].float(), data.targets[layer, val]
+        with torch.no_grad():
+            for name, module in (("linear", linears[layer]), ("mlp", mlps[layer])):
+                p_val = module(x_val)
+                preds[name][layer] = p_val
+                r2[name][layer], cod[name][layer] = r2_scores(p_val, y_val)
+                train_r2[name][layer] = r2_scores(module(x_train), y_train)[0]
+    y_val_all = data.targets[:, val]
+    metrics = {
+        "r2_metric": "squared Pearson correlation per (layer, kv head) on held-out chunks (the paper's R²)",
+        "summary": {k: _summary(r2[k]) for k in r2},
+        "summary_coefficient_of_determination": {k: _summary(cod[k]) for k in cod},
+        "summary_train": {k: _summary(train_r2[k]) for k in train_r2},
+        "r2_head_mean_over_layers": {k: [round(float(v), 4) for v in r2[k].mean(0)] for k in r2},
+        "r2": {k: [[round(float(v), 4) for v in row] for row in r2[k]] for k in r2},
+        "coefficient_of_determination": {k: [[round(float(v), 4) for v in row] for row in cod[k]] for k in cod},
+        "r2_train": {k: [[round(float(v), 4) for v in row] for row in train_r2[k]] for k in train_r2},
+        "mlp_best_epoch": [m.best_epoch for m in mlps],
+        "ridge_lambda": [round(v, 6) for v in lambdas],
+        "ridge_alpha": alphas,
+        "target_quantiles": {
+            "train": _quantiles(data.targets[:, train]),
+            "val": _quantiles(y_val_all),
+            "val_per_layer": [_quantiles(y_val_all[layer]) for layer in range(n_layers)],
+        },
+        "predicted_quantiles_val": {k: _quantiles(preds[k]) for k in preds},
+        "predicted_quantiles_val_per_layer": {
+            k: [_quantiles(preds[k][layer]) for layer in range(n_layers)] for k in preds
+        },
+        "n_floored_targets": int((data.targets <= math.log(SCORE_FLOOR) + 1e-3).sum()),
+    }
+    return linears, mlps, metrics
+
+
+def _print_table(metrics: dict) -> None:
+    r2 = metrics["r2"]
+    n_heads = len(r2["linear"][0])
+    head_cols = " ".join(f"{'h' + str(h):>6}" for h in range(n_heads))
+    print(f"\nR² (squared Pearson, held-out chunks), per layer: mean | per head")
+    print(f"{'layer':>5} | {'linear':>6} {head_cols} | {'mlp':>6} {head_cols}")
+    for layer, (lin, mlp) in enumerate(zip(r2["linear"], r2["mlp"])):
+        lin_heads = " ".join(f"{v:6.3f}" for v in lin)
+        mlp_heads = " ".join(f"{v:6.3f}" for v in mlp)
+        print(f"{layer:>5} | {sum(lin) / len(lin):6.3f} {lin_heads} | {sum(mlp) / len(mlp):6.3f} {mlp_heads}")
+    for name in ("linear", "mlp"):
+        s = metrics["summary"][name]
+        print(
+            f"{name:>6}: mean {s['mean']:.3f}, per-layer mean in [{s['layer_mean_min']:.3f}, {s['layer_mean_max']:.3f}]"
+            f", heads in [{s['head_min']:.3f}, {s['head_max']:.3f}]; per head (mean over layers): "
+            f"{metrics['r2_head_mean_over_layers'][name]}"
+        )
+    print("log-score quantiles, held-out targets:", metrics["target_quantiles"]["val"])
+    for name in ("linear", "mlp"):
+        print(f"log-score quantiles, held-out {name} predictions:", metrics["predicted_quantiles_val"][name])
+
+
+def _plot(metrics: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, color in (("linear", "tab:blue"), ("mlp", "tab:orange")):
+        r2 = torch.tensor(metrics["r2"][name])
+        layers = range(r2.shape[0])
+        ax.plot(layers, r2.mean(1), marker="o", ms=3, color=color, label=f"{name} (mean {r2.mean():.3f})")
+        ax.fill_between(layers, r2.min(1).values, r2.max(1).values, color=color, alpha=0.2)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("R² (squared Pearson), held-out chunks")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.set_title(title + "\nline: mean over kv heads, band: min-max over heads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _load_model(name: str, device: str, dtype: torch.dtype):
+    if name == "default":
+        from kvpress_cpp.models import load_default_model
+
+        model, tokenizer = load_default_model(dtype=dtype, attn_implementation="eager", device=device)
+        return model, tokenizer, DEFAULT_MODEL_NAME
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="eager").to(device).eval()
+    return model, tokenizer, Path(name).name or name
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m kvpress_cpp.train_kvzap",
+        description="Compute KVzip+ targets on local text and fit KVzap linear and MLP surrogates (kvpress layout).",
+    )
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a local HF path")
+    p.add_argument("--texts", default="austen,python-docs", help="comma list: austen, python-docs or text file paths")
+    p.add_argument("--out", required=True, help="output directory (linear/, mlp/, training_report.json, png)")
+    p.add_argument("--tokens", type=int, default=23040, help="total context tokens (train + held out)")
+    p.add_argument("--context-tokens", type=int, default=768, help="tokens per context chunk p")
+    p.add_argument("--val-fraction", type=float, default=0.15, help="fraction of each text's chunks held out")
+    p.add_argument("--h-norm", choices=H_NORMS, default="residual", help="which h_j divides (see module docstring)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--hidden-dim", type=int, default=None, help="MLP width (default hidden_size // 8)")
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--data-cache", default=None, help="torch file: load the targets from it if present, else save")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
+    """Run the CLI; ``model``/``tokenizer`` may be passed in directly (then ``--model`` only names it).
+
+    With ``--data-cache`` an existing file made with the same data settings replaces step 1 (the model is then not
+    loaded); otherwise the targets are computed and saved there.
+    """
+    args = parse_args(argv)
+    progress = not args.no_progress
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text_names = [t for t in args.texts.split(",") if t]
+    cache = Path(args.data_cache) if args.data_cache else None
+    # What determines the targets; a cache made with other values is refused.
+    data_settings = {
+        k: getattr(args, k) for k in ("model", "texts", "tokens", "context_tokens", "val_fraction", "h_norm", "seed")
+    }
+    t0 = time.perf_counter()
+    t_load = 0.0
+    if cache is not None and cache.is_file():
+        data, cached_settings, t_collect = load_data_cache(cache)
+        if cached_settings != data_settings:
+            raise ValueError(f"train_kvzap: {cache} holds targets for {cached_settings}, not {data_settings}")
+        model_name = DEFAULT_MODEL_NAME if args.model == "default" else Path(args.model).name
+        print(f"loaded targets from {cache} (collected in {t_collect:.0f} s)")
+    else:
+        if model is None:
+            model, tokenizer, model_name = _load_model(args.model, args.device, getattr(torch, args.dtype))
+        else:
+            model_name = args.model
+        t_load = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        texts = {name: load_text(name) for name in text_names}
+        data = collect_dataset(
+            model, tokenizer, texts, args.tokens, args.context_tokens, args.val_fraction, args.seed, args.h_norm,
+            progress,
+        )  # fmt: skip
+        t_collect = time.perf_counter() - t1
+        if cache is not None:
+            torch.save({**vars(data), "settings": data_settings, "collect_seconds": t_collect}, cache)
+    hidden_dim = args.hidden_dim or data.features.shape[2] // 8
+    t2 = time.perf_counter()
+    linears, mlps, metrics = train_surrogates(
+        data, hidden_dim, args.epochs, args.batch_size, args.lr, args.weight_decay, args.seed, progress=progress
+    )
+    t_fit = time.perf_counter() - t2
+    save_kvzap_model(build_kvzap_model(linears, None), out / "linear")
+    save_kvzap_model(build_kvzap_model(mlps, hidden_dim), out / "mlp")
+    val = data.token_mask(val=True)
+    report = {
+        "command": "python -m kvpress_cpp.train_kvzap " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": model_name,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "no_progress", "threads")},
+        "mlp_hidden_dim": hidden_dim,
+        "data": {
+            "texts": text_names,
+            "chunks": len(data.chunk_text),
+            "chunks_val": sum(data.chunk_is_val),
+            "chunks_per_text": {n: data.chunk_text.count(n) for n in dict.fromkeys(data.chunk_text)},
+            "tokens_train": int((~val).sum()),
+            "tokens_val": int(val.sum()),
+            "layers": data.targets.shape[0],
+            "kv_heads": data.targets.shape[2],
+            "hidden_size": data.features.shape[2],
+        },
+        "seconds": {"load": round(t_load, 1), "collect": round(t_collect, 1), "fit": round(t_fit, 1)},
+        **metrics,
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    _plot(metrics, out / "r2_per_layer.png", f"KVzap surrogates for {model_name}: R² per layer")
+    if progress:
+        _print_table(metrics)
+    print(
+        f"wrote {out}/linear, {out}/mlp, training_report.json, r2_per_layer.png "
+        f"(load {t_load:.0f}s, targets {t_collect:.0f}s, fit {t_fit:.0f}s)"
+    )
+    return report
+
+
+if __name__ == "__main__":
+    main()

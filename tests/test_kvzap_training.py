@@ -1,0 +1,295 @@
+"""Tests for kvpress_cpp.train_kvzap: KVzip+ targets against a loop reference, fits, R², kvpress layout, the CLI.
+
+Everything runs on the tiny random models of tests/models.py and synthetic data; never the full training run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from kvpress_cpp import train_kvzap as tk
+from tests.models import ENGLISH_PROSE, make_tiny_llama, make_tiny_qwen3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: on a shared, oversubscribed CPU, intra-op threads only add spin-waiting (8x slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KVzip+ targets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def reference_targets(model, prompt: tk.RepeatPrompt, h_norm: str):
+    """Plain loops over layers, query heads, context tokens i and repeated rows j on the model's own returned
+    attentions and hidden states (eager, output_attentions / output_hidden_states)."""
+    cfg = model.config
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    group = n_heads // n_kv
+    with torch.no_grad():
+        out = model(prompt.input_ids, output_attentions=True, output_hidden_states=True)
+    feats, logs = [], []
+    for layer_idx, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        d = attn.head_dim
+        residual = out.hidden_states[layer_idx][0]  # input of decoder layer layer_idx
+        with torch.no_grad():
+            attn_in = layer.input_layernorm(residual)  # (T, D)
+            values = attn.v_proj(attn_in)  # (T, H*d)
+        probs = out.attentions[layer_idx][0]  # (Hq, T, T)
+        h_rows = residual if h_norm == "residual" else attn_in
+        s = torch.zeros(len(prompt.context), n_kv, dtype=torch.float64)
+        for h in range(n_heads):
+            g = h // group
+            w_o_h = attn.o_proj.weight[:, h * d : (h + 1) * d].double()  # (D, d)
+            for a, i in enumerate(prompt.context):
+                v_i = values[i, g * d : (g + 1) * d].double()
+                wov = torch.linalg.vector_norm(w_o_h @ v_i)
+                for j in prompt.repeat:
+                    val = probs[h, j, i].double() * wov / torch.linalg.vector_norm(h_rows[j].double())
+                    s[a, g] = max(s[a, g], val)
+        feats.append(attn_in[list(prompt.context)])
+        logs.append(torch.log(s))
+    return torch.stack(feats), torch.stack(logs)
+
+
+@pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("h_norm", tk.H_NORMS)
+def test_kvzip_plus_targets_match_loop_reference(maker, h_norm):
+    model, tokenizer = maker(attn_implementation="eager", num_hidden_layers=3)
+    ids = tokenizer.encode(ENGLISH_PROSE[:90], add_special_tokens=False)
+    prompt = tk.build_repeat_prompt(tokenizer, ids)
+    ref_x, ref_y = reference_targets(model, prompt, h_norm)
+    # row_block=7 forces several blocks in the chunked max over rows.
+    x, y = tk.kvzip_plus_targets(model, prompt, h_norm=h_norm, row_block=7)
+    assert x.shape == (3, len(ids), model.config.hidden_size) and y.shape == (3, len(ids), 2)
+    torch.testing.assert_close(x, ref_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-4)
+
+
+def test_kvzip_plus_targets_switch_sdpa_model_to_eager_and_back(tiny_llama):
+    model, tokenizer = tiny_llama
+    assert model.config._attn_implementation == "sdpa"
+    prompt = tk.build_repeat_prompt(tokenizer, tokenizer.encode(ENGLISH_PROSE[:60], add_special_tokens=False))
+    _, y = tk.kvzip_plus_targets(model, prompt)
+    assert model.config._attn_implementation == "sdpa"
+    eager, _ = make_tiny_llama(attn_implementation="eager")
+    _, y_eager = tk.kvzip_plus_targets(eager, prompt)
+    torch.testing.assert_close(y, y_eager, rtol=1e-4, atol=1e-4)
+
+
+def test_repeat_prompt_layout(tiny_llama):
+    _, tokenizer = tiny_llama
+    ids = tokenizer.encode(ENGLISH_PROSE[:120], add_special_tokens=False)
+    prompt = tk.build_repeat_prompt(tokenizer, ids)
+    all_ids = prompt.input_ids[0].tolist()
+    assert all_ids[prompt.context.start : prompt.context.stop] == ids
+    assert all_ids[prompt.repeat.start : prompt.repeat.stop] == ids
+    assert prompt.repeat.stop == len(all_ids)
+    text = tokenizer.decode(all_ids)
+    # Rendered by the chat template: user turn with the instruction, then the assistant's copy.
+    user = f"<|im_start|>user\n{ENGLISH_PROSE[:120]}"
+    assert text.startswith(user)
+    assert tokenizer.decode(all_ids[prompt.context.stop : prompt.repeat.start]) == (
+        "\n\nRepeat the previous context exactly.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_sample_chunks_are_exact_length_and_distinct(tiny_llama):
+    _, tokenizer = tiny_llama
+    chunks = tk.sample_chunks(tokenizer, ENGLISH_PROSE, 4, 40, random.Random(0))
+    assert [len(c) for c in chunks] == [40] * 4
+    # Spread over the text in order, without overlap: each chunk's text is found after the previous one's end.
+    pos = 0
+    for chunk in chunks:
+        found = ENGLISH_PROSE.find(tokenizer.decode(chunk), pos)
+        assert found >= pos
+        pos = found + len(tokenizer.decode(chunk))
+    with pytest.raises(ValueError, match="too short"):
+        tk.sample_chunks(tokenizer, ENGLISH_PROSE[:300], 2, 400, random.Random(0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fits and metrics
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_ridge_recovers_linear_map_and_matches_lstsq():
+    gen = torch.Generator().manual_seed(0)
+    n, d, h = 2000, 24, 3
+    x = torch.randn(n, d, generator=gen) * torch.linspace(0.5, 3, d) + 1.5
+    w_true = torch.randn(d, h, generator=gen)
+    b_true = torch.tensor([-4.0, 1.0, 2.5])
+    y = x @ w_true + b_true + 0.01 * torch.randn(n, h, generator=gen)
+    w, b = tk.fit_ridge(x, y, lam=0.0)
+    torch.testing.assert_close(w, w_true, atol=2e-3, rtol=0)
+    torch.testing.assert_close(b, b_true, atol=1e-2, rtol=0)
+    # λ = 0: ordinary least squares with an intercept column.
+    xa = torch.cat([x, torch.ones(n, 1)], 1).double()
+    sol = torch.linalg.lstsq(xa, y.double()).solution
+    torch.testing.assert_close(w.double(), sol[:d], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.double(), sol[d], atol=1e-5, rtol=1e-5)
+    # λ > 0 with an unpenalised intercept: lstsq on the augmented system [X 1; sqrt(λ) I 0] w = [y; 0].
+    lam = 500.0
+    w, b = tk.fit_ridge(x, y, lam=lam)
+    aug_x = torch.cat([xa, torch.cat([math.sqrt(lam) * torch.eye(d), torch.zeros(d, 1)], 1).double()], 0)
+    aug_y = torch.cat([y.double(), torch.zeros(d, h, dtype=torch.float64)], 0)
+    sol = torch.linalg.lstsq(aug_x, aug_y).solution
+    torch.testing.assert_close(w.double(), sol[:d], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.double(), sol[d], atol=1e-5, rtol=1e-5)
+    assert w.norm() < w_true.norm()  # the penalty shrinks
+
+
+def test_select_ridge_prefers_small_penalty_on_clean_and_large_on_pure_noise():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(600, 40, generator=gen)
+    inner = torch.arange(600) >= 500
+    clean = x @ torch.randn(40, 2, generator=gen)
+    *_, alpha_clean = tk.select_ridge(x, clean, inner, (1e-6, 1e-2, 1.0, 100.0))
+    noise = torch.randn(600, 2, generator=gen)
+    *_, alpha_noise = tk.select_ridge(x, noise, inner, (1e-6, 1e-2, 1.0, 100.0))
+    assert alpha_clean == 1e-6 and alpha_noise == 100.0
+
+
+def test_mlp_training_reduces_validation_mse_and_beats_linear_on_nonlinear_target():
+    gen = torch.Generator().manual_seed(2)
+    d, h = 16, 2
+    x = torch.randn(3000, d, generator=gen) * 2 + 3  # offset and scale: exercises the folded standardisation
+    proj = torch.randn(d, h, generator=gen) / 4
+    y = torch.sin(2 * (x - 3) @ proj) + ((x - 3) @ proj) ** 2 - 5
+    x_tr, y_tr, x_va, y_va = x[:2500], y[:2500], x[2500:], y[2500:]
+    untrained = tk.train_mlp(x_tr, y_tr, hidden_dim=32, epochs=0, seed=0)
+    trained = tk.train_mlp(x_tr, y_tr, hidden_dim=32, epochs=20, batch_size=250, lr=1e-2, seed=0)
+    with torch.no_grad():
+        mse0 = nn.functional.mse_loss(untrained(x_va), y_va)
+        mse1 = nn.functional.mse_loss(trained(x_va), y_va)
+    w, b = tk.fit_ridge(x_tr, y_tr, 1e-3)
+    mse_lin = nn.functional.mse_loss(x_va @ w + b, y_va)
+    assert mse1 < 0.2 * mse0
+    assert mse1 < 0.5 * mse_lin
+    assert isinstance(trained[0], nn.Linear) and isinstance(trained[1], nn.GELU) and trained[0].out_features == 32
+
+
+def test_mlp_early_stopping_keeps_each_layers_best_epoch():
+    gen = torch.Generator().manual_seed(4)
+    d = 12
+    x = torch.randn(2, 1200, d, generator=gen)
+    proj = torch.randn(d, 1, generator=gen)
+    y = torch.stack([torch.tanh(x[0] @ proj) * 2, torch.randn(1200, 1, generator=gen)])  # learnable, pure noise
+    fit, stop = slice(0, 900), slice(900, 1200)
+    kwargs = dict(hidden_dim=64, epochs=12, batch_size=100, lr=1e-2, weight_decay=0.0, seed=0)
+    plain = tk.train_mlps(x[:, fit], y[:, fit], **kwargs)
+    stopped = tk.train_mlps(x[:, fit], y[:, fit], **kwargs, x_stop=x[:, stop], y_stop=y[:, stop])
+    with torch.no_grad():
+        for layer in range(2):
+            mse_plain = nn.functional.mse_loss(plain[layer](x[layer, stop]), y[layer, stop])
+            mse_stopped = nn.functional.mse_loss(stopped[layer](x[layer, stop]), y[layer, stop])
+            assert mse_stopped <= mse_plain * (1 + 1e-5)
+    assert stopped[0].best_epoch > 0  # the learnable layer improves
+    assert stopped[1].best_epoch < 12  # the noise layer overfits: an earlier epoch is better on unseen rows
+    assert plain[0].best_epoch == 12
+
+
+def test_r2_scores_match_direct_formulas():
+    gen = torch.Generator().manual_seed(3)
+    target = torch.randn(500, 3, generator=gen)
+    pred = 0.7 * target + 0.5 * torch.randn(500, 3, generator=gen) + torch.tensor([0.0, 1.0, -2.0])
+    pearson2, cod = tk.r2_scores(pred, target)
+    for k in range(3):
+        p, t = pred[:, k].double().tolist(), target[:, k].double().tolist()
+        mp, mt = sum(p) / len(p), sum(t) / len(t)
+        cov = sum((a - mp) * (b - mt) for a, b in zip(p, t))
+        vp = sum((a - mp) ** 2 for a in p)
+        vt = sum((b - mt) ** 2 for b in t)
+        assert pearson2[k].item() == pytest.approx(cov**2 / (vp * vt), rel=1e-5)
+        sse = sum((a - b) ** 2 for a, b in zip(p, t))
+        assert cod[k].item() == pytest.approx(1 - sse / vt, rel=1e-5, abs=1e-6)
+    corr = torch.corrcoef(torch.stack([pred[:, 0], target[:, 0]]))[0, 1]
+    assert pearson2[0].item() == pytest.approx(corr.item() ** 2, rel=1e-4)
+    # A biased predictor: the squared correlation ignores the offset, the coefficient of determination does not.
+    assert cod[2] < pearson2[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kvpress layout
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden_dim", [None, 8])
+def test_kvzap_model_round_trip(tmp_path, hidden_dim):
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    torch.manual_seed(0)
+    if hidden_dim is None:
+        layers = [nn.Linear(64, 2) for _ in range(3)]
+    else:
+        layers = [nn.Sequential(nn.Linear(64, 8), nn.GELU(), nn.Linear(8, 2)) for _ in range(3)]
+    model = tk.build_kvzap_model(layers, hidden_dim)
+    tk.save_kvzap_model(model, tmp_path)
+    assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()
+    loaded = KVzapModel.from_pretrained(tmp_path)
+    assert loaded.config.hidden_dim == hidden_dim and loaded.config.n_modules == 3
+    x = torch.randn(5, 3, 64)  # KVzapModel.forward: (T, L, D) -> (T, L, H)
+    with torch.no_grad():
+        expected = torch.stack([layer(x[:, i]) for i, layer in enumerate(layers)], dim=1)
+        torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI end to end
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_end_to_end_on_tiny_model(tmp_path):
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    model, tokenizer = make_tiny_llama(attn_implementation="eager")
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    paragraphs = ENGLISH_PROSE.split("\n\n")
+    texts = [tmp_path / "prose_a.txt", tmp_path / "prose_b.txt"]
+    texts[0].write_text("\n\n".join(paragraphs[:2] * 3))
+    texts[1].write_text("\n\n".join(paragraphs[2:] * 3))
+    out = tmp_path / "out"
+    cache = tmp_path / "data.pt"
+    argv = [
+        "--model", str(model_dir), "--texts", f"{texts[0]},{texts[1]}", "--out", str(out), "--tokens", "480",
+        "--context-tokens", "60", "--epochs", "2", "--seed", "0", "--no-progress", "--data-cache", str(cache),
+    ]  # fmt: skip
+    report = tk.main(argv)
+    assert report["data"]["chunks"] == 8 and report["data"]["chunks_val"] == 2
+    assert report["data"]["tokens_train"] + report["data"]["tokens_val"] == 480
+    saved = json.loads((out / "training_report.json").read_text())
+    assert set(saved["summary"]) == {"linear", "mlp"} and len(saved["r2"]["mlp"]) == 2
+    assert (out / "r2_per_layer.png").stat().st_size > 0
+    lin = KVzapModel.from_pretrained(out / "linear")
+    mlp = KVzapModel.from_pretrained(out / "mlp")
+    assert lin.config.hidden_dim is None and mlp.config.hidden_dim == 64 // 8
+    assert (lin.config.input_dim, lin.config.output_dim, lin.config.n_modules) == (64, 2, 2)
+    # The saved MLP reproduces the R² recorded in the report on the held-out chunks.
+    data, settings, _ = tk.load_data_cache(cache)
+    assert settings["context_tokens"] == 60 and data.features.shape == (2, 480, 64)
+    val = data.token_mask(val=True)
+    with torch.no_grad():
+        pred = mlp(data.features[:, val].float().transpose(0, 1)).transpose(0, 1)  # (L, N, H)
+    for layer in range(2):
+        r2, _ = tk.r2_scores(pred[layer], data.targets[layer, val])
+        assert r2.tolist() == pytest.approx(saved["r2"]["mlp"][layer], abs=1e-3)
+    # Re-running from the cache with the same seed reproduces the weights exactly.
+    tk.main(argv[:5] + [str(tmp_path / "out2")] + argv[6:])
+    mlp2 = KVzapModel.from_pretrained(tmp_path / "out2" / "mlp")
+    for p, q in zip(mlp.parameters(), mlp2.parameters()):
+        assert torch.equal(p, q)
