@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, load_default_model
-from kvpress_cpp.presses import GVotePress, KeepKVPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 
@@ -32,7 +32,8 @@ def ask(model, tokenizer, prompt: str, press, max_new_tokens: int) -> tuple[str,
 
 def presses() -> list[tuple[str, object]]:
     """(name, press) pairs the demo runs; None is the full cache. Each method at a budget where SmolLM2 still finds
-    the fact and at 25% of the prompt, where its memory saving shows; GVote chooses its own budget."""
+    the fact and at 25% of the prompt, where its memory saving shows; GVote and KVzap (whose threshold τ decides) choose
+    their own."""
     return [
         ("full cache", None),
         ("ZSMerge 75%", ZSMergePress(budget=0.75)),
@@ -42,6 +43,8 @@ def presses() -> list[tuple[str, object]]:
         ("KeepKV 90%", KeepKVPress(budget=0.9)),
         ("KeepKV 25%", KeepKVPress(budget=0.25)),
         ("GVote (own budget)", GVotePress()),
+        ("KVzap-linear τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="linear")),
+        ("KVzap-MLP τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="mlp")),
     ]
 
 

@@ -45,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME
+from kvpress_cpp.presses.kvzap import save_surrogate
 
 __all__ = [
     "REPEAT_INSTRUCTION",
@@ -60,7 +61,6 @@ __all__ = [
     "train_mlps",
     "r2_scores",
     "build_kvzap_model",
-    "save_kvzap_model",
     "train_surrogates",
     "main",
 ]
@@ -528,23 +528,6 @@ def build_kvzap_model(layers: Sequence[nn.Module], hidden_dim: int | None):
     return model.eval()
 
 
-def save_kvzap_model(model, directory: str | Path) -> None:
-    """Write ``model`` (a KVzapModel) as config.json + model.safetensors, loadable by ``KVzapModel.from_pretrained``.
-
-    ``PreTrainedModel.save_pretrained`` cannot be used with transformers 4.57: it instantiates the config class without
-    arguments, which ``KVzapConfig`` (keyword-only required fields) refuses.
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = [type(model).__name__]
-    model.config.dtype = "float32"
-    model.config.to_json_file(directory / "config.json")
-    tensors = {name: t.detach().float().contiguous() for name, t in model.state_dict().items()}
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------------------
@@ -789,8 +772,8 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
         data, hidden_dim, args.epochs, args.batch_size, args.lr, args.weight_decay, args.seed, progress=progress
     )
     t_fit = time.perf_counter() - t2
-    save_kvzap_model(build_kvzap_model(linears, None), out / "linear")
-    save_kvzap_model(build_kvzap_model(mlps, hidden_dim), out / "mlp")
+    save_surrogate(build_kvzap_model(linears, None), out / "linear")
+    save_surrogate(build_kvzap_model(mlps, hidden_dim), out / "mlp")
     val = data.token_mask(val=True)
     report = {
         "command": "python -m kvpress_cpp.train_kvzap " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -15,8 +15,9 @@ from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses import KVzapPress, KVzapThresholdPress
 from kvpress_cpp.presses import kvzap as kvzap_module
 from kvpress_cpp.presses.kvzap import save_surrogate
+from kvpress_cpp.texts import austen_novel
 from tests import reference
-from tests.generation import greedy, prompt_ids
+from tests.generation import answers_hidden_fact, greedy, prompt_ids
 from tests.models import make_tiny_llama
 
 INF = float("inf")
@@ -152,10 +153,8 @@ def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
         KVzapThresholdPress(sliding_window=-1)
 
 
-def test_default_model_is_named_after_the_hub_checkpoint():
-    from kvpress_cpp.models import load_default_model
-
-    model, _ = load_default_model()
+def test_default_model_is_named_after_the_hub_checkpoint(default_model):
+    model, _ = default_model
     assert model.config.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert kvzap_module.default_surrogate_dir(model, "mlp").parts[-3:] == ("surrogates", "SmolLM2-135M-Instruct",
                                                                            "mlp")
@@ -317,3 +316,21 @@ def test_default_model_runs_with_a_random_surrogate(default_model, tmp_path):
     assert len(press.layer_compression_ratios) == 30
     assert 0 < press.compression_ratio < 1
     assert press.scorer.kvzap_model.config.hidden_dim == 72
+
+
+@pytest.mark.parametrize("model_type,threshold", [("linear", -7.0), ("mlp", -8.0)])
+def test_shipped_surrogates_answer_the_demo_question_while_pruning(default_model, model_type, threshold):
+    """The packaged SmolLM2 surrogates (no surrogate_dir) on the demo: the hidden fact survives the pruning, and a
+    higher τ prunes more of the same prompt."""
+    model, tokenizer = default_model
+    press = KVzapThresholdPress(threshold=threshold, model_type=model_type)
+    found, answer = answers_hidden_fact(model, tokenizer, press)
+    assert found, answer
+    assert press.compression_ratio > 0.15, press.layer_compression_ratios
+    ids = tokenizer(austen_novel("emma")[:6000], return_tensors="pt").input_ids[:, :1000]
+    ratios = []
+    for tau in (threshold - 1, threshold + 1):
+        looser = KVzapThresholdPress(threshold=tau, model_type=model_type)
+        greedy(model, ids, press=looser, max_new_tokens=1)
+        ratios.append(looser.compression_ratio)
+    assert ratios[0] < ratios[1], ratios

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvpress_cpp import train_kvzap as tk
+from kvpress_cpp.presses.kvzap import save_surrogate
 from tests.models import ENGLISH_PROSE, make_tiny_llama, make_tiny_qwen3
 
 
@@ -236,7 +237,7 @@ def test_kvzap_model_round_trip(tmp_path, hidden_dim):
     else:
         layers = [nn.Sequential(nn.Linear(64, 8), nn.GELU(), nn.Linear(8, 2)) for _ in range(3)]
     model = tk.build_kvzap_model(layers, hidden_dim)
-    tk.save_kvzap_model(model, tmp_path)
+    save_surrogate(model, tmp_path)
     assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()
     loaded = KVzapModel.from_pretrained(tmp_path)
     assert loaded.config.hidden_dim == hidden_dim and loaded.config.n_modules == 3
