@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import math
 import os
@@ -107,19 +108,24 @@ def _fingerprint(data_file: Path, model: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def _parquet_bytes(df: pd.DataFrame) -> bytes:
+    buffer = io.BytesIO()
+    df.reset_index(drop=True).to_parquet(buffer)  # as write_dataset writes it
+    return buffer.getvalue()
+
+
 def prepare_data(local_data: Path, model: str, examples: dict[int, dict[str, int]], seed: int) -> dict[int, Path]:
-    """Generate each length's examples (unless the same spec is there) → length → test.parquet."""
+    """Generate each length's examples → length → test.parquet. Always generated (a few seconds), written only when
+    they differ from the file there, so the data fingerprint follows the generator's code as well as the plan."""
     from kvpress_cpp.evaluation.models import load_tokenizer
     from kvpress_cpp.evaluation.ruler_data import generate, write_dataset
 
-    root, tokenizer, files = launch.generated_root(local_data, model), None, {}
+    root, tokenizer, files = launch.generated_root(local_data, model), load_tokenizer(model), {}
     for length, counts in examples.items():
-        path, spec_path = root / str(length) / "test.parquet", root / str(length) / "spec.json"
-        spec = {"examples": counts, "seed": seed}
-        if not (path.is_file() and spec_path.is_file() and json.loads(spec_path.read_text()) == spec):
-            tokenizer = tokenizer or load_tokenizer(model)
-            write_dataset(generate(tokenizer, length, counts, seed), root)
-            spec_path.write_text(json.dumps(spec))
+        path = root / str(length) / "test.parquet"
+        df = generate(tokenizer, length, counts, seed)
+        if not (path.is_file() and _parquet_bytes(df) == path.read_bytes()):
+            write_dataset(df, root)
         files[length] = path
     return files
 

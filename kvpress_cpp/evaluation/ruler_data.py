@@ -127,7 +127,10 @@ def _insert(haystack: _Sentences, items: list[str], depths: list[float]) -> str:
         cumulative.append(cumulative[-1] + n)
     slots: dict[int, list[str]] = {}
     for item, depth in sorted(zip(items, depths), key=lambda p: p[1]):
-        index = bisect.bisect_left(cumulative, depth * cumulative[-1])  # before sentence `index`
+        target = depth * cumulative[-1]
+        index = bisect.bisect_left(cumulative, target)  # the first sentence boundary at or after the target...
+        if index > 0 and target - cumulative[index - 1] < cumulative[index] - target:
+            index -= 1  # ...or the one before it, whichever is nearer
         slots.setdefault(index, []).append(item)
     out = []
     for i, sentence in enumerate(haystack.sentences + [""]):
