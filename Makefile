@@ -26,10 +26,10 @@ test: build cpp-test py-test
 # the default plan is sized for.
 EVAL_ARGS ?=
 eval: build
-	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 $(EVAL_ARGS)
+	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 $(or $(EVAL_ARGS),--readme README.md)
 
 eval-report: build
-	$(PYTHON) -m kvpress_cpp.evaluation.results report $(EVAL_ARGS)
+	$(PYTHON) -m kvpress_cpp.evaluation.results report $(or $(EVAL_ARGS),--readme README.md)
 
 # The smoke evaluation (also part of `make test`): a tiny model through kvpress's evaluate.py and the results runner.
 eval-smoke: build

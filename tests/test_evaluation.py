@@ -226,8 +226,19 @@ def test_results_runner_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatc
     assert "| zsmerge (ours) | – | – |" in table
 
 
+def test_update_readme_replaces_only_the_marked_table(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{results.README_BEGIN}\nold | table\n{results.README_END}\nafter\n")
+    assert results.update_readme(readme, "| new |\n")
+    assert readme.read_text() == f"# x\n\nbefore\n{results.README_BEGIN}\n| new |\n{results.README_END}\nafter\n"
+    (tmp_path / "other.md").write_text("no markers")
+    assert not results.update_readme(tmp_path / "other.md", "| new |")
+
+
 def test_readme_table_is_the_one_the_run_wrote():
-    table = (REPO / "benchmarks" / "results" / "evaluation" / "table.md")
+    table = REPO / "benchmarks" / "results" / "evaluation" / "table.md"
     if not table.is_file():
         pytest.skip("no results run committed yet")
-    assert table.read_text().strip() in (REPO / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    marked = readme.split(results.README_BEGIN, 1)[1].split(results.README_END, 1)[0]
+    assert marked.strip() == table.read_text().strip()

@@ -165,7 +165,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dataset", default=None)
     parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--seed", default=None, type=int)
     ours, rest = parser.parse_known_args(argv)
     defaults = yaml.safe_load(Path(ours.config_file).read_text()) if Path(ours.config_file).is_file() else {}
     model = ours.model or defaults.get("model")
@@ -173,13 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     local_data = Path(ours.local_data) if ours.local_data else cache_dir("datasets")
     evaluate, registry = load_evaluation(local_data, model)
     if dataset == GENERATED_DATASET and data_dir is not None:
-        ensure_generated(local_data, model, int(data_dir), seed=ours.seed or 0)
+        ensure_generated(local_data, model, int(data_dir))
     elif dataset in registry.DATASET_REGISTRY and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(
             registry.DATASET_REGISTRY[dataset]).is_dir():
         raise SystemExit(f"{dataset}: no local copy at {local_data / registry.DATASET_REGISTRY[dataset]} and "
                          f"HF_HUB_OFFLINE=1 (see the README's Evaluation section for the expected layout)")
     forwarded = [f"--config_file={ours.config_file}"] + rest
-    for key in ("model", "dataset", "data_dir", "seed"):
+    for key in ("model", "dataset", "data_dir"):
         if getattr(ours, key) is not None:
             forwarded.append(f"--{key}={getattr(ours, key)}")
     sys.argv = [str(evaluation_dir() / "evaluate.py")] + forwarded

@@ -334,6 +334,21 @@ def report(out: Path) -> str:
     return table
 
 
+README_BEGIN, README_END = "<!-- evaluation-table: written by kvpress_cpp.evaluation.results report -->", \
+    "<!-- /evaluation-table -->"
+
+
+def update_readme(readme: Path, table: str) -> bool:
+    """Put ``table`` between the README's evaluation-table markers; False when the markers are missing."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{table.strip()}\n{README_END}{tail}")
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["run", "report", "all"], nargs="?", default="all")
@@ -347,6 +362,8 @@ def main() -> None:
                         help="examples per task at every length (default: the plan in DEFAULT_EXAMPLES)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--local_data", type=Path, default=None)
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also write the table into this README (between its evaluation-table markers)")
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -360,7 +377,10 @@ def main() -> None:
         run(plan(args.methods, args.ratios, args.lengths), args.out, args.model, args.device, examples,
             local_data=args.local_data)
     if args.action in ("report", "all"):
-        print(report(args.out))
+        table = report(args.out)
+        print(table)
+        if args.readme is not None and not update_readme(args.readme, table):
+            raise SystemExit(f"{args.readme} has no {README_BEGIN} ... {README_END} markers")
 
 
 if __name__ == "__main__":
