@@ -242,3 +242,18 @@ def test_readme_table_is_the_one_the_run_wrote():
     readme = (REPO / "README.md").read_text()
     marked = readme.split(results.README_BEGIN, 1)[1].split(results.README_END, 1)[0]
     assert marked.strip() == table.read_text().strip()
+
+
+def test_table_averages_the_families_the_uncompressed_model_solves():
+    rows = []
+    for method, ratio, niah, vt in [("no_press", 0.0, 100.0, 0.0), ("snapkv", 0.75, 60.0, 0.0),
+                                    ("zsmerge", 0.75, 40.0, 0.0), ("zsmerge", 0.5, 80.0, 0.0)]:
+        for fam, score in (("niah", niah), ("vt", vt)):
+            rows.append({"method": method, "label": results.label(method), "length": 2048, "requested_ratio": ratio,
+                         "compression_ratio": ratio, "budget": 1 - ratio, "family": fam, "score": score, "n": 2,
+                         "cpu_s": 1.0, "model": "m"})
+    df = pd.DataFrame(rows)
+    table = results.markdown_table(df)
+    assert "left out, 0 without compression: vt" in table
+    assert "| SnapKV | – | 60.0 | – |" in table and "| zsmerge (ours) | – | 40.0 | 80.0 |" in table
+    assert "25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in results.standings(df)

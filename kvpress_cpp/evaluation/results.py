@@ -226,16 +226,28 @@ def _ordered_methods(df: pd.DataFrame) -> list[str]:
     return theirs + ours
 
 
+def informative(part: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the task families the model solves at least partly without compression (no_press > 0): a family
+    it fails uncompressed says nothing about compression. All rows when there is no no_press row, or when it fails
+    every family (a smoke run on a random model)."""
+    base = part[part["method"] == "no_press"]
+    kept = part[part["family"].isin(set(base[base["score"] > 0]["family"]))]
+    return part if base.empty or kept.empty else kept
+
+
 def markdown_table(df: pd.DataFrame) -> str:
-    """Per length: a row per method, a column per KV budget; cells = score averaged over the task families
-    (each family the n-weighted mean of its tasks); measured-ratio methods show their ratio."""
+    """Per length: a row per method, a column per KV budget; cells = score averaged over the informative task
+    families (each the n-weighted mean of its tasks); measured-ratio methods show their ratio."""
     lines = []
-    for length, part in df.groupby("length"):
+    for length, whole in df.groupby("length"):
+        part = informative(whole)
         avg = part.groupby(["method", "requested_ratio", "budget"])["score"].mean().reset_index()
         n = part.groupby(["method", "requested_ratio"])["n"].sum().max()
         families = ", ".join(f for f in FAMILIES if f in set(part["family"]))
+        dropped = sorted(set(whole["family"]) - set(part["family"]))
+        note = f"; left out, 0 without compression: {', '.join(dropped)}" if dropped else ""
         lines += [f"**{length} tokens** (score 0-100 = mean over task families {families}; {n} examples per "
-                  f"configuration)", "",
+                  f"configuration{note})", "",
                   "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
         for method in _ordered_methods(part):
             rows = avg[avg["method"] == method]
@@ -265,6 +277,7 @@ def _pyplot():
 
 def standings(df: pd.DataFrame) -> str:
     """Per length and budget: each of our methods against the best kvpress press (score averaged over families)."""
+    df = pd.concat([informative(part) for _, part in df.groupby("length")])
     avg = df.groupby(["length", "method", "requested_ratio", "budget"])["score"].mean().reset_index()
     theirs = avg[avg["method"].isin(list(KVPRESS_METHODS))]
     lines = []
