@@ -246,7 +246,7 @@ def markdown_table(df: pd.DataFrame) -> str:
         families = ", ".join(f for f in FAMILIES if f in set(part["family"]))
         dropped = sorted(set(whole["family"]) - set(part["family"]))
         note = f"; left out, 0 without compression: {', '.join(dropped)}" if dropped else ""
-        lines += [f"**{length} tokens** (score 0-100 = mean over task families {families}; {n} examples per "
+        lines += [f"**{length} tokens** (score 0-100 = mean over task families {families}; {n} example{'s' if n != 1 else ''} per "
                   f"configuration{note})", "",
                   "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
         for method in _ordered_methods(part):
@@ -327,7 +327,10 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
             ax.set_ylabel("string match (0-100)")
             ax.set_xlim(0, 105)
             ax.set_ylim(-5, 105)
-            ax.legend(fontsize=7)
+            if len(part):
+                ax.legend(fontsize=7)
+            else:
+                ax.text(50, 50, "not in the plan", ha="center")
         model = df["model"].iloc[0]
         fig.suptitle(f"{model}: accuracy versus KV budget, RULER-style {fam}", fontsize=9)
         fig.tight_layout()
