@@ -1,6 +1,7 @@
 # The two commands of the README, and the steps they are made of. Each sets up what it needs on a fresh machine.
 #   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
 #   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest
+#   make eval   the evaluation results run (resumable), then its CSV, plots and README table (see README: Evaluation)
 SHELL := /bin/bash
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -13,12 +14,26 @@ export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test build cpp-test py-test system-deps clean
+.PHONY: demo test build cpp-test py-test system-deps clean eval eval-report eval-smoke
 
 demo: build
 	$(PYTHON) examples/demo.py
 
 test: build cpp-test py-test
+
+# EVAL_ARGS: e.g. --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 --lengths 4096 16384 --examples 20
+# --out results/llama (a hub model also needs `make eval HF_HUB_OFFLINE=0 ...`). One CPU thread: CPU time is what
+# the default plan is sized for.
+EVAL_ARGS ?=
+eval: build
+	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 $(or $(EVAL_ARGS),--readme README.md)
+
+eval-report: build
+	$(PYTHON) -m kvpress_cpp.evaluation.results report $(or $(EVAL_ARGS),--readme README.md)
+
+# The smoke evaluation (also part of `make test`): a tiny model through kvpress's evaluate.py and the results runner.
+eval-smoke: build
+	$(PYTHON) -m pytest tests/test_evaluation.py -q
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PYTHON) || python3 -m venv $(VENV)

@@ -61,7 +61,7 @@ setup(
     version="0.1.0",
     description="KV-cache compression methods (ZSMerge, KeepKV, WeightedKV, KVzap, GVote) as PyTorch C++/CUDA ops",
     packages=find_packages(include=["kvpress_cpp", "kvpress_cpp.*"]),
-    package_data={"kvpress_cpp": ["surrogates/**/*"]},
+    package_data={"kvpress_cpp": ["surrogates/**/*", "evaluation/*.yaml"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

@@ -1,0 +1,189 @@
+"""Run kvpress's own evaluation (``evaluation/evaluate.py`` of kvpress's source distribution, unchanged) with our
+presses registered.
+
+    python -m kvpress_cpp.evaluation.launch --press_name zsmerge --compression_ratio 0.75 \\
+        --dataset kvcomp_ruler --data_dir 2048 --fraction 0.1 --output_dir results
+
+Every argument is evaluate.py's own (``EvaluationConfig``: press_name, compression_ratio, dataset, data_dir, model,
+device, fraction, max_new_tokens, target_size, compression_interval, output_dir, ...), except ``--local_data``
+(below). Without ``--config_file`` the defaults are this package's ``evaluate_config.yaml`` (the embedded
+SmolLM2-135M-Instruct on the CPU, our generated RULER-style data at 2048 tokens) instead of kvpress's.
+
+What the launcher does, in order:
+
+1. Fetches kvpress's sdist (``pip download --no-deps --no-binary :all: kvpress==<installed version>``) once,
+   checks its sha256 (for 0.5.5) and keeps its ``evaluation/`` folder in ``$KVPRESS_CPP_CACHE/kvpress-evaluation``.
+2. Imports ``evaluate_registry`` and ``evaluate`` from there (their ``benchmarks`` package is kvpress's, not this
+   repository's: the import is done with kvpress's folder first on ``sys.path`` and this repository's
+   ``benchmarks`` modules, if loaded, set aside meanwhile).
+3. Adds our presses to ``PRESS_REGISTRY`` (names in :data:`kvpress_cpp.evaluation.registry.METHODS`), adds the
+   dataset ``kvcomp_ruler`` (generated on demand, :mod:`kvpress_cpp.evaluation.ruler_data`) with kvpress's RULER
+   scorer, and points the hub datasets of ``DATASET_REGISTRY`` at local copies where they exist:
+   ``<local_data>/<hub id>`` (e.g. ``<local_data>/simonjegou/ruler/4096/test-*.parquet``,
+   ``<local_data>/Xnhyacinth/LongBench/narrativeqa/test-*.parquet``).
+4. Replaces the module-level ``pipeline`` evaluate.py calls by :func:`kvpress_cpp.evaluation.models.kvpress_pipeline`
+   (which also knows the embedded default model by name and loads each model once per process), then calls
+   evaluate.py's ``CliEntryPoint`` as its ``__main__`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+from kvpress_cpp._cache import AssetError, cache_dir, run_fetch, sha256_of
+
+__all__ = ["evaluation_dir", "load_evaluation", "main", "CONFIG_FILE", "GENERATED_DATASET"]
+
+#: sha256 of the sdists this code was checked against; other versions are fetched unchecked.
+_SDIST_SHA256 = {"0.5.5": "0a5aa714c59c63a0f26588378e3bc9890a55f761a30efd1ad1b6623adb8b5296"}
+CONFIG_FILE = Path(__file__).with_name("evaluate_config.yaml")
+GENERATED_DATASET = "kvcomp_ruler"
+#: Examples per task when the launcher generates a missing ``kvcomp_ruler`` length itself.
+GENERATED_EXAMPLES = 4
+
+
+def _kvpress_version() -> str:
+    from importlib.metadata import version
+
+    return version("kvpress")
+
+
+def evaluation_dir(version: str | None = None) -> Path:
+    """kvpress's ``evaluation/`` folder for ``version`` (default: the installed kvpress), fetched once."""
+    version = version or _kvpress_version()
+    root = cache_dir("kvpress-evaluation")
+    target = root / version
+    if (target / "evaluate.py").is_file():
+        return target
+    hint = "Check the connection to PyPI, or set KVPRESS_CPP_CACHE to a cache that holds kvpress-evaluation/."
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
+        tmp_dir = Path(tmp)
+        run_fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--disable-pip-version-check", "--no-input", f"kvpress=={version}", "-d", str(tmp_dir)],
+                  f"kvpress {version}'s source distribution (for its evaluation folder)", hint)
+        sdists = sorted(tmp_dir.glob("kvpress-*.tar.gz"))
+        if len(sdists) != 1:
+            raise AssetError(f"`pip download kvpress=={version}` left {[p.name for p in tmp_dir.iterdir()]}. {hint}")
+        expected = _SDIST_SHA256.get(version)
+        if expected is not None and sha256_of(sdists[0]) != expected:
+            raise AssetError(f"{sdists[0].name} has sha256 {sha256_of(sdists[0])}, expected {expected}. Retry.")
+        prefix = f"kvpress-{version}/evaluation/"
+        with tarfile.open(sdists[0]) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            for member in members:
+                member.name = member.name[len(prefix):] or "."
+            tar.extractall(tmp_dir / "evaluation", members=members, filter="data")
+        if not (tmp_dir / "evaluation" / "evaluate.py").is_file():
+            raise AssetError(f"{sdists[0].name} has no {prefix}evaluate.py")
+        try:
+            os.replace(tmp_dir / "evaluation", target)
+        except OSError:
+            if not (target / "evaluate.py").is_file():  # not a concurrent fetch that got there first
+                raise
+    return target
+
+
+def _is_ours(name: str) -> bool:
+    return name == "benchmarks" or name.startswith("benchmarks.")
+
+
+def _import_evaluation(folder: Path) -> tuple[ModuleType, ModuleType]:
+    """(evaluate, evaluate_registry) imported from kvpress's folder, with its `benchmarks` package."""
+    if "evaluate_registry" in sys.modules and "kvpress_evaluate" in sys.modules:
+        return sys.modules["kvpress_evaluate"], sys.modules["evaluate_registry"]
+    set_aside = {name: sys.modules.pop(name) for name in list(sys.modules) if _is_ours(name)}
+    sys.path.insert(0, str(folder))
+    try:
+        registry = importlib.import_module("evaluate_registry")
+        spec = importlib.util.spec_from_file_location("kvpress_evaluate", folder / "evaluate.py")
+        evaluate = importlib.util.module_from_spec(spec)
+        sys.modules["kvpress_evaluate"] = evaluate
+        spec.loader.exec_module(evaluate)
+    finally:
+        sys.path.remove(str(folder))
+        for name in [n for n in sys.modules if _is_ours(n)]:
+            del sys.modules[name]  # kvpress's, still referenced by the modules that imported them
+        sys.modules.update(set_aside)
+    return evaluate, registry
+
+
+def _model_slug(model: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", model)
+
+
+def generated_root(local_data: Path, model: str) -> Path:
+    """Where ``kvcomp_ruler`` lives for a model's tokenizer: ``<local_data>/kvcomp_ruler/<model>``."""
+    return Path(local_data) / GENERATED_DATASET / _model_slug(model)
+
+
+def ensure_generated(local_data: Path, model: str, length: int, examples: int = GENERATED_EXAMPLES,
+                     seed: int = 0) -> Path:
+    """Generate ``kvcomp_ruler`` at ``length`` tokens for ``model``'s tokenizer unless it is there."""
+    root = generated_root(local_data, model)
+    if not (root / str(length) / "test.parquet").is_file():
+        from kvpress_cpp.evaluation.models import load_tokenizer
+        from kvpress_cpp.evaluation.ruler_data import generate, write_dataset
+
+        write_dataset(generate(load_tokenizer(model), length, examples, seed), root)
+    return root
+
+
+def load_evaluation(local_data: Path | None = None, model: str | None = None) -> tuple[ModuleType, ModuleType]:
+    """kvpress's evaluate module, ready to run with our presses, datasets and model names (see module doc)."""
+    from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME, kvpress_pipeline
+    from kvpress_cpp.evaluation.registry import press_registry
+
+    evaluate, registry = _import_evaluation(evaluation_dir())
+    registry.PRESS_REGISTRY.update(press_registry())
+    local_data = Path(local_data) if local_data else cache_dir("datasets")
+    for name, hub_id in list(registry.DATASET_REGISTRY.items()):
+        if (local_data / hub_id).is_dir():
+            registry.DATASET_REGISTRY[name] = str(local_data / hub_id)
+    registry.DATASET_REGISTRY[GENERATED_DATASET] = str(generated_root(local_data, model or DEFAULT_MODEL_NAME))
+    registry.SCORER_REGISTRY[GENERATED_DATASET] = registry.SCORER_REGISTRY["ruler"]
+    evaluate.pipeline = kvpress_pipeline
+    return evaluate, registry
+
+
+def main(argv: list[str] | None = None) -> None:
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--local_data", default=None, help="root of local dataset copies (default: "
+                        "$KVPRESS_CPP_CACHE/datasets)")
+    parser.add_argument("--config_file", default=str(CONFIG_FILE))
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dataset", default=None)
+    parser.add_argument("--data_dir", default=None)
+    ours, rest = parser.parse_known_args(argv)
+    defaults = yaml.safe_load(Path(ours.config_file).read_text()) if Path(ours.config_file).is_file() else {}
+    model = ours.model or defaults.get("model")
+    dataset, data_dir = ours.dataset or defaults.get("dataset"), ours.data_dir or defaults.get("data_dir")
+    local_data = Path(ours.local_data) if ours.local_data else cache_dir("datasets")
+    evaluate, registry = load_evaluation(local_data, model)
+    if dataset == GENERATED_DATASET and data_dir is not None:
+        ensure_generated(local_data, model, int(data_dir))
+    elif dataset in registry.DATASET_REGISTRY and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(
+            registry.DATASET_REGISTRY[dataset]).is_dir():
+        raise SystemExit(f"{dataset}: no local copy at {local_data / registry.DATASET_REGISTRY[dataset]} and "
+                         f"HF_HUB_OFFLINE=1 (see the README's Evaluation section for the expected layout)")
+    forwarded = [f"--config_file={ours.config_file}"] + rest
+    for key in ("model", "dataset", "data_dir"):
+        if getattr(ours, key) is not None:
+            forwarded.append(f"--{key}={getattr(ours, key)}")
+    sys.argv = [str(evaluation_dir() / "evaluate.py")] + forwarded
+    evaluate.Fire(evaluate.CliEntryPoint)
+
+
+if __name__ == "__main__":
+    main()

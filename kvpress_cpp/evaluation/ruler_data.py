@@ -1,0 +1,306 @@
+"""Offline RULER-style long-context data on real text, in the format kvpress's RULER loader and scorer read.
+
+Each example is one row of a DataFrame with the columns kvpress's ``evaluation/evaluate.py`` uses (``context``,
+``question``, ``answer_prefix``, ``max_new_tokens``) and the ones its RULER scorer
+(``benchmarks/ruler/calculate_metrics.py``) reads: ``task`` and ``answer``, a list of strings. The scorer lowercases
+and checks each reference string for containment in the prediction: tasks whose name starts with ``qa`` score 1 if
+any reference is found, every other task scores the fraction found (RULER's ``string_match_all``). Extra columns
+(``length``, ``depth``, ``context_tokens``, ``seed``) are carried into evaluate.py's predictions.csv.
+
+Tasks (after RULER, Hsieh et al. 2024; templates paraphrase RULER's, the haystacks are Austen's novels and RULER's
+noise sentences, the key words come from Austen's vocabulary):
+
+* ``niah_single_1``: one needle ("One of the special magic numbers for <key> is: <7 digits>.") in RULER's repeated
+  noise sentences; ``niah_single_2``: the same in Austen.
+* ``niah_multikey_1``: four needles with different keys in Austen, one of them asked for.
+* ``niah_multivalue``: four needles with the same key and different values in Austen; all four are asked for.
+* ``vt``: variable tracking, one chain ``VAR A = 12345``, ``VAR B = VAR A``, ... (5 variables) spread through the
+  noise sentences; the answer is every variable holding the value.
+* ``cwe``: common-words extraction: a numbered list of Austen words in which ten appear many times and the others
+  at most three times; the answer is the ten frequent words.
+* ``niah_depth_<d>``: the needle-in-a-haystack depth sweep: ``niah_single_2`` with the needle at depth d% of the
+  Austen haystack (d in :data:`DEPTHS`).
+
+Lengths are in tokens of the evaluation model's tokenizer: ``context`` + ``question`` hold ``length`` tokens within
+:data:`LENGTH_TOLERANCE` (the chat template and answer prefix come on top). Everything is seeded: the same
+(seed, tokenizer, lengths, counts) give the same rows.
+
+    python -m kvpress_cpp.evaluation.ruler_data --lengths 2048 4096 --examples 4 --out /tmp/ruler
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import functools
+import random
+import re
+import string
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+__all__ = ["TASKS", "DEPTHS", "NOISE", "LENGTH_TOLERANCE", "generate", "write_dataset", "default_tasks"]
+
+#: RULER's noise haystack (its ``niah_single_1`` and ``vt`` tasks repeat these sentences).
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+#: Needle depths (percent of the haystack) of the depth sweep.
+DEPTHS = (0, 25, 50, 75, 100)
+#: Relative tolerance on context + question tokens.
+LENGTH_TOLERANCE = 0.03
+
+_NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the numbers afterwards.\n")
+_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+_VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+_CWE_INTRO = ("Below is a numbered list of words. In these words, some appear more often than others. "
+              "Memorize the ones that appear most often.\n")
+
+MAX_NEW_TOKENS = {"niah": 16, "niah_multivalue": 48, "vt": 30, "cwe": 48}
+
+
+@functools.lru_cache(maxsize=1)
+def _austen_sentences() -> tuple[str, ...]:
+    from kvpress_cpp.texts import austen_text
+
+    text = re.sub(r"\s+", " ", austen_text())
+    return tuple(s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'])", text) if len(s) > 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _austen_words() -> tuple[str, ...]:
+    """Lowercase Austen words of 5-9 letters seen at least 20 times: the vocabulary of keys and of ``cwe``."""
+    counts = Counter(re.findall(r"\b[a-z]{5,9}\b", " ".join(_austen_sentences())))
+    return tuple(sorted(w for w, c in counts.items() if c >= 20))
+
+
+class _Sentences:
+    """Sentences with their token counts (tokenised one by one: joined with spaces, the counts add up to within a
+    token or two per thousand)."""
+
+    def __init__(self, sentences: list[str], count: Callable[[list[str]], list[int]]):
+        self.sentences = sentences
+        self.tokens = count(sentences)
+
+
+def _token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
+    def count(texts: list[str]) -> list[int]:
+        if not texts:
+            return []
+        return [len(ids) for ids in tokenizer([" " + t for t in texts], add_special_tokens=False).input_ids]
+    return count
+
+
+def _austen_haystack(rng: random.Random, tokens: int, count) -> _Sentences:
+    """Consecutive Austen sentences from a random place, about ``tokens`` tokens long."""
+    sentences = _austen_sentences()
+    start = rng.randrange(len(sentences) - tokens)  # a sentence is at least a token: never runs off the end
+    candidates = list(sentences[start:start + tokens])
+    picked, total = [], 0
+    for sentence, n in zip(candidates, count(candidates)):
+        if total + n > tokens:
+            # Fill the rest with the longest word prefix of the next sentence that fits (bisection on words).
+            words, lo, hi = sentence.split(), 0, len(sentence.split())
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if count([" ".join(words[:mid])])[0] <= tokens - total else (lo, mid - 1)
+            if lo:
+                picked.append(" ".join(words[:lo]))
+            break
+        picked.append(sentence)
+        total += n
+    return _Sentences(picked, count)
+
+
+def _noise_haystack(tokens: int, count) -> _Sentences:
+    unit = [s + "." for s in NOISE.rstrip(".").split(". ")]
+    per_unit = sum(count(unit))
+    return _Sentences(unit * max(1, tokens // per_unit), count)
+
+
+def _insert(haystack: _Sentences, items: list[str], depths: list[float]) -> str:
+    """The haystack with items[i] placed between sentences at depth depths[i] (fraction of its tokens)."""
+    cumulative = [0]
+    for n in haystack.tokens:
+        cumulative.append(cumulative[-1] + n)
+    slots: dict[int, list[str]] = {}
+    for item, depth in sorted(zip(items, depths), key=lambda p: p[1]):
+        target = depth * cumulative[-1]
+        index = bisect.bisect_left(cumulative, target)  # the first sentence boundary at or after the target...
+        if index > 0 and target - cumulative[index - 1] < cumulative[index] - target:
+            index -= 1  # ...or the one before it, whichever is nearer
+        slots.setdefault(index, []).append(item)
+    out = []
+    for i, sentence in enumerate(haystack.sentences + [""]):
+        out.extend(slots.get(i, []))
+        if sentence:
+            out.append(sentence)
+    return " ".join(out)
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _keys(rng: random.Random, n: int) -> list[str]:
+    """n distinct hyphenated word pairs (never a phrase of the haystack: Austen has no such hyphenations)."""
+    words = _austen_words()
+    keys: list[str] = []
+    while len(keys) < n:
+        key = f"{rng.choice(words)}-{rng.choice(words)}"
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _fit(build: Callable[[int], dict], length: int, count) -> dict:
+    """Call build(haystack_tokens) and adjust the haystack until context + question hold `length` tokens within
+    the tolerance (build reports its own length as row['context_tokens'] + question tokens)."""
+    budget = length
+    for _ in range(6):
+        row = build(budget)
+        total = count([row["context"]])[0] + count([row["question"]])[0]
+        if abs(total - length) <= LENGTH_TOLERANCE * length / 2:
+            break
+        budget += length - total
+    row["context_tokens"] = count([row["context"]])[0]
+    return row
+
+
+def _niah(rng, length, count, *, noise: bool, n_keys: int = 1, n_values: int = 1, depth: float | None = None):
+    keys, values = _keys(rng, n_keys), [[_number(rng) for _ in range(n_values)] for _ in range(n_keys)]
+    needles = [_NEEDLE.format(key=k, value=v) for k, vs in zip(keys, values) for v in vs]
+    depths = [depth if depth is not None else rng.random() for _ in needles]
+    asked = rng.randrange(n_keys)
+    key, answer = keys[asked], values[asked]
+    plural = n_values > 1
+    haystack_seed = rng.random()  # every refit of the length starts the haystack at the same sentence
+
+    def build(tokens: int) -> dict:
+        haystack = (_noise_haystack(tokens, count) if noise
+                    else _austen_haystack(random.Random(haystack_seed), tokens, count))
+        context = _NIAH_INTRO + _insert(haystack, needles, depths) + "\n"
+        question = (f"What are all the special magic numbers for {key} mentioned in the provided text?" if plural
+                    else f"What is the special magic number for {key} mentioned in the provided text?")
+        prefix = (f" Answer: The special magic numbers for {key} mentioned in the provided text are" if plural
+                  else f" Answer: The special magic number for {key} mentioned in the provided text is")
+        return {"context": context, "question": question, "answer_prefix": prefix, "answer": answer}
+
+    return _fit(build, length, count)
+
+
+def _vt(rng, length, count, hops: int = 4):
+    letters = string.ascii_uppercase
+    names: list[str] = []
+    while len(names) < hops + 1:
+        name = "".join(rng.choice(letters) for _ in range(5))
+        if name not in names:
+            names.append(name)
+    value = str(rng.randrange(10_000, 100_000))
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
+    depths = sorted(rng.random() for _ in chain)
+
+    def build(tokens: int) -> dict:
+        context = _VT_INTRO + _insert(_noise_haystack(tokens, count), chain, depths) + "\n"
+        question = f"Question: Find all variables that are assigned the value {value} in the text above."
+        prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {len(names)} "
+                  f"variables are assigned the value {value}, they are:")
+        return {"context": context, "question": question, "answer_prefix": prefix, "answer": names}
+
+    return _fit(build, length, count)
+
+
+def _cwe(rng, length, count, n_common: int = 10, rare_max: int = 3):
+    words = list(_austen_words())
+    rng.shuffle(words)
+    common, rare_pool = words[:n_common], words[n_common:]
+    word_tokens = sum(count(common)) / n_common
+
+    def build(tokens: int) -> dict:
+        # Items "<i>. <word>": the index digits are one token each, plus ". " and the word.
+        items = int(tokens / (word_tokens + 2 + len(str(int(tokens / (word_tokens + 4))))))
+        freq = max(6, items // (2 * n_common))
+        listing = [w for w in common for _ in range(freq)]
+        item_rng = random.Random(f"{len(listing)}-{common[0]}")
+        rare = iter(rare_pool)
+        while len(listing) < items:
+            listing += [next(rare)] * item_rng.randint(1, rare_max)
+        listing = listing[:items]
+        item_rng.shuffle(listing)
+        context = _CWE_INTRO + " ".join(f"{i + 1}. {w}" for i, w in enumerate(listing)) + "\n"
+        question = f"Question: What are the {n_common} most common words in the above list?"
+        prefix = f" Answer: The top {n_common} words that appear most often in the list are:"
+        return {"context": context, "question": question, "answer_prefix": prefix, "answer": common}
+
+    return _fit(build, length, count)
+
+
+#: task name → (builder(rng, length, count) → row, max_new_tokens)
+TASKS: dict[str, tuple[Callable, int]] = {
+    "niah_single_1": (functools.partial(_niah, noise=True), MAX_NEW_TOKENS["niah"]),
+    "niah_single_2": (functools.partial(_niah, noise=False), MAX_NEW_TOKENS["niah"]),
+    "niah_multikey_1": (functools.partial(_niah, noise=False, n_keys=4), MAX_NEW_TOKENS["niah"]),
+    "niah_multivalue": (functools.partial(_niah, noise=False, n_values=4), MAX_NEW_TOKENS["niah_multivalue"]),
+    "vt": (_vt, MAX_NEW_TOKENS["vt"]),
+    "cwe": (_cwe, MAX_NEW_TOKENS["cwe"]),
+    **{f"niah_depth_{d}": (functools.partial(_niah, noise=False, depth=d / 100), MAX_NEW_TOKENS["niah"])
+       for d in DEPTHS},
+}
+
+
+def default_tasks() -> list[str]:
+    return list(TASKS)
+
+
+def generate(tokenizer, length: int, examples: int | dict[str, int], seed: int = 0,
+             tasks: list[str] | None = None) -> pd.DataFrame:
+    """Rows of every task at ``length`` tokens: ``examples`` per task (or a dict task → count)."""
+    count = _token_counter(tokenizer)
+    rows = []
+    for task in tasks or (list(examples) if isinstance(examples, dict) else default_tasks()):
+        build, max_new_tokens = TASKS[task]
+        n = examples[task] if isinstance(examples, dict) else examples
+        for i in range(n):
+            rng = random.Random(f"{seed}-{task}-{length}-{i}")
+            row = build(rng, length, count)
+            depth = int(task.rsplit("_", 1)[1]) if task.startswith("niah_depth_") else -1
+            rows.append({**row, "task": task, "max_new_tokens": max_new_tokens, "length": length, "depth": depth,
+                         "seed": seed, "index": i})
+    return pd.DataFrame(rows)
+
+
+def write_dataset(df: pd.DataFrame, root: Path) -> list[Path]:
+    """Write ``<root>/<length>/test.parquet`` per length: a folder ``datasets.load_dataset(root, data_dir=<length>,
+    split="test")`` reads, which is what kvpress's evaluate.py calls with ``data_dir``."""
+    paths = []
+    for length, part in df.groupby("length"):
+        folder = Path(root) / str(length)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "test.parquet"
+        part.reset_index(drop=True).to_parquet(path)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="dataset root: writes <out>/<length>/test.parquet")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--examples", type=int, default=4, help="examples per task and length")
+    parser.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS))
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="tokenizer that lengths are counted in (the embedded default, or a HF name/path)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from kvpress_cpp.evaluation.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    df = pd.concat([generate(tokenizer, n, args.examples, args.seed, args.tasks) for n in args.lengths])
+    for path in write_dataset(df, Path(args.out)):
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

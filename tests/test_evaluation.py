@@ -1,0 +1,259 @@
+"""The evaluation: the RULER-style generator's examples (checked by re-deriving every answer from the context), kvpress's
+RULER scorer against a direct string check, our presses in kvpress's registry, kvpress's evaluate.py run by the
+launcher on a tiny model, and the results runner's resume and report (the smoke evaluation).
+
+kvpress's evaluation folder comes from its sdist on PyPI, fetched once into the asset cache (the first run needs
+PyPI); nothing touches a model or dataset hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvpress_cpp.evaluation import launch, results
+from kvpress_cpp.evaluation.registry import METHODS, evaluation_press
+from kvpress_cpp.evaluation.ruler_data import DEPTHS, LENGTH_TOLERANCE, TASKS, generate, write_dataset
+from kvpress_cpp.presses import GVotePress, KeepKVPress, WeightedKVPress, ZSMergePress
+from tests.models import make_tiny_llama, make_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+LENGTH = 768
+NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    return generate(tokenizer, LENGTH, 2, seed=3)
+
+
+def n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_every_task_is_generated_with_the_columns_kvpress_reads(examples):
+    assert sorted(examples["task"].unique()) == sorted(TASKS)
+    for column in ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens"):
+        assert column in examples.columns, column
+    assert examples["context"].is_unique  # evaluate.py groups questions by context
+    assert all(isinstance(a, list) and a and all(isinstance(s, str) for s in a) for a in examples["answer"])
+
+
+def test_lengths_are_within_tolerance_in_tokens(examples, tokenizer):
+    for _, row in examples.iterrows():
+        total = n_tokens(tokenizer, row["context"]) + n_tokens(tokenizer, row["question"])
+        assert abs(total - LENGTH) <= LENGTH_TOLERANCE * LENGTH, (row["task"], total)
+
+
+def test_needles_are_present_once_and_answers_follow_from_the_context(examples):
+    for _, row in examples[examples["task"].str.startswith("niah")].iterrows():
+        needles = NEEDLE.findall(row["context"])
+        key = re.search(r"numbers? for ([a-z]+-[a-z]+) mentioned", row["question"]).group(1)
+        values = [v for k, v in needles if k == key]
+        assert sorted(values) == sorted(row["answer"]), row["task"]
+        for value in row["answer"]:
+            assert row["context"].count(value) == 1
+        expected_needles = {"niah_multikey_1": 4, "niah_multivalue": 4}.get(row["task"], 1)
+        assert len(needles) == expected_needles, row["task"]
+        assert len({k for k, _ in needles}) == (4 if row["task"] == "niah_multikey_1" else 1)
+        assert row["answer_prefix"].endswith("is" if len(values) == 1 else "are")
+
+
+def test_the_needle_sits_at_the_requested_depth(examples, tokenizer):
+    for depth in DEPTHS:
+        for _, row in examples[examples["task"] == f"niah_depth_{depth}"].iterrows():
+            body = row["context"].split("\n", 1)[1]  # after the instruction line
+            match = NEEDLE.search(body)
+            head, tail = body[: match.start()].strip(), body[match.end():].strip()
+            before, haystack = n_tokens(tokenizer, head), n_tokens(tokenizer, head + " " + tail)
+            # Needles go between sentences: at the boundary nearest to the depth, so within half a neighbour.
+            sentence = re.compile(r"(?<=[.!?\"'])\s+")
+            previous = sentence.split(head)[-1] if head else ""
+            following = sentence.split(tail)[0] if tail else ""
+            slack = max(n_tokens(tokenizer, previous), n_tokens(tokenizer, following)) / 2 + 3
+            assert abs(before - depth / 100 * haystack) <= slack, (depth, before, haystack, slack)
+
+
+def test_variable_tracking_answers_are_the_chain(examples):
+    for _, row in examples[examples["task"] == "vt"].iterrows():
+        value = re.search(r"assigned the value (\d+)", row["question"]).group(1)
+        holds: dict[str, str] = {}
+        for name, source in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", row["context"]):
+            holds[name] = holds[source[4:]] if source.startswith("VAR ") else source
+        assert sorted(n for n, v in holds.items() if v == value) == sorted(row["answer"])
+
+
+def test_common_words_answers_are_the_most_frequent(examples):
+    for _, row in examples[examples["task"] == "cwe"].iterrows():
+        words = re.findall(r"\d+\. ([a-z]+)", row["context"])
+        counts = Counter(words).most_common()
+        top = {w for w, _ in counts[:10]}
+        assert top == set(row["answer"])
+        assert counts[9][1] > counts[10][1]  # no tie at the cut
+
+
+def test_generation_is_seeded(tokenizer):
+    tasks = ["niah_single_2", "vt", "cwe"]
+    first, again = generate(tokenizer, 512, 1, seed=5, tasks=tasks), generate(tokenizer, 512, 1, seed=5, tasks=tasks)
+    other = generate(tokenizer, 512, 1, seed=6, tasks=tasks)
+    pd.testing.assert_frame_equal(first, again)
+    assert not (first["context"] == other["context"]).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kvpress's evaluation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def evaluation(tmp_path_factory):
+    return launch.load_evaluation(tmp_path_factory.mktemp("local_data"))
+
+
+def test_scorer_agrees_with_a_direct_string_check(evaluation):
+    _, registry = evaluation
+    references = [["1234567"], ["ABCDE", "FGHIJ", "KLMNO"], ["apple", "pear"], ["7654321"], ["Tiger"]]
+    predictions = [" 1234567.", "abcde, KLMNO and XYZ", "pear\n", "123", " they are: tiger"]
+    tasks = ["niah_single_1", "vt", "cwe", "niah_single_1", "qa_1"]
+    df = pd.DataFrame({"task": tasks, "answer": references, "predicted_answer": predictions})
+    scores = registry.SCORER_REGISTRY[launch.GENERATED_DATASET](df.copy())
+    direct: dict[str, list[float]] = {}
+    for task, refs, pred in zip(tasks, references, predictions):
+        found = [r.lower() in pred.lower() for r in refs]
+        direct.setdefault(task, []).append(float(any(found)) if task.startswith("qa") else sum(found) / len(found))
+    assert scores == {t: {"string_match": round(100 * sum(v) / len(v), 2)} for t, v in direct.items()}
+    assert scores["vt"]["string_match"] == pytest.approx(200 / 3, abs=0.01)
+
+
+def test_our_presses_are_registered_under_their_names(evaluation):
+    evaluate, registry = evaluation
+    for name, cls in {"zsmerge": ZSMergePress, "keepkv": KeepKVPress, "weightedkv": WeightedKVPress,
+                      "gvote": GVotePress}.items():
+        assert isinstance(registry.PRESS_REGISTRY[name], cls), name
+    assert registry.PRESS_REGISTRY is evaluate.PRESS_REGISTRY  # the dict evaluate.py looks presses up in
+    assert evaluate.__file__ == str(launch.evaluation_dir() / "evaluate.py")
+
+
+@pytest.mark.parametrize("name,field", [("zsmerge", "budget"), ("keepkv", "budget"), ("weightedkv", "cache_size")])
+def test_compression_ratio_sets_the_kept_fraction(name, field):
+    press = evaluation_press(METHODS[name])
+    press.compression_ratio = 0.75  # what evaluate.py does
+    assert getattr(press, field) == 0.25 and press.compression_ratio == 0.25 + 0.5
+    assert repr(press).startswith(type(press).__mro__[1].__name__ + "(")
+    with pytest.raises(ValueError):
+        press.compression_ratio = 1.0
+
+
+def test_gvote_reports_the_ratio_it_measured():
+    press = evaluation_press(METHODS["gvote"])
+    press.compression_ratio = 0.5  # ignored
+    assert press.compression_ratio == 0.0
+    press.layer_compression_ratios = {0: 0.2, 1: 0.4}
+    assert press.compression_ratio == pytest.approx(0.3)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model, tokenizer = make_tiny_llama()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_launcher_runs_kvpress_evaluate_on_a_tiny_model(tiny_model_dir, tokenizer, tmp_path):
+    local_data = tmp_path / "data"
+    write_dataset(generate(tokenizer, 256, {"niah_single_1": 1, "vt": 1, "niah_depth_50": 1}),
+                  launch.generated_root(local_data, str(tiny_model_dir)))
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "kvpress_cpp.evaluation.launch", f"--model={tiny_model_dir}",
+               "--dataset=kvcomp_ruler", "--data_dir=256", "--press_name=zsmerge", "--compression_ratio=0.5",
+               f"--output_dir={out}", f"--local_data={local_data}", "--device=cpu", "--max_new_tokens=4"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (folder,) = out.iterdir()
+    predictions = pd.read_csv(folder / "predictions.csv")
+    assert sorted(predictions["task"]) == ["niah_depth_50", "niah_single_1", "vt"]
+    assert (predictions["compression_ratio"] == 0.5).all()
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert set(metrics) == {"niah_depth_50", "niah_single_1", "vt"}
+    config = (folder / "config.yaml").read_text()
+    assert "ZSMergePress(budget=0.5" in config and "press_name: zsmerge" in config
+
+
+def test_results_runner_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatch):
+    """The smoke evaluation: a tiny model, three examples, two methods; a rerun computes nothing, a changed plan
+    only what it changed."""
+    examples = {256: {"niah_single_1": 1, "niah_depth_50": 1, "vt": 1}}
+    configs = results.plan(["no_press", "snapkv", "zsmerge", "gvote"], [0.5], [256])
+    assert [c.key for c in configs] == ["256__no_press__0.00", "256__zsmerge__0.50", "256__gvote__0.00",
+                                        "256__snapkv__0.50"]
+    out, local_data = tmp_path / "out", tmp_path / "data"
+    kwargs = dict(model=str(tiny_model_dir), device="cpu", local_data=local_data)
+    written = results.run(configs, out, examples=examples, **kwargs)
+    assert len(written) == 4
+    stamps = {p: p.stat().st_mtime_ns for p in written}
+    calls = []
+    real = results._evaluate
+    monkeypatch.setattr(results, "_evaluate", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    results.run(configs, out, examples=examples, **kwargs)
+    assert calls == [] and all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+    results.run(configs + [results.Config("keepkv", 0.5, 256)], out, examples=examples, **kwargs)
+    assert [c.key for c in calls] == ["256__keepkv__0.50"]
+    calls.clear()
+    results.run(configs[:1], out, examples={256: {"niah_single_1": 2}}, **kwargs)  # other data: stale
+    assert [c.key for c in calls] == ["256__no_press__0.00"]
+
+    table = results.report(out)
+    csv = pd.read_csv(out / "results.csv")
+    assert set(csv["method"]) == {"no_press", "snapkv", "zsmerge", "gvote", "keepkv"}
+    assert (out / "accuracy_niah.png").is_file() and (out / "table.md").read_text() == table
+    gvote = json.loads((out / "configs" / "256__gvote__0.00.json").read_text())
+    assert 0 < gvote["compression_ratio"] < 1  # measured on the run, not the requested 0
+    assert "| zsmerge (ours) | – | – |" in table
+
+
+def test_update_readme_replaces_only_the_marked_table(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{results.README_BEGIN}\nold | table\n{results.README_END}\nafter\n")
+    assert results.update_readme(readme, "| new |\n")
+    assert readme.read_text() == f"# x\n\nbefore\n{results.README_BEGIN}\n| new |\n{results.README_END}\nafter\n"
+    (tmp_path / "other.md").write_text("no markers")
+    assert not results.update_readme(tmp_path / "other.md", "| new |")
+
+
+def test_readme_table_is_the_one_the_run_wrote():
+    table = REPO / "benchmarks" / "results" / "evaluation" / "table.md"
+    if not table.is_file():
+        pytest.skip("no results run committed yet")
+    readme = (REPO / "README.md").read_text()
+    marked = readme.split(results.README_BEGIN, 1)[1].split(results.README_END, 1)[0]
+    assert marked.strip() == table.read_text().strip()
+
+
+def test_table_averages_the_families_the_uncompressed_model_solves():
+    rows = []
+    for method, ratio, niah, vt in [("no_press", 0.0, 100.0, 0.0), ("snapkv", 0.75, 60.0, 0.0),
+                                    ("zsmerge", 0.75, 40.0, 0.0), ("zsmerge", 0.5, 80.0, 0.0)]:
+        for fam, score in (("niah", niah), ("vt", vt)):
+            rows.append({"method": method, "label": results.label(method), "length": 2048, "requested_ratio": ratio,
+                         "compression_ratio": ratio, "budget": 1 - ratio, "family": fam, "score": score, "n": 2,
+                         "cpu_s": 1.0, "model": "m"})
+    df = pd.DataFrame(rows)
+    table = results.markdown_table(df)
+    assert "left out, 0 without compression: vt" in table
+    assert "| SnapKV | – | 60.0 | – |" in table and "| zsmerge (ours) | – | 40.0 | 80.0 |" in table
+    assert "25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in results.standings(df)
