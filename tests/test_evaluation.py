@@ -21,7 +21,7 @@ import pytest
 from kvpress_cpp.evaluation import launch, results
 from kvpress_cpp.evaluation.registry import METHODS, evaluation_press
 from kvpress_cpp.evaluation.ruler_data import DEPTHS, LENGTH_TOLERANCE, TASKS, generate, write_dataset
-from kvpress_cpp.presses import GVotePress, KeepKVPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from tests.models import make_tiny_llama, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,8 +140,10 @@ def test_scorer_agrees_with_a_direct_string_check(evaluation):
 def test_our_presses_are_registered_under_their_names(evaluation):
     evaluate, registry = evaluation
     for name, cls in {"zsmerge": ZSMergePress, "keepkv": KeepKVPress, "weightedkv": WeightedKVPress,
-                      "gvote": GVotePress}.items():
+                      "gvote": GVotePress, "kvzap_linear": KVzapThresholdPress,
+                      "kvzap_mlp": KVzapThresholdPress}.items():
         assert isinstance(registry.PRESS_REGISTRY[name], cls), name
+    assert registry.PRESS_REGISTRY["kvzap_linear"].model_type == "linear"
     assert registry.PRESS_REGISTRY is evaluate.PRESS_REGISTRY  # the dict evaluate.py looks presses up in
     assert evaluate.__file__ == str(launch.evaluation_dir() / "evaluate.py")
 

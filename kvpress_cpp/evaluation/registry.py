@@ -23,7 +23,7 @@ from typing import Callable
 
 from kvpress.presses.base_press import BasePress
 
-from kvpress_cpp.presses import GVotePress, KeepKVPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 
 __all__ = ["Method", "METHODS", "evaluation_press", "press_registry"]
 
@@ -53,6 +53,9 @@ METHODS: dict[str, Method] = {
     "keepkv": Method(KeepKVPress, budget="budget"),
     "weightedkv": Method(WeightedKVPress, budget="cache_size"),
     "gvote": Method(GVotePress, budget=None),
+    # KVzap's budget is its threshold τ (the press default, -7 for SmolLM2); the ratio it reaches is measured.
+    "kvzap_linear": Method(lambda: KVzapThresholdPress(model_type="linear"), budget=None),
+    "kvzap_mlp": Method(lambda: KVzapThresholdPress(model_type="mlp"), budget=None),
 }
 
 
