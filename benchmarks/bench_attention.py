@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 from benchmarks.common import (
-    RESULTS_DIR, configurations, copy_bandwidth_gbs, median_seconds, print_table, pyplot, write_results,
+    configurations, copy_bandwidth_gbs, median_seconds, print_table, pyplot, save_figure, write_results,
 )
 
 LENGTHS = [1024, 8192, 32768]
@@ -92,10 +92,7 @@ def plot(rows: list[dict]) -> None:
     ax.set_ylabel("speedup of kvcomp::decode_attention")
     ax.set_title(f"decode attention, GQA {QUERY_HEADS}:{KV_HEADS}, q={NUM_QUERIES}")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = RESULTS_DIR / "attention.png"
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
+    save_figure(fig, "attention")
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from benchmarks.common import RESULTS_DIR, print_table, pyplot, write_results
+from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
@@ -154,32 +154,42 @@ def plot(rows: list[dict], name: str, title: str) -> None:
     ax_bytes.set_ylabel("peak KV cache MiB (keys, values, state)")
     ax_bytes.set_yscale("log")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = RESULTS_DIR / f"{name}.png"
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
+    save_figure(fig, name)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every end-to-end benchmark shares: --device, --model, --dtype, --lengths,
+    --threads."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (default per model)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    return parser
+
+
+def model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """--dtype, or float32 on CPU and bfloat16 on CUDA; also applies --threads."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+
+def main() -> None:
+    parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help="fractions of the prompt")
     parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     parser.add_argument("--name", default=None, help="result file stem (default: decode, or decode_<model>_<device>)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per case; the best time is kept")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
-                                                          else torch.float32)
+    dtype = model_dtype(args)
     name = args.name or ("decode" if (args.model, args.device) == ("smollm2", "cpu") else
                          f"decode_{args.model}_{args.device}")
     lengths = args.lengths or MODELS[args.model][1]

@@ -23,7 +23,7 @@ import time
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import configurations, median_seconds, print_table, pyplot, write_results, RESULTS_DIR
+from benchmarks.common import configurations, median_seconds, print_table, pyplot, save_figure, write_results
 from tests import reference
 
 LENGTH, WINDOW, THRESHOLD = 4096, 128, 0.0
@@ -164,10 +164,7 @@ def plot(rows):
     ax.set_xticks(x.tolist(), labels, fontsize=7)
     ax.set_title(f"KVzap scoring + thresholding of one layer, T = {LENGTH}, window {WINDOW}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = RESULTS_DIR / "kvzap.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, "kvzap")
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ Memory: on a GPU, ``press_peak_MiB`` is the largest allocation beyond what was l
 
 from __future__ import annotations
 
-import argparse
 import time
 from functools import wraps
 
@@ -23,8 +22,8 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.bench_decode import MODELS, build_model, prompt_ids
-from benchmarks.common import RESULTS_DIR, print_table, pyplot, write_results
+from benchmarks.bench_decode import MODELS, build_model, model_arguments, model_dtype, prompt_ids
+from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp.presses.gvote import GVotePress
 
 PRESSES = {"gvote": GVotePress}
@@ -85,29 +84,17 @@ def plot(rows: list[dict], name: str, title: str) -> None:
     ax.set_ylabel("press prefill work, % of the forward")
     ax.legend()
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = RESULTS_DIR / f"{name}.png"
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
+    save_figure(fig, name)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help="prompt lengths (default: 1k-8k for SmolLM2, 8k-32k for the 8B shape)")
+    parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the best time is kept")
     parser.add_argument("--name", default=None, help="result file stem (default: prefill_overhead[_<model>_<device>])")
     args = parser.parse_args()
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
-                                                          else torch.float32)
+    dtype = model_dtype(args)
     name = args.name or ("prefill_overhead" if (args.model, args.device) == ("smollm2", "cpu") else
                          f"prefill_overhead_{args.model}_{args.device}")
     lengths = args.lengths or {"smollm2": [1024, 2048, 4096, 8192]}.get(args.model, MODELS[args.model][1])

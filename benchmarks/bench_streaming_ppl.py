@@ -34,7 +34,7 @@ from kvpress import DecodingPress, StreamingLLMPress, TOVAPress
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.common import RESULTS_DIR, print_table, pyplot, write_results
+from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -103,10 +103,7 @@ def plot(rows: list[dict], title: str, name: str) -> None:
         ax.set_yscale("log")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = RESULTS_DIR / f"{name}.png"
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
+    save_figure(fig, name)
 
 
 def main() -> None:

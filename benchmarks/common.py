@@ -58,6 +58,16 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, name: str) -> Path:
+    """Lay out `fig` and write it to benchmarks/results/<name>.png."""
+    fig.tight_layout()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+    return path
+
+
 def write_results(name: str, rows: list[dict]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
