@@ -3,7 +3,7 @@ the KV bytes held.
 
     python -m benchmarks.bench_decode                       # SmolLM2 on CPU, Austen prompts of 1k/2k/4k tokens
     python -m benchmarks.bench_decode --device cuda --model random-llama3-8b    # 8k-32k random-token prompts
-    python -m benchmarks.bench_decode --model random-llama-tiny                 # smoke test of the random-model path
+    python -m benchmarks.bench_decode --model random-llama-tiny --budgets 0.25    # smoke test of the random-model path
 
 Each case runs ``model.generate`` (greedy, min_new_tokens = max_new_tokens = 64) with a fresh ``DynamicCache``, under
 ``with press(model):`` for ZSMergePress(budget=f) and WeightedKVPress(cache_size=f), f = 10% and 25% of the prompt,
