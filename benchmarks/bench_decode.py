@@ -4,10 +4,12 @@ the KV bytes held.
     python -m benchmarks.bench_decode                       # SmolLM2 on CPU, Austen prompts of 1k/2k/4k tokens
     python -m benchmarks.bench_decode --device cuda --model random-llama3-8b    # 8k-32k random-token prompts
     python -m benchmarks.bench_decode --model random-llama-tiny --budgets 0.25    # smoke test of the random-model path
+    python -m benchmarks.bench_decode --methods KVzap --name decode_kvzap       # KVzap at τ = -7 (SmolLM2 surrogates)
 
 Each case runs ``model.generate`` (greedy, min_new_tokens = max_new_tokens = 64) with a fresh ``DynamicCache``, under
-``with press(model):`` for ZSMergePress(budget=f) and WeightedKVPress(cache_size=f), f = 10% and 25% of the prompt,
-and without a press ("full"). A logits processor, called once after every forward, records the time and
+``with press(model):`` for ZSMergePress(budget=f), WeightedKVPress(cache_size=f) and KeepKVPress(budget=f), f = 10%
+and 25% of the prompt (``--methods KVzap``: KVzapThresholdPress at its default τ, once per prompt, ``removed`` = the
+ratio it reached), and without a press ("full"). A logits processor, called once after every forward, records the time and
 ``cache_bytes(cache)`` (keys, values and per-slot state) and the longest layer: prefill seconds is the time to the
 first call (the prompt's forward, compression included), decode tokens/s is (n - 1) / (time from the first call to
 the last), each the best of --repeats runs, and the peak bytes is the largest value seen after a forward (the press has compressed by then; the
@@ -28,6 +30,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
+from kvpress_cpp.presses.kvzap import KVzapThresholdPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -95,13 +98,20 @@ PRESSES = {
     "WeightedKV": lambda fraction: WeightedKVPress(cache_size=fraction),
     "KeepKV": lambda fraction: KeepKVPress(budget=fraction),
 }
+# Presses whose threshold, not a budget, decides what they keep: run once per prompt, at their default τ, with the
+# surrogates packaged for the model (SmolLM2 only, unless kvpress_cpp/surrogates has others).
+THRESHOLDED = {"KVzap": KVzapThresholdPress}
 
 
 def presses(budgets: list[float], methods: list[str] = tuple(PRESSES)):
     yield "full", None, None
+    for method in methods:
+        if method in THRESHOLDED:
+            yield method, None, THRESHOLDED[method]()
     for fraction in budgets:
         for method in methods:
-            yield method, fraction, PRESSES[method](fraction)
+            if method in PRESSES:
+                yield method, fraction, PRESSES[method](fraction)
 
 
 def generate(model, ids, press, new_tokens: int, device: str, pad_token_id: int):
@@ -181,7 +191,7 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype:
 def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help="fractions of the prompt")
-    parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=list(PRESSES))
+    parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=[*PRESSES, *THRESHOLDED])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--name", default=None, help="result file stem (default: decode, or decode_<model>_<device>)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per case; the best time is kept")
@@ -225,14 +235,16 @@ def main() -> None:
         row["peak_kv_mib"] = round(row["peak_kv_bytes"] / 2**20, 2)
         if full is not None:
             row["match_full"] = round(sum(a == b for a, b in zip(generated, full)) / len(full), 3)
-        if press is not None and row["max_slots"] > row["budget_slots"]:
+        if method in THRESHOLDED:
+            row["removed"] = round(press.compression_ratio, 3)
+        if row["budget_slots"] is not None and row["max_slots"] > row["budget_slots"]:
             print(f"WARNING: {row['method']} at {length} held {row['max_slots']} slots > budget {row['budget_slots']}")
         rows.append(row)
     for row in rows:
         full = next(r for r in rows if r["prompt"] == row["prompt"] and r["method"] == "full")
         row["decode_speedup_vs_full"] = round(row["decode_tok_s"] / full["decode_tok_s"], 2)
         row["kv_fraction_of_full"] = round(row["peak_kv_bytes"] / full["peak_kv_bytes"], 3)
-    print_table(rows, ["prompt", "method", "budget_slots", "max_slots", "prefill_s", "decode_tok_s",
+    print_table(rows, ["prompt", "method", "budget_slots", "removed", "max_slots", "prefill_s", "decode_tok_s",
                        "decode_speedup_vs_full", "peak_kv_mib", "kv_fraction_of_full", "match_full"])
     print("wrote", write_results(name, rows))
     plot(rows, name, f"{args.model} on {args.device} ({torch.get_num_threads()} threads, {str(dtype)[6:]}), "
