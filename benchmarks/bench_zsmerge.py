@@ -56,6 +56,13 @@ def make_step(update, decode, inputs, recent, context, residual):
     return step
 
 
+def timing_fields(seconds: dict[str, float]) -> dict[str, float]:
+    """The row fields of one case: each side's median in µs and the op's speedup over the two baselines."""
+    return {**{f"{name}_us": round(value * 1e6, 1) for name, value in seconds.items()},
+            "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1),
+            "speedup_vs_loop": round(seconds["loop"] / seconds["op"], 1)}
+
+
 def main() -> None:
     rows = []
     for device, threads in configurations():
@@ -74,11 +81,7 @@ def main() -> None:
             rows.append({"what": "decode step", "device": device, "threads": threads, "dtype": str(dtype)[6:],
                          "B": BATCH, "Hq": QUERY_HEADS, "H": KV_HEADS, "M": SLOTS, "d": HEAD_DIM, "q": 1,
                          "Bp": recent, "Bc": context, "Br": residual,
-                         "op_us": round(seconds["op"] * 1e6, 1),
-                         "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
-                         "loop_us": round(seconds["loop"] * 1e6, 1),
-                         "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1),
-                         "speedup_vs_loop": round(seconds["loop"] / seconds["op"], 1)})
+                         **timing_fields(seconds)})
         for dtype, residual, tokens in PREFILL_CASES:
             recent, context, _ = budget(residual)
             generator = torch.Generator().manual_seed(1)
@@ -94,11 +97,7 @@ def main() -> None:
             rows.append({"what": "prefill", "device": device, "threads": threads, "dtype": str(dtype)[6:],
                          "B": BATCH, "H": KV_HEADS, "T": tokens, "M": SLOTS, "d": HEAD_DIM,
                          "Bp": recent, "Bc": context, "Br": residual,
-                         "op_us": round(seconds["op"] * 1e6, 1),
-                         "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
-                         "loop_us": round(seconds["loop"] * 1e6, 1),
-                         "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1),
-                         "speedup_vs_loop": round(seconds["loop"] / seconds["op"], 1)})
+                         **timing_fields(seconds)})
     print_table(rows, ["what", "device", "threads", "dtype", "T", "M", "Bp", "Bc", "Br", "op_us", "vectorised_us",
                        "loop_us", "speedup_vs_vectorised", "speedup_vs_loop"])
     print("wrote", write_results("zsmerge", rows))

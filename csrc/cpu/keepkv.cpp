@@ -22,13 +22,9 @@ namespace kvcomp {
 namespace {
 
 using cpu::FloatVec;
+using cpu::grain_for;
 using cpu::load_as_float;
 using cpu::store_from_float;
-
-constexpr int64_t kMinWorkPerTask = 1 << 16;
-int64_t grain_for(int64_t work_per_item) {
-  return std::max<int64_t>(1, kMinWorkPerTask / std::max<int64_t>(1, work_per_item));
-}
 
 // Rows with at most this many evicted slots compute their cosines directly (a decoding step evicts one); more go
 // through at::mm on normalised keys, kMatchChunkElements similarities at a time.

@@ -15,12 +15,21 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 namespace kvcomp::cpu {
 
 using FloatVec = at::vec::Vectorized<float>;
+
+// at::parallel_for runs a range inline when it is no longer than the grain: aim for tasks of at least this many
+// element operations, so that small steps (one decode step is a few microseconds) never pay a thread wake-up.
+constexpr int64_t kMinWorkPerTask = 1 << 16;
+
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinWorkPerTask / std::max<int64_t>(1, work_per_item));
+}
 
 // count (<= FloatVec::size()) adjacent values as floats, zero-padded.
 template <typename scalar_t>

@@ -24,14 +24,9 @@ namespace kvcomp {
 namespace {
 
 using cpu::FloatVec;
+using cpu::grain_for;
 using cpu::load_as_float;
 using cpu::store_from_float;
-
-// at::parallel_for runs a range inline when it is no longer than the grain: aim for tasks of at least this many
-// element operations, so that small steps (one decode step is a few microseconds) never pay a thread wake-up.
-constexpr int64_t kMinWorkPerTask = 1 << 16;
-
-int64_t grain_for(int64_t work_per_item) { return std::max<int64_t>(1, kMinWorkPerTask / std::max<int64_t>(1, work_per_item)); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // zsmerge_prefill
