@@ -25,7 +25,7 @@ from kvpress_cpp._cache import AssetError, cache_dir, run_fetch, sha256_of
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "load_default_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "load_default_model", "load_default_tokenizer"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -123,20 +123,32 @@ def load_default_model(
     device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load SmolLM2-135M-Instruct (dequantised from Q4_1 to ``dtype``) and its tokenizer, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=False)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=attn_implementation
     )
-    _fix_gguf_tokenizer(tokenizer, model.config)
     # The hub name, not the cache directory: kvpress (and KVzap's packaged surrogates) name things after
     # name_or_path.split("/")[-1].
     model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
+    tokenizer = load_default_tokenizer(model.config)
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def load_default_tokenizer(config=None) -> PreTrainedTokenizerBase:
+    """SmolLM2-135M-Instruct's tokenizer alone (a few seconds, no weights), with the ids of `config` (the model's
+    config; read from the GGUF's metadata when None)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=False)
+    if config is None:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    _fix_gguf_tokenizer(tokenizer, config)
+    return tokenizer
 
 
 def _fix_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, config) -> None:

@@ -253,6 +253,18 @@ def test_default_tokenizer(default_model):
     assert tokenizer.decode(tokenizer(text).input_ids) == text
 
 
+def test_default_tokenizer_alone_matches_the_models(default_model):
+    """load_default_tokenizer (no weights, ids from the GGUF's metadata) gives the tokenizer load_default_model does."""
+    model, tokenizer = default_model
+    alone = models.load_default_tokenizer()
+    for name in ("eos_token", "pad_token", "bos_token", "chat_template", "model_max_length"):
+        assert getattr(alone, name) == getattr(tokenizer, name), name
+    text = "It is a truth universally acknowledged, 1811.\n"
+    messages = [{"role": "user", "content": text}]
+    assert alone(text).input_ids == tokenizer(text).input_ids
+    assert alone.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+
+
 def test_default_model_perplexity_on_english_prose(default_model):
     # A Q/K permutation bug in the GGUF loader or a bad dequantisation gives perplexities in the hundreds or more.
     model, tokenizer = default_model

@@ -29,9 +29,9 @@ def resolve_device(device: str | None) -> str:
 
 def load_tokenizer(model: str):
     if model == DEFAULT_MODEL_NAME:
-        from kvpress_cpp.models import load_default_model
+        from kvpress_cpp.models import load_default_tokenizer
 
-        return load_default_model()[1]
+        return load_default_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)
