@@ -1,14 +1,17 @@
 """kvpress's press contract, for every press we ship, in the flows where kvpress's own tests return early for presses
 that are not a ScorerPress: ComposedPress (alone, before and after a kvpress press, with another of ours),
-PrefillDecodingPress (ours as prefilling press, as decoding press, with kvpress's DecodingPress), DecodingPress,
-kvpress's pipeline with several questions; ``compression_ratio``, ``reset()``, ``post_init_from_model``; and left-
+PrefillDecodingPress (ours as prefilling press, as decoding press, with kvpress's DecodingPress), the wrappers of
+ScorerPresses (DecodingPress, AdaKV, Chunk, DMS, ...), one press reused across sequences, kvpress's pipeline with
+several questions; ``compression_ratio``, ``reset()``, ``post_init_from_model``; and left-
 padded batches, each row equal to its run alone. A press either acts where it is placed or raises naming itself."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import ComposedPress, DecodingPress, KnormPress, PrefillDecodingPress, ScorerPress
+from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalKVPress, DecodingPress,
+                     DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
+                     ScorerPress)
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
@@ -167,10 +170,46 @@ def test_compress_entry_point_is_refused(llama, make_press, name):
         make_press(name).compress(None, torch.zeros(1, 8, 64), keys, keys, None, {})
 
 
+SCORER_WRAPPERS = {
+    "DecodingPress": lambda press: DecodingPress(base_press=press, compression_interval=2, target_size=BUDGET),
+    "AdaKVPress": AdaKVPress,
+    "ChunkPress": lambda press: ChunkPress(press, chunk_length=8),
+    "ChunkKVPress": lambda press: ChunkKVPress(press, chunk_length=8),
+    "BlockPress": BlockPress,
+    "KeyRerotationPress": KeyRerotationPress,
+    "CriticalKVPress": CriticalKVPress,
+    "PerLayerCompressionPress": lambda press: PerLayerCompressionPress(press, compression_ratios=[0.5, 0.5]),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(SCORER_WRAPPERS))
 @pytest.mark.parametrize("name", NAMES)
-def test_decoding_press_refuses_ours(make_press, name):
-    with pytest.raises(AssertionError, match="DecodingPress requires a ScorerPress"):
-        DecodingPress(base_press=make_press(name), compression_interval=2, target_size=BUDGET)
+def test_wrappers_of_scorer_presses_refuse_ours(make_press, name, wrapper):
+    """kvpress's wrappers that re-rank a ScorerPress's scores assert they get one."""
+    with pytest.raises(AssertionError):
+        SCORER_WRAPPERS[wrapper](make_press(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dms_press_over_ours_fails_naming_it(llama, make_press, name):
+    """DMSPress does not check its press up front; it fails on the first forward, naming ours."""
+    model, tokenizer = llama
+    with pytest.raises(AttributeError, match=f"'{name}' object has no attribute 'score'"):
+        greedy(model, prompt_ids(tokenizer, 48), press=DMSPress(make_press(name), threshold=0.0), max_new_tokens=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_press_reused_across_sequences(llama, make_press, name):
+    """As kvpress's test_decoding_press_reuse_across_sequences: one press, two prompts of very different lengths in
+    one ``with press(model)``; the second run equals a fresh press's."""
+    model, tokenizer = llama
+    long_ids, short_ids = prompt_ids(tokenizer, 80), prompt_ids(tokenizer, 30)
+    press = make_press(name)
+    with torch.no_grad(), press(model):
+        model.generate(long_ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+        second = model.generate(short_ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                past_key_values=DynamicCache())[:, short_ids.shape[1]:]
+    assert torch.equal(second, run_alone(llama, make_press, name, short_ids, max_new_tokens=6)[0])
 
 
 # --- PrefillDecodingPress and the pipeline --------------------------------------------------------------------

@@ -12,9 +12,10 @@ layer's keys, values and :class:`~kvpress_cpp.cache.LayerState`:
 kvpress's contract, kept by every press: ``compression_ratio`` is the fraction of the context removed (set from
 the budget, or measured for presses that choose it), ``post_init_from_model`` prepares the model (and inner
 scorers), ``reset()`` exists for kvpress's ``PrefillDecodingPress``. A press that cannot act where it is placed
-raises a ValueError naming itself: a decoding pass over a layer it did not prefill, a layer another kvpress_cpp press
-owns, a prompt already shrunk by another press (except GVote, which only needs the surviving slots), or a wrapper
-that calls ``compress()`` and so would drop the per-slot state.
+raises an error naming itself: a decoding pass over a layer it did not prefill, a layer another kvpress_cpp press
+owns, a prompt already shrunk by another press (except GVote, which only needs the surviving slots), a wrapper that
+calls ``compress()`` and so would drop the per-slot state (ValueError); and, from the attention path, a cache whose
+slots another press rearranged after ours (RuntimeError, :meth:`~kvpress_cpp.cache.LayerState.check_slots`).
 
 Left-padded batches: presses whose ops cannot take padding slots (``handles_padding = False``) compress each row's
 real tokens alone, at prefill and at every later pass, and the rows are stacked again, left-padded with b = -inf
