@@ -15,9 +15,10 @@ from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedP
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
-from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
+                                 ZSMergePress)
 from tests.generation import greedy, prompt_ids
-from tests.models import make_tiny_llama
+from tests.models import make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 
 BUDGET = 16
@@ -40,8 +41,13 @@ def llama():
 
 
 @pytest.fixture(scope="module")
-def make_press(llama, tmp_path_factory):
-    surrogate = write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", llama[0], "mlp", scale=4.0)
+def surrogate(llama, tmp_path_factory):
+    """A random KVzap MLP surrogate for the tiny models, on disk."""
+    return write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", llama[0], "mlp", scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def make_press(surrogate):
     return lambda name: PRESSES[name](surrogate)
 
 
@@ -90,7 +96,7 @@ def test_compression_ratio_of_a_threshold_press_is_read_only(make_press, name):
         make_press(name).compression_ratio = 0.5
 
 
-def test_keepkv_passes_post_init_from_model_to_its_scorer(llama):
+def test_keepkv_passes_post_init_from_model_to_its_scorer(llama, surrogate):
     class LoadedScorer(ScorerPress):
         """A scorer that, like QFilterPress or KVzap's, only works once post_init_from_model has loaded it."""
 
@@ -105,6 +111,10 @@ def test_keepkv_passes_post_init_from_model_to_its_scorer(llama):
     _, cache = greedy(model, prompt_ids(tokenizer, 48), press=KeepKVPress(budget=BUDGET, recent=4, scorer=scorer),
                       max_new_tokens=2)
     assert scorer.loaded_for is model
+    assert all(layer.keys.shape[-2] <= BUDGET for layer in cache.layers)
+    # KVzap's scorer loads its surrogate in post_init_from_model ("no surrogate loaded" otherwise).
+    press = KeepKVPress(budget=BUDGET, recent=4, scorer=KVzapPress(model_type="mlp", surrogate_dir=surrogate))
+    _, cache = greedy(model, prompt_ids(tokenizer, 48), press=press, max_new_tokens=2)
     assert all(layer.keys.shape[-2] <= BUDGET for layer in cache.layers)
 
 
@@ -272,10 +282,17 @@ def test_pipeline_with_several_questions(llama, make_press, name):
 # --- left-padded batches ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def qwen3_eager():
+    return make_tiny_qwen3("eager")
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3_eager"])
 @pytest.mark.parametrize("name", NAMES + ["ZSMergePress-fraction"])
-def test_padded_batch_rows_equal_their_runs_alone(llama, make_press, name):
-    """Four prompts of different lengths, left-padded: each row gets the greedy tokens it gets alone."""
-    model, tokenizer = llama
+def test_padded_batch_rows_equal_their_runs_alone(request, make_press, name, model_name):
+    """Four prompts of different lengths, left-padded: each row gets the greedy tokens it gets alone (sdpa and eager
+    attention, Llama and Qwen3)."""
+    model, tokenizer = request.getfixturevalue(model_name)
     lengths = [40, 28, 52, 33]
     rows = [prompt_ids(tokenizer, 60)[:, 60 - length:] for length in lengths]
     ids = torch.full((4, max(lengths)), tokenizer.pad_token_id)

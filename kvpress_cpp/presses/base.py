@@ -165,7 +165,7 @@ class KVCompPress(BasePress):
         last forward: the prompt's, plus every later token for presses that compress while decoding. Padding
         is not counted as seen."""
         return {layer: 1.0 - float(self._slots_held[layer]) / float(seen) if float(seen) else 0.0
-                for layer, seen in sorted(self._slots_seen.items())}
+                for layer, seen in sorted(self._slots_seen.items()) if layer in self._slots_held}
 
     @property
     def compression_ratio(self) -> float:
