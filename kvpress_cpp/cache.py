@@ -31,15 +31,17 @@ class LayerState:
     """log_weights (B, H, T) float32, the press's own per-slot tensors (B, H, T) aligned with the slots, and its
     counters (e.g. a ring position, the tokens seen).
 
-    ``owner`` (a weak reference to the press that wrote the state) and ``key_probe`` (B, H, T) (the first channel of
-    the keys it wrote) let the attention path notice when another press has since rearranged the slots, which
-    would leave the state describing other slots than the cache holds.
+    ``owner`` (a weak reference to the press that wrote the state) and its class ``owner_type`` keep another press
+    from reading the state as its own; ``key_probe`` (B, H, T) (the first channel of the keys it wrote) lets the
+    attention path notice when another press has since rearranged the slots, which would leave the state describing
+    other slots than the cache holds.
     """
 
     log_weights: torch.Tensor
     per_slot: dict[str, torch.Tensor] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
     owner: weakref.ref | None = None
+    owner_type: type | None = None
     key_probe: torch.Tensor | None = None
 
     def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
@@ -65,8 +67,7 @@ class LayerState:
         return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values()) + probe
 
     def owner_name(self) -> str:
-        press = self.owner() if self.owner is not None else None
-        return type(press).__name__ if press is not None else "a kvpress_cpp press"
+        return self.owner_type.__name__ if self.owner_type is not None else "a kvpress_cpp press"
 
     def check_slots(self, keys: torch.Tensor, slots_before: int) -> None:
         """Raise if the first `slots_before` slots of `keys` are not (a prefix of) the slots this state describes:

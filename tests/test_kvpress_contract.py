@@ -171,6 +171,15 @@ def test_two_of_ours_on_one_cache_are_refused(llama, make_press, first, second):
                max_new_tokens=2)
 
 
+def test_a_cache_left_by_a_press_that_is_gone_is_refused_by_another(llama, make_press):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    _, cache = greedy(model, ids, press=make_press("ZSMergePress"), max_new_tokens=2)  # the press is dropped
+    with torch.no_grad(), make_press("KeepKVPress")(model), pytest.raises(
+            ValueError, match="KeepKVPress: layer 0 holds the state of ZSMergePress"):
+        model(ids[:, :1], past_key_values=cache)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_compress_entry_point_is_refused(llama, make_press, name):
     """kvpress's keys-and-values entry point (used by ChunkPress, DecodingPress, PrefillDecodingPress.compress) has

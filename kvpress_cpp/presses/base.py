@@ -262,8 +262,8 @@ class KVCompPress(BasePress):
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
             owner = state.owner() if state.owner is not None else None
-            if owner is not None and owner is not self:
-                raise ValueError(f"{name}: layer {layer_idx} holds the state of {type(owner).__name__}; two kvpress_cpp "
+            if state.owner_type is not type(self) or owner not in (None, self):
+                raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
                                  f"presses cannot compress one cache (compose {name} with kvpress presses only)")
             if isinstance(state, RowStates):
                 result = self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs)
@@ -274,7 +274,7 @@ class KVCompPress(BasePress):
                     new_tokens
         if result is not None:
             layer.keys, layer.values, state = result
-            state.owner, state.key_probe = weakref.ref(self), layer.keys[..., 0].clone()
+            state.owner, state.owner_type, state.key_probe = weakref.ref(self), type(self), layer.keys[..., 0].clone()
             set_state(layer, state)
             attach(module, layer)
             self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum()
