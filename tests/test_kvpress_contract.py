@@ -317,10 +317,14 @@ def test_padded_batch_rows_equal_their_runs_alone(request, make_press, name, mod
     assert torch.equal(together, alone)
 
 
-def test_right_padding_is_refused(llama):
+def test_right_padding_and_empty_rows_are_refused(llama):
     model, tokenizer = llama
     ids = prompt_ids(tokenizer, 40, batch=2)
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
     with pytest.raises(ValueError, match="ZSMergePress: only left padding is supported"):
         greedy(model, ids, press=ZSMergePress(budget=BUDGET), max_new_tokens=2, attention_mask=mask)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"ZSMergePress: batch rows \[1\] hold padding only"):
+        with torch.no_grad(), ZSMergePress(budget=BUDGET)(model):
+            model(ids, attention_mask=mask, past_key_values=DynamicCache())

@@ -213,6 +213,9 @@ class KVCompPress(BasePress):
         self._slots_seen[layer_idx] = is_real.sum() * keys.shape[1]
         if self.handles_padding or not bool(padding.any()):
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
+        if not bool(is_real.any(-1).all()):
+            raise ValueError(f"{name}: batch rows {(~is_real.any(-1)).nonzero().flatten().tolist()} hold padding only "
+                             f"(an empty prompt)")
         if not bool((is_real.int().argmax(-1) == padding).all()):
             raise ValueError(f"{name}: only left padding is supported (tokenizer padding_side='left'), as "
                              f"`generate` expects of decoder-only models")
