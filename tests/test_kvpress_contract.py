@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalKVPress, DecodingPress,
                      DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
-                     ScorerPress)
+                     ScorerPress, ThinKPress)
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
@@ -142,6 +142,23 @@ def test_kvpress_press_after_ours_is_refused(llama, make_press, name):
     with pytest.raises(RuntimeError, match=f"{name}: another press rearranged the slots"):
         greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([make_press(name), KnormPress(0.5)]),
                max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_think_after_ours_prunes_key_channels_of_our_slots(llama, make_press, name):
+    """ThinK zeroes key channels without moving slots, so our per-slot state still lines up."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    def composed():
+        return ComposedPress([make_press(name), ThinKPress(0.5, window_size=2)])
+
+    _, alone_cache = run_alone(llama, make_press, name, ids, max_new_tokens=1)
+    _, cache = greedy(model, ids, press=composed(), max_new_tokens=1)  # the prefill only
+    assert held_slots(cache) == held_slots(alone_cache)
+    zeroed_channels = (cache.layers[0].keys == 0).all(dim=-2).sum(-1)  # (B, H): channels zero in every slot
+    assert bool((zeroed_channels >= 8).all())
+    tokens, _ = greedy(model, ids, press=composed(), max_new_tokens=6)  # decoding goes on over the pruned keys
+    assert tokens.shape == (1, 6)
 
 
 @pytest.mark.parametrize("name", NAMES)

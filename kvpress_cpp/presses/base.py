@@ -277,7 +277,8 @@ class KVCompPress(BasePress):
                     new_tokens
         if result is not None:
             layer.keys, layer.values, state = result
-            state.owner, state.owner_type, state.key_probe = weakref.ref(self), type(self), layer.keys[..., 0].clone()
+            state.owner, state.owner_type = weakref.ref(self), type(self)
+            state.value_probe = layer.values[..., 0].clone()
             set_state(layer, state)
             attach(module, layer)
             self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum()
