@@ -3,7 +3,8 @@
 One ``torchrun --nproc-per-node 2`` launch (gloo on CPU) loads a tiny random Llama (4 kv heads, 8 query heads) with
 transformers' ``tp_plan="auto"`` and runs every case of ``tests/tp_worker.py``; this process runs the same cases on the
 same weights without sharding. Per case: the greedy tokens are equal, rank r's cache holds exactly kv heads
-[2r, 2r+2) of the single-process cache (the slots each head attends to: keys, values, log-weights), each rank holds at
+[2r, 2r+2) of the single-process cache (the slots each head attends to: keys, values, log-weights and the press's
+per-slot state such as scores, merge counts, votes), each rank holds at
 most half of the single-process bytes, and ratios the presses report (GVote, KVzap) are the model's on every rank.
 Configurations that cannot run sharded are refused with an error naming the press.
 
@@ -82,13 +83,16 @@ def single(assets):
         return {name: run_case(model, tokenizer, name, surrogates) for name in CASES}
 
 
-def attended(layer: dict, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(keys, values, log-weights) of the slots one kv head attends to (batch row 0), in slot order."""
-    keys, values, log_weights = layer["keys"][0, head], layer["values"][0, head], layer["log_weights"]
-    if log_weights is None:  # no per-slot state (kvpress's own masking, or nothing compressed): every slot
-        return keys, values, None
-    held = log_weights[0, head] != float("-inf")
-    return keys[held], values[held], log_weights[0, head][held]
+def attended(layer: dict, head: int) -> dict[str, torch.Tensor]:
+    """Keys, values, log-weights and the press's per-slot state of the slots one kv head attends to (batch row 0),
+    in slot order."""
+    rows = {"keys": layer["keys"][0, head], "values": layer["values"][0, head]}
+    if layer["log_weights"] is None:  # no per-slot state (kvpress's own masking): every slot
+        return rows
+    rows["log-weights"] = layer["log_weights"][0, head]
+    rows.update({name: tensor[0, head] for name, tensor in layer["per_slot"].items()})
+    held = rows["log-weights"] != float("-inf")
+    return {name: row[held] for name, row in rows.items()}
 
 
 def close(actual, expected, what):
@@ -114,15 +118,15 @@ def test_each_rank_holds_its_heads_of_the_single_process_cache(sharded, single, 
         for index, (layer, reference) in enumerate(zip(rank["cases"][case]["layers"], whole)):
             local = layer["keys"].shape[1]
             assert local * RANKS == reference["keys"].shape[1]
-            assert (layer["log_weights"] is None) == (reference["log_weights"] is None)
             for head in range(local):
                 model_head = rank["rank"] * local + head
                 ours, theirs = attended(layer, head), attended(reference, model_head)
                 where = f"{case}, rank {rank['rank']}, layer {index}, kv head {model_head}"
-                assert ours[0].shape == theirs[0].shape, f"{where}: {ours[0].shape[0]} vs {theirs[0].shape[0]} slots"
-                for name, a, b in zip(("keys", "values", "log-weights"), ours, theirs):
-                    if b is not None:
-                        close(a, b, f"{where}, {name}")
+                assert ours.keys() == theirs.keys(), where
+                assert ours["keys"].shape == theirs["keys"].shape, \
+                    f"{where}: {ours['keys'].shape[0]} vs {theirs['keys'].shape[0]} slots"
+                for name in theirs:
+                    close(ours[name], theirs[name], f"{where}, {name}")
 
 
 @pytest.mark.parametrize("case", list(CASES))

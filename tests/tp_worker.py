@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR --surrogates DIR --uneven-model DIR`` loads the
 model with ``tp_plan="auto"`` (gloo on CPU, NCCL on GPUs), runs every case of :data:`CASES` (greedy generation under the
 press) and writes each rank's results to ``OUT_DIR/rank<r>.pt``: tokens, the cache it holds (keys, values,
-log-weights per layer), its bytes and the press's reported ratios, plus the errors of configurations that must be
+log-weights and the press's per-slot state per layer), its bytes and the press's reported ratios, plus the errors of configurations that must be
 refused. The test runs the same cases in one process (:func:`run_case`) and compares.
 """
 
@@ -84,10 +84,12 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
     layers = []
     for layer in cache.layers:
         state = get_state(layer)
-        log_weights = None
+        log_weights, per_slot = None, {}
         if state is not None:  # slots appended after the press's last write are plain tokens (b = 0)
             log_weights = state.align(layer.keys.shape[-2], 0).cpu()
-        layers.append({"keys": layer.keys.cpu(), "values": layer.values.cpu(), "log_weights": log_weights})
+            per_slot = {name: tensor.cpu() for name, tensor in state.per_slot.items()}
+        layers.append({"keys": layer.keys.cpu(), "values": layer.values.cpu(), "log_weights": log_weights,
+                       "per_slot": per_slot})
     ratios = None
     if isinstance(press, (GVotePress, KVzapThresholdPress)):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.layer_compression_ratios)}
