@@ -88,8 +88,9 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
         if state is not None:  # slots appended after the press's last write are plain tokens (b = 0)
             log_weights = state.align(layer.keys.shape[-2], 0).cpu()
             per_slot = {name: tensor.cpu() for name, tensor in state.per_slot.items()}
+        held_on = [layer.keys, layer.values, *([] if state is None else [state.log_weights, *state.per_slot.values()])]
         layers.append({"keys": layer.keys.cpu(), "values": layer.values.cpu(), "log_weights": log_weights,
-                       "per_slot": per_slot})
+                       "per_slot": per_slot, "devices": sorted({str(tensor.device) for tensor in held_on})})
     ratios = None
     if isinstance(press, (GVotePress, KVzapThresholdPress)):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.layer_compression_ratios)}
