@@ -1,4 +1,4 @@
-"""Our presses on a tensor-parallel model: transformers' ``tp_plan="auto"`` under torchrun, each rank holding H/N kv heads.
+"""Our presses on a tensor-parallel model: transformers' ``tp_plan="auto"`` under torchrun, each rank with H/N kv heads.
 
     torchrun --nproc-per-node 3 examples/tensor_parallel.py                       # SmolLM2 (3 kv heads: N = 1 or 3)
     torchrun --nproc-per-node 2 examples/tensor_parallel.py --model random-llama   # random Llama, 4 kv heads
@@ -60,11 +60,11 @@ def random_llama_dir(kv_heads: int, layers: int) -> Path:
     return path
 
 
-def generate(model, input_ids, press, max_new_tokens) -> tuple[torch.Tensor, int]:
+def generate(model, inputs, press, max_new_tokens) -> tuple[torch.Tensor, int]:
     cache = DynamicCache()
     with torch.no_grad(), press(model) if press is not None else nullcontext():
-        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, input_ids.shape[1]:], cache_bytes(cache)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:], cache_bytes(cache)
 
 
 def main() -> None:
@@ -80,6 +80,8 @@ def main() -> None:
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. `torchrun --nproc-per-node 3 examples/tensor_parallel.py`")
 
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, ranks = dist.get_rank(), dist.get_world_size()
     if args.model == "smollm2":
@@ -95,18 +97,19 @@ def main() -> None:
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(model.device).eval() \
         if compare and rank == 0 else None
     fact = HiddenFact()
-    input_ids = tokenizer(hidden_fact_prompt(tokenizer, args.context_tokens, 0.5, fact),
-                          return_tensors="pt").input_ids.to(model.device)
+    inputs = tokenizer(hidden_fact_prompt(tokenizer, args.context_tokens, 0.5, fact), return_tensors="pt")
+    inputs = inputs.to(model.device)
     kvzap = args.model == "smollm2"
     if rank == 0:
         config = model.config
         print(f"{path.name}: {config.num_key_value_heads} kv / {config.num_attention_heads} query heads over {ranks} "
-              f"ranks ({config.num_key_value_heads // ranks} kv heads each), {input_ids.shape[1]} prompt tokens\n")
-        header = (f"{'press':<20} {'answer':<34} {'KV bytes per rank (MB)':<26} {'share of single':>15}"
+              f"ranks ({config.num_key_value_heads // ranks} kv heads each), "
+              f"{inputs['input_ids'].shape[1]} prompt tokens\n")
+        header = (f"{'press':<20} {'answer':<34} {'KV bytes per rank (MB)':<26} {'largest / single':>16}"
                   f"{'  same tokens' if compare else ''}")
         print(header + "\n" + "-" * len(header))
     for name, press in presses(kvzap):
-        tokens, nbytes = generate(model, input_ids, press, args.max_new_tokens)
+        tokens, nbytes = generate(model, inputs, press, args.max_new_tokens)
         per_rank = [None] * ranks
         dist.all_gather_object(per_rank, nbytes)
         if rank == 0:
@@ -114,8 +117,9 @@ def main() -> None:
             shown = ", ".join(f"{b / 2**20:.2f}" for b in per_rank)
             line = f"{name:<20} {answer:<34} {shown:<26}"
             if single is not None:
-                single_tokens, single_bytes = generate(single, input_ids, press, args.max_new_tokens)
-                line += f" {max(per_rank) / single_bytes:>15.3f}  {'yes' if torch.equal(tokens, single_tokens) else 'NO'}"
+                single_tokens, single_bytes = generate(single, inputs, press, args.max_new_tokens)
+                same = "yes" if torch.equal(tokens, single_tokens) else "NO"
+                line += f" {max(per_rank) / single_bytes:>16.3f}  {same}"
             print(line, flush=True)
         dist.barrier()
     dist.destroy_process_group()

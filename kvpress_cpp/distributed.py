@@ -77,7 +77,7 @@ def prerope_query_states(module: nn.Module, hidden_states: torch.Tensor) -> torc
 def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | None = None) -> None:
     """Raise a ValueError naming the press when `model` is tensor-parallel and the press cannot run on it: the kv or
     query heads do not split evenly over the ranks, or `unsupported` gives the press's own reason."""
-    ranks = getattr(model, "_tp_size", None) or 1
+    ranks = getattr(model, "tp_size", None) or 1
     if ranks == 1:
         return
     config = model.config.get_text_config()

@@ -11,9 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.models import make_tiny_llama
-from tests.test_kvzap_press import write_surrogate
-from tests.tp_worker import CASES, TP_SHAPE, run_case
+from tests.tp_worker import CASES, run_case, write_assets
 
 DEVICE_PAIRS = ([("cuda:0", "cuda:1")] if torch.cuda.device_count() >= 2 else []) + \
     ([("cuda:0", "cpu")] if torch.cuda.is_available() else [])
@@ -21,13 +19,7 @@ DEVICE_PAIRS = ([("cuda:0", "cuda:1")] if torch.cuda.device_count() >= 2 else []
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("device_map")
-    model, tokenizer = make_tiny_llama(**TP_SHAPE)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    for kind in ("linear", "mlp"):
-        write_surrogate(root / "surrogates" / kind, model, kind, seed=1, scale=4.0)
-    return root / "model", root / "surrogates"
+    return write_assets(tmp_path_factory.mktemp("device_map"))
 
 
 @pytest.mark.skipif(not DEVICE_PAIRS, reason="needs CUDA (two devices, or one beside the CPU)")

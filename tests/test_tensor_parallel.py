@@ -25,8 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.models import make_tiny_llama
-from tests.test_kvzap_press import write_surrogate
-from tests.tp_worker import CASES, NEW_TOKENS, PROMPT_TOKENS, TP_SHAPE, run_case
+from tests.tp_worker import CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_assets
 
 RANKS = 2
 RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp"]
@@ -43,14 +42,9 @@ def assets(tmp_path_factory):
     """(model dir, surrogate root, uneven model dir): the tiny Llama saved with save_pretrained, random KVzap
     surrogates for it, and a Llama whose 3 kv heads do not split over 2 ranks."""
     root = tmp_path_factory.mktemp("tensor_parallel")
-    model, tokenizer = make_tiny_llama(**TP_SHAPE)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    for kind in ("linear", "mlp"):
-        write_surrogate(root / "surrogates" / kind, model, kind, seed=1, scale=4.0)
     uneven, _ = make_tiny_llama(num_attention_heads=6, num_key_value_heads=3)
     uneven.save_pretrained(root / "uneven")
-    return root / "model", root / "surrogates", root / "uneven"
+    return *write_assets(root), root / "uneven"
 
 
 @pytest.fixture(scope="module", params=list(CACHES))

@@ -3,8 +3,8 @@
 ``torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR --surrogates DIR --uneven-model DIR`` loads the
 model with ``tp_plan="auto"`` (gloo on CPU, NCCL on GPUs), runs every case of :data:`CASES` (greedy generation under the
 press) and writes each rank's results to ``OUT_DIR/rank<r>.pt``: tokens, the cache it holds (keys, values,
-log-weights and the press's per-slot state per layer), its bytes and the press's reported ratios, plus the errors of configurations that must be
-refused. The test runs the same cases in one process (:func:`run_case`) and compares.
+log-weights and the press's per-slot state per layer), its bytes and the press's reported ratios, plus the errors of
+the configurations that must be refused. The test runs the same cases in one process (:func:`run_case`) and compares.
 """
 
 from __future__ import annotations
@@ -66,6 +66,20 @@ CASES = {
                                                                threshold=0.0, sliding_window_size=16, decoding=True),
     "gvote": lambda model, surrogates: GVotePress(future_positions=64),
 }
+
+
+def write_assets(root: Path) -> tuple[Path, Path]:
+    """(model dir, surrogate root): the tiny Llama of shape :data:`TP_SHAPE` saved with save_pretrained (with its
+    tokenizer), and random KVzap surrogates for it (linear and MLP)."""
+    from tests.models import make_tiny_llama
+    from tests.test_kvzap_press import write_surrogate
+
+    model, tokenizer = make_tiny_llama(**TP_SHAPE)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    for kind in ("linear", "mlp"):
+        write_surrogate(root / "surrogates" / kind, model, kind, seed=1, scale=4.0)
+    return root / "model", root / "surrogates"
 
 
 #: --cache kind → the cache the cases generate with.
