@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -48,8 +49,10 @@ def _kvzap_scorer(model, surrogates: Path, model_type: str = "linear") -> KVzapP
     return scorer
 
 
-#: name → press factory (model, surrogate root). Budgets are far below the prompt, so every press evicts or merges.
+#: name → press factory (model, surrogate root), or None. Budgets are far below the prompt: every press evicts or
+#: merges.
 CASES = {
+    "no-press": lambda model, surrogates: None,  # transformers' tensor parallelism alone
     "zsmerge": lambda model, surrogates: ZSMergePress(budget=32),
     "zsmerge-similarity": lambda model, surrogates: ZSMergePress(budget=32, prefill_merge="similarity"),
     "weightedkv": lambda model, surrogates: WeightedKVPress(cache_size=32),
@@ -91,7 +94,7 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
     press = CASES[name](model, surrogates)
     input_ids = prompt_ids(tokenizer, PROMPT_TOKENS).to(model.device)
     cache = CACHE_TYPES[cache_kind]()
-    with press(model):
+    with press(model) if press is not None else nullcontext():
         out = model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False)
     tokens = out[:, PROMPT_TOKENS:].cpu()
