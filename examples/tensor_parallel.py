@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvpress_cpp.cache import cache_bytes
+from kvpress_cpp.distributed import check_tensor_parallel
 from kvpress_cpp.models import default_model_dir, load_default_tokenizer
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
@@ -93,6 +94,7 @@ def main() -> None:
     compare = args.compare if args.compare is not None else args.model in ("smollm2", "random-llama")
 
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    check_tensor_parallel("examples/tensor_parallel.py", model)  # the full-cache run has no press to refuse it
     tokenizer = AutoTokenizer.from_pretrained(path)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(model.device).eval() \
         if compare and rank == 0 else None
