@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 from kvpress.presses.base_press import BasePress
 from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
-from kvpress.utils import get_prerope_query_states
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -30,14 +29,15 @@ from kvpress_cpp import ops
 
 from kvpress_cpp.attention import padding_log_weights, patch_eager_attention
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
+from kvpress_cpp.distributed import check_tensor_parallel, prerope_query_states
 
 __all__ = ["KVCompPress", "KVCompDecodingPress", "query_states", "fold_prompt_attention"]
 
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries (B, Hq, q, d) for `hidden_states`, as its forward computed them (with q_norm
-    where the model has one)."""
-    queries = get_prerope_query_states(module, hidden_states)
+    where the model has one; the local query heads of a tensor-parallel layer)."""
+    queries = prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
     return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
 
@@ -110,8 +110,13 @@ class KVCompPress(BasePress):
             attach(module, layer)
         return output
 
+    def tensor_parallel_limitation(self) -> str | None:
+        """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
+        return None
+
     @contextmanager
     def __call__(self, model):
+        check_tensor_parallel(type(self).__name__, model, self.tensor_parallel_limitation())
         patch_eager_attention(model)
         with super().__call__(model):
             yield

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from kvpress.utils import get_prerope_query_states
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
+from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
 from kvpress_cpp.presses.base import KVCompPress, query_states
 
 __all__ = ["GVotePress"]
@@ -70,7 +70,9 @@ class GVotePress(KVCompPress):
         future_queries = self._sample_future_queries(module, hidden_states)
         keep = ops.gvote_union_mask(keys, future_queries.to(keys.dtype), budgets, self.sinks, module.scaling,
                                     self.chunk_size)
-        self.layer_compression_ratios[module.layer_idx] = 1.0 - float(keep.float().mean())
+        # Every rank reports the model's figure: the mean over all kv heads, not only its own.
+        kept = gather_kv_heads(keep.float().mean(-1), module, dim=1)
+        self.layer_compression_ratios[module.layer_idx] = 1.0 - float(kept.mean())
         return compact_to_longest_head(keys, values, keep, log_weights)
 
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
@@ -88,7 +90,7 @@ class GVotePress(KVCompPress):
         noise = torch.randn(hidden_states.shape[0], self.num_samples, hidden_states.shape[-1], generator=generator,
                             device=hidden_states.device)
         samples = (mean + std * noise).to(hidden_states.dtype)
-        queries = get_prerope_query_states(module, samples)
+        queries = prerope_query_states(module, samples)  # this rank's query heads, from replicated samples
         prompt_length = hidden_states.shape[1]
         positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
         cos, sin = module.rotary_emb(samples, positions.unsqueeze(0))
