@@ -25,7 +25,8 @@ from kvpress_cpp._cache import AssetError, cache_dir, run_fetch, sha256_of
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "load_default_model", "load_default_tokenizer"]
+__all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "default_model_dir", "load_default_model",
+           "load_default_tokenizer"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -136,6 +137,30 @@ def load_default_model(
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def default_model_dir() -> Path:
+    """A directory with SmolLM2-135M-Instruct as safetensors (float32) and its tokenizer, written once from the GGUF.
+
+    ``from_pretrained(dir, tp_plan="auto")`` shards it over torchrun's ranks, which a GGUF file cannot be. The
+    directory is named after the model, so KVzap's packaged surrogates are found by ``name_or_path``. Concurrent
+    callers (every rank of a torchrun job) take a file lock: one writes, the others wait and read.
+    """
+    import fcntl
+
+    target = cache_dir("models", DEFAULT_MODEL_NAME)
+    with open(target.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "model.safetensors").is_file():
+            model, tokenizer = load_default_model()
+            partial = Path(tempfile.mkdtemp(dir=target.parent))
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+            # The weights go last: their presence marks a complete directory.
+            for item in sorted(partial.iterdir(), key=lambda item: item.name == "model.safetensors"):
+                item.replace(target / item.name)
+            partial.rmdir()
+    return target
 
 
 def load_default_tokenizer(config=None) -> PreTrainedTokenizerBase:

@@ -66,9 +66,9 @@ class Recorder:
         self.scores: dict[int, list[torch.Tensor]] = {}
         original = press.scorer.layer_scores
 
-        def recorded(layer_idx, hidden_states):
-            scores = original(layer_idx, hidden_states)
-            self.scores.setdefault(layer_idx, []).append(scores)
+        def recorded(module, hidden_states):
+            scores = original(module, hidden_states)
+            self.scores.setdefault(module.layer_idx, []).append(scores)
             return scores
 
         press.scorer.layer_scores = recorded

@@ -289,3 +289,21 @@ def test_default_model_answers_through_chat_template(default_model):
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
     assert "4096" in answer
+
+
+def test_default_model_dir_holds_the_same_model(default_model):
+    """The safetensors export that tensor-parallel runs load (``from_pretrained(dir, tp_plan="auto")``) is the GGUF
+    model: same logits, same tokenizer, and the name KVzap's packaged surrogates are found by."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = default_model
+    path = models.default_model_dir()
+    exported = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    exported_tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert exported_tokenizer(text, return_tensors="pt").input_ids.tolist() == ids.tolist()
+    assert exported_tokenizer.eos_token_id == tokenizer.eos_token_id
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, model(ids).logits)
+    assert str(exported.config.name_or_path).split("/")[-1] == models.DEFAULT_MODEL_NAME

@@ -36,7 +36,6 @@ from typing import ClassVar
 import torch
 from kvpress.presses.base_press import BasePress
 from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
-from kvpress.utils import get_prerope_query_states
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -44,14 +43,15 @@ from kvpress_cpp import ops
 
 from kvpress_cpp.attention import padding_log_weights, patch_eager_attention
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
+from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 
 __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "fold_prompt_attention"]
 
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries (B, Hq, q, d) for `hidden_states`, as its forward computed them (with q_norm
-    where the model has one)."""
-    queries = get_prerope_query_states(module, hidden_states)
+    where the model has one; the local query heads of a tensor-parallel layer)."""
+    queries = prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
     return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
 
@@ -133,8 +133,11 @@ class KVCompPress(BasePress):
     #: Whether the press can compress a prompt another press already shrank (its slots no longer one per token).
     compresses_compressed_prompt: ClassVar[bool] = False
 
+    # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,), and the layers
+    # whose counts are this rank's heads only, to be gathered over the tensor-parallel ranks.
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def compress_prefill(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, attentions: torch.Tensor | None, log_weights: torch.Tensor,
@@ -151,8 +154,10 @@ class KVCompPress(BasePress):
         return None
 
     def post_init_from_model(self, model):
-        """kvpress calls this on every press it applies, wrapped or not: route the model's eager attention through
-        the path that honours log-weights (sdpa and flash attention are wrapped at import)."""
+        """kvpress calls this on every press it applies, wrapped or not: refuse a tensor-parallel model the press
+        cannot run on, and route the model's eager attention through the path that honours log-weights (sdpa and
+        flash attention are wrapped at import)."""
+        check_tensor_parallel(type(self).__name__, model, self.tensor_parallel_limitation())
         patch_eager_attention(model)
 
     def reset(self):
@@ -163,9 +168,13 @@ class KVCompPress(BasePress):
     def layer_compression_ratios(self) -> dict[int, float]:
         """Per layer, the fraction of the (batch, kv head, token) slots seen that are no longer held, after the
         last forward: the prompt's, plus every later token for presses that compress while decoding. Padding
-        is not counted as seen."""
-        return {layer: 1.0 - float(self._slots_held[layer]) / float(seen) if float(seen) else 0.0
-                for layer, seen in sorted(self._slots_seen.items()) if layer in self._slots_held}
+        is not counted as seen. Under tensor parallelism every rank reports the model's figure (all kv heads)."""
+        ratios = {}
+        for layer, seen in sorted(self._slots_seen.items()):
+            held = self._slots_held.get(layer)
+            if held is not None:
+                ratios[layer] = 1.0 - float(held.sum()) / (float(seen) * held.numel()) if float(seen) else 0.0
+        return ratios
 
     @property
     def compression_ratio(self) -> float:
@@ -205,12 +214,12 @@ class KVCompPress(BasePress):
                     f"{hidden_states.shape[1]} tokens: a press before {name} (in a ComposedPress) already compressed "
                     f"it. {name} scores every prompt token from the prompt's causal attention, so it must come first")
             log_weights = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-            self._slots_seen[layer_idx] = log_weights.numel()
+            self._slots_seen[layer_idx] = keys.shape[0] * keys.shape[-2]
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
         is_real = torch.isfinite(log_weights[:, 0])
         padding = (~is_real).sum(-1)
-        self._slots_seen[layer_idx] = is_real.sum() * keys.shape[1]
+        self._slots_seen[layer_idx] = is_real.sum()
         if self.handles_padding or not bool(padding.any()):
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         if not bool(is_real.any(-1).all()):
@@ -273,16 +282,27 @@ class KVCompPress(BasePress):
             else:
                 result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
             if result is not None:
-                self._slots_seen[layer_idx] = self._slots_seen.get(layer_idx, 0) + keys.shape[0] * keys.shape[1] * \
-                    new_tokens
+                self._slots_seen[layer_idx] = self._slots_seen.get(layer_idx, 0) + keys.shape[0] * new_tokens
         if result is not None:
             layer.keys, layer.values, state = result
             state.owner, state.owner_type = weakref.ref(self), type(self)
             state.value_probe = layer.values[..., 0].clone()
             set_state(layer, state)
             attach(module, layer)
-            self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum()
+            self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum(dim=(0, 2))
+            self._held_to_gather.add(layer_idx)
+        if layer_idx == module.config.num_hidden_layers - 1 and self._held_to_gather and kv_head_shard(module):
+            # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).
+            layers = sorted(self._held_to_gather)
+            gathered = gather_kv_heads(torch.stack([self._slots_held[layer] for layer in layers]), module, dim=-1)
+            self._slots_held.update(zip(layers, gathered))
+        if layer_idx == module.config.num_hidden_layers - 1:
+            self._held_to_gather.clear()
         return output
+
+    def tensor_parallel_limitation(self) -> str | None:
+        """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
+        return None
 
 
 @dataclass

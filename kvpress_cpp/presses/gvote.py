@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvpress.utils import get_prerope_query_states
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
+from kvpress_cpp.distributed import prerope_query_states
 from kvpress_cpp.presses.base import KVCompPress, query_states
 
 __all__ = ["GVotePress"]
@@ -78,7 +78,7 @@ class GVotePress(KVCompPress):
         noise = torch.randn(hidden_states.shape[0], self.num_samples, hidden_states.shape[-1], generator=generator,
                             device=hidden_states.device)
         samples = (mean + std * noise).to(hidden_states.dtype)
-        queries = get_prerope_query_states(module, samples)
+        queries = prerope_query_states(module, samples)  # this rank's query heads, from replicated samples
         prompt_length = hidden_states.shape[1]
         positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
         cos, sin = module.rotary_emb(samples, positions.unsqueeze(0))

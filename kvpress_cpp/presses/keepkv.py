@@ -19,7 +19,9 @@ from kvpress.presses.scorer_press import ScorerPress
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
+from kvpress_cpp.distributed import query_group_size
 from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["KeepKVPress"]
 
@@ -84,6 +86,13 @@ class KeepKVPress(KVCompDecodingPress):
         if self.scorer is not None:
             self.scorer.post_init_from_model(model)  # scorers that load from the model (Q-filters, KVzap, stats)
 
+    def tensor_parallel_limitation(self) -> str | None:
+        if self.scorer is None or isinstance(self.scorer, KVzapPress):
+            return None
+        return (f"its scorer {type(self.scorer).__name__} is a kvpress scorer, written for one process holding every "
+                f"head (it may read the model's head counts against one rank's keys); use the default ŝ ranking or "
+                f"KVzapPress")
+
     def layer_budget(self, prompt_length: int, layer_idx: int, num_layers: int) -> int:
         """M of one layer for a prompt of this length."""
         budget = self.budget if isinstance(self.budget, int) else max(1, round(self.budget * prompt_length))
@@ -98,7 +107,7 @@ class KeepKVPress(KVCompDecodingPress):
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
                              f"hitter after {self.sinks} sinks and a recent window of {self.recent}; raise the budget "
                              f"or lower sinks / recent")
-        group_size = module.config.num_attention_heads // keys.shape[1]
+        group_size = query_group_size(module)
         steps = min(self.recent, length)
         ema = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.ema_decay,
                                     (1 - self.ema_decay) / group_size, first_query=length - steps)

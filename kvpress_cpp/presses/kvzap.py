@@ -30,6 +30,7 @@ from torch import nn
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
+from kvpress_cpp.distributed import kv_head_shard
 from kvpress_cpp.presses.base import KVCompDecodingPress
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
@@ -143,27 +144,33 @@ class KVzapPress(_KVzapScorer):
             self.kvzap_model = load_surrogate(model, self.model_type, path)
             self._loaded_from = path
 
-    def layer_weights(self, layer_idx: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The surrogate tensors of one layer on `device` in `dtype`, converted once and cached."""
+    def layer_weights(self, layer_idx: int, device: torch.device, dtype: torch.dtype,
+                      heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+        """The surrogate tensors of one layer on `device` in `dtype`, converted once and cached; with `heads`
+        (first, stop), only the output rows of those kv heads (a tensor-parallel rank's own)."""
         surrogate = getattr(self, "kvzap_model", None)
         if surrogate is None:
             raise RuntimeError("KVzapPress: no surrogate loaded; use the press on a model (`with press(model):`, "
                                "which loads it) or set press.kvzap_model")
         if self._weights_of is not surrogate:
             self._weights, self._weights_of = {}, surrogate
-        key = (layer_idx, device, dtype)
+        key = (layer_idx, device, dtype, heads)
         if key not in self._weights:
-            self._weights[key] = tuple(t.detach().to(device, dtype).contiguous()
-                                       for t in surrogate_tensors(surrogate.layers[layer_idx]))
+            tensors = list(surrogate_tensors(surrogate.layers[layer_idx]))
+            if heads is not None:  # the last layer's weight and bias map to the kv heads
+                tensors[-2:] = [t[heads[0]:heads[1]] for t in tensors[-2:]]
+            self._weights[key] = tuple(t.detach().to(device, dtype).contiguous() for t in tensors)
         return self._weights[key]
 
-    def layer_scores(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(B, H, T) float32 scores of the tokens of hidden_states (B, T, Dh) at layer `layer_idx`."""
-        weights = self.layer_weights(layer_idx, hidden_states.device, hidden_states.dtype)
+    def layer_scores(self, module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, H, T) float32 scores of the tokens of hidden_states (B, T, Dh) at attention layer `module`, for the kv
+        heads it holds (all of them, or a tensor-parallel rank's own)."""
+        weights = self.layer_weights(module.layer_idx, hidden_states.device, hidden_states.dtype,
+                                     kv_head_shard(module))
         return ops.kvzap_score(hidden_states, *weights)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        return self.layer_scores(module.layer_idx, hidden_states)
+        return self.layer_scores(module, hidden_states)
 
 
 @dataclass
@@ -212,7 +219,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         batch, heads, length = keys.shape[:3]
-        scores = self.scorer.layer_scores(module.layer_idx, hidden_states)
+        scores = self.scorer.layer_scores(module, hidden_states)
         positions = torch.arange(length, device=keys.device).expand(batch, heads, length)
         log_weights, _ = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
                                              0, length)
@@ -228,7 +235,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
         before = state.counters["tokens"]
         positions = torch.arange(before, before + new_tokens, device=keys.device).expand(batch, heads, new_tokens)
         positions = torch.cat([state.per_slot["positions"], positions], dim=-1)
-        scores = torch.cat([state.per_slot["scores"], self.scorer.layer_scores(module.layer_idx, hidden_states)], -1)
+        scores = torch.cat([state.per_slot["scores"], self.scorer.layer_scores(module, hidden_states)], -1)
         log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
                                                 before, before + new_tokens)
         counters = {**state.counters, "tokens": before + new_tokens}

@@ -15,6 +15,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
+from kvpress_cpp.distributed import query_group_size
 from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
 
 __all__ = ["WeightedKVPress"]
@@ -59,7 +60,7 @@ class WeightedKVPress(KVCompDecodingPress):
         return size, self.sinks, recent
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        group_size = module.config.num_attention_heads // keys.shape[1]
+        group_size = query_group_size(module)
         sums = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, 1.0, 1.0 / group_size)
         length = keys.shape[-2]
         counts = torch.arange(length, 0, -1, dtype=torch.float32, device=keys.device).expand_as(sums)

@@ -1,0 +1,91 @@
+"""Presses on a tensor-parallel model (transformers' ``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
+
+transformers shards the q/k/v projections of every attention layer column-wise over the ranks of its tensor-parallel
+mesh: with N ranks, rank r computes query heads [r·Hq/N, (r+1)·Hq/N) and kv heads [r·H/N, (r+1)·H/N), and its cache
+holds only those kv heads. The attention input (hidden states) is replicated on every rank. Our presses act per kv
+head, so each rank compresses its own heads; what they must not do is read a head count from ``module.config``
+(global) and apply it to the keys (local), or report a figure that covers only one rank's heads. This module says
+which heads a layer holds and gathers per-head figures over the ranks.
+
+The shard is read from the layer's weights (a column-sharded ``DTensor``), not from the process group, so a model
+loaded without ``tp_plan`` in a distributed job is treated as unsharded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from kvpress.utils import get_prerope_query_states
+from torch import nn
+
+__all__ = ["kv_head_shard", "gather_kv_heads", "query_group_size", "prerope_query_states", "check_tensor_parallel"]
+
+
+def _sharded_projection(module: nn.Module):
+    """The column-sharded weight of an attention layer's projections (a DTensor), or None when it is unsharded."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name in ("k_proj", "qkv_proj"):
+        weight = getattr(getattr(module, name, None), "weight", None)
+        if isinstance(weight, DTensor) and any(isinstance(p, Shard) for p in weight.placements):
+            return weight
+    return None
+
+
+def kv_head_shard(module: nn.Module) -> tuple[int, int] | None:
+    """(first, stop): the model's kv heads that this process holds for attention layer `module`, or None when the
+    layer is not sharded (it holds every head)."""
+    weight = _sharded_projection(module)
+    if weight is None:
+        return None
+    ranks = weight.device_mesh.size()
+    per_rank = module.config.num_key_value_heads // ranks
+    first = weight.device_mesh.get_local_rank() * per_rank
+    return first, first + per_rank
+
+
+def gather_kv_heads(tensor: torch.Tensor, module: nn.Module, dim: int) -> torch.Tensor:
+    """`tensor`'s per-head figures of every rank, in model head order along `dim` (one all-gather over the layer's
+    tensor-parallel group); `tensor` itself when the layer is not sharded. Every rank must call it."""
+    weight = _sharded_projection(module)
+    if weight is None:
+        return tensor
+    mesh = weight.device_mesh
+    parts = [torch.empty_like(tensor) for _ in range(mesh.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=mesh.get_group())
+    return torch.cat(parts, dim=dim)
+
+
+def query_group_size(module: nn.Module) -> int:
+    """Query heads per kv head, from the model's configuration: the same on every rank, since each holds H/N kv heads
+    and Hq/N query heads (a count of local kv heads against the global query heads would be N times too large)."""
+    return module.config.num_attention_heads // module.config.num_key_value_heads
+
+
+def prerope_query_states(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """kvpress's ``get_prerope_query_states`` (B, Hq, T, d) for the query heads this process holds: kvpress reshapes
+    the projection to ``config.num_attention_heads`` heads, while a sharded ``q_proj`` returns Hq/N of them."""
+    if _sharded_projection(module) is None:
+        return get_prerope_query_states(module, hidden_states)
+    if not hasattr(module, "q_proj"):
+        raise NotImplementedError(f"kvpress_cpp: no query projection to read on a sharded {type(module).__name__}")
+    queries = module.q_proj(hidden_states).view(*hidden_states.shape[:2], -1, module.head_dim).transpose(1, 2)
+    q_norm = getattr(module, "q_norm", None)  # Qwen3, Gemma3: per-head norm, replicated on every rank
+    return q_norm(queries) if q_norm is not None else queries
+
+
+def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | None = None) -> None:
+    """Raise a ValueError naming the press when `model` is tensor-parallel and the press cannot run on it: the kv or
+    query heads do not split evenly over the ranks, or `unsupported` gives the press's own reason."""
+    ranks = getattr(model, "tp_size", None) or 1
+    if ranks == 1:
+        return
+    config = model.config.get_text_config()
+    for what in ("num_key_value_heads", "num_attention_heads"):
+        heads = getattr(config, what)
+        if heads % ranks:
+            raise ValueError(f"{press_name}: the model has {heads} {what.removeprefix('num_').replace('_', ' ')}, "
+                             f"which do not split evenly over {ranks} tensor-parallel ranks; run it on a number of "
+                             f"ranks that divides {heads}")
+    if unsupported is not None:
+        raise ValueError(f"{press_name} cannot run on a tensor-parallel model ({ranks} ranks): {unsupported}")

@@ -1,0 +1,152 @@
+"""Every press on a tensor-parallel model equals the matching heads of a single-process run.
+
+One ``torchrun --nproc-per-node 2`` launch (gloo on CPU) loads a tiny random Llama (4 kv heads, 8 query heads) with
+transformers' ``tp_plan="auto"`` and runs every case of ``tests/tp_worker.py``; this process runs the same cases on the
+same weights without sharding. Per case: the greedy tokens are equal, rank r's cache holds exactly kv heads
+[2r, 2r+2) of the single-process cache (the slots each head attends to: keys, values, log-weights and the press's
+per-slot state such as scores, merge counts, votes), each rank holds at
+most half of the single-process bytes, and ratios the presses report (GVote, KVzap) are the model's on every rank.
+Configurations that cannot run sharded are refused with an error naming the press.
+
+Caches: :data:`CACHES` lists the cache kinds the worker runs the cases on (``--cache``); a new kind joins the
+comparison by adding it there with its per-head slack (a paged cache may hold up to one partly filled block per head).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.models import make_tiny_llama
+from tests.tp_worker import CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_assets
+
+RANKS = 2
+RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp"]
+#: cache kind → bytes a rank may hold beyond 1/N of the single-process cache, per (layer, kv head).
+CACHES = {"dynamic": 0}
+LAUNCH_TIMEOUT_S = 170
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is needed")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """(model dir, surrogate root, uneven model dir): the tiny Llama saved with save_pretrained, random KVzap
+    surrogates for it, and a Llama whose 3 kv heads do not split over 2 ranks."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    uneven, _ = make_tiny_llama(num_attention_heads=6, num_key_value_heads=3)
+    uneven.save_pretrained(root / "uneven")
+    return *write_assets(root), root / "uneven"
+
+
+@pytest.fixture(scope="module", params=list(CACHES))
+def sharded(request, assets, tmp_path_factory):
+    """Each rank's results ([rank 0, rank 1]) of one torchrun launch running every case, and the cache kind."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None, "torchrun (from torch) is not on PATH"
+    model_dir, surrogates, uneven = assets
+    out = tmp_path_factory.mktemp(f"ranks_{request.param}")
+    command = [torchrun, "--standalone", f"--nproc-per-node={RANKS}", str(Path(__file__).with_name("tp_worker.py")),
+               str(model_dir), str(out), "--surrogates", str(surrogates), "--uneven-model", str(uneven),
+               "--cache", request.param]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    results = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+    assert [r["rank"] for r in results] == list(range(RANKS)) and all(r["ranks"] == RANKS for r in results)
+    return results, request.param
+
+
+@pytest.fixture(scope="module")
+def single(assets):
+    """The results of every case in this process, on the same weights, unsharded."""
+    model_dir, surrogates, _ = assets
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        return {name: run_case(model, tokenizer, name, surrogates) for name in CASES}
+
+
+def attended(layer: dict, head: int) -> dict[str, torch.Tensor]:
+    """Keys, values, log-weights and the press's per-slot state of the slots one kv head attends to (batch row 0),
+    in slot order."""
+    rows = {"keys": layer["keys"][0, head], "values": layer["values"][0, head]}
+    if layer["log_weights"] is None:  # no per-slot state (kvpress's own masking): every slot
+        return rows
+    rows["log-weights"] = layer["log_weights"][0, head]
+    rows.update({name: tensor[0, head] for name, tensor in layer["per_slot"].items()})
+    held = rows["log-weights"] != float("-inf")
+    return {name: row[held] for name, row in rows.items()}
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, atol=2e-4, rtol=2e-4, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tokens_equal_single_process(sharded, single, case):
+    results, _ = sharded
+    for rank in results:
+        assert rank["cases"][case]["tokens"].tolist() == single[case]["tokens"].tolist(), f"rank {rank['rank']}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_rank_holds_its_heads_of_the_single_process_cache(sharded, single, case):
+    results, _ = sharded
+    whole = single[case]["layers"]
+    if case not in ("no-press", "kvzap-in-kvpress-dms"):  # kvpress masks evicted slots: no state to count them by
+        fed = PROMPT_TOKENS + NEW_TOKENS - 1  # the last token is generated, never fed back
+        assert any(bool((layer["log_weights"] != float("-inf")).sum(-1).lt(fed).any()) for layer in whole), \
+            "the case compresses nothing"
+    for rank in results:
+        for index, (layer, reference) in enumerate(zip(rank["cases"][case]["layers"], whole)):
+            local = layer["keys"].shape[1]
+            assert local * RANKS == reference["keys"].shape[1]
+            for head in range(local):
+                model_head = rank["rank"] * local + head
+                ours, theirs = attended(layer, head), attended(reference, model_head)
+                where = f"{case}, rank {rank['rank']}, layer {index}, kv head {model_head}"
+                assert ours.keys() == theirs.keys(), where
+                assert ours["keys"].shape == theirs["keys"].shape, \
+                    f"{where}: {ours['keys'].shape[0]} vs {theirs['keys'].shape[0]} slots"
+                for name in theirs:
+                    close(ours[name], theirs[name], f"{where}, {name}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kv_bytes_per_rank_at_most_a_share(sharded, single, case):
+    results, kind = sharded
+    slack = CACHES[kind] * sum(layer["keys"].shape[1] for layer in single[case]["layers"]) // RANKS
+    for rank in results:
+        assert rank["cases"][case]["bytes"] <= single[case]["bytes"] / RANKS + slack, f"rank {rank['rank']}"
+
+
+@pytest.mark.parametrize("case", RATIO_CASES)
+def test_reported_ratios_are_the_models(sharded, single, case):
+    results, _ = sharded
+    expected = single[case]["ratios"]
+    assert 0 < expected["overall"] < 1
+    for rank in results:
+        got = rank["cases"][case]["ratios"]
+        assert got["overall"] == pytest.approx(expected["overall"], abs=1e-6)
+        assert got["layers"] == pytest.approx(expected["layers"], abs=1e-6)
+
+
+def test_configurations_that_cannot_run_sharded_are_refused(sharded):
+    results, _ = sharded
+    for rank in results:
+        errors = rank["refusals"]
+        assert errors["uneven-heads"].startswith("ZSMergePress: the model has 3 key value heads, which do not split "
+                                                 "evenly over 2 tensor-parallel ranks")
+        assert errors["kvpress-scorer"].startswith("KeepKVPress cannot run on a tensor-parallel model (2 ranks): its "
+                                                   "scorer SnapKVPress is a kvpress scorer")
