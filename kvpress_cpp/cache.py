@@ -29,26 +29,58 @@ _LAYER_ATTR = "_kvcomp_cache_layer"
 @dataclass
 class LayerState:
     """log_weights (B, H, T) float32, the press's own per-slot tensors (B, H, T) aligned with the slots, and its
-    counters (e.g. a ring position, the tokens seen)."""
+    counters (e.g. a ring position, the tokens seen).
+
+    ``owner`` (a weak reference to the press that wrote the state) and its class ``owner_type`` keep another press
+    from reading the state as its own; ``value_probe`` (B, H, T) (the first channel of the keys it wrote) lets the
+    attention path notice when another press has since rearranged the slots, which would leave the state describing
+    other slots than the cache holds.
+    """
 
     log_weights: torch.Tensor
     per_slot: dict[str, torch.Tensor] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
+    owner: weakref.ref | None = None
+    owner_type: type | None = None
+    value_probe: torch.Tensor | None = None
 
     def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
         """Log-weights for a layer that held `slots_before` slots before this forward appended `new_tokens`.
 
         Someone else may have cut the cache since the state was written (kvpress's pipeline drops each answer with
-        keys[:, :, :length]), so the state is cut to match; the new tokens are plain (b = 0).
+        keys[:, :, :length]), so the state is cut to match; the new tokens are plain (b = 0) and are kept, so the
+        state's length follows the layer's even through passes the press does not compress (a prefill-only press
+        while decoding), and a layer shortened by someone else shows up as a state longer than the layer.
         """
         if self.log_weights.shape[-1] > slots_before:
             self.log_weights = self.log_weights[..., :slots_before]
             self.per_slot = {name: tensor[..., :slots_before] for name, tensor in self.per_slot.items()}
+            if self.value_probe is not None:
+                self.value_probe = self.value_probe[..., :slots_before]
         missing = slots_before + new_tokens - self.log_weights.shape[-1]
-        return torch.nn.functional.pad(self.log_weights, (0, missing)) if missing else self.log_weights
+        if missing:
+            self.log_weights = torch.nn.functional.pad(self.log_weights, (0, missing))
+        return self.log_weights
 
     def nbytes(self) -> int:
-        return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values())
+        probe = self.value_probe.nbytes if self.value_probe is not None else 0
+        return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values()) + probe
+
+    def owner_name(self) -> str:
+        return self.owner_type.__name__ if self.owner_type is not None else "a kvpress_cpp press"
+
+    def check_slots(self, values: torch.Tensor, slots_before: int) -> None:
+        """Raise if the first `slots_before` slots of `values` are not (a prefix of) the slots this state describes:
+        a cut from the right (kvpress's pipeline dropping an answer) keeps them, another press's selection does not.
+        Only checked when the cache holds fewer slots than the state (no host sync on the usual path)."""
+        if self.value_probe is None or self.log_weights.shape[-1] <= slots_before:
+            return
+        if not torch.equal(values[..., :slots_before, 0], self.value_probe[..., :slots_before]):
+            raise RuntimeError(
+                f"{self.owner_name()}: another press rearranged the slots of a layer {self.owner_name()} compressed "
+                f"(e.g. a press after it in a ComposedPress, or a kvpress decoding press): its per-slot state (merge "
+                f"weights, evicted slots) no longer lines up with the cache. Place {self.owner_name()} last, or alone"
+            )
 
 
 def _check_layer(layer) -> None:
@@ -94,6 +126,7 @@ def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if new_tokens == total:
         set_state(layer, None)
         return None
+    state.check_slots(layer.values, total - new_tokens)
     return state.align(total - new_tokens, new_tokens)
 
 

@@ -135,15 +135,6 @@ def test_pyramid_budgets_decay_and_average_to_the_uniform_budget():
     assert sum(sizes) / len(sizes) == 32
 
 
-def test_padded_batch_is_refused_clearly():
-    model, tokenizer = make_tiny_llama()
-    tokenizer.padding_side = "left"
-    batch = tokenizer(["a single man in possession", "a truth"], return_tensors="pt", padding=True)
-    with pytest.raises(ValueError, match="KeepKVPress: padded batches are not supported"):
-        greedy(model, batch.input_ids, press=KeepKVPress(budget=4, sinks=1, recent=1),
-               attention_mask=batch.attention_mask)
-
-
 def test_budget_without_room_for_heavy_hitters_is_refused():
     model, tokenizer = make_tiny_llama()
     with pytest.raises(ValueError, match="KeepKVPress: a budget of 16 slots .* leaves no heavy hitter"):

@@ -72,14 +72,6 @@ def test_budget_above_sequence_changes_nothing(make_model, attn_implementation):
     assert torch.equal(got, expected)
 
 
-def test_padded_batch_is_refused_clearly():
-    model, tokenizer = make_tiny_llama()
-    tokenizer.padding_side = "left"
-    batch = tokenizer(["a single man in possession", "a truth"], return_tensors="pt", padding=True)
-    with pytest.raises(ValueError, match="ZSMergePress: padded batches are not supported"):
-        greedy(model, batch.input_ids, press=ZSMergePress(budget=4), attention_mask=batch.attention_mask)
-
-
 @pytest.mark.parametrize("kwargs,message", [
     ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
     ({"decay": 1.2}, r"decay \(λ\) must be in \[0, 1\]"), ({"alpha": -0.1}, r"alpha must be in \[0, 1\]"),

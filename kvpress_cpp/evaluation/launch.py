@@ -12,7 +12,8 @@ SmolLM2-135M-Instruct on the CPU, our generated RULER-style data at 2048 tokens)
 What the launcher does, in order:
 
 1. Fetches kvpress's sdist (``pip download --no-deps --no-binary :all: kvpress==<installed version>``) once,
-   checks its sha256 (for 0.5.5) and keeps its ``evaluation/`` folder in ``$KVPRESS_CPP_CACHE/kvpress-evaluation``.
+   checks its sha256 (for 0.5.5) and keeps its ``evaluation/`` and ``tests/`` folders in
+   ``$KVPRESS_CPP_CACHE/kvpress-sdist/<version>`` (:func:`kvpress_source_dir`).
 2. Imports ``evaluate_registry`` and ``evaluate`` from there (their ``benchmarks`` package is kvpress's, not this
    repository's: the import is done with kvpress's folder first on ``sys.path`` and this repository's
    ``benchmarks`` modules, if loaded, set aside meanwhile).
@@ -41,7 +42,7 @@ from types import ModuleType
 
 from kvpress_cpp._cache import AssetError, cache_dir, run_fetch, sha256_of
 
-__all__ = ["evaluation_dir", "load_evaluation", "main", "CONFIG_FILE", "GENERATED_DATASET"]
+__all__ = ["kvpress_source_dir", "evaluation_dir", "load_evaluation", "main", "CONFIG_FILE", "GENERATED_DATASET"]
 
 #: sha256 of the sdists this code was checked against; other versions are fetched unchecked.
 _SDIST_SHA256 = {"0.5.5": "0a5aa714c59c63a0f26588378e3bc9890a55f761a30efd1ad1b6623adb8b5296"}
@@ -57,39 +58,52 @@ def _kvpress_version() -> str:
     return version("kvpress")
 
 
-def evaluation_dir(version: str | None = None) -> Path:
-    """kvpress's ``evaluation/`` folder for ``version`` (default: the installed kvpress), fetched once."""
+#: The folders of kvpress's sdist that its wheel leaves out and this package uses: ``evaluation/`` (the launcher)
+#: and ``tests/`` (kvpress's own test suite, run on our presses by ``tests/kvpress_suite``).
+SDIST_FOLDERS = ("evaluation", "tests")
+
+
+def kvpress_source_dir(version: str | None = None) -> Path:
+    """A folder holding the ``evaluation/`` and ``tests/`` folders of kvpress's sdist for ``version`` (default: the
+    installed kvpress), fetched once (``pip download``, sha256-checked) into ``$KVPRESS_CPP_CACHE/kvpress-sdist``."""
     version = version or _kvpress_version()
-    root = cache_dir("kvpress-evaluation")
+    root = cache_dir("kvpress-sdist")
     target = root / version
-    if (target / "evaluate.py").is_file():
+    if all((target / folder).is_dir() for folder in SDIST_FOLDERS):
         return target
-    hint = "Check the connection to PyPI, or set KVPRESS_CPP_CACHE to a cache that holds kvpress-evaluation/."
+    hint = "Check the connection to PyPI, or set KVPRESS_CPP_CACHE to a cache that holds kvpress-sdist/."
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
         tmp_dir = Path(tmp)
         run_fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                    "--disable-pip-version-check", "--no-input", f"kvpress=={version}", "-d", str(tmp_dir)],
-                  f"kvpress {version}'s source distribution (for its evaluation folder)", hint)
+                  f"kvpress {version}'s source distribution (for its evaluation and tests folders)", hint)
         sdists = sorted(tmp_dir.glob("kvpress-*.tar.gz"))
         if len(sdists) != 1:
             raise AssetError(f"`pip download kvpress=={version}` left {[p.name for p in tmp_dir.iterdir()]}. {hint}")
         expected = _SDIST_SHA256.get(version)
         if expected is not None and sha256_of(sdists[0]) != expected:
             raise AssetError(f"{sdists[0].name} has sha256 {sha256_of(sdists[0])}, expected {expected}. Retry.")
-        prefix = f"kvpress-{version}/evaluation/"
+        prefix = f"kvpress-{version}/"
         with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())
+                       and m.name[len(prefix):].split("/")[0] in SDIST_FOLDERS]
             for member in members:
-                member.name = member.name[len(prefix):] or "."
-            tar.extractall(tmp_dir / "evaluation", members=members, filter="data")
-        if not (tmp_dir / "evaluation" / "evaluate.py").is_file():
-            raise AssetError(f"{sdists[0].name} has no {prefix}evaluate.py")
+                member.name = member.name[len(prefix):]
+            tar.extractall(tmp_dir / "source", members=members, filter="data")
+        missing = [f"{prefix}{folder}/" for folder in SDIST_FOLDERS if not (tmp_dir / "source" / folder).is_dir()]
+        if missing:
+            raise AssetError(f"{sdists[0].name} has no {', '.join(missing)}")
         try:
-            os.replace(tmp_dir / "evaluation", target)
+            os.replace(tmp_dir / "source", target)
         except OSError:
-            if not (target / "evaluate.py").is_file():  # not a concurrent fetch that got there first
+            if not all((target / folder).is_dir() for folder in SDIST_FOLDERS):  # not a concurrent fetch that won
                 raise
     return target
+
+
+def evaluation_dir(version: str | None = None) -> Path:
+    """kvpress's ``evaluation/`` folder for ``version`` (default: the installed kvpress), fetched once."""
+    return kvpress_source_dir(version) / "evaluation"
 
 
 def _is_ours(name: str) -> bool:

@@ -4,12 +4,13 @@
 kvpress's evaluate.py takes a press object out of ``PRESS_REGISTRY`` and sets ``press.compression_ratio = r`` on it
 (for presses that are not one of its special cases). Our presses express the budget as the fraction kept
 (``budget`` / ``cache_size`` as a float in (0, 1], of the prompt length), or choose their ratio themselves (GVote).
-:func:`evaluation_press` wraps a press class in a subclass of the same name whose ``compression_ratio`` property
-does the mapping:
+:func:`evaluation_press` gives each method a press whose ``compression_ratio`` does the mapping:
 
-* budgeted methods: setting r stores ``budget = 1 - r``; reading gives ``1 - budget``;
-* measured methods (``budget=None``): setting r is ignored (logged), reading gives the ratio the press measured on
-  its last run, which evaluate.py writes to the ``compression_ratio`` column of predictions.csv.
+* budgeted methods (the press's own ``compression_ratio``): setting r stores ``budget = 1 - r``; reading gives
+  ``1 - budget``;
+* measured methods (``budget=None``): a subclass of the same name ignores the request (logged) where the press
+  itself would refuse it; reading gives the ratio the press measured on its last run, which evaluate.py writes to
+  the ``compression_ratio`` column of predictions.csv.
 
 Adding a method is one :data:`METHODS` entry.
 """
@@ -60,35 +61,29 @@ METHODS: dict[str, Method] = {
 
 
 @functools.cache
-def _ratio_class(cls: type, budget: str | None) -> type:
-    measured = getattr(cls, "compression_ratio", None) if budget is None else None
-    if budget is None and not isinstance(measured, property):
-        raise TypeError(f"{cls.__name__} has no compression_ratio property to report the ratio it chose; give the "
-                        f"Method a budget field instead")
+def _measured_class(cls: type) -> type:
+    """``cls`` with a ``compression_ratio`` that evaluate.py may set: the request is ignored (logged), the ratio the
+    press measured is read."""
 
-    def get(self) -> float:
-        return measured.fget(self) if budget is None else round(1.0 - float(getattr(self, budget)), 9)
+    def ignore(self, ratio: float) -> None:
+        logger.warning("%s chooses its own compression ratio; the requested %s is ignored (the measured ratio goes to "
+                       "predictions.csv)", cls.__name__, ratio)
 
-    def set(self, ratio: float) -> None:
-        if budget is None:
-            logger.warning("%s chooses its own compression ratio; the requested %s is ignored (the measured ratio "
-                           "goes to predictions.csv)", cls.__name__, ratio)
-            return
-        if not 0.0 <= ratio < 1.0:
-            raise ValueError(f"{cls.__name__}: compression_ratio must be in [0, 1), got {ratio}")
-        setattr(self, budget, round(1.0 - float(ratio), 9))
-
-    doc = (f"kvpress's fraction of the context removed: 1 - {budget}" if budget else
-           "the fraction of the context removed on the last run, measured (setting it has no effect)")
-    return type(cls.__name__, (cls,), {"compression_ratio": property(get, set, doc=doc),
+    return type(cls.__name__, (cls,), {"compression_ratio": property(cls.compression_ratio.fget, ignore,
+                                                                     doc=cls.compression_ratio.__doc__),
                                        "__qualname__": cls.__qualname__, "__module__": cls.__module__,
                                        "__doc__": cls.__doc__})
 
 
 def evaluation_press(method: Method) -> BasePress:
-    """A fresh press of ``method`` whose ``compression_ratio`` kvpress's evaluate.py can set and read."""
+    """A fresh press of ``method`` whose ``compression_ratio`` kvpress's evaluate.py can set and read: budgeted
+    presses map it onto their budget themselves (``budget = 1 - compression_ratio``)."""
     press = method.press()
-    press.__class__ = _ratio_class(type(press), method.budget)
+    if press.budget_field != method.budget:
+        raise TypeError(f"{type(press).__name__}: its budget field is {press.budget_field!r}, the Method says "
+                        f"{method.budget!r}")
+    if method.measured:
+        press.__class__ = _measured_class(type(press))
     return press
 
 

@@ -3,10 +3,23 @@
 A press hooks every attention layer (kvpress's ``BasePress.__call__``) and, after each forward, may rewrite the
 layer's keys, values and :class:`~kvpress_cpp.cache.LayerState`:
 
-* ``compress_prefill`` runs on the first pass over an empty cache layer. Prefill is recognised from the cache itself
-  (the layer holds exactly this pass's tokens), not from ``cache_position``, which newer transformers drop.
+* ``compress_prefill`` runs on the first pass over a layer: the layer holds no state of ours and no more slots than
+  this pass's tokens (fewer when a press before ours in a ``ComposedPress`` has already compressed the prompt). This
+  needs neither ``cache_position`` (which newer transformers drop) nor a host sync.
 * ``compress_decoding`` runs on every later pass (one generated token, or several such as kvpress's question pass),
   for presses that compress during decoding.
+
+kvpress's contract, kept by every press: ``compression_ratio`` is the fraction of the context removed (set from
+the budget, or measured for presses that choose it), ``post_init_from_model`` prepares the model (and inner
+scorers), ``reset()`` exists for kvpress's ``PrefillDecodingPress``. A press that cannot act where it is placed
+raises an error naming itself: a decoding pass over a layer it did not prefill, a layer another kvpress_cpp press
+owns, a prompt already shrunk by another press (except GVote, which only needs the surviving slots), a wrapper that
+calls ``compress()`` and so would drop the per-slot state (ValueError); and, from the attention path, a cache whose
+slots another press rearranged after ours (RuntimeError, :meth:`~kvpress_cpp.cache.LayerState.check_slots`).
+
+Left-padded batches: presses whose ops cannot take padding slots (``handles_padding = False``) compress each row's
+real tokens alone, at prefill and at every later pass, and the rows are stacked again, left-padded with b = -inf
+(:class:`RowStates`); so padding never enters a merge or a statistic and each row equals its run alone.
 
 Presses that compress during decoding derive from :class:`KVCompDecodingPress`, which is also a kvpress
 ``PrefillDecodingPress``: kvpress's pipeline then keeps the press active while it generates, as ``generate`` does
@@ -16,8 +29,9 @@ pipeline can reuse one compressed context for several questions.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from kvpress.presses.base_press import BasePress
@@ -29,9 +43,9 @@ from kvpress_cpp import ops
 
 from kvpress_cpp.attention import padding_log_weights, patch_eager_attention
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
-from kvpress_cpp.distributed import check_tensor_parallel, prerope_query_states
+from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "query_states", "fold_prompt_attention"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "fold_prompt_attention"]
 
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -63,8 +77,67 @@ def fold_prompt_attention(module: nn.Module, hidden_states: torch.Tensor, keys: 
 
 
 @dataclass
+class RowStates(LayerState):
+    """The state of a layer holding a left-padded batch compressed row by row: ``rows[r]`` is row r's own state
+    (1, H, L_r), its slots are the last L_r of the layer (``padding[r]`` = T - L_r slots of b = -inf before them),
+    and ``log_weights`` (B, H, T) stacks the rows' for the attention path."""
+
+    rows: list[LayerState] = field(default_factory=list)
+    padding: list[int] = field(default_factory=list)
+
+    def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
+        if self.log_weights.shape[-1] > slots_before:
+            raise ValueError("kvpress_cpp: a padded batch's compressed cache was cut; its rows cannot follow the cut")
+        return super().align(slots_before, new_tokens)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(row.nbytes() for row in self.rows)
+
+
+def _row_kwargs(kwargs: dict, row: int, start: int) -> dict:
+    """The attention kwargs of batch row `row` from token `start` on, as if the row ran alone (no mask)."""
+    def rows_of(tensor):
+        return tensor[row:row + 1, start:] if tensor.shape[0] > 1 else tensor[:, start:]
+
+    cos, sin = kwargs["position_embeddings"]
+    row_kwargs = dict(kwargs, position_embeddings=(rows_of(cos), rows_of(sin)), attention_mask=None)
+    if kwargs.get("position_ids") is not None:
+        row_kwargs["position_ids"] = rows_of(kwargs["position_ids"])
+    return row_kwargs
+
+
+def _stack_rows(results: list[tuple[torch.Tensor, torch.Tensor, LayerState]]):
+    """Rows (1, H, L_r, d) with their states → a layer (B, H, max L_r, d) left-padded with zero slots of b = -inf."""
+    length = max(keys.shape[-2] for keys, _, _ in results)
+    padding = [length - keys.shape[-2] for keys, _, _ in results]
+
+    def stack(tensors, value):
+        return torch.cat([torch.nn.functional.pad(t, (0, 0, pad, 0) if t.dim() == 4 else (pad, 0), value=value)
+                          for t, pad in zip(tensors, padding)])
+
+    keys = stack([k for k, _, _ in results], 0.0)
+    values = stack([v for _, v, _ in results], 0.0)
+    log_weights = stack([state.log_weights for _, _, state in results], float("-inf"))
+    return keys, values, RowStates(log_weights, rows=[state for _, _, state in results], padding=padding)
+
+
+@dataclass
 class KVCompPress(BasePress):
     """Base of the presses whose compression keeps a per-slot state (log-weights, scores) on the cache."""
+
+    #: The dataclass field holding the budget kept (a token count, or a fraction of the prompt), for presses that
+    #: take one; None for presses that choose their ratio (measured after a run).
+    budget_field: ClassVar[str | None] = None
+    #: Whether compress_prefill takes padding slots (b = -inf) in its batch; otherwise rows are compressed alone.
+    handles_padding: ClassVar[bool] = False
+    #: Whether the press can compress a prompt another press already shrank (its slots no longer one per token).
+    compresses_compressed_prompt: ClassVar[bool] = False
+
+    # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,), and the layers
+    # whose counts are this rank's heads only, to be gathered over the tensor-parallel ranks.
+    _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def compress_prefill(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, attentions: torch.Tensor | None, log_weights: torch.Tensor,
@@ -74,52 +147,162 @@ class KVCompPress(BasePress):
         raise NotImplementedError
 
     def compress_decoding(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                          values: torch.Tensor, attentions: torch.Tensor | None, state: LayerState | None,
+                          values: torch.Tensor, attentions: torch.Tensor | None, state: LayerState,
                           kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, LayerState] | None:
         """Fold the q new tokens of a later pass into one layer (attentions: their probabilities (B, Hq, q, T)
         when the layer has state). Prefill-only presses leave the cache alone."""
         return None
 
+    def post_init_from_model(self, model):
+        """kvpress calls this on every press it applies, wrapped or not: refuse a tensor-parallel model the press
+        cannot run on, and route the model's eager attention through the path that honours log-weights (sdpa and
+        flash attention are wrapped at import)."""
+        check_tensor_parallel(type(self).__name__, model, self.tensor_parallel_limitation())
+        patch_eager_attention(model)
+
+    def reset(self):
+        """kvpress's ``PrefillDecodingPress`` resets its decoding press after each use. Nothing to clear: the
+        per-slot state lives on the cache, and the ratios stay readable until the next prefill."""
+
+    @property
+    def layer_compression_ratios(self) -> dict[int, float]:
+        """Per layer, the fraction of the (batch, kv head, token) slots seen that are no longer held, after the
+        last forward: the prompt's, plus every later token for presses that compress while decoding. Padding
+        is not counted as seen. Under tensor parallelism every rank reports the model's figure (all kv heads)."""
+        ratios = {}
+        for layer, seen in sorted(self._slots_seen.items()):
+            held = self._slots_held.get(layer)
+            if held is not None:
+                ratios[layer] = 1.0 - float(held.sum()) / (float(seen) * held.numel()) if float(seen) else 0.0
+        return ratios
+
+    @property
+    def compression_ratio(self) -> float:
+        """kvpress's meaning: the fraction of the context removed. ``1 - budget`` for a budget given as a fraction;
+        otherwise the mean of :attr:`layer_compression_ratios` (0 before any run)."""
+        budget = getattr(self, self.budget_field) if self.budget_field else None
+        if isinstance(budget, float):
+            return round(1.0 - budget, 9)
+        ratios = self.layer_compression_ratios
+        return sum(ratios.values()) / len(ratios) if ratios else 0.0
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float):
+        if not self.budget_field:
+            raise AttributeError(f"compression ratio cannot be set for {type(self).__name__}: it depends on its "
+                                 f"parameters and the input")
+        if isinstance(value, bool) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{type(self).__name__}: compression_ratio must be in [0, 1), got {value!r}")
+        setattr(self, self.budget_field, round(1.0 - float(value), 9))
+
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        """kvpress's entry point for composed presses: the prefill compression, keys and values only."""
-        result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
-        return (keys, values) if result is None else result[:2]
+        """kvpress's keys-and-values entry point (ChunkPress, DecodingPress, PrefillDecodingPress.compress): it has
+        no room for the per-slot state our compression writes, so it refuses instead of returning a cache whose
+        merged or evicted slots would be attended as plain tokens."""
+        raise ValueError(f"{type(self).__name__}: keeps a per-slot state on the cache and compresses through its "
+                         f"forward hook; a wrapper that calls compress() directly cannot hold it (use it alone, in a "
+                         f"ComposedPress or as a PrefillDecodingPress's prefilling_press)")
 
     def _compress_prompt(self, module, hidden_states, keys, values, attentions, kwargs):
-        """compress_prefill with the prompt's log-weights: 0, or -inf where transformers' mask marks padding."""
+        """compress_prefill with the prompt's log-weights: 0, or -inf where transformers' mask marks padding; left-
+        padded batches row by row unless the press handles padding itself."""
+        name, layer_idx = type(self).__name__, module.layer_idx
+        if keys.shape[-2] < hidden_states.shape[1]:
+            if not self.compresses_compressed_prompt:
+                raise ValueError(
+                    f"{name}: layer {layer_idx} holds {keys.shape[-2]} slots for this prompt's "
+                    f"{hidden_states.shape[1]} tokens: a press before {name} (in a ComposedPress) already compressed "
+                    f"it. {name} scores every prompt token from the prompt's causal attention, so it must come first")
+            log_weights = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+            self._slots_seen[layer_idx] = keys.shape[0] * keys.shape[-2]
+            return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
-        return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
+        is_real = torch.isfinite(log_weights[:, 0])
+        padding = (~is_real).sum(-1)
+        self._slots_seen[layer_idx] = is_real.sum()
+        if self.handles_padding or not bool(padding.any()):
+            return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
+        if not bool(is_real.any(-1).all()):
+            raise ValueError(f"{name}: batch rows {(~is_real.any(-1)).nonzero().flatten().tolist()} hold padding only "
+                             f"(an empty prompt)")
+        if not bool((is_real.int().argmax(-1) == padding).all()):
+            raise ValueError(f"{name}: only left padding is supported (tokenizer padding_side='left'), as "
+                             f"`generate` expects of decoder-only models")
+        results = []
+        for row, pad in enumerate(padding.tolist()):
+            row_keys, row_values = keys[row:row + 1, :, pad:].contiguous(), values[row:row + 1, :, pad:].contiguous()
+            row_attentions = attentions[row:row + 1, :, pad:, pad:] if attentions is not None else None
+            result = self.compress_prefill(module, hidden_states[row:row + 1, pad:], row_keys, row_values,
+                                           row_attentions, log_weights[row:row + 1, :, pad:],
+                                           _row_kwargs(kwargs, row, pad))
+            results.append(result or (row_keys, row_values, LayerState(log_weights[row:row + 1, :, pad:])))
+        return _stack_rows(results)
+
+    def _compress_rows(self, module, hidden_states, keys, values, attentions, state: RowStates, kwargs):
+        """compress_decoding of a padded batch's later pass, row by row (see :class:`RowStates`)."""
+        new_tokens = hidden_states.shape[1]
+        results, acted = [], False
+        for row, (row_state, pad) in enumerate(zip(state.rows, state.padding)):
+            row_keys, row_values = keys[row:row + 1, :, pad:].contiguous(), values[row:row + 1, :, pad:].contiguous()
+            row_attentions = attentions[row:row + 1, ..., pad:] if attentions is not None else None
+            result = self.compress_decoding(module, hidden_states[row:row + 1], row_keys, row_values, row_attentions,
+                                            row_state, _row_kwargs(kwargs, row, 0))
+            acted = acted or result is not None
+            if result is None:
+                row_state.log_weights = row_state.align(row_keys.shape[-2] - new_tokens, new_tokens)
+                result = (row_keys, row_values, row_state)
+            results.append(result)
+        return _stack_rows(results) if acted else None
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         if cache is None:
             return output
-        layer = cache.layers[module.layer_idx]
+        name, layer_idx = type(self).__name__, module.layer_idx
+        layer = cache.layers[layer_idx]
         hidden_states = kwargs["hidden_states"]
         keys, values = layer.keys, layer.values
-        is_prefill = keys.shape[-2] == hidden_states.shape[1]
+        new_tokens = hidden_states.shape[1]
         attentions = output[1] if len(output) > 1 else None
-        if is_prefill:
+        state = get_state(layer)
+        if state is None:
+            if keys.shape[-2] > new_tokens:
+                raise ValueError(
+                    f"{name}: layer {layer_idx} already held {keys.shape[-2] - new_tokens} tokens that {name} did not "
+                    f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
+                    f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
-            result = self.compress_decoding(module, hidden_states, keys, values, attentions, get_state(layer),
-                                            kwargs)
+            owner = state.owner() if state.owner is not None else None
+            if state.owner_type is not type(self) or owner not in (None, self):
+                raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
+                                 f"presses cannot compress one cache (compose {name} with kvpress presses only)")
+            if isinstance(state, RowStates):
+                result = self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs)
+            else:
+                result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
+            if result is not None:
+                self._slots_seen[layer_idx] = self._slots_seen.get(layer_idx, 0) + keys.shape[0] * new_tokens
         if result is not None:
             layer.keys, layer.values, state = result
+            state.owner, state.owner_type = weakref.ref(self), type(self)
+            state.value_probe = layer.values[..., 0].clone()
             set_state(layer, state)
             attach(module, layer)
+            self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum(dim=(0, 2))
+            self._held_to_gather.add(layer_idx)
+        if layer_idx == module.config.num_hidden_layers - 1 and self._held_to_gather and kv_head_shard(module):
+            # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).
+            layers = sorted(self._held_to_gather)
+            gathered = gather_kv_heads(torch.stack([self._slots_held[layer] for layer in layers]), module, dim=-1)
+            self._slots_held.update(zip(layers, gathered))
+        if layer_idx == module.config.num_hidden_layers - 1:
+            self._held_to_gather.clear()
         return output
 
     def tensor_parallel_limitation(self) -> str | None:
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
         return None
-
-    @contextmanager
-    def __call__(self, model):
-        check_tensor_parallel(type(self).__name__, model, self.tensor_parallel_limitation())
-        patch_eager_attention(model)
-        with super().__call__(model):
-            yield
 
 
 @dataclass

@@ -12,13 +12,13 @@ The compression ratio chosen is readable after a run (per layer and overall).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
-from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
+from kvpress_cpp.distributed import prerope_query_states
 from kvpress_cpp.presses.base import KVCompPress, query_states
 
 __all__ = ["GVotePress"]
@@ -43,7 +43,9 @@ class GVotePress(KVCompPress):
     sinks: int = 4
     seed: int = 0
     chunk_size: int = 64
-    layer_compression_ratios: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+
+    #: Its inputs (the last query's attention, the hidden-state statistics) need no one-slot-per-token prompt.
+    compresses_compressed_prompt = True
 
     def __post_init__(self):
         if not 0 < self.nucleus_p <= 1:
@@ -54,25 +56,11 @@ class GVotePress(KVCompPress):
         if self.sinks < 0:
             raise ValueError(f"GVotePress: sinks must be ≥ 0, got {self.sinks}")
 
-    @property
-    def compression_ratio(self) -> float:
-        """Fraction of the prompt's slots removed, averaged over the layers of the last run (0 before any run)."""
-        ratios = self.layer_compression_ratios
-        return sum(ratios.values()) / len(ratios) if ratios else 0.0
-
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        if not bool(torch.isfinite(log_weights).all()):
-            raise ValueError("GVotePress: padded batches are not supported (padding would enter the hidden-state "
-                             "statistics); pass sequences of equal length")
-        if module.layer_idx == 0:
-            self.layer_compression_ratios = {}
         budgets = self._nucleus_budgets(module, hidden_states, keys, values, log_weights, kwargs)
         future_queries = self._sample_future_queries(module, hidden_states)
         keep = ops.gvote_union_mask(keys, future_queries.to(keys.dtype), budgets, self.sinks, module.scaling,
                                     self.chunk_size)
-        # Every rank reports the model's figure: the mean over all kv heads, not only its own.
-        kept = gather_kv_heads(keep.float().mean(-1), module, dim=1)
-        self.layer_compression_ratios[module.layer_idx] = 1.0 - float(kept.mean())
         return compact_to_longest_head(keys, values, keep, log_weights)
 
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:

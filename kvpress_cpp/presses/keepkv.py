@@ -49,6 +49,8 @@ class KeepKVPress(KVCompDecodingPress):
             among the merged slots.
     """
 
+    budget_field = "budget"  # compression_ratio = 1 - budget (kvpress: fraction removed)
+
     budget: int | float = 0.25
     sinks: int = 4
     recent: int = 32
@@ -79,6 +81,11 @@ class KeepKVPress(KVCompDecodingPress):
         if self.merge_first and self.scorer is not None:
             raise ValueError("KeepKVPress: merge_first ranks the merged slots by ŝ; it cannot be combined with a scorer")
 
+    def post_init_from_model(self, model):
+        super().post_init_from_model(model)
+        if self.scorer is not None:
+            self.scorer.post_init_from_model(model)  # scorers that load from the model (Q-filters, KVzap, stats)
+
     def tensor_parallel_limitation(self) -> str | None:
         if self.scorer is None or isinstance(self.scorer, KVzapPress):
             return None
@@ -94,9 +101,6 @@ class KeepKVPress(KVCompDecodingPress):
         return pyramid_budgets(budget, num_layers)[layer_idx]
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        if not bool(torch.isfinite(log_weights).all()):
-            raise ValueError("KeepKVPress: padded batches are not supported (padding would be merged into real "
-                             "tokens); pass sequences of equal length")
         length = keys.shape[-2]
         budget = self.layer_budget(length, module.layer_idx, module.config.num_hidden_layers)
         if self.sinks + self.recent >= budget:

@@ -30,7 +30,7 @@ from torch import nn
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
-from kvpress_cpp.distributed import gather_kv_heads, kv_head_shard
+from kvpress_cpp.distributed import kv_head_shard
 from kvpress_cpp.presses.base import KVCompDecodingPress
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
@@ -198,7 +198,9 @@ class KVzapThresholdPress(KVCompDecodingPress):
     surrogate_dir: str | Path | None = None
     compaction_slack: int = 32
     scorer: KVzapPress = field(init=False, repr=False, compare=False)
-    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    #: Padding enters as slots of b = -inf, which the DMS rule never revives, so each row equals its run alone.
+    handles_padding = True
 
     def __post_init__(self):
         if self.sliding_window < 0:
@@ -210,55 +212,23 @@ class KVzapThresholdPress(KVCompDecodingPress):
         self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)
 
     def post_init_from_model(self, model):
+        super().post_init_from_model(model)
         if (self.scorer.model_type, self.scorer.surrogate_dir) != (self.model_type, self.surrogate_dir):
             self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)  # fields changed
         self.scorer.post_init_from_model(model)
 
-    @property
-    def layer_compression_ratios(self) -> dict[int, float]:
-        """Per layer, the fraction of the (batch, kv head, token) slots seen so far that were evicted, after the
-        last forward (padding counts as evicted)."""
-        return {layer: 1.0 - float(held.sum()) / (held.numel() * tokens) if tokens else 0.0
-                for layer, (held, tokens) in sorted(self._held.items())}
-
-    @property
-    def compression_ratio(self) -> float:
-        """The mean of :attr:`layer_compression_ratios` (0 before any run). Read-only: it results from the
-        threshold and the input."""
-        ratios = self.layer_compression_ratios
-        return sum(ratios.values()) / len(ratios) if ratios else 0.0
-
-    @compression_ratio.setter
-    def compression_ratio(self, value):
-        raise AttributeError(f"compression ratio cannot be set for {type(self).__name__}: it depends on the "
-                             f"threshold and the input")
-
-    def _record_held(self, module, held: torch.Tensor, tokens: int) -> None:
-        """Keep a layer's held-slot counts (B, H) for the ratios. A tensor-parallel rank holds H/N heads: after the
-        model's last layer, one all-gather per forward makes every layer's counts the model's (B, H) on every rank."""
-        self._held[module.layer_idx] = (held, tokens)
-        if module.layer_idx == module.config.num_hidden_layers - 1 and kv_head_shard(module) is not None:
-            layers = sorted(self._held)
-            gathered = gather_kv_heads(torch.stack([self._held[layer][0] for layer in layers]), module, dim=-1)
-            self._held = {layer: (counts, self._held[layer][1]) for layer, counts in zip(layers, gathered)}
-
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        if module.layer_idx == 0:
-            self._held = {}
         batch, heads, length = keys.shape[:3]
         scores = self.scorer.layer_scores(module, hidden_states)
         positions = torch.arange(length, device=keys.device).expand(batch, heads, length)
-        log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
-                                                0, length)
-        self._record_held(module, held, length)
+        log_weights, _ = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
+                                             0, length)
         keys, values, state = compact_to_longest_head(keys, values, log_weights != float("-inf"), log_weights,
                                                       {"scores": scores, "positions": positions})
         state.counters["tokens"] = length
         return keys, values, state
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
-        if state is None:  # the press was not active at prefill: nothing to align with
-            return None
         new_tokens = hidden_states.shape[1]
         batch, heads, length = keys.shape[:3]
         log_weights = state.align(length - new_tokens, new_tokens)
@@ -268,7 +238,6 @@ class KVzapThresholdPress(KVCompDecodingPress):
         scores = torch.cat([state.per_slot["scores"], self.scorer.layer_scores(module, hidden_states)], -1)
         log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
                                                 before, before + new_tokens)
-        self._record_held(module, held, before + new_tokens)
         counters = {**state.counters, "tokens": before + new_tokens}
         if length - int(held.max()) >= self.compaction_slack:
             keys, values, state = compact_to_longest_head(keys, values, log_weights != float("-inf"), log_weights,

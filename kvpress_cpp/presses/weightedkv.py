@@ -33,6 +33,8 @@ class WeightedKVPress(KVCompDecodingPress):
         evict_only: the paper's ablation: evict the key and the value, merge nothing.
     """
 
+    budget_field = "cache_size"  # compression_ratio = 1 - cache_size (kvpress: fraction removed)
+
     cache_size: int | float = 0.25
     sinks: int = 4
     recent: int | None = None
@@ -58,9 +60,6 @@ class WeightedKVPress(KVCompDecodingPress):
         return size, self.sinks, recent
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        if not bool(torch.isfinite(log_weights).all()):
-            raise ValueError("WeightedKVPress: padded batches are not supported (padding would be merged into real "
-                             "values); pass sequences of equal length")
         group_size = query_group_size(module)
         sums = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, 1.0, 1.0 / group_size)
         length = keys.shape[-2]

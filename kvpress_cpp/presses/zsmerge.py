@@ -35,6 +35,8 @@ class ZSMergePress(KVCompDecodingPress):
             "similarity" (eqs. 6-7 applied token by token to the prompt beyond the budget, as in decoding).
     """
 
+    budget_field = "budget"  # compression_ratio = 1 - budget (kvpress: fraction removed)
+
     budget: int | float = 0.25
     recent_fraction: float = 0.4
     residual_slots: int = 1
@@ -71,9 +73,6 @@ class ZSMergePress(KVCompDecodingPress):
         return recent, context, self.residual_slots
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        if not bool(torch.isfinite(log_weights).all()):
-            raise ValueError("ZSMergePress: padded batches are not supported (the residual groups would mix padding "
-                             "into real tokens); pass sequences of equal length")
         scores = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.decay, 1.0)
         recent, context, residual = self.split(keys.shape[-2])
         state = LayerState(log_weights, {"scores": scores}, {"recent": recent, "context": context,

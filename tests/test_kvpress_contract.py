@@ -1,0 +1,347 @@
+"""kvpress's press contract, for every press we ship, in the flows where kvpress's own tests return early for presses
+that are not a ScorerPress: ComposedPress (alone, before and after a kvpress press, with another of ours),
+PrefillDecodingPress (ours as prefilling press, as decoding press, with kvpress's DecodingPress), the wrappers of
+ScorerPresses (DecodingPress, AdaKV, Chunk, DMS, ...), one press reused across sequences, kvpress's pipeline with
+several questions; ``compression_ratio``, ``reset()``, ``post_init_from_model``; and left-
+padded batches, each row equal to its run alone. A press either acts where it is placed or raises naming itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalKVPress, DecodingPress,
+                     DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
+                     ScorerPress, ThinKPress)
+from transformers import DynamicCache, pipeline
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
+                                 ZSMergePress)
+from tests.generation import greedy, prompt_ids
+from tests.models import make_tiny_llama, make_tiny_qwen3
+from tests.test_kvzap_press import write_surrogate
+
+BUDGET = 16
+PRESSES = {
+    "ZSMergePress": lambda surrogate: ZSMergePress(budget=BUDGET),
+    "WeightedKVPress": lambda surrogate: WeightedKVPress(cache_size=BUDGET),
+    "KeepKVPress": lambda surrogate: KeepKVPress(budget=BUDGET, recent=4),
+    "GVotePress": lambda surrogate: GVotePress(nucleus_p=0.9),
+    "KVzapThresholdPress": lambda surrogate: KVzapThresholdPress(threshold=0.0, sliding_window=8,
+                                                                  surrogate_dir=surrogate),
+}
+DECODING_PRESSES = {"ZSMergePress", "WeightedKVPress", "KeepKVPress", "KVzapThresholdPress"}
+NAMES = list(PRESSES)
+CONTEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 3
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def surrogate(llama, tmp_path_factory):
+    """A random KVzap MLP surrogate for the tiny models, on disk."""
+    return write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", llama[0], "mlp", scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def make_press(surrogate):
+    return lambda name: PRESSES[name](surrogate)
+
+
+def held_slots(cache) -> list[int]:
+    """Per layer, the slots a row attends to (finite log-weights), summed over batch and kv heads."""
+    return [int(torch.isfinite(get_state(layer).log_weights).sum()) for layer in cache.layers]
+
+
+def run_alone(llama, make_press, name, ids, max_new_tokens=8):
+    return greedy(llama[0], ids, press=make_press(name), max_new_tokens=max_new_tokens)
+
+
+# --- compression_ratio, reset, post_init_from_model ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compression_ratio_is_the_fraction_of_the_prompt_removed(llama, make_press, name):
+    model, tokenizer = llama
+    prompt = 64
+    press = make_press(name)
+    _, cache = greedy(model, prompt_ids(tokenizer, prompt), press=press, max_new_tokens=1)
+    heads = model.config.num_key_value_heads
+    if name in ("GVotePress", "KVzapThresholdPress"):  # they choose: the prompt's slots held after the prefill
+        expected = [1 - held / (heads * prompt) for held in held_slots(cache)]
+    else:  # a budget of 16 slots per kv head
+        expected = [1 - BUDGET / prompt] * len(cache.layers)
+    assert press.compression_ratio == pytest.approx(sum(expected) / len(expected))
+    assert 0 < press.compression_ratio < 1
+    press.reset()  # kvpress's PrefillDecodingPress resets its decoding press after each use: the ratio stays readable
+    assert press.compression_ratio == pytest.approx(sum(expected) / len(expected))
+
+
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_compression_ratio_of_a_budget_press_is_settable_as_in_kvpress(make_press, name):
+    press = make_press(name)
+    press.compression_ratio = 0.75  # what kvpress's evaluate.py and its wrappers do
+    assert press.compression_ratio == 0.75
+    assert getattr(press, press.budget_field) == 0.25
+    with pytest.raises(ValueError, match=f"{name}: compression_ratio must be in"):
+        press.compression_ratio = 1.0
+
+
+@pytest.mark.parametrize("name", ["GVotePress", "KVzapThresholdPress"])
+def test_compression_ratio_of_a_threshold_press_is_read_only(make_press, name):
+    with pytest.raises(AttributeError, match=f"cannot be set for {name}"):
+        make_press(name).compression_ratio = 0.5
+
+
+def test_keepkv_passes_post_init_from_model_to_its_scorer(llama, surrogate):
+    class LoadedScorer(ScorerPress):
+        """A scorer that, like QFilterPress or KVzap's, only works once post_init_from_model has loaded it."""
+
+        def post_init_from_model(self, model):
+            self.loaded_for = model
+
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            return keys.norm(dim=-1) if getattr(self, "loaded_for", None) is not None else None
+
+    model, tokenizer = llama
+    scorer = LoadedScorer()
+    _, cache = greedy(model, prompt_ids(tokenizer, 48), press=KeepKVPress(budget=BUDGET, recent=4, scorer=scorer),
+                      max_new_tokens=2)
+    assert scorer.loaded_for is model
+    assert all(layer.keys.shape[-2] <= BUDGET for layer in cache.layers)
+    # KVzap's scorer loads its surrogate in post_init_from_model ("no surrogate loaded" otherwise).
+    press = KeepKVPress(budget=BUDGET, recent=4, scorer=KVzapPress(model_type="mlp", surrogate_dir=surrogate))
+    _, cache = greedy(model, prompt_ids(tokenizer, 48), press=press, max_new_tokens=2)
+    assert all(layer.keys.shape[-2] <= BUDGET for layer in cache.layers)
+
+
+# --- composition: every placement either acts or raises naming the press -------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_composed_alone_acts_as_the_press(llama, make_press, name):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    alone, alone_cache = run_alone(llama, make_press, name, ids)
+    press = make_press(name)
+    composed = ComposedPress([press])
+    tokens, cache = greedy(model, ids, press=composed, max_new_tokens=8)
+    assert torch.equal(tokens, alone)
+    assert held_slots(cache) == held_slots(alone_cache)
+    assert composed.compression_ratio == pytest.approx(press.compression_ratio)
+    assert composed.compression_ratio > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kvpress_press_after_ours_is_refused(llama, make_press, name):
+    """Knorm after ours would select among our slots and leave our per-slot state describing other slots."""
+    model, tokenizer = llama
+    with pytest.raises(RuntimeError, match=f"{name}: another press rearranged the slots"):
+        greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([make_press(name), KnormPress(0.5)]),
+               max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_think_after_ours_prunes_key_channels_of_our_slots(llama, make_press, name):
+    """ThinK zeroes key channels without moving slots, so our per-slot state still lines up."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    def composed():
+        return ComposedPress([make_press(name), ThinKPress(0.5, window_size=2)])
+
+    _, alone_cache = run_alone(llama, make_press, name, ids, max_new_tokens=1)
+    _, cache = greedy(model, ids, press=composed(), max_new_tokens=1)  # the prefill only
+    assert held_slots(cache) == held_slots(alone_cache)
+    zeroed_channels = (cache.layers[0].keys == 0).all(dim=-2).sum(-1)  # (B, H): channels zero in every slot
+    assert bool((zeroed_channels >= 8).all())
+    tokens, _ = greedy(model, ids, press=composed(), max_new_tokens=6)  # decoding goes on over the pruned keys
+    assert tokens.shape == (1, 6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ours_after_a_kvpress_press(llama, make_press, name):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    press = make_press(name)
+    composed = ComposedPress([KnormPress(0.5), press])
+    if name != "GVotePress":
+        with pytest.raises(ValueError, match=f"{name}: layer 0 holds 24 slots for this prompt's 48 tokens"):
+            greedy(model, ids, press=composed, max_new_tokens=2)
+        return
+    # GVote only needs the surviving slots: it removes more of what Knorm kept.
+    _, cache = greedy(model, ids, press=composed, max_new_tokens=1)
+    heads = model.config.num_key_value_heads
+    assert all(held < heads * 24 for held in held_slots(cache))
+    assert 0 < press.compression_ratio < 1
+    assert composed.compression_ratio == pytest.approx(1 - 0.5 * (1 - press.compression_ratio))
+
+
+@pytest.mark.parametrize("first, second", [("ZSMergePress", "GVotePress"), ("GVotePress", "KeepKVPress"),
+                                           ("KVzapThresholdPress", "WeightedKVPress")])
+def test_two_of_ours_on_one_cache_are_refused(llama, make_press, first, second):
+    model, tokenizer = llama
+    with pytest.raises(ValueError, match=f"{second}: layer 0 holds the state of {first}"):
+        greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([make_press(first), make_press(second)]),
+               max_new_tokens=2)
+
+
+def test_a_cache_left_by_a_press_that_is_gone_is_refused_by_another(llama, make_press):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    _, cache = greedy(model, ids, press=make_press("ZSMergePress"), max_new_tokens=2)  # the press is dropped
+    with torch.no_grad(), make_press("KeepKVPress")(model), pytest.raises(
+            ValueError, match="KeepKVPress: layer 0 holds the state of ZSMergePress"):
+        model(ids[:, :1], past_key_values=cache)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compress_entry_point_is_refused(llama, make_press, name):
+    """kvpress's keys-and-values entry point (used by ChunkPress, DecodingPress, PrefillDecodingPress.compress) has
+    no room for our per-slot state."""
+    keys = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=f"{name}: keeps a per-slot state"):
+        make_press(name).compress(None, torch.zeros(1, 8, 64), keys, keys, None, {})
+
+
+SCORER_WRAPPERS = {
+    "DecodingPress": lambda press: DecodingPress(base_press=press, compression_interval=2, target_size=BUDGET),
+    "AdaKVPress": AdaKVPress,
+    "ChunkPress": lambda press: ChunkPress(press, chunk_length=8),
+    "ChunkKVPress": lambda press: ChunkKVPress(press, chunk_length=8),
+    "BlockPress": BlockPress,
+    "KeyRerotationPress": KeyRerotationPress,
+    "CriticalKVPress": CriticalKVPress,
+    "PerLayerCompressionPress": lambda press: PerLayerCompressionPress(press, compression_ratios=[0.5, 0.5]),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(SCORER_WRAPPERS))
+@pytest.mark.parametrize("name", NAMES)
+def test_wrappers_of_scorer_presses_refuse_ours(make_press, name, wrapper):
+    """kvpress's wrappers that re-rank a ScorerPress's scores assert they get one."""
+    with pytest.raises(AssertionError):
+        SCORER_WRAPPERS[wrapper](make_press(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dms_press_over_ours_fails_naming_it(llama, make_press, name):
+    """DMSPress does not check its press up front; it fails on the first forward, naming ours."""
+    model, tokenizer = llama
+    with pytest.raises(AttributeError, match=f"'{name}' object has no attribute 'score'"):
+        greedy(model, prompt_ids(tokenizer, 48), press=DMSPress(make_press(name), threshold=0.0), max_new_tokens=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_press_reused_across_sequences(llama, make_press, name):
+    """As kvpress's test_decoding_press_reuse_across_sequences: one press, two prompts of very different lengths in
+    one ``with press(model)``; the second run equals a fresh press's."""
+    model, tokenizer = llama
+    long_ids, short_ids = prompt_ids(tokenizer, 80), prompt_ids(tokenizer, 30)
+    press = make_press(name)
+    with torch.no_grad(), press(model):
+        model.generate(long_ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+        second = model.generate(short_ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                past_key_values=DynamicCache())[:, short_ids.shape[1]:]
+    assert torch.equal(second, run_alone(llama, make_press, name, short_ids, max_new_tokens=6)[0])
+
+
+# --- PrefillDecodingPress and the pipeline --------------------------------------------------------------------
+
+
+def pipe_answer(llama, press, questions, **kwargs):
+    model, tokenizer = llama
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    cache = DynamicCache()
+    key = "question" if isinstance(questions, str) else "questions"
+    out = pipe(CONTEXT, press=press, max_new_tokens=12, cache=cache, **{key: questions}, **kwargs)
+    return out["answer" if isinstance(questions, str) else "answers"], cache
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_decoding_press_with_ours_in_either_phase(llama, make_press, name):
+    question = "who is in want of a wife?"
+    alone, alone_cache = pipe_answer(llama, make_press(name), question)
+    # Ours as the decoding press: kvpress's PrefillDecodingPress hands it the prefill too (no prefilling press).
+    press = make_press(name)
+    answer, cache = pipe_answer(llama, PrefillDecodingPress(decoding_press=press), question)
+    assert answer == alone
+    assert held_slots(cache) == held_slots(alone_cache)
+    assert press.compression_ratio > 0
+    # Ours as the prefilling press: it compresses the context, the answer is decoded without compression.
+    press = make_press(name)
+    answer, cache = pipe_answer(llama, PrefillDecodingPress(prefilling_press=press), question)
+    composed, composed_cache = pipe_answer(llama, ComposedPress([make_press(name)]), question)
+    assert answer == composed
+    assert held_slots(cache) == held_slots(composed_cache)
+    assert press.compression_ratio > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_decoding_press_refuses_ours_where_it_cannot_act(llama, make_press, name):
+    question = "who is in want of a wife?"
+    # Ours only in decoding, after Knorm compressed the context: ours never saw the prompt.
+    with pytest.raises(ValueError, match=f"{name}: layer 0 already held .* tokens that {name} did not compress"):
+        pipe_answer(llama, PrefillDecodingPress(prefilling_press=KnormPress(0.5), decoding_press=make_press(name)),
+                    question)
+    # kvpress's DecodingPress after ours: it selects among our slots, so our state would no longer line up.
+    decoding = DecodingPress(base_press=KnormPress(), compression_interval=2, target_size=BUDGET)
+    with pytest.raises(RuntimeError, match=f"{name}: another press rearranged the slots"):
+        pipe_answer(llama, PrefillDecodingPress(prefilling_press=make_press(name), decoding_press=decoding), question)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pipeline_with_several_questions(llama, make_press, name):
+    """The context is compressed once; each question is answered on it as if asked alone."""
+    questions = ["who is in want of a wife?", "what does he possess?", "is it universally acknowledged?"]
+    press = ComposedPress([make_press(name)]) if name in DECODING_PRESSES else make_press(name)
+    answers, _ = pipe_answer(llama, press, questions)
+    single = [pipe_answer(llama, ComposedPress([make_press(name)]), [question])[0][0] for question in questions]
+    assert answers == single
+    if name in DECODING_PRESSES:  # a PrefillDecodingPress: kvpress's pipeline takes one question at a time
+        with pytest.raises(ValueError, match="not compatible with multiple questions"):
+            pipe_answer(llama, make_press(name), questions)
+
+
+# --- left-padded batches ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_eager():
+    return make_tiny_qwen3("eager")
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3_eager"])
+@pytest.mark.parametrize("name", NAMES + ["ZSMergePress-fraction"])
+def test_padded_batch_rows_equal_their_runs_alone(request, make_press, name, model_name):
+    """Four prompts of different lengths, left-padded: each row gets the greedy tokens it gets alone (sdpa and eager
+    attention, Llama and Qwen3)."""
+    model, tokenizer = request.getfixturevalue(model_name)
+    lengths = [40, 28, 52, 33]
+    rows = [prompt_ids(tokenizer, 60)[:, 60 - length:] for length in lengths]
+    ids = torch.full((4, max(lengths)), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, ids.shape[1] - row.shape[1]:], mask[i, ids.shape[1] - row.shape[1]:] = row[0], 1
+
+    def fresh():
+        return ZSMergePress(budget=0.4) if name == "ZSMergePress-fraction" else make_press(name)
+
+    together, _ = greedy(model, ids, press=fresh(), max_new_tokens=12, attention_mask=mask)
+    alone = torch.cat([greedy(model, row, press=fresh(), max_new_tokens=12)[0] for row in rows])
+    assert torch.equal(together, alone)
+
+
+def test_right_padding_and_empty_rows_are_refused(llama):
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    with pytest.raises(ValueError, match="ZSMergePress: only left padding is supported"):
+        greedy(model, ids, press=ZSMergePress(budget=BUDGET), max_new_tokens=2, attention_mask=mask)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"ZSMergePress: batch rows \[1\] hold padding only"):
+        with torch.no_grad(), ZSMergePress(budget=BUDGET)(model):
+            model(ids, attention_mask=mask, past_key_values=DynamicCache())
