@@ -149,6 +149,7 @@ def zsmerge_decode_step(
     recent: int,
     context: int,
     residual: int,
+    paper_order: bool = False,
 ) -> None:
     """Fold q >= 1 newly appended tokens into a full ZSMerge cache, in place (Algorithm 1, one token at a time).
 
@@ -159,7 +160,10 @@ def zsmerge_decode_step(
     lower slot) and slot i* merges into j*: ``k_j <- (w_i k_i + w_j k_j) / (w_i + w_j)``, the same for v,
     ``w_j <- w_i + w_j``, ``s_j <- max(s_i, s_j)`` (NaN propagates); with residual == 0, i* is evicted. Then the
     oldest recent token (slot residual + context + (ring_position + t) mod recent) moves into slot i* and the new
-    token (slot M + t, with its score and count) into the ring slot it freed.
+    token (slot M + t, with its score and count) into the ring slot it freed. That is the authors' code; with
+    ``paper_order`` (the paper's Algorithm 1) the oldest recent token joins the context before the argmin, so it is
+    i* itself when its score is the lowest (ties to the context slot): it merges as above and the new token takes its
+    ring slot.
 
     Args:
         keys: (B, H, M + q, d) contiguous, float32, float16 or bfloat16; updated in place.
@@ -168,11 +172,13 @@ def zsmerge_decode_step(
         counts: (B, H, M + q) contiguous float32 fusion counts w; updated in place.
         ring_position: offset in [0, recent) of the oldest recent token, shared by all heads.
         recent, context, residual: the slot budget (recent >= 1, context >= 1, residual >= 0).
+        paper_order: the paper's eviction order instead of the authors' code's.
 
     Afterwards slots [0, M) hold the compressed cache (slots [M, M + q) are stale): the caller narrows every
     tensor to M and advances ``ring_position = (ring_position + q) % recent``.
     """
-    torch.ops.kvcomp.zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual)
+    torch.ops.kvcomp.zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual,
+                                         paper_order)
 
 
 def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8) -> torch.Tensor:

@@ -33,10 +33,12 @@ class CheckedZSMergePress(ZSMergePress):
 
 
 @pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS[:2])
-@pytest.mark.parametrize("prefill_merge", ["contiguous", "similarity"])
-def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn_implementation, prefill_merge):
+@pytest.mark.parametrize("prefill_merge,eviction_order", [("contiguous", "authors"), ("similarity", "authors"),
+                                                           ("contiguous", "paper")])
+def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn_implementation, prefill_merge,
+                                                                eviction_order):
     model, tokenizer = make_model(attn_implementation=attn_implementation)
-    press = CheckedZSMergePress(budget=32, residual_slots=2, prefill_merge=prefill_merge)
+    press = CheckedZSMergePress(budget=32, residual_slots=2, prefill_merge=prefill_merge, eviction_order=eviction_order)
     tokens, cache = greedy(model, prompt_ids(tokenizer, 96, batch=2), press=press, max_new_tokens=320)
     assert tokens.shape == (2, 320)
     assert press.steps_checked == 319 * model.config.num_hidden_layers
@@ -84,6 +86,7 @@ def test_padded_batch_is_refused_clearly():
     ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
     ({"decay": 1.2}, r"decay \(λ\) must be in \[0, 1\]"), ({"alpha": -0.1}, r"alpha must be in \[0, 1\]"),
     ({"prefill_merge": "mean"}, "prefill_merge must be"), ({"residual_slots": -1}, "residual_slots must be"),
+    ({"eviction_order": "code"}, "eviction_order must be .authors. or .paper."),
 ])
 def test_bad_hyperparameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
