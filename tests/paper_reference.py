@@ -279,10 +279,14 @@ class GVote:
     """GVote (paper Algorithm 1) at prefill; decoding appends. Per query head: budget B = the size of the top-p set
     of the last prompt query's attention; S Gaussian samples of the attention input (mean and biased variance over
     the tokens after the sinks), projected by q_proj, with RoPE averaged over the n_f positions after the prompt;
-    each sample keeps its top-B keys; the union over samples and over the group, plus the sinks, is kept."""
+    each sample keeps its top-B keys; the union over samples and over the group, plus the sinks, is kept.
+    The documented deviations: the last `recent` tokens kept too, and the budget taken from the mean attention of the
+    last `budget_queries` prompt queries."""
 
-    def __init__(self, nucleus_p: float = 0.95, samples: int = 8, future: int = 512, sinks: int = 4, seed: int = 0):
+    def __init__(self, nucleus_p: float = 0.95, samples: int = 8, future: int = 512, sinks: int = 4, seed: int = 0,
+                 keep_sinks: bool = True, recent: int = 0, budget_queries: int = 1):
         self.nucleus_p, self.samples, self.future, self.sinks, self.seed = nucleus_p, samples, future, sinks, seed
+        self.keep_sinks, self.recent, self.budget_queries = keep_sinks, recent, budget_queries
         self.heads = {}
 
     def prefill(self, x: LayerInputs) -> None:
@@ -301,9 +305,12 @@ class GVote:
             queries = queries * cos + rotate_half(queries) * sin
             for h in range(kv_heads):
                 last_queries, keys, values = x.head(b, h)
-                keep = set(range(min(self.sinks, tokens)))
+                keep = set(range(min(self.sinks, tokens))) if self.keep_sinks else set()
+                keep |= set(range(max(0, tokens - self.recent), tokens))
                 for g in range(group):
-                    attention = (last_queries[g, -1] @ keys.T * x.scale).softmax(-1)
+                    count = min(self.budget_queries, tokens)
+                    attention = probabilities(last_queries[g:g + 1, -count:], keys, torch.zeros(tokens), x.scale)
+                    attention = attention[0].mean(0)
                     mass = attention.sort(descending=True).values.cumsum(0)
                     budget = min(int((mass < self.nucleus_p).sum()) + 1, tokens)
                     for sample in range(self.samples):

@@ -140,12 +140,13 @@ def live_slots(layer, state, b, h) -> torch.Tensor:
     return torch.isfinite(log_weights[b, h])
 
 
-def test_gvote_matches_the_paper(llama):
+@pytest.mark.parametrize("options", [{}, {"keep_sinks": False}, {"recent": 8, "budget_queries": 6}])
+def test_gvote_matches_the_paper(llama, options):
     def read(press, layer, state, b, h):
         live = live_slots(layer, state, b, h)
         return {"keys": layer.keys[b, h][live], "values": layer.values[b, h][live]}
 
-    references = run_in_lock_step(llama, GVotePress(), paper_reference.GVote, read)
+    references = run_in_lock_step(llama, GVotePress(**options), lambda: paper_reference.GVote(**options), read)
     assert any(len(head["keys"]) < PROMPT_TOKENS for reference in references.values()
                for head in reference.heads.values()), "GVote evicted nothing: the test would not tell"
 
