@@ -16,12 +16,13 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["ZSMergePress"]
 
 
 @dataclass
-class ZSMergePress(KVCompDecodingPress):
+class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     """ZSMerge in prefill and at every decoding step.
 
     Attributes:
@@ -36,6 +37,8 @@ class ZSMergePress(KVCompDecodingPress):
         eviction_order: which token a full cache evicts at a decoding step: "authors" (the authors' code: the lowest
             score of the context as it stands, before the token leaving the recent window joins it) or "paper"
             (Algorithm 1: the leaving token joins the context first and may be the one evicted).
+        prefill_chunk_size: stream the prompt through ``generate`` in chunks of this many tokens, compressing
+            as it goes (``kvpress_cpp.presses.streaming``); None: one forward, compressed at its end.
     """
 
     budget: int | float = 0.25
@@ -63,6 +66,7 @@ class ZSMergePress(KVCompDecodingPress):
             raise ValueError(f"ZSMergePress: prefill_merge must be 'contiguous' or 'similarity', got {self.prefill_merge!r}")
         if self.eviction_order not in ("authors", "paper"):
             raise ValueError(f"ZSMergePress: eviction_order must be 'authors' or 'paper', got {self.eviction_order!r}")
+        self.check_prefill_chunk_size(self.budget)
 
     def split(self, prompt_length: int) -> tuple[int, int, int]:
         """(Bp, Bc, Br) for a prompt of this length."""
