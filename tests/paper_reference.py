@@ -30,6 +30,12 @@ class LayerInputs:
     layer_idx: int
     module: torch.nn.Module
 
+    def every_head(self):
+        """(b, h, queries, keys, values) of every (batch, kv head), as ``head``."""
+        for b in range(self.keys.shape[0]):
+            for h in range(self.keys.shape[1]):
+                yield b, h, *self.head(b, h)
+
     def head(self, b: int, h: int):
         """(queries (G, q, d), keys (q, d), values (q, d)) of one (batch, kv head), float64."""
         group = self.queries.shape[1] // self.keys.shape[1]
@@ -61,27 +67,25 @@ class ZSMerge:
         self.leaving_evicted = 0  # steps where the paper's order evicted the token leaving the recent window
 
     def prefill(self, x: LayerInputs) -> None:
-        for b in range(x.keys.shape[0]):
-            for h in range(x.keys.shape[1]):
-                queries, keys, values = x.head(b, h)
-                tokens = keys.shape[0]
-                assert tokens > self.recent + self.context + self.residual, "the test prompts exceed the budget"
-                attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale)
-                decays = self.decay ** torch.arange(tokens - 1, -1, -1, dtype=torch.float64)
-                score = (attention * decays.unsqueeze(-1)).sum((0, 1)).tolist()  # Σ_g Σ_j λ^(T-1-j) A[j, i]
-                older = range(tokens - self.recent)
-                context = sorted(sorted(older, key=lambda i: (-score[i], i))[:self.context])
-                merged = [i for i in older if i not in context]
-                groups, start = [], 0
-                for group in range(self.residual):
-                    size = len(merged) // self.residual + (group < len(merged) % self.residual)
-                    groups.append(merged[start:start + size])
-                    start += size
-                slots = [dict(key=keys[g].mean(0), value=values[g].mean(0), count=float(len(g)),
-                              score=max(score[i] for i in g)) for g in groups]
-                slots += [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
-                          for i in context + list(range(tokens - self.recent, tokens))]
-                self.heads[b, h] = {"slots": slots, "ring": 0}
+        for b, h, queries, keys, values in x.every_head():
+            tokens = keys.shape[0]
+            assert tokens > self.recent + self.context + self.residual, "the test prompts exceed the budget"
+            attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale)
+            decays = self.decay ** torch.arange(tokens - 1, -1, -1, dtype=torch.float64)
+            score = (attention * decays.unsqueeze(-1)).sum((0, 1)).tolist()  # Σ_g Σ_j λ^(T-1-j) A[j, i]
+            older = range(tokens - self.recent)
+            context = sorted(sorted(older, key=lambda i: (-score[i], i))[:self.context])
+            merged = [i for i in older if i not in context]
+            groups, start = [], 0
+            for group in range(self.residual):
+                size = len(merged) // self.residual + (group < len(merged) % self.residual)
+                groups.append(merged[start:start + size])
+                start += size
+            slots = [dict(key=keys[g].mean(0), value=values[g].mean(0), count=float(len(g)),
+                          score=max(score[i] for i in g)) for g in groups]
+            slots += [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
+                      for i in context + list(range(tokens - self.recent, tokens))]
+            self.heads[b, h] = {"slots": slots, "ring": 0}
 
     def decode(self, x: LayerInputs) -> None:
         for (b, h), head in self.heads.items():
@@ -134,16 +138,14 @@ class WeightedKV:
         self.heads = {}
 
     def prefill(self, x: LayerInputs) -> None:
-        for b in range(x.keys.shape[0]):
-            for h in range(x.keys.shape[1]):
-                queries, keys, values = x.head(b, h)
-                tokens = keys.shape[0]
-                attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale).mean(0)
-                head = {"keys": list(keys), "values": list(values), "sums": attention.sum(0).tolist(),
-                        "counts": [float(tokens - i) for i in range(tokens)]}
-                while len(head["keys"]) > self.size:
-                    self.evict(head)
-                self.heads[b, h] = head
+        for b, h, queries, keys, values in x.every_head():
+            tokens = keys.shape[0]
+            attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale).mean(0)
+            head = {"keys": list(keys), "values": list(values), "sums": attention.sum(0).tolist(),
+                    "counts": [float(tokens - i) for i in range(tokens)]}
+            while len(head["keys"]) > self.size:
+                self.evict(head)
+            self.heads[b, h] = head
 
     def decode(self, x: LayerInputs) -> None:
         for (b, h), head in self.heads.items():
@@ -187,17 +189,15 @@ class KeepKV:
         self.heads = {}
 
     def prefill(self, x: LayerInputs) -> None:
-        for b in range(x.keys.shape[0]):
-            for h in range(x.keys.shape[1]):
-                queries, keys, values = x.head(b, h)
-                tokens = keys.shape[0]
-                head = {"keys": list(keys), "values": list(values), "votes": [1.0] * tokens,
-                        "ema": [0.0] * tokens, "age": [0] * tokens}
-                steps = min(self.recent, tokens)
-                for j in range(tokens - steps, tokens):  # the last R prompt queries, in order
-                    self.observe(head, queries[:, j] @ keys[:j + 1].T * x.scale)
-                self.evict(head)
-                self.heads[b, h] = head
+        for b, h, queries, keys, values in x.every_head():
+            tokens = keys.shape[0]
+            head = {"keys": list(keys), "values": list(values), "votes": [1.0] * tokens,
+                    "ema": [0.0] * tokens, "age": [0] * tokens}
+            steps = min(self.recent, tokens)
+            for j in range(tokens - steps, tokens):  # the last R prompt queries, in order
+                self.observe(head, queries[:, j] @ keys[:j + 1].T * x.scale)
+            self.evict(head)
+            self.heads[b, h] = head
 
     def decode(self, x: LayerInputs) -> None:
         for (b, h), head in self.heads.items():
