@@ -32,11 +32,12 @@ STREAM_CHUNK = 128
 # Per group: configuration name -> press factory of the prompt's token count.
 GROUPS = {
     "gvote": {
-        "paper (union only)": lambda tokens: GVotePress(keep_sinks=False),
-        "+ 4 sinks": lambda tokens: GVotePress(),
-        "+ 4 sinks, recent 32": lambda tokens: GVotePress(recent=32),
-        "+ 4 sinks, budget over last 16 queries": lambda tokens: GVotePress(budget_queries=16),
-        "+ 4 sinks, recent 32, budget over last 16": lambda tokens: GVotePress(recent=32, budget_queries=16),
+        "paper (union only)": lambda tokens: GVotePress(),
+        "+ 4 sinks": lambda tokens: GVotePress(keep_sinks=True),
+        "+ 4 sinks, recent 32": lambda tokens: GVotePress(keep_sinks=True, recent=32),
+        "+ 4 sinks, budget over last 16 queries": lambda tokens: GVotePress(keep_sinks=True, budget_queries=16),
+        "+ 4 sinks, recent 32, budget over last 16": lambda tokens: GVotePress(keep_sinks=True, recent=32,
+                                                                               budget_queries=16),
     },
     "streaming": {
         "ZSMerge one-shot": lambda tokens: ZSMergePress(budget=round(STREAMING_BUDGET * tokens)),

@@ -279,12 +279,13 @@ class GVote:
     """GVote (paper Algorithm 1) at prefill; decoding appends. Per query head: budget B = the size of the top-p set
     of the last prompt query's attention; S Gaussian samples of the attention input (mean and biased variance over
     the tokens after the sinks), projected by q_proj, with RoPE averaged over the n_f positions after the prompt;
-    each sample keeps its top-B keys; the union over samples and over the group, plus the sinks, is kept.
+    each sample keeps its top-B keys; the union over samples and over the group is kept (plus the sinks with
+    `keep_sinks`, methods.md's form).
     The documented deviations: the last `recent` tokens kept too, and the budget taken from the mean attention of the
     last `budget_queries` prompt queries."""
 
     def __init__(self, nucleus_p: float = 0.95, samples: int = 8, future: int = 512, sinks: int = 4, seed: int = 0,
-                 keep_sinks: bool = True, recent: int = 0, budget_queries: int = 1):
+                 keep_sinks: bool = False, recent: int = 0, budget_queries: int = 1):
         self.nucleus_p, self.samples, self.future, self.sinks, self.seed = nucleus_p, samples, future, sinks, seed
         self.keep_sinks, self.recent, self.budget_queries = keep_sinks, recent, budget_queries
         self.heads = {}

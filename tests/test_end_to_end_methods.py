@@ -140,7 +140,7 @@ def live_slots(layer, state, b, h) -> torch.Tensor:
     return torch.isfinite(log_weights[b, h])
 
 
-@pytest.mark.parametrize("options", [{}, {"keep_sinks": False}, {"recent": 8, "budget_queries": 6}])
+@pytest.mark.parametrize("options", [{}, {"keep_sinks": True}, {"recent": 8, "budget_queries": 6}])
 def test_gvote_matches_the_paper(llama, options):
     def read(press, layer, state, b, h):
         live = live_slots(layer, state, b, h)

@@ -5,7 +5,8 @@ Per layer, at prefill only (``../shared/docs/methods.md``):
 2. the attention input is summarised by its per-channel mean and variance over the non-sink tokens;
 3. S future queries are sampled from that Gaussian (seeded), projected by the layer's q projection (and q_norm),
    and rotated with RoPE averaged over the n_f positions after the prompt;
-4. every sample keeps its top-budget keys; a kv head keeps the union over its query heads' samples, plus the sinks.
+4. every sample keeps its top-budget keys; a kv head keeps the union over its query heads' samples (plus the sinks
+   with ``keep_sinks``).
 The result has a different length per head: each layer is compacted to its longest head, the rest padded with -inf.
 The compression ratio chosen is readable after a run (per layer and overall): ``compression_ratio`` is the paper's
 (the mean over heads of the slots removed), ``memory_compression_ratio`` what the compacted cache really frees (each
@@ -40,7 +41,8 @@ class GVotePress(KVCompPress):
         num_samples: S sampled future queries per layer (paper default 8).
         future_positions: n_f positions after the prompt whose rotary tables are averaged (512).
         sinks: n_s, leading tokens left out of the hidden-state statistics (paper step 2; it gives no value: 4).
-        keep_sinks: also keep those n_s tokens in every head (methods.md; the paper keeps the union alone).
+        keep_sinks: also keep those n_s tokens in every head (methods.md's form; the paper, and the default, keep the
+            union alone: the demo's needle benchmark measured no difference, README "GVote").
         recent: deviation from the paper: the last tokens of the prompt, always kept (0: none).
         budget_queries: deviation from the paper: w, each head's budget is the top-p size of the mean attention of
             the last w prompt queries (1: the last query alone, the paper).
@@ -52,7 +54,7 @@ class GVotePress(KVCompPress):
     num_samples: int = 8
     future_positions: int = 512
     sinks: int = 4
-    keep_sinks: bool = True
+    keep_sinks: bool = False
     recent: int = 0
     budget_queries: int = 1
     seed: int = 0
