@@ -11,17 +11,15 @@ option does not apply.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 __all__ = ["StreamingPrefill"]
 
 
-@dataclass
 class StreamingPrefill:
-    """Mixin of a press dataclass: ``prefill_chunk_size`` (None: the whole prompt in one forward), keyword-only so
-    that the press's own fields keep their positions."""
+    """Mixin of a press dataclass with a field ``prefill_chunk_size: int | None`` (None: the whole prompt in one
+    forward)."""
 
-    prefill_chunk_size: int | None = field(default=None, kw_only=True)
+    prefill_chunk_size: int | None
 
     def check_prefill_chunk_size(self, budget: int | float) -> None:
         """Validate the option; `budget` is the press's cache budget, which must then be a token count."""

@@ -39,6 +39,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     sinks: int = 4
     recent: int | None = None
     evict_only: bool = False
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (

@@ -48,6 +48,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     alpha: float = 0.6
     prefill_merge: str = "contiguous"
     eviction_order: str = "authors"
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not (
