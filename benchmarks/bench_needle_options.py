@@ -18,7 +18,7 @@ import argparse
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp.models import load_default_model
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
@@ -50,6 +50,27 @@ GROUPS = {
             cache_size=round(STREAMING_BUDGET * tokens), prefill_chunk_size=STREAM_CHUNK),
     },
 }
+
+
+def plot(rows: list[dict], group: str) -> None:
+    """Per configuration: the fraction of needle questions answered and, for GVote, the kept and held fractions."""
+    plt = pyplot()
+    names = [row["configuration"] for row in rows]
+    series = {"answered": [row["answered"] / row["examples"] for row in rows]}
+    if "memory_held" in rows[0]:
+        series |= {"kept (mean over heads)": [row["kept_mean_over_heads"] for row in rows],
+                   "memory held": [row["memory_held"] for row in rows]}
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.5))
+    height = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        ax.barh([i + k * height for i in range(len(rows))], values, height=height, label=label)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(rows))], names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("fraction")
+    ax.set_title(f"SmolLM2-135M needle question, {rows[0]['context_tokens']}-token context ({group})")
+    ax.legend(loc="upper right")
+    save_figure(fig, f"needle_options_{group}")
 
 
 def main() -> None:
@@ -84,6 +105,7 @@ def main() -> None:
         rows.append(row)
     print_table(rows, ["configuration", "answered", "examples", "kept_mean_over_heads", "memory_held"])
     write_results(f"needle_options_{args.group}", rows)
+    plot(rows, args.group)
 
 
 if __name__ == "__main__":
