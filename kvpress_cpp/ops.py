@@ -14,13 +14,12 @@ def update_scores(scores: torch.Tensor, attn: torch.Tensor, decay: float = 1.0, 
         attn: (B, Hq, q, T) attention probabilities of the new queries over all T slots, any float dtype; query head
             h * G + g belongs to kv head h (transformers' GQA layout).
         decay: λ in [0, 1]; each query step multiplies the earlier scores by it.
-        input_scale: weight of the new attention (1 for ZSMerge's group sum, 1/G for a group mean,
-            (1 - β)/G for KeepKV's EMA).
+        input_scale: weight of the new attention (1 for ZSMerge's group sum, 1/G for a group mean).
 
     Returns:
         (B, H, T) float32: ``decay^q * [scores, 0] + input_scale * Σ_j decay^(q-1-j) Σ_g attn[:, h*G+g, j]``.
-        ZSMerge eq. 5 is decay=λ, input_scale=1; WeightedKV's running sum is decay=1, input_scale=1/G;
-        KeepKV's EMA is decay=β, input_scale=(1-β)/G (bias correction 1/(1-β^t) is applied when read).
+        ZSMerge eq. 5 is decay=λ, input_scale=1; WeightedKV's running sum is decay=1, input_scale=1/G. (KeepKV's
+        EMA is of unnormalised scores exp(q·k·scale), not of probabilities: its press keeps it in the log domain.)
     """
     return torch.ops.kvcomp.update_scores(scores, attn, decay, input_scale)
 
