@@ -12,7 +12,8 @@ cache shrinks). Methods, at cache size m (slots per layer and kv head):
 * full: no press (the reference; m does not apply).
 * WeightedKV: ``WeightedKVPress(cache_size=m)`` (4 sinks, recent window m/2 - 4, evicted values merged).
 * WeightedKV evict-only: the same with ``evict_only=True`` (the paper's ablation).
-* ZSMerge: ``ZSMergePress(budget=m)``.
+* ZSMerge: ``ZSMergePress(budget=m)``; "ZSMerge paper order" with ``eviction_order="paper"``.
+* KeepKV: ``KeepKVPress(budget=m)`` (4 sinks, recent window 32, ZIP merges above cosine 0.8).
 * StreamingLLM, TOVA: kvpress's scorer presses inside ``DecodingPress(base_press=..., compression_interval=1,
   target_size=m)``: every decoding forward cuts the cache back to m (DecodingPress tells prefill from decoding by
   cache_position, which is why positions are passed explicitly).
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from benchmarks.common import print_table, pyplot, save_figure, write_results
+from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -42,6 +44,8 @@ METHODS = {
     "WeightedKV": lambda m: WeightedKVPress(cache_size=m),
     "WeightedKV evict-only": lambda m: WeightedKVPress(cache_size=m, evict_only=True),
     "ZSMerge": lambda m: ZSMergePress(budget=m),
+    "ZSMerge paper order": lambda m: ZSMergePress(budget=m, eviction_order="paper"),
+    "KeepKV": lambda m: KeepKVPress(budget=m),
     "StreamingLLM (kvpress)": lambda m: DecodingPress(base_press=StreamingLLMPress(), compression_interval=1,
                                                       target_size=m),
     "TOVA (kvpress)": lambda m: DecodingPress(base_press=TOVAPress(), compression_interval=1, target_size=m),

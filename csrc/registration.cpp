@@ -34,8 +34,10 @@ TORCH_LIBRARY(kvcomp, m) {
   // (B, H, M + q) float32, one at a time: evict the context argmin i*, merge it into the residual slot of largest
   // k_i* . k_j (counts-weighted mean, counts add, scores max), move the oldest recent token (ring slot
   // (ring_position + t) mod recent) into i* and the new token into its ring slot. Slots [0, M) are the result.
+  // paper_order (Algorithm 1 of the paper): the leaving recent token is a candidate of the argmin too (ties to the
+  // context), and when it is evicted the new token simply takes its ring slot.
   m.def("zsmerge_decode_step(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) scores, Tensor(d!) counts, "
-        "int ring_position, int recent, int context, int residual) -> ()");
+        "int ring_position, int recent, int context, int residual, bool paper_order=False) -> ()");
 
   // keepkv family. keys (B, H, T, d), keep (B, H, T) bool -> targets (B, H, T) int64: -1 retained; for an evicted
   // slot the retained slot of its row with the highest key cosine similarity (float32, zero keys 0, NaN as -inf,

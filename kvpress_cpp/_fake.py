@@ -66,7 +66,8 @@ def _zsmerge_prefill_fake(keys, values, scores, recent, context, residual):
 
 
 @torch.library.register_fake("kvcomp::zsmerge_decode_step")
-def _zsmerge_decode_step_fake(keys, values, scores, counts, ring_position, recent, context, residual):
+def _zsmerge_decode_step_fake(keys, values, scores, counts, ring_position, recent, context, residual,
+                              paper_order=False):
     return None  # in place: no outputs
 
 

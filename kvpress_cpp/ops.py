@@ -14,13 +14,12 @@ def update_scores(scores: torch.Tensor, attn: torch.Tensor, decay: float = 1.0, 
         attn: (B, Hq, q, T) attention probabilities of the new queries over all T slots, any float dtype; query head
             h * G + g belongs to kv head h (transformers' GQA layout).
         decay: λ in [0, 1]; each query step multiplies the earlier scores by it.
-        input_scale: weight of the new attention (1 for ZSMerge's group sum, 1/G for a group mean,
-            (1 - β)/G for KeepKV's EMA).
+        input_scale: weight of the new attention (1 for ZSMerge's group sum, 1/G for a group mean).
 
     Returns:
         (B, H, T) float32: ``decay^q * [scores, 0] + input_scale * Σ_j decay^(q-1-j) Σ_g attn[:, h*G+g, j]``.
-        ZSMerge eq. 5 is decay=λ, input_scale=1; WeightedKV's running sum is decay=1, input_scale=1/G;
-        KeepKV's EMA is decay=β, input_scale=(1-β)/G (bias correction 1/(1-β^t) is applied when read).
+        ZSMerge eq. 5 is decay=λ, input_scale=1; WeightedKV's running sum is decay=1, input_scale=1/G. (KeepKV's
+        EMA is of unnormalised scores exp(q·k·scale), not of probabilities: its press keeps it in the log domain.)
     """
     return torch.ops.kvcomp.update_scores(scores, attn, decay, input_scale)
 
@@ -149,6 +148,7 @@ def zsmerge_decode_step(
     recent: int,
     context: int,
     residual: int,
+    paper_order: bool = False,
 ) -> None:
     """Fold q >= 1 newly appended tokens into a full ZSMerge cache, in place (Algorithm 1, one token at a time).
 
@@ -159,7 +159,10 @@ def zsmerge_decode_step(
     lower slot) and slot i* merges into j*: ``k_j <- (w_i k_i + w_j k_j) / (w_i + w_j)``, the same for v,
     ``w_j <- w_i + w_j``, ``s_j <- max(s_i, s_j)`` (NaN propagates); with residual == 0, i* is evicted. Then the
     oldest recent token (slot residual + context + (ring_position + t) mod recent) moves into slot i* and the new
-    token (slot M + t, with its score and count) into the ring slot it freed.
+    token (slot M + t, with its score and count) into the ring slot it freed. That is the authors' code; with
+    ``paper_order`` (the paper's Algorithm 1) the oldest recent token joins the context before the argmin, so it is
+    i* itself when its score is the lowest (ties to the context slot): it merges as above and the new token takes its
+    ring slot.
 
     Args:
         keys: (B, H, M + q, d) contiguous, float32, float16 or bfloat16; updated in place.
@@ -168,11 +171,13 @@ def zsmerge_decode_step(
         counts: (B, H, M + q) contiguous float32 fusion counts w; updated in place.
         ring_position: offset in [0, recent) of the oldest recent token, shared by all heads.
         recent, context, residual: the slot budget (recent >= 1, context >= 1, residual >= 0).
+        paper_order: the paper's eviction order instead of the authors' code's.
 
     Afterwards slots [0, M) hold the compressed cache (slots [M, M + q) are stale): the caller narrows every
     tensor to M and advances ``ring_position = (ring_position + q) % recent``.
     """
-    torch.ops.kvcomp.zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual)
+    torch.ops.kvcomp.zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual,
+                                         paper_order)
 
 
 def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8) -> torch.Tensor:

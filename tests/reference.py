@@ -163,21 +163,26 @@ def zsmerge_decode_step(
     recent: int,
     context: int,
     residual: int,
+    paper_order: bool = False,
 ) -> None:
-    """ZSMerge decode step (methods.md, the authors' order), in place, one new token and one (batch, kv head) at a
-    time. Slots [0, M) are [residual | context | recent ring], the q new tokens sit at [M, M + q). Per new token t:
+    """ZSMerge decode step (methods.md, the authors' order, or with ``paper_order`` the paper's Algorithm 1), in
+    place, one new token and one (batch, kv head) at a time. Slots [0, M) are [residual | context | recent ring], the q new tokens sit at [M, M + q). Per new token t:
     i* = argmin of the context scores (NaN as +inf, first on ties); if residual: j* = argmax over the residual slots
     of k_i*·k_j (eq. 6, float32, NaN as -inf, first on ties), k_j <- (w_i k_i + w_j k_j)/(w_i + w_j) computed in
     float32 and stored in the cache dtype, same for v, w_j <- w_i + w_j, s_j <- max(s_i, s_j); then the oldest
-    recent token (ring slot (ring_position + t) mod recent) moves into i*, and the new token into that ring slot."""
+    recent token (ring slot (ring_position + t) mod recent) moves into i*, and the new token into that ring slot.
+    In the paper's order the oldest recent token is a candidate of the argmin too, after the context (so ties keep
+    it); when it is i*, it is merged and the new token takes its ring slot."""
     batch, kv_heads, total, _ = keys.shape
     slots = recent + context + residual
     inf = float("inf")
     for b in range(batch):
         for h in range(kv_heads):
             for step in range(total - slots):
-                ctx = scores[b, h, residual : residual + context]
-                i = residual + int(torch.where(ctx.isnan(), inf, ctx).argmin())
+                oldest = residual + context + (ring_position + step) % recent
+                candidates = [*range(residual, residual + context)] + ([oldest] if paper_order else [])
+                ranked = scores[b, h, candidates]
+                i = candidates[int(torch.where(ranked.isnan(), inf, ranked).argmin())]
                 if residual > 0:
                     similarity = keys[b, h, :residual].float() @ keys[b, h, i].float()
                     j = int(torch.where(similarity.isnan(), -inf, similarity).argmax())
@@ -187,7 +192,6 @@ def zsmerge_decode_step(
                         cache[b, h, j] = merged.to(cache.dtype)
                     counts[b, h, j] = w_i + w_j
                     scores[b, h, j] = torch.maximum(scores[b, h, i], scores[b, h, j])
-                oldest = residual + context + (ring_position + step) % recent
                 for cache in (keys, values, scores, counts):
                     cache[b, h, i] = cache[b, h, oldest].clone()
                     cache[b, h, oldest] = cache[b, h, slots + step]

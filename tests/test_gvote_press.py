@@ -60,8 +60,21 @@ def test_pipeline_reuses_the_compressed_context():
     assert press.compression_ratio > 0
 
 
+def test_memory_ratio_is_what_the_compacted_cache_frees():
+    """compression_ratio is the paper's mean over heads; memory_compression_ratio counts each layer at its longest
+    head, as the cache holds it (padding included)."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 200)
+    press = GVotePress(nucleus_p=0.6)
+    kept = kept_per_head(model, ids, press).float()  # (layers, B, H)
+    assert press.compression_ratio == pytest.approx(1 - float(kept.mean()) / 200)
+    assert press.memory_compression_ratio == pytest.approx(1 - float(kept.amax((1, 2)).mean()) / 200)
+    assert press.memory_compression_ratio < press.compression_ratio
+
+
 @pytest.mark.parametrize("kwargs,message", [({"nucleus_p": 0}, "nucleus_p must be in"), ({"num_samples": 0}, "num_samples"),
-                                            ({"sinks": -1}, "sinks must be")])
+                                            ({"sinks": -1}, "sinks must be"), ({"recent": -1}, "recent must be"),
+                                            ({"budget_queries": 0}, "budget_queries must be")])
 def test_bad_hyperparameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GVotePress(**kwargs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
@@ -58,9 +59,30 @@ def test_cache_size_above_sequence_changes_nothing(make_model, attn_implementati
     assert torch.equal(got, expected)
 
 
+def test_streaming_prefill_of_one_token_is_the_token_by_token_stream():
+    """prefill_chunk_size=1 streams the prompt through generate one token per forward (the paper's setting), compressing
+    at every token: the cache equals feeding the prompt by hand one token per forward under the press, and
+    generate's configuration is restored afterwards."""
+    model, tokenizer = make_tiny_llama()
+    input_ids = prompt_ids(tokenizer, 64)
+    _, streamed = greedy(model, input_ids, press=WeightedKVPress(cache_size=24, prefill_chunk_size=1), max_new_tokens=1)
+    assert model.generation_config.prefill_chunk_size is None
+    by_hand = DynamicCache()
+    with torch.no_grad(), WeightedKVPress(cache_size=24)(model):
+        for position in range(64):
+            model(input_ids[:, position:position + 1], past_key_values=by_hand,
+                  position_ids=torch.tensor([[position]]), cache_position=torch.tensor([position]))
+    for layer, expected in zip(streamed.layers, by_hand.layers):
+        torch.testing.assert_close(layer.keys, expected.keys)
+        torch.testing.assert_close(layer.values, expected.values)
+        torch.testing.assert_close(get_state(layer).per_slot["sums"], get_state(expected).per_slot["sums"])
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"cache_size": 0}, "cache_size must be a token count"), ({"cache_size": 2.0}, "cache_size must be"),
     ({"sinks": -1}, "sinks must be"), ({"recent": 0}, "recent must be"),
+    ({"prefill_chunk_size": 0}, "prefill_chunk_size must be None or an int"),
+    ({"cache_size": 0.5, "prefill_chunk_size": 8}, "prefill_chunk_size needs a budget in tokens"),
 ])
 def test_bad_hyperparameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

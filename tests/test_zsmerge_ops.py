@@ -45,10 +45,11 @@ def make_decode_inputs(batch, heads, budget, num_new, head_dim, dtype, device, s
     return [keys.to(device, dtype), values.to(device, dtype), scores.to(device), counts.to(device)]
 
 
-def run_decode(step, cache, ring_position, budget):
+def run_decode(step, cache, ring_position, budget, paper_order=False):
     """Applies a decode step (op or reference) to clones; returns the M result slots of each tensor."""
     cache = [t.clone() for t in cache]
-    step(*cache, ring_position, *budget)
+    step(*cache, ring_position, *budget, paper_order=paper_order) if paper_order else step(*cache, ring_position,
+                                                                                             *budget)
     slots = sum(budget)
     return [t[:, :, :slots] for t in cache]
 
@@ -229,21 +230,46 @@ def test_prefill_empty_batch(device):
 @pytest.mark.parametrize("budget", BUDGETS, ids=BUDGET_IDS)
 @pytest.mark.parametrize("heads", [2, 3])
 @pytest.mark.parametrize("num_new", [1, 3])
-def test_decode_matches_reference(device, dtype, budget, heads, num_new):
+@pytest.mark.parametrize("paper_order", [False, True], ids=["authors", "paper"])
+def test_decode_matches_reference(device, dtype, budget, heads, num_new, paper_order):
     ring_position = budget[0] - 1  # the ring wraps within the q steps whenever q > 1
     cache = make_decode_inputs(2, heads, budget, num_new, 16, dtype, device)
-    got = run_decode(ops.zsmerge_decode_step, cache, ring_position, budget)
-    expected = run_decode(reference.zsmerge_decode_step, cache, ring_position, budget)
+    got = run_decode(ops.zsmerge_decode_step, cache, ring_position, budget, paper_order)
+    expected = run_decode(reference.zsmerge_decode_step, cache, ring_position, budget, paper_order)
     assert_caches_close(got, expected, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ring_position", [0, 1, 3])
-def test_decode_every_ring_position(device, ring_position):
+@pytest.mark.parametrize("paper_order", [False, True], ids=["authors", "paper"])
+def test_decode_every_ring_position(device, ring_position, paper_order):
     budget = (4, 3, 2)
     cache = make_decode_inputs(2, 2, budget, 5, 8, torch.float32, device, seed=7)
-    assert_caches_close(run_decode(ops.zsmerge_decode_step, cache, ring_position, budget),
-                        run_decode(reference.zsmerge_decode_step, cache, ring_position, budget), torch.float32)
+    assert_caches_close(run_decode(ops.zsmerge_decode_step, cache, ring_position, budget, paper_order),
+                        run_decode(reference.zsmerge_decode_step, cache, ring_position, budget, paper_order),
+                        torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paper_order_evicts_the_leaving_recent_token_when_it_scores_lowest(device):
+    """Algorithm 1 of the paper: the token leaving the recent window joins the context before the argmin. With the
+    lowest score of all it is merged itself (the context stays as it was); the authors' order evicts the context's
+    lowest instead and keeps the leaving token. A tie keeps the leaving token in both orders."""
+    budget = (3, 4, 1)  # recent, context, residual: slots [0] residual, [1, 5) context, [5, 8) ring, [8] new
+    keys, values, scores, counts = make_decode_inputs(1, 1, budget, 1, 8, torch.float32, device, seed=3)
+    scores[0, 0, 1:5] = torch.tensor([0.5, 0.2, 0.7, 0.9])
+    scores[0, 0, 5] = 0.1  # the oldest recent token at ring_position 0
+    cache = [keys, values, scores, counts]
+    paper = run_decode(ops.zsmerge_decode_step, cache, 0, budget, paper_order=True)
+    authors = run_decode(ops.zsmerge_decode_step, cache, 0, budget)
+    merged = (keys[0, 0, 0] * counts[0, 0, 0] + keys[0, 0, 5]) / (counts[0, 0, 0] + 1)
+    torch.testing.assert_close(paper[0][0, 0, 0], merged)
+    torch.testing.assert_close(paper[0][0, 0, 1:5], keys[0, 0, 1:5])  # the context is untouched
+    torch.testing.assert_close(paper[0][0, 0, 5], keys[0, 0, 8])  # the new token took the leaving one's ring slot
+    torch.testing.assert_close(authors[0][0, 0, 2], keys[0, 0, 5])  # the leaving token replaced the context's 0.2
+    scores[0, 0, 5] = 0.2  # a tie with the context's lowest: the context token goes, in the paper's order too
+    tied = run_decode(ops.zsmerge_decode_step, cache, 0, budget, paper_order=True)
+    torch.testing.assert_close(tied[0][0, 0, 2], keys[0, 0, 5])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,16 +33,31 @@ class CheckedZSMergePress(ZSMergePress):
 
 
 @pytest.mark.parametrize("make_model,attn_implementation", TINY_MODELS[:2])
-@pytest.mark.parametrize("prefill_merge", ["contiguous", "similarity"])
-def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn_implementation, prefill_merge):
+@pytest.mark.parametrize("prefill_merge,eviction_order", [("contiguous", "authors"), ("similarity", "authors"),
+                                                           ("contiguous", "paper")])
+def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn_implementation, prefill_merge,
+                                                                eviction_order):
     model, tokenizer = make_model(attn_implementation=attn_implementation)
-    press = CheckedZSMergePress(budget=32, residual_slots=2, prefill_merge=prefill_merge)
+    press = CheckedZSMergePress(budget=32, residual_slots=2, prefill_merge=prefill_merge, eviction_order=eviction_order)
     tokens, cache = greedy(model, prompt_ids(tokenizer, 96, batch=2), press=press, max_new_tokens=320)
     assert tokens.shape == (2, 320)
     assert press.steps_checked == 319 * model.config.num_hidden_layers
     for layer in cache.layers:
         assert layer.keys.shape[-2] == 32
         assert bool((get_state(layer).per_slot["counts"][..., :2] > 1).all()), "the residual slots never merged"
+
+
+@pytest.mark.parametrize("eviction_order", ["authors", "paper"])
+def test_streaming_prefill_keeps_the_invariants_while_the_prompt_streams_in(eviction_order):
+    """prefill_chunk_size: generate feeds the 95 first prompt tokens in 12 chunks of ≤ 8 (the first one is the
+    prefill), so the press compresses 11 chunk passes, then the last prompt token and 3 generated ones; the budget
+    and Σ w = tokens seen hold after each, and generate's configuration is restored afterwards."""
+    model, tokenizer = make_tiny_llama()
+    press = CheckedZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order, prefill_chunk_size=8)
+    _, cache = greedy(model, prompt_ids(tokenizer, 96), press=press, max_new_tokens=4)
+    assert press.steps_checked == (11 + 1 + 3) * model.config.num_hidden_layers
+    assert model.generation_config.prefill_chunk_size is None
+    assert all(layer.keys.shape[-2] == 24 for layer in cache.layers)
 
 
 def test_merge_count_bias_is_alpha_log_w():
@@ -76,6 +91,8 @@ def test_budget_above_sequence_changes_nothing(make_model, attn_implementation):
     ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
     ({"decay": 1.2}, r"decay \(λ\) must be in \[0, 1\]"), ({"alpha": -0.1}, r"alpha must be in \[0, 1\]"),
     ({"prefill_merge": "mean"}, "prefill_merge must be"), ({"residual_slots": -1}, "residual_slots must be"),
+    ({"eviction_order": "code"}, "eviction_order must be .authors. or .paper."),
+    ({"budget": 0.5, "prefill_chunk_size": 8}, "prefill_chunk_size needs a budget in tokens"),
 ])
 def test_bad_hyperparameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

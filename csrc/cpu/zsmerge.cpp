@@ -206,16 +206,19 @@ void merge_row(const scalar_t* row_i, float w_i, scalar_t* row_j, float w_j, int
   }
 }
 
-// All q steps of one (batch, kv-head), in the authors' order (see the schema comment in registration.cpp).
+// All q steps of one (batch, kv-head), in the authors' or the paper's order (see the schema comment in
+// registration.cpp).
 template <typename scalar_t>
 void decode_one_head(scalar_t* keys, scalar_t* values,  // [M + q, d]
                      float* scores, float* counts,        // [M + q]
-                     const ZSMergeDecodeShape& shape, int64_t ring_position) {
+                     const ZSMergeDecodeShape& shape, int64_t ring_position, bool paper_order) {
   const ZSMergeBudget& b = shape.budget;
   const int64_t head_dim = shape.head_dim, slots = b.total();
   const size_t row_bytes = head_dim * sizeof(scalar_t);
   for (int64_t step = 0; step < shape.num_new; ++step) {
-    const int64_t i = argmin_for_eviction(scores, b.residual, b.residual + b.context);
+    const int64_t r = kernels::oldest_recent_slot(b.residual, b.context, b.recent, ring_position, step);
+    const int64_t lowest = argmin_for_eviction(scores, b.residual, b.residual + b.context);
+    const int64_t i = kernels::evicted_slot({scores[lowest], lowest}, {scores[r], r}, paper_order).slot;
     scalar_t* key_i = keys + i * head_dim;
     scalar_t* value_i = values + i * head_dim;
     if (b.residual > 0) {
@@ -230,12 +233,13 @@ void decode_one_head(scalar_t* keys, scalar_t* values,  // [M + q, d]
       counts[j] += counts[i];
       scores[j] = kernels::nan_propagating_max(scores[i], scores[j]);
     }
-    const int64_t r = kernels::oldest_recent_slot(b.residual, b.context, b.recent, ring_position, step);
     const int64_t fresh = slots + step;
-    std::memcpy(key_i, keys + r * head_dim, row_bytes);
-    std::memcpy(value_i, values + r * head_dim, row_bytes);
-    scores[i] = scores[r];
-    counts[i] = counts[r];
+    if (i != r) {  // the leaving token stays, in the context slot i* freed
+      std::memcpy(key_i, keys + r * head_dim, row_bytes);
+      std::memcpy(value_i, values + r * head_dim, row_bytes);
+      scores[i] = scores[r];
+      counts[i] = counts[r];
+    }
     std::memcpy(keys + r * head_dim, keys + fresh * head_dim, row_bytes);
     std::memcpy(values + r * head_dim, values + fresh * head_dim, row_bytes);
     scores[r] = scores[fresh];
@@ -245,7 +249,7 @@ void decode_one_head(scalar_t* keys, scalar_t* values,  // [M + q, d]
 
 void zsmerge_decode_step_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& scores,
                              const at::Tensor& counts, int64_t ring_position, int64_t recent, int64_t context,
-                             int64_t residual) {
+                             int64_t residual, bool paper_order) {
   const ZSMergeDecodeShape shape =
       check_zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual);
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
@@ -259,7 +263,8 @@ void zsmerge_decode_step_cpu(const at::Tensor& keys, const at::Tensor& values, c
     at::parallel_for(0, shape.batch * shape.kv_heads, grain_for(work_per_head), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         decode_one_head(keys_ptr + row * slots * head_dim, values_ptr + row * slots * head_dim,
-                        scores_ptr + row * slots, counts_ptr + row * slots, shape, ring_position);
+                        scores_ptr + row * slots, counts_ptr + row * slots, shape, ring_position,
+                        paper_order);
       }
     });
   });

@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                                float* __restrict__ scores,     // [B, H, M + q]
                                float* __restrict__ counts,     // [B, H, M + q]
                                int64_t head_dim, int64_t num_new, int64_t residual, int64_t context,
-                               int64_t recent, int64_t ring_position) {
+                               int64_t recent, int64_t ring_position, bool paper_order) {
   using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kDecodeThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ int64_t chosen_slot;
@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int lane = tid % kWarpSize, warp = tid / kWarpSize, warps = kDecodeThreads / kWarpSize;
 
   for (int64_t step = 0; step < num_new; ++step) {
-    // i* = argmin of the context scores.
+    // i* = argmin of the context scores (in the paper's order, of those and the token leaving the recent window).
+    const int64_t r = kernels::oldest_recent_slot(residual, context, recent, ring_position, step);
     kernels::SlotChoice local = kernels::EvictsFirst::none();
     for (int64_t slot = residual + tid; slot < residual + context; slot += kDecodeThreads) {
       const kernels::SlotChoice candidate{row_scores[slot], slot};
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const kernels::SlotChoice evicted =
         BlockReduce(reduce_storage).Reduce(local, kernels::KeepBetter<kernels::EvictsFirst>{});
-    if (tid == 0) chosen_slot = evicted.slot;
+    if (tid == 0) chosen_slot = kernels::evicted_slot(evicted, {row_scores[r], r}, paper_order).slot;
     __syncthreads();
     const int64_t i = chosen_slot;
     const scalar_t* key_i = row_keys + i * head_dim;
@@ -192,8 +193,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
     }
 
-    // The oldest recent token moves into slot i*, the new token into its ring slot.
-    const int64_t r = kernels::oldest_recent_slot(residual, context, recent, ring_position, step);
+    // The oldest recent token moves into slot i* (a copy onto itself when it was evicted), the new token into its
+    // ring slot.
     const int64_t fresh = slots + step;
     for (int64_t c = tid; c < head_dim; c += kDecodeThreads) {
       row_keys[i * head_dim + c] = row_keys[r * head_dim + c];
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 void zsmerge_decode_step_cuda(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& scores,
                               const at::Tensor& counts, int64_t ring_position, int64_t recent, int64_t context,
-                              int64_t residual) {
+                              int64_t residual, bool paper_order) {
   const ZSMergeDecodeShape shape =
       check_zsmerge_decode_step(keys, values, scores, counts, ring_position, recent, context, residual);
   const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
@@ -225,7 +226,8 @@ void zsmerge_decode_step_cuda(const at::Tensor& keys, const at::Tensor& values, 
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
     zsmerge_decode_step_kernel<scalar_t><<<static_cast<unsigned>(rows), kDecodeThreads, 0, stream>>>(
         keys.mutable_data_ptr<scalar_t>(), values.mutable_data_ptr<scalar_t>(), scores.mutable_data_ptr<float>(),
-        counts.mutable_data_ptr<float>(), shape.head_dim, shape.num_new, residual, context, recent, ring_position);
+        counts.mutable_data_ptr<float>(), shape.head_dim, shape.num_new, residual, context, recent, ring_position,
+        paper_order);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -102,4 +102,12 @@ KVCOMP_HOST_DEVICE inline int64_t oldest_recent_slot(int64_t residual, int64_t c
   return residual + context + (ring_position + step) % recent;
 }
 
+// The slot a decoding step evicts, given the context's argmin (`context_lowest`) and the token leaving the recent
+// window (`leaving`). The authors' code (`paper_order` false) evicts from the context as it stands; the paper's
+// Algorithm 1 lets the leaving token join the context first, so it is evicted itself when its score is the lowest
+// (ties go to the context token, the lower slot).
+KVCOMP_HOST_DEVICE inline SlotChoice evicted_slot(SlotChoice context_lowest, SlotChoice leaving, bool paper_order) {
+  return paper_order ? KeepBetter<EvictsFirst>{}(context_lowest, leaving) : context_lowest;
+}
+
 }  // namespace kvcomp::kernels

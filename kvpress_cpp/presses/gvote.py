@@ -5,14 +5,22 @@ Per layer, at prefill only (``../shared/docs/methods.md``):
 2. the attention input is summarised by its per-channel mean and variance over the non-sink tokens;
 3. S future queries are sampled from that Gaussian (seeded), projected by the layer's q projection (and q_norm),
    and rotated with RoPE averaged over the n_f positions after the prompt;
-4. every sample keeps its top-budget keys; a kv head keeps the union over its query heads' samples, plus the sinks.
+4. every sample keeps its top-budget keys; a kv head keeps the union over its query heads' samples (plus the sinks
+   with ``keep_sinks``).
 The result has a different length per head: each layer is compacted to its longest head, the rest padded with -inf.
-The compression ratio chosen is readable after a run (per layer and overall).
+The compression ratio chosen is readable after a run (per layer and overall): ``compression_ratio`` is the paper's
+(the mean over heads of the slots removed), ``memory_compression_ratio`` what the compacted cache really frees (each
+layer holds its longest head).
+
+Two options are not in the paper (deviations, off by default): ``recent`` keeps the last tokens of every head, and
+``budget_queries`` takes each head's budget from the mean attention of the last w prompt queries instead of the
+last one. On a small model the paper's form can drop the question's own tokens in some heads and give a head a
+budget of a few tokens (README, "GVote").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +40,12 @@ class GVotePress(KVCompPress):
         nucleus_p: p_nuc of the budget (paper default 0.95).
         num_samples: S sampled future queries per layer (paper default 8).
         future_positions: n_f positions after the prompt whose rotary tables are averaged (512).
-        sinks: leading tokens always kept (4).
+        sinks: n_s, leading tokens left out of the hidden-state statistics (paper step 2; it gives no value: 4).
+        keep_sinks: also keep those n_s tokens in every head (methods.md's form; the paper, and the default, keep the
+            union alone: the demo's needle benchmark measured no difference, README "GVote").
+        recent: deviation from the paper: the last tokens of the prompt, always kept (0: none).
+        budget_queries: deviation from the paper: w, each head's budget is the top-p size of the mean attention of
+            the last w prompt queries (1: the last query alone, the paper).
         seed: seed of the Gaussian samples (each layer draws from seed + layer index).
         chunk_size: (sample, head) rows whose logits are held at once (peak memory chunk_size × T, not S × T).
     """
@@ -41,8 +54,12 @@ class GVotePress(KVCompPress):
     num_samples: int = 8
     future_positions: int = 512
     sinks: int = 4
+    keep_sinks: bool = False
+    recent: int = 0
+    budget_queries: int = 1
     seed: int = 0
     chunk_size: int = 64
+    layer_memory_compression_ratios: dict[int, float] = field(default_factory=dict, init=False, repr=False)
 
     #: Its inputs (the last query's attention, the hidden-state statistics) need no one-slot-per-token prompt.
     compresses_compressed_prompt = True
@@ -50,25 +67,43 @@ class GVotePress(KVCompPress):
     def __post_init__(self):
         if not 0 < self.nucleus_p <= 1:
             raise ValueError(f"GVotePress: nucleus_p must be in (0, 1], got {self.nucleus_p}")
-        for name in ("num_samples", "future_positions", "chunk_size"):
+        for name in ("num_samples", "future_positions", "chunk_size", "budget_queries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GVotePress: {name} must be ≥ 1, got {getattr(self, name)}")
         if self.sinks < 0:
             raise ValueError(f"GVotePress: sinks must be ≥ 0, got {self.sinks}")
+        if self.recent < 0:
+            raise ValueError(f"GVotePress: recent must be ≥ 0, got {self.recent}")
+
+    @property
+    def memory_compression_ratio(self) -> float:
+        """Fraction of the prompt's cache memory freed, averaged over the layers of the last run: each layer holds
+        its longest head (the others padded), so this is at most ``compression_ratio``."""
+        ratios = self.layer_memory_compression_ratios
+        return sum(ratios.values()) / len(ratios) if ratios else 0.0
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        if module.layer_idx == 0:
+            self.layer_memory_compression_ratios = {}
         budgets = self._nucleus_budgets(module, hidden_states, keys, values, log_weights, kwargs)
         future_queries = self._sample_future_queries(module, hidden_states)
-        keep = ops.gvote_union_mask(keys, future_queries.to(keys.dtype), budgets, self.sinks, module.scaling,
-                                    self.chunk_size)
+        keep = ops.gvote_union_mask(keys, future_queries.to(keys.dtype), budgets,
+                                    self.sinks if self.keep_sinks else 0, module.scaling, self.chunk_size)
+        if self.recent:
+            keep[..., -self.recent:] = True
+        length = keys.shape[-2]
+        self.layer_memory_compression_ratios[module.layer_idx] = 1.0 - float(keep.sum(-1).max()) / length
         return compact_to_longest_head(keys, values, keep, log_weights)
 
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
-        """Step 1: (B, Hq) top-p sizes of the last prompt query's attention."""
+        """Step 1: (B, Hq) top-p sizes of the last prompt query's attention (of the mean attention of the last
+        ``budget_queries`` queries)."""
         cos, sin = kwargs["position_embeddings"]
-        last = query_states(module, hidden_states[:, -1:], {"position_embeddings": (cos[:, -1:], sin[:, -1:])})
+        count = min(self.budget_queries, hidden_states.shape[1])
+        last = query_states(module, hidden_states[:, -count:],
+                            {"position_embeddings": (cos[:, -count:], sin[:, -count:])})
         _, probs = ops.decode_attention(last, keys, values, log_weights, module.scaling)
-        return ops.nucleus_budget(probs[:, :, 0], self.nucleus_p)
+        return ops.nucleus_budget(probs.mean(2), self.nucleus_p)
 
     def _sample_future_queries(self, module, hidden_states) -> torch.Tensor:
         """Steps 2-3: (B, Hq, S, d) queries of Gaussian samples of the attention input, with averaged RoPE."""

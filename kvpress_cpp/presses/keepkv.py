@@ -1,10 +1,11 @@
 """KeepKV ("KeepKV: Eliminating Output Perturbation in KV Cache Compression for Efficient LLMs Inference").
 
 Each layer and kv head keeps at most M slots: 4 sinks, the recent window R and the heavy hitters of highest EMA score
-estimate ``ŝ_t = S_t / (1 - β^t)`` (eq. 8, ``S_t = β S_{t-1} + (1-β) s_t`` with s the attention averaged over the
-query heads of the group, initialised from the last R prompt queries). Every evicted slot merges into the retained
-slot of highest key cosine similarity if that similarity reaches the threshold (ZIP merge, eq. 7, set form), else it
-is dropped. A slot carries its electoral votes p, attended with the bias ln p (α = 1) through the shared attention
+estimate ``ŝ = S / (1 - β^t)`` (eq. 8, ``S ← β S + (1-β) s``), with s the unnormalised score exp(q·k·scale) of one
+token of the slot (the vote bias ln p left out), averaged over the query heads of the group, initialised from the
+last R prompt queries, and t the slot's own age (the queries that have seen it). S is kept in the log domain. Every
+evicted slot merges into the retained slot of highest key cosine similarity if that similarity reaches the threshold
+(ZIP merge, eq. 7, set form, fed ln ŝ), else it is dropped. A slot carries its electoral votes p, attended with the bias ln p (α = 1) through the shared attention
 path. A kvpress scorer may choose the prompt's heavy hitters instead of ŝ; the budget may decay across layers
 (PyramidInfer-style). Numerics and defaults: ``../shared/docs/methods.md``.
 """
@@ -19,14 +20,10 @@ from kvpress.presses.scorer_press import ScorerPress
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
-from kvpress_cpp.distributed import query_group_size
-from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.base import KVCompDecodingPress, query_states
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["KeepKVPress"]
-
-# Floor under ŝ before its log enters the ZIP merge (a slot never attended has ŝ = 0).
-_SCORE_FLOOR = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -107,13 +104,16 @@ class KeepKVPress(KVCompDecodingPress):
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
                              f"hitter after {self.sinks} sinks and a recent window of {self.recent}; raise the budget "
                              f"or lower sinks / recent")
-        group_size = query_group_size(module)
         steps = min(self.recent, length)
-        ema = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.ema_decay,
-                                    (1 - self.ema_decay) / group_size, first_query=length - steps)
-        votes = torch.ones_like(ema)
-        state = LayerState(log_weights, {"ema": ema, "votes": votes},
-                           {"steps": steps, "budget": budget, "tokens_seen": length, "group_size": group_size})
+        queries = query_states(module, hidden_states[:, length - steps:], _last_positions(kwargs, steps))
+        logits = _group_logits(queries, keys, module.scaling)
+        causal = torch.arange(length, device=keys.device) > torch.arange(length - steps, length,
+                                                                          device=keys.device).unsqueeze(-1)
+        log_ema, age = self._fold(_empty_like_slots(log_weights, float("-inf")), _empty_like_slots(log_weights, 0.0),
+                                  logits.masked_fill(causal, float("-inf")))
+        votes = torch.ones_like(log_ema)
+        state = LayerState(log_weights, {"log_ema": log_ema, "age": age, "votes": votes},
+                           {"budget": budget, "tokens_seen": length})
         # Tokens dropped without merge (the votes of the slots dropped), per (batch, kv head): a (B, H) float32
         # tensor kept on the device (an int would cost a host sync per step).
         state.counters["dropped"] = torch.zeros(keys.shape[:2], dtype=torch.float32, device=keys.device)
@@ -129,42 +129,65 @@ class KeepKVPress(KVCompDecodingPress):
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
-        state.per_slot["ema"] = ops.update_scores(state.per_slot["ema"], attentions, self.ema_decay,
-                                                  (1 - self.ema_decay) / state.counters["group_size"])
-        state.per_slot["votes"] = torch.nn.functional.pad(state.per_slot["votes"], (0, new_tokens), value=1.0)
-        state.counters["steps"] += new_tokens
+        pad = (0, new_tokens)
+        log_weights = torch.nn.functional.pad(state.log_weights, pad)
+        logits = _logits_from_probabilities(query_states(module, hidden_states, kwargs), keys, log_weights,
+                                            attentions, module.scaling)
+        state.per_slot["log_ema"], state.per_slot["age"] = self._fold(
+            torch.nn.functional.pad(state.per_slot["log_ema"], pad, value=float("-inf")),
+            torch.nn.functional.pad(state.per_slot["age"], pad), logits)
+        state.per_slot["votes"] = torch.nn.functional.pad(state.per_slot["votes"], pad, value=1.0)
         state.counters["tokens_seen"] += new_tokens
         if keys.shape[-2] <= state.counters["budget"]:
             state.log_weights = ops.merge_count_bias(state.per_slot["votes"], 1.0)
             return keys, values, state
         return self._evict(keys, values, state)
 
-    def estimate(self, state: LayerState) -> torch.Tensor:
-        """ŝ (B, H, T): the bias-corrected EMA."""
-        return state.per_slot["ema"] / (1 - self.ema_decay ** state.counters["steps"])
+    def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor):
+        """Fold the last q tokens' queries, in order, into the EMA of every slot: ``S ← β S + (1-β) s̄`` with s̄ the
+        group mean of exp(logits), in the log domain, and each slot's age grown by the queries that see it.
+
+        log_ema, age: (B, H, T) of the slots (-inf and 0 for the new ones); logits (B, H, G, q, T) float32, -inf where
+        a query does not see a slot."""
+        group, queries = logits.shape[2], logits.shape[3]
+        log_decay = math.log(self.ema_decay)
+        log_mean = torch.logsumexp(logits, dim=2) - math.log(group)  # (B, H, q, T)
+        # Query j is multiplied by β once for each later query: weight (1-β) β^(q-1-j).
+        weights = math.log1p(-self.ema_decay) + log_decay * torch.arange(
+            queries - 1, -1, -1, dtype=torch.float32, device=logits.device)
+        folded = torch.logsumexp(log_mean + weights.unsqueeze(-1), dim=-2)
+        log_ema = torch.logaddexp(log_ema + queries * log_decay, folded)
+        # The queries are the last q tokens: slot i is seen by min(q, T - i) of them (causal).
+        length = logits.shape[-1]
+        seen = (length - torch.arange(length, device=logits.device)).clamp_max(queries)
+        return log_ema, age + seen
+
+    def log_estimate(self, state: LayerState) -> torch.Tensor:
+        """ln ŝ (B, H, T): the bias-corrected EMA of each slot's per-token score, corrected by its own age."""
+        return state.per_slot["log_ema"] - _log1mexp(state.per_slot["age"] * math.log(self.ema_decay))
 
     def _evict(self, keys, values, state: LayerState, ranking: torch.Tensor | None = None):
         """Evict the slots beyond the budget of lowest ranking (ŝ by default) among neither the sinks nor the recent
         window, merging each into its most similar retained slot where the similarity reaches the threshold."""
         length, budget = keys.shape[-2], state.counters["budget"]
-        estimate = self.estimate(state)
-        ranking = (estimate if ranking is None else ranking).nan_to_num(nan=float("-inf"))
+        log_estimate = self.log_estimate(state)
+        ranking = (log_estimate if ranking is None else ranking).nan_to_num(nan=float("-inf"))
         protected = torch.zeros(length, dtype=torch.bool, device=keys.device)
         protected[:self.sinks] = True
         protected[length - self.recent:] = True
         ranking = ranking.masked_fill(state.per_slot["votes"] <= 0, float("-inf")).masked_fill(protected, float("inf"))
         evicted = torch.topk(ranking, length - budget, dim=-1, largest=False).indices
         keep = torch.ones_like(ranking, dtype=torch.bool).scatter(-1, evicted, False)
-        return self._merge_and_compact(keys, values, state, keep, estimate)
+        return self._merge_and_compact(keys, values, state, keep, log_estimate)
 
-    def _merge_and_compact(self, keys, values, state: LayerState, keep: torch.Tensor, estimate: torch.Tensor):
+    def _merge_and_compact(self, keys, values, state: LayerState, keep: torch.Tensor, log_estimate: torch.Tensor):
         targets = ops.keepkv_match(keys, keep, self.similarity_threshold)
         # A dropped slot drops every token it stands for (its votes; 0 for a slot merged away by merge_first).
         dropped = state.per_slot["votes"].masked_fill(targets != -2, 0.0).sum(-1)
         state.counters["dropped"] = state.counters["dropped"] + dropped
-        keys, values, votes, ema = self._zip(keys, values, state, targets, estimate)
-        keys, values, compacted = compact_to_longest_head(keys, values, keep, torch.zeros_like(votes),
-                                                          {"ema": ema, "votes": votes})
+        keys, values, merged_state = self._zip(keys, values, state, targets, log_estimate)
+        keys, values, compacted = compact_to_longest_head(keys, values, keep, torch.zeros_like(log_estimate),
+                                                          merged_state)
         state.per_slot = compacted.per_slot
         state.log_weights = ops.merge_count_bias(state.per_slot["votes"], 1.0)
         return keys, values, state
@@ -177,31 +200,78 @@ class KeepKVPress(KVCompDecodingPress):
         count = length - self.sinks - self.recent
         if count < 2:
             return keys, values, state
-        estimate = self.estimate(state)
+        log_estimate = self.log_estimate(state)
         middle = torch.zeros(length, dtype=torch.bool, device=keys.device)
         middle[self.sinks:length - self.recent] = True
-        ranking = estimate.nan_to_num(nan=float("-inf")).masked_fill(~middle, float("inf"))
+        ranking = log_estimate.nan_to_num(nan=float("-inf")).masked_fill(~middle, float("inf"))
         lower = torch.topk(ranking, count // 2, dim=-1, largest=False).indices
         keep = torch.ones_like(ranking, dtype=torch.bool).scatter(-1, lower, False)
         targets = ops.keepkv_match(keys, keep, self.similarity_threshold)
         targets = torch.where(targets == -2, -1, targets)  # no similar partner: stays, for the eviction by score
         merged = targets >= 0
-        keys, values, votes, ema = self._zip(keys, values, state, targets, estimate)
-        state.per_slot = {"ema": ema.masked_fill(merged, 0.0), "votes": votes.masked_fill(merged, 0.0)}
+        keys, values, merged_state = self._zip(keys, values, state, targets, log_estimate)
+        merged_state["log_ema"] = merged_state["log_ema"].masked_fill(merged, float("-inf"))
+        merged_state["votes"] = merged_state["votes"].masked_fill(merged, 0.0)
+        state.per_slot = merged_state
         return keys, values, state
 
-    def _zip(self, keys, values, state: LayerState, targets: torch.Tensor, estimate: torch.Tensor):
-        """ZIP-merge the slots with a target ≥ 0 into it: (keys, values, votes, EMA); a merged slot's EMA is the sum
-        of its set's (theorem 3: it is attended as they were)."""
-        votes, ema = state.per_slot["votes"], state.per_slot["ema"]
-        # ŝ estimates the attention p·s of a slot of p votes (the bias ln p is in the attention that fed it); the ZIP
-        # merge wants the score s of one of its tokens.
-        log_scores = (estimate / votes.clamp_min(1.0)).clamp_min(_SCORE_FLOOR).log()
-        keys, values, votes = ops.keepkv_zip_merge(keys, values, votes, log_scores, targets, self.convex)
-        merged = targets >= 0
+    def _zip(self, keys, values, state: LayerState, targets: torch.Tensor, log_estimate: torch.Tensor):
+        """ZIP-merge the slots with a target ≥ 0 into it → keys, values and the per-slot state (log_ema, age, votes).
+
+        The merged slot's ŝ is the vote-weighted mean Σ p ŝ / Σ p of its set, which is what eq. 7's key scores for
+        a query whose scores were ŝ (theorem 3), and its age the oldest of the set's."""
+        votes = state.per_slot["votes"]
+        keys, values, merged_votes = ops.keepkv_zip_merge(keys, values, votes, log_estimate, targets, self.convex)
         slot = torch.arange(targets.shape[-1], device=targets.device).expand_as(targets)
-        ema = ema.scatter_add(-1, torch.where(merged, targets, slot), torch.where(merged, ema, 0.0))
-        return keys, values, votes, ema
+        owner = torch.where(targets >= 0, targets, slot)
+        weighted = log_estimate + votes.log()
+        peak = torch.full_like(weighted, float("-inf")).scatter_reduce(-1, owner, weighted, "amax")
+        peak = peak.masked_fill(~torch.isfinite(peak), 0.0)
+        mass = torch.zeros_like(weighted).scatter_add(-1, owner, (weighted - peak.gather(-1, owner)).exp())
+        merged_estimate = (peak + mass.log() - merged_votes.log()).masked_fill(merged_votes <= 0, float("-inf"))
+        age = state.per_slot["age"].scatter_reduce(-1, owner, state.per_slot["age"], "amax")
+        log_ema = merged_estimate + _log1mexp(age * math.log(self.ema_decay))
+        return keys, values, {"log_ema": log_ema, "age": age, "votes": merged_votes}
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """ln(1 - e^x) for x ≤ 0, accurate at both ends (-inf at x = 0)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _empty_like_slots(like: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.full_like(like, value, dtype=torch.float32)
+
+
+def _last_positions(kwargs: dict, count: int) -> dict:
+    """The layer kwargs with the rotary tables of the last `count` positions only."""
+    cos, sin = kwargs["position_embeddings"]
+    return {**kwargs, "position_embeddings": (cos[:, -count:], sin[:, -count:])}
+
+
+def _group_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q·k·scale (B, H, G, q, T) float32 of queries (B, Hq, q, d) over keys (B, H, T, d), query head h·G + g reading
+    kv head h."""
+    batch, kv_heads = keys.shape[:2]
+    grouped = queries.float().view(batch, kv_heads, -1, *queries.shape[-2:])
+    return grouped @ keys.float().unsqueeze(2).transpose(-1, -2) * scale
+
+
+def _logits_from_probabilities(queries: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
+                               probabilities: torch.Tensor, scale: float) -> torch.Tensor:
+    """The logits q·k·scale (B, H, G, q, T) of the attention that gave `probabilities` (B, Hq, q, T), -inf where a
+    probability is 0, without a second pass over the keys: ``ln p = ℓ + b - LSE``, and each row's LSE comes from
+    the one slot of largest probability (its logit computed directly, one dot product per row)."""
+    batch, kv_heads = keys.shape[:2]
+    probabilities = probabilities.view(batch, kv_heads, -1, *probabilities.shape[-2:])  # (B, H, G, q, T)
+    top = probabilities.argmax(-1, keepdim=True)  # (B, H, G, q, 1)
+    grouped = queries.float().view(batch, kv_heads, -1, *queries.shape[-2:])  # (B, H, G, q, d)
+    top_keys = keys.float().unsqueeze(2).expand(-1, -1, grouped.shape[2], -1, -1).gather(
+        -2, top.squeeze(-1).unsqueeze(-1).expand(-1, -1, -1, -1, keys.shape[-1]))  # (B, H, G, q, d)
+    bias = log_weights.unsqueeze(2).unsqueeze(2)  # (B, H, 1, 1, T)
+    top_logit = (grouped * top_keys).sum(-1, keepdim=True) * scale
+    log_normaliser = top_logit + bias.expand_as(probabilities).gather(-1, top) - probabilities.gather(-1, top).log()
+    return torch.where(probabilities > 0, probabilities.log() - bias + log_normaliser, float("-inf"))
 
 
 def pyramid_budgets(budget: int, num_layers: int, amplitude: float = 0.5) -> list[int]:

@@ -17,12 +17,13 @@ from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.distributed import query_group_size
 from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["WeightedKVPress"]
 
 
 @dataclass
-class WeightedKVPress(KVCompDecodingPress):
+class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     """WeightedKV in prefill and at every decoding step.
 
     Attributes:
@@ -31,6 +32,8 @@ class WeightedKVPress(KVCompDecodingPress):
         sinks: leading tokens never evicted (paper: 4).
         recent: the recent window never evicted (paper default m/2 - 4 when None).
         evict_only: the paper's ablation: evict the key and the value, merge nothing.
+        prefill_chunk_size: stream the prompt through ``generate`` in chunks of this many tokens, compressing
+            as it goes (``kvpress_cpp.presses.streaming``); None: one forward, compressed at its end.
     """
 
     budget_field = "cache_size"  # compression_ratio = 1 - cache_size (kvpress: fraction removed)
@@ -39,6 +42,7 @@ class WeightedKVPress(KVCompDecodingPress):
     sinks: int = 4
     recent: int | None = None
     evict_only: bool = False
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (
@@ -49,6 +53,7 @@ class WeightedKVPress(KVCompDecodingPress):
             raise ValueError(f"WeightedKVPress: sinks must be ≥ 0, got {self.sinks}")
         if self.recent is not None and self.recent < 1:
             raise ValueError(f"WeightedKVPress: recent must be ≥ 1, got {self.recent}")
+        self.check_prefill_chunk_size(self.cache_size)
 
     def regions(self, prompt_length: int) -> tuple[int, int, int]:
         """(m, sinks, recent) for a prompt of this length."""

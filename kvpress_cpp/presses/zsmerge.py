@@ -4,7 +4,7 @@ Each layer and kv head holds at most M = Bp + Bc + Br slots: the Bp most recent 
 highest contribution score, and Br residual slots into which evicted tokens are merged. Scores decay (eq. 5,
 ``s ← λ·s + a`` with a the attention summed over the query heads of the group); a merged slot standing for w tokens
 is attended with the bias α·ln w (eq. 8) through the shared attention path. Order of operations and defaults follow
-the authors' code (``../shared/docs/methods.md``).
+the authors' code unless ``eviction_order="paper"`` (``../shared/docs/methods.md``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["ZSMergePress"]
 
 
 @dataclass
-class ZSMergePress(KVCompDecodingPress):
+class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     """ZSMerge in prefill and at every decoding step.
 
     Attributes:
@@ -33,6 +34,11 @@ class ZSMergePress(KVCompDecodingPress):
         alpha: α of the merge-count bias α·ln w (eq. 8; 0 is pure eviction).
         prefill_merge: "contiguous" (default: the evicted prompt tokens form Br contiguous groups, averaged) or
             "similarity" (eqs. 6-7 applied token by token to the prompt beyond the budget, as in decoding).
+        eviction_order: which token a full cache evicts at a decoding step: "authors" (the authors' code: the lowest
+            score of the context as it stands, before the token leaving the recent window joins it) or "paper"
+            (Algorithm 1: the leaving token joins the context first and may be the one evicted).
+        prefill_chunk_size: stream the prompt through ``generate`` in chunks of this many tokens, compressing
+            as it goes (``kvpress_cpp.presses.streaming``); None: one forward, compressed at its end.
     """
 
     budget_field = "budget"  # compression_ratio = 1 - budget (kvpress: fraction removed)
@@ -43,6 +49,8 @@ class ZSMergePress(KVCompDecodingPress):
     decay: float = 0.98
     alpha: float = 0.6
     prefill_merge: str = "contiguous"
+    eviction_order: str = "authors"
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not (
@@ -59,6 +67,9 @@ class ZSMergePress(KVCompDecodingPress):
             raise ValueError(f"ZSMergePress: alpha must be in [0, 1], got {self.alpha}")
         if self.prefill_merge not in ("contiguous", "similarity"):
             raise ValueError(f"ZSMergePress: prefill_merge must be 'contiguous' or 'similarity', got {self.prefill_merge!r}")
+        if self.eviction_order not in ("authors", "paper"):
+            raise ValueError(f"ZSMergePress: eviction_order must be 'authors' or 'paper', got {self.eviction_order!r}")
+        self.check_prefill_chunk_size(self.budget)
 
     def split(self, prompt_length: int) -> tuple[int, int, int]:
         """(Bp, Bc, Br) for a prompt of this length."""
@@ -112,7 +123,7 @@ class ZSMergePress(KVCompDecodingPress):
             keys, values = keys.contiguous(), values.contiguous()
             scores, counts = scores.contiguous(), counts.contiguous()
             ops.zsmerge_decode_step(keys, values, scores, counts, state.counters["ring_position"], recent, context,
-                                    residual)
+                                    residual, paper_order=self.eviction_order == "paper")
             state.counters["ring_position"] = (state.counters["ring_position"] + new_tokens) % recent
         state.per_slot = {"scores": scores[..., :budget], "counts": counts[..., :budget]}
         state.log_weights = ops.merge_count_bias(state.per_slot["counts"], self.alpha)

@@ -137,6 +137,16 @@ TEST(ZSMergeKernels, OldestRecentSlotWalksTheRing) {
   EXPECT_EQ(slots, (std::vector<int64_t>{7, 8, 6, 7, 8}));
 }
 
+TEST(ZSMergeKernels, PaperOrderLetsTheLeavingRecentTokenBeEvicted) {
+  using kvcomp::kernels::evicted_slot;
+  const SlotChoice context_lowest{0.3f, 4}, leaving_lower{0.1f, 9}, leaving_higher{0.5f, 9}, leaving_tied{0.3f, 9};
+  EXPECT_EQ(evicted_slot(context_lowest, leaving_lower, true).slot, 9);
+  EXPECT_EQ(evicted_slot(context_lowest, leaving_higher, true).slot, 4);
+  EXPECT_EQ(evicted_slot(context_lowest, leaving_tied, true).slot, 4);  // ties keep the leaving token
+  EXPECT_EQ(evicted_slot(context_lowest, {kNan, 9}, true).slot, 4);     // NaN counts as +inf
+  EXPECT_EQ(evicted_slot(context_lowest, leaving_lower, false).slot, 4);  // the authors' order never takes it
+}
+
 // ----------------------------------------------------------------------------------------------------------------
 // The ATen selection of the prefill (what the CUDA kernel runs), here on CPU tensors, against a stable sort.
 

@@ -1,0 +1,45 @@
+"""Streaming prefill for the presses whose papers compress a prompt as it streams in (ZSMerge, WeightedKV).
+
+With ``prefill_chunk_size`` set, ``generate`` under the press feeds the prompt in chunks of that many tokens
+(transformers' ``GenerationConfig.prefill_chunk_size``): the first chunk is the press's prefill, every later one a
+decoding pass of several tokens, so the cache never holds more than the budget plus one chunk, and every prompt
+token is scored by the queries that follow it over the compressed cache, as in the papers' token-by-token streams
+(a chunk of 1 is exactly that). kvpress's pipeline prefills the context with one forward of its own, so there the
+option does not apply.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+__all__ = ["StreamingPrefill"]
+
+
+class StreamingPrefill:
+    """Mixin of a press dataclass with a field ``prefill_chunk_size: int | None`` (None: the whole prompt in one
+    forward)."""
+
+    prefill_chunk_size: int | None
+
+    def check_prefill_chunk_size(self, budget: int | float) -> None:
+        """Validate the option; `budget` is the press's cache budget, which must then be a token count."""
+        chunk, name = self.prefill_chunk_size, type(self).__name__
+        if chunk is None:
+            return
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"{name}: prefill_chunk_size must be None or an int ≥ 1, got {chunk!r}")
+        if isinstance(budget, float):
+            raise ValueError(f"{name}: prefill_chunk_size needs a budget in tokens, got the fraction {budget!r} (the "
+                             f"prompt's length is unknown while it streams in)")
+
+    @contextmanager
+    def __call__(self, model):
+        config = model.generation_config
+        before = config.prefill_chunk_size
+        if self.prefill_chunk_size is not None:
+            config.prefill_chunk_size = self.prefill_chunk_size
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            config.prefill_chunk_size = before

@@ -1,0 +1,369 @@
+"""The five methods as plain PyTorch, written from the papers and ``../shared/docs/methods.md`` (not from
+kvpress_cpp's ops or presses), for the end-to-end tests (tests/test_end_to_end_methods.py).
+
+Each reference follows one attention layer: it is fed, at every forward, the layer's new queries (post-RoPE), keys,
+values and attention input as the model computed them, keeps its own cache per (batch, kv head) in float64 with
+Python-level loops, and exposes that cache in the slot layout the method describes. It computes every attention
+probability, score, choice and merge itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LayerInputs", "ZSMerge", "WeightedKV", "KeepKV", "GVote", "KVzap"]
+
+
+@dataclass
+class LayerInputs:
+    """What one forward of one attention layer saw: queries (B, Hq, q, d), keys and values (B, H, q, d) of the q new
+    tokens, the attention input (B, q, Dh), the attention scale, the layer index and the attention module."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    hidden: torch.Tensor
+    scale: float
+    layer_idx: int
+    module: torch.nn.Module
+
+    def every_head(self):
+        """(b, h, queries, keys, values) of every (batch, kv head), as ``head``."""
+        for b in range(self.keys.shape[0]):
+            for h in range(self.keys.shape[1]):
+                yield b, h, *self.head(b, h)
+
+    def head(self, b: int, h: int):
+        """(queries (G, q, d), keys (q, d), values (q, d)) of one (batch, kv head), float64."""
+        group = self.queries.shape[1] // self.keys.shape[1]
+        return (self.queries[b, h * group:(h + 1) * group].double(), self.keys[b, h].double(),
+                self.values[b, h].double())
+
+
+def probabilities(queries: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q·k·scale + bias) (G, q, n) of the q newest of n slots (causal among them)."""
+    logits = queries @ keys.T * scale + bias
+    q, n = queries.shape[-2], keys.shape[0]
+    hidden = torch.arange(n) > (n - q + torch.arange(q)).unsqueeze(-1)
+    return logits.masked_fill(hidden, float("-inf")).softmax(-1)
+
+
+def first_argmin(values: list[float]) -> int:
+    return min(range(len(values)), key=lambda i: (values[i], i))
+
+
+class ZSMerge:
+    """ZSMerge (paper §3, Algorithm 1) with the methods.md defaults. Layout: [residual | context | recent ring]."""
+
+    def __init__(self, budget: int, recent_fraction: float = 0.4, residual: int = 1, decay: float = 0.98,
+                 alpha: float = 0.6, paper_order: bool = False):
+        self.recent = max(1, round(recent_fraction * budget))
+        self.residual, self.context = residual, budget - self.recent - residual
+        self.decay, self.alpha, self.paper_order = decay, alpha, paper_order
+        self.heads = {}
+        self.leaving_evicted = 0  # steps where the paper's order evicted the token leaving the recent window
+
+    def prefill(self, x: LayerInputs) -> None:
+        for b, h, queries, keys, values in x.every_head():
+            tokens = keys.shape[0]
+            assert tokens > self.recent + self.context + self.residual, "the test prompts exceed the budget"
+            attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale)
+            decays = self.decay ** torch.arange(tokens - 1, -1, -1, dtype=torch.float64)
+            score = (attention * decays.unsqueeze(-1)).sum((0, 1)).tolist()  # Σ_g Σ_j λ^(T-1-j) A[j, i]
+            older = range(tokens - self.recent)
+            context = sorted(sorted(older, key=lambda i: (-score[i], i))[:self.context])
+            merged = [i for i in older if i not in context]
+            groups, start = [], 0
+            for group in range(self.residual):
+                size = len(merged) // self.residual + (group < len(merged) % self.residual)
+                groups.append(merged[start:start + size])
+                start += size
+            slots = [dict(key=keys[g].mean(0), value=values[g].mean(0), count=float(len(g)),
+                          score=max(score[i] for i in g)) for g in groups]
+            slots += [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
+                      for i in context + list(range(tokens - self.recent, tokens))]
+            self.heads[b, h] = {"slots": slots, "ring": 0}
+
+    def decode(self, x: LayerInputs) -> None:
+        for (b, h), head in self.heads.items():
+            queries, keys, values = x.head(b, h)
+            assert keys.shape[0] == 1, "generate decodes one token per forward"
+            slots = head["slots"]
+            bias = torch.tensor([self.alpha * math.log(slot["count"]) for slot in slots] + [0.0], dtype=torch.float64)
+            all_keys = torch.stack([slot["key"] for slot in slots] + [keys[0]])
+            attention = probabilities(queries, all_keys, bias, x.scale).sum((0, 1))  # eq. 5, summed over the group
+            for slot, a in zip(slots, attention[:-1].tolist()):
+                slot["score"] = self.decay * slot["score"] + a
+            new = dict(key=keys[0], value=values[0], count=1.0, score=float(attention[-1]))
+            first_context = self.residual
+            leaving = first_context + self.context + head["ring"]
+            candidates = list(range(first_context, first_context + self.context))
+            if self.paper_order:  # Algorithm 1: the token leaving the recent window joins the context first
+                candidates.append(leaving)
+            evicted = candidates[first_argmin([slots[i]["score"] for i in candidates])]
+            if self.residual:
+                victim = slots[evicted]
+                target = max(range(self.residual), key=lambda j: (float(slots[j]["key"] @ victim["key"]), -j))
+                into = slots[target]
+                total = victim["count"] + into["count"]
+                into["key"] = (victim["count"] * victim["key"] + into["count"] * into["key"]) / total
+                into["value"] = (victim["count"] * victim["value"] + into["count"] * into["value"]) / total
+                into["count"], into["score"] = total, max(victim["score"], into["score"])
+            if evicted != leaving:
+                slots[evicted] = slots[leaving]
+            else:
+                self.leaving_evicted += 1
+            slots[leaving] = new
+            head["ring"] = (head["ring"] + 1) % self.recent
+
+    def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
+        slots = self.heads[b, h]["slots"]
+        counts = torch.tensor([slot["count"] for slot in slots], dtype=torch.float64)
+        return {"keys": torch.stack([slot["key"] for slot in slots]),
+                "values": torch.stack([slot["value"] for slot in slots]),
+                "log_weights": self.alpha * counts.log(), "counts": counts,
+                "scores": torch.tensor([slot["score"] for slot in slots], dtype=torch.float64)}
+
+
+class WeightedKV:
+    """WeightedKV (paper Algorithm 1): running attention sums a and counts n, evict the key of the lowest mean a/n in
+    the middle region and fold its value into its right neighbour. No attention bias."""
+
+    def __init__(self, size: int, sinks: int = 4, recent: int | None = None):
+        self.size, self.sinks = size, sinks
+        self.recent = recent if recent is not None else size // 2 - 4
+        self.heads = {}
+
+    def prefill(self, x: LayerInputs) -> None:
+        for b, h, queries, keys, values in x.every_head():
+            tokens = keys.shape[0]
+            attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale).mean(0)
+            head = {"keys": list(keys), "values": list(values), "sums": attention.sum(0).tolist(),
+                    "counts": [float(tokens - i) for i in range(tokens)]}
+            while len(head["keys"]) > self.size:
+                self.evict(head)
+            self.heads[b, h] = head
+
+    def decode(self, x: LayerInputs) -> None:
+        for (b, h), head in self.heads.items():
+            queries, keys, values = x.head(b, h)
+            all_keys = torch.stack(head["keys"] + [keys[0]])
+            attention = probabilities(queries, all_keys, torch.zeros(len(all_keys), dtype=torch.float64),
+                                      x.scale).mean((0, 1))
+            head["keys"].append(keys[0])
+            head["values"].append(values[0])
+            head["sums"] = [a + t for a, t in zip(head["sums"] + [0.0], attention.tolist())]
+            head["counts"] = [n + 1 for n in head["counts"] + [0.0]]
+            if len(head["keys"]) > self.size:
+                self.evict(head)
+
+    def evict(self, head: dict) -> None:
+        mean = [a / n for a, n in zip(head["sums"], head["counts"])]
+        middle = range(self.sinks, len(mean) - self.recent)
+        j = middle[first_argmin([mean[i] for i in middle])]
+        values = head["values"]
+        values[j + 1] = (mean[j] * values[j] + mean[j + 1] * values[j + 1]) / (mean[j] + mean[j + 1])
+        for name in ("keys", "values", "sums", "counts"):
+            del head[name][j]
+
+    def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
+        head = self.heads[b, h]
+        return {"keys": torch.stack(head["keys"]), "values": torch.stack(head["values"]),
+                "log_weights": torch.zeros(len(head["keys"]), dtype=torch.float64),
+                "counts": torch.tensor(head["counts"], dtype=torch.float64),
+                "scores": torch.tensor(head["sums"], dtype=torch.float64)}
+
+
+class KeepKV:
+    """KeepKV (paper eqs. 7-8 as methods.md records them): electoral votes p attended as ln p, EMA score estimates
+    ŝ = S / (1 - β^t) of s = exp(q·k·scale) (group mean, t the slot's own age), 4 sinks, a recent window, the heavy
+    hitters of highest ŝ; each evicted slot merges into its most cosine-similar retained slot (ZIP merge, eq. 7) if
+    the similarity reaches the threshold, else it is dropped. A merged slot's ŝ is Σ p ŝ / Σ p (what eq. 7's key
+    scores for a query whose scores were ŝ) and its age the oldest of its set's."""
+
+    def __init__(self, budget: int, sinks: int = 4, recent: int = 32, threshold: float = 0.8, beta: float = 0.9):
+        self.budget, self.sinks, self.recent, self.threshold, self.beta = budget, sinks, recent, threshold, beta
+        self.heads = {}
+
+    def prefill(self, x: LayerInputs) -> None:
+        for b, h, queries, keys, values in x.every_head():
+            tokens = keys.shape[0]
+            head = {"keys": list(keys), "values": list(values), "votes": [1.0] * tokens,
+                    "ema": [0.0] * tokens, "age": [0] * tokens}
+            steps = min(self.recent, tokens)
+            for j in range(tokens - steps, tokens):  # the last R prompt queries, in order
+                self.observe(head, queries[:, j] @ keys[:j + 1].T * x.scale)
+            self.evict(head)
+            self.heads[b, h] = head
+
+    def decode(self, x: LayerInputs) -> None:
+        for (b, h), head in self.heads.items():
+            queries, keys, values = x.head(b, h)
+            for name, new in (("keys", keys[0]), ("values", values[0]), ("votes", 1.0), ("ema", 0.0), ("age", 0)):
+                head[name].append(new)
+            self.observe(head, queries[:, 0] @ torch.stack(head["keys"]).T * x.scale)
+            self.evict(head)
+
+    def observe(self, head: dict, logits: torch.Tensor) -> None:
+        """One query: S ← β S + (1-β) s for the slots it sees (logits (G, seen)), s the group mean of exp(logit)."""
+        scores = logits.exp().mean(0).tolist()
+        for i, s in enumerate(scores):
+            head["ema"][i] = self.beta * head["ema"][i] + (1 - self.beta) * s
+            head["age"][i] += 1
+
+    def estimate(self, head: dict) -> list[float]:
+        return [s / (1 - self.beta ** t) for s, t in zip(head["ema"], head["age"])]
+
+    def evict(self, head: dict) -> None:
+        count = len(head["keys"])
+        if count <= self.budget:
+            return
+        estimate = self.estimate(head)
+        middle = range(self.sinks, count - self.recent)
+        evicted = sorted(middle, key=lambda i: estimate[i])[:count - self.budget]
+        retained = [i for i in range(count) if i not in evicted]
+        keys = torch.stack(head["keys"])
+        unit = keys / keys.norm(dim=-1, keepdim=True)
+        sets = {c: [c] for c in retained}
+        for e in evicted:
+            similarity = unit[retained] @ unit[e]
+            if float(similarity.max()) >= self.threshold:
+                sets[retained[int(similarity.argmax())]].append(e)
+        for c, members in sets.items():
+            if len(members) > 1:
+                self.zip_merge(head, c, members, estimate)
+        for name in ("keys", "values", "votes", "ema", "age"):
+            head[name] = [head[name][i] for i in retained]
+
+    def zip_merge(self, head: dict, c: int, members: list[int], estimate: list[float]) -> None:
+        """Eq. 7, set form: w = p ŝ, k_r = (Σ w k)·ln(Σ w / Σ p) / Σ (w ln ŝ) (the convex key Σ w k / Σ w when the
+        denominator is near 0 or of the other sign), v_r = Σ w v / Σ w, p_r = Σ p."""
+        p = torch.tensor([head["votes"][i] for i in members], dtype=torch.float64)
+        s = torch.tensor([estimate[i] for i in members], dtype=torch.float64)
+        keys = torch.stack([head["keys"][i] for i in members])
+        values = torch.stack([head["values"][i] for i in members])
+        w = p * s
+        numerator, denominator = (w.sum() / p.sum()).log(), (w * s.log()).sum()
+        convex = bool(denominator.abs() <= 1e-3 * w.sum() * s.log().abs().max() or numerator * denominator < 0)
+        head["keys"][c] = (w @ keys) / w.sum() if convex else (w @ keys) * numerator / denominator
+        head["values"][c] = (w @ values) / w.sum()
+        head["votes"][c] = float(p.sum())
+        head["age"][c] = max(head["age"][i] for i in members)
+        head["ema"][c] = float((p @ s) / p.sum()) * (1 - self.beta ** head["age"][c])
+
+    def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
+        head = self.heads[b, h]
+        votes = torch.tensor(head["votes"], dtype=torch.float64)
+        return {"keys": torch.stack(head["keys"]), "values": torch.stack(head["values"]),
+                "log_weights": votes.log(), "counts": votes,
+                "scores": torch.tensor(self.estimate(head), dtype=torch.float64).log()}
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's RoPE cos and sin (n, d) at these positions (no scaling)."""
+    inverse_frequency = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.double().unsqueeze(-1) * inverse_frequency
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class GVote:
+    """GVote (paper Algorithm 1) at prefill; decoding appends. Per query head: budget B = the size of the top-p set
+    of the last prompt query's attention; S Gaussian samples of the attention input (mean and biased variance over
+    the tokens after the sinks), projected by q_proj, with RoPE averaged over the n_f positions after the prompt;
+    each sample keeps its top-B keys; the union over samples and over the group is kept (plus the sinks with
+    `keep_sinks`, methods.md's form).
+    The documented deviations: the last `recent` tokens kept too, and the budget taken from the mean attention of the
+    last `budget_queries` prompt queries."""
+
+    def __init__(self, nucleus_p: float = 0.95, samples: int = 8, future: int = 512, sinks: int = 4, seed: int = 0,
+                 keep_sinks: bool = False, recent: int = 0, budget_queries: int = 1):
+        self.nucleus_p, self.samples, self.future, self.sinks, self.seed = nucleus_p, samples, future, sinks, seed
+        self.keep_sinks, self.recent, self.budget_queries = keep_sinks, recent, budget_queries
+        self.heads = {}
+
+    def prefill(self, x: LayerInputs) -> None:
+        batch, kv_heads, tokens, head_dim = x.keys.shape
+        group = x.queries.shape[1] // kv_heads
+        config = x.module.config
+        # The draws are seeded per layer (the press's documented seed + layer index), so both sample the same points.
+        generator = torch.Generator().manual_seed(self.seed + x.layer_idx)
+        noise = torch.randn(batch, self.samples, x.hidden.shape[-1], generator=generator)
+        cos, sin = rotary_tables(torch.arange(tokens, tokens + self.future), head_dim, config.rope_theta)
+        cos, sin = cos.mean(0), sin.mean(0)
+        for b in range(batch):
+            body = x.hidden[b, self.sinks:].double()
+            samples = (body.mean(0) + body.var(0, unbiased=False).sqrt() * noise[b].double()).float()
+            queries = x.module.q_proj(samples).double().view(self.samples, -1, head_dim)  # (S, Hq, d)
+            queries = queries * cos + rotate_half(queries) * sin
+            for h in range(kv_heads):
+                last_queries, keys, values = x.head(b, h)
+                keep = set(range(min(self.sinks, tokens))) if self.keep_sinks else set()
+                keep |= set(range(max(0, tokens - self.recent), tokens))
+                for g in range(group):
+                    count = min(self.budget_queries, tokens)
+                    attention = probabilities(last_queries[g:g + 1, -count:], keys, torch.zeros(tokens), x.scale)
+                    attention = attention[0].mean(0)
+                    mass = attention.sort(descending=True).values.cumsum(0)
+                    budget = min(int((mass < self.nucleus_p).sum()) + 1, tokens)
+                    for sample in range(self.samples):
+                        logits = queries[sample, h * group + g] @ keys.T
+                        keep |= set(logits.topk(budget).indices.tolist())
+                kept = sorted(keep)
+                self.heads[b, h] = {"keys": list(keys[kept]), "values": list(values[kept])}
+
+    def decode(self, x: LayerInputs) -> None:
+        for (b, h), head in self.heads.items():
+            _, keys, values = x.head(b, h)
+            head["keys"] += list(keys)
+            head["values"] += list(values)
+
+    def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
+        head = self.heads[b, h]
+        return {"keys": torch.stack(head["keys"]), "values": torch.stack(head["values"])}
+
+
+class KVzap:
+    """KVzap (paper Algorithm 1, DMS-style keep rule): a linear surrogate on the attention input predicts each token's
+    log-score per kv head; a token is decided once, when it leaves the window of the last w tokens, and evicted if
+    its score is below τ."""
+
+    def __init__(self, surrogates: list[torch.nn.Linear], threshold: float, window: int):
+        self.surrogates, self.threshold, self.window = surrogates, threshold, window
+        self.heads, self.tokens = {}, 0
+
+    def prefill(self, x: LayerInputs) -> None:
+        self.tokens = 0
+        self.heads = {(b, h): {"keys": [], "values": [], "scores": [], "positions": []}
+                      for b in range(x.keys.shape[0]) for h in range(x.keys.shape[1])}
+        self.decode(x)
+
+    def decode(self, x: LayerInputs) -> None:
+        surrogate = self.surrogates[x.layer_idx]
+        scores = (x.hidden.double() @ surrogate.weight.double().T + surrogate.bias.double())  # (B, q, H)
+        new_tokens = x.keys.shape[2]
+        for (b, h), head in self.heads.items():
+            _, keys, values = x.head(b, h)
+            head["keys"] += list(keys)
+            head["values"] += list(values)
+            head["scores"] += scores[b, :, h].tolist()
+            head["positions"] += list(range(self.tokens, self.tokens + new_tokens))
+        self.tokens += new_tokens
+        for head in self.heads.values():
+            kept = [i for i, (position, score) in enumerate(zip(head["positions"], head["scores"]))
+                    if position >= self.tokens - self.window or not score < self.threshold]
+            for name in head:
+                head[name] = [head[name][i] for i in kept]
+
+    def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
+        head = self.heads[b, h]
+        return {"keys": torch.stack(head["keys"]), "values": torch.stack(head["values"]),
+                "positions": torch.tensor(head["positions"], dtype=torch.float64)}
