@@ -145,13 +145,15 @@ class KeepKVPress(KVCompDecodingPress):
         return self._merge_and_compact(keys, values, state, keep, estimate)
 
     def _merge_and_compact(self, keys, values, state: LayerState, keep: torch.Tensor, estimate: torch.Tensor):
-        targets = ops.keepkv_match(keys, keep, self.similarity_threshold)
+        # Every row evicts exactly length - M slots and keeps M: bounds that spare the host syncs (CUDA graphs).
+        evicted_per_row = keep.shape[-1] - state.counters["budget"]
+        targets = ops.keepkv_match(keys, keep, self.similarity_threshold, max_evicted=evicted_per_row)
         # A dropped slot drops every token it stands for (its votes; 0 for a slot merged away by merge_first).
         dropped = state.per_slot["votes"].masked_fill(targets != -2, 0.0).sum(-1)
         state.counters["dropped"] = state.counters["dropped"] + dropped
         keys, values, votes, ema = self._zip(keys, values, state, targets, estimate)
         keys, values, compacted = compact_to_longest_head(keys, values, keep, torch.zeros_like(votes),
-                                                          {"ema": ema, "votes": votes})
+                                                          {"ema": ema, "votes": votes}, longest=state.counters["budget"])
         state.per_slot = compacted.per_slot
         state.log_weights = ops.merge_count_bias(state.per_slot["votes"], 1.0)
         return keys, values, state
@@ -184,7 +186,9 @@ class KeepKVPress(KVCompDecodingPress):
         # ŝ estimates the attention p·s of a slot of p votes (the bias ln p is in the attention that fed it); the ZIP
         # merge wants the score s of one of its tokens.
         log_scores = (estimate / votes.clamp_min(1.0)).clamp_min(_SCORE_FLOOR).log()
-        keys, values, votes = ops.keepkv_zip_merge(keys, values, votes, log_scores, targets, self.convex)
+        # targets come from keepkv_match: valid by construction, so CUDA skips its host-synced check.
+        keys, values, votes = ops.keepkv_zip_merge(keys, values, votes, log_scores, targets, self.convex,
+                                                   check_targets=False)
         merged = targets >= 0
         slot = torch.arange(targets.shape[-1], device=targets.device).expand_as(targets)
         ema = ema.scatter_add(-1, torch.where(merged, targets, slot), torch.where(merged, ema, 0.0))
