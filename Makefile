@@ -73,7 +73,8 @@ GPU_WHEELS := kvpress==0.5.5 cachetools==5.5.2 datasets==5.0.1 dill==0.4.1 multi
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
-	PYTHONPATH=$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} MAX_JOBS=$$(nproc) \
+	  $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
