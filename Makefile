@@ -2,6 +2,8 @@
 #   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
 #   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest
 #   make eval   the evaluation results run (resumable), then its CSV, plots and README table (see README: Evaluation)
+#   make gpu-check   on a machine with a GPU and no network: build for it, CUDA tests, compute-sanitizer, op and
+#               decode benchmarks, results in benchmarks/results/gpu/ (see benchmarks/gpu_check.py)
 SHELL := /bin/bash
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -14,7 +16,7 @@ export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test build cpp-test py-test system-deps clean eval eval-report eval-smoke
+.PHONY: demo test build cpp-test py-test system-deps clean eval eval-report eval-smoke gpu-check gpu-wheels
 
 demo: build
 	$(PYTHON) examples/demo.py
@@ -58,6 +60,25 @@ cpp-test: build system-deps
 
 py-test: build
 	$(PYTHON) -m pytest tests -q
+
+# gpu-check uses the GPU machine's own Python (GPU_PYTHON, with torch, transformers and nvcc there; our pins are not
+# installable without network) and installs the wheels of .whl/ beside it, for what it lacks: kvpress and the packages
+# kvpress imports. `make gpu-wheels` fetches them (on a machine with network); carry .whl/ to the GPU machine.
+# GPU_CHECK_ARGS: e.g. --stages tests sanitizer --timeout 900.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+GPU_SITE := build/gpu-site
+GPU_WHEELS := kvpress==0.5.5 cachetools==5.5.2 datasets==5.0.1 dill==0.4.1 multiprocess==0.70.19 fire==0.7.1 \
+              termcolor==3.3.0
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} MAX_JOBS=$$(nproc) \
+	  $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf build $(VENV) *.egg-info kvpress_cpp/*.so

@@ -240,6 +240,7 @@ def main() -> None:
         if row["budget_slots"] is not None and row["max_slots"] > row["budget_slots"]:
             print(f"WARNING: {row['method']} at {length} held {row['max_slots']} slots > budget {row['budget_slots']}")
         rows.append(row)
+        write_results(name, rows)  # so far: a run cut short (make gpu-check's time limit) keeps its finished cases
     for row in rows:
         full = next(r for r in rows if r["prompt"] == row["prompt"] and r["method"] == "full")
         row["decode_speedup_vs_full"] = round(row["decode_tok_s"] / full["decode_tok_s"], 2)

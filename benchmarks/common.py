@@ -7,6 +7,7 @@ Every benchmark compares an op with its plain-PyTorch reference in the same run,
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.utils.benchmark as tbench
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# KVCOMP_RESULTS_DIR redirects every result file (make gpu-check: benchmarks/results/gpu).
+RESULTS_DIR = Path(os.environ.get("KVCOMP_RESULTS_DIR", Path(__file__).resolve().parent / "results")).resolve()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `tests.reference` imports from a checkout
 
 
@@ -35,9 +37,12 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
 
 def configurations() -> list[tuple[str, int]]:
     """(device, CPU threads) pairs to measure: the CPU at one thread and at all of them (on this VM, OpenMP wake-ups
-    add tens of ms to multi-threaded ATen reductions, so both are reported), and the GPU when present."""
+    add tens of ms to multi-threaded ATen reductions, so both are reported), and the GPU when present.
+    KVCOMP_BENCH_DEVICES=cuda keeps only the GPU (make gpu-check)."""
     cpu = [("cpu", 1)] + ([("cpu", torch.get_num_threads())] if torch.get_num_threads() > 1 else [])
-    return cpu + ([("cuda", torch.get_num_threads())] if torch.cuda.is_available() else [])
+    found = cpu + ([("cuda", torch.get_num_threads())] if torch.cuda.is_available() else [])
+    wanted = os.environ.get("KVCOMP_BENCH_DEVICES")
+    return [c for c in found if c[0] in wanted.split(",")] if wanted else found
 
 
 def environment() -> dict:

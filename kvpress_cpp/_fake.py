@@ -72,12 +72,12 @@ def _zsmerge_decode_step_fake(keys, values, scores, counts, ring_position, recen
 
 
 @torch.library.register_fake("kvcomp::keepkv_match")
-def _keepkv_match_fake(keys, keep, threshold):
+def _keepkv_match_fake(keys, keep, threshold, max_evicted=None):
     return keep.new_empty(keep.shape, dtype=torch.int64)
 
 
 @torch.library.register_fake("kvcomp::keepkv_zip_merge")
-def _keepkv_zip_merge_fake(keys, values, votes, log_scores, targets, convex):
+def _keepkv_zip_merge_fake(keys, values, votes, log_scores, targets, convex, check_targets=True):
     return keys.new_empty(keys.shape), values.new_empty(values.shape), votes.new_empty(votes.shape)
 
 

@@ -132,7 +132,7 @@ def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 def compact_to_longest_head(
     keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, log_weights: torch.Tensor,
-    per_slot: dict[str, torch.Tensor] | None = None,
+    per_slot: dict[str, torch.Tensor] | None = None, longest: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, LayerState]:
     """Apply a per-head keep mask and shrink the layer to its longest head.
 
@@ -141,14 +141,21 @@ def compact_to_longest_head(
         keep: (B, H, T) bool, the slots each head keeps.
         log_weights: (B, H, T) float32 of the slots before eviction.
         per_slot: other (B, H, T) tensors to carry along.
+        longest: the largest kept count of any (batch, head), or a bound above it, when the caller knows it (e.g. a
+            press that keeps exactly M slots per head): nothing then waits on the device, so the call can be captured
+            in a CUDA graph. None reads it from `keep` (one host sync on CUDA).
 
     Returns:
-        keys and values (B, H, T', d) with T' the largest kept count of any (batch, head); each head's kept slots
-        come first, in their original order, and the rest is padding with b = -inf (and zero keys and values).
+        keys and values (B, H, T', d) with T' the largest kept count of any (batch, head) (or `longest`); each
+        head's kept slots come first, in their original order, and the rest is padding with b = -inf (and zero keys
+        and values).
         The state holds the gathered log-weights and per-slot tensors.
     """
     kept_counts = keep.sum(-1)
-    new_len = int(kept_counts.max()) if keep.numel() else 0
+    if longest is not None:
+        new_len = min(longest, keep.shape[-1])
+    else:
+        new_len = int(kept_counts.max()) if keep.numel() else 0
     # A stable sort of "evicted" flags puts each head's kept slots first, in order, without a host loop per head.
     order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :new_len]
     is_real = torch.arange(new_len, device=keep.device) < kept_counts.unsqueeze(-1)

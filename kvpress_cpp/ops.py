@@ -180,7 +180,8 @@ def zsmerge_decode_step(
                                          paper_order)
 
 
-def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8) -> torch.Tensor:
+def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8,
+                 max_evicted: int | None = None) -> torch.Tensor:
     """KeepKV's merge targets: each evicted slot's most similar retained slot of the same (batch, kv head).
 
     Similarity is the key cosine in float32 (a zero key has similarity 0 with everything; NaN counts as -inf; ties go
@@ -191,12 +192,15 @@ def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8)
         keys: (B, H, T, d) float32, float16 or bfloat16.
         keep: (B, H, T) bool, True for the retained slots.
         threshold: in [-1, 1] (KeepKV's default 0.8); an evicted slot merges only if its best similarity >= threshold.
+        max_evicted: a bound ≥ 0 on the evicted slots of any row (e.g. a decoding step's new tokens). On CUDA it
+            spares the host sync that reads the largest count, so the call can be captured in a CUDA graph; a row
+            evicting more is still matched in full (only slower). None: read it on the device.
 
     Returns:
         (B, H, T) int64 targets: -1 for a retained slot; for an evicted slot the index t of its retained target, or -2
         (evicted without merge: best similarity below threshold, NaN, or nothing retained in the row).
     """
-    return torch.ops.kvcomp.keepkv_match(keys, keep, threshold)
+    return torch.ops.kvcomp.keepkv_match(keys, keep, threshold, max_evicted)
 
 
 def keepkv_zip_merge(
@@ -206,6 +210,7 @@ def keepkv_zip_merge(
     log_scores: torch.Tensor,
     targets: torch.Tensor,
     convex: bool = False,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KeepKV's ZIP merge (paper eq. 7, set form) of every retained slot with the evicted slots that target it.
 
@@ -224,12 +229,14 @@ def keepkv_zip_merge(
         targets: (B, H, T) int64 from ``keepkv_match``: -1 retained, -2 evicted without merge, t >= 0 the retained
             slot t of the same row. Anything else raises (on CUDA this check costs one host sync).
         convex: use the convex key for every set.
+        check_targets: False skips that check on CUDA (no host sync, so the call can be captured in a CUDA graph)
+            for targets straight from ``keepkv_match``; an invalid target then merges nowhere. The CPU always checks.
 
     Returns:
         keys (B, H, T, d), values (B, H, T, d) in the input dtype and votes (B, H, T) float32, new tensors; the caller
         drops the evicted slots (targets != -1).
     """
-    return torch.ops.kvcomp.keepkv_zip_merge(keys, values, votes, log_scores, targets, convex)
+    return torch.ops.kvcomp.keepkv_zip_merge(keys, values, votes, log_scores, targets, convex, check_targets)
 
 
 def nucleus_budget(probs: torch.Tensor, p: float = 0.95) -> torch.Tensor:

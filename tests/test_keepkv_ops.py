@@ -88,6 +88,23 @@ def test_match_large_rows(device, evicted):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("evicted,bound", [(1, 1), (5, 1), (9, 8), (300, 0)])
+def test_match_with_a_bound_on_evicted_slots(device, evicted, bound):
+    """max_evicted only spares CUDA's host sync (a decoding step passes its new tokens): a row evicting more than the
+    bound is still matched in full."""
+    generator = torch.Generator().manual_seed(4)
+    slots = 400
+    keys = correlated_keys(2, 2, slots, 64, generator)
+    keep = torch.ones(2, 2, slots, dtype=torch.bool)
+    keep[..., torch.randperm(slots, generator=generator)[:evicted]] = False
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 0.5, max_evicted=bound).cpu()
+    expected = reference.keepkv_match_vectorised(keys.double(), keep, 0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_match: expected max_evicted >= 0, got -1"):
+        ops.keepkv_match(keys.to(device), keep.to(device), 0.5, max_evicted=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("many", [False, True])
 def test_match_zero_norm_nan_and_ties(device, many):
     keys = torch.randn(1, 1, 24, 8, generator=torch.Generator().manual_seed(2))
@@ -490,6 +507,27 @@ def test_merge_bad_input_names_op_and_value(device, make_args, message):
     args = make_args(*(t.to(device) for t in (*inputs[:4], targets)))
     with pytest.raises(RuntimeError, match=r"kvcomp::keepkv_zip_merge: " + message):
         torch.ops.kvcomp.keepkv_zip_merge(*args, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_without_target_check_equals_checked(device):
+    inputs = [t.to(device) for t in merge_inputs(2, 3, 40, 8, torch.float32, seed=13)]
+    checked = ops.keepkv_zip_merge(*inputs)
+    unchecked = ops.keepkv_zip_merge(*inputs, check_targets=False)
+    for got, want in zip(unchecked, checked):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_merge_unchecked_invalid_target_merges_nowhere_on_cuda():
+    """Without the check (no host sync), CUDA turns an invalid target into -2 rather than reading out of its row."""
+    keys, values, votes, log_scores, targets = merge_inputs(2, 3, 20, 8, torch.float32, seed=12)
+    batch, head, evicted = torch.nonzero(targets >= 0)[0].tolist()
+    bad, dropped = targets.clone(), targets.clone()
+    bad[batch, head, evicted], dropped[batch, head, evicted] = 10_000, -2
+    got = ops.keepkv_zip_merge(keys.cuda(), values.cuda(), votes.cuda(), log_scores.cuda(), bad.cuda(),
+                               check_targets=False)
+    assert_merge_close(got, reference.keepkv_zip_merge(keys, values, votes, log_scores, dropped), torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

@@ -196,8 +196,10 @@ def test_threshold_non_contiguous_and_empty(device):
 
 
 @CUDA
-def test_threshold_cuda_matches_cpu_at_scale():
-    log_weights, scores, positions = threshold_inputs(4, 8, 20_000, "cpu", seed=11)
+@pytest.mark.parametrize("batch,heads,length", [(4, 8, 20_000), (1, 2, 50_001), (1, 1, 1025)])
+def test_threshold_cuda_matches_cpu_at_scale(batch, heads, length):
+    """Rows long enough to be split over several blocks (few rows: batch 1), each adding its held count."""
+    log_weights, scores, positions = threshold_inputs(batch, heads, length, "cpu", seed=11)
     total = int(positions.max()) + 1
     for before, after in [(0, total), (total - 5, total)]:
         got = ops.kvzap_threshold(log_weights.cuda(), scores.cuda(), positions.cuda(), -4.0, 128, before, after)

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -123,8 +124,9 @@ void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_
   }
 }
 
-at::Tensor keepkv_match_cpu(const at::Tensor& keys, const at::Tensor& keep, double threshold) {
-  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold);
+at::Tensor keepkv_match_cpu(const at::Tensor& keys, const at::Tensor& keep, double threshold,
+                            std::optional<int64_t> max_evicted) {  // a bound for CUDA; the CPU needs none
+  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold, max_evicted);
   const at::Tensor keys_c = keys.contiguous();
   const at::Tensor keep_c = keep.contiguous();
   at::Tensor targets = at::empty({shape.batch, shape.kv_heads, shape.slots}, keep.options().dtype(at::kLong));
@@ -220,7 +222,8 @@ void zip_one_row(const scalar_t* keys, const scalar_t* values, const float* vote
 std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cpu(const at::Tensor& keys, const at::Tensor& values,
                                                                     const at::Tensor& votes,
                                                                     const at::Tensor& log_scores,
-                                                                    const at::Tensor& targets, bool convex) {
+                                                                    const at::Tensor& targets, bool convex,
+                                                                    bool /*check_targets: the CPU checks for free*/) {
   const KeepKVShape shape = check_keepkv_zip_merge(keys, values, votes, log_scores, targets);
   // The outputs start as copies (evicted and unmerged slots keep their inputs); merged slots are overwritten.
   at::Tensor out_keys = keys.contiguous().clone();

@@ -1,15 +1,18 @@
 // CUDA kernels of the attention family: merge-count log-weights and decode attention over a cache whose slots carry
 // log-weights.
 //
-// decode_attention is flash-decoding: memory-bound, so K and V must be read once, and there must be enough blocks to
-// fill the GPU even at batch 1. The T slots of each (batch, kv-head) are split into chunks of C slots:
-//   attend_chunk_kernel, one block per (batch, kv-head, tile of query rows, chunk): loads the tile's queries (all
-//     G * q rows of the group when G * q <= 8) into shared memory, reads the chunk's keys once to get every row's
-//     logits, writes exp(logit - chunk max) into probs, reads the chunk's values once to accumulate
+// decode_attention is flash-decoding (as FlashInfer's and FlashAttention's split-KV decode): memory-bound, so K and V
+// must be read once, with several loads in flight per thread, and there must be enough blocks to fill the GPU even at
+// batch 1. The T slots of each (batch, kv-head) are split into chunks of C slots (kernels::launch::decode_split):
+//   attend_chunk_kernel, one block per (batch, kv-head, tile of query rows, chunk): stages the tile's queries (all
+//     G * q rows of the group when G * q <= 8) and the chunk's log-weights in shared memory, reads the chunk's keys
+//     once (kInFlight slots per thread group issued before the first use) to get every row's logits, writes
+//     exp(logit - chunk max) into probs, reads the chunk's values once the same way to accumulate
 //     Σ exp(logit - chunk max) v into a float32 workspace, and stores the chunk's (max, sum of exp).
-//   combine_chunks_kernel, one block per query row: reduces the chunk statistics (CUB block reduction with the
-//     online-softmax step kernels::combine), writes out = Σ_c f_c partial_c and rescales probs by f_c,
-//     f_c = exp(m_c - M) / S. No atomics: the result does not depend on scheduling.
+//   combine_chunks_kernel, one block per (query row, piece of the slots): reduces the row's chunk statistics (CUB
+//     block reduction with the online-softmax step kernels::combine), rescales its piece of probs by
+//     f_c = exp(m_c - M) / S, and piece 0 writes out = Σ_c f_c partial_c. No atomics: the result does not depend on
+//     scheduling.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,6 +25,7 @@
 #include <tuple>
 
 #include "kernels/attention.h"
+#include "kernels/launch.h"
 #include "kvcomp/attention.h"
 
 namespace kvcomp {
@@ -30,8 +34,6 @@ namespace {
 constexpr int kBiasThreads = 256;
 constexpr int kThreads = 256;         // threads of both decode kernels
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxTileRows = 8;       // query rows per block; more rows (G * q > 8) take several tiles
-constexpr int64_t kQueryTileFloats = 4096;  // shared-memory budget of the query tile (16 KiB)
 
 // ---------------------------------------------------------------------------------------------------------------
 // merge_count_bias: one thread per count.
@@ -86,12 +88,30 @@ __device__ __forceinline__ int64_t causal_count(const DecodeParams& p, int64_t r
   return kernels::causal_slot_count(row % p.num_queries, p.num_queries, p.total_len);
 }
 
+// Blocks per multiprocessor the launch bounds ask for: 3 where the query pieces and the accumulators (kRows * kVec
+// floats each) fit 85 registers, else 2 (128 registers).
+template <int kRows, int kVec>
+constexpr int min_blocks() {
+  return kRows * kVec <= 16 ? 3 : 2;
+}
+
+// Slots a thread group loads before it uses the first: keys and values of kInFlight slots are in flight at once.
+// Four where ~40 registers of addressing and loop state, the kRows * kVec query pieces or accumulators and four
+// kVec-wide loads fit the register budget, else two (ptxas spilled four at kRows = 2, kVec = 8 under 3 blocks).
+// 2-4 loads of 16 bytes per thread over 512-768 threads keep 16-48 KiB per multiprocessor in flight, above what
+// HBM3's latency-bandwidth product asks (~15 KiB).
+template <int kRows, int kVec>
+constexpr int in_flight() {
+  return 40 + kRows * kVec + 4 * kVec <= 65536 / (kThreads * min_blocks<kRows, kVec>()) ? 4 : 2;
+}
+
 // One block per (batch, kv-head, row tile, chunk): see the file comment. Shared memory:
 //   s_query  [kRows, d]       tile queries times the scale, float
 //   s_probs  [kRows, C]       logits, then exp(logit - chunk max)
+//   s_bias   [C]              the chunk's log-weights
 //   s_reduce [kThreads * kVec] per-slot-group partial outputs of one row, summed over the groups
 template <typename scalar_t, int kVec, int kRows>
-__global__ void __launch_bounds__(kThreads, kRows <= 4 && kRows * kVec <= 32 ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, min_blocks<kRows, kVec>())
     attend_chunk_kernel(const scalar_t* __restrict__ query,  // [B * H, rows, d]
                         const scalar_t* __restrict__ keys,  // [B, H, T, d], strides key_strides
                         const scalar_t* __restrict__ values,  // [B, H, T, d], strides value_strides
@@ -100,11 +120,13 @@ __global__ void __launch_bounds__(kThreads, kRows <= 4 && kRows * kVec <= 32 ? 3
                         float* __restrict__ partial_out,  // [B * H, rows, chunks, d]
                         float2* __restrict__ partial_stats,  // [B * H, rows, chunks]: (chunk max, Σ exp)
                         const DecodeParams p) {
+  constexpr int kInFlight = in_flight<kRows, kVec>();
   extern __shared__ float smem[];
   const int64_t d = p.head_dim, C = p.chunk_len;
   float* s_query = smem;
   float* s_probs = s_query + kRows * d;
-  float* s_reduce = s_probs + kRows * C;
+  float* s_bias = s_probs + kRows * C;
+  float* s_reduce = s_bias + C;
 
   const int64_t chunk = blockIdx.x % p.num_chunks;
   const int64_t tile = (blockIdx.x / p.num_chunks) % p.num_tiles;
@@ -124,12 +146,13 @@ __global__ void __launch_bounds__(kThreads, kRows <= 4 && kRows * kVec <= 32 ? 3
 
   const scalar_t* key_head = keys + batch * p.key_strides[0] + head * p.key_strides[1];
   const scalar_t* value_head = values + batch * p.value_strides[0] + head * p.value_strides[1];
-  const float* bias = log_weights + pair * p.total_len;
 
   __shared__ int64_t s_count[kRows];  // causal limit of each row of the tile
   for (int64_t i = tid; i < tile_rows * d; i += kThreads) {
     s_query[i] = static_cast<float>(query[(pair * p.rows + row0) * d + i]) * p.scale;
   }
+  // Every lane of a group reads the log-weight of its slot: one coalesced read into shared memory instead.
+  for (int64_t i = tid; i < len; i += kThreads) s_bias[i] = log_weights[pair * p.total_len + slot_begin + i];
   if (tid < tile_rows) s_count[tid] = causal_count(p, row0 + tid);
   __syncthreads();
 
@@ -161,62 +184,73 @@ __global__ void __launch_bounds__(kThreads, kRows <= 4 && kRows * kVec <= 32 ? 3
   }
 
   // 1. Logits: the `lanes` threads of a group read one key (coalesced) and reduce its dot products with shuffles.
+  //    Each step a group takes kInFlight slots, groups apart, and issues all their loads before the first use.
   //    The loop bound is uniform over the block so that every lane of a warp reaches the shuffles.
-#pragma unroll 2
-  for (int64_t base = 0; base < len; base += groups) {
-    const int64_t local = base + group;
-    const bool valid = local < len;
-    const int64_t slot = slot_begin + local;
-    const float log_weight = valid ? bias[slot] : -INFINITY;
-    const bool any = kernels::slot_attended(local, max_local, log_weight);  // some row of the tile attends the slot
-    float dots[kRows];
+  for (int64_t base = 0; base < len; base += static_cast<int64_t>(groups) * kInFlight) {
+    float k[kInFlight][kVec];
+    bool read[kInFlight];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) dots[r] = 0.0f;
-    if (any && e_first < d) {  // masked and evicted slots: the key is never read
-      const scalar_t* key = key_head + slot * p.key_strides[2];
-      float k[kVec];
-      load_floats<scalar_t, kVec>(key + e_first, k);
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t local = base + u * groups + group;
+      // Masked and evicted slots: the key is never read (some row of the tile must attend the slot).
+      read[u] = local < len && e_first < d && kernels::slot_attended(local, max_local, s_bias[local]);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
+      for (int i = 0; i < kVec; ++i) k[u][i] = 0.0f;
+      if (read[u]) load_floats<scalar_t, kVec>(key_head + (slot_begin + local) * p.key_strides[2] + e_first, k[u]);
+    }
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) dots[r] = fmaf(q_first[r][i], k[i], dots[r]);
-      }
-      for (int64_t e = e_first + lane_stride; e < d; e += lane_stride) {
-        load_floats<scalar_t, kVec>(key + e, k);
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t local = base + u * groups + group;
+      float dots[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) dots[r] = 0.0f;
+      if (read[u]) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          if (r < tile_rows) {
 #pragma unroll
-            for (int i = 0; i < kVec; ++i) dots[r] = fmaf(s_query[r * d + e + i], k[i], dots[r]);
+          for (int i = 0; i < kVec; ++i) dots[r] = fmaf(q_first[r][i], k[u][i], dots[r]);
+        }
+        const scalar_t* key = key_head + (slot_begin + local) * p.key_strides[2];
+        for (int64_t e = e_first + lane_stride; e < d; e += lane_stride) {  // head dims beyond lanes * kVec
+          float piece[kVec];
+          load_floats<scalar_t, kVec>(key + e, piece);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            if (r < tile_rows) {
+#pragma unroll
+              for (int i = 0; i < kVec; ++i) dots[r] = fmaf(s_query[r * d + e + i], piece[i], dots[r]);
+            }
           }
         }
       }
-    }
-    // Transpose reduction over the group's lanes: each round, a lane sends the half of its rows that its partner
-    // keeps, so the rounds cost kRows/2 + kRows/4 + ... shuffles instead of kRows * log2(lanes).
-    int offset = p.lanes / 2;
+      // Transpose reduction over the group's lanes: each round, a lane sends the half of its rows that its partner
+      // keeps, so the rounds cost kRows/2 + kRows/4 + ... shuffles instead of kRows * log2(lanes).
+      int offset = p.lanes / 2;
 #pragma unroll
-    for (int half = kRows / 2; half > 0; half /= 2) {
-      if (offset > 0) {
-        const bool upper = lane & offset;
+      for (int half = kRows / 2; half > 0; half /= 2) {
+        if (offset > 0) {
+          const bool upper = lane & offset;
 #pragma unroll
-        for (int j = 0; j < half; ++j) {
-          const float send = upper ? dots[j] : dots[j + half];
-          const float keep = upper ? dots[j + half] : dots[j];
-          dots[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+          for (int j = 0; j < half; ++j) {
+            const float send = upper ? dots[j] : dots[j + half];
+            const float keep = upper ? dots[j + half] : dots[j];
+            dots[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+          }
+          offset /= 2;
         }
-        offset /= 2;
       }
-    }
-    for (; offset > 0; offset /= 2) dots[0] += __shfl_xor_sync(0xffffffffu, dots[0], offset);
-    if (valid && writer) {
+      for (; offset > 0; offset /= 2) dots[0] += __shfl_xor_sync(0xffffffffu, dots[0], offset);
+      if (local < len && writer) {
+        const float log_weight = s_bias[local];
+        const int64_t slot = slot_begin + local;
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const int r = row_base + j;
-        if (j < held && r < tile_rows) {
-          const bool attended = local < min_local ? log_weight != -INFINITY
-                                                  : kernels::slot_attended(slot, s_count[r], log_weight);
-          s_probs[r * C + local] = attended ? dots[j] + log_weight : -INFINITY;
+        for (int j = 0; j < kRows; ++j) {
+          const int r = row_base + j;
+          if (j < held && r < tile_rows) {
+            const bool attended = local < min_local ? log_weight != -INFINITY
+                                                    : kernels::slot_attended(slot, s_count[r], log_weight);
+            s_probs[r * C + local] = attended ? dots[j] + log_weight : -INFINITY;
+          }
         }
       }
     }
@@ -243,8 +277,9 @@ __global__ void __launch_bounds__(kThreads, kRows <= 4 && kRows * kVec <= 32 ? 3
   }
   __syncthreads();
 
-  // 3. Σ_s p_s v_s: the same (group, lane) split, the value of a slot no row attends is never read. A group sums its
-  //    slots in registers, then the groups are summed through shared memory, one row at a time.
+  // 3. Σ_s p_s v_s: the same (group, lane) split and kInFlight slots per step, the value of a slot no row attends is
+  //    never read. A group sums its slots in registers, then the groups are summed through shared memory, one row at
+  //    a time.
   for (int64_t e_base = 0; e_base < d; e_base += lane_stride) {
     const int64_t e = e_base + lane * kVec;
     float acc[kRows][kVec];
@@ -254,23 +289,32 @@ __global__ void __launch_bounds__(kThreads, kRows <= 4 && kRows * kVec <= 32 ? 3
       for (int i = 0; i < kVec; ++i) acc[r][i] = 0.0f;
     }
     if (e < d) {
-#pragma unroll 2
-      for (int64_t local = group; local < len; local += groups) {
-        float weight[kRows];
-        bool any = false;
+      for (int64_t base = group; base < len; base += static_cast<int64_t>(groups) * kInFlight) {
+        float v[kInFlight][kVec];
+        bool read[kInFlight];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          weight[r] = r < tile_rows ? s_probs[r * C + local] : 0.0f;
-          any |= weight[r] != 0.0f;
+        for (int u = 0; u < kInFlight; ++u) {
+          const int64_t local = base + u * groups;
+          read[u] = false;
+          if (local < len) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) read[u] |= r < tile_rows && s_probs[r * C + local] != 0.0f;
+          }
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) v[u][i] = 0.0f;
+          if (read[u]) load_floats<scalar_t, kVec>(value_head + (slot_begin + local) * p.value_strides[2] + e, v[u]);
         }
-        if (!any) continue;
-        float v[kVec];
-        load_floats<scalar_t, kVec>(value_head + (slot_begin + local) * p.value_strides[2] + e, v);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          if (weight[r] != 0.0f) {  // 0 * NaN would leak a masked slot's garbage
+        for (int u = 0; u < kInFlight; ++u) {
+          if (!read[u]) continue;
+          const int64_t local = base + u * groups;
 #pragma unroll
-            for (int i = 0; i < kVec; ++i) acc[r][i] = fmaf(weight[r], v[i], acc[r][i]);
+          for (int r = 0; r < kRows; ++r) {
+            const float weight = r < tile_rows ? s_probs[r * C + local] : 0.0f;
+            if (weight != 0.0f) {  // 0 * NaN would leak a masked slot's garbage
+#pragma unroll
+              for (int i = 0; i < kVec; ++i) acc[r][i] = fmaf(weight, v[u][i], acc[r][i]);
+            }
           }
         }
       }
@@ -298,14 +342,16 @@ struct CombinePartials {
   }
 };
 
-// One block per query row: combine its chunks into the output and the normalised probabilities.
+// One block per (query row, piece of piece_len slots): every block reduces the row's chunk statistics (a few hundred
+// float2 at most, from L2), rescales its piece of the probabilities, and piece 0 combines the chunks into the output.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     combine_chunks_kernel(const float* __restrict__ partial_out,  // [B * H * rows, chunks, d]
                           const float2* __restrict__ partial_stats,  // [B * H * rows, chunks]
                           float* __restrict__ probs,  // [B * H * rows, T]
                           scalar_t* __restrict__ out,  // [B * H * rows, d]
-                          int64_t total_len, int64_t head_dim, int64_t chunk_len, int64_t num_chunks) {
+                          int64_t total_len, int64_t head_dim, int64_t chunk_len, int64_t num_chunks,
+                          int64_t piece_len) {
   using BlockReduce = cub::BlockReduce<kernels::SoftmaxPartial, kThreads>;
   __shared__ typename BlockReduce::TempStorage temp_storage;
   __shared__ kernels::SoftmaxPartial row_total;
@@ -321,32 +367,30 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const kernels::SoftmaxPartial all = row_total;
 
-  const float* partial = partial_out + row * num_chunks * head_dim;
-  for (int64_t e = threadIdx.x; e < head_dim; e += kThreads) {
-    float acc = 0.0f;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const float factor = kernels::chunk_normaliser(stats[c].x, all);
-      if (factor != 0.0f) acc = fmaf(factor, partial[c * head_dim + e], acc);
+  if (blockIdx.y == 0) {
+    const float* partial = partial_out + row * num_chunks * head_dim;
+    for (int64_t e = threadIdx.x; e < head_dim; e += kThreads) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const float factor = kernels::chunk_normaliser(stats[c].x, all);
+        if (factor != 0.0f) acc = fmaf(factor, partial[c * head_dim + e], acc);
+      }
+      out[row * head_dim + e] = static_cast<scalar_t>(acc);
     }
-    out[row * head_dim + e] = static_cast<scalar_t>(acc);
   }
   float* row_probs = probs + row * total_len;
-  for (int64_t s = threadIdx.x; s < total_len; s += kThreads) {
+  const int64_t piece_end = min(total_len, (blockIdx.y + 1) * piece_len);
+  for (int64_t s = blockIdx.y * piece_len + threadIdx.x; s < piece_end; s += kThreads) {
     row_probs[s] *= kernels::chunk_normaliser(stats[s / chunk_len].x, all);
   }
-}
-
-int next_power_of_two(int64_t n) {
-  int p = 1;
-  while (p < n) p *= 2;
-  return p;
 }
 
 template <typename scalar_t, int kVec, int kRows>
 void launch_attend_chunk(const DecodeParams& params, int64_t pairs, const scalar_t* query, const scalar_t* keys,
                          const scalar_t* values, const float* log_weights, float* probs, float* partial_out,
                          float2* partial_stats, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * (kRows * params.head_dim + kRows * params.chunk_len + kThreads * kVec);
+  const size_t smem =
+      sizeof(float) * (kRows * params.head_dim + (kRows + 1) * params.chunk_len + kThreads * kVec);
   const auto kernel = attend_chunk_kernel<scalar_t, kVec, kRows>;
   if (smem > 48 * 1024) {
     const int device = c10::cuda::current_device();
@@ -357,8 +401,8 @@ void launch_attend_chunk(const DecodeParams& params, int64_t pairs, const scalar
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   const int64_t blocks = pairs * params.num_tiles * params.num_chunks;
-  TORCH_CHECK(blocks <= INT32_MAX, "kvcomp::decode_attention: expected at most ", INT32_MAX,
-              " blocks (B * H * tiles of 8 query rows * chunks), got ", blocks);
+  TORCH_CHECK(blocks <= kernels::launch::kMaxGridX, "kvcomp::decode_attention: expected at most ",
+              kernels::launch::kMaxGridX, " blocks (B * H * tiles of 8 query rows * chunks), got ", blocks);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(query, keys, values, log_weights, probs,
                                                                     partial_out, partial_stats, params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -389,6 +433,7 @@ bool aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t
 std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query, const at::Tensor& keys,
                                                          const at::Tensor& values, const at::Tensor& log_weights,
                                                          double scale) {
+  namespace launch = kernels::launch;
   const DecodeAttentionShape shape = check_decode_attention(query, keys, values, log_weights, scale);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
@@ -404,10 +449,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query
   const at::Tensor query_c = query.contiguous();
 
   const int64_t rows = shape.rows(), d = shape.head_dim;
-  // Rows per tile: a power of two <= 8 whose queries fit kQueryTileFloats; one tile holds the whole group in decoding.
-  const int64_t max_tile = std::max<int64_t>(1, std::min<int64_t>(kMaxTileRows, kQueryTileFloats / d));
-  int rows_per_tile = next_power_of_two(std::min(rows, max_tile));
-  if (rows_per_tile > max_tile) rows_per_tile /= 2;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const launch::DecodeSplit split = launch::decode_split(pairs, rows, d, shape.total_len, sms);
 
   DecodeParams params{};
   params.kv_heads = shape.kv_heads;
@@ -419,20 +462,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query
     params.key_strides[i] = keys_c.stride(i);
     params.value_strides[i] = values_c.stride(i);
   }
-  params.num_tiles = (rows + rows_per_tile - 1) / rows_per_tile;
+  params.num_tiles = split.num_tiles;
+  params.chunk_len = split.chunk_len;
+  params.num_chunks = split.num_chunks;
   params.scale = static_cast<float>(scale);
-  // Chunks of 256 slots, shorter (down to 64) while the grid would not fill the GPU twice over.
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  params.chunk_len = 256;
-  while (params.chunk_len > 64 &&
-         pairs * params.num_tiles * ((shape.total_len + params.chunk_len - 1) / params.chunk_len) < 2 * sms) {
-    params.chunk_len /= 2;
-  }
-  params.num_chunks = (shape.total_len + params.chunk_len - 1) / params.chunk_len;
 
   at::Tensor partial_out = at::empty({pairs * rows, params.num_chunks, d}, probs.options());
   at::Tensor partial_stats = at::empty({pairs * rows, params.num_chunks, 2}, probs.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const launch::CombineSplit combine = launch::combine_split(shape.total_len);
+  TORCH_CHECK(pairs * rows <= launch::kMaxGridX, "kvcomp::decode_attention: expected at most ", launch::kMaxGridX,
+              " query rows (B * Hq * q), got ", pairs * rows);
 
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::decode_attention", [&] {
     constexpr int kWideVec = 16 / sizeof(scalar_t);  // one 16-byte load
@@ -440,23 +480,23 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query
     const scalar_t* values_ptr = values_c.const_data_ptr<scalar_t>();
     bool wide = d % kWideVec == 0 && aligned(keys_ptr, 16) && aligned(values_ptr, 16);
     for (int i = 0; i < 3; ++i) wide = wide && params.key_strides[i] % kWideVec == 0 && params.value_strides[i] % kWideVec == 0;
-    const int vec = wide ? kWideVec : 1;
-    params.lanes = std::min(32, next_power_of_two((d + vec - 1) / vec));
+    params.lanes = launch::decode_lanes(d, wide ? kWideVec : 1);
     const scalar_t* query_ptr = query_c.const_data_ptr<scalar_t>();
     const float* bias_ptr = log_weights_c.const_data_ptr<float>();
     float* probs_ptr = probs.mutable_data_ptr<float>();
     float* partial_ptr = partial_out.mutable_data_ptr<float>();
     auto* stats_ptr = reinterpret_cast<float2*>(partial_stats.mutable_data_ptr<float>());
     if (wide) {
-      launch_attend_chunk_rows<scalar_t, kWideVec>(rows_per_tile, params, pairs, query_ptr, keys_ptr, values_ptr,
-                                                   bias_ptr, probs_ptr, partial_ptr, stats_ptr, stream);
+      launch_attend_chunk_rows<scalar_t, kWideVec>(split.rows_per_tile, params, pairs, query_ptr, keys_ptr,
+                                                   values_ptr, bias_ptr, probs_ptr, partial_ptr, stats_ptr, stream);
     } else {  // odd head dims or unaligned views: one element per load
-      launch_attend_chunk_rows<scalar_t, 1>(rows_per_tile, params, pairs, query_ptr, keys_ptr, values_ptr, bias_ptr,
-                                            probs_ptr, partial_ptr, stats_ptr, stream);
+      launch_attend_chunk_rows<scalar_t, 1>(split.rows_per_tile, params, pairs, query_ptr, keys_ptr, values_ptr,
+                                            bias_ptr, probs_ptr, partial_ptr, stats_ptr, stream);
     }
-    combine_chunks_kernel<scalar_t><<<static_cast<unsigned>(pairs * rows), kThreads, 0, stream>>>(
+    const dim3 grid(static_cast<unsigned>(pairs * rows), static_cast<unsigned>(combine.pieces));
+    combine_chunks_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         partial_ptr, stats_ptr, probs_ptr, out.mutable_data_ptr<scalar_t>(), shape.total_len, d, params.chunk_len,
-        params.num_chunks);
+        params.num_chunks, combine.piece_len);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, probs};

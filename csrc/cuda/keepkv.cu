@@ -1,15 +1,19 @@
 // CUDA kernels of the keepkv family.
 //
-// keepkv_match: the evicted slots of each row are listed by one ATen sort (kvcomp/keepkv.h) and their largest count
-// is read back once (one host sync per call). Up to kDirectMaxEvicted evicted slots per row (a decoding step): one
-// block per (row, evicted slot) computes the cosines directly, warps over the retained slots, lanes over d. More
-// (prefill): normalised keys, at::matmul of chunks of evicted rows against the retained rows, then a fused masked
-// argmax kernel. Both argmaxes use kernels::MergesFirst (NaN as -inf, ties to the lower slot). The GEMM follows
-// torch's float32 matmul settings (TF32 only if the caller allowed it).
+// keepkv_match: the evicted slots of each row are listed by one ATen sort (kvcomp/keepkv.h). Up to kDirectMaxEvicted
+// evicted slots per row (a decoding step): blocks (row, y) take the evicted ranks y, y + gridDim.y, ... and compute
+// the cosines directly, warps over the retained slots, lanes over d. More (prefill): normalised keys, at::matmul of
+// chunks of evicted rows against the retained rows, then a fused masked argmax kernel. Both argmaxes use
+// kernels::MergesFirst (NaN as -inf, ties to the lower slot). The GEMM follows torch's float32 matmul settings (TF32
+// only if the caller allowed it). The path and the GEMM's shapes come from the largest evicted count, read back once
+// (one host sync) unless the caller gives that bound (max_evicted, e.g. a decoding step's new tokens): then nothing
+// waits on the host and the call can be captured in a CUDA graph.
 //
 // keepkv_zip_merge: the targets are validated on the device and checked once (one host sync; an invalid target
-// raises the CPU kernel's error), the members of each set are grouped by an ATen sort, then one block per
-// (row, slot) merges a retained slot with its members (block reductions for m and the sums, threads over d).
+// raises the CPU kernel's error) unless the caller vouches for them (check_targets = false: targets straight from
+// keepkv_match; any invalid one then merges nowhere), the members of each set are grouped by an ATen sort, then one
+// block per (row, slot) merges a retained slot with its members (block reductions for m and the sums, threads
+// over d).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
@@ -20,9 +24,11 @@
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <optional>
 #include <tuple>
 
 #include "kernels/keepkv.h"
+#include "kernels/launch.h"
 #include "kvcomp/dispatch.h"
 #include "kvcomp/keepkv.h"
 
@@ -44,7 +50,7 @@ struct ZipSumsOp {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// keepkv_match, direct path: block (row, rank) handles the rank-th evicted slot of the row.
+// keepkv_match, direct path: block (row, y) handles the evicted slots of ranks y, y + gridDim.y, ... of the row.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     keepkv_match_direct_kernel(const scalar_t* __restrict__ keys,       // [R, T, d]
@@ -55,42 +61,44 @@ __global__ void __launch_bounds__(kThreads)
                                int64_t slots, int64_t head_dim, float threshold) {
   using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
-  const int64_t row = blockIdx.x, rank = blockIdx.y;
-  if (rank >= num_evicted[row]) return;
-  const int64_t e = evicted[row * slots + rank];
+  const int64_t row = blockIdx.x, evicted_count = num_evicted[row];
   const scalar_t* row_keys = keys + row * slots * head_dim;
-  const scalar_t* key_e = row_keys + e * head_dim;
   const bool* row_keep = keep + row * slots;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, warps = kThreads / kWarpSize;
-  float norm_sq_e = 0.0f;
-  for (int64_t c = lane; c < head_dim; c += kWarpSize) {
-    const float x = static_cast<float>(key_e[c]);
-    norm_sq_e += x * x;
-  }
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) norm_sq_e += __shfl_xor_sync(0xffffffffu, norm_sq_e, offset);
-  kernels::SlotChoice best = kernels::MergesFirst::none();
-  for (int64_t r = warp; r < slots; r += warps) {  // warp-uniform: every lane takes part in the shuffles
-    if (!row_keep[r]) continue;
-    const scalar_t* key_r = row_keys + r * head_dim;
-    float dot = 0.0f, norm_sq_r = 0.0f;
+  for (int64_t rank = blockIdx.y; rank < evicted_count; rank += gridDim.y) {  // block-uniform
+    const int64_t e = evicted[row * slots + rank];
+    const scalar_t* key_e = row_keys + e * head_dim;
+    float norm_sq_e = 0.0f;
     for (int64_t c = lane; c < head_dim; c += kWarpSize) {
-      const float x = static_cast<float>(key_r[c]);
-      dot += static_cast<float>(key_e[c]) * x;
-      norm_sq_r += x * x;
+      const float x = static_cast<float>(key_e[c]);
+      norm_sq_e += x * x;
     }
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-      norm_sq_r += __shfl_xor_sync(0xffffffffu, norm_sq_r, offset);
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) norm_sq_e += __shfl_xor_sync(0xffffffffu, norm_sq_e, offset);
+    kernels::SlotChoice best = kernels::MergesFirst::none();
+    for (int64_t r = warp; r < slots; r += warps) {  // warp-uniform: every lane takes part in the shuffles
+      if (!row_keep[r]) continue;
+      const scalar_t* key_r = row_keys + r * head_dim;
+      float dot = 0.0f, norm_sq_r = 0.0f;
+      for (int64_t c = lane; c < head_dim; c += kWarpSize) {
+        const float x = static_cast<float>(key_r[c]);
+        dot += static_cast<float>(key_e[c]) * x;
+        norm_sq_r += x * x;
+      }
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        norm_sq_r += __shfl_xor_sync(0xffffffffu, norm_sq_r, offset);
+      }
+      const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
+      if (kernels::MergesFirst{}(candidate, best)) best = candidate;
     }
-    const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
-    if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+    const kernels::SlotChoice chosen = BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
+    if (threadIdx.x == 0) targets[row * slots + e] = kernels::match_target(chosen, threshold);
+    __syncthreads();  // reduce_storage is reused by the next rank
   }
-  const kernels::SlotChoice chosen = BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
-  if (threadIdx.x == 0) targets[row * slots + e] = kernels::match_target(chosen, threshold);
 }
 
-// keepkv_match, GEMM path: block (row, k) takes row k of the similarity chunk (evicted rank begin + k) against the
-// row's retained slots (ranks < T - num_evicted[row]).
+// keepkv_match, GEMM path: block (row, y) takes the rows k = y, y + gridDim.y, ... of the similarity chunk (evicted
+// rank begin + k) against the row's retained slots (ranks < T - num_evicted[row]).
 __global__ void __launch_bounds__(kThreads)
     keepkv_match_argmax_kernel(const float* __restrict__ similarities,  // [R, C, R_max]
                                const int64_t* __restrict__ evicted,     // [R, T] evicted slots first
@@ -100,22 +108,27 @@ __global__ void __launch_bounds__(kThreads)
                                int64_t slots, int64_t chunk, int64_t max_retained, int64_t begin, float threshold) {
   using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
-  const int64_t row = blockIdx.x, k = blockIdx.y;
-  const int64_t rank = begin + k, evicted_count = num_evicted[row];
-  if (rank >= evicted_count) return;
+  const int64_t row = blockIdx.x, evicted_count = num_evicted[row];
   const int64_t retained_count = slots - evicted_count;
-  const float* sim = similarities + (row * chunk + k) * max_retained;
-  kernels::SlotChoice best = kernels::MergesFirst::none();
-  for (int64_t r = threadIdx.x; r < retained_count; r += kThreads) {
-    const kernels::SlotChoice candidate{sim[r], retained[row * slots + r]};
-    if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+  for (int64_t k = blockIdx.y; k < chunk && begin + k < evicted_count; k += gridDim.y) {  // block-uniform
+    const float* sim = similarities + (row * chunk + k) * max_retained;
+    kernels::SlotChoice best = kernels::MergesFirst::none();
+    for (int64_t r = threadIdx.x; r < retained_count; r += kThreads) {
+      const kernels::SlotChoice candidate{sim[r], retained[row * slots + r]};
+      if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+    }
+    const kernels::SlotChoice chosen =
+        BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
+    if (threadIdx.x == 0) {
+      targets[row * slots + evicted[row * slots + begin + k]] = kernels::match_target(chosen, threshold);
+    }
+    __syncthreads();  // reduce_storage is reused by the next k
   }
-  const kernels::SlotChoice chosen = BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
-  if (threadIdx.x == 0) targets[row * slots + evicted[row * slots + rank]] = kernels::match_target(chosen, threshold);
 }
 
-at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, double threshold) {
-  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold);
+at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, double threshold,
+                             std::optional<int64_t> max_evicted_bound) {
+  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold, max_evicted_bound);
   const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
   const int64_t rows = shape.rows(), slots = shape.slots, head_dim = shape.head_dim;
   const at::Tensor keep_rows = keep.reshape({rows, slots}).contiguous();
@@ -123,16 +136,21 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
   if (rows == 0 || slots == 0) return targets.view({shape.batch, shape.kv_heads, slots});
   TORCH_CHECK(rows <= INT32_MAX, "kvcomp::keepkv_match: expected at most 2^31 - 1 (batch, kv-head) rows, got ", rows);
   const at::Tensor num_evicted = keep_rows.logical_not().sum(1);  // int64 [R]
-  const at::Tensor extremes = at::stack({num_evicted.max(), num_evicted.min()}).cpu();  // the one host sync
-  const int64_t max_evicted = extremes[0].item<int64_t>();
-  const int64_t max_retained = slots - extremes[1].item<int64_t>();
-  if (max_evicted == 0 || max_retained == 0) return targets.view({shape.batch, shape.kv_heads, slots});
-  const at::Tensor evicted = keepkv_partition(keep_rows, /*evicted_first=*/true);
   const at::Tensor keys_c = keys.reshape({rows, slots, head_dim}).contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float threshold_f = static_cast<float>(threshold);
+  const bool direct_without_sync = max_evicted_bound.has_value() && *max_evicted_bound <= kDirectMaxEvicted;
+  int64_t max_evicted = direct_without_sync ? *max_evicted_bound : 0, max_retained = slots;
+  if (!direct_without_sync) {
+    const at::Tensor extremes = at::stack({num_evicted.max(), num_evicted.min()}).cpu();  // the one host sync
+    max_evicted = extremes[0].item<int64_t>();
+    max_retained = slots - extremes[1].item<int64_t>();
+    if (max_evicted == 0 || max_retained == 0) return targets.view({shape.batch, shape.kv_heads, slots});
+  }
+  const at::Tensor evicted = keepkv_partition(keep_rows, /*evicted_first=*/true);
   if (max_evicted <= kDirectMaxEvicted) {
-    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(max_evicted));
+    // The blocks stride over the evicted ranks, so a row evicting more than the bound is still matched in full.
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(kernels::launch::grid_y(max_evicted)));
     KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_match", [&] {
       keepkv_match_direct_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           keys_c.const_data_ptr<scalar_t>(), keep_rows.const_data_ptr<bool>(), evicted.const_data_ptr<int64_t>(),
@@ -149,12 +167,11 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
     return normalised.gather(1, index.unsqueeze(-1).expand({rows, index.size(1), head_dim}));
   };
   const at::Tensor retained_t = gather_rows(retained.narrow(1, 0, max_retained)).transpose(1, 2);  // [R, d, R_max]
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(max_evicted, kMatchChunkElements / (rows * max_retained)));
-  TORCH_CHECK(chunk <= 65535, "kvcomp::keepkv_match: internal chunk too large");
+  const int64_t chunk = kernels::launch::keepkv_match_chunk(max_evicted, rows, max_retained, kMatchChunkElements);
   for (int64_t begin = 0; begin < max_evicted; begin += chunk) {
     const int64_t count = std::min(chunk, max_evicted - begin);
     const at::Tensor similarities = at::matmul(gather_rows(evicted.narrow(1, begin, count)), retained_t).contiguous();
-    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(count));
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(kernels::launch::grid_y(count)));
     keepkv_match_argmax_kernel<<<grid, kThreads, 0, stream>>>(
         similarities.const_data_ptr<float>(), evicted.const_data_ptr<int64_t>(), retained.const_data_ptr<int64_t>(),
         num_evicted.const_data_ptr<int64_t>(), targets.mutable_data_ptr<int64_t>(), slots, count, max_retained, begin,
@@ -235,7 +252,8 @@ __global__ void __launch_bounds__(kThreads)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::Tensor& keys, const at::Tensor& values,
                                                                      const at::Tensor& votes,
                                                                      const at::Tensor& log_scores,
-                                                                     const at::Tensor& targets, bool convex) {
+                                                                     const at::Tensor& targets, bool convex,
+                                                                     bool check_targets) {
   const KeepKVShape shape = check_keepkv_zip_merge(keys, values, votes, log_scores, targets);
   const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
   at::Tensor out_keys = keys.contiguous().clone();
@@ -243,20 +261,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::T
   at::Tensor out_votes = votes.contiguous().clone();
   const int64_t rows = shape.rows(), slots = shape.slots;
   if (rows == 0 || slots == 0) return {out_keys, out_values, out_votes};
-  const at::Tensor target_rows = targets.reshape({rows, slots}).contiguous();
-  // Validation on the device, read back once: a target is -1, -2 or a retained slot of its row.
+  at::Tensor target_rows = targets.reshape({rows, slots}).contiguous();
+  // Validation on the device: a target is -1, -2 or a retained slot of its row.
   const at::Tensor merged = target_rows.ge(0);
   const at::Tensor in_range = merged.logical_and(target_rows.lt(slots));
   const at::Tensor target_kind = target_rows.gather(1, at::where(in_range, target_rows, 0));
   const at::Tensor valid = target_rows.eq(kernels::kKeepKVRetained)
                                .logical_or(target_rows.eq(kernels::kKeepKVEvictedNoMerge))
                                .logical_or(in_range.logical_and(target_kind.eq(kernels::kKeepKVRetained)));
-  const at::Tensor invalid = at::nonzero(valid.logical_not().reshape({-1}));
-  if (invalid.size(0) > 0) {  // nonzero synchronised already
-    const int64_t position = invalid[0][0].item<int64_t>();
-    const int64_t row = position / slots, e = position % slots;
-    fail_keepkv_target(slots, row / shape.kv_heads, row % shape.kv_heads, e,
-                       target_rows.reshape({-1})[position].item<int64_t>());
+  if (check_targets) {  // read back once
+    const at::Tensor invalid = at::nonzero(valid.logical_not().reshape({-1}));
+    if (invalid.size(0) > 0) {  // nonzero synchronised already
+      const int64_t position = invalid[0][0].item<int64_t>();
+      const int64_t row = position / slots, e = position % slots;
+      fail_keepkv_target(slots, row / shape.kv_heads, row % shape.kv_heads, e,
+                         target_rows.reshape({-1})[position].item<int64_t>());
+    }
+  } else {  // no host sync: an invalid target merges nowhere, and never indexes out of its row
+    target_rows = at::where(valid, target_rows, kernels::kKeepKVEvictedNoMerge);
   }
   const KeepKVMembers sets = keepkv_members(target_rows);
   const int64_t blocks = rows * slots;

@@ -1,11 +1,14 @@
 // CUDA kernels of the kvzap family.
 //   kvzap_score: cuBLAS GEMMs through ATen (kvcomp::run_kvzap_surrogate); bias + GELU in place on the first GEMM's
 //     output and bias + float32 on the last one, one thread per element (grid-stride).
-//   kvzap_threshold: one block per (batch, head) row: each thread decides its slots, CUB BlockReduce counts the held
-//     ones. Nothing waits on the host.
+//   kvzap_threshold: blocks (row, piece) over the (batch, head) rows, several per row so that batch 1 fills the
+//     device too (kernels::launch::blocks_per_row): each thread decides its slots, CUB BlockReduce counts the held
+//     ones, and one atomicAdd per block adds them to the row's count (integers: the order does not matter). Nothing
+//     waits on the host.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -15,6 +18,7 @@
 #include <cstdint>
 
 #include "kernels/kvzap.h"
+#include "kernels/launch.h"
 #include "kvcomp/dispatch.h"
 #include "kvcomp/kvzap.h"
 
@@ -25,8 +29,10 @@ namespace z = kernels::kvzap;
 
 constexpr int kThreads = 256;
 
+constexpr int64_t kMinSlotsPerBlock = 1024;  // kvzap_threshold: 4 slots per thread at least
+
 inline unsigned grid_for(int64_t total) {
-  return static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535));
+  return static_cast<unsigned>(kernels::launch::grid_stride_blocks(total, kThreads, 65535));
 }
 
 template <typename scalar_t>
@@ -89,20 +95,21 @@ __global__ void __launch_bounds__(kThreads)
                            const float* __restrict__ scores,  // [B, H, T]
                            const int64_t* __restrict__ positions,  // [B, H, T]
                            float* __restrict__ out,  // [B, H, T]
-                           int64_t* __restrict__ held,  // [B, H]
-                           int64_t len, z::DecisionRange range, float threshold) {
-  using BlockReduce = cub::BlockReduce<int64_t, kThreads>;
+                           unsigned long long* __restrict__ held,  // [B, H], zeroed
+                           int64_t len, int64_t piece_len, z::DecisionRange range, float threshold) {
+  using BlockReduce = cub::BlockReduce<unsigned long long, kThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * len;
-  int64_t count = 0;
-  for (int64_t t = threadIdx.x; t < len; t += kThreads) {
+  const int64_t end = min(len, (blockIdx.y + 1) * piece_len);
+  unsigned long long count = 0;
+  for (int64_t t = blockIdx.y * piece_len + threadIdx.x; t < end; t += kThreads) {
     const float value = z::thresholded_log_weight(log_weights[base + t], scores[base + t], positions[base + t], range,
                                                   threshold);
     out[base + t] = value;
     count += z::is_held(value);
   }
   count = BlockReduce(reduce_storage).Sum(count);
-  if (threadIdx.x == 0) held[blockIdx.x] = count;
+  if (threadIdx.x == 0 && count > 0) atomicAdd(held + blockIdx.x, count);
 }
 
 std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cuda(const at::Tensor& log_weights, const at::Tensor& scores,
@@ -114,13 +121,20 @@ std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cuda(const at::Tensor& log_we
   const at::Tensor log_weights_c = log_weights.contiguous(), scores_c = scores.contiguous();
   const at::Tensor positions_c = positions.contiguous();
   at::Tensor out = at::empty_like(log_weights_c);
-  at::Tensor held = at::empty({shape.batch, shape.heads}, log_weights.options().dtype(at::kLong));
-  if (shape.rows() == 0) return {out, held};
+  at::Tensor held = at::zeros({shape.batch, shape.heads}, log_weights.options().dtype(at::kLong));
+  if (shape.rows() == 0 || shape.len == 0) return {out, held};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  kvzap_threshold_kernel<<<static_cast<unsigned>(shape.rows()), kThreads, 0, stream>>>(
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t pieces = kernels::launch::blocks_per_row(shape.rows(), shape.len, sms, kMinSlotsPerBlock);
+  TORCH_CHECK(shape.rows() <= kernels::launch::kMaxGridX, "kvcomp::kvzap_threshold: expected at most ",
+              kernels::launch::kMaxGridX, " (batch, head) rows, got ", shape.rows());
+  const dim3 grid(static_cast<unsigned>(shape.rows()), static_cast<unsigned>(pieces));
+  static_assert(sizeof(unsigned long long) == sizeof(int64_t), "held counts are added as 64-bit unsigned");
+  kvzap_threshold_kernel<<<grid, kThreads, 0, stream>>>(
       log_weights_c.const_data_ptr<float>(), scores_c.const_data_ptr<float>(), positions_c.const_data_ptr<int64_t>(),
-      out.mutable_data_ptr<float>(), held.mutable_data_ptr<int64_t>(), shape.len,
-      z::decision_range(tokens_before, tokens_after, window), static_cast<float>(threshold));
+      out.mutable_data_ptr<float>(), reinterpret_cast<unsigned long long*>(held.mutable_data_ptr<int64_t>()),
+      shape.len, kernels::launch::ceil_div(shape.len, pieces), z::decision_range(tokens_before, tokens_after, window),
+      static_cast<float>(threshold));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, held};
 }

@@ -181,13 +181,15 @@ class KeepKVPress(KVCompDecodingPress):
         return self._merge_and_compact(keys, values, state, keep, log_estimate)
 
     def _merge_and_compact(self, keys, values, state: LayerState, keep: torch.Tensor, log_estimate: torch.Tensor):
-        targets = ops.keepkv_match(keys, keep, self.similarity_threshold)
+        # Every row evicts exactly length - M slots and keeps M: bounds that spare the host syncs (CUDA graphs).
+        evicted_per_row = keep.shape[-1] - state.counters["budget"]
+        targets = ops.keepkv_match(keys, keep, self.similarity_threshold, max_evicted=evicted_per_row)
         # A dropped slot drops every token it stands for (its votes; 0 for a slot merged away by merge_first).
         dropped = state.per_slot["votes"].masked_fill(targets != -2, 0.0).sum(-1)
         state.counters["dropped"] = state.counters["dropped"] + dropped
         keys, values, merged_state = self._zip(keys, values, state, targets, log_estimate)
         keys, values, compacted = compact_to_longest_head(keys, values, keep, torch.zeros_like(log_estimate),
-                                                          merged_state)
+                                                          merged_state, longest=state.counters["budget"])
         state.per_slot = compacted.per_slot
         state.log_weights = ops.merge_count_bias(state.per_slot["votes"], 1.0)
         return keys, values, state
@@ -221,7 +223,9 @@ class KeepKVPress(KVCompDecodingPress):
         The merged slot's ŝ is the vote-weighted mean Σ p ŝ / Σ p of its set, which is what eq. 7's key scores for
         a query whose scores were ŝ (theorem 3), and its age the oldest of the set's."""
         votes = state.per_slot["votes"]
-        keys, values, merged_votes = ops.keepkv_zip_merge(keys, values, votes, log_estimate, targets, self.convex)
+        # targets come from keepkv_match: valid by construction, so CUDA skips its host-synced check.
+        keys, values, merged_votes = ops.keepkv_zip_merge(keys, values, votes, log_estimate, targets, self.convex,
+                                                          check_targets=False)
         slot = torch.arange(targets.shape[-1], device=targets.device).expand_as(targets)
         owner = torch.where(targets >= 0, targets, slot)
         weighted = log_estimate + votes.log()

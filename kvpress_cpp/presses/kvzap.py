@@ -180,16 +180,18 @@ class KVzapThresholdPress(KVCompDecodingPress):
     Every token is decided once, in absolute cache positions: when it leaves the window of the last
     ``sliding_window`` tokens it is evicted if its surrogate score is below ``threshold`` (NaN is kept, as in
     kvpress's DMSPress); the window itself is never evicted. Evicted slots get log-weight -inf at once; a layer is
-    compacted to its longest head (memory freed) at prefill and, while decoding, as soon as that frees at least
-    ``compaction_slack`` slots (so the cache is not copied at every step). Each slot's absolute position and score
-    are kept in the layer's state (``per_slot["positions"]``, ``per_slot["scores"]``).
+    compacted to its longest head (memory freed) at prefill and, while decoding, once every ``compaction_slack``
+    new tokens, so the cache is neither copied at every step nor ever ``compaction_slack`` or more slots longer than
+    its longest head. Only those steps read the longest head back (one host sync); the others wait on nothing and
+    can be captured in a CUDA graph. Each slot's absolute position and score are kept in the layer's state
+    (``per_slot["positions"]``, ``per_slot["scores"]``).
 
     Attributes:
         threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
         sliding_window: w, the most recent tokens, never evicted (paper: 128).
         model_type: "linear" or "mlp".
         surrogate_dir: the surrogate's directory; None for ``kvpress_cpp/surrogates/<model name>/<model_type>``.
-        compaction_slack: compact a layer during decoding once it would shrink by at least this many slots (≥ 1).
+        compaction_slack: compact a layer during decoding every this many new tokens (≥ 1; 1: at every step).
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -226,6 +228,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
         keys, values, state = compact_to_longest_head(keys, values, log_weights != float("-inf"), log_weights,
                                                       {"scores": scores, "positions": positions})
         state.counters["tokens"] = length
+        state.counters["since_compaction"] = 0
         return keys, values, state
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
@@ -238,11 +241,17 @@ class KVzapThresholdPress(KVCompDecodingPress):
         scores = torch.cat([state.per_slot["scores"], self.scorer.layer_scores(module, hidden_states)], -1)
         log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
                                                 before, before + new_tokens)
-        counters = {**state.counters, "tokens": before + new_tokens}
-        if length - int(held.max()) >= self.compaction_slack:
+        # A head holds at most one more slot per new token, so the layer outgrows its longest head by at most the
+        # tokens since the last compaction: compacting every compaction_slack tokens keeps that below the slack.
+        since_compaction = state.counters.get("since_compaction", 0) + new_tokens
+        counters = {**state.counters, "tokens": before + new_tokens, "since_compaction": since_compaction}
+        longest = int(held.max()) if since_compaction >= self.compaction_slack else length  # the one host sync
+        if longest < length:
             keys, values, state = compact_to_longest_head(keys, values, log_weights != float("-inf"), log_weights,
-                                                          {"scores": scores, "positions": positions})
+                                                          {"scores": scores, "positions": positions}, longest)
         else:
             state.log_weights, state.per_slot = log_weights, {"scores": scores, "positions": positions}
+        if since_compaction >= self.compaction_slack:
+            counters["since_compaction"] = 0
         state.counters = counters
         return keys, values, state

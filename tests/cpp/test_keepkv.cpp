@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -158,22 +159,22 @@ TEST(KeepKVOps, CpuKernelsAreRegistered) {
 }
 
 TEST(KeepKVOps, MatchAndMergeByHand) {
-  using MatchFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+  using MatchFn = at::Tensor(const at::Tensor&, const at::Tensor&, double, std::optional<int64_t>);
   using MergeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                   const at::Tensor&, const at::Tensor&,
-                                                                  const at::Tensor&, bool);
+                                                                  const at::Tensor&, bool, bool);
   const auto match = c10::Dispatcher::singleton().findSchemaOrThrow("kvcomp::keepkv_match", "").typed<MatchFn>();
   const auto merge = c10::Dispatcher::singleton().findSchemaOrThrow("kvcomp::keepkv_zip_merge", "").typed<MergeFn>();
   // d = 2: slots 0 (1, 0) and 1 (0, 1) retained; 2 (2, 0.1) evicted -> 0; 3 (-1, -1) evicted, best cos 0 < 0.5 -> -2.
   const auto keys = at::tensor({1.f, 0.f, 0.f, 1.f, 2.f, 0.1f, -1.f, -1.f}).view({1, 1, 4, 2});
   const auto keep = at::tensor({1, 1, 0, 0}).ne(0).view({1, 1, 4});
-  const auto targets = match.call(keys, keep, 0.5);
+  const auto targets = match.call(keys, keep, 0.5, std::nullopt);
   const std::vector<int64_t> expected{-1, -1, 0, -2};
   for (int64_t t = 0; t < 4; ++t) EXPECT_EQ(targets[0][0][t].item<int64_t>(), expected[t]) << "slot " << t;
   // ℓ = q·k with q = (1, 0): ℓ_0 = 1, ℓ_2 = 2; votes 1 and 3.
   const auto votes = at::tensor({1.f, 1.f, 3.f, 1.f}).view({1, 1, 4});
   const auto logs = at::tensor({1.f, 0.f, 2.f, -1.f}).view({1, 1, 4});
-  const auto [out_k, out_v, out_p] = merge.call(keys, keys * 10, votes, logs, targets, false);
+  const auto [out_k, out_v, out_p] = merge.call(keys, keys * 10, votes, logs, targets, false, true);
   EXPECT_FLOAT_EQ(out_p[0][0][0].item<float>(), 4.0f);
   // q·k_r = ln((e + 3 e^2) / 4)
   const double e = std::exp(1.0), e2 = std::exp(2.0);
@@ -183,7 +184,7 @@ TEST(KeepKVOps, MatchAndMergeByHand) {
   const auto bad = targets.clone();
   bad[0][0][3] = 1;
   bad[0][0][2] = 3;  // targets an evicted slot
-  EXPECT_THROW(merge.call(keys, keys, votes, logs, bad, false), c10::Error);
+  EXPECT_THROW(merge.call(keys, keys, votes, logs, bad, false, true), c10::Error);
 }
 
 }  // namespace

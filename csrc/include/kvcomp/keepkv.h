@@ -12,6 +12,8 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
+#include <optional>
+
 #include "kvcomp/checks.h"
 
 namespace kvcomp {
@@ -37,11 +39,13 @@ inline void check_keepkv_per_slot(const char* op, const char* name, const at::Te
   check_size(op, name, t, 2, keys.size(2), "slots of keys");
 }
 
-inline KeepKVShape check_keepkv_match(const at::Tensor& keys, const at::Tensor& keep, double threshold) {
+inline KeepKVShape check_keepkv_match(const at::Tensor& keys, const at::Tensor& keep, double threshold,
+                                      std::optional<int64_t> max_evicted = std::nullopt) {
   constexpr const char* op = "kvcomp::keepkv_match";
   check_keepkv_keys(op, keys);
   check_keepkv_per_slot(op, "keep", keep, at::kBool, keys);
   check_range(op, "threshold", threshold, -1.0, 1.0);  // NaN fails the range test too
+  TORCH_CHECK(!max_evicted.has_value() || *max_evicted >= 0, op, ": expected max_evicted >= 0, got ", *max_evicted);
   return {keys.size(0), keys.size(1), keys.size(2), keys.size(3)};
 }
 

@@ -1,0 +1,267 @@
+"""make gpu-check: everything the CUDA path must prove on a machine with a GPU and no network, in one run.
+
+    python -m benchmarks.gpu_check                   # all stages
+    python -m benchmarks.gpu_check --stages tests sanitizer --timeout 900
+
+Stages (each runs in a subprocess with its own time limit; a failure is recorded and the next stage still runs):
+  environment  GPU, driver, torch / transformers / kvpress versions, whether kvpress imports
+  build        the extension for this GPU's architecture (TORCH_CUDA_ARCH_LIST from its compute capability)
+  bandwidth    the device-to-device copy bandwidth (read + write), the roofline of the memory-bound ops
+  tests        the CUDA tests: every op test's CUDA cases and the CUDA-graph capture of each press's decoding step
+  sanitizer    compute-sanitizer memcheck, racecheck and synccheck over a subset of the CUDA op tests
+  ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py)
+  decode       bench_decode on a random-weight Llama-3-8B-shaped model at 8k, 16k and 32k, 10% budget
+Results: benchmarks/results/gpu/*.json (the benchmarks' own files, logs) and summary.json + summary.md, which also
+check the issue's targets against the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "gpu"
+PYTHON = sys.executable
+STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode"]
+CUDA_TEST_FILES = ["tests/test_attention_ops.py", "tests/test_scores.py", "tests/test_keepkv_ops.py",
+                   "tests/test_zsmerge_ops.py", "tests/test_weightedkv_ops.py", "tests/test_kvzap_ops.py",
+                   "tests/test_gvote_ops.py"]
+# Sanitizer runs are 10-100x slower: the decoding-step ops, a few cases each.
+SANITIZER_TESTS = ["tests/test_attention_ops.py", "tests/test_scores.py", "tests/test_keepkv_ops.py",
+                   "tests/test_zsmerge_ops.py", "tests/test_weightedkv_ops.py", "tests/test_kvzap_ops.py"]
+SANITIZER_FILTER = "cuda and not scale and not opcheck and not compile"
+OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
+                 "bench_gvote", "bench_kvzap --quick"]
+DECODE_LENGTHS = [8192, 16384, 32768]
+# One run per (press, length), KeepKV first: its prefill folds only its recent window, while ZSMerge's and
+# WeightedKV's fold the whole prompt's attention (quadratic in the prompt: slow at 32k on an 8B model), so a run cut
+# short by its time limit leaves the others' figures intact.
+DECODE_METHODS = ["KeepKV", "ZSMerge", "WeightedKV"]
+
+
+def run(name: str, command: list[str] | str, timeout: float, env: dict | None = None) -> dict:
+    """Run one command, its output to OUT/<name>.log; {'ok', 'seconds', 'rc', 'tail'}."""
+    log = OUT / f"{name}.log"
+    started = time.perf_counter()
+    shell = isinstance(command, str)
+    print(f"[gpu-check] {name}: {command if shell else ' '.join(command)}", flush=True)
+    try:
+        with log.open("w") as out:
+            rc = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                env={**os.environ, **(env or {})}, shell=shell).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    except OSError as error:  # the program itself is missing (no compute-sanitizer, no nvidia-smi)
+        log.write_text(f"{type(error).__name__}: {error}\n")
+        rc = "not run"
+    text = log.read_text(errors="replace")
+    result = {"ok": rc == 0, "rc": rc, "seconds": round(time.perf_counter() - started, 1), "log": log.name,
+              "tail": text[-2000:]}
+    print(f"[gpu-check] {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {result['seconds']} s", flush=True)
+    return result
+
+
+def python(code: str) -> list[str]:
+    return [PYTHON, "-c", code]
+
+
+def stage_environment(timeout: float) -> dict:
+    probe = (
+        "import json, torch, transformers; d = {'torch': torch.__version__, 'cuda': torch.version.cuda, "
+        "'transformers': transformers.__version__, 'gpu': torch.cuda.get_device_name(), "
+        "'capability': '.'.join(map(str, torch.cuda.get_device_capability())), "
+        "'sms': torch.cuda.get_device_properties(0).multi_processor_count}\n"
+        "try:\n import kvpress; d['kvpress'] = getattr(kvpress, '__version__', 'imported')\n"
+        "except Exception as e: d['kvpress'] = f'import failed: {type(e).__name__}: {e}'\n"
+        "print('ENV', json.dumps(d))")
+    result = run("environment", python(probe), timeout)
+    found = re.search(r"^ENV (.*)$", (OUT / "environment.log").read_text(), re.M)
+    result["figures"] = json.loads(found.group(1)) if found else {}
+    smi = run("nvidia-smi", ["nvidia-smi"], 60)
+    result["figures"]["nvidia_smi_ok"] = smi["ok"]
+    return result
+
+
+def stage_build(timeout: float) -> dict:
+    capability = subprocess.run(
+        python("import torch; print('%d.%d' % torch.cuda.get_device_capability())"), capture_output=True, text=True,
+        cwd=ROOT).stdout.strip()
+    env = {"TORCH_CUDA_ARCH_LIST": capability or "9.0", "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count()))}
+    result = run("build", [PYTHON, "setup.py", "build_ext", "--inplace"], timeout, env)
+    check = run("build-check", python("import kvpress_cpp; assert kvpress_cpp.cuda_kernels_built(), 'no CUDA kernels'"),
+                120)
+    result["ok"] = result["ok"] and check["ok"]
+    result["figures"] = {"arch": env["TORCH_CUDA_ARCH_LIST"], "cuda_kernels_built": check["ok"]}
+    return result
+
+
+def stage_bandwidth(timeout: float) -> dict:
+    result = run("bandwidth", python("from benchmarks.common import copy_bandwidth_gbs; "
+                                     "print('COPY_GBPS', copy_bandwidth_gbs('cuda'))"), timeout)
+    found = re.search(r"COPY_GBPS ([0-9.]+)", (OUT / "bandwidth.log").read_text())
+    result["figures"] = {"copy_GBps": round(float(found.group(1)), 1)} if found else {}
+    return result
+
+
+def pytest_summary(log: Path) -> dict:
+    text = log.read_text(errors="replace")
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text)}
+    return counts
+
+
+def stage_tests(timeout: float) -> dict:
+    command = [PYTHON, "-m", "pytest", "-q", "-k", "cuda", *CUDA_TEST_FILES]
+    result = run("tests", command, timeout / 2)
+    graphs = run("tests-cuda-graphs", [PYTHON, "-m", "pytest", "-q", "tests/test_cuda_graphs.py"], timeout / 2)
+    result["figures"] = {"op_tests": pytest_summary(OUT / "tests.log"),
+                         "cuda_graph_tests": pytest_summary(OUT / "tests-cuda-graphs.log")}
+    result["ok"] = result["ok"] and graphs["ok"]
+    return result
+
+
+def stage_sanitizer(timeout: float) -> dict:
+    figures, ok = {}, True
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        command = ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", "--target-processes=all", PYTHON,
+                   "-m", "pytest", "-q", "-x", "-k", SANITIZER_FILTER, *SANITIZER_TESTS]
+        result = run(f"sanitizer-{tool}", command, timeout / 3, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+        text = (OUT / f"sanitizer-{tool}.log").read_text(errors="replace")
+        errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        figures[tool] = {"errors": sum(errors) if errors else None, "rc": result["rc"],
+                         "tests": pytest_summary(OUT / f"sanitizer-{tool}.log")}
+        ok = ok and result["ok"] and errors != [] and sum(errors) == 0
+    return {"ok": ok, "figures": figures}
+
+
+def stage_ops(timeout: float) -> dict:
+    figures, ok = {}, True
+    env = {"KVCOMP_RESULTS_DIR": str(OUT), "KVCOMP_BENCH_DEVICES": "cuda"}
+    for bench in OP_BENCHMARKS:
+        module, *args = bench.split()
+        result = run(module, [PYTHON, "-m", f"benchmarks.{module}", *args], timeout / len(OP_BENCHMARKS), env)
+        figures[module] = "ok" if result["ok"] else f"failed ({result['rc']})"
+        ok = ok and result["ok"]
+    return {"ok": ok, "figures": figures}
+
+
+def decode_name(method: str, length: int) -> str:
+    return f"decode_random-llama3-8b_{method}_{length}"
+
+
+def stage_decode(timeout: float) -> dict:
+    """`timeout`: seconds per bench_decode run (one press, one prompt length)."""
+    figures, ok = {}, True
+    env = {"KVCOMP_RESULTS_DIR": str(OUT)}
+    # The full cache at a tenth of each prompt holds as many slots as a 10% press does: its step time is what the
+    # press's step would cost without the press (so the press's own share of the step is the difference).
+    runs = [(method, length) for method in DECODE_METHODS for length in DECODE_LENGTHS]
+    runs += [("KeepKV", length // 10) for length in DECODE_LENGTHS]
+    for method, length in runs:
+        name = decode_name(method, length)
+        command = [PYTHON, "-m", "benchmarks.bench_decode", "--device", "cuda", "--model", "random-llama3-8b",
+                   "--lengths", str(length), "--budgets", "0.1", "--methods", method, "--repeats", "1",
+                   "--new-tokens", "32", "--name", name]
+        result = run(name, command, timeout, env)
+        figures[f"{method} {length}"] = "ok" if result["ok"] else f"failed ({result['rc']})"
+        ok = ok and result["ok"]
+    return {"ok": ok, "figures": figures}
+
+
+def load_rows(name: str) -> list[dict]:
+    path = OUT / f"{name}.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def targets(stages: dict) -> list[dict]:
+    """The issue's targets, each {'target', 'value', 'met'} (met None: not measured in this run)."""
+    checks = []
+    attention = [r for r in load_rows("attention") if r.get("B") == 8 and r["T"] >= 16384]
+    fractions = [r.get("fraction_of_copy_bw") for r in attention if r.get("fraction_of_copy_bw") is not None]
+    checks.append({"target": "decode attention B=8, Hq=32, H=8, d=128, bf16, T>=16k: >= 70% of copy bandwidth",
+                   "value": fractions, "met": bool(fractions) and min(fractions) >= 0.70 if fractions else None})
+    speedups = {}
+    for bench in ("scores", "keepkv", "zsmerge", "weightedkv", "kvzap"):
+        for row in load_rows(bench):
+            for key, value in row.items():
+                if key.startswith("speedup") and isinstance(value, (int, float)):
+                    speedups.setdefault(bench, []).append(value)
+    worst = {bench: min(values) for bench, values in speedups.items()}
+    checks.append({"target": "every decode-step op >= 5x its plain-PyTorch equivalent (smallest speedup per bench)",
+                   "value": worst, "met": all(v >= 5 for v in worst.values()) if worst else None})
+    # Each run holds its press's row and a full-cache row of the same prompt, measured in the same process.
+    ratios, overhead = {}, {}
+    for method in DECODE_METHODS:
+        for length in DECODE_LENGTHS:
+            rows = {r["method"]: r for r in load_rows(decode_name(method, length))}
+            full, pressed = rows.get("full"), rows.get(f"{method} 10%")
+            if full and pressed:
+                ratios[f"{method} {length}"] = round(pressed["decode_tok_s"] / full["decode_tok_s"], 2)
+            same_size = {r["method"]: r for r in load_rows(decode_name("KeepKV", length // 10))}.get("full")
+            if pressed and same_size:
+                overhead[f"{method} {length}"] = round(same_size["decode_tok_s"] / pressed["decode_tok_s"] - 1, 3)
+    at_32k = {k: v for k, v in ratios.items() if k.endswith(" 32768")}
+    checks.append({"target": "32k, 10% budget: decode tokens/s >= 3x the full cache's", "value": at_32k,
+                   "met": all(v >= 3 for v in at_32k.values()) if at_32k else None})
+    checks.append({"target": "decode tokens/s with a 10% budget over the full cache's, every length",
+                   "value": ratios, "met": None})
+    checks.append({"target": "a merging press adds <= 10% to the decode step (step time over that of a full cache "
+                             "of as many slots, minus 1)", "value": overhead,
+                   "met": all(v <= 0.10 for v in overhead.values()) if overhead else None})
+    sanitizer = stages.get("sanitizer", {}).get("figures", {})
+    errors = {tool: f.get("errors") for tool, f in sanitizer.items()}
+    checks.append({"target": "compute-sanitizer memcheck / racecheck / synccheck: zero errors", "value": errors,
+                   "met": all(e == 0 for e in errors.values()) if errors else None})
+    graphs = stages.get("tests", {}).get("figures", {}).get("cuda_graph_tests", {})
+    checks.append({"target": "each press's decoding step captured in a CUDA graph replays as eager", "value": graphs,
+                   "met": (graphs.get("passed", 0) > 0 and not graphs.get("failed")) if graphs else None})
+    return checks
+
+
+def markdown(stages: dict, checks: list[dict]) -> str:
+    lines = ["# make gpu-check", "", "| stage | result | seconds | figures |", "| --- | --- | --- | --- |"]
+    for name, stage in stages.items():
+        status = "ok" if stage.get("ok") else "FAILED"
+        figures = json.dumps(stage.get("figures", {}))
+        lines.append(f"| {name} | {status} | {stage.get('seconds', '')} | `{figures}` |")
+    lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
+    for check in checks:
+        met = {True: "yes", False: "NO", None: "not measured"}[check["met"]]
+        lines.append(f"| {check['target']} | `{json.dumps(check['value'])}` | {met} |")
+    failed = [name for name, stage in stages.items() if not stage.get("ok")]
+    for name in failed:
+        lines += ["", f"## {name}: last lines of its log", "", "```", stages[name].get("tail", "")[-1500:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
+    parser.add_argument("--decode-timeout", type=float, default=300, help="seconds per decode benchmark run")
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    summary_path = OUT / "summary.json"
+    stages = json.loads(summary_path.read_text())["stages"] if summary_path.exists() else {}
+    for name in args.stages:
+        started = time.perf_counter()
+        try:
+            stages[name] = globals()[f"stage_{name}"](args.decode_timeout if name == "decode" else args.timeout)
+        except Exception as error:  # a broken stage is recorded, the others still run
+            stages[name] = {"ok": False, "tail": f"{type(error).__name__}: {error}"}
+        stages[name]["seconds"] = round(time.perf_counter() - started, 1)
+        checks = targets(stages)
+        summary_path.write_text(json.dumps({"stages": stages, "targets": checks}, indent=2) + "\n")
+        (OUT / "summary.md").write_text(markdown(stages, checks))
+    print((OUT / "summary.md").read_text())
+    sys.exit(0 if all(stages[name].get("ok") for name in args.stages) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+// Launch configurations of the CUDA kernels (grid sizes, split counts, chunk lengths). Device-free, so that
+// GoogleTest checks the arithmetic on a machine without a GPU; the CUDA glue only reads the device's multiprocessor
+// count and passes it in.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvcomp::kernels::launch {
+
+// CUDA's limits on the grid: gridDim.x up to 2^31 - 1, gridDim.y and gridDim.z up to 65535.
+constexpr int64_t kMaxGridX = 2147483647;
+constexpr int64_t kMaxGridY = 65535;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int next_power_of_two(int64_t n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Blocks of a grid-stride loop over `total` items at `threads` per block: one item per thread up to `cap` blocks,
+// at least one block.
+inline int64_t grid_stride_blocks(int64_t total, int threads, int64_t cap) {
+  return std::clamp<int64_t>(ceil_div(total, threads), 1, cap);
+}
+
+// gridDim.y for `count` items along y, handled by a loop of stride gridDim.y: any count fits.
+inline int64_t grid_y(int64_t count) { return std::clamp<int64_t>(count, 1, kMaxGridY); }
+
+// keepkv_match, GEMM path: evicted slots per chunk so that one chunk of similarities (rows x chunk x max_retained
+// floats) stays within `budget_floats`; at least one, at most max_evicted.
+inline int64_t keepkv_match_chunk(int64_t max_evicted, int64_t rows, int64_t max_retained, int64_t budget_floats) {
+  return std::max<int64_t>(1, std::min<int64_t>(max_evicted, budget_floats / std::max<int64_t>(1, rows * max_retained)));
+}
+
+// Blocks per row of a row-wise elementwise pass with a per-row reduction (kvzap_threshold): enough blocks for
+// `waves` waves over `sms` multiprocessors even at batch 1, but never a block with fewer than `min_items` items.
+inline int64_t blocks_per_row(int64_t rows, int64_t len, int64_t sms, int64_t min_items, int64_t waves = 2) {
+  const int64_t wanted = ceil_div(waves * sms, std::max<int64_t>(rows, 1));
+  const int64_t most = std::clamp<int64_t>(ceil_div(len, min_items), 1, kMaxGridY);
+  return std::clamp<int64_t>(wanted, 1, most);
+}
+
+// decode_attention (flash-decoding): one block per (batch, kv head, tile of query rows, chunk of slots).
+struct DecodeSplit {
+  int rows_per_tile;   // query rows a block holds: a power of two <= max_tile_rows (the whole group when decoding)
+  int64_t num_tiles;   // ceil(rows / rows_per_tile)
+  int64_t chunk_len;   // slots per block
+  int64_t num_chunks;  // ceil(T / chunk_len)
+  int64_t blocks() const { return num_tiles * num_chunks; }  // per (batch, kv head)
+};
+
+// Rows per tile: a power of two <= max_tile_rows whose queries fit query_tile_floats floats. Chunks of
+// max_chunk slots, halved (down to min_chunk) while the grid would not fill the device twice over.
+inline DecodeSplit decode_split(int64_t pairs, int64_t rows, int64_t head_dim, int64_t total_len, int64_t sms,
+                                int max_tile_rows = 8, int64_t query_tile_floats = 4096, int64_t max_chunk = 256,
+                                int64_t min_chunk = 64) {
+  DecodeSplit split{};
+  const int64_t max_tile = std::max<int64_t>(1, std::min<int64_t>(max_tile_rows, query_tile_floats / head_dim));
+  split.rows_per_tile = next_power_of_two(std::min(rows, max_tile));
+  if (split.rows_per_tile > max_tile) split.rows_per_tile /= 2;
+  split.num_tiles = ceil_div(rows, split.rows_per_tile);
+  split.chunk_len = max_chunk;
+  while (split.chunk_len > min_chunk && pairs * split.num_tiles * ceil_div(total_len, split.chunk_len) < 2 * sms) {
+    split.chunk_len /= 2;
+  }
+  split.num_chunks = ceil_div(total_len, split.chunk_len);
+  return split;
+}
+
+// Threads that share one slot: enough for the head dim at `vec` elements per load, a power of two <= 32.
+inline int decode_lanes(int64_t head_dim, int vec) {
+  return std::min(32, next_power_of_two(ceil_div(head_dim, vec)));
+}
+
+// The combine of the chunks runs one block per (query row, piece of the slots): each piece rescales at least
+// `min_piece` probabilities (and at most 65535 pieces per row); piece 0 also writes the row's output.
+struct CombineSplit {
+  int64_t pieces;     // gridDim.y
+  int64_t piece_len;  // slots per piece
+};
+
+inline CombineSplit combine_split(int64_t total_len, int64_t min_piece = 4096) {
+  const int64_t pieces = std::clamp<int64_t>(ceil_div(total_len, min_piece), 1, kMaxGridY);
+  return {pieces, std::max<int64_t>(1, ceil_div(total_len, pieces))};
+}
+
+}  // namespace kvcomp::kernels::launch

@@ -1,0 +1,138 @@
+// GoogleTest of the CUDA launch configurations (kernels/launch.h): grid limits, split counts and chunk lengths, checked
+// against hand computations and against the properties the kernels rely on (every item covered, no grid dimension
+// over CUDA's limit), on a machine without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "kernels/launch.h"
+
+namespace {
+
+namespace launch = kvcomp::kernels::launch;
+
+TEST(LaunchArithmetic, CeilDivAndPowersOfTwo) {
+  EXPECT_EQ(launch::ceil_div(10, 4), 3);
+  EXPECT_EQ(launch::ceil_div(12, 4), 3);
+  EXPECT_EQ(launch::ceil_div(1, 256), 1);
+  EXPECT_EQ(launch::next_power_of_two(1), 1);
+  EXPECT_EQ(launch::next_power_of_two(5), 8);
+  EXPECT_EQ(launch::next_power_of_two(16), 16);
+}
+
+TEST(LaunchArithmetic, GridStrideBlocksCoverOrCap) {
+  EXPECT_EQ(launch::grid_stride_blocks(0, 256, 65535), 1);  // never an empty grid
+  EXPECT_EQ(launch::grid_stride_blocks(257, 256, 65535), 2);
+  EXPECT_EQ(launch::grid_stride_blocks(int64_t{1} << 40, 256, 65535), 65535);  // the loop strides over the rest
+}
+
+TEST(LaunchArithmetic, GridYNeverExceedsTheLimit) {
+  EXPECT_EQ(launch::grid_y(0), 1);
+  EXPECT_EQ(launch::grid_y(8), 8);
+  EXPECT_EQ(launch::grid_y(65535), 65535);
+  EXPECT_EQ(launch::grid_y(70000), 65535);  // keepkv_match: 70k evicted slots in one chunk used to throw
+  EXPECT_EQ(launch::grid_y(int64_t{1} << 40), launch::kMaxGridY);
+}
+
+// The keepkv_match GEMM chunk: what a chunk holds stays within the float budget, and the chunks cover every evicted
+// slot however large the count (the grid strides along y, so no chunk is too large for a launch).
+TEST(KeepKVMatchChunk, WithinBudgetAndCoversEveryEvictedSlot) {
+  constexpr int64_t budget = int64_t{1} << 26;
+  struct Case {
+    int64_t max_evicted, rows, max_retained;
+  };
+  for (const Case c : {Case{100, 8, 1000}, Case{70000, 1, 16}, Case{29000, 64, 3300}, Case{5, 1, 1},
+                       Case{1 << 20, 2, 1 << 20}}) {
+    const int64_t chunk = launch::keepkv_match_chunk(c.max_evicted, c.rows, c.max_retained, budget);
+    EXPECT_GE(chunk, 1);
+    EXPECT_LE(chunk, c.max_evicted);
+    if (chunk > 1) EXPECT_LE(chunk * c.rows * c.max_retained, budget) << c.max_evicted << " " << c.rows;
+    int64_t covered = 0;
+    for (int64_t begin = 0; begin < c.max_evicted; begin += chunk) covered += std::min(chunk, c.max_evicted - begin);
+    EXPECT_EQ(covered, c.max_evicted);
+  }
+  EXPECT_EQ(launch::keepkv_match_chunk(70000, 1, 16, budget), 70000);  // > 65535: one chunk, y-stride in the grid
+  EXPECT_EQ(launch::keepkv_match_chunk(10, 0, 0, budget), 10);          // no division by zero
+}
+
+TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
+  // kvzap_threshold on an H100 (132 SMs): 8 rows of 32k slots -> 33 blocks per row (2 waves), 1k slots each at least.
+  EXPECT_EQ(launch::blocks_per_row(8, 32768, 132, 1024), 32);  // capped by 32768 / 1024
+  EXPECT_EQ(launch::blocks_per_row(8, 1 << 20, 132, 1024), 33);
+  EXPECT_EQ(launch::blocks_per_row(4096, 32768, 132, 1024), 1);  // many rows fill the device already
+  EXPECT_EQ(launch::blocks_per_row(8, 100, 132, 1024), 1);       // short rows: one block
+  EXPECT_EQ(launch::blocks_per_row(0, 100, 132, 1024), 1);
+  EXPECT_LE(launch::blocks_per_row(1, int64_t{1} << 40, 1 << 20, 1), launch::kMaxGridY);
+  // The pieces cover the row: blocks * ceil(len / blocks) >= len, and no block starts past the end.
+  for (const int64_t len : {1, 1000, 1025, 32768, 100003}) {
+    const int64_t blocks = launch::blocks_per_row(2, len, 132, 1024);
+    const int64_t piece = launch::ceil_div(len, blocks);
+    EXPECT_GE(blocks * piece, len);
+    EXPECT_LT((blocks - 1) * piece, len) << len;
+  }
+}
+
+// decode_attention, the target shape: B = 8, 8 kv heads, 32 query heads (G = 4), q = 1, d = 128.
+TEST(DecodeSplit, TargetShapeOneTileOfTheGroupAndFullChunks) {
+  const launch::DecodeSplit split = launch::decode_split(/*pairs=*/64, /*rows=*/4, /*head_dim=*/128,
+                                                         /*total_len=*/16384, /*sms=*/132);
+  EXPECT_EQ(split.rows_per_tile, 4);  // the whole group: K and V read once per kv head
+  EXPECT_EQ(split.num_tiles, 1);
+  EXPECT_EQ(split.chunk_len, 256);  // 64 * 64 blocks fill 132 SMs many times over
+  EXPECT_EQ(split.num_chunks, 64);
+  EXPECT_EQ(split.blocks(), 64);
+}
+
+TEST(DecodeSplit, ShortChunksWhenTheGridWouldNotFillTheDevice) {
+  // Batch 1, 8 kv heads, T = 4096: 8 * 16 = 128 blocks < 2 * 132 -> 128-slot chunks (256 blocks) -> 64 (512).
+  const launch::DecodeSplit split = launch::decode_split(8, 4, 128, 4096, 132);
+  EXPECT_EQ(split.chunk_len, 64);
+  EXPECT_EQ(split.num_chunks, 64);
+  // Never below 64 slots, however small the grid.
+  EXPECT_EQ(launch::decode_split(1, 1, 128, 100, 132).chunk_len, 64);
+  EXPECT_EQ(launch::decode_split(1, 1, 128, 100, 132).num_chunks, 2);
+}
+
+TEST(DecodeSplit, TilesOfQueryRows) {
+  // Prefill-like: 4 query heads per kv head, 100 queries -> 400 rows, tiles of 8.
+  const launch::DecodeSplit split = launch::decode_split(8, 400, 128, 1000, 132);
+  EXPECT_EQ(split.rows_per_tile, 8);
+  EXPECT_EQ(split.num_tiles, 50);
+  // Rows per tile a power of two that fits the query budget: 3 rows -> 4; d = 1024 -> 4096 / 1024 = 4 rows at most;
+  // d = 1536 -> 2 (a power of two <= 2.67); d = 8192 -> 1.
+  EXPECT_EQ(launch::decode_split(1, 3, 128, 64, 132).rows_per_tile, 4);
+  EXPECT_EQ(launch::decode_split(1, 8, 1024, 64, 132).rows_per_tile, 4);
+  EXPECT_EQ(launch::decode_split(1, 8, 1536, 64, 132).rows_per_tile, 2);
+  EXPECT_EQ(launch::decode_split(1, 8, 8192, 64, 132).rows_per_tile, 1);
+  for (const int64_t rows : {1, 2, 3, 5, 8, 9, 31, 400}) {
+    const launch::DecodeSplit s = launch::decode_split(2, rows, 64, 5000, 132);
+    EXPECT_GE(s.num_tiles * s.rows_per_tile, rows);
+    EXPECT_LT((s.num_tiles - 1) * s.rows_per_tile, rows);
+    EXPECT_GE(s.num_chunks * s.chunk_len, 5000);
+    EXPECT_LT((s.num_chunks - 1) * s.chunk_len, 5000);
+  }
+}
+
+TEST(DecodeLanes, OneSixteenByteLoadPerLaneForUsualHeadDims) {
+  EXPECT_EQ(launch::decode_lanes(128, 8), 16);  // bf16 / fp16, d = 128: 16 lanes x 8 elements
+  EXPECT_EQ(launch::decode_lanes(128, 4), 32);  // float32
+  EXPECT_EQ(launch::decode_lanes(64, 8), 8);
+  EXPECT_EQ(launch::decode_lanes(256, 8), 32);
+  EXPECT_EQ(launch::decode_lanes(512, 8), 32);  // capped at a warp: lanes loop over the rest of d
+  EXPECT_EQ(launch::decode_lanes(7, 1), 8);
+}
+
+TEST(CombineSplit, PiecesCoverTheSlotsWithinTheGridLimit) {
+  EXPECT_EQ(launch::combine_split(16384).pieces, 4);
+  EXPECT_EQ(launch::combine_split(16384).piece_len, 4096);
+  EXPECT_EQ(launch::combine_split(1).pieces, 1);
+  EXPECT_EQ(launch::combine_split(0).pieces, 1);
+  for (const int64_t len : {int64_t{1}, int64_t{4097}, int64_t{32768}, int64_t{1} << 31, int64_t{1} << 40}) {
+    const launch::CombineSplit s = launch::combine_split(len);
+    EXPECT_LE(s.pieces, launch::kMaxGridY);
+    EXPECT_GE(s.pieces * s.piece_len, len) << len;
+    EXPECT_LT((s.pieces - 1) * s.piece_len, len) << len;
+  }
+}
+
+}  // namespace
