@@ -117,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cuda(const at::Tensor& log_we
   at::Tensor held = at::empty({shape.batch, shape.heads}, log_weights.options().dtype(at::kLong));
   if (shape.rows() == 0) return {out, held};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  kvzap_threshold_kernel<<<static_cast<unsigned>(shape.rows()), kThreads, 0, stream>>>(
+  kvzap_threshold_kernel<<<grid_dim("kvcomp::kvzap_threshold", "rows", shape.rows()), kThreads, 0, stream>>>(
       log_weights_c.const_data_ptr<float>(), scores_c.const_data_ptr<float>(), positions_c.const_data_ptr<int64_t>(),
       out.mutable_data_ptr<float>(), held.mutable_data_ptr<int64_t>(), shape.len,
       z::decision_range(tokens_before, tokens_after, window), static_cast<float>(threshold));
