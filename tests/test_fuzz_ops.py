@@ -13,9 +13,10 @@ The contract is the oracle: where it rejects the input the kernel must raise a R
 argument (or the value); where it accepts, the kernel must not raise and must agree with the reference. So the C++
 checks, the fake kernels and the reference are held to one description.
 
-Crashes and hangs: each op's cases run in a worker subprocess (``python -m tests.test_fuzz_ops OP SEED FIRST``) that
-announces every case before running it. A worker that dies (signal, abort) or overruns its time names the case it was
-running; the parent records it and starts a fresh worker at the next case.
+Crashes and hangs: the cases run in a worker subprocess (``python -m tests.test_fuzz_ops OP[:FIRST] OP ...``, every op
+in turn, so torch is imported once) that announces every case before running it. A worker that dies (signal, abort) or
+overruns its time names the case it was running; the parent records it and starts a fresh worker at the next case.
+KVCOMP_FUZZ_SEED changes the seed (default 17), KVCOMP_FUZZ_VALID the number of random valid inputs per op.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -577,37 +578,42 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Worker (one subprocess per op) and the pytest side.
+# Worker (one subprocess runs the ops in turn: one torch import for the whole suite) and the pytest side.
 
-def _worker(name: str, first: int) -> None:
-    cases = _cases(name)
-    print(f"TOTAL {len(cases)}", flush=True)
-    for k in range(first, len(cases)):
-        label, run = cases[k]
-        print(f"START {k} {label}", flush=True)
-        try:
-            run()
-            print(f"PASS {k}", flush=True)
-        except Exception as error:  # noqa: BLE001  (reported to the parent, which fails the test)
-            detail = "".join(traceback.format_exception_only(type(error), error)).strip().replace("\n", " | ")
-            print(f"FAIL {k} {detail[:600]}", flush=True)
+def _worker(plan: list[str]) -> None:
+    """plan: ["op:first", "op", ...]: run each op's cases from `first` (0 if not given), announcing each one."""
+    for entry in plan:
+        name, _, first = entry.partition(":")
+        cases = _cases(name)
+        print(f"TOTAL {name} {len(cases)}", flush=True)
+        for k in range(int(first or 0), len(cases)):
+            label, run = cases[k]
+            print(f"START {name} {k} {label}", flush=True)
+            try:
+                run()
+                print(f"PASS {name} {k}", flush=True)
+            except Exception as error:  # noqa: BLE001  (reported to the parent, which fails the test)
+                detail = "".join(traceback.format_exception_only(type(error), error)).strip().replace("\n", " | ")
+                print(f"FAIL {name} {k} {label}: {detail[:600]}", flush=True)
 
 
 @dataclass
-class FuzzRun:
-    total: int
-    passed: int
-    failures: list[str]
-    seconds: float
+class FuzzResult:
+    total: int = 0
+    passed: int = 0
+    failures: list = field(default_factory=list)
 
 
-def run_fuzz(name: str) -> FuzzRun:
-    """Run every case of one op in worker subprocesses; a crash or hang is a failure naming its case."""
-    start, failures, passed, total, first = time.monotonic(), [], 0, None, 0
+def run_fuzz(names: list[str]) -> tuple[dict[str, FuzzResult], float]:
+    """Every case of the given ops in worker subprocesses. A crash or hang is a failure naming its case; a fresh
+    worker then resumes at the next case."""
+    start = time.monotonic()
+    results = {name: FuzzResult() for name in names}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCOMP_FUZZ_SEED": str(SEED)}
-    while total is None or first < total:
-        process = subprocess.Popen([sys.executable, "-m", "tests.test_fuzz_ops", name, str(first)], cwd=ROOT,
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    plan = list(names)
+    while plan:
+        process = subprocess.Popen([sys.executable, "-m", "tests.test_fuzz_ops", *plan], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             stdout, stderr = process.communicate(timeout=WORKER_TIMEOUT_S)
             hung = False
@@ -617,37 +623,48 @@ def run_fuzz(name: str) -> FuzzRun:
             hung = True
         running = None
         for line in stdout.splitlines():
-            word, _, rest = line.partition(" ")
+            word, name, rest = (line.split(" ", 2) + ["", ""])[:3]
             if word == "TOTAL":
-                total = int(rest)
+                results[name].total = int(rest)
             elif word == "START":
-                running = rest
+                running = (name, rest)
             elif word == "PASS":
-                passed, running = passed + 1, None
-            elif word == "FAIL":
-                failures.append(f"{name} case {running}: {rest.partition(' ')[2]}")
+                results[name].passed += 1
                 running = None
-        if total is None:
-            failures.append(f"{name}: the worker died before listing its cases: {stderr[-2000:]}")
-            break
+            elif word == "FAIL":
+                results[name].failures.append(f"case {rest.partition(' ')[2]}")
+                running = None
         if running is None:
-            if process.returncode not in (0, None) or hung:
-                failures.append(f"{name}: the worker exited with {process.returncode} after its cases: "
-                                f"{stderr[-1000:]}")
+            if process.returncode != 0 or hung:
+                for name in plan:
+                    results[name.partition(":")[0]].failures.append(
+                        f"the worker exited with {process.returncode} outside any case: {stderr[-1500:]}")
             break
+        name, case = running
         how = f"hang (> {WORKER_TIMEOUT_S:.0f} s)" if hung else f"crash (exit {process.returncode})"
-        failures.append(f"{name} case {running}: {how}: {stderr[-1000:]}")
-        first = int(running.split()[0]) + 1
-    return FuzzRun(total or 0, passed, failures, time.monotonic() - start)
+        results[name].failures.append(f"case {case}: {how}: {stderr[-1500:]}")
+        index = int(case.split(" ")[0])
+        remaining = [n.partition(":")[0] for n in plan]
+        remaining = remaining[remaining.index(name) + 1:]
+        plan = ([f"{name}:{index + 1}"] if index + 1 < results[name].total else []) + remaining
+    return results, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def fuzz_results():
+    results, seconds = run_fuzz(sorted(name for name in CONTRACTS if name in FUZZ))
+    total = sum(r.total for r in results.values())
+    print(f"\nfuzz: {total} cases over {len(results)} ops in {seconds:.1f} s (seed {SEED})")
+    return results
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACTS))
-def test_fuzz(name):
+def test_fuzz(name, fuzz_results):
     assert name in FUZZ, f"kvcomp::{name} has a contract but no fuzz generator in tests/test_fuzz_ops.py"
-    result = run_fuzz(name)
-    print(f"kvcomp::{name}: {result.total} cases, {result.passed} passed, {len(result.failures)} failed, "
-          f"{result.seconds:.1f} s")
-    assert not result.failures, "\n".join(result.failures)
+    result = fuzz_results[name]
+    assert result.total > 0 and result.passed + len(result.failures) >= result.total, result
+    assert not result.failures, f"kvcomp::{name}: {len(result.failures)} of {result.total} cases failed:\n" + \
+        "\n".join(result.failures)
 
 
 def test_every_registered_op_has_a_contract():
@@ -656,4 +673,4 @@ def test_every_registered_op_has_a_contract():
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]))
+    _worker(sys.argv[1:])
