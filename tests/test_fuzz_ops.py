@@ -42,6 +42,7 @@ from tests import reference
 SEED = int(os.environ.get("KVCOMP_FUZZ_SEED", "17"))
 VALID_CASES = int(os.environ.get("KVCOMP_FUZZ_VALID", "12"))  # random valid inputs per op
 WORKER_TIMEOUT_S = 60.0
+CRASH_AT = os.environ.get("KVCOMP_FUZZ_CRASH_AT")  # "op:k": the worker aborts at case k (tests the crash path)
 ROOT = Path(__file__).resolve().parents[1]
 
 CACHE = (torch.float32, torch.float16, torch.bfloat16)
@@ -206,6 +207,17 @@ def _keepkv_zip_bad(r, args):
     return cases
 
 
+def _keepkv_match_odd(r, args):
+    """Extreme magnitudes (float32 squares overflow beyond ~1e19, underflow below ~1e-19) and threshold 1.0 with
+    duplicated keys, so that exact ties and similarity 1 are decided alike on the direct and the GEMM path."""
+    keys, keep, threshold = args
+    duplicated = keys.clone()
+    if keys.shape[2] >= 2:
+        duplicated[:, :, 1::2] = duplicated[:, :, : keys.shape[2] // 2 * 2 : 2]
+    return [("scale", (keys.float() * scale, keep, threshold)) for scale in (3e19, 1e30, 1e-25, 1e-38)] + [
+        ("ties", (duplicated, keep, 1.0)), ("ties", (duplicated, keep, threshold))]
+
+
 def _nucleus_sizes(r, o):
     return {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("Hq", 4), ("T", 24))}
 
@@ -301,7 +313,7 @@ FUZZ: dict[str, OpFuzz] = {
     "zsmerge_decode_step": OpFuzz(_zsmerge_decode_sizes, _zsmerge_decode_build,
                                   lambda *args: _zsmerge_decode_run(args, reference.zsmerge_decode_step),
                                   tolerance=lambda dtype: _low_precision(dtype), run=_zsmerge_decode_run),
-    "keepkv_match": OpFuzz(_keepkv_sizes, _keepkv_match_build, reference.keepkv_match),
+    "keepkv_match": OpFuzz(_keepkv_sizes, _keepkv_match_build, reference.keepkv_match, odd_values=_keepkv_match_odd),
     "keepkv_zip_merge": OpFuzz(_keepkv_sizes, _keepkv_zip_build, reference.keepkv_zip_merge,
                                tolerance=lambda dtype: _low_precision(dtype, 3e-2) if dtype != torch.float32
                                else (1e-3, 1e-3), bad_values=_keepkv_zip_bad),
@@ -495,6 +507,18 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
             add(f"scalar:{arg.name}={value}", lambda r, i=i, arg=arg, value=value: _expect(
                 name, _replace(valid(r)[0], i, value), (arg.name,)))
 
+    int_scalars = [i for i, a in enumerate(contract.args) if isinstance(a, Scalar) and isinstance(probe[i], int)
+                   and not isinstance(probe[i], bool)]
+    if len(int_scalars) > 1:  # sums of sizes that wrap around (the issue's segfault: 2^62, 2^62 - 1, 2^62)
+        for values in ((0, 2**62, 2**62 - 1, 2**62), (2**62, 2**62 - 1, 2**62, 2**62), (2**63 - 1,) * 4,
+                       (2**62, 2**62, 0, 0)):
+            def all_huge(r, values=values):
+                args = valid(r)[0]
+                for i, value in zip(int_scalars, values):
+                    args = _replace(args, i, value)
+                _expect(name, args, tuple(contract.args[i].name for i in int_scalars))
+            add(f"scalars:{'/'.join(str(v) for v in values[:len(int_scalars)])}", all_huge)
+
     float_args = [(i, a) for i, a in tensors if probe[i].dtype.is_floating_point]
     for i, arg in float_args:
         def nan_inf(r, i=i):
@@ -589,6 +613,8 @@ def _worker(plan: list[str]) -> None:
         for k in range(int(first or 0), len(cases)):
             label, run = cases[k]
             print(f"START {name} {k} {label}", flush=True)
+            if CRASH_AT == f"{name}:{k}":
+                os.abort()
             try:
                 run()
                 print(f"PASS {name} {k}", flush=True)
@@ -665,6 +691,14 @@ def test_fuzz(name, fuzz_results):
     assert result.total > 0 and result.passed + len(result.failures) >= result.total, result
     assert not result.failures, f"kvcomp::{name}: {len(result.failures)} of {result.total} cases failed:\n" + \
         "\n".join(result.failures)
+
+
+def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
+    monkeypatch.setenv("KVCOMP_FUZZ_CRASH_AT", "merge_count_bias:3")
+    results, _ = run_fuzz(["merge_count_bias", "nucleus_budget"])
+    crashed, after = results["merge_count_bias"], results["nucleus_budget"]
+    assert len(crashed.failures) == 1 and crashed.failures[0].startswith("case 3 ") and "crash" in crashed.failures[0]
+    assert crashed.passed == crashed.total - 1 and after.total > 0 and after.passed == after.total
 
 
 def test_every_registered_op_has_a_contract():
