@@ -258,12 +258,15 @@ def _gvote_build(r, s, dtype):
     return keys, queries, budgets, r.randint(0, 3), max(s["d"], 1) ** -0.5, r.randint(1, 8)
 
 
-def _gvote_odd(r, args):
-    budgets = args[2].clone()
-    if budgets.numel():
-        budgets.view(-1)[0] = -(2**62)
-        budgets.view(-1)[-1] = 2**62
-    return [("index", args[:2] + (budgets,) + args[3:])]
+def _extreme_indices(index: int):
+    """odd_values: argument `index` (int64, any value allowed: budgets are clamped, positions compared) with its
+    first entry -2^62 and its last 2^62."""
+    def odd(r, args):
+        t = args[index].clone()
+        if t.numel():
+            t.view(-1)[0], t.view(-1)[-1] = -(2**62), 2**62
+        return [("index", _replace(args, index, t))]
+    return odd
 
 
 def _kvzap_score_sizes(r, o):
@@ -293,14 +296,6 @@ def _kvzap_threshold_build(r, s, dtype):
             r.randint(before, s["T"] + 4))
 
 
-def _kvzap_threshold_odd(r, args):
-    positions = args[2].clone()
-    if positions.numel():
-        positions.view(-1)[0] = -(2**62)
-        positions.view(-1)[-1] = 2**62
-    return [("index", args[:2] + (positions,) + args[3:])]
-
-
 FUZZ: dict[str, OpFuzz] = {
     "update_scores": OpFuzz(_update_scores_sizes, _update_scores_build, reference.update_scores),
     "merge_count_bias": OpFuzz(_merge_count_bias_sizes, _merge_count_bias_build, reference.merge_count_bias),
@@ -321,11 +316,11 @@ FUZZ: dict[str, OpFuzz] = {
     "averaged_rope": OpFuzz(_rope_sizes, _rope_build, reference.averaged_rope,
                             tolerance=lambda dtype: _low_precision(dtype), nonfinite_reference=_rope_tables_first),
     "gvote_union_mask": OpFuzz(_gvote_sizes, _gvote_build, lambda k, q, b, sinks, scale, chunk:
-                               reference.gvote_union_mask(k, q, b, sinks, scale), odd_values=_gvote_odd),
+                               reference.gvote_union_mask(k, q, b, sinks, scale), odd_values=_extreme_indices(2)),
     "kvzap_score": OpFuzz(_kvzap_score_sizes, _kvzap_score_build, reference.kvzap_score,
                           tolerance=lambda dtype: _low_precision(dtype, 5e-2)),
     "kvzap_threshold": OpFuzz(_kvzap_threshold_sizes, _kvzap_threshold_build, reference.kvzap_threshold,
-                              odd_values=_kvzap_threshold_odd),
+                              odd_values=_extreme_indices(2)),
 }
 
 
@@ -699,6 +694,23 @@ def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
     crashed, after = results["merge_count_bias"], results["nucleus_budget"]
     assert len(crashed.failures) == 1 and crashed.failures[0].startswith("case 3 ") and "crash" in crashed.failures[0]
     assert crashed.passed == crashed.total - 1 and after.total > 0 and after.passed == after.total
+
+
+def test_compile_meta_and_eager_give_the_same_error():
+    """A bad call fails with the same words eagerly (C++ check), on meta tensors and under torch.compile (the fake)."""
+    query, keys = torch.randn(1, 3, 1, 8), torch.randn(1, 2, 4, 8)  # 3 query heads over 2 kv heads
+    args = (query, keys, keys, torch.zeros(1, 2, 4), 0.3)
+    expected = "kvcomp::decode_attention: expected the 3 query heads of query to be a positive multiple of the 2 kv"
+
+    def attend(*a):
+        return torch.ops.kvcomp.decode_attention(*a)
+
+    def attend_on_meta(*a):
+        return attend(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in a))
+
+    for call in (attend, attend_on_meta, torch.compile(attend, fullgraph=True, backend="eager")):
+        with pytest.raises(Exception, match=expected):
+            call(*args)
 
 
 def test_every_registered_op_has_a_contract():
