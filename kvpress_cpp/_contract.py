@@ -177,7 +177,9 @@ def _finite(x) -> bool:
 
 
 def _gqa(query_heads: str, kv_heads: str, query_arg: str, kv_arg: str, allow_empty: bool = True) -> Rule:
-    return Rule(lambda v: v[kv_heads] > 0 and v[query_heads] % v[kv_heads] == 0 and (allow_empty or v[query_heads] > 0),
+    """Query heads a multiple of the kv heads (0 query heads allowed where the C++ check allows them)."""
+    return Rule(lambda v: v[kv_heads] > 0 and v[query_heads] % v[kv_heads] == 0
+                and (allow_empty or v[query_heads] > 0),
                 lambda v: f"expected the {v[query_heads]} query heads of {query_arg} to be a positive multiple of the "
                 f"{v[kv_heads]} kv heads of {kv_arg}")
 
@@ -239,12 +241,14 @@ _declare(Contract(
 
 _declare(Contract(
     "decode_attention",
-    [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("keys", "B H T d", "query"), Tensor("values", "B H T d", "query"),
-     Tensor("log_weights", "B H T", F32), Scalar("scale")],
+    [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("keys", "B H T d", "query"),
+     Tensor("values", "B H T d", "query"), Tensor("log_weights", "B H T", F32), Scalar("scale")],
     rules=[
-        Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0, lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+        Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
+             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
         _gqa("Hq", "H", "query", "keys", allow_empty=False),
-        Rule(lambda v: v["d"] > 0, lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
+        Rule(lambda v: v["d"] > 0,
+             lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
         Rule(lambda v: 1 <= v["q"] <= v["T"],
              lambda v: "expected 1 <= q <= T (the q queries are the last q of the T cached slots), got q = "
              f"query.size(2) = {v['q']} and T = keys.size(2) = {v['T']}"),
