@@ -14,7 +14,16 @@ names one size across all arguments; its dtype: a torch dtype, :data:`CACHE_DTYP
 argument whose dtype it must share) or :class:`Scalar`; then ``rules`` over the sizes and scalars (each a predicate
 and the words of its error), and ``outputs``. Every tensor must be on the device of the first one. To add an op:
 declare its ``Contract`` in :data:`CONTRACTS` (schema order, the C++ check's rules, the same words) and its fake is
-registered from it.
+registered from it, e.g. for ``my_op(Tensor keys, Tensor scores, int k) -> Tensor``::
+
+    _declare(Contract(
+        "my_op",
+        [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("scores", "B H T", F32), Scalar("k")],
+        rules=[_at_least("k", 1)],
+        outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+    ))
+
+then give it a generator in ``FUZZ`` of tests/test_fuzz_ops.py and append it to the Autograd list of registration.cpp.
 """
 
 from __future__ import annotations
