@@ -1,6 +1,7 @@
 // Every kvcomp operator schema, in one place. Kernels live in csrc/cpu/<family>.cpp and csrc/cuda/<family>.cu,
 // shared validation in csrc/include/kvcomp/<family>.h, device-free math in csrc/kernels/<family>.h, Python fakes in
 // kvpress_cpp/_fake.py and typed wrappers in kvpress_cpp/ops.py.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(kvcomp, m) {
@@ -40,9 +41,10 @@ TORCH_LIBRARY(kvcomp, m) {
         "int ring_position, int recent, int context, int residual, bool paper_order=False) -> ()");
 
   // keepkv family. keys (B, H, T, d), keep (B, H, T) bool -> targets (B, H, T) int64: -1 retained; for an evicted
-  // slot the retained slot of its row with the highest key cosine similarity (float32, zero keys 0, NaN as -inf,
-  // ties to the lower slot) if that similarity >= threshold in [-1, 1], else -2. max_evicted: a bound on the evicted
-  // slots of any row (a decoding step's new tokens), which spares CUDA its host sync; a row over it is still matched.
+  // slot the retained slot of its row with the highest key cosine similarity (float32 rounded to 2^-16, zero keys 0,
+  // NaN as -inf, ties to the lower slot) if that similarity >= threshold in [-1, 1], else -2. max_evicted: a bound on
+  // the evicted slots of any row (a decoding step's new tokens), which spares CUDA its host sync; a row over it is
+  // still matched.
   m.def("keepkv_match(Tensor keys, Tensor keep, float threshold, int? max_evicted=None) -> Tensor");
   // KeepKV's ZIP merge of each retained slot c with the evicted slots targeting it (eq. 7, set form, log domain):
   // keys, values (B, H, T, d), votes p, log_scores ln s, targets (B, H, T) -> merged keys, values, votes (B, H, T, .);
@@ -74,4 +76,15 @@ TORCH_LIBRARY(kvcomp, m) {
   // slots of each row whose log-weight is not -inf).
   m.def("kvzap_threshold(Tensor log_weights, Tensor scores, Tensor positions, float threshold, int window, "
         "int tokens_before, int tokens_after) -> (Tensor, Tensor)");
+}
+
+// No op has a backward: an output computed from inputs that require grad carries a node that raises
+// "derivative for kvcomp::<op> is not implemented" when backward reaches it (instead of torch's default warning and
+// silently wrong gradients). The in-place zsmerge_decode_step is not listed: it refuses inputs that require grad.
+TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
+  for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
+                         "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
+                         "kvzap_score", "kvzap_threshold"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }

@@ -6,6 +6,14 @@ bfloat16.
 import torch
 
 
+def _default_scale(op: str, name: str, t: torch.Tensor) -> float:
+    """The attention scale d ** -0.5 from the head dim of ``t`` (its last size), which must be >= 1."""
+    if t.dim() == 0 or t.shape[-1] < 1:
+        raise RuntimeError(f"kvcomp::{op}: expected a head dim d >= 1 for the default scale d ** -0.5, got {name} of "
+                           f"shape {tuple(t.shape)}")
+    return t.shape[-1] ** -0.5
+
+
 def update_scores(scores: torch.Tensor, attn: torch.Tensor, decay: float = 1.0, input_scale: float = 1.0) -> torch.Tensor:
     """Fold the attention of q new queries into per-kv-head scores and extend them for the q new tokens.
 
@@ -69,7 +77,7 @@ def decode_attention(
         (exactly 0 on causally masked and -inf slots), ready for :func:`update_scores`.
     """
     if scale is None:
-        scale = query.shape[-1] ** -0.5
+        scale = _default_scale("decode_attention", "query", query)
     return torch.ops.kvcomp.decode_attention(query, keys, values, log_weights, scale)
 
 
@@ -184,9 +192,14 @@ def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8,
                  max_evicted: int | None = None) -> torch.Tensor:
     """KeepKV's merge targets: each evicted slot's most similar retained slot of the same (batch, kv head).
 
-    Similarity is the key cosine in float32 (a zero key has similarity 0 with everything; NaN counts as -inf; ties go
-    to the lower slot). Rows with few evicted slots (a decoding step) compute it directly, others with a GEMM of
-    normalised keys (on CUDA torch's float32 matmul settings apply, TF32 only if allowed).
+    Similarity is the key cosine in float32, clamped to [-1, 1] and rounded to the nearest multiple of 2^-16 before
+    it is compared (a zero key has similarity 0 with everything; NaN counts as -inf; ties go to the lower slot). The
+    rounding is the stated tolerance: float32 cosines differ from exact ones by about sqrt(d)·6e-8, and by the path,
+    so a key identical to a retained one always has similarity exactly 1 (it merges at threshold 1.0) and equally
+    similar retained keys tie exactly, on every path. Keys are rescaled before squaring, so magnitudes from 1e-38
+    to 3e38 give the same cosines (not yet on CUDA's direct path, whose float32 squares overflow beyond ~1e19). Rows with few evicted slots (a decoding step) compute them
+    directly, others with a GEMM of normalised keys (on CUDA torch's float32 matmul settings apply, TF32 only if
+    allowed).
 
     Args:
         keys: (B, H, T, d) float32, float16 or bfloat16.
@@ -308,7 +321,7 @@ def gvote_union_mask(
         (B, H, T) bool keep mask.
     """
     if scale is None:
-        scale = keys.shape[-1] ** -0.5
+        scale = _default_scale("gvote_union_mask", "keys", keys)
     return torch.ops.kvcomp.gvote_union_mask(keys, queries, budgets, sinks, scale, chunk_size)
 
 

@@ -272,9 +272,18 @@ def zsmerge_prefill_vectorised(
     return tuple(torch.cat([r, o], 2) for r, o in zip((*means, group_max, counts), out))
 
 
+KEEPKV_COSINE_RESOLUTION = 2.0**-16  # kernels::kCosineResolution
+
+
+def keepkv_rounded_cosine(cos: float) -> float:
+    """A cosine clamped to [-1, 1] and rounded to the nearest multiple of 2^-16 (half to even), as keepkv_match
+    compares them."""
+    return round(min(max(cos, -1.0), 1.0) / KEEPKV_COSINE_RESOLUTION) * KEEPKV_COSINE_RESOLUTION
+
+
 def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float) -> torch.Tensor:
-    """For each evicted slot, the retained slot of its row with the highest key cosine (float64; zero keys 0, NaN as
-    -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1."""
+    """For each evicted slot, the retained slot of its row with the highest key cosine (float64, rounded to 2^-16;
+    zero keys 0, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1."""
     batch, kv_heads, slots, _ = keys.shape
     targets = torch.where(keep, -1, -2).to(torch.int64)
     for b in range(batch):
@@ -288,7 +297,7 @@ def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float) -> to
                     a, c = keys[b, h, e].double(), keys[b, h, r].double()
                     na, nc = a.norm(), c.norm()
                     cos = 0.0 if na == 0 or nc == 0 else float(a @ c / (na * nc))
-                    cos = float("-inf") if cos != cos else cos
+                    cos = float("-inf") if cos != cos else keepkv_rounded_cosine(cos)
                     if best is None or cos > best:
                         best, best_slot = cos, r
                 if best >= threshold:
@@ -348,6 +357,7 @@ def keepkv_match_vectorised(keys: torch.Tensor, keep: torch.Tensor, threshold: f
     k = keys.float()
     normalised = k / k.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     similarity = normalised @ normalised.transpose(-1, -2)  # (B, H, T, T)
+    similarity = (similarity.clamp(-1, 1) / KEEPKV_COSINE_RESOLUTION).round() * KEEPKV_COSINE_RESOLUTION
     similarity = similarity.nan_to_num(nan=float("-inf")).masked_fill(~keep[:, :, None, :], float("-inf"))
     best, slot = similarity.max(-1)
     targets = torch.where(best >= threshold, slot, -2)

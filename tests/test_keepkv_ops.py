@@ -127,6 +127,42 @@ def test_match_zero_norm_nan_and_ties(device, many):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("scale", [3e19, 1e30, 1e-25, 1e-38])
+def test_match_extreme_magnitudes(device, many, scale):
+    """Cosines do not depend on the keys' scale: float32 squares overflow beyond ~1.8e19 and underflow below ~1e-19,
+    so keys are rescaled before squaring, on both paths."""
+    if device == "cuda" and not many and scale > 1:
+        pytest.xfail("CUDA's direct path (<= 8 evicted) squares unscaled keys (left to the CUDA kernel rework)")
+    generator = torch.Generator().manual_seed(5)
+    keys = correlated_keys(2, 2, 24, 16, generator)
+    keep = keep_pattern("many_evicted" if many else "one_evicted", 2, 2, 24, generator)
+    expected = reference.keepkv_match(keys, keep, 0.5)
+    assert (ops.keepkv_match(keys.to(device), keep.to(device), 0.5).cpu() == expected).all()
+    assert (ops.keepkv_match((keys * scale).to(device), keep.to(device), 0.5).cpu() == expected).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("many", [False, True])
+def test_match_threshold_one_and_ties_alike_on_both_paths(device, many):
+    """Cosines are rounded to 2^-16: an evicted key equal to a retained one (cosine 1 up to float32 rounding, which
+    differs by path) merges at threshold 1.0, and retained keys of one direction but different lengths tie, the lower
+    slot winning."""
+    generator = torch.Generator().manual_seed(6)
+    keys = torch.randn(1, 3, 24, 64, generator=generator) * 7.3
+    keep = keep_pattern("many_evicted" if many else "one_evicted", 1, 3, 24, generator)
+    evicted = (~keep[0, 0]).nonzero().flatten()
+    retained = keep[0, 0].nonzero().flatten()
+    for row in range(3):
+        for e in evicted:
+            keys[0, row, e] = keys[0, row, retained[-1]]  # an exact copy of the last retained key
+        keys[0, row, retained[1]] = keys[0, row, retained[-1]] * 0.3  # same direction, not a power-of-two scale
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 1.0).cpu()
+    assert (got[0][:, evicted] == retained[1]).all()
+    assert (got == reference.keepkv_match(keys, keep, 1.0)).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_match_inf_keys_do_not_crash(device):
     keys = torch.randn(2, 2, 16, 8)
     keys[0, 0, 3, 2] = float("inf")

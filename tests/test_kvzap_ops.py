@@ -272,7 +272,7 @@ def bad_score_cases():
         ((h, w1, b1, w2[:, :3], b2), r"expected weight2.size\(1\) == 8 \(output size of weight1\)"),
         ((h, w1, b1, w2, b2[:2]), r"expected bias2.size\(0\) == 3 \(output size of weight2\)"),
         ((h, w1[:0], b1[:0], w2[:, :0], b2), r"expected a hidden layer of at least one unit"),
-        ((h, w1[:0], b1[:0]), r"expected at least one output head, got 0"),
+        ((h, w1[:0], b1[:0]), r"expected at least one output head, got weight1 of shape \[0, 16\]"),
         ((h, w2, b2), r"expected weight1.size\(1\) == 16 \(hidden size Dh of hidden\), got weight1 of shape \[3, 8\]"),
     ]
 

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -67,6 +68,32 @@ float load_row(const scalar_t* key, int64_t head_dim, float* out) {
   return horizontal_sum(n);
 }
 
+// ||x||^2 of a float32 row, after rescaling it in place by kernels::key_rescale when its squares overflowed or
+// underflowed (the cosines it enters do not change). A zero key takes the slow check too, and stays 0.
+float rescaled_norm_sq(float* row, int64_t head_dim, float norm_sq) {
+  if (kernels::norm_sq_is_safe(norm_sq)) return norm_sq;
+  float max_abs = 0.0f;
+  for (int64_t c = 0; c < head_dim; ++c) max_abs = std::max(max_abs, std::abs(row[c]));
+  const float scale = kernels::key_rescale(max_abs);
+  float rescaled = 0.0f;
+  for (int64_t c = 0; c < head_dim; ++c) {
+    row[c] *= scale;
+    rescaled += row[c] * row[c];
+  }
+  return rescaled;
+}
+
+// The rounded cosine of a loaded (and rescaled) evicted row with a retained key whose float32 squares went out of
+// the safe range: the retained key is loaded and rescaled too. Rare (keys beyond 2^50 or below 2^-50).
+template <typename scalar_t>
+float rescaled_cosine(const float* evicted_row, float norm_sq_e, const scalar_t* key, int64_t head_dim,
+                      float* retained_row) {
+  const float norm_sq_r = rescaled_norm_sq(retained_row, head_dim, load_row(key, head_dim, retained_row));
+  float dot = 0.0f;
+  for (int64_t c = 0; c < head_dim; ++c) dot += evicted_row[c] * retained_row[c];
+  return kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r);
+}
+
 template <typename scalar_t>
 void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_t head_dim, float threshold,
                    int64_t* targets, std::vector<int64_t>& evicted, std::vector<int64_t>& retained,
@@ -80,14 +107,20 @@ void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_
   const int64_t num_evicted = static_cast<int64_t>(evicted.size()), num_retained = static_cast<int64_t>(retained.size());
   if (num_evicted == 0 || num_retained == 0) return;
   if (num_evicted <= kDirectMaxEvicted) {
-    scratch.resize(head_dim);
+    scratch.resize(2 * head_dim);
+    float* evicted_row = scratch.data();
     for (const int64_t e : evicted) {
-      const float norm_sq_e = load_row(keys + e * head_dim, head_dim, scratch.data());
+      const float norm_sq_e =
+          rescaled_norm_sq(evicted_row, head_dim, load_row(keys + e * head_dim, head_dim, evicted_row));
       kernels::SlotChoice best = kernels::MergesFirst::none();
       for (const int64_t r : retained) {  // ascending: ties keep the lower slot
         float dot, norm_sq_r;
-        dot_and_norm(scratch.data(), keys + r * head_dim, head_dim, dot, norm_sq_r);
-        const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
+        dot_and_norm(evicted_row, keys + r * head_dim, head_dim, dot, norm_sq_r);
+        const float similarity =
+            kernels::norm_sq_is_safe(norm_sq_r)
+                ? kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r)
+                : rescaled_cosine(evicted_row, norm_sq_e, keys + r * head_dim, head_dim, evicted_row + head_dim);
+        const kernels::SlotChoice candidate{similarity, r};
         if (kernels::MergesFirst{}(candidate, best)) best = candidate;
       }
       targets[e] = kernels::match_target(best, threshold);
@@ -101,7 +134,8 @@ void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_
   float* evicted_rows = retained_rows + num_retained * head_dim;
   float* similarities = evicted_rows + chunk * head_dim;
   const auto normalise = [&](int64_t slot, float* out) {
-    const float inverse = kernels::inverse_norm(load_row(keys + slot * head_dim, head_dim, out));
+    const float norm_sq = rescaled_norm_sq(out, head_dim, load_row(keys + slot * head_dim, head_dim, out));
+    const float inverse = kernels::inverse_norm(norm_sq);
     for (int64_t c = 0; c < head_dim; ++c) out[c] *= inverse;
   };
   for (int64_t r = 0; r < num_retained; ++r) normalise(retained[r], retained_rows + r * head_dim);
@@ -116,7 +150,7 @@ void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_
       const float* row = similarities + k * num_retained;
       kernels::SlotChoice best = kernels::MergesFirst::none();
       for (int64_t r = 0; r < num_retained; ++r) {
-        const kernels::SlotChoice candidate{row[r], retained[r]};
+        const kernels::SlotChoice candidate{kernels::rounded_cosine(row[r]), retained[r]};
         if (kernels::MergesFirst{}(candidate, best)) best = candidate;
       }
       targets[evicted[begin + k]] = kernels::match_target(best, threshold);

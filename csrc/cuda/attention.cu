@@ -52,7 +52,7 @@ at::Tensor merge_count_bias_cuda(const at::Tensor& counts, double alpha) {
   at::Tensor out = at::empty(counts.sizes(), counts.options());
   const int64_t numel = counts.numel();
   if (numel == 0) return out;
-  const auto blocks = static_cast<unsigned>((numel + kBiasThreads - 1) / kBiasThreads);
+  const unsigned blocks = grid_dim("kvcomp::merge_count_bias", "counts", (numel + kBiasThreads - 1) / kBiasThreads);
   merge_count_bias_kernel<<<blocks, kBiasThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       counts_c.const_data_ptr<float>(), out.mutable_data_ptr<float>(), numel, static_cast<float>(alpha));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -493,7 +493,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query
       launch_attend_chunk_rows<scalar_t, 1>(split.rows_per_tile, params, pairs, query_ptr, keys_ptr, values_ptr,
                                             bias_ptr, probs_ptr, partial_ptr, stats_ptr, stream);
     }
-    const dim3 grid(static_cast<unsigned>(pairs * rows), static_cast<unsigned>(combine.pieces));
+    const dim3 grid(grid_dim("kvcomp::decode_attention", "query rows", pairs * rows),
+                    static_cast<unsigned>(combine.pieces));
     combine_chunks_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         partial_ptr, stats_ptr, probs_ptr, out.mutable_data_ptr<scalar_t>(), shape.total_len, d, params.chunk_len,
         params.num_chunks, combine.piece_len);

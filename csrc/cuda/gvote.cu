@@ -118,7 +118,7 @@ at::Tensor nucleus_budget_cuda(const at::Tensor& probs, double p) {
       temp.mutable_data_ptr(), temp_bytes, masses.const_data_ptr<float>(), sorted.mutable_data_ptr<float>(),
       num_items, num_segments, begin_offsets, begin_offsets + 1, 0, 32, stream));
 
-  nucleus_count_kernel<<<static_cast<unsigned>(shape.rows()), kThreads, 0, stream>>>(
+  nucleus_count_kernel<<<grid_dim("kvcomp::nucleus_budget", "rows", shape.rows()), kThreads, 0, stream>>>(
       sorted.const_data_ptr<float>(), budgets.mutable_data_ptr<int64_t>(), shape.len, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return budgets;
@@ -232,7 +232,7 @@ at::Tensor gvote_union_mask_cuda(const at::Tensor& keys, const at::Tensor& queri
   for_each_logit_chunk(keys, queries, shape, chunk_size, [&](const at::Tensor& logits, int64_t first_row) {
     const int64_t rows = logits.size(0);
     const at::Tensor thresholds = at::empty({rows}, budgets_c.options());
-    select_threshold_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+    select_threshold_kernel<<<grid_dim("kvcomp::gvote_union_mask", "rows", rows), kThreads, 0, stream>>>(
         logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(),
         reinterpret_cast<uint64_t*>(thresholds.mutable_data_ptr<int64_t>()), first_row, samples, len, scale_f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
     const float* sim = similarities + (row * chunk + k) * max_retained;
     kernels::SlotChoice best = kernels::MergesFirst::none();
     for (int64_t r = threadIdx.x; r < retained_count; r += kThreads) {
-      const kernels::SlotChoice candidate{sim[r], retained[row * slots + r]};
+      const kernels::SlotChoice candidate{kernels::rounded_cosine(sim[r]), retained[row * slots + r]};
       if (kernels::MergesFirst{}(candidate, best)) best = candidate;
     }
     const kernels::SlotChoice chosen =
@@ -150,7 +150,8 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
   const at::Tensor evicted = keepkv_partition(keep_rows, /*evicted_first=*/true);
   if (max_evicted <= kDirectMaxEvicted) {
     // The blocks stride over the evicted ranks, so a row evicting more than the bound is still matched in full.
-    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(kernels::launch::grid_y(max_evicted)));
+    const dim3 grid(grid_dim("kvcomp::keepkv_match", "rows", rows),
+                    static_cast<unsigned>(kernels::launch::grid_y(max_evicted)));
     KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_match", [&] {
       keepkv_match_direct_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           keys_c.const_data_ptr<scalar_t>(), keep_rows.const_data_ptr<bool>(), evicted.const_data_ptr<int64_t>(),
@@ -160,7 +161,9 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
     return targets.view({shape.batch, shape.kv_heads, slots});
   }
   const at::Tensor retained = keepkv_partition(keep_rows, /*evicted_first=*/false);
-  const at::Tensor keys_f = keys_c.to(at::kFloat);
+  // Each key divided by its largest |component| first, so that its float32 squares neither overflow nor underflow.
+  const at::Tensor keys_raw = keys_c.to(at::kFloat);
+  const at::Tensor keys_f = keys_raw / keys_raw.abs().amax(-1, /*keepdim=*/true).clamp_min(1e-38);
   const at::Tensor norm_sq = (keys_f * keys_f).sum(-1, /*keepdim=*/true);
   const at::Tensor normalised = keys_f * at::where(norm_sq.gt(0), at::rsqrt(norm_sq), 0.0);  // zero keys stay 0
   const auto gather_rows = [&](const at::Tensor& index) {
@@ -171,7 +174,8 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
   for (int64_t begin = 0; begin < max_evicted; begin += chunk) {
     const int64_t count = std::min(chunk, max_evicted - begin);
     const at::Tensor similarities = at::matmul(gather_rows(evicted.narrow(1, begin, count)), retained_t).contiguous();
-    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(kernels::launch::grid_y(count)));
+    const dim3 grid(grid_dim("kvcomp::keepkv_match", "rows", rows),
+                    static_cast<unsigned>(kernels::launch::grid_y(count)));
     keepkv_match_argmax_kernel<<<grid, kThreads, 0, stream>>>(
         similarities.const_data_ptr<float>(), evicted.const_data_ptr<int64_t>(), retained.const_data_ptr<int64_t>(),
         num_evicted.const_data_ptr<int64_t>(), targets.mutable_data_ptr<int64_t>(), slots, count, max_retained, begin,

@@ -126,9 +126,8 @@ std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cuda(const at::Tensor& log_we
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t pieces = kernels::launch::blocks_per_row(shape.rows(), shape.len, sms, kMinSlotsPerBlock);
-  TORCH_CHECK(shape.rows() <= kernels::launch::kMaxGridX, "kvcomp::kvzap_threshold: expected at most ",
-              kernels::launch::kMaxGridX, " (batch, head) rows, got ", shape.rows());
-  const dim3 grid(static_cast<unsigned>(shape.rows()), static_cast<unsigned>(pieces));
+  const dim3 grid(grid_dim("kvcomp::kvzap_threshold", "rows", shape.rows(), kernels::launch::kMaxGridX),
+                  static_cast<unsigned>(pieces));
   static_assert(sizeof(unsigned long long) == sizeof(int64_t), "held counts are added as 64-bit unsigned");
   kvzap_threshold_kernel<<<grid, kThreads, 0, stream>>>(
       log_weights_c.const_data_ptr<float>(), scores_c.const_data_ptr<float>(), positions_c.const_data_ptr<int64_t>(),

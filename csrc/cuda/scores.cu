@@ -44,7 +44,7 @@ at::Tensor update_scores_cuda(const at::Tensor& scores, const at::Tensor& attn, 
   const int64_t rows = shape.batch * shape.kv_heads;
   if (rows == 0 || shape.total_len == 0) return out;
   const int64_t blocks_per_row = (shape.total_len + kScoreThreads - 1) / kScoreThreads;
-  const auto blocks = static_cast<unsigned>(rows * blocks_per_row);
+  const unsigned blocks = grid_dim("kvcomp::update_scores", "score blocks", rows * blocks_per_row);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float decay_f = static_cast<float>(decay);
   const float decay_pow_queries = std::pow(decay_f, static_cast<float>(shape.num_queries));

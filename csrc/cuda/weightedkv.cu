@@ -254,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
-    select_and_fold_kernel<scalar_t><<<static_cast<unsigned>(shape.rows()), kSelectThreads, 0, stream>>>(
+    select_and_fold_kernel<scalar_t><<<grid_dim("kvcomp::weightedkv_evict", "rows", shape.rows()), kSelectThreads, 0, stream>>>(
         values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
         values_out.mutable_data_ptr<scalar_t>(), sources.mutable_data_ptr<int32_t>(),
         reinterpret_cast<uint64_t*>(stack_keys.mutable_data_ptr<int64_t>()), open_values.mutable_data_ptr<scalar_t>(),

@@ -33,10 +33,40 @@ KVCOMP_HOST_DEVICE inline bool is_finite(float x) { return !is_nan(x) && x != in
 // 1 / ||k|| from ||k||^2, 0 for a zero key (so its cosine with anything is 0). Used to normalise keys for the GEMM.
 KVCOMP_HOST_DEVICE inline float inverse_norm(float norm_sq) { return norm_sq > 0.0f ? 1.0f / sqrtf(norm_sq) : 0.0f; }
 
-// cos(a, b) from a·b, ||a||^2 and ||b||^2 in float32; 0 when either key is zero.
+// Squared norms in this range were summed without overflow or harmful underflow: every square is at most 2^100
+// (d of them cannot reach FLT_MAX ~ 2^128) and a key whose squares sum to >= 2^-100 loses only terms below
+// 2^-126, relatively under float32 rounding. Outside it, keys are rescaled by key_rescale first.
+KVCOMP_HOST_DEVICE inline bool norm_sq_is_safe(float norm_sq) {
+  return norm_sq >= 0x1p-100f && norm_sq <= 0x1p100f;
+}
+
+// A power of two 2^-e that brings a key's largest |component| into [0.5, 1) (clamped to the normal range): scaling
+// by it is exact and leaves the cosine unchanged, and the squares of the scaled key neither overflow nor underflow.
+// 1 for a zero, NaN or infinite maximum (nothing a scale can fix).
+KVCOMP_HOST_DEVICE inline float key_rescale(float max_abs) {
+  if (!(max_abs > 0.0f) || !is_finite(max_abs)) return 1.0f;
+  int exponent = 0;
+  frexpf(max_abs, &exponent);
+  exponent = exponent > 126 ? 126 : (exponent < -126 ? -126 : exponent);
+  return ldexpf(1.0f, -exponent);
+}
+
+// Cosines are compared at a resolution of 2^-16: clamped to [-1, 1], then rounded to the nearest multiple of 2^-16.
+// Float32 rounding moves a cosine of d-dimensional keys by about sqrt(d)·2^-24 (at most d·2^-24), differently on
+// the direct and the GEMM path; the grid absorbs that, so a key identical to a retained one has similarity exactly
+// 1 (it merges at threshold 1.0) and equally similar retained keys tie exactly (the lower slot wins) on every path.
+constexpr float kCosineResolution = 0x1p-16f;
+
+KVCOMP_HOST_DEVICE inline float rounded_cosine(float cosine) {
+  if (is_nan(cosine)) return cosine;
+  const float clamped = cosine > 1.0f ? 1.0f : (cosine < -1.0f ? -1.0f : cosine);
+  return rintf(clamped / kCosineResolution) * kCosineResolution;
+}
+
+// cos(a, b) from a·b, ||a||^2 and ||b||^2 in float32, rounded by rounded_cosine; 0 when either key is zero.
 KVCOMP_HOST_DEVICE inline float cosine_similarity(float dot, float norm_sq_a, float norm_sq_b) {
   if (norm_sq_a == 0.0f || norm_sq_b == 0.0f) return 0.0f;
-  return dot / (sqrtf(norm_sq_a) * sqrtf(norm_sq_b));
+  return rounded_cosine(dot / (sqrtf(norm_sq_a) * sqrtf(norm_sq_b)));
 }
 
 // The target of an evicted slot from the best retained candidate under MergesFirst (NaN as -inf, ties to the lower

@@ -31,6 +31,31 @@ TEST(KeepKVKernels, CosineOfZeroKeysIsZero) {
   EXPECT_FLOAT_EQ(k::inverse_norm(16.0f), 0.25f);
 }
 
+TEST(KeepKVKernels, CosinesAreClampedAndRoundedTo2PowMinus16) {
+  EXPECT_EQ(k::rounded_cosine(1.0000001f), 1.0f);  // float32 rounding above 1: clamped
+  EXPECT_EQ(k::rounded_cosine(0.99999994f), 1.0f);  // just below 1: rounds to exactly 1 (merges at threshold 1.0)
+  EXPECT_EQ(k::rounded_cosine(-1.5f), -1.0f);
+  EXPECT_EQ(k::rounded_cosine(0.5f + 0x1p-18f), 0.5f);  // within half a step: the same value, so it ties
+  EXPECT_EQ(k::rounded_cosine(0.5f + 0x1p-16f), 0.5f + 0x1p-16f);  // a whole step: ordered
+  EXPECT_TRUE(std::isnan(k::rounded_cosine(kNan)));
+  EXPECT_EQ(k::cosine_similarity(4.0f, 2.0f, 8.0f), 1.0f);  // (1,1)·(2,2) = 4 / (sqrt 2 · sqrt 8)
+}
+
+TEST(KeepKVKernels, KeyRescaleIsAPowerOfTwoBringingTheMaximumBelowOne) {
+  for (const float max_abs : {3e38f, 2e19f, 1.0f, 0.75f, 1e-20f, 1e-40f}) {
+    const float scaled = max_abs * k::key_rescale(max_abs);
+    EXPECT_GE(scaled, max_abs < 1e-38f ? 1e-10f : 0.5f) << max_abs;
+    EXPECT_LT(scaled, max_abs > 1e38f ? 4.0f : 1.0f) << max_abs;
+    int exponent = 0;
+    EXPECT_EQ(std::frexp(k::key_rescale(max_abs), &exponent), 0.5f) << max_abs;  // a power of two: exact scaling
+  }
+  EXPECT_EQ(k::key_rescale(0.0f), 1.0f);
+  EXPECT_EQ(k::key_rescale(kInf), 1.0f);
+  EXPECT_TRUE(k::norm_sq_is_safe(1.0f));
+  EXPECT_FALSE(k::norm_sq_is_safe(kInf));
+  EXPECT_FALSE(k::norm_sq_is_safe(1e-35f));
+}
+
 TEST(KeepKVKernels, MatchTargetAppliesTheThreshold) {
   EXPECT_EQ(k::match_target({0.8f, 5}, 0.8f), 5);  // >= threshold
   EXPECT_EQ(k::match_target({0.79f, 5}, 0.8f), k::kKeepKVEvictedNoMerge);

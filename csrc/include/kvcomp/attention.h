@@ -60,8 +60,8 @@ inline DecodeAttentionShape check_decode_attention(const at::Tensor& query, cons
   check_size(op, "log_weights", log_weights, 1, shape.kv_heads, "kv heads of keys");
   check_size(op, "log_weights", log_weights, 2, shape.total_len, "cache length T of keys");
   TORCH_CHECK(shape.num_queries >= 1 && shape.num_queries <= shape.total_len, op,
-              ": expected 1 <= q <= T (the q queries are the last q of the T cached slots), got q = ",
-              shape.num_queries, " and T = ", shape.total_len);
+              ": expected 1 <= q <= T (the q queries are the last q of the T cached slots), got q = query.size(2) = ",
+              shape.num_queries, " and T = keys.size(2) = ", shape.total_len);
   return shape;
 }
 

@@ -2,10 +2,16 @@
 // "kvcomp::update_scores: expected attn ..." knows which call to fix.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <sstream>
+#include <utility>
 
 namespace kvcomp {
 
@@ -54,6 +60,51 @@ inline void check_at_least(const char* op, const char* name, int64_t value, int6
 inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), op, ": expected a contiguous ", name, " (it is updated in place), got strides ",
               t.strides(), " for shape ", t.sizes());
+}
+
+// Sums of size arguments (slot budgets) computed without overflow: a wrapped sum would pass the size checks and let a
+// kernel read wild memory.
+inline int64_t checked_sum(const char* op, std::initializer_list<std::pair<const char*, int64_t>> terms) {
+  int64_t total = 0;
+  bool overflow = false;
+  for (const auto& term : terms) overflow |= __builtin_add_overflow(total, term.second, &total);
+  if (overflow) {
+    std::ostringstream names, values;
+    for (const auto& term : terms) {
+      names << (names.tellp() > 0 ? " + " : "") << term.first;
+      values << (values.tellp() > 0 ? ", " : "") << term.first << " = " << term.second;
+    }
+    TORCH_CHECK(false, op, ": expected ", names.str(), " to fit in 64 bits, got ", values.str());
+  }
+  return total;
+}
+
+// The arguments an op updates in place: none may overlap itself or another one (the kernel would read what it just
+// wrote), and none may require grad (the op has no backward, and an in-place update would silently detach the cache).
+// Contiguity is checked first, so the storage ranges compared here are exact.
+inline void check_inplace_arguments(const char* op,
+                                    std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  for (auto a = tensors.begin(); a != tensors.end(); ++a) {
+    const at::Tensor& t = *a->second;
+    TORCH_CHECK(!t.requires_grad(), op, ": expected ", a->first, " not to require grad (it is updated in place and ",
+                "the op has no backward), got a tensor with requires_grad=True");
+    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": expected ", a->first,
+                " without internal overlap (it is updated in place), got strides ", t.strides(), " for shape ",
+                t.sizes());
+    for (auto b = tensors.begin(); b != a; ++b) {
+      TORCH_CHECK(at::get_overlap_status(t, *b->second) == at::MemOverlapStatus::No, op, ": expected ", a->first,
+                  " and ", b->first, " to be separate memory (both are updated in place), got overlapping tensors");
+    }
+  }
+}
+
+// A CUDA grid dimension: x holds up to 2^31 - 1 blocks, y and z up to 65535. Checked rather than cast blindly, so a
+// huge batch is an error naming the op, not a launch of a wrapped-around grid.
+inline unsigned grid_dim(const char* op, const char* what, int64_t blocks,
+                         int64_t limit = std::numeric_limits<int32_t>::max()) {
+  TORCH_CHECK(blocks >= 0 && blocks <= limit, op, ": expected at most ", limit, " CUDA blocks for ", what, ", got ",
+              blocks);
+  return static_cast<unsigned>(blocks);
 }
 
 }  // namespace kvcomp

@@ -56,7 +56,8 @@ inline KVzapScoreShape check_kvzap_score(const at::Tensor& hidden, const at::Ten
     TORCH_CHECK(shape.hidden_dim >= 1, op, ": expected a hidden layer of at least one unit, got weight1 of shape ",
                 weight1.sizes());
   }
-  TORCH_CHECK(shape.heads >= 1, op, ": expected at least one output head, got ", shape.heads);
+  TORCH_CHECK(shape.heads >= 1, op, ": expected at least one output head, got ", mlp ? "weight2" : "weight1",
+              " of shape ", (mlp ? *weight2 : weight1).sizes());
   return shape;
 }
 

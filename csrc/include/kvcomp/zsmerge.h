@@ -9,21 +9,25 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
+#include <cstdint>
+#include <limits>
+
 #include "kvcomp/checks.h"
 
 namespace kvcomp {
 
-// Slot budget per (batch, kv-head): M = residual + context + recent.
+// Slot budget per (batch, kv-head): M = residual + context + recent, summed once without overflow.
 struct ZSMergeBudget {
-  int64_t residual, context, recent;
-  int64_t total() const { return residual + context + recent; }
+  int64_t residual, context, recent, slots;
+  int64_t total() const { return slots; }
 };
 
 inline ZSMergeBudget check_zsmerge_budget(const char* op, int64_t recent, int64_t context, int64_t residual) {
   check_at_least(op, "recent", recent, 1);
   check_at_least(op, "context", context, 1);
   check_at_least(op, "residual", residual, 0);
-  return {residual, context, recent};
+  const int64_t slots = checked_sum(op, {{"recent", recent}, {"context", context}, {"residual", residual}});
+  return {residual, context, recent, slots};
 }
 
 // keys and values of one shape and dtype, scores float32 (B, H, slots) beside them, all on the device of keys.
@@ -60,6 +64,9 @@ inline ZSMergePrefillShape check_zsmerge_prefill(const at::Tensor& keys, const a
   const int64_t tokens = keys.size(2);
   TORCH_CHECK(tokens > budget.total(), op, ": expected more tokens than slots, T = keys.size(2) > M = recent + ",
               "context + residual = ", budget.total(), ", got T = ", tokens);
+  // The ranking key of zsmerge_prefill_source_order holds a position in its low 32 bits.
+  TORCH_CHECK(tokens <= std::numeric_limits<int32_t>::max(), op, ": expected at most 2^31 - 1 tokens, got T = ",
+              tokens);
   return {keys.size(0), keys.size(1), tokens, keys.size(3), budget, tokens - recent - context};
 }
 
@@ -84,6 +91,7 @@ inline ZSMergeDecodeShape check_zsmerge_decode_step(const at::Tensor& keys, cons
   check_contiguous(op, "values", values);
   check_contiguous(op, "scores", scores);
   check_contiguous(op, "counts", counts);
+  check_inplace_arguments(op, {{"keys", &keys}, {"values", &values}, {"scores", &scores}, {"counts", &counts}});
   const ZSMergeBudget budget = check_zsmerge_budget(op, recent, context, residual);
   TORCH_CHECK(ring_position >= 0 && ring_position < recent, op, ": expected ring_position in [0, recent) = [0, ",
               recent, "), got ", ring_position);

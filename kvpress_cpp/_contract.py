@@ -1,0 +1,406 @@
+"""The input contract of every kvcomp op, declared once in Python.
+
+The C++ kernels validate their inputs in ``csrc/include/kvcomp/<family>.h``; this module states the same rules as data,
+for the two places that cannot run that C++:
+
+* the fake kernels (``kvpress_cpp/_fake.py``): meta tensors, ``torch.compile`` and mixed devices (a meta tensor after
+  a CPU one dispatches to the fake, not to the CPU kernel) get the same errors as an eager call, and the fake's output
+  shapes come from :meth:`Contract.outputs`;
+* the fuzz suite (``tests/test_fuzz_ops.py``), which derives its bad inputs from these declarations and checks that the
+  C++ kernels reject exactly what the contract rejects, naming the op and the argument.
+
+A contract lists the op's arguments in schema order: :class:`Tensor` (its dims as symbols, ``"B H T d"``: one symbol
+names one size across all arguments; its dtype: a torch dtype, :data:`CACHE_DTYPES`, or the name of an earlier
+argument whose dtype it must share) or :class:`Scalar`; then ``rules`` over the sizes and scalars (each a predicate
+and the words of its error), and ``outputs``. Every tensor must be on the device of the first one. To add an op:
+declare its ``Contract`` in :data:`CONTRACTS` (schema order, the C++ check's rules, the same words) and its fake is
+registered from it, e.g. for ``my_op(Tensor keys, Tensor scores, int k) -> Tensor``::
+
+    _declare(Contract(
+        "my_op",
+        [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("scores", "B H T", F32), Scalar("k")],
+        rules=[_at_least("k", 1)],
+        outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+    ))
+
+then give it a generator in ``FUZZ`` of tests/test_fuzz_ops.py and append it to the Autograd list of registration.cpp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # checks.h check_floating
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dims: str
+    dtype: Any  # torch.dtype, CACHE_DTYPES, or the name of an earlier tensor argument
+    optional: bool = False
+    inplace: bool = False  # updated in place: contiguous, no overlap with another in-place argument, no grad
+
+    @property
+    def symbols(self) -> list[str]:
+        return self.dims.split()
+
+
+@dataclass(frozen=True)
+class Scalar:
+    name: str
+    default: Any = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``holds(v)`` over the bound sizes and scalars ``v`` (a dict); ``says(v)`` completes "{op}: expected ..."."""
+
+    holds: Callable[[dict], Any]
+    says: Callable[[dict], str]
+
+
+@dataclass
+class Contract:
+    op: str  # without the namespace
+    args: list
+    rules: list = field(default_factory=list)
+    # (shape, dtype) of each output from the bound values; dtype as in Tensor.dtype. None for an in-place op.
+    outputs: Callable[[dict], list] | None = None
+
+    @property
+    def qualified(self) -> str:
+        return f"kvcomp::{self.op}"
+
+    def fail(self, message: str):
+        raise RuntimeError(f"{self.qualified}: {message}")
+
+    def bind(self, args: tuple, kwargs: dict | None = None) -> dict:
+        """The op's arguments by name, schema defaults filled in."""
+        values = {}
+        for i, arg in enumerate(self.args):
+            if i < len(args):
+                values[arg.name] = args[i]
+            elif kwargs and arg.name in kwargs:
+                values[arg.name] = kwargs[arg.name]
+            elif isinstance(arg, Scalar):
+                values[arg.name] = arg.default
+            elif arg.optional:
+                values[arg.name] = None
+            else:
+                self.fail(f"missing argument {arg.name}")
+        return values
+
+    def check(self, args: tuple, kwargs: dict | None = None) -> dict:
+        """Validate the arguments as the C++ kernel does; returns the scalars and the sizes bound to each symbol."""
+        values = self.bind(args, kwargs)
+        tensors = [a for a in self.args if isinstance(a, Tensor) and values[a.name] is not None]
+        first = values[tensors[0].name]
+        for arg in tensors:
+            t = values[arg.name]
+            if t.dim() != len(arg.symbols):
+                self.fail(f"expected {arg.name} of shape ({', '.join(arg.symbols)}), got a {t.dim()}-d tensor of "
+                          f"shape {tuple(t.shape)}")
+            expected = arg.dtype
+            if isinstance(expected, str):
+                if t.dtype != values[expected].dtype:
+                    self.fail(f"expected {arg.name} of the dtype of {expected} ({values[expected].dtype}), got "
+                              f"{t.dtype}")
+            elif isinstance(expected, tuple):
+                if t.dtype not in expected:
+                    self.fail(f"expected {arg.name} of dtype float32, float16 or bfloat16, got {t.dtype}")
+            elif t.dtype != expected:
+                self.fail(f"expected {arg.name} of dtype {expected}, got {t.dtype}")
+            if t.device != first.device:
+                self.fail(f"expected {arg.name} on the device of {tensors[0].name} ({first.device}), got {t.device}")
+        sizes: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for arg in tensors:
+            t = values[arg.name]
+            for dim, symbol in enumerate(arg.symbols):
+                if symbol not in sizes:
+                    sizes[symbol], owner[symbol] = t.shape[dim], arg.name
+                else:
+                    bound = sizes[symbol]
+                    torch._check(
+                        t.shape[dim] == bound,
+                        lambda: f"{self.qualified}: expected {arg.name}.size({dim}) == {bound} ({symbol} of "
+                        f"{owner[symbol]}), got {arg.name} of shape {tuple(t.shape)}",
+                    )
+        env = {**sizes, **{a.name: values[a.name] for a in self.args}}
+        for rule in self.rules:
+            holds = rule.holds(env)
+            if isinstance(holds, bool):
+                if not holds:
+                    self.fail(rule.says(env))
+            else:  # a symbolic condition under torch.compile
+                torch._check(holds, lambda: f"{self.qualified}: {rule.says(env)}")
+        self._check_inplace([(a.name, values[a.name]) for a in tensors if a.inplace])
+        return env
+
+    def _check_inplace(self, tensors: list) -> None:
+        for i, (name, t) in enumerate(tensors):
+            if not t.is_contiguous():
+                self.fail(f"expected a contiguous {name} (it is updated in place), got strides {tuple(t.stride())} "
+                          f"for shape {tuple(t.shape)}")
+            if t.requires_grad:
+                self.fail(f"expected {name} not to require grad (it is updated in place and the op has no backward), "
+                          "got a tensor with requires_grad=True")
+            for other_name, other in tensors[:i]:
+                if _overlap(t, other):
+                    self.fail(f"expected {name} and {other_name} to be separate memory (both are updated in place), "
+                              "got overlapping tensors")
+
+    def output_tensors(self, args: tuple, kwargs: dict | None = None):
+        """What the fake kernel returns: validated arguments, new empty outputs on the device of the first tensor."""
+        env = self.check(args, kwargs)
+        if self.outputs is None:
+            return None
+        first = next(env[a.name] for a in self.args if isinstance(a, Tensor))
+        outs = []
+        for shape, dtype in self.outputs(env):
+            dtype = env[dtype].dtype if isinstance(dtype, str) else dtype
+            outs.append(first.new_empty(tuple(shape), dtype=dtype))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes (at::get_overlap_status for contiguous tensors)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+    a_begin, b_begin = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
+    return a_begin < b_end and b_begin < a_end
+
+
+def _finite(x) -> bool:
+    return math.isfinite(x)
+
+
+def _gqa(query_heads: str, kv_heads: str, query_arg: str, kv_arg: str, allow_empty: bool = True) -> Rule:
+    """Query heads a multiple of the kv heads (0 query heads allowed where the C++ check allows them)."""
+    return Rule(lambda v: v[kv_heads] > 0 and v[query_heads] % v[kv_heads] == 0
+                and (allow_empty or v[query_heads] > 0),
+                lambda v: f"expected the {v[query_heads]} query heads of {query_arg} to be a positive multiple of the "
+                f"{v[kv_heads]} kv heads of {kv_arg}")
+
+
+def _at_least(name: str, low: int) -> Rule:
+    return Rule(lambda v: v[name] >= low, lambda v: f"expected {name} >= {low}, got {v[name]}")
+
+
+def _slots_fit_32_bits(symbol: str) -> Rule:
+    return Rule(lambda v: v[symbol] <= INT32_MAX, lambda v: f"expected at most 2^31 - 1 slots, got T = {v[symbol]}")
+
+
+def _zsmerge_budget() -> list:
+    return [
+        _at_least("recent", 1),
+        _at_least("context", 1),
+        _at_least("residual", 0),
+        Rule(lambda v: v["recent"] + v["context"] + v["residual"] <= INT64_MAX,
+             lambda v: "expected recent + context + residual to fit in 64 bits, got recent = "
+             f"{v['recent']}, context = {v['context']}, residual = {v['residual']}"),
+    ]
+
+
+def _zsmerge_slots(v) -> int:
+    return v["recent"] + v["context"] + v["residual"]
+
+
+F32, I64, BOOL = torch.float32, torch.int64, torch.bool
+
+CONTRACTS: dict[str, Contract] = {}
+
+
+def _declare(contract: Contract) -> None:
+    CONTRACTS[contract.op] = contract
+
+
+_declare(Contract(
+    "update_scores",
+    [Tensor("scores", "B H T_old", F32), Tensor("attn", "B Hq q T", CACHE_DTYPES), Scalar("decay"),
+     Scalar("input_scale")],
+    rules=[
+        Rule(lambda v: 0.0 <= v["decay"] <= 1.0, lambda v: f"expected decay in [0, 1], got {v['decay']}"),
+        Rule(lambda v: _finite(v["input_scale"]), lambda v: f"expected a finite input_scale, got {v['input_scale']}"),
+        _gqa("Hq", "H", "attn", "scores"),
+        Rule(lambda v: v["T"] == v["T_old"] + v["q"],
+             lambda v: f"expected attn.size(3) == {v['T_old'] + v['q']} (T_old + q: old slots plus the new queries), "
+             f"got attn of shape {tuple(v['attn'].shape)}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+))
+
+_declare(Contract(
+    "merge_count_bias",
+    [Tensor("counts", "B H T", F32), Scalar("alpha")],
+    rules=[Rule(lambda v: _finite(v["alpha"]) and v["alpha"] >= 0,
+                lambda v: f"expected a finite alpha >= 0, got {v['alpha']}")],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+))
+
+_declare(Contract(
+    "decode_attention",
+    [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("keys", "B H T d", "query"),
+     Tensor("values", "B H T d", "query"), Tensor("log_weights", "B H T", F32), Scalar("scale")],
+    rules=[
+        Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
+             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+        _gqa("Hq", "H", "query", "keys", allow_empty=False),
+        Rule(lambda v: v["d"] > 0,
+             lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
+        Rule(lambda v: 1 <= v["q"] <= v["T"],
+             lambda v: "expected 1 <= q <= T (the q queries are the last q of the T cached slots), got q = "
+             f"query.size(2) = {v['q']} and T = keys.size(2) = {v['T']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["Hq"], v["q"], v["d"]), "query"), ((v["B"], v["Hq"], v["q"], v["T"]), F32)],
+))
+
+_declare(Contract(
+    "weightedkv_evict",
+    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d_v", "keys"), Tensor("sums", "B H T", F32),
+     Tensor("counts", "B H T", F32), Scalar("sinks"), Scalar("recent"), Scalar("evictions"),
+     Scalar("merge_values", True)],
+    rules=[
+        _slots_fit_32_bits("T"),
+        _at_least("sinks", 0),
+        _at_least("recent", 1),
+        _at_least("evictions", 0),
+        Rule(lambda v: v["sinks"] <= v["T"] and v["recent"] <= v["T"] - v["sinks"]
+             and v["evictions"] <= v["T"] - v["sinks"] - v["recent"],
+             lambda v: "expected evictions <= T - sinks - recent (enough middle slots to evict), got evictions = "
+             f"{v['evictions']}, T = {v['T']}, sinks = {v['sinks']}, recent = {v['recent']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], v["T"] - v["evictions"], v["d"]), "keys"),
+                       ((v["B"], v["H"], v["T"] - v["evictions"], v["d_v"]), "keys"),
+                       ((v["B"], v["H"], v["T"] - v["evictions"]), F32),
+                       ((v["B"], v["H"], v["T"] - v["evictions"]), F32)],
+))
+
+_declare(Contract(
+    "zsmerge_prefill",
+    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d", "keys"), Tensor("scores", "B H T", F32),
+     Scalar("recent"), Scalar("context"), Scalar("residual")],
+    rules=_zsmerge_budget() + [
+        Rule(lambda v: v["T"] > _zsmerge_slots(v),
+             lambda v: f"expected more tokens than slots, T = keys.size(2) > M = recent + context + residual = "
+             f"{_zsmerge_slots(v)}, got T = {v['T']}"),
+        Rule(lambda v: v["T"] <= INT32_MAX, lambda v: f"expected at most 2^31 - 1 tokens, got T = {v['T']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], _zsmerge_slots(v), v["d"]), "keys")] * 2
+    + [((v["B"], v["H"], _zsmerge_slots(v)), F32)] * 2,
+))
+
+_declare(Contract(
+    "zsmerge_decode_step",
+    [Tensor("keys", "B H T d", CACHE_DTYPES, inplace=True), Tensor("values", "B H T d", "keys", inplace=True),
+     Tensor("scores", "B H T", F32, inplace=True), Tensor("counts", "B H T", F32, inplace=True),
+     Scalar("ring_position"), Scalar("recent"), Scalar("context"), Scalar("residual"), Scalar("paper_order", False)],
+    rules=_zsmerge_budget() + [
+        Rule(lambda v: 0 <= v["ring_position"] < v["recent"],
+             lambda v: f"expected ring_position in [0, recent) = [0, {v['recent']}), got {v['ring_position']}"),
+        Rule(lambda v: v["T"] > _zsmerge_slots(v),
+             lambda v: f"expected keys.size(2) = M + q with q >= 1 new tokens after the M = recent + context + "
+             f"residual = {_zsmerge_slots(v)} slots, got keys of shape {tuple(v['keys'].shape)}"),
+    ],
+))
+
+_declare(Contract(
+    "keepkv_match",
+    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("keep", "B H T", BOOL), Scalar("threshold"),
+     Scalar("max_evicted")],
+    rules=[Rule(lambda v: -1.0 <= v["threshold"] <= 1.0,
+                lambda v: f"expected threshold in [-1, 1], got {v['threshold']}"),
+           Rule(lambda v: v["max_evicted"] is None or v["max_evicted"] >= 0,
+                lambda v: f"expected max_evicted >= 0, got {v['max_evicted']}")],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), I64)],
+))
+
+_declare(Contract(
+    "keepkv_zip_merge",
+    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d", "keys"), Tensor("votes", "B H T", F32),
+     Tensor("log_scores", "B H T", F32), Tensor("targets", "B H T", I64), Scalar("convex"),
+     Scalar("check_targets", True)],
+    outputs=lambda v: [((v["B"], v["H"], v["T"], v["d"]), "keys")] * 2 + [((v["B"], v["H"], v["T"]), F32)],
+))
+
+_declare(Contract(
+    "nucleus_budget",
+    [Tensor("probs", "B Hq T", F32), Scalar("p")],
+    rules=[Rule(lambda v: 0.0 < v["p"] <= 1.0, lambda v: f"expected p in (0, 1], got p = {v['p']}")],
+    outputs=lambda v: [((v["B"], v["Hq"]), I64)],
+))
+
+_declare(Contract(
+    "averaged_rope",
+    [Tensor("queries", "B Hq S d", CACHE_DTYPES), Tensor("cos", "n_f d", CACHE_DTYPES),
+     Tensor("sin", "n_f d", CACHE_DTYPES)],
+    rules=[
+        Rule(lambda v: v["d"] % 2 == 0,
+             lambda v: "expected an even head dim d (rotate_half splits it in halves), got queries of shape "
+             f"{tuple(v['queries'].shape)}"),
+        Rule(lambda v: v["n_f"] >= 1,
+             lambda v: f"expected at least one future position, got cos of shape {tuple(v['cos'].shape)}"),
+    ],
+    outputs=lambda v: [((v["B"], v["Hq"], v["S"], v["d"]), "queries")],
+))
+
+_declare(Contract(
+    "gvote_union_mask",
+    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("queries", "B Hq S d", "keys"), Tensor("budgets", "B Hq", I64),
+     Scalar("sinks"), Scalar("scale"), Scalar("chunk_size")],
+    rules=[
+        _gqa("Hq", "H", "queries", "keys"),
+        _slots_fit_32_bits("T"),
+        _at_least("sinks", 0),
+        Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
+             lambda v: f"expected a finite scale > 0, got scale = {v['scale']}"),
+        _at_least("chunk_size", 1),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), BOOL)],
+))
+
+_declare(Contract(
+    "kvzap_score",
+    # Linear: weight1 (H, Dh), bias1 (H). MLP: weight1 (Dh', Dh), bias1 (Dh'), weight2 (H, Dh'), bias2 (H).
+    [Tensor("hidden", "B T Dh", CACHE_DTYPES), Tensor("weight1", "W Dh", "hidden"), Tensor("bias1", "W", "hidden"),
+     Tensor("weight2", "H W", "hidden", optional=True), Tensor("bias2", "H", "hidden", optional=True)],
+    rules=[
+        Rule(lambda v: (v["weight2"] is None) == (v["bias2"] is None),
+             lambda v: "expected weight2 and bias2 both given (MLP surrogate) or both None (linear surrogate), got "
+             f"weight2 {'None' if v['weight2'] is None else 'given'} and bias2 "
+             f"{'None' if v['bias2'] is None else 'given'}"),
+        Rule(lambda v: v["W"] >= 1,
+             lambda v: ("expected at least one output head, got weight1" if v["weight2"] is None else
+                        "expected a hidden layer of at least one unit, got weight1")
+             + f" of shape {tuple(v['weight1'].shape)}"),
+        Rule(lambda v: v["weight2"] is None or v["H"] >= 1,
+             lambda v: f"expected at least one output head, got weight2 of shape {tuple(v['weight2'].shape)}"),
+    ],
+    outputs=lambda v: [((v["B"], v["W"] if v["weight2"] is None else v["H"], v["T"]), F32)],
+))
+
+_declare(Contract(
+    "kvzap_threshold",
+    [Tensor("log_weights", "B H T", F32), Tensor("scores", "B H T", F32), Tensor("positions", "B H T", I64),
+     Scalar("threshold"), Scalar("window"), Scalar("tokens_before"), Scalar("tokens_after")],
+    rules=[
+        Rule(lambda v: not math.isnan(v["threshold"]),
+             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
+        _at_least("window", 0),
+        _at_least("tokens_before", 0),
+        Rule(lambda v: v["tokens_after"] >= v["tokens_before"],
+             lambda v: f"expected tokens_after >= tokens_before ({v['tokens_before']}), got tokens_after = "
+             f"{v['tokens_after']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), F32), ((v["B"], v["H"]), I64)],
+))

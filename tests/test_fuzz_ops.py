@@ -1,0 +1,722 @@
+"""Fuzz suite of every kvcomp op (issue 17): seeded random valid inputs against tests/reference.py, and every
+bad-input class derived from the op's declared contract (kvpress_cpp/_contract.py).
+
+Per op, the cases are: random valid shapes and dtypes (GQA groups 1-3, float32 / float16 / bfloat16), checked against
+the reference, with the all-meta call giving the same output shapes; and, derived from the contract, for every tensor
+argument a wrong rank, a wrong size of each dim it shares with another argument, a wrong dtype, the meta device among
+CPU tensors, a non-contiguous layout; each size set to 0 (empty); query heads that are not a multiple of the kv heads;
+for every scalar a battery of out-of-range values (NaN, ±inf, negative, 2^31, 2^62, 2^63 - 1, ...); NaN / ±inf
+entries; aliased arguments (one tensor passed twice, overlapping views); inputs requiring grad; and the op's own index
+classes (out-of-range targets, budgets, positions).
+
+The contract is the oracle: where it rejects the input the kernel must raise a RuntimeError naming the op and the
+argument (or the value); where it accepts, the kernel must not raise and must agree with the reference. So the C++
+checks, the fake kernels and the reference are held to one description.
+
+Crashes and hangs: the cases run in a worker subprocess (``python -m tests.test_fuzz_ops OP[:FIRST] OP ...``, every op
+in turn, so torch is imported once) that announces every case before running it. A worker that dies (signal, abort) or
+overruns its time names the case it was running; the parent records it and starts a fresh worker at the next case.
+KVCOMP_FUZZ_SEED changes the seed (default 17), KVCOMP_FUZZ_VALID the number of random valid inputs per op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from kvpress_cpp._contract import CONTRACTS, Contract, Scalar, Tensor
+from tests import reference
+
+SEED = int(os.environ.get("KVCOMP_FUZZ_SEED", "17"))
+VALID_CASES = int(os.environ.get("KVCOMP_FUZZ_VALID", "12"))  # random valid inputs per op
+WORKER_TIMEOUT_S = 60.0
+CRASH_AT = os.environ.get("KVCOMP_FUZZ_CRASH_AT")  # "op:k": the worker aborts at case k (tests the crash path)
+ROOT = Path(__file__).resolve().parents[1]
+
+CACHE = (torch.float32, torch.float16, torch.bfloat16)
+BAD_INTS = (-1, 0, 1, 2**31, 2**62, -(2**62), 2**63 - 1)
+BAD_FLOATS = (math.nan, math.inf, -math.inf, -0.5, 0.0, 1.0, 1.5, 1e30)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Valid inputs and references, per op. sizes(r, o) draws the symbols of the contract (o overrides base sizes, e.g.
+# {"T": 0} for the empty class); build(r, s, dtype) makes the arguments in schema order.
+
+@dataclass
+class OpFuzz:
+    sizes: Callable
+    build: Callable
+    reference: Callable  # args -> outputs (tensor or tuple); for the in-place op, the compared slices
+    tolerance: Callable = lambda dtype: (1e-4, 1e-4)  # (atol, rtol) by the cache dtype
+    run: Callable | None = None  # args -> outputs, when it is not just the op call (in-place)
+    bad_values: Callable | None = None  # r, args -> [(class, name, args)] the op's own index classes, all invalid
+    odd_values: Callable | None = None  # r, args -> [(class, args)] unusual but valid values
+    # The reference for NaN / inf entries, when the op's documented order of operations (not the paper's formula,
+    # equal to it for finite inputs) decides where an inf meets a 0 or an opposite inf.
+    nonfinite_reference: Callable | None = None
+
+
+def _g(r: random.Random) -> torch.Generator:
+    return torch.Generator().manual_seed(r.getrandbits(62))
+
+
+def _randn(r, shape, dtype=torch.float32):
+    return torch.randn(shape, generator=_g(r)).to(dtype)
+
+
+def _low_precision(dtype, low=2e-2):
+    return (1e-4, 1e-4) if dtype == torch.float32 else (low, low)
+
+
+def _update_scores_sizes(r, o):
+    s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "T_old": o.get("T_old", r.randint(0, 12)),
+         "q": o.get("q", r.randint(1, 4))}
+    s["Hq"] = o.get("Hq", s["H"] * r.randint(1, 3))
+    s["T"] = s["T_old"] + s["q"]
+    return s
+
+
+def _update_scores_build(r, s, dtype):
+    attn = _randn(r, (s["B"], s["Hq"], s["q"], s["T"])).softmax(-1).to(dtype)
+    return _randn(r, (s["B"], s["H"], s["T_old"])), attn, r.uniform(0, 1), r.uniform(0.1, 2)
+
+
+def _merge_count_bias_sizes(r, o):
+    return {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("H", 3), ("T", 16))}
+
+
+def _merge_count_bias_build(r, s, dtype):
+    counts = torch.randint(0, 5, (s["B"], s["H"], s["T"]), generator=_g(r)).float()
+    return counts, r.uniform(0, 2)
+
+
+def _decode_attention_sizes(r, o):
+    s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "T": o.get("T", r.randint(1, 20)),
+         "d": o.get("d", r.choice([1, 4, 8, 16]))}
+    s["Hq"] = o.get("Hq", s["H"] * r.randint(1, 3))
+    s["q"] = o.get("q", r.randint(1, min(4, max(1, s["T"]))))
+    return s
+
+
+def _decode_attention_build(r, s, dtype):
+    query = _randn(r, (s["B"], s["Hq"], s["q"], s["d"]), dtype)
+    keys = _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype)
+    values = _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype)
+    log_weights = _randn(r, (s["B"], s["H"], s["T"]))
+    log_weights[torch.rand(log_weights.shape, generator=_g(r)) < 0.2] = -math.inf
+    return query, keys, values, log_weights, max(s["d"], 1) ** -0.5
+
+
+def _weightedkv_sizes(r, o):
+    s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "d": o.get("d", r.randint(1, 8)),
+         "d_v": o.get("d_v", r.randint(1, 8)), "T": o.get("T", r.randint(4, 16))}
+    return s
+
+
+def _weightedkv_build(r, s, dtype):
+    sinks, recent = r.randint(0, 2), r.randint(1, 2)
+    evictions = r.randint(0, max(0, s["T"] - sinks - recent))
+    counts = torch.randint(1, 5, (s["B"], s["H"], s["T"]), generator=_g(r)).float()
+    return (_randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype), _randn(r, (s["B"], s["H"], s["T"], s["d_v"]), dtype),
+            torch.rand((s["B"], s["H"], s["T"]), generator=_g(r)) * counts, counts, sinks, recent, evictions,
+            r.random() < 0.8)
+
+
+def _zsmerge_prefill_sizes(r, o):
+    return {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "T": o.get("T", r.randint(4, 20)),
+            "d": o.get("d", r.randint(1, 8))}
+
+
+def _zsmerge_budget(r, tokens):
+    """recent, context, residual with M = their sum < tokens (when tokens >= 3)."""
+    recent = r.randint(1, max(1, min(3, tokens - 2)))
+    context = r.randint(1, max(1, min(3, tokens - 1 - recent)))
+    residual = r.randint(0, max(0, min(3, tokens - recent - context - 1)))
+    return recent, context, residual
+
+
+def _zsmerge_prefill_build(r, s, dtype):
+    recent, context, residual = _zsmerge_budget(r, s["T"])
+    return (_randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype), _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype),
+            _randn(r, (s["B"], s["H"], s["T"])), recent, context, residual)
+
+
+def _zsmerge_decode_sizes(r, o):
+    return {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "T": o.get("T", r.randint(4, 14)),
+            "d": o.get("d", r.randint(1, 8))}
+
+
+def _zsmerge_decode_build(r, s, dtype):
+    recent, context, residual = _zsmerge_budget(r, s["T"])
+    counts = torch.randint(1, 4, (s["B"], s["H"], s["T"]), generator=_g(r)).float()
+    return (_randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype), _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype),
+            _randn(r, (s["B"], s["H"], s["T"])), counts, r.randint(0, recent - 1), recent, context, residual)
+
+
+def _zsmerge_decode_run(args, op=None):
+    keys, values, scores, counts = (t.clone() for t in args[:4])
+    (op or torch.ops.kvcomp.zsmerge_decode_step)(keys, values, scores, counts, *args[4:])
+    slots = args[5] + args[6] + args[7]
+    return tuple(t[:, :, :slots] for t in (keys, values, scores, counts))
+
+
+def _keepkv_sizes(r, o):
+    return {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "T": o.get("T", r.randint(1, 24)),
+            "d": o.get("d", r.randint(1, 16))}
+
+
+def _keepkv_match_build(r, s, dtype):
+    keys = _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype)
+    keep = torch.rand((s["B"], s["H"], s["T"]), generator=_g(r)) < r.choice([0.3, 0.7, 0.95])
+    return keys, keep, r.uniform(-1, 1)
+
+
+def _keepkv_zip_build(r, s, dtype):
+    keys, keep, _ = _keepkv_match_build(r, s, dtype)
+    targets = reference.keepkv_match(keys, keep, 0.2)
+    votes = torch.rand((s["B"], s["H"], s["T"]), generator=_g(r)) + 0.1
+    return (keys, _randn(r, keys.shape, dtype), votes, _randn(r, votes.shape), targets, r.random() < 0.5)
+
+
+def _keepkv_zip_bad(r, args):
+    targets = args[4]
+    cases = []
+    if targets.numel():
+        for value in (-3, targets.shape[2], 2**62):
+            bad = targets.clone()
+            bad.view(-1)[r.randrange(bad.numel())] = value
+            cases.append(("index", "targets", args[:4] + (bad,) + args[5:]))
+        retained_free = targets.clone()  # a target that points at an evicted slot
+        evicted = (targets != -1).nonzero()
+        if len(evicted) and (targets == -1).any():
+            b, h, e = evicted[0].tolist()
+            retained_free[b, h, e] = e
+            cases.append(("index", "targets", args[:4] + (retained_free,) + args[5:]))
+    return cases
+
+
+def _keepkv_match_odd(r, args):
+    """Extreme magnitudes (float32 squares overflow beyond ~1e19, underflow below ~1e-19) and threshold 1.0 with
+    duplicated keys, so that exact ties and similarity 1 are decided alike on the direct and the GEMM path."""
+    keys, keep, threshold = args
+    duplicated = keys.clone()
+    if keys.shape[2] >= 2:
+        duplicated[:, :, 1::2] = duplicated[:, :, : keys.shape[2] // 2 * 2 : 2]
+    return [("scale", (keys.float() * scale, keep, threshold)) for scale in (3e19, 1e30, 1e-25, 1e-38)] + [
+        ("ties", (duplicated, keep, 1.0)), ("ties", (duplicated, keep, threshold))]
+
+
+def _nucleus_sizes(r, o):
+    return {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("Hq", 4), ("T", 24))}
+
+
+def _nucleus_build(r, s, dtype):
+    return _randn(r, (s["B"], s["Hq"], s["T"])).mul(3).softmax(-1), r.uniform(0.05, 1.0)
+
+
+def _rope_sizes(r, o):
+    return {"B": o.get("B", r.randint(1, 2)), "Hq": o.get("Hq", r.randint(1, 3)), "S": o.get("S", r.randint(1, 4)),
+            "d": o.get("d", 2 * r.randint(1, 8)), "n_f": o.get("n_f", r.randint(1, 5))}
+
+
+def _rope_build(r, s, dtype):
+    table_dtype = r.choice(CACHE)
+    return (_randn(r, (s["B"], s["Hq"], s["S"], s["d"]), dtype), _randn(r, (s["n_f"], s["d"]), table_dtype),
+            _randn(r, (s["n_f"], s["d"]), table_dtype))
+
+
+def _rope_tables_first(queries, cos, sin):
+    """averaged_rope as documented: the float64 means of the tables rounded to float32, then the float32 product."""
+    mean_cos, mean_sin = (t.double().mean(0).float() for t in (cos, sin))
+    q = queries.float()
+    return (q * mean_cos + reference.rotate_half(q) * mean_sin).to(queries.dtype)
+
+
+def _gvote_sizes(r, o):
+    s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "T": o.get("T", r.randint(1, 20)),
+         "S": o.get("S", r.randint(1, 3)), "d": o.get("d", r.randint(1, 8))}
+    s["Hq"] = o.get("Hq", s["H"] * r.randint(1, 3))
+    return s
+
+
+def _gvote_build(r, s, dtype):
+    keys = _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype)
+    queries = _randn(r, (s["B"], s["Hq"], s["S"], s["d"]), dtype)
+    budgets = torch.randint(0, s["T"] + 1, (s["B"], s["Hq"]), generator=_g(r))
+    return keys, queries, budgets, r.randint(0, 3), max(s["d"], 1) ** -0.5, r.randint(1, 8)
+
+
+def _extreme_indices(index: int):
+    """odd_values: argument `index` (int64, any value allowed: budgets are clamped, positions compared) with its
+    first entry -2^62 and its last 2^62."""
+    def odd(r, args):
+        t = args[index].clone()
+        if t.numel():
+            t.view(-1)[0], t.view(-1)[-1] = -(2**62), 2**62
+        return [("index", _replace(args, index, t))]
+    return odd
+
+
+def _kvzap_score_sizes(r, o):
+    return {"B": o.get("B", r.randint(1, 2)), "T": o.get("T", r.randint(1, 12)), "Dh": o.get("Dh", r.randint(1, 16)),
+            "W": o.get("W", r.randint(1, 8)), "H": o.get("H", r.randint(1, 3)), "mlp": r.random() < 0.5}
+
+
+def _kvzap_score_build(r, s, dtype):
+    hidden = _randn(r, (s["B"], s["T"], s["Dh"]), dtype)
+    weight1, bias1 = _randn(r, (s["W"], s["Dh"]), dtype) * 0.3, _randn(r, (s["W"],), dtype)
+    if not s["mlp"]:
+        return hidden, weight1, bias1, None, None
+    return hidden, weight1, bias1, _randn(r, (s["H"], s["W"]), dtype) * 0.3, _randn(r, (s["H"],), dtype)
+
+
+def _kvzap_threshold_sizes(r, o):
+    return {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("H", 3), ("T", 20))}
+
+
+def _kvzap_threshold_build(r, s, dtype):
+    shape = (s["B"], s["H"], s["T"])
+    log_weights = torch.zeros(shape)
+    log_weights[torch.rand(shape, generator=_g(r)) < 0.2] = -math.inf
+    positions = torch.arange(s["T"]).expand(shape).contiguous()
+    before = r.randint(0, s["T"])
+    return (log_weights, _randn(r, shape), positions, r.gauss(0, 1), r.randint(0, 8), before,
+            r.randint(before, s["T"] + 4))
+
+
+FUZZ: dict[str, OpFuzz] = {
+    "update_scores": OpFuzz(_update_scores_sizes, _update_scores_build, reference.update_scores),
+    "merge_count_bias": OpFuzz(_merge_count_bias_sizes, _merge_count_bias_build, reference.merge_count_bias),
+    "decode_attention": OpFuzz(_decode_attention_sizes, _decode_attention_build, reference.decode_attention,
+                               tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
+    "weightedkv_evict": OpFuzz(_weightedkv_sizes, _weightedkv_build, reference.weightedkv_evict,
+                               tolerance=lambda dtype: _low_precision(dtype)),
+    "zsmerge_prefill": OpFuzz(_zsmerge_prefill_sizes, _zsmerge_prefill_build, reference.zsmerge_prefill,
+                              tolerance=lambda dtype: _low_precision(dtype)),
+    "zsmerge_decode_step": OpFuzz(_zsmerge_decode_sizes, _zsmerge_decode_build,
+                                  lambda *args: _zsmerge_decode_run(args, reference.zsmerge_decode_step),
+                                  tolerance=lambda dtype: _low_precision(dtype), run=_zsmerge_decode_run),
+    "keepkv_match": OpFuzz(_keepkv_sizes, _keepkv_match_build, reference.keepkv_match, odd_values=_keepkv_match_odd),
+    "keepkv_zip_merge": OpFuzz(_keepkv_sizes, _keepkv_zip_build, reference.keepkv_zip_merge,
+                               tolerance=lambda dtype: _low_precision(dtype, 3e-2) if dtype != torch.float32
+                               else (1e-3, 1e-3), bad_values=_keepkv_zip_bad),
+    "nucleus_budget": OpFuzz(_nucleus_sizes, _nucleus_build, reference.nucleus_budget),
+    "averaged_rope": OpFuzz(_rope_sizes, _rope_build, reference.averaged_rope,
+                            tolerance=lambda dtype: _low_precision(dtype), nonfinite_reference=_rope_tables_first),
+    "gvote_union_mask": OpFuzz(_gvote_sizes, _gvote_build, lambda k, q, b, sinks, scale, chunk:
+                               reference.gvote_union_mask(k, q, b, sinks, scale), odd_values=_extreme_indices(2)),
+    "kvzap_score": OpFuzz(_kvzap_score_sizes, _kvzap_score_build, reference.kvzap_score,
+                          tolerance=lambda dtype: _low_precision(dtype, 5e-2)),
+    "kvzap_threshold": OpFuzz(_kvzap_threshold_sizes, _kvzap_threshold_build, reference.kvzap_threshold,
+                              odd_values=_extreme_indices(2)),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cases: (name, run) where run() raises AssertionError on a wrong outcome.
+
+def _call(name: str, args: tuple):
+    fuzz = FUZZ[name]
+    return fuzz.run(args) if fuzz.run else getattr(torch.ops.kvcomp, name)(*args)
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _cache_dtype(args: tuple) -> torch.dtype:
+    floats = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype in CACHE and a.dtype != torch.float32]
+    return floats[0] if floats else torch.float32
+
+
+def _assert_matches_reference(name: str, args: tuple, nonfinite: bool = False) -> None:
+    fuzz = FUZZ[name]
+    got = _as_tuple(_call(name, args))
+    reference_fn = (nonfinite and fuzz.nonfinite_reference) or fuzz.reference
+    expected = _as_tuple(reference_fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
+    assert len(got) == len(expected), f"{len(got)} outputs, the reference has {len(expected)}"
+    atol, rtol = fuzz.tolerance(_cache_dtype(args))
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.shape == e.shape, f"output {i}: shape {tuple(g.shape)}, reference {tuple(e.shape)}"
+        assert g.dtype == e.dtype or e.dtype == torch.float64, f"output {i}: dtype {g.dtype}, reference {e.dtype}"
+        if g.dtype.is_floating_point:
+            torch.testing.assert_close(g.float(), e.float(), atol=atol, rtol=rtol, equal_nan=True,
+                                       msg=lambda m: f"output {i} differs from the reference: {m}")
+        else:
+            assert torch.equal(g, e.to(g.dtype)), f"output {i} differs from the reference"
+
+
+def _assert_meta_shapes(name: str, args: tuple) -> None:
+    """The fake (all arguments on meta) gives the eager outputs' shapes and dtypes."""
+    if FUZZ[name].run:
+        return
+    got = _as_tuple(getattr(torch.ops.kvcomp, name)(*args))
+    meta = _as_tuple(getattr(torch.ops.kvcomp, name)(*(a.to("meta") if isinstance(a, torch.Tensor) else a
+                                                        for a in args)))
+    for g, m in zip(got, meta):
+        assert m.device.type == "meta" and (m.shape, m.dtype) == (g.shape, g.dtype), \
+            f"fake output {tuple(m.shape)} {m.dtype}, eager {tuple(g.shape)} {g.dtype}"
+
+
+def _contract_rejects(contract: Contract, args: tuple) -> str | None:
+    try:
+        contract.check(args)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _expect(name: str, args: tuple, names: tuple, must_reject: bool = False, nonfinite: bool = False) -> None:
+    """The contract decides: rejected -> the op raises naming itself and one of `names`; accepted -> reference."""
+    contract = CONTRACTS[name]
+    rejected = _contract_rejects(contract, args)
+    if must_reject:
+        assert rejected, "the contract accepts an input it must reject"
+    if rejected is None:
+        _assert_matches_reference(name, args, nonfinite)
+        return
+    try:
+        getattr(torch.ops.kvcomp, name)(*args)  # not _call: an in-place case must see the very tensors it was given
+    except RuntimeError as error:
+        message = str(error)
+        assert contract.qualified in message, f"the error does not name the op: {message!r}"
+        assert any(n in message for n in names), f"the error names none of {names}: {message!r}"
+        return
+    raise AssertionError(f"no error, the contract says: {rejected}")
+
+
+def _tensor_args(contract: Contract, args: tuple) -> list[tuple[int, Tensor]]:
+    return [(i, a) for i, a in enumerate(contract.args) if isinstance(a, Tensor) and i < len(args)
+            and args[i] is not None]
+
+
+def _replace(args: tuple, index: int, value) -> tuple:
+    return args[:index] + (value,) + args[index + 1:]
+
+
+def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    doubled = torch.stack([t, torch.zeros_like(t)], dim=-1)  # every other element: same values, stride 2
+    return doubled[..., 0]
+
+
+def _wrong_dtype(t: torch.Tensor) -> torch.dtype:
+    return {torch.bool: torch.uint8, torch.int64: torch.int32}.get(t.dtype, torch.float64)
+
+
+def _cases(name: str) -> list[tuple[str, Callable]]:
+    """Every case of one op, in a fixed order; case k draws from random.Random(f'{SEED}:{name}:{k}')."""
+    contract, fuzz = CONTRACTS[name], FUZZ[name]
+    cases: list[tuple[str, Callable]] = []
+
+    def add(label: str, body: Callable[[random.Random], None]) -> None:
+        k = len(cases)
+        cases.append((label, lambda: body(random.Random(f"{SEED}:{name}:{k}"))))
+
+    def valid(r: random.Random, overrides=None, dtype=None, needs: int | None = None):
+        """Valid arguments; with `needs`, redrawn until that (optional) argument is given."""
+        for _ in range(20):
+            s = fuzz.sizes(r, overrides or {})
+            args = fuzz.build(r, s, dtype or r.choice(CACHE))
+            if needs is None or args[needs] is not None:
+                return args, s
+        raise AssertionError(f"the generator of {name} never gives argument {needs}")
+
+    def valid_case(r):
+        args, _ = valid(r)
+        _expect(name, args, ())
+        _assert_meta_shapes(name, args)
+
+    for _ in range(VALID_CASES):
+        add("valid", valid_case)
+
+    arg_names = tuple(a.name for a in contract.args)
+    probe = valid(random.Random(f"{SEED}:{name}:probe"), dtype=torch.float32)[0]
+    tensors = _tensor_args(contract, probe)
+    symbol_owners: dict[str, list[str]] = {}
+    for _, arg in tensors:
+        for symbol in arg.symbols:
+            symbol_owners.setdefault(symbol, []).append(arg.name)
+
+    for i, arg in tensors:
+        def bad_rank(r, i=i, arg=arg):
+            args = valid(r, needs=i)[0]
+            _expect(name, _replace(args, i, args[i].unsqueeze(0)), (arg.name,), must_reject=True)
+        add(f"rank:{arg.name}", bad_rank)
+
+        def bad_dtype(r, i=i, arg=arg):
+            args = valid(r, needs=i)[0]
+            _expect(name, _replace(args, i, args[i].to(_wrong_dtype(args[i]))), arg_names, must_reject=True)
+        add(f"dtype:{arg.name}", bad_dtype)
+
+        def on_meta(r, i=i, arg=arg):  # only the whole call on meta is valid (the fake's shapes)
+            args = valid(r, needs=i)[0]
+            if len(tensors) == 1:
+                _assert_meta_shapes(name, args)
+            else:
+                _expect(name, _replace(args, i, args[i].to("meta")), ("meta",), must_reject=True)
+        add(f"device:{arg.name}", on_meta)
+
+        def non_contiguous(r, i=i, arg=arg):
+            args = valid(r, needs=i)[0]
+            _expect(name, _replace(args, i, _non_contiguous(args[i])), (arg.name,), must_reject=arg.inplace)
+        add(f"non-contiguous:{arg.name}", non_contiguous)
+
+        for dim, symbol in enumerate(arg.symbols):
+            if len(symbol_owners[symbol]) < 2:
+                continue
+
+            def mismatch(r, i=i, arg=arg, dim=dim, symbol=symbol):
+                args = valid(r, needs=i)[0]
+                shape = list(args[i].shape)
+                shape[dim] += 1
+                bad = torch.zeros(shape, dtype=args[i].dtype)
+                _expect(name, _replace(args, i, bad), tuple(symbol_owners[symbol]), must_reject=True)
+            add(f"shape:{arg.name}.{symbol}", mismatch)
+
+    for symbol in symbol_owners:
+        add(f"empty:{symbol}", lambda r, symbol=symbol: _expect(name, valid(r, {symbol: 0})[0], arg_names))
+
+    if "Hq" in symbol_owners and "H" in symbol_owners:
+        def gqa(r):
+            h = r.randint(2, 3)
+            _expect(name, valid(r, {"H": h, "Hq": h * r.randint(1, 2) + 1})[0], arg_names, must_reject=True)
+        add("gqa", gqa)
+
+    for i, arg in enumerate(contract.args):
+        if not isinstance(arg, Scalar) or isinstance(probe[i], bool):
+            continue
+        battery = BAD_INTS if isinstance(probe[i], int) else BAD_FLOATS
+        for value in battery:
+            add(f"scalar:{arg.name}={value}", lambda r, i=i, arg=arg, value=value: _expect(
+                name, _replace(valid(r)[0], i, value), (arg.name,)))
+
+    int_scalars = [i for i, a in enumerate(contract.args) if isinstance(a, Scalar) and isinstance(probe[i], int)
+                   and not isinstance(probe[i], bool)]
+    if len(int_scalars) > 1:  # sums of sizes that wrap around (the issue's segfault: 2^62, 2^62 - 1, 2^62)
+        for values in ((0, 2**62, 2**62 - 1, 2**62), (2**62, 2**62 - 1, 2**62, 2**62), (2**63 - 1,) * 4,
+                       (2**62, 2**62, 0, 0)):
+            def all_huge(r, values=values):
+                args = valid(r)[0]
+                for i, value in zip(int_scalars, values):
+                    args = _replace(args, i, value)
+                _expect(name, args, tuple(contract.args[i].name for i in int_scalars))
+            add(f"scalars:{'/'.join(str(v) for v in values[:len(int_scalars)])}", all_huge)
+
+    float_args = [(i, a) for i, a in tensors if probe[i].dtype.is_floating_point]
+    for i, arg in float_args:
+        def nan_inf(r, i=i):
+            args = valid(r, dtype=torch.float32, needs=i)[0]
+            t = args[i].clone()
+            if t.numel():
+                for value in (math.nan, math.inf, -math.inf):
+                    t.view(-1)[r.randrange(t.numel())] = value
+            _expect(name, _replace(args, i, t), arg_names, nonfinite=True)
+        add(f"nan-inf:{arg.name}", nan_inf)
+
+    inplace = [(i, a) for i, a in tensors if a.inplace]
+    for (i, a), (j, b) in ((x, y) for n, x in enumerate(inplace) for y in inplace[n + 1:]):
+        def same_tensor(r, i=i, j=j, a=a, b=b):
+            args = valid(r, dtype=torch.float32)[0]
+            if args[i].shape == args[j].shape and args[i].dtype == args[j].dtype:
+                _expect(name, _replace(args, j, args[i]), (a.name, b.name), must_reject=args[i].numel() > 0)
+        add(f"alias:{a.name}={b.name}", same_tensor)
+
+        def overlapping(r, i=i, j=j, a=a, b=b):
+            args = valid(r, dtype=torch.float32)[0]
+            if args[i].shape == args[j].shape and args[i].dtype == args[j].dtype and args[i].numel() > 1:
+                buffer = torch.randn(args[i].numel() + 1)
+                first, second = buffer[:-1].view(args[i].shape), buffer[1:].view(args[i].shape)
+                _expect(name, _replace(_replace(args, i, first), j, second), (a.name, b.name), must_reject=True)
+        add(f"overlap:{a.name}~{b.name}", overlapping)
+    for i, arg in inplace:
+        def grad_leaf(r, i=i, arg=arg):
+            args = valid(r, dtype=torch.float32)[0]
+            if args[i].dtype.is_floating_point:
+                _expect(name, _replace(args, i, args[i].clone().requires_grad_()), (arg.name,), must_reject=True)
+        add(f"requires-grad:{arg.name}", grad_leaf)
+
+    if not inplace:
+        for i, arg in float_args:
+            if probe[i].dtype != torch.float32:
+                continue
+
+            def functional_alias(r, i=i):  # read-only arguments may alias: the result is the reference's
+                args = valid(r, dtype=torch.float32, needs=i)[0]
+                same = [j for j, _ in float_args if j != i and args[j] is not None and args[j].shape == args[i].shape
+                        and args[j].dtype == args[i].dtype]
+                if same:
+                    _expect(name, _replace(args, same[0], args[i]), arg_names)
+            add(f"alias:{arg.name}", functional_alias)
+
+        def backward(r):
+            args = valid(r, dtype=torch.float32)[0]
+            args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point
+                         else a for a in args)
+            outputs = [o for o in _as_tuple(getattr(torch.ops.kvcomp, name)(*args)) if o.requires_grad]
+            if not outputs:  # integer or bool outputs only: nothing to differentiate
+                return
+            try:
+                sum(o.float().sum() for o in outputs).backward()
+            except RuntimeError as error:
+                assert contract.qualified in str(error) and "not implemented" in str(error), str(error)
+                return
+            raise AssertionError("backward through the op ran without an error")
+        add("backward", backward)
+
+    if fuzz.bad_values:
+        for k in range(3):
+            def bad_value(r, k=k):
+                cases_ = fuzz.bad_values(r, valid(r, dtype=torch.float32)[0])
+                if k < len(cases_):
+                    _, arg_name, args = cases_[k]
+                    try:
+                        _call(name, args)
+                    except RuntimeError as error:
+                        assert contract.qualified in str(error) and arg_name in str(error), str(error)
+                        return
+                    raise AssertionError(f"no error for a bad {arg_name}")
+            add(f"index:{k}", bad_value)
+    if fuzz.odd_values:
+        def odd_value(r):
+            for _, args in fuzz.odd_values(r, valid(r, dtype=torch.float32)[0]):
+                _expect(name, args, arg_names)
+        add("index:odd", odd_value)
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker (one subprocess runs the ops in turn: one torch import for the whole suite) and the pytest side.
+
+def _worker(plan: list[str]) -> None:
+    """plan: ["op:first", "op", ...]: run each op's cases from `first` (0 if not given), announcing each one."""
+    for entry in plan:
+        name, _, first = entry.partition(":")
+        cases = _cases(name)
+        print(f"TOTAL {name} {len(cases)}", flush=True)
+        for k in range(int(first or 0), len(cases)):
+            label, run = cases[k]
+            print(f"START {name} {k} {label}", flush=True)
+            if CRASH_AT == f"{name}:{k}":
+                os.abort()
+            try:
+                run()
+                print(f"PASS {name} {k}", flush=True)
+            except Exception as error:  # noqa: BLE001  (reported to the parent, which fails the test)
+                detail = "".join(traceback.format_exception_only(type(error), error)).strip().replace("\n", " | ")
+                print(f"FAIL {name} {k} {label}: {detail[:600]}", flush=True)
+
+
+@dataclass
+class FuzzResult:
+    total: int = 0
+    passed: int = 0
+    failures: list = field(default_factory=list)
+
+
+def run_fuzz(names: list[str]) -> tuple[dict[str, FuzzResult], float]:
+    """Every case of the given ops in worker subprocesses. A crash or hang is a failure naming its case; a fresh
+    worker then resumes at the next case."""
+    start = time.monotonic()
+    results = {name: FuzzResult() for name in names}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCOMP_FUZZ_SEED": str(SEED)}
+    plan = list(names)
+    while plan:
+        process = subprocess.Popen([sys.executable, "-m", "tests.test_fuzz_ops", *plan], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = process.communicate(timeout=WORKER_TIMEOUT_S)
+            hung = False
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+            hung = True
+        running = None
+        for line in stdout.splitlines():
+            word, name, rest = (line.split(" ", 2) + ["", ""])[:3]
+            if word == "TOTAL":
+                results[name].total = int(rest)
+            elif word == "START":
+                running = (name, rest)
+            elif word == "PASS":
+                results[name].passed += 1
+                running = None
+            elif word == "FAIL":
+                results[name].failures.append(f"case {rest.partition(' ')[2]}")
+                running = None
+        if running is None:
+            if process.returncode != 0 or hung:
+                for name in plan:
+                    results[name.partition(":")[0]].failures.append(
+                        f"the worker exited with {process.returncode} outside any case: {stderr[-1500:]}")
+            break
+        name, case = running
+        how = f"hang (> {WORKER_TIMEOUT_S:.0f} s)" if hung else f"crash (exit {process.returncode})"
+        results[name].failures.append(f"case {case}: {how}: {stderr[-1500:]}")
+        index = int(case.split(" ")[0])
+        remaining = [n.partition(":")[0] for n in plan]
+        remaining = remaining[remaining.index(name) + 1:]
+        plan = ([f"{name}:{index + 1}"] if index + 1 < results[name].total else []) + remaining
+    return results, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def fuzz_results():
+    results, seconds = run_fuzz(sorted(name for name in CONTRACTS if name in FUZZ))
+    total = sum(r.total for r in results.values())
+    print(f"\nfuzz: {total} cases over {len(results)} ops in {seconds:.1f} s (seed {SEED})")
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_fuzz(name, fuzz_results):
+    assert name in FUZZ, f"kvcomp::{name} has a contract but no fuzz generator in tests/test_fuzz_ops.py"
+    result = fuzz_results[name]
+    assert result.total > 0 and result.passed + len(result.failures) >= result.total, result
+    assert not result.failures, f"kvcomp::{name}: {len(result.failures)} of {result.total} cases failed:\n" + \
+        "\n".join(result.failures)
+
+
+def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
+    monkeypatch.setenv("KVCOMP_FUZZ_CRASH_AT", "merge_count_bias:3")
+    results, _ = run_fuzz(["merge_count_bias", "nucleus_budget"])
+    crashed, after = results["merge_count_bias"], results["nucleus_budget"]
+    assert len(crashed.failures) == 1 and crashed.failures[0].startswith("case 3 ") and "crash" in crashed.failures[0]
+    assert crashed.passed == crashed.total - 1 and after.total > 0 and after.passed == after.total
+
+
+def test_compile_meta_and_eager_give_the_same_error():
+    """A bad call fails with the same words eagerly (C++ check), on meta tensors and under torch.compile (the fake)."""
+    query, keys = torch.randn(1, 3, 1, 8), torch.randn(1, 2, 4, 8)  # 3 query heads over 2 kv heads
+    args = (query, keys, keys, torch.zeros(1, 2, 4), 0.3)
+    expected = "kvcomp::decode_attention: expected the 3 query heads of query to be a positive multiple of the 2 kv"
+
+    def attend(*a):
+        return torch.ops.kvcomp.decode_attention(*a)
+
+    def attend_on_meta(*a):
+        return attend(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in a))
+
+    for call in (attend, attend_on_meta, torch.compile(attend, fullgraph=True, backend="eager")):
+        with pytest.raises(Exception, match=expected):
+            call(*args)
+
+
+def test_every_registered_op_has_a_contract():
+    ops = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcomp::")}
+    assert ops == set(CONTRACTS), f"ops without a contract: {ops - set(CONTRACTS)}"
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
