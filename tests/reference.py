@@ -281,9 +281,11 @@ def keepkv_rounded_cosine(cos: float) -> float:
     return round(min(max(cos, -1.0), 1.0) / KEEPKV_COSINE_RESOLUTION) * KEEPKV_COSINE_RESOLUTION
 
 
-def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float) -> torch.Tensor:
+def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float,
+                 max_evicted: int | None = None) -> torch.Tensor:
     """For each evicted slot, the retained slot of its row with the highest key cosine (float64, rounded to 2^-16;
-    zero keys 0, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1."""
+    zero keys 0, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1. ``max_evicted``
+    only spares the CUDA kernel a host sync: the result does not depend on it."""
     batch, kv_heads, slots, _ = keys.shape
     targets = torch.where(keep, -1, -2).to(torch.int64)
     for b in range(batch):
@@ -328,9 +330,9 @@ def keepkv_zip_coefficients(ell: torch.Tensor, p: torch.Tensor, convex: bool):
     return w, key_scale, 1 / weight
 
 
-def keepkv_zip_merge(keys, values, votes, log_scores, targets, convex=False):
+def keepkv_zip_merge(keys, values, votes, log_scores, targets, convex=False, check_targets=True):
     """KeepKV's set ZIP merge straight from the formulas, one set at a time, float64 inside (see ops.keepkv_zip_merge):
-    returns (keys, values, votes) in the input dtypes."""
+    returns (keys, values, votes) in the input dtypes. Valid targets only, so ``check_targets`` changes nothing."""
     out_k, out_v, out_p = keys.clone(), values.clone(), votes.clone()
     batch, kv_heads, slots, _ = keys.shape
     for b in range(batch):

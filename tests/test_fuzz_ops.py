@@ -162,7 +162,8 @@ def _zsmerge_decode_build(r, s, dtype):
     recent, context, residual = _zsmerge_budget(r, s["T"])
     counts = torch.randint(1, 4, (s["B"], s["H"], s["T"]), generator=_g(r)).float()
     return (_randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype), _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype),
-            _randn(r, (s["B"], s["H"], s["T"])), counts, r.randint(0, recent - 1), recent, context, residual)
+            _randn(r, (s["B"], s["H"], s["T"])), counts, r.randint(0, recent - 1), recent, context, residual,
+            r.random() < 0.5)
 
 
 def _zsmerge_decode_run(args, op=None):
@@ -180,14 +181,15 @@ def _keepkv_sizes(r, o):
 def _keepkv_match_build(r, s, dtype):
     keys = _randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype)
     keep = torch.rand((s["B"], s["H"], s["T"]), generator=_g(r)) < r.choice([0.3, 0.7, 0.95])
-    return keys, keep, r.uniform(-1, 1)
+    # max_evicted is a bound that spares CUDA a host sync; any bound, even one below a row's count, gives one result.
+    return keys, keep, r.uniform(-1, 1), r.randint(0, s["T"])
 
 
 def _keepkv_zip_build(r, s, dtype):
-    keys, keep, _ = _keepkv_match_build(r, s, dtype)
+    keys, keep, _, _ = _keepkv_match_build(r, s, dtype)
     targets = reference.keepkv_match(keys, keep, 0.2)
     votes = torch.rand((s["B"], s["H"], s["T"]), generator=_g(r)) + 0.1
-    return (keys, _randn(r, keys.shape, dtype), votes, _randn(r, votes.shape), targets, r.random() < 0.5)
+    return (keys, _randn(r, keys.shape, dtype), votes, _randn(r, votes.shape), targets, r.random() < 0.5, True)
 
 
 def _keepkv_zip_bad(r, args):
@@ -210,12 +212,12 @@ def _keepkv_zip_bad(r, args):
 def _keepkv_match_odd(r, args):
     """Extreme magnitudes (float32 squares overflow beyond ~1e19, underflow below ~1e-19) and threshold 1.0 with
     duplicated keys, so that exact ties and similarity 1 are decided alike on the direct and the GEMM path."""
-    keys, keep, threshold = args
+    keys, keep, threshold, max_evicted = args
     duplicated = keys.clone()
     if keys.shape[2] >= 2:
         duplicated[:, :, 1::2] = duplicated[:, :, : keys.shape[2] // 2 * 2 : 2]
-    return [("scale", (keys.float() * scale, keep, threshold)) for scale in (3e19, 1e30, 1e-25, 1e-38)] + [
-        ("ties", (duplicated, keep, 1.0)), ("ties", (duplicated, keep, threshold))]
+    return [("scale", (keys.float() * scale, keep, threshold, max_evicted)) for scale in (3e19, 1e30, 1e-25, 1e-38)] + [
+        ("ties", (duplicated, keep, 1.0, max_evicted)), ("ties", (duplicated, keep, threshold, max_evicted))]
 
 
 def _nucleus_sizes(r, o):
