@@ -205,9 +205,9 @@ def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(
     changes, fallback_heads = [], []
     zip_merge = ops.keepkv_zip_merge
 
-    def recording_zip_merge(keys, values, votes, log_scores, targets, convex):
+    def recording_zip_merge(keys, values, votes, log_scores, targets, convex, **options):
         fallback_heads.extend(rows_with_convex_fallback(votes, log_scores, targets))
-        return zip_merge(keys, values, votes, log_scores, targets, convex)
+        return zip_merge(keys, values, votes, log_scores, targets, convex, **options)
 
     monkeypatch.setattr(ops, "keepkv_zip_merge", recording_zip_merge)
 

@@ -130,7 +130,7 @@ class KeepKVPress(KVCompDecodingPress):
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
         pad = (0, new_tokens)
-        log_weights = torch.nn.functional.pad(state.log_weights, pad)
+        log_weights = state.align(keys.shape[-2] - new_tokens, new_tokens)  # the new tokens' b = 0 included
         logits = _logits_from_probabilities(query_states(module, hidden_states, kwargs), keys, log_weights,
                                             attentions, module.scaling)
         state.per_slot["log_ema"], state.per_slot["age"] = self._fold(
