@@ -105,3 +105,23 @@ def _kvzap_score_fake(hidden, weight1, bias1, weight2=None, bias2=None):
 def _kvzap_threshold_fake(log_weights, scores, positions, threshold, window, tokens_before, tokens_after):
     held = log_weights.new_empty(log_weights.shape[:2], dtype=torch.int64)
     return log_weights.new_empty(log_weights.shape), held
+
+
+def _check_prompt_shapes(op, query, keys, log_weights):
+    torch._check(
+        keys.shape[2] == log_weights.shape[2] and 1 <= query.shape[2] <= keys.shape[2],
+        lambda: f"kvcomp::{op}: expected 1 <= q <= T and log_weights over the T prompt tokens of keys, got query "
+        f"{tuple(query.shape)}, keys {tuple(keys.shape)} and log_weights {tuple(log_weights.shape)}",
+    )
+
+
+@torch.library.register_fake("kvcomp::prompt_log_sum_exp")
+def _prompt_log_sum_exp_fake(query, keys, log_weights, scale):
+    _check_prompt_shapes("prompt_log_sum_exp", query, keys, log_weights)
+    return query.new_empty(query.shape[:3], dtype=torch.float32)
+
+
+@torch.library.register_fake("kvcomp::prompt_scores")
+def _prompt_scores_fake(query, keys, log_weights, log_sum_exp, scale, decay, input_scale):
+    _check_prompt_shapes("prompt_scores", query, keys, log_weights)
+    return keys.new_empty(keys.shape[:3], dtype=torch.float32)

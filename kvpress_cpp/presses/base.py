@@ -28,10 +28,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import padding_log_weights, patch_eager_attention
+from kvpress_cpp.attention import (padding_log_weights, patch_eager_attention, request_prefill_log_sum_exp,
+                                   take_prefill_log_sum_exp)
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "query_states", "fold_prompt_attention"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "query_states", "score_prompt"]
 
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -42,24 +43,18 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
     return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
 
 
-def fold_prompt_attention(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                          values: torch.Tensor, log_weights: torch.Tensor, kwargs: dict, decay: float,
-                          input_scale: float, first_query: int = 0, chunk_size: int = 512) -> torch.Tensor:
-    """Scores (B, H, T) of a prompt: the attention of its queries [first_query, T) folded by ``update_scores``.
-
-    The prompt's attention is never materialised whole: each chunk of queries gets its probabilities over the keys
-    it can see (``decode_attention`` is causal over the newest slots), and the scores grow with them, so the result
-    equals folding the queries one at a time (e.g. ZSMerge's Σ_j λ^(T-1-j) A[j, i]).
+def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
+                 kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
+    """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
+    by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. The log-sum-exp of the
+    layer's own sdpa prompt pass is reused when the press asked for it (CPU, no padding); otherwise the op computes it.
     """
     queries = query_states(module, hidden_states, kwargs)
-    total = keys.shape[-2]
-    scores = torch.zeros(*keys.shape[:2], first_query, dtype=torch.float32, device=keys.device)
-    for start in range(first_query, total, chunk_size):
-        end = min(start + chunk_size, total)
-        _, probs = ops.decode_attention(queries[:, :, start:end], keys[:, :, :end], values[:, :, :end],
-                                        log_weights[..., :end], module.scaling)
-        scores = ops.update_scores(scores, probs, decay, input_scale)
-    return scores
+    lse = take_prefill_log_sum_exp(module, queries.shape)
+    queries = queries[:, :, first_query:]
+    if lse is not None:
+        lse = lse[:, :, first_query:]
+    return ops.prompt_scores(queries, keys, log_weights, module.scaling, decay, input_scale, log_sum_exp=lse)
 
 
 @dataclass
@@ -110,11 +105,22 @@ class KVCompPress(BasePress):
             attach(module, layer)
         return output
 
+    # Whether compress_prefill scores the prompt with score_prompt: its layers' sdpa prompt pass then keeps its
+    # log-sum-exp for it.
+    scores_prompt = False
+
     @contextmanager
     def __call__(self, model):
         patch_eager_attention(model)
-        with super().__call__(model):
-            yield
+        attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        for module in attention_modules:
+            request_prefill_log_sum_exp(module, self.scores_prompt)
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            for module in attention_modules:
+                request_prefill_log_sum_exp(module, False)
 
 
 @dataclass

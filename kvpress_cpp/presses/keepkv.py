@@ -19,7 +19,7 @@ from kvpress.presses.scorer_press import ScorerPress
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
-from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
 
 __all__ = ["KeepKVPress"]
 
@@ -56,6 +56,8 @@ class KeepKVPress(KVCompDecodingPress):
     scorer: ScorerPress | None = None
     layer_budgets: str = "uniform"
     merge_first: bool = False
+
+    scores_prompt = True
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not ((isinstance(self.budget, int) and self.budget >= 1) or (
@@ -96,8 +98,8 @@ class KeepKVPress(KVCompDecodingPress):
                              f"or lower sinks / recent")
         group_size = module.config.num_attention_heads // keys.shape[1]
         steps = min(self.recent, length)
-        ema = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.ema_decay,
-                                    (1 - self.ema_decay) / group_size, first_query=length - steps)
+        ema = score_prompt(module, hidden_states, keys, log_weights, kwargs, self.ema_decay,
+                           (1 - self.ema_decay) / group_size, first_query=length - steps)
         votes = torch.ones_like(ema)
         state = LayerState(log_weights, {"ema": ema, "votes": votes},
                            {"steps": steps, "budget": budget, "tokens_seen": length, "group_size": group_size})

@@ -15,7 +15,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
-from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
 
 __all__ = ["WeightedKVPress"]
 
@@ -36,6 +36,8 @@ class WeightedKVPress(KVCompDecodingPress):
     sinks: int = 4
     recent: int | None = None
     evict_only: bool = False
+
+    scores_prompt = True
 
     def __post_init__(self):
         if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (
@@ -61,7 +63,7 @@ class WeightedKVPress(KVCompDecodingPress):
             raise ValueError("WeightedKVPress: padded batches are not supported (padding would be merged into real "
                              "values); pass sequences of equal length")
         group_size = module.config.num_attention_heads // keys.shape[1]
-        sums = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, 1.0, 1.0 / group_size)
+        sums = score_prompt(module, hidden_states, keys, log_weights, kwargs, 1.0, 1.0 / group_size)
         length = keys.shape[-2]
         counts = torch.arange(length, 0, -1, dtype=torch.float32, device=keys.device).expand_as(sums)
         size, sinks, recent = self.regions(length)

@@ -15,7 +15,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
-from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
 
 __all__ = ["ZSMergePress"]
 
@@ -41,6 +41,8 @@ class ZSMergePress(KVCompDecodingPress):
     decay: float = 0.98
     alpha: float = 0.6
     prefill_merge: str = "contiguous"
+
+    scores_prompt = True
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not (
@@ -74,7 +76,7 @@ class ZSMergePress(KVCompDecodingPress):
         if not bool(torch.isfinite(log_weights).all()):
             raise ValueError("ZSMergePress: padded batches are not supported (the residual groups would mix padding "
                              "into real tokens); pass sequences of equal length")
-        scores = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.decay, 1.0)
+        scores = score_prompt(module, hidden_states, keys, log_weights, kwargs, self.decay, 1.0)
         recent, context, residual = self.split(keys.shape[-2])
         state = LayerState(log_weights, {"scores": scores}, {"recent": recent, "context": context,
                                                              "residual": residual, "tokens_seen": keys.shape[-2]})
