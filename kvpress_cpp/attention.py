@@ -6,8 +6,9 @@ mask over the new tokens, through ``kvcomp::decode_attention`` (GQA-native: keys
 attention mask is not used there: it is built once for all layers from layer 0's length, which no longer matches
 layers compacted to different lengths. Padding is folded into b instead, as -inf, when the press writes the state at
 prefill (:func:`padding_log_weights`). A press that scores the prompt may ask a layer's sdpa prompt pass (CPU, no
-padding) to keep its log-sum-exp (:func:`request_prefill_log_sum_exp`): ATen's flash kernel, which sdpa runs there,
-returns it for free, and ``kvcomp::prompt_scores`` then skips its own first pass. It returns the attention probabilities as the attention weights, so a press's forward hook gets
+padding) to keep its queries and their log-sum-exp (:func:`request_prefill_log_sum_exp`): ATen's flash kernel, which
+sdpa runs there, returns it for free, and ``kvcomp::prompt_scores`` then skips its own first pass (and the press does
+not recompute the queries). It returns the attention probabilities as the attention weights, so a press's forward hook gets
 them without a second pass over the keys. Forwards over layers without state call the original function unchanged.
 
 transformers dispatches sdpa / flash attention through ``ALL_ATTENTION_FUNCTIONS`` and eager attention through the
@@ -27,7 +28,7 @@ from kvpress_cpp import ops
 from kvpress_cpp.cache import state_for_attention
 
 __all__ = ["patch_attention_functions", "patch_eager_attention", "padding_log_weights", "request_prefill_log_sum_exp",
-           "take_prefill_log_sum_exp"]
+           "take_prefill_attention"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 
@@ -53,18 +54,18 @@ def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_head
 
 
 def request_prefill_log_sum_exp(module: torch.nn.Module, wanted: bool) -> None:
-    """Ask the sdpa forward of `module` to keep the log-sum-exp of its prompt rows for the press (see
-    :func:`take_prefill_log_sum_exp`)."""
+    """Ask the sdpa forward of `module` to keep its prompt queries and the log-sum-exp of their rows for the press
+    (see :func:`take_prefill_attention`)."""
     module._kvcomp_wants_lse = wanted
-    module._kvcomp_prefill_lse = None
+    module._kvcomp_prefill_attention = None
 
 
-def take_prefill_log_sum_exp(module: torch.nn.Module, query_shape: torch.Size) -> torch.Tensor | None:
-    """The log-sum-exp (B, Hq, T) float32 of the prompt forward that just ran on `module`, if it was kept and its
-    rows match `query_shape` (B, Hq, T, d); None otherwise. Taken once."""
-    lse = getattr(module, "_kvcomp_prefill_lse", None)
-    module._kvcomp_prefill_lse = None
-    return lse if lse is not None and lse.shape == query_shape[:3] else None
+def take_prefill_attention(module: torch.nn.Module, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(queries (B, Hq, T, d) post-RoPE, log-sum-exp (B, Hq, T) float32) of the prompt forward of `prompt_length`
+    tokens that just ran on `module`, if it kept them; None otherwise. Taken once."""
+    kept = getattr(module, "_kvcomp_prefill_attention", None)
+    module._kvcomp_prefill_attention = None
+    return kept if kept is not None and kept[1].shape[-1] == prompt_length else None
 
 
 def _keeps_log_sum_exp(module, query, key, attention_mask, kwargs) -> bool:
@@ -78,12 +79,13 @@ def _keeps_log_sum_exp(module, query, key, attention_mask, kwargs) -> bool:
 
 def _sdpa_keeping_log_sum_exp(module, query, key, value, kwargs):
     """The causal sdpa of a CPU prompt pass through ATen's flash kernel, which sdpa dispatches to there and which
-    returns the log-sum-exp beside the output (GQA without repeated keys); the log-sum-exp is kept on the module."""
+    returns the log-sum-exp beside the output (GQA without repeated keys); the queries and the log-sum-exp are kept on
+    the module."""
     scaling = kwargs.get("scaling")
     scaling = module.scaling if scaling is None else scaling
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True,
                                                                             scale=scaling)
-    module._kvcomp_prefill_lse = lse
+    module._kvcomp_prefill_attention = (query, lse)
     return output.transpose(1, 2).contiguous(), None
 
 

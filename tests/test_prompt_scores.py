@@ -221,7 +221,7 @@ def test_presses_keep_the_same_cache_as_before(default_model, austen_prompt, pre
     carry the same relative error (rtol 1e-4, atol 1e-5); a different slot would differ by O(1)."""
     model, _ = default_model
     tokens, cache = greedy(model, austen_prompt, press=press, max_new_tokens=4)
-    monkeypatch.setattr(press_base, "take_prefill_log_sum_exp", lambda module, shape: None)
+    monkeypatch.setattr(press_base, "take_prefill_attention", lambda module, length: None)
     for name in ("zsmerge", "weightedkv", "keepkv"):
         monkeypatch.setattr(f"kvpress_cpp.presses.{name}.score_prompt", folded_prompt_attention)
     before_tokens, before = greedy(model, austen_prompt, press=press, max_new_tokens=4)
@@ -236,9 +236,9 @@ def test_presses_keep_the_same_cache_as_before(default_model, austen_prompt, pre
 
 
 def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default_model, austen_prompt):
-    """The prompt pass that keeps the log-sum-exp (ATen's flash kernel, GQA without repeated keys) gives the model
-    the same logits as sdpa, and the log-sum-exp equals the formula's."""
-    from kvpress_cpp.attention import request_prefill_log_sum_exp, take_prefill_log_sum_exp
+    """The prompt pass that keeps the queries and the log-sum-exp (ATen's flash kernel, GQA without repeated keys)
+    gives the model the same logits as sdpa; the queries are the layer's, the log-sum-exp the formula's."""
+    from kvpress_cpp.attention import request_prefill_log_sum_exp, take_prefill_attention
 
     model, _ = default_model
     ids = austen_prompt[:, :200]
@@ -257,7 +257,7 @@ def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default
         try:
             kept = model(ids, use_cache=True)
             queries = query_states(attention, seen["hidden"], seen["kwargs"])
-            lse = take_prefill_log_sum_exp(attention, queries.shape)
+            handed = take_prefill_attention(attention, ids.shape[1])
         finally:
             handle.remove()
             for module in model.modules():
@@ -266,5 +266,6 @@ def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default
         assert torch.equal(kept.logits, plain)
         keys = kept.past_key_values.layers[3].keys
         expected = reference.prompt_log_sum_exp(queries, keys, torch.zeros(keys.shape[:3]), attention.scaling)
-    assert lse is not None
-    torch.testing.assert_close(lse.double(), expected, **LSE_TOL)
+    assert handed is not None
+    torch.testing.assert_close(handed[0], queries)
+    torch.testing.assert_close(handed[1].double(), expected, **LSE_TOL)

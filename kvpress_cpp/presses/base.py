@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (padding_log_weights, patch_eager_attention, request_prefill_log_sum_exp,
-                                   take_prefill_log_sum_exp)
+                                   take_prefill_attention)
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
 
 __all__ = ["KVCompPress", "KVCompDecodingPress", "query_states", "score_prompt"]
@@ -46,11 +46,12 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
 def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
                  kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
     """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
-    by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. The log-sum-exp of the
-    layer's own sdpa prompt pass is reused when the press asked for it (CPU, no padding); otherwise the op computes it.
+    by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. The queries and the
+    log-sum-exp of the layer's own sdpa prompt pass are reused when the press asked for them (CPU, no padding);
+    otherwise the queries are recomputed and the op computes the log-sum-exp.
     """
-    queries = query_states(module, hidden_states, kwargs)
-    lse = take_prefill_log_sum_exp(module, queries.shape)
+    kept = take_prefill_attention(module, keys.shape[-2])
+    queries, lse = kept if kept is not None else (query_states(module, hidden_states, kwargs), None)
     queries = queries[:, :, first_query:]
     if lse is not None:
         lse = lse[:, :, first_query:]
@@ -105,8 +106,8 @@ class KVCompPress(BasePress):
             attach(module, layer)
         return output
 
-    # Whether compress_prefill scores the prompt with score_prompt: its layers' sdpa prompt pass then keeps its
-    # log-sum-exp for it.
+    # Whether compress_prefill scores the prompt with score_prompt: its layers' sdpa prompt pass then keeps its queries
+    # and their log-sum-exp for it.
     scores_prompt = False
 
     @contextmanager
