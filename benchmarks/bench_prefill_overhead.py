@@ -2,14 +2,16 @@
 and the prompt-scoring op alone against the path it replaced:
 
     python -m benchmarks.bench_prefill_overhead --threads 1       # SmolLM2 on CPU, 1k/2k/4k/8k Austen tokens
-    python -m benchmarks.bench_prefill_overhead --device cuda     # the op on a Llama-3-8B-shaped layer, 32k / 128k
+    python -m benchmarks.bench_prefill_overhead --device cuda --model random-llama3-8b     # presses: 8k/16k/32k random
+    python -m benchmarks.bench_prefill_overhead --device cuda --parts op   # the op on a Llama-3-8B-shaped layer, 32k/128k
 
 Presses (``part = "presses"``): for each prompt length, ``forward_s`` is the best of --repeats prefill forwards
 without a press (``logits_to_keep=1``, as ``generate`` runs it) and ``with_press_s`` the best of --repeats forwards
 under the press; ``ratio`` = with_press_s / forward_s (the issue's target for ZSMerge, KeepKV and WeightedKV: at most
 1.15x at 2k-8k, and no worse than kvpress's SnapKV). ``press_s`` is the time inside the press's own prefill method
 (``compress_prefill`` for ours, ``compress`` for kvpress's) summed over the layers, ``removed`` the fraction of slots
-it removed.
+it removed; on a GPU ``press_peak_MiB`` is the press's largest allocation beyond what was live when its prefill
+method started.
 
 The op alone (``part = "op"``, a SmolLM2-shaped layer: B=1, Hq=9, H=3, d=64, float32, random inputs): the scores of
 all T queries by ``prompt_log_sum_exp`` + ``prompt_scores`` (decay 1: nothing skipped), by ``prompt_scores`` with
@@ -18,9 +20,8 @@ queries skipped); against the former path (decode_attention on 512-query chunks,
 against the layer's own causal sdpa (the attention forward the prefill runs anyway). ``workspace_MiB``: the op's
 per-thread tiles times the threads; the former path held a (B, Hq, 512, T) float32 probability chunk.
 
-On CUDA (``--device cuda``): a random Llama-3-8B-shaped layer (B=1, Hq=32, H=8, d=128, bfloat16) at 32k and 128k
-tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward. Writes
-``prefill_overhead_op_cuda.json``.
+On CUDA (``--device cuda --parts op``): a random Llama-3-8B-shaped layer (B=1, Hq=32, H=8, d=128, bfloat16) at 32k
+and 128k tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvpress import ExpectedAttentionPress, SnapKVPress, StreamingLLMPress, TOVA
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.bench_decode import build_model, model_arguments, model_dtype, prompt_ids
+from benchmarks.bench_decode import MODELS, build_model, model_arguments, model_dtype, prompt_ids
 from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp import ops
 from kvpress_cpp.presses.gvote import GVotePress
@@ -68,10 +69,16 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def clock(device: str) -> float:
+    """CPU seconds of this process on CPU (the machine is shared: wall time would count the other jobs' turns), wall
+    seconds on CUDA."""
+    return time.process_time() if device == "cpu" else time.perf_counter()
+
+
 def prefill(model, ids, press=None) -> float:
     """Seconds of one prefill forward over a fresh cache, under `press` when given."""
     synchronize(str(ids.device))
-    start = time.perf_counter()
+    start = clock(str(ids.device))
     with torch.inference_mode():
         if press is None:
             model(ids, past_key_values=DynamicCache(), logits_to_keep=1)
@@ -79,20 +86,29 @@ def prefill(model, ids, press=None) -> float:
             with press(model):
                 model(ids, past_key_values=DynamicCache(), logits_to_keep=1)
     synchronize(str(ids.device))
-    return time.perf_counter() - start
+    return clock(str(ids.device)) - start
 
 
-def instrument(press) -> dict:
-    """Wrap the press's prefill method (ours: compress_prefill, kvpress's: compress) to add up its seconds."""
-    totals = {"seconds": 0.0}
+def instrument(press, device: str) -> dict:
+    """Wrap the press's prefill method (ours: compress_prefill, kvpress's: compress) to add up its seconds and, on a
+    GPU, its peak memory beyond what was live when it started."""
+    totals = {"seconds": 0.0, "peak_bytes": 0}
     name = "compress_prefill" if hasattr(press, "compress_prefill") else "compress"
     method = getattr(press, name)
+    cuda = device.startswith("cuda")
 
     @wraps(method)
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        synchronize(device)
+        if cuda:
+            live = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = clock(device)
         result = method(*args, **kwargs)
-        totals["seconds"] += time.perf_counter() - start
+        synchronize(device)
+        totals["seconds"] += clock(device) - start
+        if cuda:
+            totals["peak_bytes"] = max(totals["peak_bytes"], torch.cuda.max_memory_allocated() - live)
         return result
 
     setattr(press, name, timed)
@@ -105,23 +121,26 @@ def removed_fraction(press) -> float:
     return round(float(ratio), 3) if ratio is not None else 1 - KEPT
 
 
-def press_rows(model, tokenizer, lengths, repeats, device) -> list[dict]:
+def press_rows(model, tokenizer, lengths, repeats, device, methods) -> list[dict]:
     rows = []
     config = model.config
     prefill(model, prompt_ids(tokenizer, min(lengths), config.vocab_size, device))  # warm-up
     for length in lengths:
         ids = prompt_ids(tokenizer, length, config.vocab_size, device)
         forward = min(prefill(model, ids) for _ in range(repeats))
-        for method in tqdm(PRESSES, desc=f"prefill {length}", unit="press"):
-            total_seconds, press_seconds = [], []
+        for method in tqdm(methods, desc=f"prefill {length}", unit="press"):
+            total_seconds, press_seconds, peak_bytes = [], [], 0
             for _ in range(repeats):
                 press = PRESSES[method]()
-                totals = instrument(press)
+                totals = instrument(press, device)
                 total_seconds.append(prefill(model, ids, press))
                 press_seconds.append(totals["seconds"])
+                peak_bytes = max(peak_bytes, totals["peak_bytes"])
             rows.append({"part": "presses", "press": method, "prompt": length, "forward_s": round(forward, 3),
                          "with_press_s": round(min(total_seconds), 3), "ratio": round(min(total_seconds) / forward, 3),
                          "press_s": round(min(press_seconds), 3), "removed": removed_fraction(press)})
+            if device.startswith("cuda"):
+                rows[-1]["press_peak_MiB"] = round(peak_bytes / 2**20, 1)
             print(rows[-1], flush=True)
     return rows
 
@@ -141,10 +160,10 @@ def former_scores(query, keys, log_weights, scale, decay, input_scale):
 
 def seconds(fn, device: str = "cpu") -> float:
     synchronize(device)
-    start = time.perf_counter()
+    start = clock(device)
     fn()
     synchronize(device)
-    return time.perf_counter() - start
+    return clock(device) - start
 
 
 def op_rows(lengths, threads: int) -> list[dict]:
@@ -241,9 +260,11 @@ def plot(rows: list[dict], name: str, title: str) -> None:
 def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", default=["presses", "op"], choices=["presses", "op"])
+    parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--repeats", type=int, default=1, help="runs per case; the best time is kept")
     parser.add_argument("--op-lengths", type=int, nargs="+", default=None)
-    parser.add_argument("--name", default=None, help="result file stem (default: prefill_overhead[_op_cuda])")
+    parser.add_argument("--name", default=None,
+                        help="result file stem (default: prefill_overhead, or prefill_overhead_<model>_<device>)")
     parser.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
                         help="only draw the plot from these result files (e.g. the two parts run as two processes)")
     args = parser.parse_args()
@@ -252,28 +273,33 @@ def main() -> None:
         plot(rows, args.name or "prefill_overhead", "prefill with press / without (smollm2, cpu, 1 thread)")
         return
     dtype = model_dtype(args)
-    if args.device.startswith("cuda"):
-        rows = cuda_op_rows(args.op_lengths or [32768, 131072])
-        print("wrote", write_results(args.name or "prefill_overhead_op_cuda", rows))
-        return
+    cuda = args.device.startswith("cuda")
     load_before = os.getloadavg()
     rows = []
     if "presses" in args.parts:
         model, tokenizer = build_model(args.model, args.device, dtype)
-        rows += press_rows(model, tokenizer, args.lengths or [1024, 2048, 4096, 8192], args.repeats, args.device)
+        lengths = args.lengths or {"smollm2": [1024, 2048, 4096, 8192]}.get(args.model, MODELS[args.model][1])
+        rows += press_rows(model, tokenizer, lengths, args.repeats, args.device, args.presses)
+        del model
     if "op" in args.parts:
-        rows += op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads())
+        rows += (cuda_op_rows(args.op_lengths or [32768, 131072]) if cuda else
+                 op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads()))
     load = {"load_average_1_5_15_before": [round(x, 2) for x in load_before],
             "load_average_1_5_15_after": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
-    print_table([r for r in rows if r["part"] == "presses"],
-                ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed"])
-    print_table([r for r in rows if r["part"] == "op"],
-                ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
-                 "op_vs_sdpa", "workspace_MiB", "former_chunk_MiB"])
-    name = args.name or "prefill_overhead"
+    for part, columns in [
+        ("presses", ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed", "press_peak_MiB"]),
+        ("op", ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
+                "op_vs_sdpa", "workspace_MiB", "former_chunk_MiB", "op_peak_MiB", "sdpa_peak_MiB"]),
+    ]:
+        if any(r["part"] == part for r in rows):
+            print_table([r for r in rows if r["part"] == part], columns)
+    name = args.name or ("prefill_overhead" if (args.model, args.device) == ("smollm2", "cpu") else
+                         f"prefill_overhead_{args.model}_{args.device}")
     path = write_results(name, rows + [{"part": "machine", **load}])
     print("wrote", path)
-    plot(rows, name, f"prefill with press / without ({args.model}, {args.device}, {torch.get_num_threads()} thread)")
+    if not cuda:
+        plot(rows, name, f"prefill with press / without ({args.model}, {args.device}, {torch.get_num_threads()} "
+                         f"thread)")
 
 
 if __name__ == "__main__":
