@@ -121,7 +121,7 @@ def removed_fraction(press) -> float:
     return round(float(ratio), 3) if ratio is not None else 1 - KEPT
 
 
-def press_rows(model, tokenizer, lengths, repeats, device, methods) -> list[dict]:
+def press_rows(model, tokenizer, lengths, repeats, device, methods, save) -> list[dict]:
     rows = []
     config = model.config
     prefill(model, prompt_ids(tokenizer, min(lengths), config.vocab_size, device))  # warm-up
@@ -142,6 +142,7 @@ def press_rows(model, tokenizer, lengths, repeats, device, methods) -> list[dict
             if device.startswith("cuda"):
                 rows[-1]["press_peak_MiB"] = round(peak_bytes / 2**20, 1)
             print(rows[-1], flush=True)
+            save(rows)
     return rows
 
 
@@ -166,7 +167,7 @@ def seconds(fn, device: str = "cpu") -> float:
     return clock(device) - start
 
 
-def op_rows(lengths, threads: int) -> list[dict]:
+def op_rows(lengths, threads: int, save) -> list[dict]:
     batch, query_heads, kv_heads, head_dim = 1, 9, 3, 64
     scale = head_dim ** -0.5
     rows = []
@@ -198,6 +199,7 @@ def op_rows(lengths, threads: int) -> list[dict]:
             row[key] = round(row[key], 4)
         rows.append(row)
         print(row, flush=True)
+        save(rows)
     return rows
 
 
@@ -274,18 +276,25 @@ def main() -> None:
         return
     dtype = model_dtype(args)
     cuda = args.device.startswith("cuda")
+    name = args.name or ("prefill_overhead" if (args.model, args.device) == ("smollm2", "cpu") else
+                         f"prefill_overhead_{args.model}_{args.device}")
     load_before = os.getloadavg()
+
+    def save(part_rows: list[dict]) -> Path:
+        """Results so far (a long run on a shared machine keeps what it measured if it is stopped)."""
+        load = {"load_average_1_5_15_before": [round(x, 2) for x in load_before],
+                "load_average_1_5_15_now": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
+        return write_results(name, rows + part_rows + [{"part": "machine", **load}])
+
     rows = []
     if "presses" in args.parts:
         model, tokenizer = build_model(args.model, args.device, dtype)
         lengths = args.lengths or {"smollm2": [1024, 2048, 4096, 8192]}.get(args.model, MODELS[args.model][1])
-        rows += press_rows(model, tokenizer, lengths, args.repeats, args.device, args.presses)
+        rows += press_rows(model, tokenizer, lengths, args.repeats, args.device, args.presses, save)
         del model
     if "op" in args.parts:
         rows += (cuda_op_rows(args.op_lengths or [32768, 131072]) if cuda else
-                 op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads()))
-    load = {"load_average_1_5_15_before": [round(x, 2) for x in load_before],
-            "load_average_1_5_15_after": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
+                 op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads(), save))
     for part, columns in [
         ("presses", ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed", "press_peak_MiB"]),
         ("op", ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
@@ -293,10 +302,7 @@ def main() -> None:
     ]:
         if any(r["part"] == part for r in rows):
             print_table([r for r in rows if r["part"] == part], columns)
-    name = args.name or ("prefill_overhead" if (args.model, args.device) == ("smollm2", "cpu") else
-                         f"prefill_overhead_{args.model}_{args.device}")
-    path = write_results(name, rows + [{"part": "machine", **load}])
-    print("wrote", path)
+    print("wrote", save([]))
     if not cuda:
         plot(rows, name, f"prefill with press / without ({args.model}, {args.device}, {torch.get_num_threads()} "
                          f"thread)")
