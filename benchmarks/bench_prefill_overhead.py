@@ -251,8 +251,9 @@ def plot(rows: list[dict], name: str, title: str) -> None:
                        ("op_s", "prompt_log_sum_exp + prompt_scores"), ("op_given_lse_s", "prompt_scores, LSE given"),
                        ("op_decay_0.98_s", "prompt_scores, λ = 0.98"), ("sdpa_s", "the layer's causal sdpa")]:
         ax_op.plot([r["T"] for r in op], [r[key] for r in op], "o-", label=label)
-    ax_op.set_xscale("log", base=2)
-    ax_op.set_yscale("log")
+    if op:
+        ax_op.set_xscale("log", base=2)
+        ax_op.set_yscale("log")
     ax_op.set_xlabel("T")
     ax_op.set_ylabel("seconds (one SmolLM2-shaped layer)")
     ax_op.legend(fontsize=7)
