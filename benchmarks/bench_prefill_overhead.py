@@ -1,32 +1,67 @@
-"""The prefill work of a press against the model's prefill forward it rides on:
+"""Prefill cost of every press we ship and of kvpress's StreamingLLM, SnapKV, TOVA and ExpectedAttention, in one run,
+and the prompt-scoring op alone against the path it replaced:
 
-    python -m benchmarks.bench_prefill_overhead                   # GVote, SmolLM2 on CPU, 1k/2k/4k/8k Austen tokens
-    python -m benchmarks.bench_prefill_overhead --device cuda --model random-llama3-8b    # 8k/16k/32k random tokens
+    python -m benchmarks.bench_prefill_overhead --threads 1       # SmolLM2 on CPU, 1k/2k/4k/8k Austen tokens
+    python -m benchmarks.bench_prefill_overhead --device cuda --model random-llama3-8b     # presses: 8k/16k/32k random
+    python -m benchmarks.bench_prefill_overhead --device cuda --parts op   # the op on a Llama-3-8B-shaped layer, 32k/128k
 
-For each prompt length: ``forward_s`` is the best of --repeats prefill forwards without a press (``logits_to_keep=1``,
-as ``generate`` runs it); ``press_s`` is the time spent inside the press's ``compress_prefill`` summed over the
-layers during a forward with the press, and ``overhead`` = press_s / forward_s (the issue's targets for GVote: at most
-10% at 4k on CPU, 5% at 32k on GPU). ``removed`` is the compression ratio the press chose.
+Presses (``part = "presses"``): for each prompt length, ``forward_s`` is the best of --repeats prefill forwards
+without a press (``logits_to_keep=1``, as ``generate`` runs it) and ``with_press_s`` the best of --repeats forwards
+under the press; ``ratio`` = with_press_s / forward_s (the issue's target for ZSMerge, KeepKV and WeightedKV: at most
+1.15x at 2k-8k, and no worse than kvpress's SnapKV). ``press_s`` is the time inside the press's own prefill method
+(``compress_prefill`` for ours, ``compress`` for kvpress's) summed over the layers, ``removed`` the fraction of slots
+it removed; on a GPU ``press_peak_MiB`` is the press's largest allocation beyond what was live when its prefill
+method started.
 
-Memory: on a GPU, ``press_peak_MiB`` is the largest allocation beyond what was live when a layer's
-``compress_prefill`` started (the sampled logits are chunked: chunk_size rows × T float32 at a time, not S × Hq × T);
-``unchunked_logits_MiB`` is what holding all S × Hq × T float32 logits of one layer at once would take.
+The op alone (``part = "op"``, a SmolLM2-shaped layer: B=1, Hq=9, H=3, d=64, float32, random inputs): the scores of
+all T queries by ``prompt_log_sum_exp`` + ``prompt_scores`` (decay 1: nothing skipped), by ``prompt_scores`` with
+the log-sum-exp given (what the presses run on CPU, where sdpa hands it over), and with ZSMerge's λ = 0.98 (older
+queries skipped); against the former path (decode_attention on 512-query chunks, folded by update_scores) and
+against the layer's own causal sdpa (the attention forward the prefill runs anyway). ``workspace_MiB``: the op's
+per-thread tiles times the threads; the former path held a (B, Hq, 512, T) float32 probability chunk.
+
+On CUDA (``--device cuda --parts op``): a random Llama-3-8B-shaped layer (B=1, Hq=32, H=8, d=128, bfloat16) at 32k
+and 128k tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from functools import wraps
+from pathlib import Path
 
 import torch
+from kvpress import ExpectedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
 from tqdm import tqdm
 from transformers import DynamicCache
 
 from benchmarks.bench_decode import MODELS, build_model, model_arguments, model_dtype, prompt_ids
 from benchmarks.common import print_table, pyplot, save_figure, write_results
+from kvpress_cpp import ops
 from kvpress_cpp.presses.gvote import GVotePress
+from kvpress_cpp.presses.keepkv import KeepKVPress
+from kvpress_cpp.presses.kvzap import KVzapThresholdPress
+from kvpress_cpp.presses.weightedkv import WeightedKVPress
+from kvpress_cpp.presses.zsmerge import ZSMergePress
 
-PRESSES = {"gvote": GVotePress}
+KEPT = 0.25  # budgets: a quarter of the prompt (kvpress's compression_ratio 0.75)
+PRESSES = {
+    "ZSMerge": lambda: ZSMergePress(budget=KEPT),
+    "WeightedKV": lambda: WeightedKVPress(cache_size=KEPT),
+    "KeepKV": lambda: KeepKVPress(budget=KEPT),
+    "GVote": GVotePress,
+    "KVzap-MLP τ=-7": lambda: KVzapThresholdPress(threshold=-7.0),
+    "StreamingLLM (kvpress)": lambda: StreamingLLMPress(compression_ratio=1 - KEPT),
+    "SnapKV (kvpress)": lambda: SnapKVPress(compression_ratio=1 - KEPT),
+    "TOVA (kvpress)": lambda: TOVAPress(compression_ratio=1 - KEPT),
+    "ExpectedAttention (kvpress)": lambda: ExpectedAttentionPress(compression_ratio=1 - KEPT),
+}
+OP_LENGTHS = [2048, 4096, 8192, 16384, 32768]
+FORMER_CHUNK = 512
+# The CPU kernel's tiles (csrc/cpu/prompt_scores.cpp): kKeyTile keys, kQueryTile queries x G heads, rounded to 4 rows.
+KEY_TILE, QUERY_TILE = 128, 64
 
 
 def synchronize(device: str) -> None:
@@ -34,10 +69,16 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def clock(device: str) -> float:
+    """CPU seconds of this process on CPU (the machine is shared: wall time would count the other jobs' turns), wall
+    seconds on CUDA."""
+    return time.process_time() if device == "cpu" else time.perf_counter()
+
+
 def prefill(model, ids, press=None) -> float:
     """Seconds of one prefill forward over a fresh cache, under `press` when given."""
     synchronize(str(ids.device))
-    start = time.perf_counter()
+    start = clock(str(ids.device))
     with torch.inference_mode():
         if press is None:
             model(ids, past_key_values=DynamicCache(), logits_to_keep=1)
@@ -45,88 +86,227 @@ def prefill(model, ids, press=None) -> float:
             with press(model):
                 model(ids, past_key_values=DynamicCache(), logits_to_keep=1)
     synchronize(str(ids.device))
-    return time.perf_counter() - start
+    return clock(str(ids.device)) - start
 
 
 def instrument(press, device: str) -> dict:
-    """Wrap press.compress_prefill to add up its seconds and its peak extra GPU memory over the layers."""
+    """Wrap the press's prefill method (ours: compress_prefill, kvpress's: compress) to add up its seconds and, on a
+    GPU, its peak memory beyond what was live when it started."""
     totals = {"seconds": 0.0, "peak_bytes": 0}
-    compress_prefill = press.compress_prefill
+    name = "compress_prefill" if hasattr(press, "compress_prefill") else "compress"
+    method = getattr(press, name)
     cuda = device.startswith("cuda")
 
-    @wraps(compress_prefill)
+    @wraps(method)
     def timed(*args, **kwargs):
         synchronize(device)
         if cuda:
             live = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        result = compress_prefill(*args, **kwargs)
+        start = clock(device)
+        result = method(*args, **kwargs)
         synchronize(device)
-        totals["seconds"] += time.perf_counter() - start
+        totals["seconds"] += clock(device) - start
         if cuda:
             totals["peak_bytes"] = max(totals["peak_bytes"], torch.cuda.max_memory_allocated() - live)
         return result
 
-    press.compress_prefill = timed
+    setattr(press, name, timed)
     return totals
+
+
+def removed_fraction(press) -> float:
+    """The fraction of the prompt's slots the press removed: its own figure when it reports one, else the budget's."""
+    ratio = getattr(press, "compression_ratio", None)
+    return round(float(ratio), 3) if ratio is not None else 1 - KEPT
+
+
+def press_rows(model, tokenizer, lengths, repeats, device, methods, save) -> list[dict]:
+    rows = []
+    config = model.config
+    prefill(model, prompt_ids(tokenizer, min(lengths), config.vocab_size, device))  # warm-up
+    for length in lengths:
+        ids = prompt_ids(tokenizer, length, config.vocab_size, device)
+        forward = min(prefill(model, ids) for _ in range(repeats))
+        for method in tqdm(methods, desc=f"prefill {length}", unit="press"):
+            total_seconds, press_seconds, peak_bytes = [], [], 0
+            for _ in range(repeats):
+                press = PRESSES[method]()
+                totals = instrument(press, device)
+                total_seconds.append(prefill(model, ids, press))
+                press_seconds.append(totals["seconds"])
+                peak_bytes = max(peak_bytes, totals["peak_bytes"])
+            rows.append({"part": "presses", "press": method, "prompt": length, "forward_s": round(forward, 3),
+                         "with_press_s": round(min(total_seconds), 3), "ratio": round(min(total_seconds) / forward, 3),
+                         "press_s": round(min(press_seconds), 3), "removed": removed_fraction(press)})
+            if device.startswith("cuda"):
+                rows[-1]["press_peak_MiB"] = round(peak_bytes / 2**20, 1)
+            print(rows[-1], flush=True)
+            save(rows)
+    return rows
+
+
+def former_scores(query, keys, log_weights, scale, decay, input_scale):
+    """The presses' former prompt scoring: decode_attention's probabilities of 512-query chunks (P·V computed and
+    thrown away) folded by update_scores."""
+    total = keys.shape[-2]
+    scores = torch.zeros(*keys.shape[:2], 0)
+    for start in range(0, total, FORMER_CHUNK):
+        end = min(start + FORMER_CHUNK, total)
+        _, probs = ops.decode_attention(query[:, :, start:end], keys[:, :, :end], keys[:, :, :end],
+                                        log_weights[..., :end], scale)
+        scores = ops.update_scores(scores, probs, decay, input_scale)
+    return scores
+
+
+def seconds(fn, device: str = "cpu") -> float:
+    synchronize(device)
+    start = clock(device)
+    fn()
+    synchronize(device)
+    return clock(device) - start
+
+
+def op_rows(lengths, threads: int, save) -> list[dict]:
+    batch, query_heads, kv_heads, head_dim = 1, 9, 3, 64
+    scale = head_dim ** -0.5
+    rows = []
+    for length in tqdm(lengths, desc="op", unit="T"):
+        generator = torch.Generator().manual_seed(length)
+        query = torch.randn(batch, query_heads, length, head_dim, generator=generator)
+        keys = torch.randn(batch, kv_heads, length, head_dim, generator=generator)
+        values = torch.randn(batch, kv_heads, length, head_dim, generator=generator)
+        log_weights = torch.zeros(batch, kv_heads, length)
+        lse = ops.prompt_log_sum_exp(query, keys, log_weights, scale)
+        rows_pad = -(-query_heads // kv_heads * QUERY_TILE // 4) * 4
+        tile_floats = rows_pad * head_dim + head_dim * KEY_TILE + KEY_TILE + rows_pad * KEY_TILE + 2 * rows_pad
+        row = {
+            "part": "op", "T": length,
+            "op_s": seconds(lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 1 / 3)),
+            "op_given_lse_s": seconds(lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 1 / 3,
+                                                                log_sum_exp=lse)),
+            "op_decay_0.98_s": seconds(lambda: ops.prompt_scores(query, keys, log_weights, scale, 0.98, 1.0)),
+            "former_s": seconds(lambda: former_scores(query, keys, log_weights, scale, 1.0, 1 / 3)),
+            "sdpa_s": seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=scale, enable_gqa=True)),
+            "workspace_MiB": round(threads * tile_floats * 4 / 2**20, 3),
+            "former_chunk_MiB": round(batch * query_heads * FORMER_CHUNK * length * 4 / 2**20, 1),
+        }
+        row["speedup_vs_former"] = round(row["former_s"] / row["op_s"], 2)
+        row["op_vs_sdpa"] = round(row["op_s"] / row["sdpa_s"], 2)
+        row["op_given_lse_vs_sdpa"] = round(row["op_given_lse_s"] / row["sdpa_s"], 2)
+        for key in ("op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s"):
+            row[key] = round(row[key], 4)
+        rows.append(row)
+        print(row, flush=True)
+        save(rows)
+    return rows
+
+
+def cuda_op_rows(lengths) -> list[dict]:
+    """A random Llama-3-8B-shaped layer in bfloat16: the op against the layer's sdpa (flash), time and peak memory
+    beyond the inputs."""
+    batch, query_heads, kv_heads, head_dim = 1, 32, 8, 128
+    scale = head_dim ** -0.5
+    rows = []
+    for length in lengths:
+        query = torch.randn(batch, query_heads, length, head_dim, device="cuda", dtype=torch.bfloat16)
+        keys = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        log_weights = torch.zeros(batch, kv_heads, length, device="cuda")
+        row = {"part": "op", "T": length, "device": torch.cuda.get_device_name()}
+        for name, fn in [
+            ("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                                              scale=scale, enable_gqa=True)),
+            ("op", lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 0.25)),
+            ("op_decay_0.98", lambda: ops.prompt_scores(query, keys, log_weights, scale, 0.98, 1.0)),
+        ]:
+            fn()
+            torch.cuda.synchronize()
+            live = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            row[f"{name}_s"] = round(min(seconds(fn, "cuda") for _ in range(3)), 5)
+            row[f"{name}_peak_MiB"] = round((torch.cuda.max_memory_allocated() - live) / 2**20, 1)
+        row["op_vs_sdpa"] = round(row["op_s"] / row["sdpa_s"], 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def plot(rows: list[dict], name: str, title: str) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(r["press"] for r in rows):
-        points = [r for r in rows if r["press"] == method]
-        ax.plot([r["prompt"] for r in points], [100 * r["press_s"] / r["forward_s"] for r in points], "o-",
-                label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("press prefill work, % of the forward")
-    ax.legend()
-    ax.set_title(title, fontsize=9)
+    fig, (ax_presses, ax_op) = plt.subplots(1, 2, figsize=(12, 4.5))
+    press_rows_ = [r for r in rows if r["part"] == "presses"]
+    for method in dict.fromkeys(r["press"] for r in press_rows_):
+        points = [r for r in press_rows_ if r["press"] == method]
+        ax_presses.plot([r["prompt"] for r in points], [r["ratio"] for r in points], "o-", label=method)
+    ax_presses.axhline(1.15, color="grey", linestyle=":", label="target 1.15x")
+    ax_presses.set_xscale("log", base=2)
+    ax_presses.set_xlabel("prompt tokens")
+    ax_presses.set_ylabel("prefill with press / without")
+    ax_presses.legend(fontsize=7)
+    ax_presses.set_title(title, fontsize=9)
+    op = [r for r in rows if r["part"] == "op"]
+    for key, label in [("former_s", "former (decode_attention chunks + update_scores)"),
+                       ("op_s", "prompt_log_sum_exp + prompt_scores"), ("op_given_lse_s", "prompt_scores, LSE given"),
+                       ("op_decay_0.98_s", "prompt_scores, λ = 0.98"), ("sdpa_s", "the layer's causal sdpa")]:
+        ax_op.plot([r["T"] for r in op], [r[key] for r in op], "o-", label=label)
+    if op:
+        ax_op.set_xscale("log", base=2)
+        ax_op.set_yscale("log")
+    ax_op.set_xlabel("T")
+    ax_op.set_ylabel("seconds (one SmolLM2-shaped layer)")
+    ax_op.legend(fontsize=7)
     save_figure(fig, name)
 
 
 def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["presses", "op"], choices=["presses", "op"])
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
-    parser.add_argument("--repeats", type=int, default=3, help="runs per case; the best time is kept")
-    parser.add_argument("--name", default=None, help="result file stem (default: prefill_overhead[_<model>_<device>])")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per case; the best time is kept")
+    parser.add_argument("--op-lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--name", default=None,
+                        help="result file stem (default: prefill_overhead, or prefill_overhead_<model>_<device>)")
+    parser.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
+                        help="only draw the plot from these result files (e.g. the two parts run as two processes)")
     args = parser.parse_args()
-
+    if args.plot_from:
+        rows = [r for path in args.plot_from for r in json.loads(Path(path).read_text())["rows"]]
+        plot(rows, args.name or "prefill_overhead", "prefill with press / without (smollm2, cpu, 1 thread)")
+        return
     dtype = model_dtype(args)
+    cuda = args.device.startswith("cuda")
     name = args.name or ("prefill_overhead" if (args.model, args.device) == ("smollm2", "cpu") else
                          f"prefill_overhead_{args.model}_{args.device}")
-    lengths = args.lengths or {"smollm2": [1024, 2048, 4096, 8192]}.get(args.model, MODELS[args.model][1])
-    model, tokenizer = build_model(args.model, args.device, dtype)
-    config = model.config
-    prefill(model, prompt_ids(tokenizer, min(lengths), config.vocab_size, args.device))  # warm-up
+    load_before = os.getloadavg()
+
+    def save(part_rows: list[dict]) -> Path:
+        """Results so far (a long run on a shared machine keeps what it measured if it is stopped)."""
+        load = {"load_average_1_5_15_before": [round(x, 2) for x in load_before],
+                "load_average_1_5_15_now": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
+        return write_results(name, rows + part_rows + [{"part": "machine", **load}])
 
     rows = []
-    for length, method in tqdm([(n, m) for n in lengths for m in args.presses], desc="prefill", unit="case"):
-        ids = prompt_ids(tokenizer, length, config.vocab_size, args.device)
-        forward = min(prefill(model, ids) for _ in range(args.repeats))
-        press_seconds, total_seconds, peak_bytes = [], [], 0
-        for _ in range(args.repeats):
-            press = PRESSES[method]()
-            totals = instrument(press, args.device)
-            total_seconds.append(prefill(model, ids, press))
-            press_seconds.append(totals["seconds"])
-            peak_bytes = max(peak_bytes, totals["peak_bytes"])
-        row = {"press": method, "prompt": length, "forward_s": round(forward, 4),
-               "with_press_s": round(min(total_seconds), 4), "press_s": round(min(press_seconds), 4),
-               "overhead": f"{100 * min(press_seconds) / forward:.1f}%",
-               "removed": round(press.compression_ratio, 3)}
-        if isinstance(press, GVotePress):
-            row["unchunked_logits_MiB"] = round(
-                press.num_samples * config.num_attention_heads * length * 4 / 2**20, 1)
-        if args.device.startswith("cuda"):
-            row["press_peak_MiB"] = round(peak_bytes / 2**20, 1)
-        rows.append(row)
-    print_table(rows, ["press", "prompt", "forward_s", "with_press_s", "press_s", "overhead", "removed",
-                       "press_peak_MiB", "unchunked_logits_MiB"])
-    print("wrote", write_results(name, rows))
-    plot(rows, name, f"press prefill work / forward ({args.model}, {args.device}, {str(dtype).split('.')[-1]})")
+    if "presses" in args.parts:
+        model, tokenizer = build_model(args.model, args.device, dtype)
+        lengths = args.lengths or {"smollm2": [1024, 2048, 4096, 8192]}.get(args.model, MODELS[args.model][1])
+        rows += press_rows(model, tokenizer, lengths, args.repeats, args.device, args.presses, save)
+        del model
+    if "op" in args.parts:
+        rows += (cuda_op_rows(args.op_lengths or [32768, 131072]) if cuda else
+                 op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads(), save))
+    for part, columns in [
+        ("presses", ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed", "press_peak_MiB"]),
+        ("op", ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
+                "op_vs_sdpa", "workspace_MiB", "former_chunk_MiB", "op_peak_MiB", "sdpa_peak_MiB"]),
+    ]:
+        if any(r["part"] == part for r in rows):
+            print_table([r for r in rows if r["part"] == part], columns)
+    print("wrote", save([]))
+    if not cuda:
+        plot(rows, name, f"prefill with press / without ({args.model}, {args.device}, {torch.get_num_threads()} "
+                         f"thread)")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,15 @@ TORCH_LIBRARY(kvcomp, m) {
   // slots of each row whose log-weight is not -inf).
   m.def("kvzap_threshold(Tensor log_weights, Tensor scores, Tensor positions, float threshold, int window, "
         "int tokens_before, int tokens_after) -> (Tensor, Tensor)");
+
+  // prompt_scores family (prefill scoring without P.V; math in csrc/kernels/prompt_scores.h). The q newest prompt
+  // queries (B, Hq, q, d) over keys (B, H, T, d) with log-weights b (B, H, T) float32, causal, GQA without repeating
+  // keys. Log-sum-exp of every query row of scale * q.k + b -> (B, Hq, q) float32 (-inf for a row that sees nothing).
+  m.def("prompt_log_sum_exp(Tensor query, Tensor keys, Tensor log_weights, float scale) -> Tensor");
+  // Scores (B, H, T) float32: s_i = sum_j input_scale * decay^(q-1-j) * sum_g exp(scale * q_gj.k_i + b_i - lse_gj),
+  // decay in (0, 1]; older queries whose total weight is below float32 resolution of a key tile's scores are skipped.
+  m.def("prompt_scores(Tensor query, Tensor keys, Tensor log_weights, Tensor log_sum_exp, float scale, float decay, "
+        "float input_scale) -> Tensor");
 }
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
@@ -84,7 +93,7 @@ TORCH_LIBRARY(kvcomp, m) {
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
-                         "kvzap_score", "kvzap_threshold"}) {
+                         "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

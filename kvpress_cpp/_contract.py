@@ -404,3 +404,43 @@ _declare(Contract(
     ],
     outputs=lambda v: [((v["B"], v["H"], v["T"]), F32), ((v["B"], v["H"]), I64)],
 ))
+
+
+def _prompt_attention_args() -> list:
+    return [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("keys", "B H T d", "query"),
+            Tensor("log_weights", "B H T", F32)]
+
+
+def _prompt_attention_rules() -> list:
+    return [
+        Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
+             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+        _gqa("Hq", "H", "query", "keys", allow_empty=False),
+        Rule(lambda v: v["d"] > 0,
+             lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
+        Rule(lambda v: v["T"] >= 1,
+             lambda v: f"expected a prompt of T >= 1 tokens, got keys of shape {tuple(v['keys'].shape)}"),
+        Rule(lambda v: 1 <= v["q"] <= v["T"],
+             lambda v: "expected 1 <= q <= T (the q queries are the last q of the T prompt tokens), got q = "
+             f"{v['q']} and T = {v['T']}"),
+    ]
+
+
+_declare(Contract(
+    "prompt_log_sum_exp",
+    _prompt_attention_args() + [Scalar("scale")],
+    rules=_prompt_attention_rules(),
+    outputs=lambda v: [((v["B"], v["Hq"], v["q"]), F32)],
+))
+
+_declare(Contract(
+    "prompt_scores",
+    _prompt_attention_args() + [Tensor("log_sum_exp", "B Hq q", F32), Scalar("scale"), Scalar("decay"),
+                                Scalar("input_scale")],
+    rules=_prompt_attention_rules() + [
+        Rule(lambda v: 0.0 < v["decay"] <= 1.0, lambda v: f"expected decay in (0, 1], got {v['decay']}"),
+        Rule(lambda v: _finite(v["input_scale"]) and v["input_scale"] >= 0,
+             lambda v: f"expected a finite input_scale >= 0, got {v['input_scale']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+))

@@ -5,7 +5,10 @@ Every forward that attends to a cache layer with state (see :mod:`kvpress_cpp.ca
 mask over the new tokens, through ``kvcomp::decode_attention`` (GQA-native: keys are never repeated). transformers'
 attention mask is not used there: it is built once for all layers from layer 0's length, which no longer matches
 layers compacted to different lengths. Padding is folded into b instead, as -inf, when the press writes the state at
-prefill (:func:`padding_log_weights`). It returns the attention probabilities as the attention weights, so a press's forward hook gets
+prefill (:func:`padding_log_weights`). A press that scores the prompt may ask a layer's sdpa prompt pass (CPU, no
+padding) to keep its queries and their log-sum-exp (:func:`request_prefill_log_sum_exp`): ATen's flash kernel, which
+sdpa runs there, returns it for free, and ``kvcomp::prompt_scores`` then skips its own first pass (and the press does
+not recompute the queries). It returns the attention probabilities as the attention weights, so a press's forward hook gets
 them without a second pass over the keys. Forwards over layers without state call the original function unchanged.
 
 transformers dispatches sdpa / flash attention through ``ALL_ATTENTION_FUNCTIONS`` and eager attention through the
@@ -24,7 +27,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvpress_cpp import ops
 from kvpress_cpp.cache import state_for_attention
 
-__all__ = ["patch_attention_functions", "patch_eager_attention", "padding_log_weights"]
+__all__ = ["patch_attention_functions", "patch_eager_attention", "padding_log_weights", "request_prefill_log_sum_exp",
+           "take_prefill_attention"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 
@@ -49,7 +53,43 @@ def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_head
     return log_weights.masked_fill(~visible.unsqueeze(1).to(device), float("-inf"))
 
 
-def _honour_log_weights(attention_fn):
+def request_prefill_log_sum_exp(module: torch.nn.Module, wanted: bool) -> None:
+    """Ask the sdpa forward of `module` to keep its prompt queries and the log-sum-exp of their rows for the press
+    (see :func:`take_prefill_attention`)."""
+    module._kvcomp_wants_lse = wanted
+    module._kvcomp_prefill_attention = None
+
+
+def take_prefill_attention(module: torch.nn.Module, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(queries (B, Hq, T, d) post-RoPE, log-sum-exp (B, Hq, T) float32) of the prompt forward of `prompt_length`
+    tokens that just ran on `module`, if it kept them; None otherwise. Taken once."""
+    kept = getattr(module, "_kvcomp_prefill_attention", None)
+    module._kvcomp_prefill_attention = None
+    return kept if kept is not None and kept[1].shape[-1] == prompt_length else None
+
+
+def _keeps_log_sum_exp(module, query, key, attention_mask, kwargs) -> bool:
+    """Whether this forward is a plain causal CPU prompt pass whose sdpa call can return its log-sum-exp: no mask
+    (no padding, so b = 0), no dropout, no sliding window or softcap, the query as long as the keys."""
+    return (getattr(module, "_kvcomp_wants_lse", False) and query.device.type == "cpu" and attention_mask is None
+            and query.shape[2] == key.shape[2] and not kwargs.get("dropout") and kwargs.get("sliding_window") is None
+            and kwargs.get("softcap") is None and kwargs.get("is_causal") is not False
+            and getattr(module, "is_causal", True))
+
+
+def _sdpa_keeping_log_sum_exp(module, query, key, value, kwargs):
+    """The causal sdpa of a CPU prompt pass through ATen's flash kernel, which sdpa dispatches to there and which
+    returns the log-sum-exp beside the output (GQA without repeated keys); the queries and the log-sum-exp are kept on
+    the module."""
+    scaling = kwargs.get("scaling")
+    scaling = module.scaling if scaling is None else scaling
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True,
+                                                                            scale=scaling)
+    module._kvcomp_prefill_attention = (query, lse)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _honour_log_weights(attention_fn, hands_log_sum_exp: bool = False):
     if getattr(attention_fn, _WRAPPED_ATTR, False):
         return attention_fn
 
@@ -57,6 +97,8 @@ def _honour_log_weights(attention_fn):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         log_weights = state_for_attention(module, query, key)
         if log_weights is None:
+            if hands_log_sum_exp and not args and _keeps_log_sum_exp(module, query, key, attention_mask, kwargs):
+                return _sdpa_keeping_log_sum_exp(module, query, key, value, kwargs)
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling")
         scaling = module.scaling if scaling is None else scaling
@@ -70,7 +112,7 @@ def _honour_log_weights(attention_fn):
 def patch_attention_functions() -> None:
     """Wrap every attention function registered with transformers (sdpa, flash attention, ...). Idempotent."""
     for name, attention_fn in list(ALL_ATTENTION_FUNCTIONS.items()):
-        ALL_ATTENTION_FUNCTIONS[name] = _honour_log_weights(attention_fn)
+        ALL_ATTENTION_FUNCTIONS[name] = _honour_log_weights(attention_fn, hands_log_sum_exp=name == "sdpa")
 
 
 def patch_eager_attention(model: torch.nn.Module) -> None:

@@ -386,3 +386,53 @@ def kvzap_threshold(
     """
     return torch.ops.kvcomp.kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_before,
                                             tokens_after)
+
+
+def prompt_log_sum_exp(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
+                       scale: float | None = None) -> torch.Tensor:
+    """Log-sum-exp of the prompt's attention rows, the first pass of :func:`prompt_scores`.
+
+    Args:
+        query: (B, Hq, q, d) float32, float16 or bfloat16: the queries of the last q of the T prompt tokens (query j
+            is token T - q + j and sees tokens 0 .. T - q + j); any strides over (B, Hq, q) with d contiguous.
+        keys: (B, H, T, d) in the query dtype, Hq a multiple of H (never repeated); strides as for query.
+        log_weights: (B, H, T) float32 per-slot log-weights b (0 for a token, -inf for padding).
+        scale: the model's attention scale, finite and > 0; default ``d ** -0.5``.
+
+    Returns:
+        (B, Hq, q) float32: ``log Σ_i exp(scale * q·k_i + b_i)`` over the slots each row sees (float32 online softmax
+        over key tiles, no (q, T) matrix); -inf for a row whose visible slots are all -inf.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return torch.ops.kvcomp.prompt_log_sum_exp(query, keys, log_weights, scale)
+
+
+def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor, scale: float | None = None,
+                  decay: float = 1.0, input_scale: float = 1.0,
+                  log_sum_exp: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-kv-head scores of a prompt's keys from its q newest queries, at the cost of attention without P·V.
+
+    ``s_i = Σ_j input_scale * decay^(q-1-j) * Σ_g softmax(scale * q_{g,j}·Kᵀ + b)_i`` over the G query heads of each
+    kv head, causal: ZSMerge's prefill scores (decay λ, input_scale 1), WeightedKV's sums (decay 1, 1/G), KeepKV's EMA
+    over its last R queries (decay β, (1-β)/G, the R queries). It equals :func:`update_scores` folding the full
+    attention of those queries one by one, without materialising it: a log-sum-exp pass
+    (:func:`prompt_log_sum_exp`, skipped when ``log_sum_exp`` is given), then one pass adding normalised probabilities
+    over tiles of keys. Older queries whose total weight is below float32 resolution of every score of a key tile
+    (decay < 1) are left out (the bound is documented in ``csrc/kernels/prompt_scores.h``). Deterministic on CPU and
+    CUDA (each score is summed by one task in a fixed order); workspace: tiles only, whatever T.
+
+    Args:
+        query, keys, log_weights, scale: as for :func:`prompt_log_sum_exp`.
+        decay: in (0, 1].
+        input_scale: finite, >= 0.
+        log_sum_exp: (B, Hq, q) float32 from :func:`prompt_log_sum_exp` (or the model's own attention forward).
+
+    Returns:
+        (B, H, T) float32 scores (0 on -inf slots).
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if log_sum_exp is None:
+        log_sum_exp = torch.ops.kvcomp.prompt_log_sum_exp(query, keys, log_weights, scale)
+    return torch.ops.kvcomp.prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale)

@@ -501,3 +501,35 @@ def dms_keep(scores: torch.Tensor, threshold: float, window: int) -> torch.Tenso
     total = scores.shape[-1]
     in_window = torch.arange(total, device=scores.device) >= total - window
     return in_window | ~(scores.float() < torch.tensor(threshold, dtype=torch.float32))
+
+
+def prompt_attention(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor, scale: float):
+    """Full float64 logits ``scale * q·k + b`` of the q newest prompt queries over the T tokens, keys and b repeated
+    over the G query heads, causal (query j is token T - q + j): (B, Hq, q, T), -inf where masked."""
+    group = query.shape[1] // keys.shape[1]
+    num_queries, total_len = query.shape[2], keys.shape[2]
+    k = keys.double().repeat_interleave(group, dim=1)
+    bias = log_weights.double().repeat_interleave(group, dim=1)[:, :, None, :]
+    logits = scale * (query.double() @ k.transpose(-1, -2)) + bias
+    slots = torch.arange(total_len, device=query.device)
+    positions = total_len - num_queries + torch.arange(num_queries, device=query.device)
+    return logits.masked_fill(slots[None, :] > positions[:, None], float("-inf"))
+
+
+def prompt_log_sum_exp(query, keys, log_weights, scale):
+    """``log Σ_i exp(logit_i)`` of every row of :func:`prompt_attention`, float64 (-inf for an empty row)."""
+    return prompt_attention(query, keys, log_weights, scale).logsumexp(-1)
+
+
+def prompt_scores(query, keys, log_weights, scale, decay, input_scale):
+    """The formula in float64: ``s_i = Σ_j input_scale * decay^(q-1-j) Σ_g softmax(logits)[g, j, i]`` with the full
+    softmax of :func:`prompt_attention` (empty rows 0) and the weights written out per query: (B, H, T)."""
+    batch, kv_heads, total_len = log_weights.shape
+    logits = prompt_attention(query, keys, log_weights, scale)
+    empty_row = (logits == float("-inf")).all(-1, keepdim=True)
+    probs = torch.where(empty_row, 0.0, logits.softmax(-1))
+    num_queries = query.shape[2]
+    weights = torch.tensor([input_scale * decay ** (num_queries - 1 - j) for j in range(num_queries)],
+                           dtype=torch.float64, device=query.device)
+    weighted = (probs * weights[:, None]).sum(2)  # (B, Hq, T)
+    return weighted.reshape(batch, kv_heads, -1, total_len).sum(2)

@@ -119,6 +119,17 @@ def _decode_attention_build(r, s, dtype):
     return query, keys, values, log_weights, max(s["d"], 1) ** -0.5
 
 
+def _prompt_attention_build(r, s, dtype):
+    query, keys, _, log_weights, scale = _decode_attention_build(r, s, dtype)
+    return query, keys, log_weights, scale
+
+
+def _prompt_scores_build(r, s, dtype):
+    query, keys, log_weights, scale = _prompt_attention_build(r, s, dtype)
+    log_sum_exp = reference.prompt_log_sum_exp(query, keys, log_weights, scale).float()
+    return query, keys, log_weights, log_sum_exp, scale, r.choice([1.0, 0.98, 0.5]), r.uniform(0, 2)
+
+
 def _weightedkv_sizes(r, o):
     s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "d": o.get("d", r.randint(1, 8)),
          "d_v": o.get("d_v", r.randint(1, 8)), "T": o.get("T", r.randint(4, 16))}
@@ -303,6 +314,12 @@ FUZZ: dict[str, OpFuzz] = {
     "merge_count_bias": OpFuzz(_merge_count_bias_sizes, _merge_count_bias_build, reference.merge_count_bias),
     "decode_attention": OpFuzz(_decode_attention_sizes, _decode_attention_build, reference.decode_attention,
                                tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
+    "prompt_log_sum_exp": OpFuzz(_decode_attention_sizes, _prompt_attention_build, reference.prompt_log_sum_exp,
+                                 tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
+    "prompt_scores": OpFuzz(_decode_attention_sizes, _prompt_scores_build,
+                            lambda q, k, b, lse, scale, decay, input_scale:
+                            reference.prompt_scores(q, k, b, scale, decay, input_scale),
+                            tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
     "weightedkv_evict": OpFuzz(_weightedkv_sizes, _weightedkv_build, reference.weightedkv_evict,
                                tolerance=lambda dtype: _low_precision(dtype)),
     "zsmerge_prefill": OpFuzz(_zsmerge_prefill_sizes, _zsmerge_prefill_build, reference.zsmerge_prefill,

@@ -30,6 +30,7 @@ pipeline can reuse one compressed context for several questions.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,11 +42,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import padding_log_weights, patch_eager_attention
+from kvpress_cpp.attention import (padding_log_weights, patch_eager_attention, request_prefill_log_sum_exp,
+                                   take_prefill_attention)
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "fold_prompt_attention"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "score_prompt"]
 
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -56,24 +58,19 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
     return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
 
 
-def fold_prompt_attention(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                          values: torch.Tensor, log_weights: torch.Tensor, kwargs: dict, decay: float,
-                          input_scale: float, first_query: int = 0, chunk_size: int = 512) -> torch.Tensor:
-    """Scores (B, H, T) of a prompt: the attention of its queries [first_query, T) folded by ``update_scores``.
-
-    The prompt's attention is never materialised whole: each chunk of queries gets its probabilities over the keys
-    it can see (``decode_attention`` is causal over the newest slots), and the scores grow with them, so the result
-    equals folding the queries one at a time (e.g. ZSMerge's Σ_j λ^(T-1-j) A[j, i]).
+def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
+                 kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
+    """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
+    by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. The queries and the
+    log-sum-exp of the layer's own sdpa prompt pass are reused when the press asked for them (CPU, no padding);
+    otherwise the queries are recomputed and the op computes the log-sum-exp.
     """
-    queries = query_states(module, hidden_states, kwargs)
-    total = keys.shape[-2]
-    scores = torch.zeros(*keys.shape[:2], first_query, dtype=torch.float32, device=keys.device)
-    for start in range(first_query, total, chunk_size):
-        end = min(start + chunk_size, total)
-        _, probs = ops.decode_attention(queries[:, :, start:end], keys[:, :, :end], values[:, :, :end],
-                                        log_weights[..., :end], module.scaling)
-        scores = ops.update_scores(scores, probs, decay, input_scale)
-    return scores
+    kept = take_prefill_attention(module, keys.shape[-2])
+    queries, lse = kept if kept is not None else (query_states(module, hidden_states, kwargs), None)
+    queries = queries[:, :, first_query:]
+    if lse is not None:
+        lse = lse[:, :, first_query:]
+    return ops.prompt_scores(queries, keys, log_weights, module.scaling, decay, input_scale, log_sum_exp=lse)
 
 
 @dataclass
@@ -132,6 +129,9 @@ class KVCompPress(BasePress):
     handles_padding: ClassVar[bool] = False
     #: Whether the press can compress a prompt another press already shrank (its slots no longer one per token).
     compresses_compressed_prompt: ClassVar[bool] = False
+    #: Whether compress_prefill scores the prompt with score_prompt: its layers' sdpa prompt pass then keeps its
+    #: queries and their log-sum-exp for it (only while the press's own context is active).
+    scores_prompt: ClassVar[bool] = False
 
     # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,), and the layers
     # whose counts are this rank's heads only, to be gathered over the tensor-parallel ranks.
@@ -303,6 +303,18 @@ class KVCompPress(BasePress):
     def tensor_parallel_limitation(self) -> str | None:
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
         return None
+
+    @contextmanager
+    def __call__(self, model):
+        attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        for module in attention_modules:
+            request_prefill_log_sum_exp(module, self.scores_prompt)
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            for module in attention_modules:
+                request_prefill_log_sum_exp(module, False)
 
 
 @dataclass

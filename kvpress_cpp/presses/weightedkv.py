@@ -16,7 +16,7 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.distributed import query_group_size
-from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["WeightedKVPress"]
@@ -44,6 +44,8 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     evict_only: bool = False
     prefill_chunk_size: int | None = None
 
+    scores_prompt = True
+
     def __post_init__(self):
         if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (
                 isinstance(self.cache_size, float) and 0 < self.cache_size <= 1)):
@@ -66,7 +68,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         group_size = query_group_size(module)
-        sums = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, 1.0, 1.0 / group_size)
+        sums = score_prompt(module, hidden_states, keys, log_weights, kwargs, 1.0, 1.0 / group_size)
         length = keys.shape[-2]
         counts = torch.arange(length, 0, -1, dtype=torch.float32, device=keys.device).expand_as(sums)
         size, sinks, recent = self.regions(length)

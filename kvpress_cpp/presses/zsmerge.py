@@ -15,7 +15,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
-from kvpress_cpp.presses.base import KVCompDecodingPress, fold_prompt_attention
+from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["ZSMergePress"]
@@ -52,6 +52,8 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     eviction_order: str = "authors"
     prefill_chunk_size: int | None = None
 
+    scores_prompt = True
+
     def __post_init__(self):
         if isinstance(self.budget, bool) or not (
             (isinstance(self.budget, int) and self.budget >= 1) or (isinstance(self.budget, float) and 0 < self.budget <= 1)
@@ -84,7 +86,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         return recent, context, self.residual_slots
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        scores = fold_prompt_attention(module, hidden_states, keys, values, log_weights, kwargs, self.decay, 1.0)
+        scores = score_prompt(module, hidden_states, keys, log_weights, kwargs, self.decay, 1.0)
         recent, context, residual = self.split(keys.shape[-2])
         state = LayerState(log_weights, {"scores": scores}, {"recent": recent, "context": context,
                                                              "residual": residual, "tokens_seen": keys.shape[-2]})

@@ -1,0 +1,385 @@
+// CUDA kernels of the prompt_scores family: the log-sum-exp of every prompt query row, then the weighted column sums
+// of the normalised probabilities. Neither materialises more than a 64 x 64 tile of logits (in shared memory) nor
+// computes P·V.
+//
+// Rows are the (query, head-of-group) pairs of one kv head, query-major: row = j * G + g, so a tile of 64 rows holds
+// the newest-or-oldest queries together and GQA never repeats keys. A tile of logits S = Q_tile · K_tileᵀ (64 x 64)
+// is computed from shared memory:
+//   * float16 / bfloat16 with head dim a multiple of 16: tensor cores (WMMA 16x16x16, float32 accumulation), each of
+//     the 4 warps one 16-row strip;
+//   * float32 (or another head dim): plain float32 FMA, each thread an 8 x 4 register block (no TF32: the logits keep
+//     float32 products, as on CPU).
+// log_sum_exp_kernel: one block per (batch, kv-head, row tile) over its key tiles, each warp keeping the online
+//   softmax (kernels::combine) of its 16 rows.
+// scores_kernel: one block per (batch, kv-head, key tile) over the row tiles, newest first, each thread summing one
+//   column over half of the rows in a fixed order; the two halves add in a fixed order. Each score is written by one
+//   block: deterministic, no atomics. Older rows are skipped once kernels::older_queries_negligible holds for the tile.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/prompt_scores.h"
+#include "kvcomp/prompt_scores.h"
+
+namespace kvcomp {
+namespace {
+
+constexpr int kTile = 64;             // rows of a query tile and keys of a key tile
+constexpr int kThreads = 128;         // 4 warps: one 16-row strip each on tensor cores
+constexpr int kLogitStride = kTile + 4;  // floats per row of the logits tile (padding against bank conflicts)
+constexpr int kMaxHeadDim = 256;      // shared memory: two tiles of 64 x d plus the logits
+
+template <typename scalar_t>
+struct Mma {  // the WMMA element type of a cache dtype (float32: no tensor-core path)
+  using type = void;
+};
+template <>
+struct Mma<at::Half> {
+  using type = __half;
+};
+template <>
+struct Mma<at::BFloat16> {
+  using type = __nv_bfloat16;
+};
+
+struct Layout {
+  int64_t query_strides[3];  // batch, head, query (unit stride over d)
+  int64_t key_strides[3];    // batch, head, slot
+  int64_t query_heads, kv_heads, group_size, num_queries, total_len, head_dim;
+  float scale;
+
+  __device__ int64_t rows() const { return group_size * num_queries; }
+  // Prompt position of row r (query r / G): its causal limit.
+  __device__ int64_t position(int64_t row) const { return total_len - num_queries + row / group_size; }
+};
+
+// Element stride of a shared-memory tile row: d padded by 8 elements (WMMA wants ldm a multiple of 8 for 16-bit
+// types; the padding also spreads rows over the banks).
+__host__ __device__ inline int tile_stride(int64_t head_dim) { return static_cast<int>(head_dim) + 8; }
+
+// Rows [row_begin, row_begin + kTile) of kv head (batch, head) into shared memory, zero past the last row.
+template <typename scalar_t>
+__device__ void load_query_tile(const Layout& layout, const scalar_t* __restrict__ query, int64_t batch, int64_t head,
+                                int64_t row_begin, scalar_t* tile) {
+  const int stride = tile_stride(layout.head_dim);
+  for (int64_t i = threadIdx.x; i < kTile * layout.head_dim; i += blockDim.x) {
+    const int64_t r = i / layout.head_dim, e = i % layout.head_dim, row = row_begin + r;
+    scalar_t value = scalar_t(0.0f);
+    if (row < layout.rows()) {
+      const int64_t j = row / layout.group_size, g = row % layout.group_size;
+      value = query[batch * layout.query_strides[0] + (head * layout.group_size + g) * layout.query_strides[1] +
+                    j * layout.query_strides[2] + e];
+    }
+    tile[r * stride + e] = value;
+  }
+}
+
+// Keys [key_begin, key_begin + kTile) of (batch, head) into shared memory, zero past T.
+template <typename scalar_t>
+__device__ void load_key_tile(const Layout& layout, const scalar_t* __restrict__ keys, int64_t batch, int64_t head,
+                              int64_t key_begin, scalar_t* tile) {
+  const int stride = tile_stride(layout.head_dim);
+  for (int64_t i = threadIdx.x; i < kTile * layout.head_dim; i += blockDim.x) {
+    const int64_t c = i / layout.head_dim, e = i % layout.head_dim, slot = key_begin + c;
+    tile[c * stride + e] = slot < layout.total_len
+                               ? keys[batch * layout.key_strides[0] + head * layout.key_strides[1] +
+                                      slot * layout.key_strides[2] + e]
+                               : scalar_t(0.0f);
+  }
+}
+
+// logits[r][c] = Q_tile[r] · K_tile[c] (unscaled) for the 64 x 64 tile; ends with __syncthreads.
+template <typename scalar_t>
+__device__ void tile_logits(const scalar_t* q_tile, const scalar_t* k_tile, int64_t head_dim, float* logits) {
+  const int stride = tile_stride(head_dim);
+  using MmaType = typename Mma<scalar_t>::type;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (!std::is_void_v<MmaType>) {
+    if (head_dim % 16 == 0) {
+      using namespace nvcuda;
+      const int warp = threadIdx.x / 32;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTile / 16];
+      for (auto& a : acc) wmma::fill_fragment(a, 0.0f);
+      const MmaType* q = reinterpret_cast<const MmaType*>(q_tile) + warp * 16 * stride;
+      const MmaType* k = reinterpret_cast<const MmaType*>(k_tile);
+      for (int64_t e = 0; e < head_dim; e += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, MmaType, wmma::row_major> a;
+        wmma::load_matrix_sync(a, q + e, stride);
+        for (int n = 0; n < kTile / 16; ++n) {
+          // K_tile row-major [key][d] is K_tileᵀ column-major.
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, MmaType, wmma::col_major> b;
+          wmma::load_matrix_sync(b, k + n * 16 * stride + e, stride);
+          wmma::mma_sync(acc[n], a, b, acc[n]);
+        }
+      }
+      for (int n = 0; n < kTile / 16; ++n) {
+        wmma::store_matrix_sync(logits + warp * 16 * kLogitStride + n * 16, acc[n], kLogitStride,
+                                wmma::mem_row_major);
+      }
+      __syncthreads();
+      return;
+    }
+  }
+#endif
+  // float32 FMA: thread (ty, tx) computes rows 8 ty .. 8 ty + 7 and columns tx, tx + 16, tx + 32, tx + 48.
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[8][4] = {};
+  for (int64_t e = 0; e < head_dim; ++e) {
+    float kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = static_cast<float>(k_tile[(tx + 16 * c) * stride + e]);
+    for (int r = 0; r < 8; ++r) {
+      const float qv = static_cast<float>(q_tile[(8 * ty + r) * stride + e]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) {
+    for (int c = 0; c < 4; ++c) logits[(8 * ty + r) * kLogitStride + tx + 16 * c] = acc[r][c];
+  }
+  __syncthreads();
+}
+
+// scale · q·k + b of row `row` (prompt position `position`) and slot key_begin + c; -inf on -inf slots (whatever their
+// key holds), past T and past the row's causal limit.
+__device__ inline float masked_logit(const float* logits, int r, int c, int64_t key_begin, int64_t position,
+                                     const float* bias, float scale) {
+  const int64_t slot = key_begin + c;
+  const float b = bias[c];
+  if (slot > position || b == -INFINITY) return -INFINITY;
+  return logits[r * kLogitStride + c] * scale + b;
+}
+
+// Shared memory: query tile, key tile (kTile x (d + 8) scalars each), logits (kTile x kLogitStride floats), the key
+// tile's log-weights (kTile floats).
+template <typename scalar_t>
+size_t shared_bytes(int64_t head_dim) {
+  return 2 * kTile * tile_stride(head_dim) * sizeof(scalar_t) + (kTile * kLogitStride + kTile) * sizeof(float);
+}
+
+template <typename scalar_t>
+struct Shared {
+  scalar_t* q_tile;
+  scalar_t* k_tile;
+  float* logits;
+  float* bias;
+
+  __device__ Shared(unsigned char* raw, int64_t head_dim) {
+    const int64_t tile_elems = kTile * tile_stride(head_dim);
+    q_tile = reinterpret_cast<scalar_t*>(raw);
+    k_tile = q_tile + tile_elems;
+    logits = reinterpret_cast<float*>(k_tile + tile_elems);
+    bias = logits + kTile * kLogitStride;
+  }
+};
+
+__device__ void load_bias(const Layout& layout, const float* __restrict__ log_weights, int64_t pair, int64_t key_begin,
+                          float* bias) {
+  for (int c = threadIdx.x; c < kTile; c += blockDim.x) {
+    const int64_t slot = key_begin + c;
+    bias[c] = slot < layout.total_len ? log_weights[pair * layout.total_len + slot] : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Pass 1
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) log_sum_exp_kernel(Layout layout, const scalar_t* __restrict__ query,
+                                                               const scalar_t* __restrict__ keys,
+                                                               const float* __restrict__ log_weights,
+                                                               float* __restrict__ lse) {  // [B, Hq, q]
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const Shared<scalar_t> smem(shared_raw, layout.head_dim);
+  const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t last_row = (layout.rows() < row_begin + kTile ? layout.rows() : row_begin + kTile) - 1;
+  load_query_tile(layout, query, batch, head, row_begin, smem.q_tile);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  kernels::SoftmaxPartial running[16];  // rows warp * 16 + i; every lane holds the same values
+  const int64_t key_end = layout.position(last_row) + 1;
+  for (int64_t key_begin = 0; key_begin < key_end; key_begin += kTile) {
+    __syncthreads();  // the previous tile's logits and keys are no longer read
+    load_key_tile(layout, keys, batch, head, key_begin, smem.k_tile);
+    load_bias(layout, log_weights, pair, key_begin, smem.bias);
+    __syncthreads();
+    tile_logits(smem.q_tile, smem.k_tile, layout.head_dim, smem.logits);
+    for (int i = 0; i < 16; ++i) {
+      const int r = warp * 16 + i;
+      const int64_t row = row_begin + r;
+      if (row > last_row) break;
+      const int64_t position = layout.position(row);
+      const float a = masked_logit(smem.logits, r, lane, key_begin, position, smem.bias, layout.scale);
+      const float b = masked_logit(smem.logits, r, lane + 32, key_begin, position, smem.bias, layout.scale);
+      float max = fmaxf(a, b);
+      for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
+      float sum = kernels::shifted_exp(a, max) + kernels::shifted_exp(b, max);
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      running[i] = kernels::combine(running[i], kernels::SoftmaxPartial{max, sum});
+    }
+  }
+  if (lane == 0) {
+    for (int i = 0; i < 16; ++i) {
+      const int64_t row = row_begin + warp * 16 + i;
+      if (row > last_row) break;
+      const int64_t j = row / layout.group_size, g = row % layout.group_size;
+      lse[((batch * layout.query_heads) + head * layout.group_size + g) * layout.num_queries + j] =
+          kernels::row_log_sum_exp(running[i]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Pass 2
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) scores_kernel(Layout layout, const scalar_t* __restrict__ query,
+                                                          const scalar_t* __restrict__ keys,
+                                                          const float* __restrict__ log_weights,
+                                                          const float* __restrict__ lse, double decay,
+                                                          double input_scale, float* __restrict__ scores) {
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const Shared<scalar_t> smem(shared_raw, layout.head_dim);
+  __shared__ float row_lse[kTile], row_weight[kTile], half_sums[kThreads], tile_min;
+  const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
+  const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  load_key_tile(layout, keys, batch, head, key_begin, smem.k_tile);
+  load_bias(layout, log_weights, pair, key_begin, smem.bias);
+
+  const int column = threadIdx.x % kTile, half = threadIdx.x / kTile;  // rows half * 32 .. half * 32 + 31
+  float acc = 0.0f;
+  // Rows whose query sees the tile's first key: j >= key_begin - (T - q).
+  const int64_t first_query = key_begin - (layout.total_len - layout.num_queries);
+  const int64_t first_row = (first_query > 0 ? first_query : 0) * layout.group_size;
+  const int64_t row_tiles = (layout.rows() + kTile - 1) / kTile;
+  for (int64_t tile = row_tiles - 1; tile >= first_row / kTile; --tile) {
+    const int64_t row_begin = tile * kTile;
+    __syncthreads();  // the previous tile's rows are no longer read
+    load_query_tile(layout, query, batch, head, row_begin, smem.q_tile);
+    for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
+      const int64_t row = row_begin + r;
+      float value = -INFINITY;
+      if (row < layout.rows()) {
+        const int64_t j = row / layout.group_size, g = row % layout.group_size;
+        value = lse[((batch * layout.query_heads) + head * layout.group_size + g) * layout.num_queries + j];
+      }
+      // A row with nothing to attend to (or past the end) weighs 0; lse 0 then keeps exp's argument -inf.
+      row_lse[r] = value == -INFINITY ? 0.0f : value;
+      row_weight[r] = value == -INFINITY ? 0.0f
+                                         : kernels::query_weight(decay, input_scale,
+                                                                 layout.num_queries - 1 - row / layout.group_size);
+    }
+    __syncthreads();
+    tile_logits(smem.q_tile, smem.k_tile, layout.head_dim, smem.logits);
+    for (int r = half * (kTile / 2); r < (half + 1) * (kTile / 2); ++r) {
+      if (row_weight[r] == 0.0f) continue;
+      const float logit = masked_logit(smem.logits, r, column, key_begin, layout.position(row_begin + r), smem.bias,
+                                       layout.scale);
+      acc = fmaf(row_weight[r], ::expf(logit - row_lse[r]), acc);
+    }
+    if (tile == 0) break;
+    const double bound = kernels::older_queries_weight_bound(decay, input_scale,
+                                                             layout.num_queries - 1 - row_begin / layout.group_size);
+    if (bound < INFINITY) {
+      half_sums[threadIdx.x] = acc;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float min_score = INFINITY;
+        for (int c = 0; c < kTile; ++c) {
+          if (smem.bias[c] != -INFINITY) min_score = fminf(min_score, half_sums[c] + half_sums[c + kTile]);
+        }
+        tile_min = min_score;
+      }
+      __syncthreads();
+      if (kernels::older_queries_negligible(layout.group_size, bound, tile_min)) break;
+    }
+  }
+  __syncthreads();
+  half_sums[threadIdx.x] = acc;
+  __syncthreads();
+  if (half == 0 && key_begin + column < layout.total_len) {
+    scores[pair * layout.total_len + key_begin + column] = half_sums[column] + half_sums[column + kTile];
+  }
+}
+
+static_assert(kThreads == 2 * kTile, "scores_kernel: two threads per column");
+
+Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {
+  return {{query.stride(0), query.stride(1), query.stride(2)},
+          {keys.stride(0), keys.stride(1), keys.stride(2)},
+          shape.query_heads, shape.kv_heads, shape.group_size, shape.num_queries, shape.total_len, shape.head_dim,
+          static_cast<float>(scale)};
+}
+
+at::Tensor unit_stride_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+
+void check_head_dim(const char* op, const PromptScoresShape& shape) {
+  TORCH_CHECK(shape.head_dim <= kMaxHeadDim, op, ": the CUDA kernel supports head dims up to ", kMaxHeadDim,
+              ", got d = ", shape.head_dim);
+}
+
+template <typename Kernel>
+void allow_shared_bytes(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& log_weights,
+                                   double scale) {
+  const PromptScoresShape shape = check_prompt_log_sum_exp(query, keys, log_weights, scale);
+  check_head_dim("kvcomp::prompt_log_sum_exp", shape);
+  const c10::cuda::OptionalCUDAGuard device_guard(query.device());
+  at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
+  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor log_weights_c = log_weights.contiguous();
+  const Layout layout = make_layout(shape, query_c, keys_c, scale);
+  const dim3 grid(static_cast<unsigned>((shape.group_size * shape.num_queries + kTile - 1) / kTile),
+                  static_cast<unsigned>(shape.batch * shape.kv_heads));
+  KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::prompt_log_sum_exp", [&] {
+    const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
+    allow_shared_bytes(log_sum_exp_kernel<scalar_t>, bytes);
+    log_sum_exp_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+        layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+        log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return lse;
+}
+
+at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& log_weights,
+                              const at::Tensor& log_sum_exp, double scale, double decay, double input_scale) {
+  const PromptScoresShape shape =
+      check_prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale);
+  check_head_dim("kvcomp::prompt_scores", shape);
+  const c10::cuda::OptionalCUDAGuard device_guard(query.device());
+  at::Tensor scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
+  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor log_weights_c = log_weights.contiguous(), lse_c = log_sum_exp.contiguous();
+  const Layout layout = make_layout(shape, query_c, keys_c, scale);
+  const dim3 grid(static_cast<unsigned>((shape.total_len + kTile - 1) / kTile),
+                  static_cast<unsigned>(shape.batch * shape.kv_heads));
+  KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::prompt_scores", [&] {
+    const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
+    allow_shared_bytes(scores_kernel<scalar_t>, bytes);
+    scores_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+        layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+        log_weights_c.const_data_ptr<float>(), lse_c.const_data_ptr<float>(), decay, input_scale,
+        scores.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return scores;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) {
+  m.impl("prompt_log_sum_exp", &prompt_log_sum_exp_cuda);
+  m.impl("prompt_scores", &prompt_scores_cuda);
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,71 @@
+// Validation and output shapes of the prompt_scores family (prompt_log_sum_exp, prompt_scores), called first by the CPU and the CUDA kernels alike.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+
+#include "kvcomp/attention.h"
+#include "kvcomp/checks.h"
+
+namespace kvcomp {
+
+// Query j of the q (0-based) is the prompt token T - q + j; its weight is input_scale * decay^(q - 1 - j).
+struct PromptScoresShape {
+  int64_t batch, query_heads, kv_heads, group_size, num_queries, total_len, head_dim;
+};
+
+// The checks both ops of the family share: query over the last q of the T prompt tokens, keys and log-weights.
+inline PromptScoresShape check_prompt_attention(const char* op, const at::Tensor& query, const at::Tensor& keys,
+                                                const at::Tensor& log_weights, double scale) {
+  check_dim(op, "query", query, 4, "(B, Hq, q, d)");
+  check_dim(op, "keys", keys, 4, "(B, H, T, d)");
+  check_dim(op, "log_weights", log_weights, 3, "(B, H, T)");
+  check_floating(op, "query", query);
+  check_dtype(op, "keys", keys, query.scalar_type());
+  check_dtype(op, "log_weights", log_weights, at::kFloat);
+  check_same_device(op, "keys", keys, "query", query);
+  check_same_device(op, "log_weights", log_weights, "query", query);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, op, ": expected a finite scale > 0, got ", scale);
+
+  PromptScoresShape shape{query.size(0), query.size(1), keys.size(1), 0, query.size(2), keys.size(2), query.size(3)};
+  check_size(op, "keys", keys, 0, shape.batch, "batch of query");
+  TORCH_CHECK(shape.kv_heads > 0 && shape.query_heads > 0 && shape.query_heads % shape.kv_heads == 0, op,
+              ": expected the ", shape.query_heads, " query heads of query to be a positive multiple of the ",
+              shape.kv_heads, " kv heads of keys");
+  shape.group_size = shape.query_heads / shape.kv_heads;
+  TORCH_CHECK(shape.head_dim > 0, op, ": expected a head dim d >= 1, got query of shape ", query.sizes());
+  check_size(op, "keys", keys, 3, shape.head_dim, "head dim d of query");
+  check_size(op, "log_weights", log_weights, 0, shape.batch, "batch of keys");
+  check_size(op, "log_weights", log_weights, 1, shape.kv_heads, "kv heads of keys");
+  check_size(op, "log_weights", log_weights, 2, shape.total_len, "prompt length T of keys");
+  TORCH_CHECK(shape.total_len >= 1, op, ": expected a prompt of T >= 1 tokens, got keys of shape ", keys.sizes());
+  TORCH_CHECK(shape.num_queries >= 1 && shape.num_queries <= shape.total_len, op,
+              ": expected 1 <= q <= T (the q queries are the last q of the T prompt tokens), got q = ",
+              shape.num_queries, " and T = ", shape.total_len);
+  return shape;
+}
+
+inline PromptScoresShape check_prompt_log_sum_exp(const at::Tensor& query, const at::Tensor& keys,
+                                                  const at::Tensor& log_weights, double scale) {
+  return check_prompt_attention("kvcomp::prompt_log_sum_exp", query, keys, log_weights, scale);
+}
+
+inline PromptScoresShape check_prompt_scores(const at::Tensor& query, const at::Tensor& keys,
+                                             const at::Tensor& log_weights, const at::Tensor& log_sum_exp,
+                                             double scale, double decay, double input_scale) {
+  constexpr const char* op = "kvcomp::prompt_scores";
+  const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
+  check_dim(op, "log_sum_exp", log_sum_exp, 3, "(B, Hq, q)");
+  check_dtype(op, "log_sum_exp", log_sum_exp, at::kFloat);
+  check_same_device(op, "log_sum_exp", log_sum_exp, "query", query);
+  for (int64_t dim = 0; dim < 3; ++dim) {
+    check_size(op, "log_sum_exp", log_sum_exp, dim, query.size(dim), "the size of query");
+  }
+  TORCH_CHECK(decay > 0.0 && decay <= 1.0, op, ": expected decay in (0, 1], got ", decay);
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0.0, op, ": expected a finite input_scale >= 0, got ",
+              input_scale);
+  return shape;
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,53 @@
+// Device-free math of the prompt_scores family (kvcomp::prompt_log_sum_exp, kvcomp::prompt_scores), used by the CPU
+// loops, the CUDA kernels and GoogleTest.
+//
+// The scores of a prompt's keys from its q newest queries j (prompt token T - q + j), per kv head h:
+//   s_i = Σ_j w_j Σ_{g in the group of h} p_{g,j,i},   p_{g,j,i} = exp(scale q_{g,j}·k_i + b_i - lse_{g,j}),
+//   w_j = input_scale · decay^(q-1-j),               lse_{g,j} = log Σ_{i' <= T-q+j} exp(scale q_{g,j}·k_i' + b_i').
+// Two passes, neither holding more than a tile of logits: the log-sum-exp of every query row (online softmax over key
+// tiles, SoftmaxPartial of attention.h), then for every key tile the weighted sums of the normalised probabilities,
+// queries from the newest to the oldest. Every term is >= 0, so a key tile's partial sums only grow, and once the
+// weights of all older queries together cannot reach half an ulp of its smallest partial score the rest is skipped
+// (older_queries_negligible).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention.h"
+#include "common.h"
+
+namespace kvcomp::kernels {
+
+// log Σ exp(logit) of a row from its softmax statistics; -inf for a row with nothing to attend to (sum 0).
+KVCOMP_HOST_DEVICE inline float row_log_sum_exp(SoftmaxPartial row) {
+  return row.sum == 0.0f ? -INFINITY : row.max + ::logf(row.sum);
+}
+
+// w_j of the query `age` = q - 1 - j steps older than the newest: input_scale · decay^age (ZSMerge λ^(T-1-j) with
+// input_scale 1; WeightedKV decay 1, 1/G; KeepKV's EMA decay β, (1-β)/G).
+KVCOMP_HOST_DEVICE inline float query_weight(double decay, double input_scale, int64_t age) {
+  return static_cast<float>(input_scale * ::pow(decay, static_cast<double>(age)));
+}
+
+// An upper bound on the summed weights of every query at least `age` steps old: Σ_{k >= age} input_scale · decay^k =
+// input_scale · decay^age / (1 - decay); +inf for decay = 1 (plain sums never fade, nothing is skipped).
+KVCOMP_HOST_DEVICE inline double older_queries_weight_bound(double decay, double input_scale, int64_t age) {
+  if (decay >= 1.0) return INFINITY;
+  return input_scale * ::pow(decay, static_cast<double>(age)) / (1.0 - decay);
+}
+
+// Whether the queries bounded by `weight_bound` can be left out of a key tile whose smallest partial score (over its
+// attended slots, newer queries only) is min_partial_score. Each query adds at most w_j · G to a score (G
+// probabilities <= 1), so together they add at most G · weight_bound. A float32 x in [2^e, 2^(e+1)) has
+// ulp(x) = 2^(e-23) > 2^-24 x: a total below 2^-25 x is less than half an ulp of x and cannot change its float32
+// rounding. The bound asks for 2^-26, twice that margin, so that the computed partial score may sit below the exact
+// one by its own rounding. The skipped queries are therefore provably below float32 resolution (the result is not
+// bitwise the unskipped sum, whose order of additions differs anyway). A tile holding a zero score never skips.
+KVCOMP_HOST_DEVICE inline bool older_queries_negligible(int64_t group_size, double weight_bound,
+                                                        float min_partial_score) {
+  return min_partial_score > 0.0f &&
+         static_cast<double>(group_size) * weight_bound < ::ldexp(static_cast<double>(min_partial_score), -26);
+}
+
+}  // namespace kvcomp::kernels

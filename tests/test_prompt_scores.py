@@ -1,0 +1,271 @@
+"""kvcomp::prompt_log_sum_exp and kvcomp::prompt_scores against a float64 plain-PyTorch reference written from the
+formula (full softmax, explicit weights), the skip of negligible old queries, determinism, opcheck, torch.compile and
+bad input; then the presses that score their prompt with them (ZSMerge, WeightedKV, KeepKV) against the folding they
+did before (decode_attention's probabilities of 512-query chunks folded by update_scores), re-implemented here in
+plain PyTorch, on SmolLM2. CUDA cases run when a GPU is present."""
+
+import math
+
+import pytest
+import torch
+
+import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from kvpress_cpp import ops
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses import base as press_base
+from kvpress_cpp.presses.base import query_states
+from kvpress_cpp.presses.keepkv import KeepKVPress
+from kvpress_cpp.presses.weightedkv import WeightedKVPress
+from kvpress_cpp.presses.zsmerge import ZSMergePress
+from tests import reference
+from tests.generation import greedy
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The kernels and the float64 reference see the same rounded inputs; the kernels' logits are float32 (products of
+# |scale q·k| up to ~20 here, so ~2e-6 absolute, which a probability carries as a relative error), and on CUDA the
+# half-precision products accumulate in float32 on tensor cores.
+SCORE_TOL = dict(rtol=5e-5, atol=1e-6)
+LSE_TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+def make_inputs(batch, query_heads, kv_heads, num_queries, total_len, head_dim, dtype=torch.float32, device="cpu",
+                seed=0, padding=0.1):
+    """query (B, Hq, q, d), keys (B, H, T, d), log_weights (B, H, T): merged slots (b = 0.6 ln w) and a fraction of
+    -inf (padding or evicted) slots."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, query_heads, num_queries, head_dim, generator=generator)
+    keys = torch.randn(batch, kv_heads, total_len, head_dim, generator=generator)
+    counts = 1 + 4 * torch.rand(batch, kv_heads, total_len, generator=generator)
+    counts[torch.rand(batch, kv_heads, total_len, generator=generator) < padding] = 0
+    log_weights = reference.merge_count_bias(counts, 0.6)
+    return query.to(device, dtype), keys.to(device, dtype), log_weights.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,query_heads,kv_heads", [(1, 9, 3), (2, 4, 4)], ids=["gqa", "mha-b2"])
+@pytest.mark.parametrize("num_queries,total_len", [(1, 1), (1, 37), (37, 37), (130, 300), (45, 300)])
+@pytest.mark.parametrize("decay,input_scale", [(1.0, 1 / 3), (0.98, 1.0), (0.5, 0.05)])
+def test_matches_reference(device, dtype, batch, query_heads, kv_heads, num_queries, total_len, decay, input_scale):
+    """T not a multiple of the key tile (128), q across query tiles (64), q < T (first_query > 0), padding."""
+    query, keys, log_weights = make_inputs(batch, query_heads, kv_heads, num_queries, total_len, 24, dtype, device)
+    scale = 24 ** -0.5
+    lse = ops.prompt_log_sum_exp(query, keys, log_weights, scale)
+    assert lse.dtype == torch.float32 and lse.shape == query.shape[:3]
+    torch.testing.assert_close(lse.double(), reference.prompt_log_sum_exp(query, keys, log_weights, scale),
+                               **LSE_TOL)
+    scores = ops.prompt_scores(query, keys, log_weights, scale, decay, input_scale)
+    assert scores.dtype == torch.float32 and scores.shape == log_weights.shape
+    expected = reference.prompt_scores(query, keys, log_weights, scale, decay, input_scale)
+    torch.testing.assert_close(scores.double(), expected, **SCORE_TOL)
+    assert bool((scores[log_weights == -math.inf] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dim_128_and_strided_views(device):
+    """d = 128 (Llama-3-shaped), keys a view of a longer buffer, queries transposed from (B, T, Hq, d)."""
+    query, keys, log_weights = make_inputs(1, 8, 2, 200, 333, 128, device=device, padding=0.0)
+    buffer = torch.zeros(1, 2, 400, 128, device=device)
+    buffer[:, :, :333] = keys
+    strided_query = query.transpose(1, 2).contiguous().transpose(1, 2)
+    scores = ops.prompt_scores(strided_query, buffer[:, :, :333], log_weights, 0.09, 0.98, 1.0)
+    torch.testing.assert_close(scores.double(), reference.prompt_scores(query, keys, log_weights, 0.09, 0.98, 1.0),
+                               **SCORE_TOL)
+
+
+def test_given_log_sum_exp_skips_the_first_pass():
+    """With the log-sum-exp handed in, the scores are the same (the pass that computes it is then not run)."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 90, 90, 16)
+    lse = ops.prompt_log_sum_exp(query, keys, log_weights, 0.25)
+    torch.testing.assert_close(ops.prompt_scores(query, keys, log_weights, 0.25, 0.9, 1.0, log_sum_exp=lse),
+                               ops.prompt_scores(query, keys, log_weights, 0.25, 0.9, 1.0), rtol=0, atol=0)
+
+
+def test_negligible_old_queries_are_never_read():
+    """decay = 0.5: after the newest 64 queries, all older ones weigh < 2 · 0.5^64 < 2^-26 of any score here, so they
+    are skipped (older_queries_negligible): NaN planted in their queries cannot reach the scores, which equal the
+    formula over the clean queries to float32 resolution."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 500, 500, 16, padding=0.0)
+    poisoned = query.clone()
+    poisoned[:, :, :300] = float("nan")
+    scores = ops.prompt_scores(poisoned, keys, log_weights, 0.25, 0.5, 1.0,
+                               log_sum_exp=ops.prompt_log_sum_exp(query, keys, log_weights, 0.25))
+    expected = reference.prompt_scores(query, keys, log_weights, 0.25, 0.5, 1.0)
+    assert bool(torch.isfinite(scores).all())
+    torch.testing.assert_close(scores.double(), expected, **SCORE_TOL)
+
+
+def test_plain_sums_skip_nothing():
+    """decay = 1 never fades: NaN in an old query reaches every key it sees, while the other kv head stays finite."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 200, 200, 16, padding=0.0)
+    query[:, 0, 10] = float("nan")
+    scores = ops.prompt_scores(query, keys, log_weights, 0.25, 1.0, 0.5)
+    assert bool(scores[:, 0, :11].isnan().all()) and bool(torch.isfinite(scores[:, 1]).all())
+
+
+def test_row_with_nothing_to_attend_adds_nothing():
+    """A query whose visible slots are all -inf has lse -inf and contributes 0, never NaN."""
+    query, keys, log_weights = make_inputs(1, 2, 1, 10, 10, 8, padding=0.0)
+    log_weights[..., :3] = -math.inf
+    lse = ops.prompt_log_sum_exp(query, keys, log_weights, 0.3)
+    assert bool((lse[..., :3] == -math.inf).all())
+    scores = ops.prompt_scores(query, keys, log_weights, 0.3, 1.0, 1.0, log_sum_exp=lse)
+    torch.testing.assert_close(scores.double(), reference.prompt_scores(query, keys, log_weights, 0.3, 1.0, 1.0),
+                               **SCORE_TOL)
+
+
+def test_deterministic_whatever_the_thread_count():
+    query, keys, log_weights = make_inputs(2, 8, 2, 300, 300, 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.prompt_scores(query, keys, log_weights, 0.2, 0.98, 1.0)
+        torch.set_num_threads(2)
+        two = ops.prompt_scores(query, keys, log_weights, 0.2, 0.98, 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    query, keys, log_weights = make_inputs(1, 4, 2, 20, 33, 16, device=device)
+    lse = ops.prompt_log_sum_exp(query, keys, log_weights, 0.25)
+    torch.library.opcheck(torch.ops.kvcomp.prompt_log_sum_exp.default, (query, keys, log_weights, 0.25))
+    torch.library.opcheck(torch.ops.kvcomp.prompt_scores.default, (query, keys, log_weights, lse, 0.25, 0.9, 0.5))
+
+
+def test_compile_fullgraph():
+    query, keys, log_weights = make_inputs(1, 4, 2, 20, 33, 16)
+
+    def scores(q, k, b):
+        return ops.prompt_scores(q, k, b, 0.25, 0.98, 1.0) * 2
+
+    compiled = torch.compile(scores, fullgraph=True)
+    torch.testing.assert_close(compiled(query, keys, log_weights), scores(query, keys, log_weights))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(query=torch.zeros(4, 20, 16)), "kvcomp::prompt_scores: expected query of shape (B, Hq, q, d), got a 3-d"),
+    (dict(keys=torch.zeros(1, 2, 33, 16, dtype=torch.float64)), "expected keys of dtype Float, got Double"),
+    (dict(query=torch.zeros(1, 4, 20, 16, dtype=torch.float64), keys=torch.zeros(1, 2, 33, 16, dtype=torch.float64)),
+     "expected query of dtype float32, float16 or bfloat16, got Double"),
+    (dict(log_weights=torch.zeros(1, 2, 33, dtype=torch.float16)), "expected log_weights of dtype Float"),
+    (dict(decay=0.0), "kvcomp::prompt_scores: expected decay in (0, 1], got 0"),
+    (dict(decay=1.5), "expected decay in (0, 1], got 1.5"),
+    (dict(decay=math.nan), "expected decay in (0, 1], got nan"),
+    (dict(input_scale=-1.0), "expected a finite input_scale >= 0, got -1"),
+    (dict(scale=0.0), "expected a finite scale > 0, got 0"),
+    (dict(query=torch.zeros(1, 4, 34, 16)), "expected 1 <= q <= T (the q queries are the last q of the T prompt "
+     "tokens), got q = 34 and T = 33"),
+    (dict(query=torch.zeros(1, 3, 20, 16)), "the 3 query heads of query to be a positive multiple of the 2 kv heads"),
+    (dict(keys=torch.zeros(1, 2, 33, 8)), "expected keys.size(3) == 16 (head dim d of query)"),
+    (dict(log_sum_exp=torch.zeros(1, 4, 19)), "expected log_sum_exp.size(2) == 20"),
+])
+def test_bad_input_names_the_op_and_value(change, message):
+    args = dict(query=torch.zeros(1, 4, 20, 16), keys=torch.zeros(1, 2, 33, 16), log_weights=torch.zeros(1, 2, 33),
+                log_sum_exp=torch.zeros(1, 4, 20), scale=0.25, decay=0.9, input_scale=1.0)
+    args.update(change)
+    with pytest.raises(RuntimeError, match="kvcomp::prompt_scores") as error:
+        torch.ops.kvcomp.prompt_scores(*args.values())
+    assert message in str(error.value)
+
+
+def test_empty_prompt_is_refused():
+    with pytest.raises(RuntimeError, match=r"kvcomp::prompt_log_sum_exp: expected a prompt of T >= 1 tokens"):
+        ops.prompt_log_sum_exp(torch.zeros(1, 4, 0, 16), torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0))
+
+
+@CUDA
+def test_wrong_device_is_refused():
+    query, keys, log_weights = make_inputs(1, 4, 2, 20, 33, 16)
+    with pytest.raises(RuntimeError, match="kvcomp::prompt_log_sum_exp: expected keys on the device of query"):
+        ops.prompt_log_sum_exp(query.cuda(), keys, log_weights.cuda())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The presses, before and after: the folding they ran before this op, in plain PyTorch
+
+
+def folded_prompt_attention(module, hidden_states, keys, log_weights, kwargs, decay, input_scale, first_query=0,
+                            chunk_size=512):
+    """The presses' former prompt scoring: each 512-query chunk's full attention probabilities (decode_attention's
+    reference) folded into the scores one query at a time (update_scores' reference)."""
+    queries = query_states(module, hidden_states, kwargs)
+    total = keys.shape[-2]
+    scores = torch.zeros(*keys.shape[:2], first_query, dtype=torch.float32)
+    for start in range(first_query, total, chunk_size):
+        end = min(start + chunk_size, total)
+        _, probs = reference.decode_attention(queries[:, :, start:end], keys[:, :, :end], keys[:, :, :end],
+                                              log_weights[..., :end], module.scaling)
+        scores = reference.update_scores(scores, probs, decay, input_scale)
+    return scores
+
+
+@pytest.fixture(scope="module")
+def austen_prompt(default_model):
+    from kvpress_cpp.texts import austen_text
+
+    _, tokenizer = default_model
+    return tokenizer(austen_text()[:6000], return_tensors="pt").input_ids[:, :700]
+
+
+@pytest.mark.parametrize("press", [ZSMergePress(budget=0.25), WeightedKVPress(cache_size=0.25),
+                                   KeepKVPress(budget=0.25)], ids=["zsmerge", "weightedkv", "keepkv"])
+def test_presses_keep_the_same_cache_as_before(default_model, austen_prompt, press, monkeypatch):
+    """SmolLM2, a 700-token Austen prompt, 4 generated tokens. Same slots kept, same counts / sums / EMA and the same
+    merged keys and values as with the former folding, and the same tokens. Tolerance: the scores' float32 rounding
+    (rtol 1e-4; the two sides differ by ~1e-6 relative); merged values are weighted by those scores (WeightedKV) and
+    carry the same relative error (rtol 1e-4, atol 1e-5); a different slot would differ by O(1)."""
+    model, _ = default_model
+    tokens, cache = greedy(model, austen_prompt, press=press, max_new_tokens=4)
+    monkeypatch.setattr(press_base, "take_prefill_attention", lambda module, length: None)
+    for name in ("zsmerge", "weightedkv", "keepkv"):
+        monkeypatch.setattr(f"kvpress_cpp.presses.{name}.score_prompt", folded_prompt_attention)
+    before_tokens, before = greedy(model, austen_prompt, press=press, max_new_tokens=4)
+    assert torch.equal(tokens, before_tokens)
+    for layer, before_layer in zip(cache.layers, before.layers):
+        torch.testing.assert_close(layer.keys, before_layer.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.values, before_layer.values, rtol=1e-4, atol=1e-5)
+        state, before_state = get_state(layer), get_state(before_layer)
+        torch.testing.assert_close(state.log_weights, before_state.log_weights, rtol=1e-5, atol=1e-6)
+        for name, per_slot in state.per_slot.items():
+            torch.testing.assert_close(per_slot, before_state.per_slot[name], rtol=1e-4, atol=1e-7)
+
+
+def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default_model, austen_prompt):
+    """The prompt pass that keeps the queries and the log-sum-exp (ATen's flash kernel, GQA without repeated keys)
+    gives the model the same logits as sdpa; the queries are the layer's, the log-sum-exp the formula's."""
+    from kvpress_cpp.attention import request_prefill_log_sum_exp, take_prefill_attention
+
+    model, _ = default_model
+    ids = austen_prompt[:, :200]
+    attention = model.model.layers[3].self_attn
+    with torch.no_grad():
+        plain = model(ids).logits
+        seen = {}
+
+        def keep(module, args, kwargs, output):
+            seen["hidden"], seen["kwargs"] = kwargs["hidden_states"], kwargs
+
+        handle = attention.register_forward_hook(keep, with_kwargs=True)
+        for module in model.modules():
+            if hasattr(module, "layer_idx") and hasattr(module, "scaling"):
+                request_prefill_log_sum_exp(module, True)
+        try:
+            kept = model(ids, use_cache=True)
+            queries = query_states(attention, seen["hidden"], seen["kwargs"])
+            handed = take_prefill_attention(attention, ids.shape[1])
+        finally:
+            handle.remove()
+            for module in model.modules():
+                if hasattr(module, "layer_idx") and hasattr(module, "scaling"):
+                    request_prefill_log_sum_exp(module, False)
+        assert torch.equal(kept.logits, plain)
+        keys = kept.past_key_values.layers[3].keys
+        expected = reference.prompt_log_sum_exp(queries, keys, torch.zeros(keys.shape[:3]), attention.scaling)
+    assert handed is not None
+    torch.testing.assert_close(handed[0], queries)
+    torch.testing.assert_close(handed[1].double(), expected, **LSE_TOL)
