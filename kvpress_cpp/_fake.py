@@ -105,3 +105,19 @@ def _kvzap_score_fake(hidden, weight1, bias1, weight2=None, bias2=None):
 def _kvzap_threshold_fake(log_weights, scores, positions, threshold, window, tokens_before, tokens_after):
     held = log_weights.new_empty(log_weights.shape[:2], dtype=torch.int64)
     return log_weights.new_empty(log_weights.shape), held
+
+
+@torch.library.register_fake("kvcomp::paged_decode_attention")
+def _paged_decode_attention_fake(query, key_blocks, value_blocks, log_weight_blocks, block_tables, lengths, scale,
+                                 return_probs):
+    torch._check(
+        key_blocks.shape[-1] == query.shape[-1] and block_tables.shape[:2] == lengths.shape,
+        lambda: f"kvcomp::paged_decode_attention: expected key_blocks (N, S, d) with the d of query and lengths over "
+        f"the (B, H) of block_tables, got query {tuple(query.shape)}, key_blocks {tuple(key_blocks.shape)}, "
+        f"block_tables {tuple(block_tables.shape)} and lengths {tuple(lengths.shape)}",
+    )
+    batch, query_heads, num_queries, _ = query.shape
+    width = torch.library.get_ctx().new_dynamic_size() if return_probs else 0
+    out = query.new_empty(query.shape)
+    probs = query.new_empty((batch, query_heads, num_queries, width), dtype=torch.float32)
+    return out, probs

@@ -96,8 +96,10 @@ class KVCompPress(BasePress):
             return output
         layer = cache.layers[module.layer_idx]
         hidden_states = kwargs["hidden_states"]
+        is_prefill = layer.get_seq_length() == hidden_states.shape[1]
+        if not is_prefill and not isinstance(self, KVCompDecodingPress):
+            return output  # read no keys: on a PagedKVCache that would gather the whole layer at every step
         keys, values = layer.keys, layer.values
-        is_prefill = keys.shape[-2] == hidden_states.shape[1]
         attentions = output[1] if len(output) > 1 else None
         if is_prefill:
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
