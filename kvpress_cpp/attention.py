@@ -80,6 +80,8 @@ def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Te
     transformers' mask, as the rectangular path folds it into b), so a shorter prompt of a batch holds only its own
     blocks. Probabilities come back over the view's columns, for a press's hook, on later passes only (a prefill's
     (q, T) probabilities would be the size of the prompt squared)."""
+    if layer.last_pass_was_prefill:
+        module.masked_key_indices = None  # kvpress's head-wise presses expect it (its own patch resets it at prefill)
     layer.attended_by(module)
     if layer.last_pass_was_prefill and attention_mask is not None:
         layer.drop_padding(padding_log_weights(attention_mask, *layer.lengths.shape, layer.get_seq_length(),

@@ -204,13 +204,14 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def kvcomp_state(self) -> LayerState | None:
-        """The press's state over the view's columns (:func:`kvpress_cpp.cache.get_state`), None without one."""
+        """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. As on a DynamicLayer it covers
+        the view's columns up to the last write (the base part): the tokens appended since are the press's to add."""
         if not self.is_initialized:
             return None
         self.flush()
         if not self.has_state:
             return None
-        columns = self._view_columns()
+        columns = self._view_columns()[..., :int(self.bases.max())]
         per_slot = {name: self._gather_slots(pool, columns, 0) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
         return LayerState(self._gather_slots(self.slot_blocks[_LOG_WEIGHTS], columns, float("-inf")), per_slot,

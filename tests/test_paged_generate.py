@@ -59,7 +59,7 @@ def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate
     model, tokenizer = make_model()
     model.set_attn_implementation(attn)
     patch_eager_attention(model)
-    ids = prompt_ids(tokenizer, 64)
+    ids = prompt_ids(tokenizer, 96)
     rectangular_cache, paged_cache = DynamicCache(), PagedKVCache(block_size=4)
     expected = greedy(model, ids, rectangular_cache, PRESSES[name](surrogate_dir))
     got = greedy(model, ids, paged_cache, PRESSES[name](surrogate_dir))
