@@ -9,13 +9,7 @@ import torch
 import kvpress_cpp  # noqa: F401
 from kvpress_cpp import ops
 from tests import reference
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-OUT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
-           torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
-PROBS_TOL = dict(rtol=2e-5, atol=2e-6)
+from tests.test_attention_ops import CUDA, DEVICES, DTYPES, OUT_TOL, PROBS_TOL
 
 
 def make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype=torch.float32, device="cpu", seed=0,

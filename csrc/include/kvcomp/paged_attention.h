@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "kvcomp/attention.h"
 #include "kvcomp/checks.h"
 
@@ -18,7 +20,7 @@ struct PagedAttentionShape {
 
 // Checks shapes, dtypes and devices, and the block tables' contents: every length in [0, max_blocks * block_size] and
 // every block a (b, h) uses (the first ceil(length / block_size) entries of its table) in [0, num_blocks). Reading
-// the contents costs one host sync on a GPU (a single item()); the longest length comes from the same sync.
+// the contents costs one host sync on a GPU; the longest length comes from the same sync.
 inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query, const at::Tensor& key_blocks,
                                                         const at::Tensor& value_blocks,
                                                         const at::Tensor& log_weight_blocks,
@@ -49,11 +51,7 @@ inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query,
   TORCH_CHECK(shape.block_size >= 1, op, ": expected a block size (key_blocks.size(1)) >= 1, got ",
               shape.block_size);
   check_size(op, "block_tables", block_tables, 0, shape.batch, "batch of query");
-  TORCH_CHECK(shape.kv_heads > 0 && shape.query_heads > 0 && shape.query_heads % shape.kv_heads == 0, op,
-              ": expected the ", shape.query_heads, " query heads of query to be a positive multiple of the ",
-              shape.kv_heads, " kv heads of block_tables");
-  shape.group_size = shape.query_heads / shape.kv_heads;
-  TORCH_CHECK(shape.head_dim > 0, op, ": expected a head dim d >= 1, got query of shape ", query.sizes());
+  shape.group_size = check_query_group(op, query, shape.kv_heads, "block_tables");
   TORCH_CHECK(shape.num_queries >= 1, op, ": expected at least one query, got query of shape ", query.sizes());
   check_size(op, "key_blocks", key_blocks, 2, shape.head_dim, "head dim d of query");
   for (int64_t dim = 0; dim < 3; ++dim) {
@@ -65,20 +63,40 @@ inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query,
   check_size(op, "lengths", lengths, 1, shape.kv_heads, "kv heads of block_tables");
   if (shape.batch * shape.kv_heads == 0) return shape;
 
-  // One reduction on the tables' own device, one sync: [longest length, shortest length, blocks used out of range].
-  const int64_t capacity = shape.max_blocks * shape.block_size;
-  const at::Tensor blocks_used = (lengths + (shape.block_size - 1)).div(shape.block_size, "floor");
-  const at::Tensor used = at::arange(shape.max_blocks, lengths.options()).view({1, 1, -1}) < blocks_used.unsqueeze(-1);
-  const at::Tensor out_of_range = used & ((block_tables < 0) | (block_tables >= shape.num_blocks));
-  const at::Tensor first_bad = at::where(out_of_range.flatten(), at::arange(out_of_range.numel(), lengths.options()),
-                                         out_of_range.numel()).min();
-  const at::Tensor summary = at::stack({lengths.max(), lengths.min(), first_bad}).cpu();
-  const int64_t* values = summary.const_data_ptr<int64_t>();
-  shape.max_len = values[0];
-  TORCH_CHECK(values[1] >= 0 && shape.max_len <= capacity, op, ": expected every length in [0, ", capacity,
-              "] (max_blocks * block size), got lengths from ", values[1], " to ", shape.max_len);
-  if (values[2] < out_of_range.numel()) {
-    const int64_t entry = values[2];
+  // [longest length, shortest length, first used table entry out of range (numel if none)]: a loop over the tables
+  // on the host; on a GPU one reduction on the device and one sync.
+  const int64_t capacity = shape.max_blocks * shape.block_size, entries = block_tables.numel();
+  int64_t summary[3] = {0, capacity, entries};
+  if (lengths.is_cpu()) {
+    const at::Tensor lengths_c = lengths.contiguous(), tables_c = block_tables.contiguous();
+    const int64_t* length = lengths_c.const_data_ptr<int64_t>();
+    const int64_t* table = tables_c.const_data_ptr<int64_t>();
+    summary[0] = summary[1] = length[0];
+    for (int64_t pair = 0; pair < shape.batch * shape.kv_heads; ++pair) {
+      summary[0] = std::max(summary[0], length[pair]);
+      summary[1] = std::min(summary[1], length[pair]);
+      const int64_t used = std::clamp<int64_t>((length[pair] + shape.block_size - 1) / shape.block_size, 0,
+                                               shape.max_blocks);
+      for (int64_t i = 0; i < used && summary[2] == entries; ++i) {
+        const int64_t block = table[pair * shape.max_blocks + i];
+        if (block < 0 || block >= shape.num_blocks) summary[2] = pair * shape.max_blocks + i;
+      }
+    }
+  } else {
+    const at::Tensor blocks_used = (lengths + (shape.block_size - 1)).div(shape.block_size, "floor");
+    const at::Tensor used =
+        at::arange(shape.max_blocks, lengths.options()).view({1, 1, -1}) < blocks_used.unsqueeze(-1);
+    const at::Tensor out_of_range = used & ((block_tables < 0) | (block_tables >= shape.num_blocks));
+    const at::Tensor first_bad =
+        at::where(out_of_range.flatten(), at::arange(entries, lengths.options()), entries).min();
+    const at::Tensor on_host = at::stack({lengths.max(), lengths.min(), first_bad}).cpu();
+    std::copy_n(on_host.const_data_ptr<int64_t>(), 3, summary);
+  }
+  shape.max_len = summary[0];
+  TORCH_CHECK(summary[1] >= 0 && shape.max_len <= capacity, op, ": expected every length in [0, ", capacity,
+              "] (max_blocks * block size), got lengths from ", summary[1], " to ", shape.max_len);
+  if (summary[2] < entries) {
+    const int64_t entry = summary[2];
     const int64_t block = block_tables.flatten()[entry].item<int64_t>();
     TORCH_CHECK(false, op, ": block table index out of range: block_tables[", entry / (shape.kv_heads * shape.max_blocks),
                 ", ", entry / shape.max_blocks % shape.kv_heads, ", ", entry % shape.max_blocks, "] = ", block,
