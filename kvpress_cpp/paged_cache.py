@@ -78,8 +78,7 @@ class PagedLayer(CacheLayerMixin):
         self.has_state = False
         self.last_pass_tokens, self.last_pass_was_prefill = 0, False
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
-        self._view = None
-        self._device_tables = None
+        self._view = self._device_tables = self._layout = None
         self._module = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -96,6 +95,7 @@ class PagedLayer(CacheLayerMixin):
         self.block_tables = torch.full((batch, heads, 0), -1, dtype=torch.long)
         self.lengths = torch.zeros(batch, heads, dtype=torch.long)
         self.bases = torch.zeros(batch, heads, dtype=torch.long)
+        self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -112,7 +112,12 @@ class PagedLayer(CacheLayerMixin):
         before = self.lengths
         self.last_pass_was_prefill = bool((before == 0).all())
         self.last_pass_tokens = new_tokens
-        self._resize(before + new_tokens)
+        after = before + new_tokens
+        if bool((after <= self._owned_slots).all()):  # the usual decoding step: no head needs a new block
+            self.lengths = after
+            self._changed()
+        else:
+            self._resize(after)
         columns = before.unsqueeze(-1) + torch.arange(new_tokens)
         slots = self._flat_slots(columns).flatten()
         self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
@@ -211,10 +216,10 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         if not self.has_state:
             return None
-        columns = self._view_columns()[..., :int(self.bases.max())]
-        per_slot = {name: self._gather_slots(pool, columns, 0) for name, pool in self.slot_blocks.items()
+        width = int(self.bases.max())
+        per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
-        return LayerState(self._gather_slots(self.slot_blocks[_LOG_WEIGHTS], columns, float("-inf")), per_slot,
+        return LayerState(self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width), per_slot,
                           self.counters)
 
     @kvcomp_state.setter
@@ -268,9 +273,10 @@ class PagedLayer(CacheLayerMixin):
 
     def probs_to_view(self, probs: torch.Tensor) -> torch.Tensor:
         """Attention probabilities (B, Hq, q, max length) over each head's slots → over the view's columns."""
+        width = self._width()
+        if probs.shape[-1] == width and bool((self.lengths == width).all()):
+            return probs  # no padding: column t is slot t of every head
         columns = self._view_columns()
-        if bool((columns == torch.arange(columns.shape[-1])).all()) and columns.shape[-1] == probs.shape[-1]:
-            return probs
         batch, heads, width = columns.shape
         padded = torch.nn.functional.pad(probs, (0, 1))  # column -1 reads the extra 0
         index = torch.where(columns >= 0, columns, probs.shape[-1]).to(probs.device)
@@ -307,7 +313,7 @@ class PagedLayer(CacheLayerMixin):
         self.slot_blocks = {name: grown(pool) for name, pool in self.slot_blocks.items()}
         # Lowest ids last, so that they are handed out first.
         self.free_blocks.extend(range(capacity + extra - 1, capacity - 1, -1))
-        self._view = None
+        self._changed()
 
     def _resize(self, new_lengths: torch.Tensor) -> None:
         """Give each (batch, kv head) the blocks new_lengths (B, H) need: new blocks from the free list (growing the
@@ -332,8 +338,13 @@ class PagedLayer(CacheLayerMixin):
             self.block_tables[taken] = torch.tensor(self.free_blocks[-count:][::-1], dtype=torch.long)
             del self.free_blocks[-count:]
         self.lengths = new_lengths.clone()
+        self._owned_slots = new_blocks * size
         self.bases = torch.minimum(self.bases, self.lengths)
-        self._view = self._device_tables = None
+        self._changed()
+
+    def _changed(self) -> None:
+        """Forget what was derived from the tables, lengths and bases."""
+        self._view = self._device_tables = self._layout = None
 
     def _flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
@@ -363,6 +374,23 @@ class PagedLayer(CacheLayerMixin):
         real = (column < self.bases.unsqueeze(-1)) | (column >= start)
         return torch.where(real, slot, -1)
 
+    def _view_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool index (B, H, W) on the device of each column of the view (block 0 for padding) and where it is real."""
+        if self._layout is None:
+            columns = self._view_columns()
+            real = columns >= 0
+            self._layout = (self._flat_slots(torch.where(real, columns, 0)), real.to(self.device))
+        return self._layout
+
+    def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
+        """pool (N, S, ...) at the view's first `width` columns (all by default) → (B, H, width, ...), `fill` on
+        padding."""
+        index, real = self._view_layout()
+        if width is not None:
+            index, real = index[..., :width], real[..., :width]
+        gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[2:])
+        return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
+
     def _gather_slots(self, pool: torch.Tensor, columns: torch.Tensor, fill) -> torch.Tensor:
         """pool (N, S, ...) at the view's columns (B, H, W) → (B, H, W, ...), `fill` on padding."""
         real = columns >= 0
@@ -375,8 +403,7 @@ class PagedLayer(CacheLayerMixin):
     def _current_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()
         if self._view is None:
-            columns = self._view_columns()
-            self._view = (self._gather_slots(self.key_blocks, columns, 0), self._gather_slots(self.value_blocks, columns, 0))
+            self._view = (self._gather_view(self.key_blocks, 0), self._gather_view(self.value_blocks, 0))
         return self._view
 
     def _max_position(self) -> int:
@@ -411,6 +438,7 @@ class PagedLayer(CacheLayerMixin):
         bases = self.bases.clamp(max=width)
         self._resize(bases + kept_appended)
         self.bases = bases
+        self._changed()
 
     def _rewrite(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState | None) -> None:
         """Store rectangular keys, values (B, H, T, d) and their state: each head keeps its columns whose log-weight
@@ -425,14 +453,22 @@ class PagedLayer(CacheLayerMixin):
         else:
             log_weights = state.log_weights
             keep = log_weights != float("-inf")
-        counts = keep.sum(-1).cpu()
-        self._resize(counts)
-        self.bases = counts.clone()
-        slot = (keep.cumsum(-1) - 1).cpu()
-        keep_host = keep.cpu()
-        flat = self._flat_slots(slot.clamp(min=0))[keep_host.to(self.device)]
-        self.key_blocks.view(-1, self.key_blocks.shape[-1])[flat] = keys[keep].to(self.dtype)
-        self.value_blocks.view(-1, self.value_blocks.shape[-1])[flat] = values[keep].to(self.dtype)
+        if bool(keep.all()):  # every column kept (presses that keep equal lengths): no selection
+            self._resize(torch.full((batch, heads), width, dtype=torch.long))
+            self.bases = self.lengths.clone()
+            self._changed()
+            flat, kept = self._view_layout()[0].reshape(-1), slice(None)
+        else:
+            counts = keep.sum(-1).cpu()
+            self._resize(counts)
+            self.bases = counts.clone()
+            self._changed()
+            slot = (keep.cumsum(-1) - 1).cpu()
+            flat = self._flat_slots(slot.clamp(min=0))[keep.to(self.device)]
+            kept = keep
+        self.key_blocks.view(-1, self.key_blocks.shape[-1])[flat] = keys[kept].reshape(-1, keys.shape[-1]).to(self.dtype)
+        self.value_blocks.view(-1, self.value_blocks.shape[-1])[flat] = values[kept].reshape(
+            -1, values.shape[-1]).to(self.dtype)
         per_slot = {} if state is None else state.per_slot
         pools = {_LOG_WEIGHTS: self.slot_blocks[_LOG_WEIGHTS], _POSITIONS: self.slot_blocks[_POSITIONS]}
         for name, tensor in per_slot.items():
@@ -440,8 +476,8 @@ class PagedLayer(CacheLayerMixin):
             if pool is None or pool.dtype != tensor.dtype:
                 pool = self._new_slot_pool(self.key_blocks.shape[0], tensor.dtype)
             pools[name] = pool
-            pool.view(-1)[flat] = tensor[keep]
-        pools[_LOG_WEIGHTS].view(-1)[flat] = log_weights[keep].float()
+            pool.view(-1)[flat] = tensor[kept].reshape(-1)
+        pools[_LOG_WEIGHTS].view(-1)[flat] = log_weights[kept].reshape(-1).float()
         pools[_POSITIONS].view(-1)[flat] = -1  # a press may reorder or merge slots: their positions are unknown
         self.slot_blocks = pools
         self.has_state = state is not None
@@ -462,6 +498,7 @@ class PagedLayer(CacheLayerMixin):
                  for pool in (self.key_blocks, self.value_blocks, *self.slot_blocks.values())]
         self._resize(new_lengths)
         self.bases = new_bases
+        self._changed()
         target_slot = (keep.cumsum(-1) - 1).clamp(min=0)
         target = self._flat_slots(target_slot)[keep.to(self.device)]
         for pool, data in zip((self.key_blocks, self.value_blocks, *self.slot_blocks.values()), saved):
