@@ -139,3 +139,19 @@ def test_smollm2_generate_equals_the_rectangular_cache(default_model, name):
     expected = greedy(model, ids, DynamicCache(), PRESSES_ON_SMOLLM2[name](), max_new_tokens=16)
     got = greedy(model, ids, PagedKVCache(), PRESSES_ON_SMOLLM2[name](), max_new_tokens=16)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_chunked_prefill(attn):
+    """A prompt fed in chunks of several tokens (multi-token passes over a non-empty paged cache): the logits of the
+    rectangular cache's."""
+    model, tokenizer = make_tiny_llama()
+    model.set_attn_implementation(attn)
+    patch_eager_attention(model)
+    ids = prompt_ids(tokenizer, 90)
+    logits = {}
+    for name, cache in (("rectangular", DynamicCache()), ("paged", PagedKVCache(block_size=8))):
+        with torch.no_grad():
+            logits[name] = torch.cat([model(ids[:, start:start + 37], past_key_values=cache).logits
+                                      for start in range(0, 90, 37)], dim=1)
+    torch.testing.assert_close(logits["paged"], logits["rectangular"], rtol=1e-4, atol=1e-4)
