@@ -368,6 +368,8 @@ class PagedLayer(CacheLayerMixin):
         the slots appended since at the end."""
         width = self._width()
         column = torch.arange(width)
+        if bool((self.lengths == width).all()):  # no padding (heads of equal length): column t is slot t
+            return column.expand(*self.lengths.shape, width)
         appended = (self.lengths - self.bases).unsqueeze(-1)
         start = width - appended  # first column of the appended slots
         slot = torch.where(column < self.bases.unsqueeze(-1), column, self.lengths.unsqueeze(-1) - (width - column))
@@ -466,9 +468,10 @@ class PagedLayer(CacheLayerMixin):
             slot = (keep.cumsum(-1) - 1).cpu()
             flat = self._flat_slots(slot.clamp(min=0))[keep.to(self.device)]
             kept = keep
-        self.key_blocks.view(-1, self.key_blocks.shape[-1])[flat] = keys[kept].reshape(-1, keys.shape[-1]).to(self.dtype)
-        self.value_blocks.view(-1, self.value_blocks.shape[-1])[flat] = values[kept].reshape(
-            -1, values.shape[-1]).to(self.dtype)
+        self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(
+            0, flat, keys[kept].reshape(-1, keys.shape[-1]).to(self.dtype))
+        self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
+            0, flat, values[kept].reshape(-1, values.shape[-1]).to(self.dtype))
         per_slot = {} if state is None else state.per_slot
         pools = {_LOG_WEIGHTS: self.slot_blocks[_LOG_WEIGHTS], _POSITIONS: self.slot_blocks[_POSITIONS]}
         for name, tensor in per_slot.items():
@@ -476,9 +479,9 @@ class PagedLayer(CacheLayerMixin):
             if pool is None or pool.dtype != tensor.dtype:
                 pool = self._new_slot_pool(self.key_blocks.shape[0], tensor.dtype)
             pools[name] = pool
-            pool.view(-1)[flat] = tensor[kept].reshape(-1)
-        pools[_LOG_WEIGHTS].view(-1)[flat] = log_weights[kept].reshape(-1).float()
-        pools[_POSITIONS].view(-1)[flat] = -1  # a press may reorder or merge slots: their positions are unknown
+            pool.view(-1).index_copy_(0, flat, tensor[kept].reshape(-1))
+        pools[_LOG_WEIGHTS].view(-1).index_copy_(0, flat, log_weights[kept].reshape(-1).float())
+        pools[_POSITIONS].view(-1).index_fill_(0, flat, -1)  # a press may reorder or merge slots: their positions are unknown
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
