@@ -76,7 +76,7 @@ class PagedLayer(CacheLayerMixin):
         self.free_blocks: list[int] = []
         self.counters: dict[str, Any] = {}
         self.has_state = False
-        self.last_pass_tokens, self.last_pass_was_prefill = 0, False
+        self.last_pass_was_prefill = False
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._view = self._device_tables = self._layout = None
         self._module = None
@@ -111,7 +111,6 @@ class PagedLayer(CacheLayerMixin):
                              f"got {tuple(key_states.shape)}")
         before = self.lengths
         self.last_pass_was_prefill = bool((before == 0).all())
-        self.last_pass_tokens = new_tokens
         after = before + new_tokens
         if bool((after <= self._owned_slots).all()):  # the usual decoding step: no head needs a new block
             self.lengths = after
@@ -376,12 +375,15 @@ class PagedLayer(CacheLayerMixin):
         real = (column < self.bases.unsqueeze(-1)) | (column >= start)
         return torch.where(real, slot, -1)
 
+    def _pool_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool index (B, H, X) on the device of each head's slots (B, H, X) (block 0 where -1) and where it is real."""
+        real = slots >= 0
+        return self._flat_slots(torch.where(real, slots, 0)), real.to(self.device)
+
     def _view_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool index (B, H, W) on the device of each column of the view (block 0 for padding) and where it is real."""
+        """:meth:`_pool_index` of the view's columns, kept until the layout changes."""
         if self._layout is None:
-            columns = self._view_columns()
-            real = columns >= 0
-            self._layout = (self._flat_slots(torch.where(real, columns, 0)), real.to(self.device))
+            self._layout = self._pool_index(self._view_columns())
         return self._layout
 
     def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
@@ -390,17 +392,7 @@ class PagedLayer(CacheLayerMixin):
         index, real = self._view_layout()
         if width is not None:
             index, real = index[..., :width], real[..., :width]
-        gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[2:])
-        return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
-
-    def _gather_slots(self, pool: torch.Tensor, columns: torch.Tensor, fill) -> torch.Tensor:
-        """pool (N, S, ...) at the view's columns (B, H, W) → (B, H, W, ...), `fill` on padding."""
-        real = columns >= 0
-        flat = self._flat_slots(torch.where(real, columns, 0))
-        gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, flat.flatten())
-        gathered = gathered.view(*columns.shape, *pool.shape[2:])
-        mask = real.to(self.device).view(*columns.shape, *([1] * (pool.dim() - 2)))
-        return gathered.masked_fill(~mask, fill)
+        return _gather(pool, index, real, fill)
 
     def _current_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()
@@ -419,7 +411,9 @@ class PagedLayer(CacheLayerMixin):
         keys = view[0] if keys is _UNSET and view is not None else keys
         values = view[1] if values is _UNSET and view is not None else values
         if keys is _UNSET or values is _UNSET:
-            keys, values = self._current_view()
+            current = self._current_view()
+            keys = current[0] if keys is _UNSET else keys
+            values = current[1] if values is _UNSET else values
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"PagedKVCache: keys of shape {tuple(keys.shape)} and values of shape "
                              f"{tuple(values.shape)} were written to a layer: write both, over the same slots")
@@ -524,8 +518,14 @@ class PagedLayer(CacheLayerMixin):
     def _slot_positions(self) -> torch.Tensor:
         """(B, H, max length) int64 token position of each head's slots in slot order, -1 beyond its length."""
         slot = torch.arange(self._slot_width()).expand(*self.lengths.shape, -1)
-        columns = torch.where(slot < self.lengths.unsqueeze(-1), slot, -1)
-        return self._gather_slots(self.slot_blocks[_POSITIONS], columns, -1).long().cpu()
+        index, real = self._pool_index(torch.where(slot < self.lengths.unsqueeze(-1), slot, -1))
+        return _gather(self.slot_blocks[_POSITIONS], index, real, -1).long().cpu()
+
+
+def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor, fill) -> torch.Tensor:
+    """pool (N, S, ...) at the pool indices (B, H, X) → (B, H, X, ...), `fill` where not real."""
+    gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[2:])
+    return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
 
 
 def _is_prefix(tensor: torch.Tensor, view: torch.Tensor) -> bool:
