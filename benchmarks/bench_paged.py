@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_paged                   # all CPU parts (SmolLM2, one thread), JSON + plot
     python -m benchmarks.bench_paged --parts kernel    # paged decode attention on a GPU vs its copy bandwidth
+    python -m benchmarks.bench_paged --parts memory --name paged_memory   # parts in separate runs, then
+    python -m benchmarks.bench_paged --merge paged_memory paged_decode    # one paged.json + paged.png
 
 Parts (each row of benchmarks/results/paged.json names its part):
 
@@ -24,11 +26,12 @@ Parts (each row of benchmarks/results/paged.json names its part):
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
-from benchmarks.common import copy_bandwidth_gbs, median_seconds, print_table, pyplot, save_figure, write_results
+from benchmarks.common import RESULTS_DIR, copy_bandwidth_gbs, median_seconds, print_table, pyplot, save_figure, write_results
 
 NAME = "paged"
 
@@ -42,6 +45,8 @@ def full_cache_bytes(model, tokens: int, batch: int = 1) -> int:
 
 def kept_fraction(cache, tokens: int) -> float:
     """Slots the heads of a PagedKVCache hold, as a fraction of the prompt's."""
+    for layer in cache.layers:
+        layer.flush()
     held = sum(int(layer.lengths.sum()) for layer in cache.layers)
     return held / (tokens * sum(layer.lengths.numel() for layer in cache.layers))
 
@@ -65,10 +70,12 @@ def memory_rows(model, tokenizer) -> list[dict]:
     for name, make_press in presses.items():
         rectangular, paged = DynamicCache(), PagedKVCache()
         for cache in (rectangular, paged):
-            with torch.no_grad(), make_press()(model):
+            press = make_press()
+            with torch.no_grad(), press(model):
                 model.model(ids, past_key_values=cache)
+        reported = 1 - press.compression_ratio  # what the press says it kept
         rows.append({"part": "memory", "press": name, "tokens": tokens,
-                     "kept": round(kept_fraction(paged, tokens), 4),
+                     "kept": round(kept_fraction(paged, tokens), 4), "reported_kept": round(reported, 4),
                      "rectangular": round(cache_bytes(rectangular) / full, 4),
                      "paged": round(paged.bytes_held() / full, 4),
                      "paged_reserved": round(paged.bytes_reserved() / full, 4)})
@@ -83,7 +90,7 @@ def batch_rows(model, tokenizer, kept: float = 0.25, layers: int = 2) -> list[di
     from kvpress_cpp.texts import austen_novel
 
     lengths = [512 * (i + 1) for i in range(8)]
-    text = tokenizer(austen_novel("prideprejudice")[:40000]).input_ids
+    text = tokenizer(austen_novel("prideprejudice")[:80000]).input_ids
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(lengths)
@@ -243,7 +250,14 @@ def main():
     parser.add_argument("--parts", nargs="+", default=["memory", "batch", "decode"],
                         choices=["memory", "batch", "decode", "kernel"])
     parser.add_argument("--name", default=NAME)
+    parser.add_argument("--merge", nargs="+", metavar="NAME",
+                        help="only merge the rows of earlier runs (results/NAME.json) into results/<--name>.json")
     args = parser.parse_args()
+    if args.merge:
+        rows = [row for name in args.merge for row in json.loads((RESULTS_DIR / f"{name}.json").read_text())["rows"]]
+        print("wrote", write_results(args.name, rows))
+        plot(rows)
+        return
     rows = []
     if {"memory", "batch", "decode"} & set(args.parts):
         from kvpress_cpp.models import load_default_model
