@@ -548,6 +548,10 @@ class PagedKVCache(Cache):
     """
 
     def __init__(self, block_size: int = 16):
+        # The attention path that reads paged layers wraps transformers' attention functions when it is imported
+        # (it imports this module, hence here).
+        from kvpress_cpp import attention  # noqa: F401
+
         PagedLayer(block_size)  # validates block_size before any layer exists
         self.block_size = block_size
         super().__init__(layer_class_to_replicate=lambda: PagedLayer(block_size))

@@ -155,3 +155,16 @@ def test_chunked_prefill(attn):
             logits[name] = torch.cat([model(ids[:, start:start + 37], past_key_values=cache).logits
                                       for start in range(0, 90, 37)], dim=1)
     torch.testing.assert_close(logits["paged"], logits["rectangular"], rtol=1e-4, atol=1e-4)
+
+
+def test_paged_cache_alone_routes_attention():
+    """A user who imports nothing but PagedKVCache (no press, sdpa): generate runs and matches the DynamicCache."""
+    import subprocess
+    import sys
+
+    script = ("import torch; from kvpress_cpp.paged_cache import PagedKVCache; from transformers import DynamicCache;"
+              "from tests.models import make_tiny_llama; from tests.generation import prompt_ids;"
+              "m, t = make_tiny_llama(); ids = prompt_ids(t, 40);"
+              "run = lambda c: m.generate(ids, past_key_values=c, max_new_tokens=5, do_sample=False);"
+              "assert torch.equal(run(PagedKVCache()), run(DynamicCache()))")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
