@@ -257,6 +257,21 @@ class PagedLayer(CacheLayerMixin):
         """Bytes of the whole pool, free blocks included."""
         return self.key_blocks.shape[0] * self._block_bytes() if self.is_initialized else 0
 
+    def trim(self) -> None:
+        """Give the free blocks back: the blocks in use move to the front of new pools of exactly their number (one
+        copy of what is held), so bytes_reserved() == bytes_held()."""
+        self.flush()
+        if not self.is_initialized:
+            return
+        in_use = self.block_tables >= 0
+        used = self.block_tables[in_use]
+        self.block_tables[in_use] = torch.arange(used.numel())
+        index = used.to(self.device)
+        self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
+        self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
+        self.free_blocks = []
+        self._changed()
+
     def _block_bytes(self) -> int:
         pools = [self.key_blocks, self.value_blocks, *self.slot_blocks.values()]
         return sum(pool.element_size() * math.prod(pool.shape[1:]) for pool in pools)
@@ -563,3 +578,8 @@ class PagedKVCache(Cache):
     def bytes_reserved(self) -> int:
         """Bytes of every layer's pool, free blocks included."""
         return sum(layer.bytes_reserved() for layer in self.layers)
+
+    def trim(self) -> None:
+        """Release every layer's free blocks (e.g. after a prompt's compression, when nothing will reuse them)."""
+        for layer in self.layers:
+            layer.trim()

@@ -1,5 +1,5 @@
-"""PagedKVCache: the block allocator under random appends, press write-backs, pipeline cuts and kvpress-style masked
-evictions (no block leaked or owned twice, lengths add up, every head holds exactly its own tokens in order, the
+"""PagedKVCache: the block allocator under random appends, press write-backs, pipeline cuts, kvpress-style masked
+evictions and trims (no block leaked or owned twice, lengths add up, every head holds exactly its own tokens in order, the
 rectangular view matches a DynamicCache's layout); memory accounting; bad input."""
 
 import math
@@ -87,7 +87,7 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
     positions = {}  # id -> absolute position, for ids whose position the layer still knows
     module = AttentionModule()
     for step in range(60):
-        op = rng.choice(["append", "append", "press", "cut", "mask"]) if step else "append"
+        op = rng.choice(["append", "append", "press", "cut", "mask", "trim"]) if step else "append"
         layer = cache.layers[0] if cache.layers else None
         if op == "append":
             q = rng.randint(1, 7)
@@ -115,6 +115,9 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             layer.keys = layer.keys[:, :, :width]
             layer.values = layer.values[:, :, :width]
             model.cut(width)
+        elif op == "trim":
+            cache.trim()
+            assert layer.bytes_reserved() == layer.bytes_held()
         else:  # kvpress's head-wise masking (AdaKV, DMS): module.masked_key_indices in absolute positions
             ids = view_ids(layer)
             marked = [(b, h, int(t)) for b in range(batch) for h in range(heads) for t in ids[b, h].tolist()
@@ -176,6 +179,14 @@ def test_bytes_held_and_reserved():
     set_state(layer, LayerState(keep))
     assert cache.bytes_held() == 2 * 3 * math.ceil(20 / 16) * per_block
     assert cache.bytes_reserved() == 2 * 3 * 3 * per_block  # freed blocks stay in the pool, reusable
+    view = layer.keys.clone()
+    cache.trim()
+    check_allocator(layer)
+    assert cache.bytes_reserved() == cache.bytes_held() == 2 * 3 * 2 * per_block
+    torch.testing.assert_close(layer.keys, view)
+    cache.update(keys, keys, 0)  # and the pool grows again
+    check_allocator(layer)
+    torch.testing.assert_close(layer.keys[..., :20, :], view)
 
 
 def test_pool_grows_and_reuses_freed_blocks():
