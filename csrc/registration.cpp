@@ -17,6 +17,15 @@ TORCH_LIBRARY(kvcomp, m) {
   // slots, GQA without repeating K/V -> (out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, T) float32).
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor log_weights, float scale) -> (Tensor, Tensor)");
 
+  // paged_attention family: decode_attention over a paged cache. Keys, values (N, S, d) and log-weights (N, S) float32
+  // live in a pool of N blocks of S slots; (b, h) holds lengths[b, h] slots in the blocks block_tables[b, h, :]
+  // (B, H, max_blocks) int64, slot t at block_tables[b, h, t // S], offset t % S. q new queries (B, Hq, q, d) are the
+  // last q slots of each (b, h) (causal; a (b, h) shorter than q gives its first queries output 0) -> (out (B, Hq, q, d)
+  // in the query dtype, probs (B, Hq, q, max length) float32 over each head's slots, 0 beyond its length; probs has
+  // width 0 unless return_probs).
+  m.def("paged_decode_attention(Tensor query, Tensor key_blocks, Tensor value_blocks, Tensor log_weight_blocks, "
+        "Tensor block_tables, Tensor lengths, float scale, bool return_probs) -> (Tensor, Tensor)");
+
   // weightedkv family: `evictions` greedy steps of WeightedKV's Algorithm 1 on each (batch, kv-head): evict the middle
   // slot (not the first `sinks`, not the last `recent`) of least mean sums/counts, fold its value into its right
   // neighbour's, weighted by the two means. keys (B, H, T, d), values (B, H, T, d_v), sums, counts (B, H, T) float32
@@ -93,7 +102,8 @@ TORCH_LIBRARY(kvcomp, m) {
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
-                         "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores"}) {
+                         "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
+                         "paged_decode_attention"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

@@ -444,3 +444,32 @@ _declare(Contract(
     ],
     outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
 ))
+
+
+def _probs_width(v) -> Any:
+    """Width of paged_decode_attention's probabilities: max(lengths), known only from the tables' contents."""
+    if not v["return_probs"]:
+        return 0
+    lengths = v["lengths"]
+    if lengths.device.type == "meta" or isinstance(lengths, torch._subclasses.FakeTensor):
+        return torch.library.get_ctx().new_dynamic_size()
+    return int(lengths.max()) if lengths.numel() else 0
+
+
+_declare(Contract(
+    "paged_decode_attention",
+    [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("key_blocks", "N S d", "query"),
+     Tensor("value_blocks", "N S d", "query"), Tensor("log_weight_blocks", "N S", F32),
+     Tensor("block_tables", "B H M", I64), Tensor("lengths", "B H", I64), Scalar("scale"),
+     Scalar("return_probs", True)],
+    rules=[
+        Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
+             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+        Rule(lambda v: v["S"] >= 1, lambda v: f"expected a block size (key_blocks.size(1)) >= 1, got {v['S']}"),
+        _gqa("Hq", "H", "query", "block_tables", allow_empty=False),
+        Rule(lambda v: v["q"] >= 1,
+             lambda v: f"expected at least one query, got query of shape {tuple(v['query'].shape)}"),
+    ],
+    outputs=lambda v: [((v["B"], v["Hq"], v["q"], v["d"]), "query"), ((v["B"], v["Hq"], v["q"], _probs_width(v)), F32)],
+))
+

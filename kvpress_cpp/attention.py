@@ -1,5 +1,8 @@
 """The attention path that honours per-slot log-weights, whatever attention implementation the model runs.
 
+A layer of a :class:`~kvpress_cpp.paged_cache.PagedKVCache` is always attended through
+``kvcomp::paged_decode_attention``, which reads each head's own slots through its block table.
+
 Every forward that attends to a cache layer with state (see :mod:`kvpress_cpp.cache`) computes
 ``softmax(q·k·scale + b)·v`` with the layer's log-weights b added for every query head of the group and the causal
 mask over the new tokens, through ``kvcomp::decode_attention`` (GQA-native: keys are never repeated). transformers'
@@ -26,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import state_for_attention
+from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["patch_attention_functions", "patch_eager_attention", "padding_log_weights", "request_prefill_log_sum_exp",
            "take_prefill_attention"]
@@ -95,18 +99,38 @@ def _honour_log_weights(attention_fn, hands_log_sum_exp: bool = False):
 
     @functools.wraps(attention_fn)
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        paged_layer = paged_layer_of(key)
+        if paged_layer is not None:
+            return _paged_attention(paged_layer, module, query, attention_mask, scaling)
         log_weights = state_for_attention(module, query, key)
         if log_weights is None:
             if hands_log_sum_exp and not args and _keeps_log_sum_exp(module, query, key, attention_mask, kwargs):
                 return _sdpa_keeping_log_sum_exp(module, query, key, value, kwargs)
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
-        scaling = kwargs.get("scaling")
-        scaling = module.scaling if scaling is None else scaling
         output, probs = ops.decode_attention(query, key, value, log_weights, scaling)
         return output.transpose(1, 2).contiguous(), probs
 
     setattr(attention, _WRAPPED_ATTR, True)
     return attention
+
+
+def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float):
+    """Attention over a paged layer (``kvcomp::paged_decode_attention``). A prefill first evicts its padding (read from
+    transformers' mask, as the rectangular path folds it into b), so a shorter prompt of a batch holds only its own
+    blocks. Probabilities come back over the view's columns, for a press's hook, on later passes only (a prefill's
+    (q, T) probabilities would be the size of the prompt squared)."""
+    if layer.last_pass_was_prefill:
+        module.masked_key_indices = None  # kvpress's head-wise presses expect it (its own patch resets it at prefill)
+    layer.attended_by(module)
+    if layer.last_pass_was_prefill and attention_mask is not None:
+        layer.drop_padding(padding_log_weights(attention_mask, *layer.lengths.shape, layer.get_seq_length(),
+                                               query.device))
+    wants_probs = not layer.last_pass_was_prefill and bool(module._forward_hooks)
+    output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs)
+    return output.transpose(1, 2).contiguous(), layer.probs_to_view(probs) if wants_probs else None
 
 
 def patch_attention_functions() -> None:

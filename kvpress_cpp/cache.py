@@ -84,9 +84,9 @@ class LayerState:
 
 
 def _check_layer(layer) -> None:
-    if not isinstance(layer, DynamicLayer):
+    if not isinstance(layer, DynamicLayer) and not getattr(layer, "holds_kvcomp_state", False):
         raise TypeError(
-            f"kvpress_cpp presses need a DynamicCache (its layers are DynamicLayer), got a {type(layer).__name__} "
+            f"kvpress_cpp presses need a DynamicCache or a PagedKVCache, got a {type(layer).__name__} "
             f"layer: quantized, static, offloaded and sliding-window caches are not supported"
         )
 
@@ -174,6 +174,8 @@ def compact_to_longest_head(
 
 def cache_bytes(cache) -> int:
     """Bytes a cache holds: keys, values and every per-slot state tensor."""
+    if hasattr(cache, "bytes_held"):  # a PagedKVCache: the blocks in use
+        return cache.bytes_held()
     total = 0
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None:

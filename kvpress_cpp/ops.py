@@ -436,3 +436,41 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
     if log_sum_exp is None:
         log_sum_exp = torch.ops.kvcomp.prompt_log_sum_exp(query, keys, log_weights, scale)
     return torch.ops.kvcomp.prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_blocks: torch.Tensor,
+    value_blocks: torch.Tensor,
+    log_weight_blocks: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    return_probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_attention` over a paged cache: each (batch, kv head) reads its own slots through its block table.
+
+    Slot t of (b, h) is at ``block_tables[b, h, t // S]``, offset ``t % S``, in pools of N blocks of S slots
+    (:class:`kvpress_cpp.paged_cache.PagedKVCache`'s layout). Heads may hold different numbers of slots; the q queries
+    are the last q slots of every (b, h) (causal), and a (b, h) with fewer than q slots (a shorter prompt of a batch)
+    leaves its first queries nothing to attend to: output 0.
+
+    Args:
+        query: (B, Hq, q, d) float32, float16 or bfloat16, q >= 1, Hq a multiple of H.
+        key_blocks, value_blocks: (N, S, d) in the query dtype, S >= 1.
+        log_weight_blocks: (N, S) float32 log-weights of the slots (0 token, alpha * ln w merged, -inf evicted).
+        block_tables: (B, H, max_blocks) int64; the first ceil(lengths[b, h] / S) entries of each row must be in
+            [0, N), the rest are not read.
+        lengths: (B, H) int64 in [0, max_blocks * S].
+        scale: attention scale, finite and > 0; default ``d ** -0.5``.
+        return_probs: also return the probabilities (else probs has width 0).
+
+    Returns:
+        ``(out, probs)``: out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, max(lengths)) float32 indexed by each
+        head's slot, exactly 0 beyond its length and on masked slots. Validation reads the tables' contents: one
+        host sync on a GPU.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return torch.ops.kvcomp.paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, block_tables,
+                                                   lengths, scale, return_probs)

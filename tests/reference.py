@@ -533,3 +533,43 @@ def prompt_scores(query, keys, log_weights, scale, decay, input_scale):
                            dtype=torch.float64, device=query.device)
     weighted = (probs * weights[:, None]).sum(2)  # (B, Hq, T)
     return weighted.reshape(batch, kv_heads, -1, total_len).sum(2)
+
+
+def gather_paged(blocks: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, fill: float = 0.0):
+    """The slots of a paged pool (N, S, ...) as a rectangular (B, H, T, ...) tensor, T = max(lengths), one Python
+    step per slot (independent of the cache's vectorised gathers); slots beyond a head's length hold `fill`."""
+    block_size = blocks.shape[1]
+    batch, heads = lengths.shape
+    total = int(lengths.max()) if lengths.numel() else 0
+    out = torch.full((batch, heads, total, *blocks.shape[2:]), fill, dtype=blocks.dtype)
+    for b in range(batch):
+        for h in range(heads):
+            for t in range(int(lengths[b, h])):
+                out[b, h, t] = blocks[int(block_tables[b, h, t // block_size]), t % block_size]
+    return out
+
+
+def paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, block_tables, lengths, scale):
+    """Float64 paged decode attention: each (b, h) gathered to its own lengths[b, h] slots, then
+    :func:`decode_attention` per (b, h) with its own causal limit (query j sees slots 0 .. L - q + j; a head shorter
+    than q leaves its first queries empty: output 0). Returns (out in the query dtype, probs float32 padded with 0 to
+    max(lengths))."""
+    keys = gather_paged(key_blocks, block_tables, lengths)
+    values = gather_paged(value_blocks, block_tables, lengths)
+    log_weights = gather_paged(log_weight_blocks, block_tables, lengths, float("-inf"))
+    batch, heads = lengths.shape
+    group, num_queries, total = query.shape[1] // heads, query.shape[2], keys.shape[2]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    probs = torch.zeros(*query.shape[:3], total, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            length = int(lengths[b, h])
+            q = query[b, h * group:(h + 1) * group].double()
+            logits = scale * (q @ keys[b, h, :length].double().T) + log_weights[b, h, :length].double()
+            limit = length - num_queries + torch.arange(num_queries)
+            logits = logits.masked_fill(torch.arange(length)[None, None, :] > limit[None, :, None], float("-inf"))
+            empty_row = (logits == float("-inf")).all(-1, keepdim=True)
+            p = torch.where(empty_row, 0.0, logits.softmax(-1))
+            probs[b, h * group:(h + 1) * group, :, :length] = p
+            out[b, h * group:(h + 1) * group] = p @ values[b, h, :length].double()
+    return out.to(query.dtype), probs.float()

@@ -130,6 +130,46 @@ def _prompt_scores_build(r, s, dtype):
     return query, keys, log_weights, log_sum_exp, scale, r.choice([1.0, 0.98, 0.5]), r.uniform(0, 2)
 
 
+def _paged_sizes(r, o):
+    s = _decode_attention_sizes(r, o)
+    s.update({k: o.get(k, r.randint(1, n)) for k, n in (("S", 4), ("M", 4))})
+    s["N"] = o.get("N", s["B"] * s["H"] * s["M"] + r.randint(0, 2))
+    return s
+
+
+def _paged_build(r, s, dtype):
+    """Every (b, h) owns distinct blocks of a shuffled pool, and holds 0 .. M·S slots (none when the pool is empty)."""
+    query = _randn(r, (s["B"], s["Hq"], s["q"], s["d"]), dtype)
+    key_blocks, value_blocks = (_randn(r, (s["N"], s["S"], s["d"]), dtype) for _ in range(2))
+    log_weight_blocks = _randn(r, (s["N"], s["S"]))
+    log_weight_blocks[torch.rand(log_weight_blocks.shape, generator=_g(r)) < 0.2] = -math.inf
+    pairs = s["B"] * s["H"]
+    owned = min(s["M"], s["N"] // pairs) if pairs else 0
+    pool = torch.randperm(s["N"], generator=_g(r))
+    tables = torch.zeros(s["B"], s["H"], s["M"], dtype=torch.int64)
+    if owned:
+        tables[..., :owned] = pool[:pairs * owned].view(s["B"], s["H"], owned)
+    lengths = torch.randint(0, owned * s["S"] + 1, (s["B"], s["H"]), generator=_g(r))
+    return (query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, max(s["d"], 1) ** -0.5, True)
+
+
+def _paged_bad(r, args):
+    tables, lengths = args[4], args[5]
+    used = lengths > 0
+    cases = []
+    if bool(used.any()):
+        b, h = used.nonzero()[0].tolist()
+        for value in (-1, args[1].shape[0], 2**62):
+            bad = tables.clone()
+            bad[b, h, 0] = value
+            cases.append(("index", "block_tables", args[:4] + (bad,) + args[5:]))
+    for value in (-1, tables.shape[2] * args[1].shape[1] + 1):
+        bad = lengths.clone()
+        bad.view(-1)[0] = value
+        cases.append(("index", "lengths", args[:5] + (bad,) + args[6:]))
+    return cases
+
+
 def _weightedkv_sizes(r, o):
     s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "d": o.get("d", r.randint(1, 8)),
          "d_v": o.get("d_v", r.randint(1, 8)), "T": o.get("T", r.randint(4, 16))}
@@ -320,6 +360,9 @@ FUZZ: dict[str, OpFuzz] = {
                             lambda q, k, b, lse, scale, decay, input_scale:
                             reference.prompt_scores(q, k, b, scale, decay, input_scale),
                             tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
+    "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
+                                     lambda *args: reference.paged_decode_attention(*args[:7]),
+                                     tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad),
     "weightedkv_evict": OpFuzz(_weightedkv_sizes, _weightedkv_build, reference.weightedkv_evict,
                                tolerance=lambda dtype: _low_precision(dtype)),
     "zsmerge_prefill": OpFuzz(_zsmerge_prefill_sizes, _zsmerge_prefill_build, reference.zsmerge_prefill,

@@ -1,8 +1,7 @@
 // CPU kernels of the attention family: merge-count log-weights and decode attention over a cache whose slots carry
 // log-weights.
 #include <ATen/Parallel.h>
-#include "cpu/vec.h"
-#include <ATen/cpu/vec/functional.h>
+#include "cpu/attention_rows.h"
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -17,8 +16,7 @@
 namespace kvcomp {
 namespace {
 
-using FloatVec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = FloatVec::size();
+using namespace cpu;
 constexpr int64_t kBiasGrain = 1 << 15;      // counts per merge_count_bias task
 constexpr int64_t kSlotBlock = 32;           // keys that stay in L1 while every query row of the group reads them
 constexpr int64_t kMinChunkSlots = 1024;     // shortest slot chunk worth its own task when B * H < threads
@@ -52,189 +50,6 @@ at::Tensor merge_count_bias_cpu(const at::Tensor& counts, double alpha) {
 // ---------------------------------------------------------------------------------------------------------------
 // decode_attention
 
-// count (<= kLanes) adjacent cache values as floats, zero-padded.
-template <typename scalar_t>
-inline FloatVec load_float(const scalar_t* src, int64_t count) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return count == kLanes ? FloatVec::loadu(src) : FloatVec::loadu(src, count);
-  } else {
-    if (count == kLanes) {
-      FloatVec out;
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        at::vec::load_fp32_from_bf16(src, out);
-      } else {
-        at::vec::load_fp32_from_fp16(src, out);
-      }
-      return out;
-    }
-    float widened[kLanes] = {};
-    for (int64_t i = 0; i < count; ++i) widened[i] = static_cast<float>(src[i]);
-    return FloatVec::loadu(widened);
-  }
-}
-
-inline float reduce_sum(const FloatVec& v) {
-  return at::vec::vec_reduce_all<float>([](const FloatVec& a, const FloatVec& b) { return a + b; }, v);
-}
-
-inline float reduce_max(const FloatVec& v) {
-  return at::vec::vec_reduce_all<float>([](const FloatVec& a, const FloatVec& b) { return at::vec::maximum(a, b); },
-                                        v);
-}
-
-// Horizontal sums of 4 vectors: out[i] = Σ lanes of acc[i]. On AVX-512 one transpose-reduction (7 shuffles, 5 adds)
-// instead of 4 separate reductions.
-inline void reduce_sum4(const FloatVec (&acc)[4], float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 a = acc[0], b = acc[1], c = acc[2], d = acc[3];
-  // 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3] and the same for c, d
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  // 128-bit lane i holds 4 partial sums of vector i
-  __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  sums = _mm512_add_ps(sums, _mm512_shuffle_ps(sums, sums, 0x4E));
-  sums = _mm512_add_ps(sums, _mm512_shuffle_ps(sums, sums, 0xB1));
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sums);
-  for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
-#else
-  for (int i = 0; i < 4; ++i) out[i] = reduce_sum(acc[i]);
-#endif
-}
-
-// Σ_e query[r][e] * key[e] for kRows (1 to 4) query rows at once, so each key vector is loaded once for all of them.
-template <int kRows, typename scalar_t>
-inline void dot_rows(const float* query, int64_t query_stride, const scalar_t* key, int64_t head_dim, float* out) {
-  FloatVec acc[4] = {FloatVec(0.0f), FloatVec(0.0f), FloatVec(0.0f), FloatVec(0.0f)};
-  int64_t e = 0;
-  for (; e + kLanes <= head_dim; e += kLanes) {
-    const FloatVec k = load_float(key + e, kLanes);
-    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(FloatVec::loadu(query + r * query_stride + e), k, acc[r]);
-  }
-  if (e < head_dim) {
-    const int64_t count = head_dim - e;
-    const FloatVec k = load_float(key + e, count);
-    for (int r = 0; r < kRows; ++r) {
-      acc[r] = at::vec::fmadd(FloatVec::loadu(query + r * query_stride + e, count), k, acc[r]);
-    }
-  }
-  reduce_sum4(acc, out);
-}
-
-// acc[e] += weight * value[e], e < head_dim.
-template <typename scalar_t>
-inline void add_weighted(float* acc, float weight, const scalar_t* value, int64_t head_dim) {
-  const FloatVec w(weight);
-  for (int64_t e = 0; e < head_dim; e += kLanes) {
-    const int64_t count = std::min(kLanes, head_dim - e);
-    at::vec::fmadd(w, load_float(value + e, count), FloatVec::loadu(acc + e, count)).store(acc + e, count);
-  }
-}
-
-constexpr int kAccRegisters = 16;  // accumulator vectors accumulate_values keeps in registers (of 32 on AVX-512)
-
-// out[r][e0 : e0 + width] += Σ_s probs[r][s] * value_s[e0 : e0 + width] over the slots [slot_begin, slot_end), for
-// kRows rows and width <= kVecs * kLanes: the accumulators stay in registers while the slots (in L1) stream by.
-// A slot no row attends is skipped, and a row with probability 0 for a slot skips it too (0 * NaN garbage = NaN).
-// kFull: width == kVecs * kLanes, every load and store a whole vector known at compile time (no branches, no spills).
-template <int kRows, int kVecs, bool kFull, typename scalar_t>
-inline void accumulate_values(const float* probs, int64_t probs_stride, const scalar_t* values, int64_t value_stride,
-                              int64_t slot_begin, int64_t slot_end, int64_t e0, int64_t width, float* out,
-                              int64_t out_stride) {
-  static_assert(kRows * kVecs <= kAccRegisters);
-  const int vecs = kFull ? kVecs : static_cast<int>((width + kLanes - 1) / kLanes);
-  const int64_t last = kFull ? kLanes : width - (vecs - 1) * kLanes;  // lanes of the last vector
-  FloatVec acc[kRows][kVecs];
-  for (int r = 0; r < kRows; ++r) {
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < vecs) acc[r][i] = FloatVec::loadu(out + r * out_stride + e0 + i * kLanes, i + 1 < vecs ? kLanes : last);
-    }
-  }
-  for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
-    float p[kRows];
-    bool any = false;
-    for (int r = 0; r < kRows; ++r) {
-      p[r] = probs[r * probs_stride + slot];
-      any = any || p[r] != 0.0f;
-    }
-    if (!any) continue;
-    const scalar_t* value = values + slot * value_stride + e0;
-    FloatVec v[kVecs];
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < vecs) v[i] = load_float(value + i * kLanes, i + 1 < vecs ? kLanes : last);
-    }
-    for (int r = 0; r < kRows; ++r) {
-      if (p[r] == 0.0f) continue;
-      const FloatVec w(p[r]);
-      for (int i = 0; i < kVecs; ++i) {
-        if (i < vecs) acc[r][i] = at::vec::fmadd(w, v[i], acc[r][i]);
-      }
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < vecs) acc[r][i].store(out + r * out_stride + e0 + i * kLanes, i + 1 < vecs ? kLanes : last);
-    }
-  }
-}
-
-// accumulate_values, with the whole-vector instantiation when width fills kVecs vectors (d = 32, 64, 128, 256, ...).
-template <int kRows, int kVecs, typename scalar_t>
-inline void accumulate_rows(const float* probs, int64_t probs_stride, const scalar_t* values, int64_t value_stride,
-                            int64_t slot_begin, int64_t slot_end, int64_t e0, int64_t width, float* out,
-                            int64_t out_stride) {
-  if (width == kVecs * kLanes) {
-    accumulate_values<kRows, kVecs, true>(probs, probs_stride, values, value_stride, slot_begin, slot_end, e0, width,
-                                          out, out_stride);
-  } else {
-    accumulate_values<kRows, kVecs, false>(probs, probs_stride, values, value_stride, slot_begin, slot_end, e0, width,
-                                           out, out_stride);
-  }
-}
-
-// accumulate_values for rows [0, rows) of a slot block: as many rows per pass as the whole of d allows in the
-// accumulator registers (4 rows of d <= 4 vectors, 2 of d <= 8, else 1 row and d in pieces of 16 vectors), so each
-// pass reads whole value rows in order (the first from memory, the others from L1).
-template <typename scalar_t>
-void accumulate_block(const float* probs, int64_t probs_stride, const scalar_t* values, int64_t value_stride,
-                      int64_t slot_begin, int64_t slot_end, int64_t rows, int64_t head_dim, float* out,
-                      int64_t out_stride) {
-  const int64_t vecs = (head_dim + kLanes - 1) / kLanes;
-  for (int64_t row = 0; row < rows;) {
-    const float* p = probs + row * probs_stride;
-    float* o = out + row * out_stride;
-    const int64_t left = rows - row;
-#define KVCOMP_ACCUMULATE(ROWS, VECS, E0, WIDTH) \
-  accumulate_rows<ROWS, VECS>(p, probs_stride, values, value_stride, slot_begin, slot_end, E0, WIDTH, o, out_stride)
-    if (vecs <= 2) {
-      const int64_t n = std::min<int64_t>(4, left);
-      if (n == 4) KVCOMP_ACCUMULATE(4, 2, 0, head_dim);
-      else if (n == 3) KVCOMP_ACCUMULATE(3, 2, 0, head_dim);
-      else if (n == 2) KVCOMP_ACCUMULATE(2, 2, 0, head_dim);
-      else KVCOMP_ACCUMULATE(1, 2, 0, head_dim);
-      row += n;
-    } else if (vecs <= 4) {
-      const int64_t n = std::min<int64_t>(4, left);
-      if (n == 4) KVCOMP_ACCUMULATE(4, 4, 0, head_dim);
-      else if (n == 3) KVCOMP_ACCUMULATE(3, 4, 0, head_dim);
-      else if (n == 2) KVCOMP_ACCUMULATE(2, 4, 0, head_dim);
-      else KVCOMP_ACCUMULATE(1, 4, 0, head_dim);
-      row += n;
-    } else if (vecs <= 8) {
-      const int64_t n = std::min<int64_t>(2, left);
-      if (n == 2) KVCOMP_ACCUMULATE(2, 8, 0, head_dim);
-      else KVCOMP_ACCUMULATE(1, 8, 0, head_dim);
-      row += n;
-    } else {
-      for (int64_t e0 = 0; e0 < head_dim; e0 += 16 * kLanes) {
-        KVCOMP_ACCUMULATE(1, 16, e0, std::min(16 * kLanes, head_dim - e0));
-      }
-      row += 1;
-    }
-#undef KVCOMP_ACCUMULATE
-  }
-}
-
 struct DecodeLayout {
   DecodeAttentionShape shape;
   int64_t key_strides[3], value_strides[3];  // batch, head, slot (unit stride over d)
@@ -260,60 +75,14 @@ void attend_chunk(const DecodeLayout& layout, const float* query, const scalar_t
   for (int64_t row = 0; row < rows; ++row) {
     slot_count[row] = kernels::causal_slot_count(row % shape.num_queries, shape.num_queries, total_len);
   }
-  float dots[4];
   for (int64_t block = slot_begin; block < slot_end; block += kSlotBlock) {
-    const int64_t block_end = std::min(slot_end, block + kSlotBlock);
-    for (int64_t row = 0; row < rows;) {
-      // Up to 4 rows share each key load; a key is read when at least one of them attends to its slot.
-      const int64_t group_rows = std::min<int64_t>(4, rows - row);
-      const int64_t* count = slot_count.data() + row;
-      const int64_t group_count = *std::max_element(count, count + group_rows);
-      const float* q = query + row * d;
-      for (int64_t slot = block; slot < block_end; ++slot) {
-        const float log_weight = log_weights[slot];
-        if (kernels::slot_attended(slot, group_count, log_weight)) {
-          const scalar_t* key = keys + slot * key_slot_stride;
-          switch (group_rows) {
-            case 4: dot_rows<4>(q, d, key, d, dots); break;
-            case 3: dot_rows<3>(q, d, key, d, dots); break;
-            case 2: dot_rows<2>(q, d, key, d, dots); break;
-            default: dot_rows<1>(q, d, key, d, dots); break;
-          }
-        }
-        for (int64_t r = 0; r < group_rows; ++r) {
-          probs[(row + r) * total_len + slot] =
-              kernels::slot_attended(slot, count[r], log_weight) ? dots[r] + log_weight : -INFINITY;
-        }
-      }
-      row += group_rows;
-    }
+    slot_logits(query, rows, d, slot_count.data(), keys + block * key_slot_stride, key_slot_stride,
+                log_weights + block, block, std::min(slot_end, block + kSlotBlock) - block, probs + block, total_len);
   }
 
   // 2. Per row: chunk max, exp(logit - max) in place, sum.
-  const int64_t len = slot_end - slot_begin;
   for (int64_t row = 0; row < rows; ++row) {
-    float* p = probs + row * total_len + slot_begin;
-    int64_t i = 0;
-    FloatVec max_v(-INFINITY);
-    for (; i + kLanes <= len; i += kLanes) max_v = at::vec::maximum(max_v, FloatVec::loadu(p + i));
-    float max = reduce_max(max_v);
-    for (; i < len; ++i) max = std::fmax(max, p[i]);
-    kernels::SoftmaxPartial partial{max, 0.0f};
-    if (max == -INFINITY) {
-      std::fill(p, p + len, 0.0f);
-    } else {
-      const FloatVec max_b(max);
-      FloatVec sum_v(0.0f);
-      for (i = 0; i + kLanes <= len; i += kLanes) {
-        const FloatVec e = (FloatVec::loadu(p + i) - max_b).exp();
-        e.store(p + i);
-        sum_v = sum_v + e;
-      }
-      float sum = reduce_sum(sum_v);
-      for (; i < len; ++i) sum += (p[i] = kernels::shifted_exp(p[i], max));
-      partial.sum = sum;
-    }
-    stats[row * stats_stride] = partial;
+    stats[row * stats_stride] = exp_in_place(probs + row * total_len + slot_begin, slot_end - slot_begin);
   }
 
   // 3. Σ_s p_s v_s for every row, a block of slots at a time (accumulate_block): each value vector is read from

@@ -261,10 +261,12 @@ class KVCompPress(BasePress):
         name, layer_idx = type(self).__name__, module.layer_idx
         layer = cache.layers[layer_idx]
         hidden_states = kwargs["hidden_states"]
-        keys, values = layer.keys, layer.values
         new_tokens = hidden_states.shape[1]
-        attentions = output[1] if len(output) > 1 else None
         state = get_state(layer)
+        if state is not None and not isinstance(self, KVCompDecodingPress) and state.owner_type is type(self):
+            return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
+        keys, values = layer.keys, layer.values
+        attentions = output[1] if len(output) > 1 else None
         if state is None:
             if keys.shape[-2] > new_tokens:
                 raise ValueError(

@@ -29,6 +29,15 @@ struct DecodeAttentionShape {
   int64_t rows() const { return group_size * num_queries; }
 };
 
+// The query heads of `query` (B, Hq, q, d) per kv head of `kv_name` (G = Hq / H, checked to be whole), with d >= 1.
+inline int64_t check_query_group(const char* op, const at::Tensor& query, int64_t kv_heads, const char* kv_name) {
+  const int64_t query_heads = query.size(1);
+  TORCH_CHECK(kv_heads > 0 && query_heads > 0 && query_heads % kv_heads == 0, op, ": expected the ", query_heads,
+              " query heads of query to be a positive multiple of the ", kv_heads, " kv heads of ", kv_name);
+  TORCH_CHECK(query.size(3) > 0, op, ": expected a head dim d >= 1, got query of shape ", query.sizes());
+  return query_heads / kv_heads;
+}
+
 inline DecodeAttentionShape check_decode_attention(const at::Tensor& query, const at::Tensor& keys,
                                                    const at::Tensor& values, const at::Tensor& log_weights,
                                                    double scale) {
@@ -49,11 +58,7 @@ inline DecodeAttentionShape check_decode_attention(const at::Tensor& query, cons
   DecodeAttentionShape shape{query.size(0), query.size(1), keys.size(1), 0,
                              query.size(2), keys.size(2),  query.size(3)};
   check_size(op, "keys", keys, 0, shape.batch, "batch of query");
-  TORCH_CHECK(shape.kv_heads > 0 && shape.query_heads > 0 && shape.query_heads % shape.kv_heads == 0, op,
-              ": expected the ", shape.query_heads, " query heads of query to be a positive multiple of the ",
-              shape.kv_heads, " kv heads of keys");
-  shape.group_size = shape.query_heads / shape.kv_heads;
-  TORCH_CHECK(shape.head_dim > 0, op, ": expected a head dim d >= 1, got query of shape ", query.sizes());
+  shape.group_size = check_query_group(op, query, shape.kv_heads, "keys");
   check_size(op, "keys", keys, 3, shape.head_dim, "head dim d of query");
   for (int64_t dim = 0; dim < 4; ++dim) check_size(op, "values", values, dim, keys.size(dim), "the size of keys");
   check_size(op, "log_weights", log_weights, 0, shape.batch, "batch of keys");

@@ -1,0 +1,585 @@
+"""A paged KV cache: per layer, a pool of fixed-size blocks and a block table per (sequence, kv head).
+
+Each (batch, kv head) of a layer holds its own number of slots, in blocks of ``block_size`` slots taken from the
+layer's pool (vLLM's paged attention, with KV-Compress's refinement of one block table per head rather than per
+sequence). Head-wise eviction returns the blocks a head no longer needs to the pool's free list, so the memory held
+follows the slots each head keeps: no head is padded to the longest one, and no sequence of a batch to the longest
+prompt. Next to keys and values, every slot carries a float32 log-weight (the bias the attention adds, see
+:mod:`kvpress_cpp.cache`), its absolute token position, and whatever per-slot tensors a press keeps in its
+:class:`~kvpress_cpp.cache.LayerState`, all in blocks of the same tables.
+
+The attention over a paged layer runs ``kvcomp::paged_decode_attention`` (:mod:`kvpress_cpp.attention` routes it).
+Presses and kvpress see the layer through its rectangular *view* (``layer.keys``, ``layer.values``,
+``get_state(layer)``), laid out exactly as a :class:`~transformers.DynamicCache` compacted with
+:func:`~kvpress_cpp.cache.compact_to_longest_head` would be: each head's *base* slots (those written at its last
+rewrite) left-aligned from column 0, the tokens appended since right-aligned at the end, -inf log-weights and zeros
+between. Whatever a press or kvpress writes back through that view is stored per head:
+
+* a press's keys, values and state: each head keeps its columns whose log-weight is not -inf (the padding of a
+  compaction to the longest head is dropped, not stored);
+* kvpress's pipeline's cut back to the context (``keys[:, :, :n]``): each head keeps its columns before n;
+* other keys and values (a kvpress press's compression): every column, as plain tokens.
+
+kvpress's head-wise presses (AdaKVPress, DMSPress, ...) only mark slots in ``module.masked_key_indices`` for its
+attention patch to hide; on a paged layer those slots are evicted for real, the next time the layer is used.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpress_cpp import ops
+from kvpress_cpp.cache import LayerState
+
+__all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
+
+_UNSET = object()
+_LOG_WEIGHTS, _POSITIONS = "log_weights", "token_positions"
+# Layers by the id of the key pool their update returned, for the attention path (weak: a dropped cache leaves nothing).
+_LAYERS_BY_POOL: "weakref.WeakValueDictionary[int, PagedLayer]" = weakref.WeakValueDictionary()
+
+
+def paged_layer_of(key: torch.Tensor) -> PagedLayer | None:
+    """The paged layer whose ``update`` returned `key` (its key pool), or None for any other tensor."""
+    layer = _LAYERS_BY_POOL.get(id(key))
+    return layer if layer is not None and layer.key_blocks is key else None
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer of a :class:`PagedKVCache`.
+
+    Attributes:
+        key_blocks, value_blocks: (N, S, d) pools of N blocks of S = block_size slots.
+        slot_blocks: per-slot pools (N, S): "log_weights" float32, "token_positions" int32 (-1 where unknown), and
+            the per-slot tensors of the press's state under their own names.
+        block_tables: (B, H, max_blocks) int64 on the host, -1 for an entry not in use.
+        lengths: (B, H) int64 on the host: the slots each (batch, kv head) holds.
+        bases: (B, H) int64: the slots of each head written at its last rewrite (the left-aligned part of the view).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    holds_kvcomp_state = True  # kvpress_cpp.cache accepts it next to DynamicLayer
+
+    def __init__(self, block_size: int = 16):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"PagedKVCache: block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.is_initialized = False
+        self.key_blocks = self.value_blocks = None
+        self.slot_blocks: dict[str, torch.Tensor] = {}
+        self.free_blocks: list[int] = []
+        self.counters: dict[str, Any] = {}
+        self.has_state = False
+        self.last_pass_was_prefill = False
+        self._pending_keys = self._pending_values = self._pending_state = _UNSET
+        self._view = self._device_tables = self._layout = None
+        self._module = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # transformers' layer interface
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads = key_states.shape[:2]
+        value_dim = (value_states if value_states is not None else key_states).shape[-1]
+        self.key_blocks = key_states.new_empty(0, self.block_size, key_states.shape[-1])
+        self.value_blocks = key_states.new_empty(0, self.block_size, value_dim)
+        self.slot_blocks = {_LOG_WEIGHTS: self._new_slot_pool(0, torch.float32),
+                            _POSITIONS: self._new_slot_pool(0, torch.int32)}
+        self.block_tables = torch.full((batch, heads, 0), -1, dtype=torch.long)
+        self.lengths = torch.zeros(batch, heads, dtype=torch.long)
+        self.bases = torch.zeros(batch, heads, dtype=torch.long)
+        self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append q tokens (B, H, q, d) to every (batch, kv head); returns the key and value pools, which only the
+        attention path of :mod:`kvpress_cpp.attention` reads (through :func:`paged_layer_of`)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.flush()
+        batch, heads, new_tokens = key_states.shape[:3]
+        if (batch, heads) != tuple(self.lengths.shape):
+            raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
+                             f"got {tuple(key_states.shape)}")
+        before = self.lengths
+        self.last_pass_was_prefill = bool((before == 0).all())
+        after = before + new_tokens
+        if bool((after <= self._owned_slots).all()):  # the usual decoding step: no head needs a new block
+            self.lengths = after
+            self._changed()
+        else:
+            self._resize(after)
+        columns = before.unsqueeze(-1) + torch.arange(new_tokens)
+        slots = self._flat_slots(columns).flatten()
+        self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
+        self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
+            0, slots, value_states.reshape(-1, value_states.shape[-1]))
+        positions = (cache_kwargs or {}).get("cache_position")
+        if positions is None:
+            positions = torch.arange(new_tokens, device=self.device) + int(self._max_position()) + 1
+        for name, pool in self.slot_blocks.items():
+            flat = pool.view(-1)
+            if name == _POSITIONS:
+                flat.index_copy_(0, slots, positions.to(self.device, torch.int32).expand(batch, heads, -1).flatten())
+            else:
+                flat.index_fill_(0, slots, 0)
+        _LAYERS_BY_POOL[id(self.key_blocks)] = self
+        return self.key_blocks, self.value_blocks
+
+    def get_seq_length(self) -> int:
+        """The width of the rectangular view (a DynamicLayer's keys.shape[-2] for the same history)."""
+        if not self.is_initialized:
+            return 0
+        self.flush()
+        return self._width()
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.get_seq_length() + max_length
+        if self.get_seq_length() > max_length:
+            self._cut(max_length)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self._pending_keys = self._pending_values = self._pending_state = _UNSET
+            self._resize(torch.zeros_like(self.lengths))
+            self.bases.zero_()
+            self.has_state, self.counters = False, {}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PagedKVCache: batch_repeat_interleave is not supported")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PagedKVCache: batch_select_indices is not supported")
+
+    def offload(self):
+        raise NotImplementedError("PagedKVCache: offloading is not supported")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The rectangular view presses and kvpress read and write
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        return self._view_part(0)
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor) -> None:
+        self._pending_keys = tensor
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        return self._view_part(1)
+
+    def _view_part(self, part: int) -> torch.Tensor:
+        """Keys (0) or values (1) of the view. Between the writes of a pair (``layer.keys = k`` then
+        ``layer.values = layer.values[...]``, as kvpress's pipeline does) the written one reads back as written and the
+        other as before; the pair is stored once both are written."""
+        pending = (self._pending_keys, self._pending_values)
+        if pending[part] is not _UNSET:
+            return pending[part]
+        if pending[1 - part] is not _UNSET and self._view is not None:
+            return self._view[part]
+        return self._current_view()[part]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor) -> None:
+        self._pending_values = tensor
+
+    @property
+    def kvcomp_state(self) -> LayerState | None:
+        """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. As on a DynamicLayer it covers
+        the view's columns up to the last write (the base part): the tokens appended since are the press's to add."""
+        if not self.is_initialized:
+            return None
+        self.flush()
+        if not self.has_state:
+            return None
+        width = int(self.bases.max())
+        per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
+                    if name not in (_LOG_WEIGHTS, _POSITIONS)}
+        return LayerState(self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width), per_slot,
+                          self.counters)
+
+    @kvcomp_state.setter
+    def kvcomp_state(self, state: LayerState | None) -> None:
+        self._pending_state = state
+
+    def flush(self) -> None:
+        """Store what was written through the view since the last call, and evict the slots kvpress's head-wise
+        presses marked on the attention module. Every other method calls it first."""
+        keys, values, state = self._pending_keys, self._pending_values, self._pending_state
+        if keys is not _UNSET or values is not _UNSET or state is not _UNSET:
+            self._pending_keys = self._pending_values = self._pending_state = _UNSET
+            self._write_back(keys, values, state)
+        module = self._module() if self._module is not None else None
+        marked = getattr(module, "masked_key_indices", None)
+        if marked is not None:
+            module.masked_key_indices = None
+            self._evict_marked(*marked)
+
+    def attended_by(self, module: torch.nn.Module) -> None:
+        """Remember the attention module that reads this layer, for its ``masked_key_indices``."""
+        self._module = weakref.ref(module)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Memory
+
+    def blocks_in_use(self) -> int:
+        return int((self.block_tables >= 0).sum()) if self.is_initialized else 0
+
+    def bytes_held(self) -> int:
+        """Bytes of the blocks in use: keys, values and every per-slot pool."""
+        self.flush()
+        return self.blocks_in_use() * self._block_bytes()
+
+    def bytes_reserved(self) -> int:
+        """Bytes of the whole pool, free blocks included."""
+        return self.key_blocks.shape[0] * self._block_bytes() if self.is_initialized else 0
+
+    def trim(self) -> None:
+        """Give the free blocks back: the blocks in use move to the front of new pools of exactly their number (one
+        copy of what is held), so bytes_reserved() == bytes_held()."""
+        self.flush()
+        if not self.is_initialized:
+            return
+        in_use = self.block_tables >= 0
+        used = self.block_tables[in_use]
+        self.block_tables[in_use] = torch.arange(used.numel())
+        index = used.to(self.device)
+        self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
+        self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
+        self.free_blocks = []
+        self._changed()
+
+    def _block_bytes(self) -> int:
+        pools = [self.key_blocks, self.value_blocks, *self.slot_blocks.values()]
+        return sum(pool.element_size() * math.prod(pool.shape[1:]) for pool in pools)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Inputs of the attention op
+
+    def attention_inputs(self) -> tuple[torch.Tensor, ...]:
+        """(key_blocks, value_blocks, log_weight_blocks, block_tables, lengths) for ``ops.paged_decode_attention``."""
+        if self._device_tables is None:
+            self._device_tables = (self.block_tables.to(self.device), self.lengths.to(self.device))
+        return (self.key_blocks, self.value_blocks, self.slot_blocks[_LOG_WEIGHTS], *self._device_tables)
+
+    def probs_to_view(self, probs: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities (B, Hq, q, max length) over each head's slots → over the view's columns."""
+        width = self._width()
+        if probs.shape[-1] == width and bool((self.lengths == width).all()):
+            return probs  # no padding: column t is slot t of every head
+        columns = self._view_columns()
+        batch, heads, width = columns.shape
+        padded = torch.nn.functional.pad(probs, (0, 1))  # column -1 reads the extra 0
+        index = torch.where(columns >= 0, columns, probs.shape[-1]).to(probs.device)
+        group_rows = probs.shape[1] // heads * probs.shape[2]
+        gathered = padded.reshape(batch, heads, group_rows, -1).gather(
+            -1, index.unsqueeze(2).expand(batch, heads, group_rows, width))
+        return gathered.reshape(*probs.shape[:3], width)
+
+    def drop_padding(self, log_weights: torch.Tensor) -> None:
+        """Evict the columns of the view whose log-weight (B, H, W) is -inf (the padding of a prefill)."""
+        columns = self._view_columns()
+        padding = (log_weights.cpu() == float("-inf")) & (columns >= 0)
+        if bool(padding.any()):
+            evicted = torch.zeros(*self.lengths.shape, self._slot_width(), dtype=torch.bool)
+            b, h, c = padding.nonzero(as_tuple=True)
+            evicted[b, h, columns[b, h, c]] = True
+            self._evict(evicted)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Allocation
+
+    def _new_slot_pool(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(blocks, self.block_size, dtype=dtype, device=self.device)
+
+    def _grow(self, needed: int) -> None:
+        """Add at least `needed` free blocks: the pool doubles (or grows by `needed` if that is more)."""
+        capacity = self.key_blocks.shape[0]
+        extra = max(needed, capacity)
+
+        def grown(pool):
+            return torch.cat([pool, pool.new_zeros(extra, *pool.shape[1:])])
+
+        self.key_blocks, self.value_blocks = grown(self.key_blocks), grown(self.value_blocks)
+        self.slot_blocks = {name: grown(pool) for name, pool in self.slot_blocks.items()}
+        # Lowest ids last, so that they are handed out first.
+        self.free_blocks.extend(range(capacity + extra - 1, capacity - 1, -1))
+        self._changed()
+
+    def _resize(self, new_lengths: torch.Tensor) -> None:
+        """Give each (batch, kv head) the blocks new_lengths (B, H) need: new blocks from the free list (growing the
+        pool when it runs dry), blocks beyond the new length back to it. Slots below both lengths keep their data."""
+        size = self.block_size
+        old_blocks = (self.lengths + size - 1) // size
+        new_blocks = (new_lengths + size - 1) // size
+        width = int(new_blocks.max()) if new_blocks.numel() else 0
+        if width > self.block_tables.shape[-1]:
+            self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
+                                                        value=-1)
+        entry = torch.arange(self.block_tables.shape[-1])
+        released = (entry >= new_blocks.unsqueeze(-1)) & (entry < old_blocks.unsqueeze(-1))
+        if bool(released.any()):
+            self.free_blocks.extend(self.block_tables[released].tolist())
+            self.block_tables[released] = -1
+        taken = (entry >= old_blocks.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
+        count = int(taken.sum())
+        if count:
+            if count > len(self.free_blocks):
+                self._grow(count - len(self.free_blocks))
+            self.block_tables[taken] = torch.tensor(self.free_blocks[-count:][::-1], dtype=torch.long)
+            del self.free_blocks[-count:]
+        self.lengths = new_lengths.clone()
+        self._owned_slots = new_blocks * size
+        self.bases = torch.minimum(self.bases, self.lengths)
+        self._changed()
+
+    def _changed(self) -> None:
+        """Forget what was derived from the tables, lengths and bases."""
+        self._view = self._device_tables = self._layout = None
+
+    def _flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
+        # A -1 entry (a slot beyond the head's length, read only under a mask) reads block 0.
+        blocks = self.block_tables.gather(-1, slots // self.block_size).clamp(min=0)
+        return (blocks * self.block_size + slots % self.block_size).to(self.device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The view's layout
+
+    def _width(self) -> int:
+        if not self.lengths.numel():
+            return 0
+        return int(self.bases.max()) + int((self.lengths - self.bases).max())
+
+    def _slot_width(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def _view_columns(self) -> torch.Tensor:
+        """(B, H, W) int64: the slot each column of the view shows, -1 for padding. Base slots sit at their own column,
+        the slots appended since at the end."""
+        width = self._width()
+        column = torch.arange(width)
+        if bool((self.lengths == width).all()):  # no padding (heads of equal length): column t is slot t
+            return column.expand(*self.lengths.shape, width)
+        appended = (self.lengths - self.bases).unsqueeze(-1)
+        start = width - appended  # first column of the appended slots
+        slot = torch.where(column < self.bases.unsqueeze(-1), column, self.lengths.unsqueeze(-1) - (width - column))
+        real = (column < self.bases.unsqueeze(-1)) | (column >= start)
+        return torch.where(real, slot, -1)
+
+    def _pool_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool index (B, H, X) on the device of each head's slots (B, H, X) (block 0 where -1) and where it is real."""
+        real = slots >= 0
+        return self._flat_slots(torch.where(real, slots, 0)), real.to(self.device)
+
+    def _view_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_pool_index` of the view's columns, kept until the layout changes."""
+        if self._layout is None:
+            self._layout = self._pool_index(self._view_columns())
+        return self._layout
+
+    def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
+        """pool (N, S, ...) at the view's first `width` columns (all by default) → (B, H, width, ...), `fill` on
+        padding."""
+        index, real = self._view_layout()
+        if width is not None:
+            index, real = index[..., :width], real[..., :width]
+        return _gather(pool, index, real, fill)
+
+    def _current_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.flush()
+        if self._view is None:
+            self._view = (self._gather_view(self.key_blocks, 0), self._gather_view(self.value_blocks, 0))
+        return self._view
+
+    def _max_position(self) -> int:
+        return int(self.slot_blocks[_POSITIONS].max()) if self.blocks_in_use() else -1
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Writes
+
+    def _write_back(self, keys, values, state) -> None:
+        view = self._view
+        keys = view[0] if keys is _UNSET and view is not None else keys
+        values = view[1] if values is _UNSET and view is not None else values
+        if keys is _UNSET or values is _UNSET:
+            current = self._current_view()
+            keys = current[0] if keys is _UNSET else keys
+            values = current[1] if values is _UNSET else values
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"PagedKVCache: keys of shape {tuple(keys.shape)} and values of shape "
+                             f"{tuple(values.shape)} were written to a layer: write both, over the same slots")
+        if state is _UNSET:
+            if view is not None and keys is view[0] and values is view[1]:
+                return  # written back unchanged (kvpress's hook after a press that only masks)
+            if view is not None and _is_prefix(keys, view[0]) and _is_prefix(values, view[1]):
+                self._cut(keys.shape[-2])
+                return
+            state = None
+        self._rewrite(keys, values, state)
+
+    def _cut(self, width: int) -> None:
+        """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""
+        appended = self.lengths - self.bases
+        start = self._width() - appended
+        kept_appended = (width - start).clamp(min=0).minimum(appended)
+        bases = self.bases.clamp(max=width)
+        self._resize(bases + kept_appended)
+        self.bases = bases
+        self._changed()
+
+    def _rewrite(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState | None) -> None:
+        """Store rectangular keys, values (B, H, T, d) and their state: each head keeps its columns whose log-weight
+        is not -inf, in order; without a state, every column is a plain token."""
+        batch, heads, width = keys.shape[:3]
+        if (batch, heads) != tuple(self.lengths.shape):
+            raise ValueError(f"PagedKVCache: a press wrote keys of shape {tuple(keys.shape)} to a layer of "
+                             f"{tuple(self.lengths.shape)} (batch, kv heads)")
+        if state is None:
+            keep = torch.ones(batch, heads, width, dtype=torch.bool, device=keys.device)
+            log_weights = torch.zeros(batch, heads, width, device=keys.device)
+        else:
+            log_weights = state.log_weights
+            keep = log_weights != float("-inf")
+        if bool(keep.all()):  # every column kept (presses that keep equal lengths): no selection
+            self._resize(torch.full((batch, heads), width, dtype=torch.long))
+            self.bases = self.lengths.clone()
+            self._changed()
+            flat, kept = self._view_layout()[0].reshape(-1), slice(None)
+        else:
+            counts = keep.sum(-1).cpu()
+            self._resize(counts)
+            self.bases = counts.clone()
+            self._changed()
+            slot = (keep.cumsum(-1) - 1).cpu()
+            flat = self._flat_slots(slot.clamp(min=0))[keep.to(self.device)]
+            kept = keep
+        self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(
+            0, flat, keys[kept].reshape(-1, keys.shape[-1]).to(self.dtype))
+        self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
+            0, flat, values[kept].reshape(-1, values.shape[-1]).to(self.dtype))
+        per_slot = {} if state is None else state.per_slot
+        pools = {_LOG_WEIGHTS: self.slot_blocks[_LOG_WEIGHTS], _POSITIONS: self.slot_blocks[_POSITIONS]}
+        for name, tensor in per_slot.items():
+            pool = self.slot_blocks.get(name)
+            if pool is None or pool.dtype != tensor.dtype:
+                pool = self._new_slot_pool(self.key_blocks.shape[0], tensor.dtype)
+            pools[name] = pool
+            pool.view(-1).index_copy_(0, flat, tensor[kept].reshape(-1))
+        pools[_LOG_WEIGHTS].view(-1).index_copy_(0, flat, log_weights[kept].reshape(-1).float())
+        pools[_POSITIONS].view(-1).index_fill_(0, flat, -1)  # a press may reorder or merge slots: their positions are unknown
+        self.slot_blocks = pools
+        self.has_state = state is not None
+        self.counters = state.counters if state is not None else {}
+
+    def _evict(self, evicted: torch.Tensor) -> None:
+        """Remove the slots evicted (B, H, max length) bool of each head, keeping the others in order; the view
+        keeps each head's base and appended parts (minus what left them)."""
+        batch, heads = self.lengths.shape
+        slot = torch.arange(evicted.shape[-1])
+        real = slot < self.lengths.unsqueeze(-1)
+        keep = real & ~evicted
+        in_base = slot < self.bases.unsqueeze(-1)
+        new_bases = (keep & in_base).sum(-1)
+        new_lengths = keep.sum(-1)
+        source = self._flat_slots(torch.where(keep, slot, 0))[keep.to(self.device)]
+        saved = [pool.reshape(-1, *pool.shape[2:]).index_select(0, source)
+                 for pool in (self.key_blocks, self.value_blocks, *self.slot_blocks.values())]
+        self._resize(new_lengths)
+        self.bases = new_bases
+        self._changed()
+        target_slot = (keep.cumsum(-1) - 1).clamp(min=0)
+        target = self._flat_slots(target_slot)[keep.to(self.device)]
+        for pool, data in zip((self.key_blocks, self.value_blocks, *self.slot_blocks.values()), saved):
+            pool.view(-1, *pool.shape[2:])[target] = data
+
+    def _evict_marked(self, batch_index, head_index, positions) -> None:
+        """Evict the slots of absolute token positions kvpress's masked_key_indices name, per (batch, kv head)."""
+        slot_positions = self._slot_positions()
+        if not len(positions) or not slot_positions.numel():
+            return
+        batch, heads, width = slot_positions.shape
+        horizon = int(max(int(positions.max()), int(slot_positions.max()))) + 1
+        marks = torch.zeros(batch, heads, horizon, dtype=torch.bool)
+        marks[batch_index.cpu(), head_index.cpu(), positions.cpu()] = True
+        known = slot_positions >= 0
+        evicted = marks.gather(-1, slot_positions.clamp(min=0)) & known
+        if bool(evicted.any()):
+            self._evict(evicted)
+
+    def _slot_positions(self) -> torch.Tensor:
+        """(B, H, max length) int64 token position of each head's slots in slot order, -1 beyond its length."""
+        slot = torch.arange(self._slot_width()).expand(*self.lengths.shape, -1)
+        index, real = self._pool_index(torch.where(slot < self.lengths.unsqueeze(-1), slot, -1))
+        return _gather(self.slot_blocks[_POSITIONS], index, real, -1).long().cpu()
+
+
+def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor, fill) -> torch.Tensor:
+    """pool (N, S, ...) at the pool indices (B, H, X) → (B, H, X, ...), `fill` where not real."""
+    gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[2:])
+    return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
+
+
+def _is_prefix(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether `tensor` is view[:, :, :n] for some n (the same storage, offset and strides)."""
+    return (tensor.data_ptr() == view.data_ptr() and tensor.shape[:2] == view.shape[:2]
+            and tensor.shape[2] <= view.shape[2] and tensor.shape[3:] == view.shape[3:]
+            and tensor.stride() == view.stride())
+
+
+class PagedKVCache(Cache):
+    """A transformers Cache of :class:`PagedLayer`: pass it as ``past_key_values`` to ``generate``, a model's forward
+    or kvpress's pipeline (``pipe(context, question=..., press=press, cache=PagedKVCache())``).
+
+    The attention over it runs through :mod:`kvpress_cpp.attention`, which wraps transformers' sdpa and flash
+    attention when kvpress_cpp is imported; a model running eager attention needs
+    ``kvpress_cpp.attention.patch_eager_attention(model)`` once (a kvpress_cpp press's ``with press(model):`` does it).
+
+    Args:
+        block_size: slots per block (≥ 1; 16 as vLLM).
+    """
+
+    def __init__(self, block_size: int = 16):
+        # The attention path that reads paged layers wraps transformers' attention functions when it is imported
+        # (it imports this module, hence here).
+        from kvpress_cpp import attention  # noqa: F401
+
+        PagedLayer(block_size)  # validates block_size before any layer exists
+        self.block_size = block_size
+        super().__init__(layer_class_to_replicate=lambda: PagedLayer(block_size))
+
+    def bytes_held(self) -> int:
+        """Bytes of the blocks in use over all layers (keys, values, log-weights, positions, press state)."""
+        return sum(layer.bytes_held() for layer in self.layers)
+
+    def bytes_reserved(self) -> int:
+        """Bytes of every layer's pool, free blocks included."""
+        return sum(layer.bytes_reserved() for layer in self.layers)
+
+    def trim(self) -> None:
+        """Release every layer's free blocks (e.g. after a prompt's compression, when nothing will reuse them)."""
+        for layer in self.layers:
+            layer.trim()

@@ -1,0 +1,173 @@
+"""kvcomp::paged_decode_attention against a float64 reference over the gathered blocks (tests/reference.py), its
+agreement with kvcomp::decode_attention on the same slots, opcheck and bad input. Device tests also run on CUDA when a
+GPU is present. Block tables are shuffled so that no head's blocks are contiguous or in order, heads hold different
+lengths (0 included, and fewer than q), and blocks of the pool are left unused (holding NaN, which must never leak)."""
+
+import pytest
+import torch
+
+import kvpress_cpp  # noqa: F401
+from kvpress_cpp import ops
+from tests import reference
+from tests.test_attention_ops import CUDA, DEVICES, DTYPES, OUT_TOL, PROBS_TOL
+
+
+def make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype=torch.float32, device="cpu", seed=0,
+               spare_blocks=3, evicted=0.1):
+    """query and a paged pool holding `lengths` (B, H) slots per head in shuffled blocks; unused blocks hold NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    batch, heads = lengths.shape
+    blocks_needed = (lengths + block_size - 1) // block_size
+    max_blocks = max(1, int(blocks_needed.max()))
+    num_blocks = int(blocks_needed.sum()) + spare_blocks
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.full((batch, heads, max_blocks), -1, dtype=torch.long)
+    taken = 0
+    for b in range(batch):
+        for h in range(heads):
+            count = int(blocks_needed[b, h])
+            tables[b, h, :count] = order[taken:taken + count]
+            taken += count
+    key_blocks = torch.full((num_blocks, block_size, head_dim), float("nan"))
+    value_blocks = torch.full((num_blocks, block_size, head_dim), float("nan"))
+    log_weight_blocks = torch.full((num_blocks, block_size), float("nan"))
+    used = order[:taken]
+    key_blocks[used] = torch.randn(taken, block_size, head_dim, generator=generator)
+    value_blocks[used] = torch.randn(taken, block_size, head_dim, generator=generator)
+    counts = 1 + 4 * torch.rand(taken, block_size, generator=generator)
+    counts[torch.rand(taken, block_size, generator=generator) < evicted] = 0
+    log_weight_blocks[used] = reference.merge_count_bias(counts, 0.6)
+    query = torch.randn(batch, query_heads, num_queries, head_dim, generator=generator)
+    return (query.to(device, dtype), key_blocks.to(device, dtype), value_blocks.to(device, dtype),
+            log_weight_blocks.to(device), tables.to(device), lengths.to(device))
+
+
+def check_against_reference(inputs, scale=0.3):
+    out, probs = ops.paged_decode_attention(*inputs, scale)
+    expected_out, expected_probs = reference.paged_decode_attention(*(t.cpu() for t in inputs), scale)
+    query, lengths = inputs[0], inputs[-1]
+    assert out.dtype == query.dtype and out.shape == query.shape and out.device == query.device
+    assert probs.shape == (*query.shape[:3], int(lengths.max()))
+    torch.testing.assert_close(probs.cpu(), expected_probs, **PROBS_TOL)
+    torch.testing.assert_close(out.cpu(), expected_out, **OUT_TOL[query.dtype])
+    return out, probs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_heads,lengths", [
+    (8, [[37, 5], [16, 0]]),  # groups of 4, a head of exactly one block (when S = 16), an empty head
+    (3, [[300, 1, 49]]),  # groups of 1, a long head
+], ids=["gqa", "mha"])
+@pytest.mark.parametrize("num_queries", [1, 7])
+@pytest.mark.parametrize("block_size", [1, 16, 24])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_matches_reference(device, dtype, query_heads, lengths, num_queries, block_size, head_dim):
+    inputs = make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype, device)
+    check_against_reference(inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_shorter_than_queries_gives_zero_rows(device):
+    """A (b, h) with L < q slots (a shorter prompt of a padded batch): its first q - L queries see nothing."""
+    inputs = make_paged([[3, 9]], 4, 6, 16, 4, device=device, evicted=0.0)
+    out, probs = check_against_reference(inputs)
+    group = 2
+    assert bool((out[0, :group, :3] == 0).all()) and bool((probs[0, :group, :3] == 0).all())
+    assert bool((probs[0, :group, 3:].sum(-1) - 1).abs().max() < 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_equals_decode_attention_on_the_same_slots(device, num_queries):
+    """Heads of equal length in a paged pool give decode_attention's result on the rectangular gather."""
+    inputs = make_paged([[45, 45], [45, 45]], 6, num_queries, 32, 8, device=device)
+    query, key_blocks, value_blocks, log_weight_blocks, tables, lengths = inputs
+    out, probs = ops.paged_decode_attention(*inputs, 0.2)
+    cpu = [t.cpu() for t in (key_blocks, value_blocks, log_weight_blocks)]
+    keys, values = (reference.gather_paged(t, tables.cpu(), lengths.cpu()) for t in cpu[:2])
+    log_weights = reference.gather_paged(cpu[2], tables.cpu(), lengths.cpu())
+    expected_out, expected_probs = ops.decode_attention(query, keys.to(device), values.to(device),
+                                                        log_weights.to(device), 0.2)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_probs(device):
+    inputs = make_paged([[20, 33]], 4, 2, 16, 16, device=device)
+    out, probs = ops.paged_decode_attention(*inputs, 0.25, return_probs=False)
+    expected, _ = ops.paged_decode_attention(*inputs, 0.25)
+    assert probs.shape == (1, 4, 2, 0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_opcheck():
+    inputs = make_paged([[20, 7]], 4, 2, 16, 8)
+    torch.library.opcheck(torch.ops.kvcomp.paged_decode_attention, (*inputs, 0.25, True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: an error naming the op and the value
+
+
+def test_block_index_out_of_range():
+    inputs = list(make_paged([[20, 7]], 4, 1, 16, 8))
+    inputs[4] = inputs[4].clone()
+    num_blocks = inputs[1].shape[0]
+    inputs[4][0, 1, 0] = num_blocks
+    with pytest.raises(RuntimeError, match=rf"kvcomp::paged_decode_attention: block table index out of range: "
+                                           rf"block_tables\[0, 1, 0\] = {num_blocks} is used but not in "
+                                           rf"\[0, {num_blocks}\)"):
+        ops.paged_decode_attention(*inputs)
+    inputs[4][0, 1, 0] = -1
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 1, 0\] = -1"):
+        ops.paged_decode_attention(*inputs)
+
+
+def test_unused_table_entries_are_not_read():
+    inputs = list(make_paged([[20, 7]], 4, 1, 16, 8))
+    inputs[4] = inputs[4].clone()
+    inputs[4][0, 1, 2] = 10 ** 9  # beyond head (0, 1)'s single block
+    check_against_reference(inputs)
+
+
+def test_length_beyond_the_table():
+    inputs = list(make_paged([[20, 7]], 4, 1, 16, 8))
+    inputs[5] = torch.tensor([[20, 25]])
+    with pytest.raises(RuntimeError, match=r"kvcomp::paged_decode_attention: expected every length in \[0, 24\].*"
+                                           r"got lengths from 20 to 25"):
+        ops.paged_decode_attention(*inputs)
+
+
+def test_mismatched_dtypes():
+    inputs = list(make_paged([[20, 7]], 4, 1, 16, 8))
+    with pytest.raises(RuntimeError, match=r"kvcomp::paged_decode_attention: expected key_blocks of dtype Half"):
+        ops.paged_decode_attention(inputs[0].half(), *inputs[1:])
+    inputs[4] = inputs[4].int()
+    with pytest.raises(RuntimeError, match=r"kvcomp::paged_decode_attention: expected block_tables of dtype Long"):
+        ops.paged_decode_attention(*inputs)
+
+
+@CUDA
+def test_mismatched_devices():
+    inputs = list(make_paged([[20, 7]], 4, 1, 16, 8, device="cuda"))
+    inputs[4] = inputs[4].cpu()
+    with pytest.raises(RuntimeError, match=r"kvcomp::paged_decode_attention: expected block_tables on the device"):
+        ops.paged_decode_attention(*inputs)
+
+
+def test_non_positive_block_size():
+    query = torch.randn(1, 2, 1, 8)
+    empty = torch.empty(4, 0, 8)
+    with pytest.raises(RuntimeError, match=r"kvcomp::paged_decode_attention: expected a block size \(key_blocks.size"
+                                           r"\(1\)\) >= 1, got 0"):
+        ops.paged_decode_attention(query, empty, empty, torch.empty(4, 0), torch.zeros(1, 2, 1, dtype=torch.long),
+                                   torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_bad_group():
+    inputs = list(make_paged([[20, 7, 3]], 6, 1, 16, 8))
+    with pytest.raises(RuntimeError, match=r"expected the 4 query heads of query to be a positive multiple of the 3"):
+        ops.paged_decode_attention(inputs[0][:, :4], *inputs[1:])

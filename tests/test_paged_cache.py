@@ -1,0 +1,221 @@
+"""PagedKVCache: the block allocator under random appends, press write-backs, pipeline cuts, kvpress-style masked
+evictions and trims (no block leaked or owned twice, lengths add up, every head holds exactly its own tokens in order, the
+rectangular view matches a DynamicCache's layout); memory accounting; bad input."""
+
+import math
+import random
+
+import pytest
+import torch
+
+import kvpress_cpp  # noqa: F401
+from kvpress_cpp.cache import LayerState, get_state, set_state
+from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer
+
+INF = float("inf")
+
+
+def check_allocator(layer: PagedLayer):
+    """No block owned twice or leaked; each head holds exactly the blocks its length needs."""
+    layer.flush()
+    tables = layer.block_tables
+    used = tables[tables >= 0].tolist()
+    assert len(set(used)) == len(used), "a block is owned twice"
+    assert not set(used) & set(layer.free_blocks), "a block is both owned and free"
+    assert len(set(layer.free_blocks)) == len(layer.free_blocks), "a block is free twice"
+    assert len(used) + len(layer.free_blocks) == layer.key_blocks.shape[0], "a block leaked"
+    owned = (tables >= 0).sum(-1)
+    expected = (layer.lengths + layer.block_size - 1) // layer.block_size
+    assert torch.equal(owned, expected)
+    for b in range(tables.shape[0]):
+        for h in range(tables.shape[1]):
+            row = tables[b, h]
+            assert bool((row[:int(expected[b, h])] >= 0).all()) and bool((row[int(expected[b, h]):] < 0).all())
+    assert layer.bytes_held() == len(used) * layer._block_bytes()
+
+
+def view_ids(layer) -> torch.Tensor:
+    """(B, H, W) token ids of the view (0 on padding): keys hold [id, 2 id], values -id."""
+    keys, values = layer.keys, layer.values
+    assert torch.equal(keys[..., 1], 2 * keys[..., 0]) and torch.equal(values[..., 0], -keys[..., 0])
+    return keys[..., 0].long()
+
+
+def head_tokens(ids: torch.Tensor) -> list[list[list[int]]]:
+    return [[[t for t in row.tolist() if t] for row in head] for head in ids]
+
+
+class AttentionModule:
+    """Stands for an attention module on which kvpress's head-wise presses set masked_key_indices."""
+
+    masked_key_indices = None
+
+
+class Model:
+    """The same history on a rectangular cache (what a DynamicCache with compact_to_longest_head holds) and, per
+    head, its token ids in order."""
+
+    def __init__(self, batch, heads):
+        self.rect = torch.zeros(batch, heads, 0, dtype=torch.long)
+
+    def append(self, ids):
+        self.rect = torch.cat([self.rect, ids], -1)
+
+    def compact(self, keep):
+        counts = keep.sum(-1)
+        width = int(counts.max()) if keep.numel() else 0
+        out = torch.zeros(*keep.shape[:2], width, dtype=torch.long)
+        for b in range(keep.shape[0]):
+            for h in range(keep.shape[1]):
+                kept = self.rect[b, h][keep[b, h]]
+                out[b, h, :len(kept)] = kept
+        self.rect = out
+
+    def cut(self, width):
+        self.rect = self.rect[..., :width]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_random_appends_evictions_and_cuts(seed, block_size):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    batch, heads = 2, 3
+    cache = PagedKVCache(block_size=block_size)
+    model = Model(batch, heads)
+    next_id, position = 1, 0
+    positions = {}  # id -> absolute position, for ids whose position the layer still knows
+    module = AttentionModule()
+    for step in range(60):
+        op = rng.choice(["append", "append", "press", "cut", "mask", "trim"]) if step else "append"
+        layer = cache.layers[0] if cache.layers else None
+        if op == "append":
+            q = rng.randint(1, 7)
+            ids = torch.arange(next_id, next_id + batch * heads * q).view(batch, heads, q)
+            for offset, token in enumerate(ids.flatten().tolist()):
+                positions[token] = position + (offset % q)
+            next_id += ids.numel()
+            keys = torch.stack([ids.float(), 2 * ids.float()], -1)
+            cache.update(keys, -keys, 0, {"cache_position": torch.arange(position, position + q)})
+            position += q
+            model.append(ids)
+            layer = cache.layers[0]
+            layer.attended_by(module)
+        elif op == "press":
+            ids = view_ids(layer)
+            keep = (ids > 0) & (torch.rand(ids.shape) < 0.6)
+            keys, values = layer.keys.clone(), layer.values.clone()
+            layer.keys, layer.values = keys, values
+            set_state(layer, LayerState(torch.zeros(ids.shape).masked_fill(~keep, -INF), {"scores": ids.float()},
+                                        {"step": step}))
+            model.compact(keep)
+            positions = {}  # a press may merge or reorder: positions are forgotten
+        elif op == "cut":
+            width = rng.randint(0, layer.get_seq_length())
+            layer.keys = layer.keys[:, :, :width]
+            layer.values = layer.values[:, :, :width]
+            model.cut(width)
+        elif op == "trim":
+            cache.trim()
+            assert layer.bytes_reserved() == layer.bytes_held()
+        else:  # kvpress's head-wise masking (AdaKV, DMS): module.masked_key_indices in absolute positions
+            ids = view_ids(layer)
+            marked = [(b, h, int(t)) for b in range(batch) for h in range(heads) for t in ids[b, h].tolist()
+                      if t and rng.random() < 0.3]
+            if not marked:
+                continue
+            module.masked_key_indices = tuple(
+                torch.tensor(column) for column in zip(*[(b, h, positions.get(t, 10 ** 6)) for b, h, t in marked]))
+            evicted = torch.zeros_like(ids, dtype=torch.bool)
+            for b, h, t in marked:
+                if t in positions:
+                    evicted[b, h] = evicted[b, h] | (ids[b, h] == t)
+            before = head_tokens(ids)
+            layer.flush()
+            assert module.masked_key_indices is None
+            expected = [[[t for t in row if not bool((ids[b, h] == t)[evicted[b, h]].any())]
+                         for h, row in enumerate(head)] for b, head in enumerate(before)]
+            assert head_tokens(view_ids(layer)) == expected
+            model.rect = view_ids(layer)  # the layout after a real eviction is the paged cache's own
+        check_allocator(layer)
+        assert torch.equal(view_ids(layer), model.rect), f"step {step} ({op})"
+        assert layer.get_seq_length() == model.rect.shape[-1]
+        assert torch.equal(layer.lengths, (model.rect > 0).sum(-1))
+        state = get_state(layer)
+        if state is not None:  # as on a DynamicLayer, the state covers the columns up to its last write
+            scores = state.per_slot["scores"]
+            written_ids = model.rect[..., :scores.shape[-1]]
+            assert torch.equal(scores.long(), written_ids)
+            assert bool((state.log_weights[written_ids == 0] == -INF).all())
+            assert bool((state.log_weights[written_ids > 0] == 0).all())
+
+
+def test_batch_of_different_lengths_holds_only_its_own_blocks():
+    """Left-padded rows evicted at prefill: each (b, h) holds ceil(L_b / S) blocks."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(2, 3, 10, 8)
+    layer.update(keys, keys, {"cache_position": torch.arange(10)})
+    padding = torch.zeros(2, 3, 10)
+    padding[1, :, :7] = -INF  # row 1 is a 3-token prompt left-padded to 10
+    layer.drop_padding(padding)
+    check_allocator(layer)
+    assert layer.lengths.tolist() == [[10] * 3, [3] * 3]
+    assert layer.blocks_in_use() == 3 * 3 + 3 * 1
+    # The view keeps transformers' layout: the padding in front of the short row.
+    torch.testing.assert_close(layer.keys[1, :, 7:], keys[1, :, 7:])
+    assert bool((layer.keys[1, :, :7] == 0).all())
+
+
+def test_bytes_held_and_reserved():
+    cache = PagedKVCache(block_size=16)
+    keys = torch.randn(2, 3, 40, 8)
+    cache.update(keys, keys, 0)
+    layer = cache.layers[0]
+    per_block = 16 * (8 * 4 * 2 + 4 + 4)  # keys, values (float32), log-weight (float32), position (int32)
+    assert cache.bytes_held() == 2 * 3 * math.ceil(40 / 16) * per_block
+    keep = torch.zeros(2, 3, 40)
+    keep[..., 20:] = -INF
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    set_state(layer, LayerState(keep))
+    assert cache.bytes_held() == 2 * 3 * math.ceil(20 / 16) * per_block
+    assert cache.bytes_reserved() == 2 * 3 * 3 * per_block  # freed blocks stay in the pool, reusable
+    view = layer.keys.clone()
+    cache.trim()
+    check_allocator(layer)
+    assert cache.bytes_reserved() == cache.bytes_held() == 2 * 3 * 2 * per_block
+    torch.testing.assert_close(layer.keys, view)
+    cache.update(keys, keys, 0)  # and the pool grows again
+    check_allocator(layer)
+    torch.testing.assert_close(layer.keys[..., :20, :], view)
+
+
+def test_pool_grows_and_reuses_freed_blocks():
+    layer = PagedLayer(block_size=2)
+    keys = torch.randn(1, 1, 4, 2)
+    layer.update(keys, keys)
+    capacity = layer.key_blocks.shape[0]
+    layer.keys = layer.keys[:, :, :1]
+    layer.values = layer.values[:, :, :1]
+    layer.flush()
+    layer.update(keys[:, :, :3], keys[:, :, :3])
+    assert layer.key_blocks.shape[0] == capacity  # the freed block was reused
+    layer.update(keys, keys)
+    assert layer.key_blocks.shape[0] > capacity
+    check_allocator(layer)
+    torch.testing.assert_close(layer.keys[0, 0], torch.cat([keys[0, 0, :1], keys[0, 0, :3], keys[0, 0]]))
+
+
+@pytest.mark.parametrize("block_size", [0, -3, 1.5, True])
+def test_block_size_must_be_a_positive_integer(block_size):
+    with pytest.raises(ValueError, match=rf"PagedKVCache: block_size must be a positive integer, got {block_size!r}"):
+        PagedKVCache(block_size=block_size)
+
+
+def test_write_of_the_wrong_shape():
+    layer = PagedLayer()
+    keys = torch.randn(1, 2, 5, 4)
+    layer.update(keys, keys)
+    layer.keys, layer.values = torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)
+    with pytest.raises(ValueError, match=r"PagedKVCache: a press wrote keys of shape \(1, 3, 5, 4\) to a layer of "
+                                         r"\(1, 2\)"):
+        layer.flush()

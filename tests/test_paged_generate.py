@@ -1,0 +1,170 @@
+"""PagedKVCache in what users run: greedy ``generate`` gives the rectangular cache's tokens for every press (ours and
+kvpress's, head-wise ones included) on the tiny models and SmolLM2; kvpress's pipeline answers several questions on
+one paged context; padded batches; and the memory held is each head's own slots."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from kvpress import AdaKVPress, DMSPress, SnapKVPress, TOVAPress
+from transformers import DynamicCache, pipeline
+
+from kvpress_cpp.attention import patch_eager_attention
+from kvpress_cpp.cache import cache_bytes
+from kvpress_cpp.paged_cache import PagedKVCache
+from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
+                                 ZSMergePress)
+from tests.generation import TINY_MODELS, prompt_ids
+from tests.models import make_tiny_llama
+from tests.test_kvzap_press import write_surrogate
+
+
+@pytest.fixture(scope="module")
+def surrogate_dir(tmp_path_factory):
+    model, _ = make_tiny_llama()
+    return write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", model, "mlp", seed=0, scale=4.0)
+
+
+# Every press we ship, and kvpress's head-wise ones (which only mask on a rectangular cache).
+PRESSES = {
+    "none": lambda d: None,
+    "zsmerge": lambda d: ZSMergePress(budget=24),
+    "weightedkv": lambda d: WeightedKVPress(cache_size=24),
+    "keepkv": lambda d: KeepKVPress(budget=24, recent=8),
+    "kvzap": lambda d: KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=d),
+    "gvote": lambda d: GVotePress(),
+    "snapkv": lambda d: SnapKVPress(compression_ratio=0.5),
+    "adakv-snapkv": lambda d: AdaKVPress(SnapKVPress(compression_ratio=0.6)),
+    "dms-kvzap": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=8, decoding=True),
+}
+HEAD_WISE_MASKING = ("adakv-snapkv", "dms-kvzap")
+
+
+def greedy(model, input_ids, cache, press=None, max_new_tokens=12, **kwargs):
+    with torch.no_grad(), press(model) if press is not None else nullcontext():
+        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, **kwargs)
+    return out[:, input_ids.shape[-1]:]
+
+
+@pytest.mark.parametrize("make_model,attn", TINY_MODELS)
+@pytest.mark.parametrize("name", list(PRESSES))
+def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate_dir):
+    if name in HEAD_WISE_MASKING and attn == "eager":
+        pytest.skip("kvpress's head-wise presses refuse eager attention")
+    if name.startswith(("kvzap", "dms")) and make_model is not make_tiny_llama:
+        pytest.skip("the surrogate is the tiny Llama's")
+    model, tokenizer = make_model()
+    model.set_attn_implementation(attn)
+    patch_eager_attention(model)
+    ids = prompt_ids(tokenizer, 96)
+    rectangular_cache, paged_cache = DynamicCache(), PagedKVCache(block_size=4)
+    expected = greedy(model, ids, rectangular_cache, PRESSES[name](surrogate_dir))
+    got = greedy(model, ids, paged_cache, PRESSES[name](surrogate_dir))
+    assert torch.equal(got, expected)
+    assert paged_cache.bytes_held() <= cache_bytes(rectangular_cache) * 1.1 + 4096
+
+
+@pytest.mark.parametrize("name", HEAD_WISE_MASKING + ("kvzap", "gvote"))
+def test_head_wise_presses_free_memory(name, surrogate_dir):
+    """The slots each head drops are gone from the paged cache: it holds its kept slots, within a block per head
+    (plus the slots' log-weights and positions), where the rectangular cache holds at least its longest head."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 96)
+    cache = PagedKVCache(block_size=4)
+    with torch.no_grad(), PRESSES[name](surrogate_dir)(model):
+        model(ids, past_key_values=cache)
+    full = 0
+    for layer in cache.layers:
+        layer.flush()
+        heads = layer.lengths.numel()
+        full += heads * 96 * (layer.key_blocks[0, 0].nbytes + layer.value_blocks[0, 0].nbytes)
+        slots = int(layer.lengths.sum())
+        assert layer.blocks_in_use() <= slots // 4 + heads
+    assert cache.bytes_held() < 0.9 * full
+
+
+def test_pipeline_answers_several_questions_on_one_paged_context():
+    model, tokenizer = make_tiny_llama()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 6
+    questions = ["who is in want of a wife?", "what is universally acknowledged?", "how much fortune?"]
+    for press in (AdaKVPress(SnapKVPress(compression_ratio=0.5)), GVotePress(), TOVAPress(compression_ratio=0.5)):
+        paged = PagedKVCache(block_size=4)
+        expected = pipe(context, questions=questions, press=press, max_new_tokens=6, cache=DynamicCache())
+        got = pipe(context, questions=questions, press=press, max_new_tokens=6, cache=paged)
+        assert got == expected, type(press).__name__
+        context_lengths = [layer.lengths.clone() for layer in paged.layers]
+        pipe(context, questions=questions[:1], press=None, max_new_tokens=6, cache=paged)  # appends a new context
+        assert all(bool((layer.lengths >= before).all()) for layer, before in zip(paged.layers, context_lengths))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padded_batch(attn):
+    """Prompts of different lengths, left-padded: the same tokens as the rectangular cache, and each row holds only
+    the blocks of its own tokens."""
+    model, tokenizer = make_tiny_llama()
+    model.set_attn_implementation(attn)
+    patch_eager_attention(model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = ["It is a truth universally acknowledged, that a single man " * 4, "a good fortune " * 2]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    cache = PagedKVCache(block_size=4)
+    expected = greedy(model, inputs.input_ids, DynamicCache(), attention_mask=inputs.attention_mask)
+    got = greedy(model, inputs.input_ids, cache, attention_mask=inputs.attention_mask)
+    assert torch.equal(got, expected)
+    real = inputs.attention_mask.sum(-1) + 12 - 1  # the last generated token is not cached
+    for layer in cache.layers:
+        assert layer.lengths.tolist() == [[int(n)] * layer.lengths.shape[1] for n in real]
+
+
+PRESSES_ON_SMOLLM2 = {
+    "zsmerge": lambda: ZSMergePress(budget=0.25),
+    "weightedkv": lambda: WeightedKVPress(cache_size=0.25),
+    "keepkv": lambda: KeepKVPress(budget=0.25),
+    "kvzap": lambda: KVzapThresholdPress(),
+    "gvote": lambda: GVotePress(),
+    "adakv-snapkv": lambda: AdaKVPress(SnapKVPress(compression_ratio=0.75)),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESSES_ON_SMOLLM2))
+def test_smollm2_generate_equals_the_rectangular_cache(default_model, name):
+    model, tokenizer = default_model
+    ids = prompt_ids(tokenizer, 400)
+    expected = greedy(model, ids, DynamicCache(), PRESSES_ON_SMOLLM2[name](), max_new_tokens=16)
+    got = greedy(model, ids, PagedKVCache(), PRESSES_ON_SMOLLM2[name](), max_new_tokens=16)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_chunked_prefill(attn):
+    """A prompt fed in chunks of several tokens (multi-token passes over a non-empty paged cache): the logits of the
+    rectangular cache's."""
+    model, tokenizer = make_tiny_llama()
+    model.set_attn_implementation(attn)
+    patch_eager_attention(model)
+    ids = prompt_ids(tokenizer, 90)
+    logits = {}
+    for name, cache in (("rectangular", DynamicCache()), ("paged", PagedKVCache(block_size=8))):
+        with torch.no_grad():
+            logits[name] = torch.cat([model(ids[:, start:start + 37], past_key_values=cache).logits
+                                      for start in range(0, 90, 37)], dim=1)
+    torch.testing.assert_close(logits["paged"], logits["rectangular"], rtol=1e-4, atol=1e-4)
+
+
+def test_paged_cache_alone_routes_attention():
+    """A user who imports nothing but PagedKVCache (no press, sdpa): generate runs and matches the DynamicCache."""
+    import subprocess
+    import sys
+
+    script = ("import torch; from kvpress_cpp.paged_cache import PagedKVCache; from transformers import DynamicCache;"
+              "from tests.models import make_tiny_llama; from tests.generation import prompt_ids;"
+              "m, t = make_tiny_llama(); ids = prompt_ids(t, 40);"
+              "run = lambda c: m.generate(ids, past_key_values=c, max_new_tokens=5, do_sample=False);"
+              "assert torch.equal(run(PagedKVCache()), run(DynamicCache()))")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
