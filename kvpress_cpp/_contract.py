@@ -422,7 +422,7 @@ def _prompt_attention_rules() -> list:
              lambda v: f"expected a prompt of T >= 1 tokens, got keys of shape {tuple(v['keys'].shape)}"),
         Rule(lambda v: 1 <= v["q"] <= v["T"],
              lambda v: "expected 1 <= q <= T (the q queries are the last q of the T prompt tokens), got q = "
-             f"{v['q']} and T = {v['T']}"),
+             f"query.size(2) = {v['q']} and T = keys.size(2) = {v['T']}"),
     ]
 
 

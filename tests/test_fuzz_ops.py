@@ -126,8 +126,29 @@ def _prompt_attention_build(r, s, dtype):
 
 def _prompt_scores_build(r, s, dtype):
     query, keys, log_weights, scale = _prompt_attention_build(r, s, dtype)
-    log_sum_exp = reference.prompt_log_sum_exp(query, keys, log_weights, scale).float()
+    # Any log-sum-exp is valid input: the op normalises by the one it is given (the model's own, in the presses).
+    log_sum_exp = _randn(r, (s["B"], s["Hq"], s["q"])) + 2.0
     return query, keys, log_weights, log_sum_exp, scale, r.choice([1.0, 0.98, 0.5]), r.uniform(0, 2)
+
+
+def _prompt_scores_given_lse(query, keys, log_weights, log_sum_exp, scale, decay, input_scale):
+    """prompt_scores from the formula, normalised by the given log-sum-exp: exp(logit - lse) in float64, a row whose
+    log-sum-exp is ±inf adding nothing (it sees no slot) and a NaN one making its slots NaN."""
+    batch, kv_heads, total_len = log_weights.shape
+    logits = reference.prompt_attention(query, keys, log_weights, scale)
+    lse = log_sum_exp.double()[..., None]
+    probs = torch.where(torch.isinf(lse), 0.0, (logits - lse).exp())
+    num_queries = query.shape[2]
+    weights = torch.tensor([input_scale * decay ** (num_queries - 1 - j) for j in range(num_queries)],
+                           dtype=torch.float64)
+    weighted = (probs * weights[:, None]).sum(2)
+    return weighted.view(batch, kv_heads, query.shape[1] // kv_heads, total_len).sum(2)
+
+
+def _prompt_lse_nonfinite(query, keys, log_weights, scale):
+    """The documented log-sum-exp with non-finite logits: NaN where the exact value is +inf (no softmax exists)."""
+    lse = reference.prompt_log_sum_exp(query, keys, log_weights, scale)
+    return lse.masked_fill(lse == math.inf, math.nan)
 
 
 def _paged_sizes(r, o):
@@ -355,10 +376,9 @@ FUZZ: dict[str, OpFuzz] = {
     "decode_attention": OpFuzz(_decode_attention_sizes, _decode_attention_build, reference.decode_attention,
                                tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
     "prompt_log_sum_exp": OpFuzz(_decode_attention_sizes, _prompt_attention_build, reference.prompt_log_sum_exp,
-                                 tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
-    "prompt_scores": OpFuzz(_decode_attention_sizes, _prompt_scores_build,
-                            lambda q, k, b, lse, scale, decay, input_scale:
-                            reference.prompt_scores(q, k, b, scale, decay, input_scale),
+                                 tolerance=lambda dtype: _low_precision(dtype, 3e-2),
+                                 nonfinite_reference=_prompt_lse_nonfinite),
+    "prompt_scores": OpFuzz(_decode_attention_sizes, _prompt_scores_build, _prompt_scores_given_lse,
                             tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
     "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
                                      lambda *args: reference.paged_decode_attention(*args[:7]),

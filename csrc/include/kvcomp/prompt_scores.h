@@ -41,8 +41,8 @@ inline PromptScoresShape check_prompt_attention(const char* op, const at::Tensor
   check_size(op, "log_weights", log_weights, 2, shape.total_len, "prompt length T of keys");
   TORCH_CHECK(shape.total_len >= 1, op, ": expected a prompt of T >= 1 tokens, got keys of shape ", keys.sizes());
   TORCH_CHECK(shape.num_queries >= 1 && shape.num_queries <= shape.total_len, op,
-              ": expected 1 <= q <= T (the q queries are the last q of the T prompt tokens), got q = ",
-              shape.num_queries, " and T = ", shape.total_len);
+              ": expected 1 <= q <= T (the q queries are the last q of the T prompt tokens), got q = query.size(2) = ",
+              shape.num_queries, " and T = keys.size(2) = ", shape.total_len);
   return shape;
 }
 
