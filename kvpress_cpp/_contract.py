@@ -467,6 +467,8 @@ _declare(Contract(
              lambda v: f"expected a finite scale > 0, got {v['scale']}"),
         Rule(lambda v: v["S"] >= 1, lambda v: f"expected a block size (key_blocks.size(1)) >= 1, got {v['S']}"),
         _gqa("Hq", "H", "query", "block_tables", allow_empty=False),
+        Rule(lambda v: v["d"] > 0,
+             lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
         Rule(lambda v: v["q"] >= 1,
              lambda v: f"expected at least one query, got query of shape {tuple(v['query'].shape)}"),
     ],

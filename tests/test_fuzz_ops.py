@@ -66,6 +66,12 @@ class OpFuzz:
     # The reference for NaN / inf entries, when the op's documented order of operations (not the paper's formula,
     # equal to it for finite inputs) decides where an inf meets a 0 or an opposite inf.
     nonfinite_reference: Callable | None = None
+    # Why NaN / inf inputs are left out of the reference comparison (they still must not crash), when the op's
+    # non-finite behaviour is specified elsewhere than in a reference.
+    nonfinite_unchecked: str = ""
+    # False for an op whose output shape depends on its inputs' values: meta tensors cannot carry it (FakeTensors
+    # can, which opcheck and the torch.compile tests cover).
+    meta_shapes: bool = True
 
 
 def _g(r: random.Random) -> torch.Generator:
@@ -379,10 +385,14 @@ FUZZ: dict[str, OpFuzz] = {
                                  tolerance=lambda dtype: _low_precision(dtype, 3e-2),
                                  nonfinite_reference=_prompt_lse_nonfinite),
     "prompt_scores": OpFuzz(_decode_attention_sizes, _prompt_scores_build, _prompt_scores_given_lse,
-                            tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
+                            tolerance=lambda dtype: _low_precision(dtype, 3e-2),
+                            nonfinite_unchecked="queries below float32 resolution are skipped, NaN ones included "
+                            "(test_prompt_scores.py plants NaN there)"),
     "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
                                      lambda *args: reference.paged_decode_attention(*args[:7]),
-                                     tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad),
+                                     tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad,
+                                     meta_shapes=False,
+                                     nonfinite_unchecked="NaN placement over blocks not yet specified (issue 21)"),
     "weightedkv_evict": OpFuzz(_weightedkv_sizes, _weightedkv_build, reference.weightedkv_evict,
                                tolerance=lambda dtype: _low_precision(dtype)),
     "zsmerge_prefill": OpFuzz(_zsmerge_prefill_sizes, _zsmerge_prefill_build, reference.zsmerge_prefill,
@@ -426,6 +436,8 @@ def _cache_dtype(args: tuple) -> torch.dtype:
 def _assert_matches_reference(name: str, args: tuple, nonfinite: bool = False) -> None:
     fuzz = FUZZ[name]
     got = _as_tuple(_call(name, args))
+    if nonfinite and fuzz.nonfinite_unchecked:
+        return
     reference_fn = (nonfinite and fuzz.nonfinite_reference) or fuzz.reference
     expected = _as_tuple(reference_fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
     assert len(got) == len(expected), f"{len(got)} outputs, the reference has {len(expected)}"
@@ -442,7 +454,7 @@ def _assert_matches_reference(name: str, args: tuple, nonfinite: bool = False) -
 
 def _assert_meta_shapes(name: str, args: tuple) -> None:
     """The fake (all arguments on meta) gives the eager outputs' shapes and dtypes."""
-    if FUZZ[name].run:
+    if FUZZ[name].run or not FUZZ[name].meta_shapes:
         return
     got = _as_tuple(getattr(torch.ops.kvcomp, name)(*args))
     meta = _as_tuple(getattr(torch.ops.kvcomp, name)(*(a.to("meta") if isinstance(a, torch.Tensor) else a
