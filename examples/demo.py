@@ -17,11 +17,12 @@ from transformers import DynamicCache
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, load_default_model
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from kvpress_cpp.cache import cache_bytes
+from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 
-def ask(model, tokenizer, prompt: str, press, max_new_tokens: int) -> tuple[str, int, float]:
+def ask(model, tokenizer, prompt: str, press, max_new_tokens: int, paged: bool) -> tuple[str, int, float]:
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    cache = DynamicCache()
+    cache = PagedKVCache() if paged else DynamicCache()
     start = time.perf_counter()
     with torch.no_grad(), (press(model) if press is not None else nullcontext()):
         output = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
@@ -30,11 +31,12 @@ def ask(model, tokenizer, prompt: str, press, max_new_tokens: int) -> tuple[str,
     return answer, cache_bytes(cache), seconds
 
 
-def presses() -> list[tuple[str, object]]:
-    """(name, press) pairs the demo runs; None is the full cache. Each method at a budget where SmolLM2 still finds
-    the fact and at 25% of the prompt, where its memory saving shows; GVote and KVzap (whose threshold τ decides) choose
-    their own."""
-    return [
+def presses() -> list[tuple[str, object, bool]]:
+    """(name, press, paged) rows the demo runs; None is the full cache. Each method at a budget where SmolLM2 still
+    finds the fact and at 25% of the prompt, where its memory saving shows; GVote and KVzap (whose threshold τ decides)
+    choose their own, keep a different number of slots per head, and so run on the paged cache as well (a DynamicCache
+    pads every head to the longest)."""
+    rows = [
         ("full cache", None),
         ("ZSMerge 75%", ZSMergePress(budget=0.75)),
         ("ZSMerge 25%", ZSMergePress(budget=0.25)),
@@ -46,6 +48,9 @@ def presses() -> list[tuple[str, object]]:
         ("KVzap-linear τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="linear")),
         ("KVzap-MLP τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="mlp")),
     ]
+    head_wise = [("GVote, paged", GVotePress()),
+                 ("KVzap-MLP τ=-7, paged", KVzapThresholdPress(threshold=-7.0, model_type="mlp"))]
+    return [(name, press, False) for name, press in rows] + [(name, press, True) for name, press in head_wise]
 
 
 def main() -> None:
@@ -66,8 +71,8 @@ def main() -> None:
 
     header = f"{'press':<24} {'answer':<40} {'found':<6} {'KV cache':>10} {'time':>8}"
     print(header + "\n" + "-" * len(header))
-    for name, press in presses():
-        answer, nbytes, seconds = ask(model, tokenizer, prompt, press, args.max_new_tokens)
+    for name, press, paged in presses():
+        answer, nbytes, seconds = ask(model, tokenizer, prompt, press, args.max_new_tokens, paged)
         shown = answer.replace("\n", " ")[:40]
         found = "yes" if fact.answer in answer else "no"
         print(f"{name:<24} {shown:<40} {found:<6} {nbytes / 2**20:>8.1f}MB {seconds:>7.1f}s")

@@ -30,7 +30,9 @@ from tests.tp_worker import CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_as
 RANKS = 2
 RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp"]
 #: cache kind → bytes a rank may hold beyond 1/N of the single-process cache, per (layer, kv head).
-CACHES = {"dynamic": 0}
+#: A paged rank may hold one partly filled block more per head: 16 slots of keys and values (head_dim 16, float32)
+#: plus at most 8 float32 / int64 per-slot state entries.
+CACHES = {"dynamic": 0, "paged": 16 * (2 * 16 * 4 + 8 * 8)}
 LAUNCH_TIMEOUT_S = 170
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script by torchrun
 from kvpress import DMSPress, SnapKVPress  # noqa: E402
 
 from kvpress_cpp.cache import cache_bytes, get_state  # noqa: E402
+from kvpress_cpp.paged_cache import PagedKVCache  # noqa: E402
 from kvpress_cpp.presses import (  # noqa: E402
     GVotePress,
     KeepKVPress,
@@ -86,7 +87,7 @@ def write_assets(root: Path) -> tuple[Path, Path]:
 
 
 #: --cache kind → the cache the cases generate with.
-CACHE_TYPES = {"dynamic": DynamicCache}
+CACHE_TYPES = {"dynamic": DynamicCache, "paged": PagedKVCache}
 
 
 def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "dynamic") -> dict:

@@ -199,7 +199,7 @@ using PrefillFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(con
                                                                            const at::Tensor&, int64_t, int64_t,
                                                                            int64_t);
 using DecodeFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                      int64_t, int64_t);
+                      int64_t, int64_t, bool);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_prefill(const at::Tensor& keys,
                                                                         const at::Tensor& values,
@@ -214,7 +214,7 @@ void call_decode(const at::Tensor& keys, const at::Tensor& values, const at::Ten
                  int64_t ring_position, int64_t recent, int64_t context, int64_t residual) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("kvcomp::zsmerge_decode_step", "").typed<DecodeFn>();
-  op.call(keys, values, scores, counts, ring_position, recent, context, residual);
+  op.call(keys, values, scores, counts, ring_position, recent, context, residual, /*paper_order=*/false);
 }
 
 TEST(ZSMergeOps, CpuKernelsAreRegistered) {
