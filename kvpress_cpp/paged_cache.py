@@ -26,6 +26,7 @@ attention patch to hide; on a paged layer those slots are evicted for real, the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from typing import Any
@@ -78,6 +79,7 @@ class PagedLayer(CacheLayerMixin):
         self.has_state = False
         self.last_pass_was_prefill = False
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
+        self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
         self._view = self._device_tables = self._layout = None
         self._module = None
 
@@ -218,12 +220,18 @@ class PagedLayer(CacheLayerMixin):
         width = int(self.bases.max())
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
-        return LayerState(self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width), per_slot,
-                          self.counters)
+        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width)
+        if self._state_written is None:
+            return LayerState(log_weights, per_slot, self.counters)
+        # The press's own fields (its owner, a padded batch's rows) come back as written; the tensors from the blocks.
+        # No value probe: the blocks move slots by design (masked evictions, cuts), which the probe would report.
+        return dataclasses.replace(self._state_written, log_weights=log_weights, per_slot=per_slot,
+                                   counters=self.counters, value_probe=None)
 
     @kvcomp_state.setter
     def kvcomp_state(self, state: LayerState | None) -> None:
         self._pending_state = state
+        self._state_written = state
 
     def flush(self) -> None:
         """Store what was written through the view since the last call, and evict the slots kvpress's head-wise

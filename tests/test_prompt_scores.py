@@ -158,7 +158,7 @@ def test_compile_fullgraph():
     (dict(input_scale=-1.0), "expected a finite input_scale >= 0, got -1"),
     (dict(scale=0.0), "expected a finite scale > 0, got 0"),
     (dict(query=torch.zeros(1, 4, 34, 16)), "expected 1 <= q <= T (the q queries are the last q of the T prompt "
-     "tokens), got q = 34 and T = 33"),
+     "tokens), got q = query.size(2) = 34 and T = keys.size(2) = 33"),
     (dict(query=torch.zeros(1, 3, 20, 16)), "the 3 query heads of query to be a positive multiple of the 2 kv heads"),
     (dict(keys=torch.zeros(1, 2, 33, 8)), "expected keys.size(3) == 16 (head dim d of query)"),
     (dict(log_sum_exp=torch.zeros(1, 4, 19)), "expected log_sum_exp.size(2) == 20"),
