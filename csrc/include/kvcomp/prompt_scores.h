@@ -30,11 +30,7 @@ inline PromptScoresShape check_prompt_attention(const char* op, const at::Tensor
 
   PromptScoresShape shape{query.size(0), query.size(1), keys.size(1), 0, query.size(2), keys.size(2), query.size(3)};
   check_size(op, "keys", keys, 0, shape.batch, "batch of query");
-  TORCH_CHECK(shape.kv_heads > 0 && shape.query_heads > 0 && shape.query_heads % shape.kv_heads == 0, op,
-              ": expected the ", shape.query_heads, " query heads of query to be a positive multiple of the ",
-              shape.kv_heads, " kv heads of keys");
-  shape.group_size = shape.query_heads / shape.kv_heads;
-  TORCH_CHECK(shape.head_dim > 0, op, ": expected a head dim d >= 1, got query of shape ", query.sizes());
+  shape.group_size = check_query_group(op, query, shape.kv_heads, "keys");
   check_size(op, "keys", keys, 3, shape.head_dim, "head dim d of query");
   check_size(op, "log_weights", log_weights, 0, shape.batch, "batch of keys");
   check_size(op, "log_weights", log_weights, 1, shape.kv_heads, "kv heads of keys");
