@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script by torchrun
 from kvpress import DMSPress, SnapKVPress  # noqa: E402
 
 from kvpress_cpp.cache import cache_bytes, get_state  # noqa: E402
-from kvpress_cpp.paged_cache import PagedKVCache  # noqa: E402
+from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer  # noqa: E402
 from kvpress_cpp.presses import (  # noqa: E402
     GVotePress,
     KeepKVPress,
@@ -35,6 +35,7 @@ from kvpress_cpp.presses import (  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from tests.generation import prompt_ids  # noqa: E402
+from tests.reference import gather_paged  # noqa: E402
 
 PROMPT_TOKENS = 96
 NEW_TOKENS = 12
@@ -102,13 +103,18 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
     layers = []
     for layer in cache.layers:
         state = get_state(layer)
-        log_weights, per_slot = None, {}
+        keys, values, log_weights, per_slot, lengths = layer.keys.cpu(), layer.values.cpu(), None, {}, None
         if state is not None:  # slots appended after the press's last write are plain tokens (b = 0)
             log_weights = state.align(layer.keys.shape[-2], 0).cpu()
             per_slot = {name: tensor.cpu() for name, tensor in state.per_slot.items()}
+        elif isinstance(layer, PagedLayer):
+            # No log-weights to tell a head's slots from the view's padding (kvpress's masking presses evict for
+            # real here, per head): read each head's own slots from its blocks instead.
+            key_blocks, value_blocks, _, tables, lengths = (t.cpu() for t in layer.attention_inputs())
+            keys, values = gather_paged(key_blocks, tables, lengths), gather_paged(value_blocks, tables, lengths)
         held_on = [layer.keys, layer.values, *([] if state is None else [state.log_weights, *state.per_slot.values()])]
-        layers.append({"keys": layer.keys.cpu(), "values": layer.values.cpu(), "log_weights": log_weights,
-                       "per_slot": per_slot, "devices": sorted({str(tensor.device) for tensor in held_on})})
+        layers.append({"keys": keys, "values": values, "log_weights": log_weights, "per_slot": per_slot,
+                       "lengths": lengths, "devices": sorted({str(tensor.device) for tensor in held_on})})
     ratios = None
     if isinstance(press, (GVotePress, KVzapThresholdPress)):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.layer_compression_ratios)}
