@@ -1,0 +1,105 @@
+"""kvpress's DMSPress on a left-padded batch (``kvpress_cpp.padded_scoring``): each row keeps what it keeps alone.
+
+Scorers that relate tokens to each other (SnapKV's window attention, ExpectedAttention's softmax over the keys) would
+otherwise score a short row together with its padding. Per scorer, on the paged cache (which evicts DMSPress's marks
+for real) and on the rectangular one (where they stay marks): the greedy tokens of every row and the token positions
+each (layer, kv head) keeps, or marks, equal those of the row's prompt run alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpress import DMSPress, ExpectedAttentionPress, KnormPress, SnapKVPress
+from transformers import DynamicCache
+
+from kvpress_cpp.paged_cache import PagedKVCache
+from kvpress_cpp.presses import KVzapPress
+from tests.models import make_tiny_llama
+from tests.reference import gather_paged
+from tests.test_kvzap_press import write_surrogate
+
+NEW_TOKENS = 8
+LENGTHS = (64, 37, 50)  # the rows' prompt lengths: the first is unpadded, the others left-padded
+
+#: scorer name → DMSPress factory (surrogate dir). Thresholds evict part of every head; SnapKV and ExpectedAttention
+#: score only prompts (their scores need more than one token), the others every decoding step too.
+PRESSES = {
+    "snapkv": lambda d: DMSPress(SnapKVPress(window_size=8), threshold=0.02, sliding_window_size=8),
+    "expected-attention": lambda d: DMSPress(ExpectedAttentionPress(), threshold=0.02, sliding_window_size=8),
+    "knorm": lambda d: DMSPress(KnormPress(), threshold=-4.0, sliding_window_size=8, decoding=True),
+    "kvzap": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=8, decoding=True),
+}
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts(tmp_path_factory):
+    model, tokenizer = make_tiny_llama()
+    model.set_attn_implementation("sdpa")
+    text = "The old lighthouse keeper had lived on the island for nearly forty years, and he never missed a night. "
+    ids = tokenizer(text * 4, return_tensors="pt").input_ids[0]
+    prompts = [ids[row * 3:row * 3 + length] for row, length in enumerate(LENGTHS)]  # different tokens per row
+    surrogate = write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", model, "mlp", seed=0, scale=4.0)
+    return model, prompts, surrogate
+
+
+def generate(model, press, prompts, cache):
+    """Greedy tokens (B, NEW_TOKENS) of the prompts, left-padded with 0 into one batch."""
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.stack([torch.nn.functional.pad(p, (width - len(p), 0)) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    with torch.no_grad(), press(model):
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[:, width:]
+
+
+def kept_positions(model, cache, row: int, padding: int) -> list[list[list[int]]]:
+    """Per layer and kv head, the token positions (from the row's first real token) row `row` keeps: read from the
+    paged cache's blocks, or, on a rectangular cache, every position DMSPress did not mark."""
+    kept = []
+    for layer, cached in zip(model.model.layers, cache.layers):
+        if isinstance(cache, PagedKVCache):
+            cached.flush()
+            _, _, _, tables, lengths = (t.cpu() for t in cached.attention_inputs())
+            positions = gather_paged(cached.slot_blocks["token_positions"].cpu(), tables, lengths, -1)[row]
+            kept.append([(p[p >= 0] - padding).tolist() for p in positions])
+            continue
+        heads, width = cached.keys.shape[1], cached.keys.shape[2]
+        position = torch.arange(width)
+        held = (position >= padding).expand(heads, width).clone()
+        marked = layer.self_attn.masked_key_indices
+        if marked is not None:
+            mine = marked[0] == row
+            held[marked[1][mine], marked[2][mine]] = False
+        kept.append([(position[head] - padding).tolist() for head in held])
+    return kept
+
+
+@pytest.mark.parametrize("cache_type", [PagedKVCache, DynamicCache])
+@pytest.mark.parametrize("name", list(PRESSES))
+def test_each_row_equals_its_run_alone(model_and_prompts, name, cache_type):
+    model, prompts, surrogate = model_and_prompts
+    cache = cache_type()
+    tokens = generate(model, PRESSES[name](surrogate), prompts, cache)
+    # Read before the runs alone, which replace the marks on the attention modules.
+    kept = [kept_positions(model, cache, row, max(LENGTHS) - len(prompt)) for row, prompt in enumerate(prompts)]
+    evicted = False
+    for row, (prompt, batch_kept) in enumerate(zip(prompts, kept)):
+        alone_cache = cache_type()
+        alone_tokens = generate(model, PRESSES[name](surrogate), [prompt], alone_cache)
+        assert tokens[row].tolist() == alone_tokens[0].tolist(), f"row {row}"
+        assert batch_kept == kept_positions(model, alone_cache, 0, 0), f"row {row}"
+        fed = len(prompt) + NEW_TOKENS - 1
+        evicted = evicted or any(len(head) < fed for layer in batch_kept for head in layer)
+    assert evicted, "the press evicts nothing"
+
+
+def test_right_padding_is_refused(model_and_prompts):
+    model, prompts, surrogate = model_and_prompts
+    width = max(LENGTHS)
+    input_ids = torch.stack([torch.nn.functional.pad(p, (0, width - len(p))) for p in prompts])
+    mask = torch.stack([torch.arange(width) < len(p) for p in prompts]).long()
+    with pytest.raises(ValueError, match="DMSPress: only left padding is supported"):
+        with torch.no_grad(), PRESSES["knorm"](surrogate)(model):
+            model(input_ids, attention_mask=mask, past_key_values=PagedKVCache())
