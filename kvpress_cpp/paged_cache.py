@@ -572,8 +572,8 @@ class PagedKVCache(Cache):
 
     def __init__(self, block_size: int = 16):
         # The attention path that reads paged layers wraps transformers' attention functions when it is imported
-        # (it imports this module, hence here); padded_scoring has kvpress's DMSPress score a padded batch row by row.
-        from kvpress_cpp import attention, padded_scoring  # noqa: F401
+        # (it imports this module, hence here); dms_adapter adapts kvpress's DMSPress.
+        from kvpress_cpp import attention, dms_adapter  # noqa: F401
 
         PagedLayer(block_size)  # validates block_size before any layer exists
         self.block_size = block_size

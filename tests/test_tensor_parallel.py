@@ -5,7 +5,8 @@ transformers' ``tp_plan="auto"`` and runs every case of ``tests/tp_worker.py``; 
 same weights without sharding. Per case: the greedy tokens are equal, rank r's cache holds exactly kv heads
 [2r, 2r+2) of the single-process cache (the slots each head attends to: keys, values, log-weights and the press's
 per-slot state such as scores, merge counts, votes), each rank holds at
-most half of the single-process bytes, and ratios the presses report (GVote, KVzap) are the model's on every rank.
+most half of the single-process bytes, and ratios the presses report (GVote, KVzap, kvpress's DMSPress) are the
+model's on every rank and on either cache.
 Configurations that cannot run sharded are refused with an error naming the press.
 
 Caches: :data:`CACHES` lists the cache kinds the worker runs the cases on (``--cache``); a new kind joins the
@@ -28,7 +29,7 @@ from tests.models import make_tiny_llama
 from tests.tp_worker import CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_assets
 
 RANKS = 2
-RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp"]
+RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp", "kvzap-in-kvpress-dms"]
 #: cache kind → bytes a rank may hold beyond 1/N of the single-process cache, per (layer, kv head).
 #: A paged rank may hold one partly filled block more per head: 16 slots of keys and values (head_dim 16, float32)
 #: plus at most 8 float32 / int64 per-slot state entries.
@@ -139,6 +140,9 @@ def test_reported_ratios_are_the_models(sharded, single, case):
     results, kind = sharded
     expected = single[kind][case]["ratios"]
     assert 0 < expected["overall"] < 1
+    rectangular = single["dynamic"][case]["ratios"]  # the paged cache evicts what the rectangular one marks or pads
+    assert expected["overall"] == pytest.approx(rectangular["overall"], abs=1e-6)
+    assert expected["layers"] == pytest.approx(rectangular["layers"], abs=1e-6)
     for rank in results:
         got = rank["cases"][case]["ratios"]
         assert got["overall"] == pytest.approx(expected["overall"], abs=1e-6)

@@ -6,7 +6,7 @@ from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.kvzap import KVzapPress, KVzapThresholdPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
-from kvpress_cpp import padded_scoring  # noqa: E402,F401  (kvpress's DMSPress scores a padded batch row by row)
+from kvpress_cpp import dms_adapter  # noqa: E402,F401  (adapts kvpress's DMSPress)
 
 __all__ = ["KVCompPress", "KVCompDecodingPress", "GVotePress", "KeepKVPress", "KVzapPress", "KVzapThresholdPress",
            "WeightedKVPress", "ZSMergePress"]

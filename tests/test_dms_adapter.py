@@ -1,9 +1,11 @@
-"""kvpress's DMSPress on a left-padded batch (``kvpress_cpp.padded_scoring``): each row keeps what it keeps alone.
+"""kvpress's DMSPress adapted by ``kvpress_cpp.dms_adapter``.
 
-Scorers that relate tokens to each other (SnapKV's window attention, ExpectedAttention's softmax over the keys) would
-otherwise score a short row together with its padding. Per scorer, on the paged cache (which evicts DMSPress's marks
-for real) and on the rectangular one (where they stay marks): the greedy tokens of every row and the token positions
-each (layer, kv head) keeps, or marks, equal those of the row's prompt run alone.
+On a left-padded batch each row keeps what it keeps alone: scorers that relate tokens to each other (SnapKV's window
+attention, ExpectedAttention's softmax over the keys) would otherwise score a short row together with its padding.
+Per scorer, on the paged cache (which evicts DMSPress's marks for real) and on the rectangular one (where they stay
+marks): the greedy tokens of every row and the token positions each (layer, kv head) keeps, or does not mark, equal
+those of the row's prompt run alone. And ``compression_ratio`` on the paged cache is the fraction of slots it evicted,
+as on the rectangular cache the fraction marked.
 """
 
 from __future__ import annotations
@@ -103,3 +105,22 @@ def test_right_padding_is_refused(model_and_prompts):
     with pytest.raises(ValueError, match="DMSPress: only left padding is supported"):
         with torch.no_grad(), PRESSES["knorm"](surrogate)(model):
             model(input_ids, attention_mask=mask, past_key_values=PagedKVCache())
+
+
+def test_compression_ratio_is_the_fraction_evicted(model_and_prompts):
+    """The ratio DMSPress reports equals the fraction of slots the paged cache evicted, as on the rectangular
+    cache (where the marks stay)."""
+    model, prompts, surrogate = model_and_prompts
+    ratios, paged = {}, None
+    for cache_type in (PagedKVCache, DynamicCache):
+        press, cache = PRESSES["kvzap"](surrogate), cache_type()
+        generate(model, press, prompts[:1], cache)
+        ratios[cache_type], paged = dict(press.compression_ratios), paged or cache
+    fed = LENGTHS[0] + NEW_TOKENS - 1  # the last generated token is not cached
+    evicted = {}
+    for layer_idx, layer in enumerate(paged.layers):
+        layer.flush()  # evicts the last pass's marks
+        evicted[layer_idx] = 1 - int(layer.lengths.sum()) / (layer.lengths.numel() * fed)
+    assert 0 < min(evicted.values())
+    assert ratios[PagedKVCache] == pytest.approx(evicted, abs=1e-9)
+    assert ratios[DynamicCache] == pytest.approx(evicted, abs=1e-9)
