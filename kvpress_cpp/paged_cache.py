@@ -572,8 +572,8 @@ class PagedKVCache(Cache):
 
     def __init__(self, block_size: int = 16):
         # The attention path that reads paged layers wraps transformers' attention functions when it is imported
-        # (it imports this module, hence here); dms_adapter adapts kvpress's DMSPress.
-        from kvpress_cpp import attention, dms_adapter  # noqa: F401
+        # (it imports this module, hence here); kvpress_adapters adapts kvpress's DMSPress and AdaKVPress.
+        from kvpress_cpp import attention, kvpress_adapters  # noqa: F401
 
         PagedLayer(block_size)  # validates block_size before any layer exists
         self.block_size = block_size

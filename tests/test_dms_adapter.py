@@ -1,4 +1,4 @@
-"""kvpress's DMSPress adapted by ``kvpress_cpp.dms_adapter``.
+"""kvpress's DMSPress adapted by ``kvpress_cpp.kvpress_adapters``.
 
 On a left-padded batch each row keeps what it keeps alone: scorers that relate tokens to each other (SnapKV's window
 attention, ExpectedAttention's softmax over the keys) would otherwise score a short row together with its padding.

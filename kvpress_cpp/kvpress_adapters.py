@@ -1,7 +1,9 @@
-"""kvpress's ``DMSPress`` on our cache, on padded batches and on tensor-parallel ranks.
+"""kvpress's ``DMSPress`` and ``AdaKVPress`` on our cache, on padded batches and on tensor-parallel ranks.
 
-Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``;
-kvpress itself is unchanged. Two things change:
+Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
+``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model``; kvpress itself is unchanged.
+
+``DMSPress``:
 
 * **Padded prefills are scored row by row.** ``DMSPress`` scores a prefill's tokens with its ``ScorerPress`` in one
   batched call. A scorer that relates a token to the others (SnapKV's window attention over the keys,
@@ -20,19 +22,36 @@ kvpress itself is unchanged. Two things change:
   (one all-gather per pass, at the last layer): the same figure on every cache and every rank.
 
 Unpadded passes score as before.
+
+``AdaKVPress`` shares one budget across the heads it sees: a safeguard of the best ``alpha_safeguard`` of each head's
+kept tokens, then the bottom-k of all heads' scores. On a tensor-parallel rank it would see only the rank's heads, so
+what each head keeps would depend on the number of ranks. There the scorer's (B, H/N, T) scores are now all-gathered
+to the model's (B, H, T), kvpress's own ``compress`` selects over them as in one process, and each rank keeps the
+marks of its own heads, renumbered to its local heads. A scorer runs sharded only if it scores each kv head from that
+head's own queries and keys (:data:`SHARDABLE_SCORERS`); kvpress's read the model's head counts from
+``module.config`` and score under a copy with the rank's counts. Any other scorer is refused on a tensor-parallel
+model, naming the press and the reason. Without tensor parallelism ``AdaKVPress`` runs exactly as in kvpress.
 """
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager, nullcontext
+
 import torch
-from kvpress import DMSPress
+from kvpress import AdaKVPress, DMSPress, SnapKVPress
 from kvpress.presses.base_press import is_prefilling
 
 from kvpress_cpp.attention import padding_log_weights
-from kvpress_cpp.distributed import gather_kv_heads, kv_head_shard
+from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
 from kvpress_cpp.presses.base import _row_kwargs
+from kvpress_cpp.presses.kvzap import KVzapPress
 
-__all__ = ["patch_dms_press"]
+__all__ = ["patch_dms_press", "patch_adakv_press", "SHARDABLE_SCORERS"]
+
+#: The scorers AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own queries and
+#: keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
+SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
 
 _PATCHED_ATTR = "_kvcomp_adapted"
 _MARKS_ATTR = "_kvcomp_marks"  # on the press: layer → [marks added since the prefill, tokens cached]
@@ -74,6 +93,17 @@ class _RowByRowScorer:
         return torch.cat(rows)
 
 
+@contextmanager
+def _scorer_replaced(press, stand_in):
+    """`press` (a kvpress wrapper) scores with `stand_in` inside the block, its own scorer again after."""
+    scorer = press.press
+    press.press = stand_in
+    try:
+        yield
+    finally:
+        press.press = scorer
+
+
 def _mark_count(module) -> int:
     marked = getattr(module, "masked_key_indices", None)
     return 0 if marked is None else len(marked[0])
@@ -111,13 +141,8 @@ def patch_dms_press() -> None:
     def adapted_forward_hook(self, module, input, kwargs, output):
         marked_before = _mark_count(module)
         padding = _prefill_padding(kwargs)
-        scorer = self.press
-        if padding is not None:
-            self.press = _RowByRowScorer(scorer, padding)
-        try:
+        with nullcontext() if padding is None else _scorer_replaced(self, _RowByRowScorer(self.press, padding)):
             output = forward_hook(self, module, input, kwargs, output)
-        finally:
-            self.press = scorer
         _count_marks(self, module, kwargs, marked_before)
         return output
 
@@ -125,4 +150,71 @@ def patch_dms_press() -> None:
     DMSPress.forward_hook = adapted_forward_hook
 
 
+@contextmanager
+def _rank_head_counts(module, shard: tuple[int, int]):
+    """``module.config`` says the rank's kv and query head counts inside the block: kvpress's scorers reshape the
+    (sharded) query projection and group the query heads by the config's counts, which are the model's."""
+    config = module.config
+    ranks = config.num_key_value_heads // (shard[1] - shard[0])
+    module.config = copy.copy(config)
+    module.config.num_key_value_heads //= ranks
+    module.config.num_attention_heads //= ranks
+    try:
+        yield
+    finally:
+        module.config = config
+
+
+class _AllRanksScorer:
+    """Stands in for AdaKVPress's scorer on a tensor-parallel rank: ``score`` returns the scores of every kv head of
+    the model (B, H, T), gathered over the ranks."""
+
+    def __init__(self, scorer, shard: tuple[int, int]):
+        self.scorer, self.shard = scorer, shard
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.scorer.compression_ratio
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        counts = nullcontext() if isinstance(self.scorer, KVzapPress) else _rank_head_counts(module, self.shard)
+        with counts:
+            scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+        return gather_kv_heads(scores, module, dim=1)
+
+
+def _sharding_limitation(press: AdaKVPress) -> str | None:
+    if isinstance(press.press, SHARDABLE_SCORERS):
+        return None
+    return (f"its scorer {type(press.press).__name__} is not known to score each kv head from that head's own "
+            f"queries and keys, all a rank holds; use {' or '.join(scorer.__name__ for scorer in SHARDABLE_SCORERS)}")
+
+
+def patch_adakv_press() -> None:
+    """Wrap ``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model`` (see the module). Idempotent."""
+    compress, post_init_from_model = AdaKVPress.compress, AdaKVPress.post_init_from_model
+    if getattr(compress, _PATCHED_ATTR, False):
+        return
+
+    def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        shard = kv_head_shard(module)
+        if shard is None or self.compression_ratio == 0:  # kvpress marks nothing at ratio 0
+            return compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        with _scorer_replaced(self, _AllRanksScorer(self.press, shard)):
+            keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        batch, head, position = module.masked_key_indices  # the model's heads
+        own = (head >= shard[0]) & (head < shard[1])
+        module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
+        return keys, values
+
+    def adapted_post_init_from_model(self, model):
+        check_tensor_parallel(type(self).__name__, model, _sharding_limitation(self))
+        post_init_from_model(self, model)
+
+    setattr(adapted_compress, _PATCHED_ATTR, True)
+    AdaKVPress.compress = adapted_compress
+    AdaKVPress.post_init_from_model = adapted_post_init_from_model
+
+
 patch_dms_press()
+patch_adakv_press()
