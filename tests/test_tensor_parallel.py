@@ -3,8 +3,8 @@
 One ``torchrun --nproc-per-node 2`` launch (gloo on CPU) loads a tiny random Llama (4 kv heads, 8 query heads) with
 transformers' ``tp_plan="auto"`` and runs every case of ``tests/tp_worker.py``; this process runs the same cases on the
 same weights without sharding. Per case: the greedy tokens are equal, rank r's cache holds exactly kv heads
-[2r, 2r+2) of the single-process cache (the slots each head attends to: keys, values, log-weights and the press's
-per-slot state such as scores, merge counts, votes), each rank holds at
+[2r, 2r+2) of the single-process cache (the slots each head attends to, those kvpress's head-wise presses mask left
+out: keys, values, log-weights and the press's per-slot state such as scores, merge counts, votes), each rank holds at
 most half of the single-process bytes, and ratios the presses report (GVote, KVzap, kvpress's DMSPress) are the
 model's on every rank and on either cache.
 Configurations that cannot run sharded are refused with an error naming the press.
@@ -86,7 +86,8 @@ def attended(layer: dict, head: int) -> dict[str, torch.Tensor]:
     rows = {"keys": layer["keys"][0, head], "values": layer["values"][0, head]}
     if layer["log_weights"] is None:  # no per-slot state (kvpress's own masking): every slot, or a paged head's own
         held = rows["keys"].shape[0] if layer["lengths"] is None else int(layer["lengths"][0, head])
-        return {name: row[:held] for name, row in rows.items()}
+        shown = torch.ones(held, dtype=torch.bool) if layer["masked"] is None else ~layer["masked"][0, head, :held]
+        return {name: row[:held][shown] for name, row in rows.items()}
     rows["log-weights"] = layer["log_weights"][0, head]
     rows.update({name: tensor[0, head] for name, tensor in layer["per_slot"].items()})
     held = rows["log-weights"] != float("-inf")
@@ -108,7 +109,7 @@ def test_tokens_equal_single_process(sharded, single, case):
 def test_each_rank_holds_its_heads_of_the_single_process_cache(sharded, single, case):
     results, kind = sharded
     whole = single[kind][case]["layers"]
-    if case != "no-press" and (kind, case) != ("dynamic", "kvzap-in-kvpress-dms"):  # kvpress only masks there
+    if case != "no-press":
         fed = PROMPT_TOKENS + NEW_TOKENS - 1  # the last token is generated, never fed back
         assert any(min(len(attended(layer, head)["keys"]) for head in range(layer["keys"].shape[1])) < fed
                    for layer in whole), "the case compresses nothing"
@@ -157,3 +158,6 @@ def test_configurations_that_cannot_run_sharded_are_refused(sharded):
                                                  "evenly over 2 tensor-parallel ranks")
         assert errors["kvpress-scorer"].startswith("KeepKVPress cannot run on a tensor-parallel model (2 ranks): its "
                                                    "scorer SnapKVPress is a kvpress scorer")
+        assert errors["adakv-cross-head-scorer"].startswith("AdaKVPress cannot run on a tensor-parallel model (2 "
+                                                            "ranks): its scorer TOVAPress is not known to score each "
+                                                            "kv head from that head's own queries and keys")

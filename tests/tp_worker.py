@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR --surrogates DIR --uneven-model DIR`` loads the
 model with ``tp_plan="auto"`` (gloo on CPU, NCCL on GPUs), runs every case of :data:`CASES` (greedy generation under the
 press) and writes each rank's results to ``OUT_DIR/rank<r>.pt``: tokens, the cache it holds (keys, values,
-log-weights and the press's per-slot state per layer), its bytes and the press's reported ratios, plus the errors of
+log-weights and the press's per-slot state per layer, and the slots kvpress's head-wise presses mask), its bytes and the press's reported ratios, plus the errors of
 the configurations that must be refused. The test runs the same cases in one process (:func:`run_case`) and compares.
 """
 
@@ -20,7 +20,7 @@ import torch
 if __package__ in (None, ""):  # run as a script by torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpress import DMSPress, SnapKVPress  # noqa: E402
+from kvpress import AdaKVPress, DMSPress, SnapKVPress, TOVAPress  # noqa: E402
 
 from kvpress_cpp.cache import cache_bytes, get_state  # noqa: E402
 from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer  # noqa: E402
@@ -70,6 +70,10 @@ CASES = {
     "kvzap-in-kvpress-dms": lambda model, surrogates: DMSPress(_kvzap_scorer(model, surrogates, "mlp"),
                                                                threshold=0.0, sliding_window_size=16, decoding=True),
     "gvote": lambda model, surrogates: GVotePress(future_positions=64),
+    # kvpress's AdaKVPress: one budget shared across all kv heads of the model, however many ranks hold them.
+    "adakv-snapkv": lambda model, surrogates: AdaKVPress(SnapKVPress(compression_ratio=0.6, window_size=16)),
+    "adakv-kvzap": lambda model, surrogates: AdaKVPress(KVzapPress(compression_ratio=0.6, model_type="mlp",
+                                                                   surrogate_dir=surrogates / "mlp")),
 }
 
 
@@ -96,14 +100,21 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
     press = CASES[name](model, surrogates)
     input_ids = prompt_ids(tokenizer, PROMPT_TOKENS).to(model.device)
     cache = CACHE_TYPES[cache_kind]()
+    attention_layers = [decoder.self_attn for decoder in model.model.layers]
+    for attention in attention_layers:
+        attention.masked_key_indices = None  # a previous case's marks
     with press(model) if press is not None else nullcontext():
         out = model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False)
     tokens = out[:, PROMPT_TOKENS:].cpu()
     layers = []
-    for layer in cache.layers:
+    for layer, attention in zip(cache.layers, attention_layers):
         state = get_state(layer)
         keys, values, log_weights, per_slot, lengths = layer.keys.cpu(), layer.values.cpu(), None, {}, None
+        masked, marked = None, attention.masked_key_indices
+        if marked is not None and not isinstance(layer, PagedLayer):  # (a paged layer evicts marks for real)
+            masked = torch.zeros(keys.shape[:3], dtype=torch.bool)  # kvpress's head-wise presses' hidden slots
+            masked[tuple(index.cpu() for index in marked)] = True
         if state is not None:  # slots appended after the press's last write are plain tokens (b = 0)
             log_weights = state.align(layer.keys.shape[-2], 0).cpu()
             per_slot = {name: tensor.cpu() for name, tensor in state.per_slot.items()}
@@ -114,7 +125,7 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
             keys, values = gather_paged(key_blocks, tables, lengths), gather_paged(value_blocks, tables, lengths)
         held_on = [layer.keys, layer.values, *([] if state is None else [state.log_weights, *state.per_slot.values()])]
         layers.append({"keys": keys, "values": values, "log_weights": log_weights, "per_slot": per_slot,
-                       "lengths": lengths, "devices": sorted({str(tensor.device) for tensor in held_on})})
+                       "lengths": lengths, "masked": masked, "devices": sorted({str(tensor.device) for tensor in held_on})})
     ratios = None
     if isinstance(press, (GVotePress, KVzapThresholdPress)):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.layer_compression_ratios)}
@@ -130,7 +141,8 @@ def refusals(model, uneven_model_dir: Path) -> dict[str, str]:
 
     uneven = AutoModelForCausalLM.from_pretrained(uneven_model_dir, tp_plan="auto", dtype=torch.float32)
     cases = {"uneven-heads": (uneven, ZSMergePress(budget=32)),
-             "kvpress-scorer": (model, KeepKVPress(budget=40, recent=8, scorer=SnapKVPress()))}
+             "kvpress-scorer": (model, KeepKVPress(budget=40, recent=8, scorer=SnapKVPress())),
+             "adakv-cross-head-scorer": (model, AdaKVPress(TOVAPress(compression_ratio=0.5)))}
     errors = {}
     for name, (target, press) in cases.items():
         errors[name] = ""
