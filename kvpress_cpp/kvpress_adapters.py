@@ -1,7 +1,12 @@
 """kvpress's ``DMSPress`` and ``AdaKVPress`` on our cache, on padded batches and on tensor-parallel ranks.
 
 Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
-``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model``; kvpress itself is unchanged.
+``AdaKVPress.compress`` and both presses' ``post_init_from_model``; kvpress itself is unchanged.
+
+Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
+head's own queries and keys (:data:`SHARDABLE_SCORERS`): ours read the layer's shard themselves; kvpress's read the
+model's head counts from ``module.config`` to reshape the rank's queries, and score under a copy of it with the rank's
+counts. Any other scorer is refused on a tensor-parallel model, naming the press and the reason.
 
 ``DMSPress``:
 
@@ -21,16 +26,14 @@ Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` d
   the prefill over B·H·T of the model (H all its kv heads, T the tokens cached), the counts summed over the ranks
   (one all-gather per pass, at the last layer): the same figure on every cache and every rank.
 
-Unpadded passes score as before.
+Unpadded passes of one process score as before.
 
 ``AdaKVPress`` shares one budget across the heads it sees: a safeguard of the best ``alpha_safeguard`` of each head's
 kept tokens, then the bottom-k of all heads' scores. On a tensor-parallel rank it would see only the rank's heads, so
 what each head keeps would depend on the number of ranks. There the scorer's (B, H/N, T) scores are now all-gathered
 to the model's (B, H, T), kvpress's own ``compress`` selects over them as in one process, and each rank keeps the
-marks of its own heads, renumbered to its local heads. A scorer runs sharded only if it scores each kv head from that
-head's own queries and keys (:data:`SHARDABLE_SCORERS`); kvpress's read the model's head counts from
-``module.config`` and score under a copy with the rank's counts. Any other scorer is refused on a tensor-parallel
-model, naming the press and the reason. Without tensor parallelism ``AdaKVPress`` runs exactly as in kvpress.
+marks of its own heads, renumbered to its local heads. Without tensor parallelism ``AdaKVPress`` runs exactly as in
+kvpress.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "SHARDABLE_SCORERS"]
 
-#: The scorers AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own queries and
-#: keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
+#: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
+#: queries and keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
 SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
 
 _PATCHED_ATTR = "_kvcomp_adapted"
@@ -76,21 +79,83 @@ def _prefill_padding(kwargs: dict) -> list[int] | None:
     return padding.tolist()
 
 
-class _RowByRowScorer:
+@contextmanager
+def _rank_head_counts(module, shard: tuple[int, int]):
+    """``module.config`` says the rank's kv and query head counts inside the block: kvpress's scorers reshape the
+    (sharded) query projection and group the query heads by the config's counts, which are the model's."""
+    config = module.config
+    ranks = config.num_key_value_heads // (shard[1] - shard[0])
+    module.config = copy.copy(config)
+    module.config.num_key_value_heads //= ranks
+    module.config.num_attention_heads //= ranks
+    try:
+        yield
+    finally:
+        module.config = config
+
+
+class _ScorerStandIn:
+    """Stands in for a kvpress wrapper's scorer while the wrapper runs: ``score`` gives the scorer's scores of the kv
+    heads this process holds (a tensor-parallel rank's own, or all of them)."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.scorer.compression_ratio
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        shard = kv_head_shard(module)
+        reads_shard = shard is None or isinstance(self.scorer, KVzapPress)
+        with nullcontext() if reads_shard else _rank_head_counts(module, shard):
+            return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+
+
+class _RowByRowScorer(_ScorerStandIn):
     """Stands in for DMSPress's scorer during a padded prefill: ``score`` runs the scorer on each row's real tokens
     and pads the row's scores with +inf."""
 
     def __init__(self, scorer, padding: list[int]):
-        self.scorer, self.padding = scorer, padding
+        super().__init__(scorer)
+        self.padding = padding
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
         rows = []
         for row, pad in enumerate(self.padding):
             row_attentions = attentions[row:row + 1, :, pad:, pad:] if attentions is not None else None
-            scores = self.scorer.score(module, hidden_states[row:row + 1, pad:], keys[row:row + 1, :, pad:],
-                                       values[row:row + 1, :, pad:], row_attentions, _row_kwargs(kwargs, row, pad))
+            scores = super().score(module, hidden_states[row:row + 1, pad:], keys[row:row + 1, :, pad:],
+                                   values[row:row + 1, :, pad:], row_attentions, _row_kwargs(kwargs, row, pad))
             rows.append(torch.nn.functional.pad(scores, (pad, 0), value=float("inf")))
         return torch.cat(rows)
+
+
+class _AllRanksScorer(_ScorerStandIn):
+    """Stands in for AdaKVPress's scorer on a tensor-parallel rank: ``score`` returns the scores of every kv head of
+    the model (B, H, T), gathered over the ranks."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        return gather_kv_heads(super().score(module, hidden_states, keys, values, attentions, kwargs), module, dim=1)
+
+
+def _refuse_unshardable_scorer(press, model) -> None:
+    """Raise a ValueError naming `press` (a kvpress wrapper) on a tensor-parallel model its scorer cannot score
+    per rank, or whose heads do not split over the ranks."""
+    scorer = press.press
+    limitation = None if isinstance(scorer, SHARDABLE_SCORERS) else (
+        f"its scorer {type(scorer).__name__} is not known to score each kv head from that head's own queries and "
+        f"keys, all a rank holds; use {' or '.join(cls.__name__ for cls in SHARDABLE_SCORERS)}")
+    check_tensor_parallel(type(press).__name__, model, limitation)
+
+
+def _refusing_unshardable_scorers(post_init_from_model):
+    """A kvpress wrapper's ``post_init_from_model`` that first refuses a scorer it cannot run sharded."""
+
+    def adapted_post_init_from_model(self, model):
+        _refuse_unshardable_scorer(self, model)
+        post_init_from_model(self, model)
+
+    return adapted_post_init_from_model
 
 
 @contextmanager
@@ -133,7 +198,7 @@ def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int) -> N
 
 
 def patch_dms_press() -> None:
-    """Wrap ``DMSPress.forward_hook`` (see the module). Idempotent."""
+    """Wrap ``DMSPress.forward_hook`` and ``DMSPress.post_init_from_model`` (see the module). Idempotent."""
     forward_hook = DMSPress.forward_hook
     if getattr(forward_hook, _PATCHED_ATTR, False):
         return
@@ -141,58 +206,20 @@ def patch_dms_press() -> None:
     def adapted_forward_hook(self, module, input, kwargs, output):
         marked_before = _mark_count(module)
         padding = _prefill_padding(kwargs)
-        with nullcontext() if padding is None else _scorer_replaced(self, _RowByRowScorer(self.press, padding)):
+        stand_in = _ScorerStandIn(self.press) if padding is None else _RowByRowScorer(self.press, padding)
+        with _scorer_replaced(self, stand_in):
             output = forward_hook(self, module, input, kwargs, output)
         _count_marks(self, module, kwargs, marked_before)
         return output
 
     setattr(adapted_forward_hook, _PATCHED_ATTR, True)
     DMSPress.forward_hook = adapted_forward_hook
-
-
-@contextmanager
-def _rank_head_counts(module, shard: tuple[int, int]):
-    """``module.config`` says the rank's kv and query head counts inside the block: kvpress's scorers reshape the
-    (sharded) query projection and group the query heads by the config's counts, which are the model's."""
-    config = module.config
-    ranks = config.num_key_value_heads // (shard[1] - shard[0])
-    module.config = copy.copy(config)
-    module.config.num_key_value_heads //= ranks
-    module.config.num_attention_heads //= ranks
-    try:
-        yield
-    finally:
-        module.config = config
-
-
-class _AllRanksScorer:
-    """Stands in for AdaKVPress's scorer on a tensor-parallel rank: ``score`` returns the scores of every kv head of
-    the model (B, H, T), gathered over the ranks."""
-
-    def __init__(self, scorer, shard: tuple[int, int]):
-        self.scorer, self.shard = scorer, shard
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.scorer.compression_ratio
-
-    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        counts = nullcontext() if isinstance(self.scorer, KVzapPress) else _rank_head_counts(module, self.shard)
-        with counts:
-            scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
-        return gather_kv_heads(scores, module, dim=1)
-
-
-def _sharding_limitation(press: AdaKVPress) -> str | None:
-    if isinstance(press.press, SHARDABLE_SCORERS):
-        return None
-    return (f"its scorer {type(press.press).__name__} is not known to score each kv head from that head's own "
-            f"queries and keys, all a rank holds; use {' or '.join(scorer.__name__ for scorer in SHARDABLE_SCORERS)}")
+    DMSPress.post_init_from_model = _refusing_unshardable_scorers(DMSPress.post_init_from_model)
 
 
 def patch_adakv_press() -> None:
     """Wrap ``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model`` (see the module). Idempotent."""
-    compress, post_init_from_model = AdaKVPress.compress, AdaKVPress.post_init_from_model
+    compress = AdaKVPress.compress
     if getattr(compress, _PATCHED_ATTR, False):
         return
 
@@ -200,20 +227,16 @@ def patch_adakv_press() -> None:
         shard = kv_head_shard(module)
         if shard is None or self.compression_ratio == 0:  # kvpress marks nothing at ratio 0
             return compress(self, module, hidden_states, keys, values, attentions, kwargs)
-        with _scorer_replaced(self, _AllRanksScorer(self.press, shard)):
+        with _scorer_replaced(self, _AllRanksScorer(self.press)):
             keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
         batch, head, position = module.masked_key_indices  # the model's heads
         own = (head >= shard[0]) & (head < shard[1])
         module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
         return keys, values
 
-    def adapted_post_init_from_model(self, model):
-        check_tensor_parallel(type(self).__name__, model, _sharding_limitation(self))
-        post_init_from_model(self, model)
-
     setattr(adapted_compress, _PATCHED_ATTR, True)
     AdaKVPress.compress = adapted_compress
-    AdaKVPress.post_init_from_model = adapted_post_init_from_model
+    AdaKVPress.post_init_from_model = _refusing_unshardable_scorers(AdaKVPress.post_init_from_model)
 
 
 patch_dms_press()

@@ -29,7 +29,7 @@ from tests.models import make_tiny_llama
 from tests.tp_worker import CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_assets
 
 RANKS = 2
-RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp", "kvzap-in-kvpress-dms"]
+RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp", "kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms"]
 #: cache kind → bytes a rank may hold beyond 1/N of the single-process cache, per (layer, kv head).
 #: A paged rank may hold one partly filled block more per head: 16 slots of keys and values (head_dim 16, float32)
 #: plus at most 8 float32 / int64 per-slot state entries.
@@ -161,3 +161,5 @@ def test_configurations_that_cannot_run_sharded_are_refused(sharded):
         assert errors["adakv-cross-head-scorer"].startswith("AdaKVPress cannot run on a tensor-parallel model (2 "
                                                             "ranks): its scorer TOVAPress is not known to score each "
                                                             "kv head from that head's own queries and keys")
+        assert errors["dms-cross-head-scorer"].startswith("DMSPress cannot run on a tensor-parallel model (2 ranks): "
+                                                          "its scorer TOVAPress is not known to score each kv head")

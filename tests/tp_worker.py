@@ -3,8 +3,9 @@
 ``torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR --surrogates DIR --uneven-model DIR`` loads the
 model with ``tp_plan="auto"`` (gloo on CPU, NCCL on GPUs), runs every case of :data:`CASES` (greedy generation under the
 press) and writes each rank's results to ``OUT_DIR/rank<r>.pt``: tokens, the cache it holds (keys, values,
-log-weights and the press's per-slot state per layer, and the slots kvpress's head-wise presses mask), its bytes and the press's reported ratios, plus the errors of
-the configurations that must be refused. The test runs the same cases in one process (:func:`run_case`) and compares.
+log-weights and the press's per-slot state per layer, and the slots kvpress's head-wise presses mask), its bytes and
+the press's reported ratios, plus the errors of the configurations that must be refused. The test runs the same
+cases in one process (:func:`run_case`) and compares.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ CASES = {
         threshold=0.0, sliding_window=16, model_type="mlp", surrogate_dir=surrogates / "mlp", compaction_slack=4),
     "kvzap-in-kvpress-dms": lambda model, surrogates: DMSPress(_kvzap_scorer(model, surrogates, "mlp"),
                                                                threshold=0.0, sliding_window_size=16, decoding=True),
+    "snapkv-in-kvpress-dms": lambda model, surrogates: DMSPress(SnapKVPress(window_size=16), threshold=0.01,
+                                                                sliding_window_size=16),
     "gvote": lambda model, surrogates: GVotePress(future_positions=64),
     # kvpress's AdaKVPress: one budget shared across all kv heads of the model, however many ranks hold them.
     "adakv-snapkv": lambda model, surrogates: AdaKVPress(SnapKVPress(compression_ratio=0.6, window_size=16)),
@@ -125,7 +128,8 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
             keys, values = gather_paged(key_blocks, tables, lengths), gather_paged(value_blocks, tables, lengths)
         held_on = [layer.keys, layer.values, *([] if state is None else [state.log_weights, *state.per_slot.values()])]
         layers.append({"keys": keys, "values": values, "log_weights": log_weights, "per_slot": per_slot,
-                       "lengths": lengths, "masked": masked, "devices": sorted({str(tensor.device) for tensor in held_on})})
+                       "lengths": lengths, "masked": masked,
+                       "devices": sorted({str(tensor.device) for tensor in held_on})})
     ratios = None
     if isinstance(press, (GVotePress, KVzapThresholdPress)):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.layer_compression_ratios)}
@@ -142,7 +146,8 @@ def refusals(model, uneven_model_dir: Path) -> dict[str, str]:
     uneven = AutoModelForCausalLM.from_pretrained(uneven_model_dir, tp_plan="auto", dtype=torch.float32)
     cases = {"uneven-heads": (uneven, ZSMergePress(budget=32)),
              "kvpress-scorer": (model, KeepKVPress(budget=40, recent=8, scorer=SnapKVPress())),
-             "adakv-cross-head-scorer": (model, AdaKVPress(TOVAPress(compression_ratio=0.5)))}
+             "adakv-cross-head-scorer": (model, AdaKVPress(TOVAPress(compression_ratio=0.5))),
+             "dms-cross-head-scorer": (model, DMSPress(TOVAPress(), threshold=0.01))}
     errors = {}
     for name, (target, press) in cases.items():
         errors[name] = ""
