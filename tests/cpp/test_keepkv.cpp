@@ -65,7 +65,7 @@ TEST(KeepKVKernels, KeyScaleRescalesOnlyUnsafeKeysAndKeepsTheirCosines) {
   EXPECT_EQ(k::key_scale(kInf, 3e19f), k::key_rescale(3e19f));  // squares overflowed
   EXPECT_EQ(k::key_scale(0.0f, 1e-25f), k::key_rescale(1e-25f));  // squares underflowed to 0
   EXPECT_EQ(k::key_scale(0.0f, 0.0f), 1.0f);  // a zero key stays zero
-  EXPECT_EQ(k::key_scale(kNan, 1.0f), 1.0f);  // NaN squares: nothing a scale fixes
+  EXPECT_EQ(k::key_scale(kNan, 4.0f), 0.125f);  // NaN squares are not safe either: scaled as usual, cosine stays NaN
   EXPECT_EQ(k::max_magnitude(2.0f, -3.0f), 3.0f);
   EXPECT_EQ(k::max_magnitude(2.0f, kNan), 2.0f);  // NaN skipped, as std::max(current, |x|) on the CPU
   // (3, 4) and (4, 3) at 1e30: their float32 squares overflow; after key_scale the cosine is 24/25 as at unit scale.
