@@ -88,6 +88,29 @@ def test_match_large_rows(device, evicted):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("evicted", [1, 3])
+def test_match_decoding_step_over_long_rows(device, evicted):
+    """Direct path over rows long enough that CUDA splits the retained slots over many blocks per evicted slot
+    (kernels::launch::row_pieces) and combines their best candidates: the best match in the first or the last slot,
+    or tied exactly (power-of-two scales of one direction) between far-apart slots, where the lower slot wins."""
+    generator = torch.Generator().manual_seed(8)
+    slots = 6000
+    keys = correlated_keys(1, 2, slots, 64, generator)
+    keep = torch.ones(1, 2, slots, dtype=torch.bool)
+    evicted_slots = torch.arange(evicted) * 1500 + 700
+    keep[..., evicted_slots] = False
+    for e, (row, first, second) in zip(evicted_slots.tolist(), [(0, 0, 5999), (1, 513, 4100), (0, 2047, 2048)]):
+        keys[0, row, first] = keys[0, row, e] * 4.0  # exact copies of e's direction: cosine 1, a tie
+        keys[0, row, second] = keys[0, row, e] * 0.5
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 0.5, max_evicted=evicted).cpu()
+    expected = reference.keepkv_match_vectorised(keys.double(), keep, 0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got[0, 0, 700] == 0
+    if evicted > 1:
+        assert got[0, 1, 2200] == 513 and got[0, 0, 3700] == 2047
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("evicted,bound", [(1, 1), (5, 1), (9, 8), (300, 0)])
 def test_match_with_a_bound_on_evicted_slots(device, evicted, bound):
     """max_evicted only spares CUDA's host sync (a decoding step passes its new tokens): a row evicting more than the
@@ -132,8 +155,6 @@ def test_match_zero_norm_nan_and_ties(device, many):
 def test_match_extreme_magnitudes(device, many, scale):
     """Cosines do not depend on the keys' scale: float32 squares overflow beyond ~1.8e19 and underflow below ~1e-19,
     so keys are rescaled before squaring, on both paths."""
-    if device == "cuda" and not many and scale > 1:
-        pytest.xfail("CUDA's direct path (<= 8 evicted) squares unscaled keys (left to the CUDA kernel rework)")
     generator = torch.Generator().manual_seed(5)
     keys = correlated_keys(2, 2, 24, 16, generator)
     keep = keep_pattern("many_evicted" if many else "one_evicted", 2, 2, 24, generator)

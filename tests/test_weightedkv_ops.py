@@ -259,6 +259,28 @@ def test_cuda_matches_cpu_at_scale(dtype, total_len, sinks, recent, evictions):
     assert_matches(got, expected, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["first_and_last", "tied_far_apart", "tied_neighbours"])
+def test_decoding_step_over_long_rows(device, dtype, where):
+    """One eviction from rows long enough that CUDA splits the middle over many blocks per row (batch 1: the pieces
+    of kernels::launch::row_pieces): the smallest mean at the first or the last middle slot, or tied between slots
+    far apart (different pieces) or adjacent; the lower tied slot goes, as torch.argmin's first occurrence."""
+    total_len, sinks, recent = 40_000, 4, 8
+    keys, values, sums, counts = make_inputs(1, 2, total_len, dtype, "cpu", key_dim=64, value_dim=64, seed=12)
+    planted = {"first_and_last": [[sinks], [total_len - recent - 1]],
+               "tied_far_apart": [[sinks + 1024, total_len - recent - 2], [7_000, 31_000]],
+               "tied_neighbours": [[sinks + 1023, sinks + 1024], [20_000, 20_001]]}[where]
+    for row, slots in enumerate(planted):
+        sums[0, row, slots] = -counts[0, row, slots]  # mean exactly -1: below every other (non-negative) mean
+    inputs = tuple(t.to(device) for t in (keys, values, sums, counts))
+    got = ops.weightedkv_evict(*inputs, sinks, recent, 1)
+    expected = reference.weightedkv_evict(keys, values, sums, counts, sinks, recent, 1)
+    assert_matches(got, expected, dtype)
+    for row, slots in enumerate(planted):  # the lowest planted slot went: its right neighbour now sits there
+        assert torch.equal(got[0][0, row, slots[0]].cpu(), keys[0, row, slots[0] + 1])
+
+
 @CUDA
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_monotone_means_make_one_long_run(dtype):

@@ -73,8 +73,8 @@ float load_row(const scalar_t* key, int64_t head_dim, float* out) {
 float rescaled_norm_sq(float* row, int64_t head_dim, float norm_sq) {
   if (kernels::norm_sq_is_safe(norm_sq)) return norm_sq;
   float max_abs = 0.0f;
-  for (int64_t c = 0; c < head_dim; ++c) max_abs = std::max(max_abs, std::abs(row[c]));
-  const float scale = kernels::key_rescale(max_abs);
+  for (int64_t c = 0; c < head_dim; ++c) max_abs = kernels::max_magnitude(max_abs, row[c]);
+  const float scale = kernels::key_scale(norm_sq, max_abs);
   float rescaled = 0.0f;
   for (int64_t c = 0; c < head_dim; ++c) {
     row[c] *= scale;

@@ -1,12 +1,17 @@
 // CUDA kernels of the gvote family. Nothing here waits on the host: budgets stay on the device from nucleus_budget
 // to gvote_union_mask.
 //   nucleus_budget: masses (NaN / negatives -> 0) -> CUB segmented radix sort, descending, one segment per row ->
-//     one block per row: two BlockScans of the sorted row in float64 (the total, then the count of prefixes below
-//     p * total).
+//     the count of prefixes below p * total (float64 running sums) and of positive masses: one block per row (two
+//     BlockScans: the total, then the counts) when the rows fill the device, else blocks (row, piece)
+//     (kernels::launch::row_pieces): the pieces' sums, then each piece counts its prefixes after the sums of the
+//     pieces before it and adds its counts to the row's (integers) -> kernels::gvote::nucleus_from_counts.
 //   averaged_rope: the float64 means of cos / sin (ATen, shared with the CPU), then one thread per output element.
-//   gvote_union_mask: per chunk of rows (kvcomp::for_each_logit_chunk: float32 GEMM by cuBLAS), one block per row
-//     finds the k-th smallest selection key with a block radix select (shared-memory histograms, one byte per pass,
-//     slot bytes that are zero for every slot skipped), then one thread per (kv head, slot) ORs its rows into the mask.
+//   gvote_union_mask: per chunk of rows (kvcomp::for_each_logit_chunk: float32 GEMM by cuBLAS), the k-th smallest
+//     selection key of each row by a radix select (one byte per pass, slot bytes that are zero for every slot
+//     skipped, kernels/radix_select.h): one block per row when the rows fill the device, else split over the slots
+//     (kernels::launch::row_pieces): per pass, blocks (row, piece) write their piece's histogram and one block per row
+//     adds them up and picks the digit (integer counts: the same result whatever the order). Then one thread per
+//     (kv head, slot) ORs its rows into the mask.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
@@ -15,6 +20,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 
@@ -24,6 +30,8 @@
 
 #include "cuda/block_select.cuh"
 #include "kernels/gvote.h"
+#include "kernels/launch.h"
+#include "kernels/radix_select.h"
 #include "kvcomp/dispatch.h"
 #include "kvcomp/gvote.h"
 
@@ -31,8 +39,11 @@ namespace kvcomp {
 namespace {
 
 namespace g = kernels::gvote;
+namespace rs = kernels::radix_select;
 
 constexpr int kThreads = 256;
+constexpr int64_t kMinSlotsPerPiece = 4096;  // split select: a piece's histogram (1 KiB) is small beside its logits
+constexpr int64_t kMinMassesPerPiece = 4096;  // split nucleus count: 16 masses per thread at least
 
 // ---------------------------------------------------------------------------------------------------------------
 // nucleus_budget
@@ -80,10 +91,78 @@ __global__ void __launch_bounds__(kThreads)
   CountScan(count_storage).ExclusiveSum(below, ignored, below_all);
   __syncthreads();
   CountScan(count_storage).ExclusiveSum(positive, ignored, positive_all);
+  if (threadIdx.x == 0) budgets[blockIdx.x] = g::nucleus_from_counts(below_all, positive_all, p);  // T > 0 here
+}
+
+// Split nucleus count, 1: block (row, piece) sums its piece of the sorted row in float64.
+__global__ void __launch_bounds__(kThreads)
+    nucleus_piece_sums_kernel(const float* __restrict__ sorted,  // [B * Hq, T], each row descending
+                              double* __restrict__ piece_sums,  // [B * Hq, gridDim.y]
+                              int64_t len, int64_t piece_len) {
+  using BlockReduce = cub::BlockReduce<double, kThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  const float* row = sorted + static_cast<int64_t>(blockIdx.x) * len;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * piece_len;
+  const int64_t end = begin + piece_len < len ? begin + piece_len : len;
+  double local = 0.0;
+  for (int64_t slot = begin + threadIdx.x; slot < end; slot += kThreads) local += static_cast<double>(row[slot]);
+  const double sum = BlockReduce(reduce_storage).Sum(local);
+  if (threadIdx.x == 0) piece_sums[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = sum;
+}
+
+// Split nucleus count, 2: block (row, piece) takes the total and the sum of the pieces before its own (every block
+// of the row adds the same piece sums in the same order, so they agree on the total), counts its positive masses and
+// those whose running sum stays below p * total, and adds both to the row's counts.
+__global__ void __launch_bounds__(kThreads)
+    nucleus_piece_counts_kernel(const float* __restrict__ sorted,  // [B * Hq, T], each row descending
+                                const double* __restrict__ piece_sums,  // [B * Hq, gridDim.y]
+                                unsigned long long* __restrict__ counts,  // [B * Hq, 2]: below, positive; zeroed
+                                int64_t len, int64_t piece_len, double p) {
+  using BlockScan = cub::BlockScan<double, kThreads>;
+  using CountReduce = cub::BlockReduce<unsigned long long, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ typename CountReduce::TempStorage count_storage;
+  const int64_t row = blockIdx.x, pieces = gridDim.y;
+  double carry = 0.0, total = 0.0;
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    if (piece == blockIdx.y) carry = total;
+    total += piece_sums[row * pieces + piece];
+  }
+  const double target = p * total;
+  const float* masses = sorted + row * len;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * piece_len;
+  const int64_t end = begin + piece_len < len ? begin + piece_len : len;
+  unsigned long long below = 0, positive = 0;
+  for (int64_t tile = begin; tile < end; tile += kThreads) {  // block-uniform
+    const int64_t slot = tile + threadIdx.x;
+    const float mass = slot < end ? masses[slot] : 0.0f;
+    double prefix, tile_sum;
+    BlockScan(scan_storage).InclusiveSum(static_cast<double>(mass), prefix, tile_sum);
+    if (mass > 0.0f) {
+      ++positive;
+      if (carry + prefix < target) ++below;
+    }
+    carry += tile_sum;
+    __syncthreads();  // scan_storage is reused by the next tile
+  }
+  below = CountReduce(count_storage).Sum(below);
+  __syncthreads();  // count_storage is reused
+  positive = CountReduce(count_storage).Sum(positive);
   if (threadIdx.x == 0) {
-    const int64_t nucleus = below_all + 1 < positive_all ? below_all + 1 : positive_all;
-    const int64_t budget = positive_all == 0 ? 1 : (p >= 1.0 ? positive_all : nucleus);
-    budgets[blockIdx.x] = len == 0 ? 0 : budget;
+    atomicAdd(counts + 2 * row, below);
+    atomicAdd(counts + 2 * row + 1, positive);
+  }
+}
+
+// Split nucleus count, 3: the budget of each row from its counts.
+__global__ void __launch_bounds__(kThreads)
+    nucleus_budget_from_counts_kernel(const unsigned long long* __restrict__ counts,  // [B * Hq, 2]
+                                      int64_t* __restrict__ budgets,  // [B * Hq]
+                                      int64_t rows, double p) {
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    budgets[row] = g::nucleus_from_counts(static_cast<int64_t>(counts[2 * row]),
+                                          static_cast<int64_t>(counts[2 * row + 1]), p);
   }
 }
 
@@ -118,8 +197,33 @@ at::Tensor nucleus_budget_cuda(const at::Tensor& probs, double p) {
       temp.mutable_data_ptr(), temp_bytes, masses.const_data_ptr<float>(), sorted.mutable_data_ptr<float>(),
       num_items, num_segments, begin_offsets, begin_offsets + 1, 0, 32, stream));
 
-  nucleus_count_kernel<<<grid_dim("kvcomp::nucleus_budget", "rows", shape.rows()), kThreads, 0, stream>>>(
-      sorted.const_data_ptr<float>(), budgets.mutable_data_ptr<int64_t>(), shape.len, p);
+  const unsigned row_blocks = grid_dim("kvcomp::nucleus_budget", "rows", shape.rows());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const kernels::launch::RowPieces pieces =
+      kernels::launch::row_pieces(shape.rows(), shape.len, sms, kMinMassesPerPiece);
+  if (pieces.count == 1) {
+    nucleus_count_kernel<<<row_blocks, kThreads, 0, stream>>>(sorted.const_data_ptr<float>(),
+                                                              budgets.mutable_data_ptr<int64_t>(), shape.len, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return budgets;
+  }
+  const at::Tensor piece_sums = at::empty({shape.rows(), pieces.count}, probs_c.options().dtype(at::kDouble));
+  const at::Tensor counts = at::zeros({shape.rows(), 2}, probs_c.options().dtype(at::kLong));
+  static_assert(sizeof(unsigned long long) == sizeof(int64_t), "counts are added as 64-bit unsigned");
+  unsigned long long* counts_ptr = reinterpret_cast<unsigned long long*>(counts.mutable_data_ptr<int64_t>());
+  const dim3 grid(row_blocks, static_cast<unsigned>(pieces.count));
+  nucleus_piece_sums_kernel<<<grid, kThreads, 0, stream>>>(sorted.const_data_ptr<float>(),
+                                                           piece_sums.mutable_data_ptr<double>(), shape.len,
+                                                           pieces.length);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  nucleus_piece_counts_kernel<<<grid, kThreads, 0, stream>>>(sorted.const_data_ptr<float>(),
+                                                             piece_sums.const_data_ptr<double>(), counts_ptr,
+                                                             shape.len, pieces.length, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  nucleus_budget_from_counts_kernel<<<static_cast<unsigned>(kernels::launch::grid_stride_blocks(
+                                          shape.rows(), kThreads, 65535)),
+                                      kThreads, 0, stream>>>(counts_ptr, budgets.mutable_data_ptr<int64_t>(),
+                                                             shape.rows(), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return budgets;
 }
@@ -191,6 +295,61 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) thresholds[row] = threshold;
 }
 
+// Split select, one pass: block (row, piece) counts the keys of its piece that match the row's prefix by their digit
+// at `shift`, into its own histogram (so no block waits on another, and nothing is added atomically across blocks).
+__global__ void __launch_bounds__(kThreads)
+    piece_histogram_kernel(const float* __restrict__ logits,  // [n, T] unscaled q.k of rows first_row ..
+                           const int64_t* __restrict__ budgets,  // [B * Hq]
+                           const uint64_t* __restrict__ prefixes,  // [n]
+                           uint32_t* __restrict__ histograms,  // [n, gridDim.y, 256]
+                           int64_t first_row, int64_t samples, int64_t len, int64_t piece_len, float scale,
+                           int shift) {
+  __shared__ uint32_t histogram[rs::kRadix];
+  const int64_t row = blockIdx.x;
+  const int64_t k = g::clamp_budget(budgets[(first_row + row) / samples], len);
+  if (k == 0 || k == len) return;  // block-uniform; next_digit_kernel skips the row too
+  for (int i = threadIdx.x; i < rs::kRadix; i += kThreads) histogram[i] = 0;
+  __syncthreads();
+  const RowKeys key_of{logits + row * len, scale};
+  const uint64_t mask = rs::high_mask(shift), prefix = prefixes[row];
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * piece_len;
+  const int64_t end = begin + piece_len < len ? begin + piece_len : len;
+  for (int64_t slot = begin + threadIdx.x; slot < end; slot += kThreads) {
+    const uint64_t key = key_of(slot);
+    if ((key & mask) == prefix) atomicAdd(&histogram[rs::digit_of(key, shift)], 1u);
+  }
+  __syncthreads();
+  uint32_t* out = histograms + (row * gridDim.y + blockIdx.y) * rs::kRadix;
+  for (int i = threadIdx.x; i < rs::kRadix; i += kThreads) out[i] = histogram[i];
+}
+
+// Split select, the pass's second stage: block `row`, thread = digit, adds the pieces' counts of its digit (in piece
+// order), and the digit holding the rank extends the prefix and narrows the rank. The first pass takes rank k - 1.
+__global__ void __launch_bounds__(rs::kRadix)
+    next_digit_kernel(const uint32_t* __restrict__ histograms,  // [n, pieces, 256]
+                      const int64_t* __restrict__ budgets,  // [B * Hq]
+                      uint64_t* __restrict__ prefixes,  // [n], zeros before the first pass, the thresholds after the last
+                      uint32_t* __restrict__ ranks,  // [n]
+                      int64_t first_row, int64_t samples, int64_t len, int64_t pieces, int shift, bool first_pass) {
+  using BlockScan = cub::BlockScan<uint32_t, rs::kRadix>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int64_t row = blockIdx.x;
+  const int64_t k = g::clamp_budget(budgets[(first_row + row) / samples], len);
+  if (k == 0 || k == len) return;  // block-uniform
+  const uint32_t rank = first_pass ? static_cast<uint32_t>(k - 1) : ranks[row];
+  const uint64_t prefix = prefixes[row];
+  const uint32_t digit = threadIdx.x;
+  uint32_t count = 0;
+  for (int64_t piece = 0; piece < pieces; ++piece) count += histograms[(row * pieces + piece) * rs::kRadix + digit];
+  uint32_t below;
+  BlockScan(scan_storage).ExclusiveSum(count, below);
+  __syncthreads();  // every thread has read prefixes[row] and ranks[row] before the one holding the rank writes them
+  if (rs::holds_rank(below, count, rank)) {
+    prefixes[row] = prefix | (static_cast<uint64_t>(digit) << shift);
+    ranks[row] = rank - below;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     or_into_mask_kernel(const float* __restrict__ logits,  // [n, T]
                         const int64_t* __restrict__ budgets,  // [B * Hq]
@@ -229,20 +388,44 @@ at::Tensor gvote_union_mask_cuda(const at::Tensor& keys, const at::Tensor& queri
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t samples = shape.samples, per_head = shape.rows_per_kv_head();
   const float scale_f = static_cast<float>(scale);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   for_each_logit_chunk(keys, queries, shape, chunk_size, [&](const at::Tensor& logits, int64_t first_row) {
     const int64_t rows = logits.size(0);
-    const at::Tensor thresholds = at::empty({rows}, budgets_c.options());
-    select_threshold_kernel<<<grid_dim("kvcomp::gvote_union_mask", "rows", rows), kThreads, 0, stream>>>(
-        logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(),
-        reinterpret_cast<uint64_t*>(thresholds.mutable_data_ptr<int64_t>()), first_row, samples, len, scale_f);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const unsigned row_blocks = grid_dim("kvcomp::gvote_union_mask", "rows", rows);
+    const kernels::launch::RowPieces pieces = kernels::launch::row_pieces(rows, len, sms, kMinSlotsPerPiece);
+    const at::Tensor thresholds = at::zeros({rows}, budgets_c.options());  // the split select's prefixes start at 0
+    uint64_t* thresholds_ptr = reinterpret_cast<uint64_t*>(thresholds.mutable_data_ptr<int64_t>());
+    if (pieces.count == 1) {
+      select_threshold_kernel<<<row_blocks, kThreads, 0, stream>>>(
+          logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(), thresholds_ptr, first_row, samples, len,
+          scale_f);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      const at::Tensor histograms = at::empty({rows, pieces.count, rs::kRadix}, budgets_c.options().dtype(at::kInt));
+      const at::Tensor ranks = at::empty({rows}, budgets_c.options().dtype(at::kInt));
+      uint32_t* histograms_ptr = reinterpret_cast<uint32_t*>(histograms.mutable_data_ptr<int32_t>());
+      uint32_t* ranks_ptr = reinterpret_cast<uint32_t*>(ranks.mutable_data_ptr<int32_t>());
+      bool first_pass = true;
+      for (int shift = rs::kFirstShift; shift >= 0; shift -= 8) {
+        if (rs::byte_is_zero(shift, len)) continue;
+        piece_histogram_kernel<<<dim3(row_blocks, static_cast<unsigned>(pieces.count)), kThreads, 0, stream>>>(
+            logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(), thresholds_ptr, histograms_ptr,
+            first_row, samples, len, pieces.length, scale_f, shift);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        next_digit_kernel<<<row_blocks, rs::kRadix, 0, stream>>>(histograms_ptr, budgets_c.const_data_ptr<int64_t>(),
+                                                                thresholds_ptr, ranks_ptr, first_row, samples, len,
+                                                                pieces.count, shift, first_pass);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        first_pass = false;
+      }
+    }
     const int64_t first_head = first_row / per_head;
     const int64_t heads = (first_row + rows - 1) / per_head - first_head + 1;
     const int64_t total = heads * len;
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, 1 << 16));
     or_into_mask_kernel<<<blocks, kThreads, 0, stream>>>(
         logits.const_data_ptr<float>(), budgets_c.const_data_ptr<int64_t>(),
-        reinterpret_cast<const uint64_t*>(thresholds.const_data_ptr<int64_t>()), mask.mutable_data_ptr<bool>(),
+        thresholds_ptr, mask.mutable_data_ptr<bool>(),
         first_row, rows, samples, per_head, first_head, heads, len, scale_f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

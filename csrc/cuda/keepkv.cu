@@ -1,8 +1,11 @@
 // CUDA kernels of the keepkv family.
 //
 // keepkv_match: the evicted slots of each row are listed by one ATen sort (kvcomp/keepkv.h). Up to kDirectMaxEvicted
-// evicted slots per row (a decoding step): blocks (row, y) take the evicted ranks y, y + gridDim.y, ... and compute
-// the cosines directly, warps over the retained slots, lanes over d. More (prefill): normalised keys, at::matmul of
+// evicted slots per row (a decoding step): blocks (row, y, piece) take the evicted ranks y, y + gridDim.y, ... and
+// compute the cosines with the retained slots of their piece of the row directly, warps over the slots, lanes over
+// d; the pieces (kernels::launch::row_pieces, so that batch 1 fills the device) combine their best candidates by a
+// 64-bit atomicMax of kernels::pack_candidate (a maximum of integers: the same whatever the order), and a last
+// kernel turns the best candidate of each evicted slot into its target. More (prefill): normalised keys, at::matmul of
 // chunks of evicted rows against the retained rows, then a fused masked argmax kernel. Both argmaxes use
 // kernels::MergesFirst (NaN as -inf, ties to the lower slot). The GEMM follows torch's float32 matmul settings (TF32
 // only if the caller allowed it). The path and the GEMM's shapes come from the largest evicted count, read back once
@@ -20,6 +23,7 @@
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -39,6 +43,7 @@ constexpr int kThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int64_t kDirectMaxEvicted = 8;
 constexpr int64_t kMatchChunkElements = 1 << 26;  // similarities per GEMM chunk (256 MiB of float32)
+constexpr int64_t kDirectMinSlotsPerPiece = 512;  // direct path: 64 slots per warp at least
 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return a > b ? a : b; }
@@ -50,50 +55,103 @@ struct ZipSumsOp {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// keepkv_match, direct path: block (row, y) handles the evicted slots of ranks y, y + gridDim.y, ... of the row.
+// keepkv_match, direct path: block (row, y, piece) handles the evicted slots of ranks y, y + gridDim.y, ... of the row
+// against the retained slots of [piece * piece_len, (piece + 1) * piece_len).
+// Keys whose float32 squares overflow or underflow are rescaled first by the CPU's power of two (kernels::key_scale),
+// so the cosines do not depend on the keys' magnitude, as on the CPU.
+
+// Butterfly reductions over a warp: every lane adds (or compares) the same pairs, so all lanes hold the same value
+// and a branch on it is warp-uniform.
+__device__ float warp_sum(float x) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+__device__ float warp_max(float x) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = MaxOp{}(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Σ (scale_a a)(scale_b b) and Σ (scale_b b)^2 over d, lanes over the channels, reduced over the warp.
+template <typename scalar_t>
+__device__ void warp_dot_and_norm(const scalar_t* a, float scale_a, const scalar_t* b, float scale_b, int64_t head_dim,
+                                  int lane, float& dot, float& norm_sq_b) {
+  dot = 0.0f;
+  norm_sq_b = 0.0f;
+  for (int64_t c = lane; c < head_dim; c += kWarpSize) {
+    const float x = static_cast<float>(b[c]) * scale_b;
+    dot += static_cast<float>(a[c]) * scale_a * x;
+    norm_sq_b += x * x;
+  }
+  dot = warp_sum(dot);
+  norm_sq_b = warp_sum(norm_sq_b);
+}
+
+// The factor kernels::key_scale gives a key, from its unscaled squares and largest |component|.
+template <typename scalar_t>
+__device__ float warp_key_scale(const scalar_t* key, int64_t head_dim, int lane) {
+  float norm_sq = 0.0f, max_abs = 0.0f;
+  for (int64_t c = lane; c < head_dim; c += kWarpSize) {
+    const float x = static_cast<float>(key[c]);
+    norm_sq += x * x;
+    max_abs = kernels::max_magnitude(max_abs, x);
+  }
+  return kernels::key_scale(warp_sum(norm_sq), warp_max(max_abs));
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     keepkv_match_direct_kernel(const scalar_t* __restrict__ keys,       // [R, T, d]
                                const bool* __restrict__ keep,           // [R, T]
                                const int64_t* __restrict__ evicted,     // [R, T] evicted slots first
                                const int64_t* __restrict__ num_evicted, // [R]
-                               int64_t* __restrict__ targets,           // [R, T]
-                               int64_t slots, int64_t head_dim, float threshold) {
+                               unsigned long long* __restrict__ best,   // [R, T] packed candidates, zeroed
+                               int64_t slots, int64_t head_dim, int64_t piece_len) {
   using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   const int64_t row = blockIdx.x, evicted_count = num_evicted[row];
   const scalar_t* row_keys = keys + row * slots * head_dim;
   const bool* row_keep = keep + row * slots;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, warps = kThreads / kWarpSize;
+  const int64_t piece_begin = static_cast<int64_t>(blockIdx.z) * piece_len;
+  const int64_t piece_end = piece_begin + piece_len < slots ? piece_begin + piece_len : slots;
   for (int64_t rank = blockIdx.y; rank < evicted_count; rank += gridDim.y) {  // block-uniform
     const int64_t e = evicted[row * slots + rank];
     const scalar_t* key_e = row_keys + e * head_dim;
-    float norm_sq_e = 0.0f;
-    for (int64_t c = lane; c < head_dim; c += kWarpSize) {
-      const float x = static_cast<float>(key_e[c]);
-      norm_sq_e += x * x;
-    }
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) norm_sq_e += __shfl_xor_sync(0xffffffffu, norm_sq_e, offset);
-    kernels::SlotChoice best = kernels::MergesFirst::none();
-    for (int64_t r = warp; r < slots; r += warps) {  // warp-uniform: every lane takes part in the shuffles
+    // Every warp scales the evicted key itself (the same values in every warp): no shared memory, no barrier.
+    const float scale_e = warp_key_scale(key_e, head_dim, lane);
+    float ignored, norm_sq_e;
+    warp_dot_and_norm(key_e, scale_e, key_e, scale_e, head_dim, lane, ignored, norm_sq_e);
+    kernels::SlotChoice warp_best = kernels::MergesFirst::none();
+    for (int64_t r = piece_begin + warp; r < piece_end; r += warps) {  // warp-uniform: all lanes reach the shuffles
       if (!row_keep[r]) continue;
       const scalar_t* key_r = row_keys + r * head_dim;
-      float dot = 0.0f, norm_sq_r = 0.0f;
-      for (int64_t c = lane; c < head_dim; c += kWarpSize) {
-        const float x = static_cast<float>(key_r[c]);
-        dot += static_cast<float>(key_e[c]) * x;
-        norm_sq_r += x * x;
-      }
-      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        norm_sq_r += __shfl_xor_sync(0xffffffffu, norm_sq_r, offset);
+      float dot, norm_sq_r;
+      warp_dot_and_norm(key_e, scale_e, key_r, 1.0f, head_dim, lane, dot, norm_sq_r);
+      if (!kernels::norm_sq_is_safe(norm_sq_r)) {  // rare (|k| beyond 2^50 or below 2^-50): the CPU's second pass
+        const float scale_r = warp_key_scale(key_r, head_dim, lane);
+        warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot, norm_sq_r);
       }
       const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
-      if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+      if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
     }
-    const kernels::SlotChoice chosen = BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
-    if (threadIdx.x == 0) targets[row * slots + e] = kernels::match_target(chosen, threshold);
+    const kernels::SlotChoice chosen =
+        BlockReduce(reduce_storage).Reduce(warp_best, kernels::KeepBetter<kernels::MergesFirst>{});
+    if (threadIdx.x == 0 && chosen.slot != kernels::kNoSlot) {
+      atomicMax(best + row * slots + e, static_cast<unsigned long long>(kernels::pack_candidate(chosen)));
+    }
     __syncthreads();  // reduce_storage is reused by the next rank
+  }
+}
+
+// keepkv_match, direct path, last: the target of every evicted slot from its best packed candidate (none: no merge).
+__global__ void __launch_bounds__(kThreads)
+    keepkv_match_direct_targets_kernel(const bool* __restrict__ keep,             // [R, T]
+                                       const unsigned long long* __restrict__ best,  // [R, T]
+                                       int64_t* __restrict__ targets,             // [R, T]
+                                       int64_t total, float threshold) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (!keep[i]) targets[i] = kernels::match_target(kernels::unpack_candidate(best[i]), threshold);
   }
 }
 
@@ -150,14 +208,28 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
   const at::Tensor evicted = keepkv_partition(keep_rows, /*evicted_first=*/true);
   if (max_evicted <= kDirectMaxEvicted) {
     // The blocks stride over the evicted ranks, so a row evicting more than the bound is still matched in full.
-    const dim3 grid(grid_dim("kvcomp::keepkv_match", "rows", rows),
-                    static_cast<unsigned>(kernels::launch::grid_y(max_evicted)));
+    TORCH_CHECK(slots < UINT32_MAX, "kvcomp::keepkv_match: expected fewer than 2^32 - 1 slots on CUDA, got ", slots);
+    const int64_t ranks = kernels::launch::grid_y(max_evicted);
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const kernels::launch::RowPieces pieces =
+        kernels::launch::row_pieces(rows * ranks, slots, sms, kDirectMinSlotsPerPiece);
+    const at::Tensor best = at::zeros({rows, slots}, targets.options());
+    static_assert(sizeof(unsigned long long) == sizeof(int64_t), "packed candidates are int64 storage");
+    unsigned long long* best_ptr = reinterpret_cast<unsigned long long*>(best.mutable_data_ptr<int64_t>());
+    const dim3 grid(grid_dim("kvcomp::keepkv_match", "rows", rows), static_cast<unsigned>(ranks),
+                    static_cast<unsigned>(pieces.count));
     KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_match", [&] {
       keepkv_match_direct_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           keys_c.const_data_ptr<scalar_t>(), keep_rows.const_data_ptr<bool>(), evicted.const_data_ptr<int64_t>(),
-          num_evicted.const_data_ptr<int64_t>(), targets.mutable_data_ptr<int64_t>(), slots, head_dim, threshold_f);
+          num_evicted.const_data_ptr<int64_t>(), best_ptr, slots, head_dim, pieces.length);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
+    const int64_t total = rows * slots;
+    keepkv_match_direct_targets_kernel<<<static_cast<unsigned>(kernels::launch::grid_stride_blocks(total, kThreads, 65535)),
+                                         kThreads, 0, stream>>>(keep_rows.const_data_ptr<bool>(), best_ptr,
+                                                                targets.mutable_data_ptr<int64_t>(), total,
+                                                                threshold_f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return targets.view({shape.batch, shape.kv_heads, slots});
   }
   const at::Tensor retained = keepkv_partition(keep_rows, /*evicted_first=*/false);

@@ -1,8 +1,15 @@
-// CUDA kernels of the weightedkv family: two launches for all (batch, kv-head) rows.
-//   1. select_and_fold: one block per row. Finds the eviction threshold (the e-th smallest eviction key of the middle:
-//      a CUB BlockReduce for a decoding step, a block radix select otherwise), writes the input slot of every output
-//      slot (a CUB BlockScan over the survivors), then folds each run of evicted slots into the survivor after it,
-//      one warp per run (kernels::fold_run), writing the merged values straight into the output.
+// CUDA kernels of the weightedkv family, for all (batch, kv-head) rows at once.
+// A decoding step (one eviction), three launches, none of them one block per row over the slots:
+//   1. min_key_pieces: blocks (row, piece) over the middle slots, several per row so that batch 1 fills the device
+//      (kernels::launch::row_pieces): each block's smallest eviction key (CUB BlockReduce).
+//   2. evict_one: one block per row takes the smallest of its pieces' keys (the minimum of unique keys: the same
+//      whatever the order) and merges the evicted slot j into j + 1, threads over d.
+//   3. gather_survivors (below), output slot o reading input o < j ? o : o + 1.
+// More evictions (a prompt), two launches:
+//   1. select_and_fold: one block per row. Finds the eviction threshold (the e-th smallest eviction key of the middle,
+//      a block radix select), writes the input slot of every output slot (a CUB BlockScan over the survivors), then
+//      folds each run of evicted slots into the survivor after it, one warp per run (kernels::fold_run), writing the
+//      merged values straight into the output.
 //   2. gather_survivors: one thread per 16 bytes (or element) of an output slot copies keys, values, sums and counts
 //      of the survivors, except the values that step 1 merged.
 #include <ATen/Dispatch.h>
@@ -19,6 +26,7 @@
 #include <tuple>
 
 #include "cuda/block_select.cuh"
+#include "kernels/launch.h"
 #include "kernels/weightedkv.h"
 #include "kvcomp/weightedkv.h"
 
@@ -29,6 +37,7 @@ constexpr int kSelectThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int kSelectWarps = kSelectThreads / kWarpSize;
 constexpr int kGatherThreads = 256;
+constexpr int64_t kMinSlotsPerPiece = 1024;  // min_key_pieces: 4 slots per thread at least
 constexpr unsigned kFullMask = 0xffffffffu;
 
 struct KeyOf {
@@ -104,9 +113,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                            scalar_t* __restrict__ open_values,  // [B, H, e, d_v] scratch
                            int64_t len, int64_t dim, int64_t middle_begin, int64_t middle_end, int64_t evictions,
                            bool merge_values) {
-  using BlockReduce = cub::BlockReduce<uint64_t, kSelectThreads>;
   using BlockScan = cub::BlockScan<int, kSelectThreads>;
-  __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ uint32_t histogram[256];
   __shared__ uint64_t shared_threshold;
@@ -120,14 +127,6 @@ __global__ void __launch_bounds__(kSelectThreads)
   uint64_t threshold;
   if (evictions == middle_end - middle_begin) {
     threshold = ~static_cast<uint64_t>(0);
-  } else if (evictions == 1) {
-    uint64_t best = ~static_cast<uint64_t>(0);
-    for (int64_t slot = middle_begin + threadIdx.x; slot < middle_end; slot += blockDim.x)
-      best = MinKey()(best, key_of(slot));
-    best = BlockReduce(reduce_storage).Reduce(best, MinKey());
-    if (threadIdx.x == 0) shared_threshold = best;
-    __syncthreads();
-    threshold = shared_threshold;
   } else {
     threshold = gpu::block_select_key(key_of, middle_begin, middle_end, static_cast<uint32_t>(evictions - 1), histogram,
                                  &shared_threshold, &shared_rank);
@@ -173,15 +172,87 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
+// A decoding step, 1: block (row, piece) writes the smallest eviction key of its piece of the middle slots.
+__global__ void __launch_bounds__(kSelectThreads)
+    min_key_pieces_kernel(const float* __restrict__ sums,  // [B, H, T]
+                          const float* __restrict__ counts,  // [B, H, T]
+                          uint64_t* __restrict__ piece_minima,  // [B * H, gridDim.y]
+                          int64_t len, int64_t middle_begin, int64_t middle_end, int64_t piece_len) {
+  using BlockReduce = cub::BlockReduce<uint64_t, kSelectThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  const int64_t row = blockIdx.x;
+  const KeyOf key_of{sums + row * len, counts + row * len};
+  const int64_t begin = middle_begin + static_cast<int64_t>(blockIdx.y) * piece_len;
+  const int64_t end = begin + piece_len < middle_end ? begin + piece_len : middle_end;
+  uint64_t best = ~static_cast<uint64_t>(0);
+  for (int64_t slot = begin + threadIdx.x; slot < end; slot += kSelectThreads) best = MinKey()(best, key_of(slot));
+  best = BlockReduce(reduce_storage).Reduce(best, MinKey());
+  if (threadIdx.x == 0) piece_minima[row * gridDim.y + blockIdx.y] = best;
+}
+
+// A decoding step, 2: block `row` finds the evicted slot j (the smallest key of the row's pieces; row_pieces leaves
+// none empty, so it is a middle slot and j + 1 < T exists) and merges V[j] into V[j + 1], which lands at output j:
+// the one-slot run of kernels::fold_run (same coefficients, same float32 expression).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSelectThreads)
+    evict_one_kernel(const scalar_t* __restrict__ values,  // [B, H, T, d_v]
+                     const float* __restrict__ sums,  // [B, H, T]
+                     const float* __restrict__ counts,  // [B, H, T]
+                     const uint64_t* __restrict__ piece_minima,  // [B * H, pieces]
+                     int32_t* __restrict__ evicted,  // [B * H]
+                     scalar_t* __restrict__ values_out,  // [B, H, T - 1, d_v]
+                     int64_t len, int64_t dim, int64_t pieces, bool merge_values) {
+  using BlockReduce = cub::BlockReduce<uint64_t, kSelectThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  __shared__ uint64_t shared_key;
+  const int64_t row = blockIdx.x;
+  uint64_t best = ~static_cast<uint64_t>(0);
+  for (int64_t piece = threadIdx.x; piece < pieces; piece += kSelectThreads)
+    best = MinKey()(best, piece_minima[row * pieces + piece]);
+  best = BlockReduce(reduce_storage).Reduce(best, MinKey());
+  if (threadIdx.x == 0) shared_key = best;
+  __syncthreads();
+  const int64_t j = kernels::key_slot(shared_key);
+  if (threadIdx.x == 0) evicted[row] = static_cast<int32_t>(j);
+  if (!merge_values) return;
+  const KeyOf key_of{sums + row * len, counts + row * len};
+  const kernels::MergeCoefficients coefficients = kernels::merge_coefficients(key_of.mean(j), key_of.mean(j + 1));
+  const scalar_t* child = values + (row * len + j) * dim;
+  const scalar_t* parent = child + dim;
+  scalar_t* merged = values_out + (row * (len - 1) + j) * dim;
+  for (int64_t c = threadIdx.x; c < dim; c += kSelectThreads) {
+    merged[c] = static_cast<scalar_t>(kernels::weighted_merge(static_cast<float>(child[c]), static_cast<float>(parent[c]),
+                                                              coefficients.child, coefficients.parent));
+  }
+}
+
+// The input slot of output slot o of a row, and whether a kernel before the gather merged its value: from
+// select_and_fold's list (a merged survivor ends a run of evicted slots: its source does not follow the previous
+// one's), or after one eviction at j (o < j ? o : o + 1; the survivor j + 1, at o = j, was merged).
+struct SourceList {
+  const int32_t* sources;  // [B * H, T - e]
+  int64_t out_len;
+  __device__ int64_t source(int64_t row, int64_t o) const { return sources[row * out_len + o]; }
+  __device__ bool merged(int64_t row, int64_t o) const {
+    return source(row, o) != (o == 0 ? 0 : source(row, o - 1) + 1);
+  }
+};
+
+struct AfterOneEviction {
+  const int32_t* evicted;  // [B * H]
+  __device__ int64_t source(int64_t row, int64_t o) const { return o < evicted[row] ? o : o + 1; }
+  __device__ bool merged(int64_t row, int64_t o) const { return o == evicted[row]; }
+};
+
 // Chunk: uint4 (16 bytes) when every row of keys and values is a whole number of aligned 16-byte chunks, else
 // scalar_t.
-template <typename scalar_t, typename Chunk>
+template <typename Chunk, typename Sources>
 __global__ void __launch_bounds__(kGatherThreads)
     gather_survivors_kernel(const Chunk* __restrict__ keys,  // [B, H, T, key_chunks]
                             const Chunk* __restrict__ values,  // [B, H, T, value_chunks]
                             const float* __restrict__ sums,  // [B, H, T]
                             const float* __restrict__ counts,  // [B, H, T]
-                            const int32_t* __restrict__ sources,  // [B, H, T - e]
+                            Sources sources,
                             Chunk* __restrict__ keys_out,  // [B, H, T - e, key_chunks]
                             Chunk* __restrict__ values_out,  // [B, H, T - e, value_chunks]
                             float* __restrict__ sums_out,  // [B, H, T - e]
@@ -194,12 +265,10 @@ __global__ void __launch_bounds__(kGatherThreads)
     const int64_t out_slot = index / chunks_per_slot;  // row * out_len + o
     const int64_t o = out_slot % out_len;
     const int64_t row = out_slot / out_len;
-    const int64_t source = sources[out_slot];
-    const int64_t in_slot = row * len + source;
+    const int64_t in_slot = row * len + sources.source(row, o);
     if (chunk < key_chunks) keys_out[out_slot * key_chunks + chunk] = keys[in_slot * key_chunks + chunk];
-    if (chunk < value_chunks) {
-      const bool merged = merge_values && source != (o == 0 ? 0 : sources[out_slot - 1] + 1);  // by select_and_fold
-      if (!merged) values_out[out_slot * value_chunks + chunk] = values[in_slot * value_chunks + chunk];
+    if (chunk < value_chunks && !(merge_values && sources.merged(row, o))) {
+      values_out[out_slot * value_chunks + chunk] = values[in_slot * value_chunks + chunk];
     }
     if (chunk == 0) {
       sums_out[out_slot] = sums[in_slot];
@@ -208,19 +277,19 @@ __global__ void __launch_bounds__(kGatherThreads)
   }
 }
 
-template <typename scalar_t, typename Chunk>
+template <typename scalar_t, typename Chunk, typename Sources>
 void launch_gather(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts,
-                   const at::Tensor& sources, at::Tensor& keys_out, at::Tensor& values_out, at::Tensor& sums_out,
+                   const Sources& sources, at::Tensor& keys_out, at::Tensor& values_out, at::Tensor& sums_out,
                    at::Tensor& counts_out, const WeightedKVEvictShape& shape, bool merge_values, cudaStream_t stream) {
   constexpr int64_t per_chunk = sizeof(Chunk) / sizeof(scalar_t);
   const int64_t key_chunks = shape.key_dim / per_chunk, value_chunks = shape.value_dim / per_chunk;
   const int64_t chunks_per_slot = std::max<int64_t>({key_chunks, value_chunks, 1});
   const int64_t total = shape.rows() * shape.out_len() * chunks_per_slot;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kGatherThreads - 1) / kGatherThreads, 1 << 20));
-  gather_survivors_kernel<scalar_t, Chunk><<<blocks, kGatherThreads, 0, stream>>>(
+  gather_survivors_kernel<Chunk, Sources><<<blocks, kGatherThreads, 0, stream>>>(
       reinterpret_cast<const Chunk*>(keys.const_data_ptr<scalar_t>()),
       reinterpret_cast<const Chunk*>(values.const_data_ptr<scalar_t>()), sums.const_data_ptr<float>(),
-      counts.const_data_ptr<float>(), sources.const_data_ptr<int32_t>(),
+      counts.const_data_ptr<float>(), sources,
       reinterpret_cast<Chunk*>(keys_out.mutable_data_ptr<scalar_t>()),
       reinterpret_cast<Chunk*>(values_out.mutable_data_ptr<scalar_t>()), sums_out.mutable_data_ptr<float>(),
       counts_out.mutable_data_ptr<float>(), shape.len, shape.out_len(), key_chunks, value_chunks, chunks_per_slot,
@@ -248,19 +317,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
   at::Tensor counts_out = at::empty({shape.batch, shape.kv_heads, out_len}, counts_c.options());
   if (shape.rows() == 0) return {keys_out, values_out, sums_out, counts_out};
 
-  const at::Tensor sources = at::empty({shape.rows(), out_len}, sums_c.options().dtype(at::kInt));
-  const at::Tensor stack_keys = at::empty({shape.rows(), shape.evictions}, sums_c.options().dtype(at::kLong));
-  const at::Tensor open_values = at::empty({shape.rows(), shape.evictions, shape.value_dim}, values_c.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
-    select_and_fold_kernel<scalar_t><<<grid_dim("kvcomp::weightedkv_evict", "rows", shape.rows()), kSelectThreads, 0, stream>>>(
-        values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
-        values_out.mutable_data_ptr<scalar_t>(), sources.mutable_data_ptr<int32_t>(),
-        reinterpret_cast<uint64_t*>(stack_keys.mutable_data_ptr<int64_t>()), open_values.mutable_data_ptr<scalar_t>(),
-        shape.len, shape.value_dim, shape.middle_begin(), shape.middle_end(), shape.evictions, merge_values);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
+  const unsigned row_blocks = grid_dim("kvcomp::weightedkv_evict", "rows", shape.rows());
+  const auto gather = [&](auto scalar_tag, const auto& sources) {
+    using scalar_t = decltype(scalar_tag);
     const bool vectorised = (shape.key_dim * sizeof(scalar_t)) % 16 == 0 &&
                             (shape.value_dim * sizeof(scalar_t)) % 16 == 0 && aligned_16(keys_c.const_data_ptr()) &&
                             aligned_16(values_c.const_data_ptr()) && aligned_16(keys_out.const_data_ptr()) &&
@@ -272,6 +332,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
       launch_gather<scalar_t, scalar_t>(keys_c, values_c, sums_c, counts_c, sources, keys_out, values_out, sums_out,
                                         counts_out, shape, merge_values, stream);
     }
+  };
+
+  if (shape.evictions == 1) {  // a decoding step: split over the middle slots
+    const int64_t middle_len = shape.middle_end() - shape.middle_begin();
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const kernels::launch::RowPieces pieces =
+        kernels::launch::row_pieces(shape.rows(), middle_len, sms, kMinSlotsPerPiece);
+    const at::Tensor piece_minima = at::empty({shape.rows(), pieces.count}, sums_c.options().dtype(at::kLong));
+    const at::Tensor evicted = at::empty({shape.rows()}, sums_c.options().dtype(at::kInt));
+    min_key_pieces_kernel<<<dim3(row_blocks, static_cast<unsigned>(pieces.count)), kSelectThreads, 0, stream>>>(
+        sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
+        reinterpret_cast<uint64_t*>(piece_minima.mutable_data_ptr<int64_t>()), shape.len, shape.middle_begin(),
+        shape.middle_end(), pieces.length);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
+      evict_one_kernel<scalar_t><<<row_blocks, kSelectThreads, 0, stream>>>(
+          values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
+          reinterpret_cast<const uint64_t*>(piece_minima.const_data_ptr<int64_t>()),
+          evicted.mutable_data_ptr<int32_t>(), values_out.mutable_data_ptr<scalar_t>(), shape.len, shape.value_dim,
+          pieces.count, merge_values);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      gather(scalar_t{}, AfterOneEviction{evicted.const_data_ptr<int32_t>()});
+    });
+    return {keys_out, values_out, sums_out, counts_out};
+  }
+
+  const at::Tensor sources = at::empty({shape.rows(), out_len}, sums_c.options().dtype(at::kInt));
+  const at::Tensor stack_keys = at::empty({shape.rows(), shape.evictions}, sums_c.options().dtype(at::kLong));
+  const at::Tensor open_values = at::empty({shape.rows(), shape.evictions, shape.value_dim}, values_c.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
+    select_and_fold_kernel<scalar_t><<<row_blocks, kSelectThreads, 0, stream>>>(
+        values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
+        values_out.mutable_data_ptr<scalar_t>(), sources.mutable_data_ptr<int32_t>(),
+        reinterpret_cast<uint64_t*>(stack_keys.mutable_data_ptr<int64_t>()), open_values.mutable_data_ptr<scalar_t>(),
+        shape.len, shape.value_dim, shape.middle_begin(), shape.middle_end(), shape.evictions, merge_values);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gather(scalar_t{}, SourceList{sources.const_data_ptr<int32_t>(), out_len});
   });
   return {keys_out, values_out, sums_out, counts_out};
 }

@@ -37,6 +37,15 @@ inline int64_t nucleus_count_sorted(const float* sorted_descending, int64_t len,
   return support;  // unreachable for p < 1 (p * total <= total); no input can give more than the support
 }
 
+// The same rule from two counts over a row sorted in descending order, as the CUDA kernels gather them (in pieces):
+// `below`, the positive masses whose running sum (in double) stays below p * total, and `positive`, the support. The
+// first prefix that reaches p * total closes the nucleus; p >= 1 is the support; a row of zeros gives 1.
+KVCOMP_HOST_DEVICE inline int64_t nucleus_from_counts(int64_t below, int64_t positive, double p) {
+  if (positive == 0) return 1;
+  if (p >= 1.0) return positive;
+  return below + 1 < positive ? below + 1 : positive;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // averaged_rope: transformers' rotate_half(x) = cat(-x[d/2:], x[:d/2]), i.e. rotate_half(x)[i] = sign * x[source]
 // with (source, sign) = (i + d/2, -1) for i < d/2 and (i - d/2, +1) otherwise.

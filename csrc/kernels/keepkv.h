@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "gvote.h"    // ascending_logit_order
 #include "zsmerge.h"  // is_nan, infinity, SlotChoice, MergesFirst, KeepBetter, kNoSlot
 
 namespace kvcomp::kernels {
@@ -51,6 +52,19 @@ KVCOMP_HOST_DEVICE inline float key_rescale(float max_abs) {
   return ldexpf(1.0f, -exponent);
 }
 
+// The factor a key is multiplied by before its cosines, from ||k||^2 and max |component| as first summed: 1 when
+// the squares were in the safe range, else key_rescale. The CPU loops and the CUDA direct path both call it, so
+// they rescale the same keys by the same powers of two.
+KVCOMP_HOST_DEVICE inline float key_scale(float norm_sq, float max_abs) {
+  return norm_sq_is_safe(norm_sq) ? 1.0f : key_rescale(max_abs);
+}
+
+// Running max |x| over a key's components; a NaN component is skipped (the key's norm is NaN anyway).
+KVCOMP_HOST_DEVICE inline float max_magnitude(float current, float x) {
+  const float magnitude = fabsf(x);
+  return magnitude > current ? magnitude : current;
+}
+
 // Cosines are compared at a resolution of 2^-16: clamped to [-1, 1], then rounded to the nearest multiple of 2^-16.
 // Float32 rounding moves a cosine of d-dimensional keys by about sqrt(d)·2^-24 (at most d·2^-24), differently on
 // the direct and the GEMM path; the grid absorbs that, so a key identical to a retained one has similarity exactly
@@ -74,6 +88,25 @@ KVCOMP_HOST_DEVICE inline float cosine_similarity(float dot, float norm_sq_a, fl
 // the best similarity is NaN).
 KVCOMP_HOST_DEVICE inline int64_t match_target(const SlotChoice& best, float threshold) {
   return (best.slot != kNoSlot && best.value >= threshold) ? best.slot : kKeepKVEvictedNoMerge;
+}
+
+// keepkv_match's CUDA direct path splits the retained slots over several blocks per evicted slot, which combine their
+// best candidates by a 64-bit atomicMax (the maximum of integers: the same whatever the order). A candidate is
+// packed into a word that is larger iff it merges first under MergesFirst: the similarity's order
+// (gvote::ascending_logit_order: NaN lowest, i.e. MergesFirst's -inf, since a rounded cosine is never -inf itself),
+// then the lower slot. 0 is no candidate (MergesFirst::none()). Slots must be < 2^32 - 1.
+KVCOMP_HOST_DEVICE inline uint64_t pack_candidate(const SlotChoice& candidate) {
+  if (candidate.slot == kNoSlot) return 0;
+  return (static_cast<uint64_t>(gvote::ascending_logit_order(candidate.value)) << 32) |
+         (0xffffffffu - static_cast<uint32_t>(candidate.slot));
+}
+
+// The candidate back (-0 reads as +0, any NaN as a NaN): the same target under match_target.
+KVCOMP_HOST_DEVICE inline SlotChoice unpack_candidate(uint64_t packed) {
+  if (packed == 0) return MergesFirst::none();
+  const uint32_t order = static_cast<uint32_t>(packed >> 32);
+  const uint32_t bits = (order & 0x80000000u) ? (order & 0x7fffffffu) : ~order;  // order 0 (NaN) -> 0xffffffff, a NaN
+  return {bits_float(bits), static_cast<int64_t>(0xffffffffu - static_cast<uint32_t>(packed))};
 }
 
 // Whether a member of a set carries weight: p > 0 and ℓ > -inf (NaN votes or log-scores count as w = 0).

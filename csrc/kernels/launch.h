@@ -43,6 +43,19 @@ inline int64_t blocks_per_row(int64_t rows, int64_t len, int64_t sms, int64_t mi
   return std::clamp<int64_t>(wanted, 1, most);
 }
 
+// A row's `len` items split for blocks (row, piece) of a split-T pass whose per-piece results a second stage
+// combines: blocks_per_row pieces at most, each of `length` items but the last; none is empty, so every block has
+// work and the pieces tile the row exactly: piece p holds items [p * length, min(len, (p + 1) * length)).
+struct RowPieces {
+  int64_t count;   // gridDim.y
+  int64_t length;  // items per piece
+};
+
+inline RowPieces row_pieces(int64_t rows, int64_t len, int64_t sms, int64_t min_items) {
+  const int64_t length = std::max<int64_t>(1, ceil_div(len, blocks_per_row(rows, len, sms, min_items)));
+  return {std::max<int64_t>(1, ceil_div(len, length)), length};
+}
+
 // decode_attention (flash-decoding): one block per (batch, kv head, tile of query rows, chunk of slots).
 struct DecodeSplit {
   int rows_per_tile;   // query rows a block holds: a power of two <= max_tile_rows (the whole group when decoding)

@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "kernels/gvote.h"
@@ -41,6 +43,34 @@ TEST(NucleusCount, SmallSortedRows) {
   EXPECT_EQ(g::nucleus_count_sorted(row.data(), 5, 1.0), 4);  // the support, never the zero
   EXPECT_EQ(g::nucleus_count_sorted(row.data(), 1, 0.3), 1);
   EXPECT_EQ(g::nucleus_count_sorted(row.data(), 0, 0.5), 0);
+}
+
+// The CUDA kernels count in pieces and apply nucleus_from_counts: on the same double running sums it gives
+// nucleus_count_sorted's answer.
+TEST(NucleusCount, FromCountsAgreesWithTheSortedRowRule) {
+  std::mt19937 generator(11);
+  std::exponential_distribution<float> mass(1.0f);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<float> row(1 + trial % 40);
+    for (float& m : row) m = trial % 7 == 0 ? 0.0f : std::floor(mass(generator) * 4.0f) / 4.0f;  // ties and zeros
+    std::sort(row.begin(), row.end(), std::greater<float>());
+    double total = 0.0;
+    for (const float m : row) total += m;
+    for (const double p : {0.1, 0.5, 0.9, 0.99, 1.0}) {
+      int64_t below = 0, positive = 0;
+      double running = 0.0;
+      for (const float m : row) {
+        running += m;
+        if (m > 0.0f) {
+          ++positive;
+          below += running < p * total;
+        }
+      }
+      const int64_t len = static_cast<int64_t>(row.size());
+      EXPECT_EQ(g::nucleus_from_counts(below, positive, p), g::nucleus_count_sorted(row.data(), len, p))
+          << "trial " << trial << " p " << p;
+    }
+  }
 }
 
 TEST(NucleusCount, RelativeToTheRowSumAndDegenerateRows) {

@@ -6,9 +6,11 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -54,6 +56,66 @@ TEST(KeepKVKernels, KeyRescaleIsAPowerOfTwoBringingTheMaximumBelowOne) {
   EXPECT_TRUE(k::norm_sq_is_safe(1.0f));
   EXPECT_FALSE(k::norm_sq_is_safe(kInf));
   EXPECT_FALSE(k::norm_sq_is_safe(1e-35f));
+}
+
+// key_scale is what the CPU loops and the CUDA direct path multiply a key by: 1 unless its squares left the safe
+// range, and then a power of two that makes the cosine of huge or tiny keys that of the same keys at unit scale.
+TEST(KeepKVKernels, KeyScaleRescalesOnlyUnsafeKeysAndKeepsTheirCosines) {
+  EXPECT_EQ(k::key_scale(4.0f, 2.0f), 1.0f);
+  EXPECT_EQ(k::key_scale(kInf, 3e19f), k::key_rescale(3e19f));  // squares overflowed
+  EXPECT_EQ(k::key_scale(0.0f, 1e-25f), k::key_rescale(1e-25f));  // squares underflowed to 0
+  EXPECT_EQ(k::key_scale(0.0f, 0.0f), 1.0f);  // a zero key stays zero
+  EXPECT_EQ(k::key_scale(kNan, 4.0f), 0.125f);  // NaN squares are not safe either: scaled as usual, cosine stays NaN
+  EXPECT_EQ(k::max_magnitude(2.0f, -3.0f), 3.0f);
+  EXPECT_EQ(k::max_magnitude(2.0f, kNan), 2.0f);  // NaN skipped, as std::max(current, |x|) on the CPU
+  // (3, 4) and (4, 3) at 1e30: their float32 squares overflow; after key_scale the cosine is 24/25 as at unit scale.
+  const std::vector<std::vector<float>> keys = {{3e30f, 4e30f}, {4e30f, 3e30f}};
+  std::vector<float> scales, norms;
+  for (const auto& key : keys) {
+    float norm_sq = 0.0f, max_abs = 0.0f;
+    for (const float x : key) {
+      norm_sq += x * x;
+      max_abs = k::max_magnitude(max_abs, x);
+    }
+    EXPECT_EQ(norm_sq, kInf);
+    scales.push_back(k::key_scale(norm_sq, max_abs));
+    float rescaled = 0.0f;
+    for (const float x : key) rescaled += (x * scales.back()) * (x * scales.back());
+    EXPECT_TRUE(k::norm_sq_is_safe(rescaled));
+    norms.push_back(rescaled);
+  }
+  float dot = 0.0f;
+  for (int c = 0; c < 2; ++c) dot += (keys[0][c] * scales[0]) * (keys[1][c] * scales[1]);
+  EXPECT_EQ(k::cosine_similarity(dot, norms[0], norms[1]), k::rounded_cosine(24.0f / 25.0f));
+}
+
+// The CUDA direct path's split reduction: the maximum of packed candidates, in any order, is the candidate the
+// MergesFirst reduction picks (ties to the lower slot, NaN last, -0 == +0), and it unpacks to the same target.
+TEST(KeepKVKernels, PackedCandidatesReduceByMaximumAsMergesFirst) {
+  const std::vector<float> values = {-1.0f, -0.5f, -0.0f, 0.0f, 0x1p-16f, 0.5f, 0.5f + 0x1p-16f, 1.0f, kNan};
+  std::mt19937 generator(3);
+  std::uniform_int_distribution<size_t> pick(0, values.size() - 1);
+  std::uniform_int_distribution<int64_t> slot(0, 40000);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int count = 1 + trial % 12;
+    k::SlotChoice best = k::MergesFirst::none();
+    uint64_t packed_max = 0;
+    for (int i = 0; i < count; ++i) {
+      const k::SlotChoice candidate{values[pick(generator)], trial % 3 == 0 ? int64_t{i} : slot(generator)};
+      best = k::KeepBetter<k::MergesFirst>{}(best, candidate);
+      packed_max = std::max(packed_max, k::pack_candidate(candidate));
+    }
+    const k::SlotChoice unpacked = k::unpack_candidate(packed_max);
+    EXPECT_EQ(unpacked.slot, best.slot);
+    EXPECT_TRUE(unpacked.value == best.value || (std::isnan(unpacked.value) && std::isnan(best.value)));
+    for (const float threshold : {-1.0f, 0.0f, 0.5f, 1.0f}) {
+      EXPECT_EQ(k::match_target(unpacked, threshold), k::match_target(best, threshold));
+    }
+  }
+  EXPECT_EQ(k::pack_candidate(k::MergesFirst::none()), 0u);
+  EXPECT_EQ(k::unpack_candidate(0).slot, k::kNoSlot);
+  EXPECT_GT(k::pack_candidate({kNan, 2147483646}), 0u);  // the worst real candidate still beats none
+  EXPECT_EQ(k::unpack_candidate(k::pack_candidate({-0.75f, 12})).value, -0.75f);
 }
 
 TEST(KeepKVKernels, MatchTargetAppliesTheThreshold) {

@@ -3,13 +3,18 @@
 // over CUDA's limit), on a machine without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <random>
+#include <vector>
 
 #include "kernels/launch.h"
+#include "kernels/radix_select.h"
 
 namespace {
 
 namespace launch = kvcomp::kernels::launch;
+namespace rs = kvcomp::kernels::radix_select;
 
 TEST(LaunchArithmetic, CeilDivAndPowersOfTwo) {
   EXPECT_EQ(launch::ceil_div(10, 4), 3);
@@ -69,6 +74,33 @@ TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
     const int64_t piece = launch::ceil_div(len, blocks);
     EXPECT_GE(blocks * piece, len);
     EXPECT_LT((blocks - 1) * piece, len) << len;
+  }
+}
+
+// weightedkv_evict's decoding step: the minimum over the middle slots in pieces, one block each.
+TEST(RowPieces, TileTheRowWithoutEmptyPieces) {
+  // H100, batch 1, 8 kv heads, 32k middle slots: 33 pieces wanted, capped by 32768 / 1024 = 32 pieces of 1024.
+  EXPECT_EQ(launch::row_pieces(8, 32768, 132, 1024).count, 32);
+  EXPECT_EQ(launch::row_pieces(8, 32768, 132, 1024).length, 1024);
+  EXPECT_EQ(launch::row_pieces(512, 32768, 132, 1024).count, 1);  // many rows: one block per row
+  EXPECT_EQ(launch::row_pieces(1, 9, 132, 1).count, 9);
+  // blocks_per_row(2, 9, 4, 1) = 4 pieces of ceil(9 / 4) = 3 would leave the fourth empty: 3 pieces instead.
+  EXPECT_EQ(launch::blocks_per_row(2, 9, 4, 1), 4);
+  EXPECT_EQ(launch::row_pieces(2, 9, 4, 1).count, 3);
+  EXPECT_EQ(launch::row_pieces(2, 9, 4, 1).length, 3);
+  EXPECT_EQ(launch::row_pieces(1, 0, 132, 1024).count, 1);  // nothing to split: one (empty) piece, never zero blocks
+  EXPECT_EQ(launch::row_pieces(1, 0, 132, 1024).length, 1);
+  for (const int64_t rows : {1, 3, 8, 64, 4096}) {
+    for (const int64_t len : {1, 2, 7, 9, 1000, 1025, 4095, 32768, 100003}) {
+      for (const int64_t min_items : {1, 64, 1024}) {
+        const launch::RowPieces pieces = launch::row_pieces(rows, len, 132, min_items);
+        EXPECT_GE(pieces.count, 1);
+        EXPECT_LE(pieces.count, launch::kMaxGridY);
+        EXPECT_LE(pieces.count, launch::blocks_per_row(rows, len, 132, min_items));
+        EXPECT_GE(pieces.count * pieces.length, len) << rows << " " << len << " " << min_items;  // all covered
+        EXPECT_LT((pieces.count - 1) * pieces.length, len) << rows << " " << len << " " << min_items;  // none empty
+      }
+    }
   }
 }
 
@@ -133,6 +165,75 @@ TEST(CombineSplit, PiecesCoverTheSlotsWithinTheGridLimit) {
     EXPECT_GE(s.pieces * s.piece_len, len) << len;
     EXPECT_LT((s.pieces - 1) * s.piece_len, len) << len;
   }
+}
+
+// The radix select as gvote_union_mask's split kernels run it, replayed on the CPU: per pass, each piece's histogram
+// of the keys matching the prefix (piece_histogram_kernel), then the pieces' counts added per digit, an exclusive
+// scan, and the one digit that holds the rank (next_digit_kernel). Its result must be the key of that rank.
+uint64_t split_select(const std::vector<uint64_t>& keys, int64_t pieces, int64_t piece_len, uint32_t rank) {
+  const int64_t len = static_cast<int64_t>(keys.size());
+  uint64_t prefix = 0;
+  for (int shift = rs::kFirstShift; shift >= 0; shift -= 8) {
+    if (rs::byte_is_zero(shift, len)) continue;
+    std::vector<uint32_t> histograms(pieces * rs::kRadix, 0);
+    for (int64_t piece = 0; piece < pieces; ++piece) {
+      const int64_t begin = piece * piece_len, end = std::min(len, begin + piece_len);
+      for (int64_t slot = begin; slot < end; ++slot) {
+        if ((keys[slot] & rs::high_mask(shift)) == prefix) ++histograms[piece * rs::kRadix + rs::digit_of(keys[slot], shift)];
+      }
+    }
+    uint32_t below = 0;
+    int holders = 0;
+    uint64_t next_prefix = prefix;
+    uint32_t next_rank = rank;
+    for (uint32_t digit = 0; digit < rs::kRadix; ++digit) {
+      uint32_t count = 0;
+      for (int64_t piece = 0; piece < pieces; ++piece) count += histograms[piece * rs::kRadix + digit];
+      if (rs::holds_rank(below, count, rank)) {
+        ++holders;
+        next_prefix = prefix | (static_cast<uint64_t>(digit) << shift);
+        next_rank = rank - below;
+      }
+      below += count;
+    }
+    EXPECT_EQ(holders, 1) << "shift " << shift;  // exactly one thread of next_digit_kernel writes
+    prefix = next_prefix;
+    rank = next_rank;
+  }
+  return prefix;
+}
+
+TEST(SplitRadixSelect, FindsTheKeyOfEveryRankWithTiesAndSkippedSlotBytes) {
+  std::mt19937 generator(7);
+  for (const int64_t len : {1, 2, 255, 256, 257, 5000, 70000}) {
+    // Selection keys: an order word with many ties (few distinct logits), the slot in the low 32 bits.
+    std::uniform_int_distribution<uint32_t> order(0x7f000000u, 0x7f000003u);
+    std::vector<uint64_t> keys(len);
+    for (int64_t slot = 0; slot < len; ++slot) keys[slot] = (uint64_t{order(generator)} << 32) | uint64_t(slot);
+    std::vector<uint64_t> sorted = keys;
+    std::sort(sorted.begin(), sorted.end());
+    const launch::RowPieces pieces = launch::row_pieces(1, len, 132, 1024);
+    for (const int64_t rank : {int64_t{0}, len / 3, len - 1}) {
+      EXPECT_EQ(split_select(keys, pieces.count, pieces.length, static_cast<uint32_t>(rank)), sorted[rank])
+          << len << " " << rank;
+      EXPECT_EQ(split_select(keys, 1, len, static_cast<uint32_t>(rank)), sorted[rank]) << len << " " << rank;
+    }
+  }
+}
+
+TEST(SplitRadixSelect, MasksAndSkippedBytes) {
+  EXPECT_EQ(rs::high_mask(56), 0u);
+  EXPECT_EQ(rs::high_mask(48), 0xff00000000000000u);
+  EXPECT_EQ(rs::high_mask(0), 0xffffffffffffff00u);
+  EXPECT_TRUE(rs::byte_is_zero(8, 256));  // slots 0..255: byte 1 is 0 everywhere
+  EXPECT_FALSE(rs::byte_is_zero(8, 257));
+  EXPECT_FALSE(rs::byte_is_zero(0, 1));  // the lowest byte is always selected
+  EXPECT_FALSE(rs::byte_is_zero(32, 1));  // logit bytes are never skipped
+  EXPECT_EQ(rs::digit_of(0x0123456789abcdefu, 8), 0xcdu);
+  EXPECT_TRUE(rs::holds_rank(3, 2, 4));
+  EXPECT_FALSE(rs::holds_rank(3, 2, 5));
+  EXPECT_FALSE(rs::holds_rank(3, 0, 3));  // an empty digit holds nothing
+  EXPECT_FALSE(rs::holds_rank(4, 2, 3));
 }
 
 }  // namespace
