@@ -35,7 +35,8 @@ CUDA_TEST_FILES = ["tests/test_attention_ops.py", "tests/test_scores.py", "tests
                    "tests/test_gvote_ops.py"]
 # Sanitizer runs are 10-100x slower: the decoding-step ops, a few cases each.
 SANITIZER_TESTS = ["tests/test_attention_ops.py", "tests/test_scores.py", "tests/test_keepkv_ops.py",
-                   "tests/test_zsmerge_ops.py", "tests/test_weightedkv_ops.py", "tests/test_kvzap_ops.py"]
+                   "tests/test_zsmerge_ops.py", "tests/test_weightedkv_ops.py", "tests/test_kvzap_ops.py",
+                   "tests/test_gvote_ops.py", "tests/test_prompt_scores.py", "tests/test_paged_attention_ops.py"]
 SANITIZER_FILTER = "cuda and not scale and not opcheck and not compile"
 OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
                  "bench_gvote", "bench_kvzap --quick"]
