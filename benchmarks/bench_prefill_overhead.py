@@ -5,13 +5,14 @@ and the prompt-scoring op alone against the path it replaced:
     python -m benchmarks.bench_prefill_overhead --device cuda --model random-llama3-8b     # presses: 8k/16k/32k random
     python -m benchmarks.bench_prefill_overhead --device cuda --parts op   # the op on a Llama-3-8B-shaped layer, 32k/128k
 
-Presses (``part = "presses"``): for each prompt length, ``forward_s`` is the best of --repeats prefill forwards
-without a press (``logits_to_keep=1``, as ``generate`` runs it) and ``with_press_s`` the best of --repeats forwards
-under the press; ``ratio`` = with_press_s / forward_s (the issue's target for ZSMerge, KeepKV and WeightedKV: at most
-1.15x at 2k-8k, and no worse than kvpress's SnapKV). ``press_s`` is the time inside the press's own prefill method
-(``compress_prefill`` for ours, ``compress`` for kvpress's) summed over the layers, ``removed`` the fraction of slots
-it removed; on a GPU ``press_peak_MiB`` is the press's largest allocation beyond what was live when its prefill
-method started.
+Presses (``part = "presses"``): for each prompt length, --repeats rounds (default 3), each a prefill forward without
+a press (``logits_to_keep=1``, as ``generate`` runs it) followed by one under every press, so that the shared
+machine's load drifts over the baseline and the presses alike; ``forward_s`` and ``with_press_s`` are the medians
+over the rounds (the samples are kept in the row) and ``ratio`` = with_press_s / forward_s (the issue's target for
+ZSMerge, KeepKV and WeightedKV: at most 1.15x at 2k-8k, and no worse than kvpress's SnapKV). ``press_s`` is the
+time inside the press's own prefill method (``compress_prefill`` for ours, ``compress`` for kvpress's) summed over the
+layers, ``removed`` the fraction of slots it removed; on a GPU ``press_peak_MiB`` is the press's largest allocation
+beyond what was live when its prefill method started.
 
 The op alone (``part = "op"``, a SmolLM2-shaped layer: B=1, Hq=9, H=3, d=64, float32, random inputs): the scores of
 all T queries by ``prompt_log_sum_exp`` + ``prompt_scores`` (decay 1: nothing skipped), by ``prompt_scores`` with
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from functools import wraps
 from pathlib import Path
@@ -122,27 +124,38 @@ def removed_fraction(press) -> float:
 
 
 def press_rows(model, tokenizer, lengths, repeats, device, methods, save) -> list[dict]:
+    """Per prompt length, `repeats` rounds; each round runs the forward without a press, then under every press in
+    turn, so that a change of the shared machine's load during the run reaches the baseline and the presses alike.
+    Times are medians over the rounds."""
     rows = []
     config = model.config
     prefill(model, prompt_ids(tokenizer, min(lengths), config.vocab_size, device))  # warm-up
     for length in lengths:
         ids = prompt_ids(tokenizer, length, config.vocab_size, device)
-        forward = min(prefill(model, ids) for _ in range(repeats))
-        for method in tqdm(methods, desc=f"prefill {length}", unit="press"):
-            total_seconds, press_seconds, peak_bytes = [], [], 0
-            for _ in range(repeats):
+        forward_seconds = []
+        samples = {method: {"total": [], "press": [], "peak_bytes": 0, "removed": None} for method in methods}
+        for _ in tqdm(range(repeats), desc=f"prefill {length}", unit="round"):
+            forward_seconds.append(prefill(model, ids))
+            for method in methods:
                 press = PRESSES[method]()
                 totals = instrument(press, device)
-                total_seconds.append(prefill(model, ids, press))
-                press_seconds.append(totals["seconds"])
-                peak_bytes = max(peak_bytes, totals["peak_bytes"])
+                samples[method]["total"].append(prefill(model, ids, press))
+                samples[method]["press"].append(totals["seconds"])
+                samples[method]["peak_bytes"] = max(samples[method]["peak_bytes"], totals["peak_bytes"])
+                samples[method]["removed"] = removed_fraction(press)
+        forward = statistics.median(forward_seconds)
+        for method in methods:
+            total = statistics.median(samples[method]["total"])
             rows.append({"part": "presses", "press": method, "prompt": length, "forward_s": round(forward, 3),
-                         "with_press_s": round(min(total_seconds), 3), "ratio": round(min(total_seconds) / forward, 3),
-                         "press_s": round(min(press_seconds), 3), "removed": removed_fraction(press)})
+                         "with_press_s": round(total, 3), "ratio": round(total / forward, 3),
+                         "press_s": round(statistics.median(samples[method]["press"]), 3),
+                         "removed": samples[method]["removed"], "repeats": repeats,
+                         "forward_samples_s": [round(x, 3) for x in forward_seconds],
+                         "with_press_samples_s": [round(x, 3) for x in samples[method]["total"]]})
             if device.startswith("cuda"):
-                rows[-1]["press_peak_MiB"] = round(peak_bytes / 2**20, 1)
-            print(rows[-1], flush=True)
-            save(rows)
+                rows[-1]["press_peak_MiB"] = round(samples[method]["peak_bytes"] / 2**20, 1)
+            print({k: v for k, v in rows[-1].items() if not k.endswith("samples_s")}, flush=True)
+        save(rows)
     return rows
 
 
@@ -159,18 +172,26 @@ def former_scores(query, keys, log_weights, scale, decay, input_scale):
     return scores
 
 
-def seconds(fn, device: str = "cpu") -> float:
-    synchronize(device)
-    start = clock(device)
-    fn()
-    synchronize(device)
-    return clock(device) - start
+def seconds(fn, device: str = "cpu", repeats: int = 1) -> float:
+    """The median over `repeats` runs of fn()."""
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = clock(device)
+        fn()
+        synchronize(device)
+        times.append(clock(device) - start)
+    return statistics.median(times)
 
 
-def op_rows(lengths, threads: int, save) -> list[dict]:
+def op_rows(lengths, threads: int, repeats: int, save) -> list[dict]:
     batch, query_heads, kv_heads, head_dim = 1, 9, 3, 64
     scale = head_dim ** -0.5
     rows = []
+
+    def timed(fn):
+        return seconds(fn, repeats=repeats)
+
     for length in tqdm(lengths, desc="op", unit="T"):
         generator = torch.Generator().manual_seed(length)
         query = torch.randn(batch, query_heads, length, head_dim, generator=generator)
@@ -179,15 +200,18 @@ def op_rows(lengths, threads: int, save) -> list[dict]:
         log_weights = torch.zeros(batch, kv_heads, length)
         lse = ops.prompt_log_sum_exp(query, keys, log_weights, scale)
         rows_pad = -(-query_heads // kv_heads * QUERY_TILE // 4) * 4
-        tile_floats = rows_pad * head_dim + head_dim * KEY_TILE + KEY_TILE + rows_pad * KEY_TILE + 2 * rows_pad
+        # TileScratch (queries, zero row, row pointers, transposed keys, bias, logits) and TileRows (lse, weight,
+        # visible), in 4-byte words.
+        tile_floats = (rows_pad * head_dim + head_dim + 2 * rows_pad + head_dim * KEY_TILE + KEY_TILE
+                       + rows_pad * KEY_TILE + 4 * rows_pad)
         row = {
             "part": "op", "T": length,
-            "op_s": seconds(lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 1 / 3)),
-            "op_given_lse_s": seconds(lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 1 / 3,
-                                                                log_sum_exp=lse)),
-            "op_decay_0.98_s": seconds(lambda: ops.prompt_scores(query, keys, log_weights, scale, 0.98, 1.0)),
-            "former_s": seconds(lambda: former_scores(query, keys, log_weights, scale, 1.0, 1 / 3)),
-            "sdpa_s": seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+            "op_s": timed(lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 1 / 3)),
+            "op_given_lse_s": timed(lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 1 / 3,
+                                                              log_sum_exp=lse)),
+            "op_decay_0.98_s": timed(lambda: ops.prompt_scores(query, keys, log_weights, scale, 0.98, 1.0)),
+            "former_s": timed(lambda: former_scores(query, keys, log_weights, scale, 1.0, 1 / 3)),
+            "sdpa_s": timed(lambda: torch.nn.functional.scaled_dot_product_attention(
                 query, keys, values, is_causal=True, scale=scale, enable_gqa=True)),
             "workspace_MiB": round(threads * tile_floats * 4 / 2**20, 3),
             "former_chunk_MiB": round(batch * query_heads * FORMER_CHUNK * length * 4 / 2**20, 1),
@@ -264,7 +288,7 @@ def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", default=["presses", "op"], choices=["presses", "op"])
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
-    parser.add_argument("--repeats", type=int, default=1, help="runs per case; the best time is kept")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per prompt length; the median time is kept")
     parser.add_argument("--op-lengths", type=int, nargs="+", default=None)
     parser.add_argument("--name", default=None,
                         help="result file stem (default: prefill_overhead, or prefill_overhead_<model>_<device>)")
@@ -295,7 +319,7 @@ def main() -> None:
         del model
     if "op" in args.parts:
         rows += (cuda_op_rows(args.op_lengths or [32768, 131072]) if cuda else
-                 op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads(), save))
+                 op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads(), args.repeats, save))
     for part, columns in [
         ("presses", ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed", "press_peak_MiB"]),
         ("op", ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
