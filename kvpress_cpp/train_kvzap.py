@@ -4,20 +4,23 @@
 
 1. **KVzip+ targets** (KVzap paper, eq. 3). Each chunk ``p`` of local text becomes the prompt
    ``user: <p>\\n\\nRepeat the previous context exactly.`` / ``assistant: <p>`` (rendered with the tokenizer's chat
-   template; ``p`` is tokenised once, so both copies hold the same ids). One eager forward pass of the model; forward
-   hooks on every attention module turn that layer's attention probabilities into scores at once, so only one
-   layer's (Hq, T, T) probabilities are alive at a time. For context token i and kv head g::
+   template; ``p`` is tokenised once, so both copies hold the same ids). One forward pass of the model's decoder with
+   its own attention (sdpa); forward hooks on every attention module recompute the repeated copy's queries and the keys
+   from the attention input and form only the repeated rows' log-probabilities (never the whole (Hq, T, T) matrix),
+   in row blocks. For context token i and kv head g::
 
        s_i = max_{j in repeated copy of p} max_{h in group(g)} a^h_ji * ||W_O^h v_i|| / ||h_j||
 
    ``a^h`` is query head h's softmax attention (over all keys of the prompt, causal), ``W_O^h`` the columns of
-   ``o_proj`` that read head h's output (no bias), ``v_i`` the value of token i for h's kv head. ``h_j`` follows the
-   paper's eq. 2, ``h_j^out = h_j + sum_i a_ji W_O v_i``: the **residual stream entering the layer** at row j (the
-   decoder layer's input, before its input norm), whose update the term a_ji W_O v_i is. ``--h-norm attention-input``
-   uses instead the normalised attention input (the layer's ``input_layernorm`` output), as kvpress's
-   ``KVzipPress(kvzip_plus_normalization=True)`` does. The regression target is ``log s_i``, shape (T_ctx, H) per layer;
-   the regression input is the attention input at token i (``input_layernorm`` output, the ``hidden_states`` that
-   KVzap's surrogate reads at inference), shape (T_ctx, D).
+   ``o_proj`` that read head h's output (no bias), ``v_i`` the value of token i for h's kv head. ``h_j`` is by default
+   the normalised attention input at row j (the layer's ``input_layernorm`` output), as kvpress's
+   ``KVzipPress(kvzip_plus_normalization=True)`` (the authors' code) does; this puts log s on the paper's τ
+   scale. ``--h-norm residual`` uses instead the residual stream entering the layer (the decoder layer's input), the
+   ``h_j`` of the paper's eq. 2 ``h_j^out = h_j + sum_i a_ji W_O v_i``, whose log-scores sit ~3 nats lower. The
+   regression target is ``log s_i``, shape (T_ctx, H) per layer; the regression input is the attention input at token
+   i (the ``hidden_states`` that KVzap's surrogate reads at inference), shape (T_ctx, D). Chunks are collected in a
+   shuffled order (texts and held-out chunks evenly spread), each saved to ``--data-cache`` as it is done, so a run
+   resumes where it stopped and ``--fit-collected`` fits on what a stopped run collected.
 2. **Fits**, per layer: ridge regression (closed form, float64, unpenalised intercept, λ chosen on an inner split of
    the training chunks) and an MLP ``D -> D/8 -> GELU -> H`` (AdamW on MSE, inputs and targets standardised during
    training and folded back into the weights). Held-out chunks (not random tokens) give the validation R²:
@@ -784,6 +787,23 @@ def train_surrogates(
     return linears, mlps, metrics
 
 
+def surrogate_r2(surrogate_root: str | Path, data: Dataset) -> dict:
+    """R² of existing surrogates (``<surrogate_root>/{linear,mlp}``, kvpress layout) on ``data``'s held-out chunks:
+    {kind: {"summary": ..., "r2_layer_mean": per-layer means}}, to compare runs on the same held-out text."""
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    val = data.token_mask(val=True)
+    result = {}
+    for kind in ("linear", "mlp"):
+        surrogate = KVzapModel.from_pretrained(Path(surrogate_root) / kind, local_files_only=True).eval()
+        r2 = torch.stack([
+            r2_scores(module(data.features[layer, val].float()), data.targets[layer, val])[0]
+            for layer, module in enumerate(surrogate.layers)
+        ])  # fmt: skip
+        result[kind] = {"summary": _summary(r2), "r2_layer_mean": [round(float(v), 4) for v in r2.mean(1)]}
+    return result
+
+
 def _print_table(metrics: dict) -> None:
     r2 = metrics["r2"]
     n_heads = len(r2["linear"][0])
@@ -818,6 +838,10 @@ def _plot(metrics: dict, path: Path, title: str) -> None:
         layers = range(r2.shape[0])
         ax.plot(layers, r2.mean(1), marker="o", ms=3, color=color, label=f"{name} (mean {r2.mean():.3f})")
         ax.fill_between(layers, r2.min(1).values, r2.max(1).values, color=color, alpha=0.2)
+        if "compared" in metrics:
+            before = metrics["compared"][name]
+            ax.plot(layers, before["r2_layer_mean"], ls="--", color=color,
+                    label=f"{name}, {metrics['compared']['label']} (mean {before['summary']['mean']:.3f})")
     ax.set_xlabel("layer")
     ax.set_ylabel("R² (squared Pearson), held-out chunks")
     ax.set_ylim(0, 1)
@@ -869,6 +893,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fit-collected", action="store_true", help="fit on the chunks in --data-cache so far (a stopped collection)"
     )
+    p.add_argument(
+        "--compare-with", default=None, help="surrogate directory (linear/, mlp/) to score on the same held-out chunks"
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -919,6 +946,8 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
         data, hidden_dim, args.epochs, args.batch_size, args.lr, args.weight_decay, args.seed, progress=progress
     )
     t_fit = time.perf_counter() - t2
+    if args.compare_with:
+        metrics["compared"] = {"label": "before", "dir": args.compare_with, **surrogate_r2(args.compare_with, data)}
     save_surrogate(build_kvzap_model(linears, None), out / "linear")
     save_surrogate(build_kvzap_model(mlps, hidden_dim), out / "mlp")
     val = data.token_mask(val=True)
@@ -926,7 +955,7 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
         "command": "python -m kvpress_cpp.train_kvzap " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": model_name,
         "settings": {
-            k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "fit_collected", "no_progress", "threads")
+            k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "fit_collected", "compare_with", "no_progress", "threads")
         },
         "mlp_hidden_dim": hidden_dim,
         "data": {

@@ -329,7 +329,11 @@ def test_cli_end_to_end_on_tiny_model(tmp_path):
         r2, _ = tk.r2_scores(pred[layer], data.targets[layer, val])
         assert r2.tolist() == pytest.approx(saved["r2"]["mlp"][layer], abs=1e-3)
     # Re-running from the cache with the same seed reproduces the weights exactly.
-    tk.main(argv[:5] + [str(tmp_path / "out2")] + argv[6:])
+    # --compare-with scores other surrogates (here the first run's) on the same held-out chunks.
+    report2 = tk.main(argv[:5] + [str(tmp_path / "out2")] + argv[6:] + ["--compare-with", str(out)])
     mlp2 = KVzapModel.from_pretrained(tmp_path / "out2" / "mlp")
     for p, q in zip(mlp.parameters(), mlp2.parameters()):
         assert torch.equal(p, q)
+    for kind in ("linear", "mlp"):
+        layer_means = [sum(row) / len(row) for row in saved["r2"][kind]]
+        assert report2["compared"][kind]["r2_layer_mean"] == pytest.approx(layer_means, abs=1e-3)
