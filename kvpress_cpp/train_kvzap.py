@@ -787,6 +787,7 @@ def train_surrogates(
     return linears, mlps, metrics
 
 
+@torch.no_grad()
 def surrogate_r2(surrogate_root: str | Path, data: Dataset) -> dict:
     """R² of existing surrogates (``<surrogate_root>/{linear,mlp}``, kvpress layout) on ``data``'s held-out chunks:
     {kind: {"summary": ..., "r2_layer_mean": per-layer means}}, to compare runs on the same held-out text."""
