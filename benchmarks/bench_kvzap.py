@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_kvzap          # writes benchmarks/results/kvzap.json and kvzap.png
     python -m benchmarks.bench_kvzap --quick  # (a) only, no SmolLM2 forward
+    python -m benchmarks.bench_kvzap --tau    # (d) only: writes benchmarks/results/kvzap_tau.json and kvzap_tau.png
 
 (a) Scoring + thresholding of one layer, B = 1, float32: ``kvzap_score`` + ``kvzap_threshold`` against the surrogate
     as an nn.Module (what kvpress's KVzapPress.score runs) followed by the DMS rule in plain PyTorch (DMSPress's
@@ -13,12 +14,21 @@
 (c) FLOPs of the surrogate over the FLOPs of the model's linear projections (q, k, v, o, gate, up, down) per token
     (the paper's Table 3 measure: ≤ 1.1% for KVzap-MLP).
 Random surrogate weights: the timings do not depend on trained values.
+(d) τ sweep with the shipped SmolLM2 surrogates: the demo's needle question (a passphrase hidden in a 2000-token
+    Austen haystack at depths 0.2 / 0.5 / 0.8, question-aware: the question is part of the compressed prompt, as
+    LongBench), KVzapThresholdPress at each τ: the kept fraction of the prompt's slots (mean over layers and heads, the
+    sliding window included) and how many of the 3 questions are answered, MLP at τ in TAUS (and the full cache),
+    linear at LINEAR_TAUS. The paper's comparable figure is LongBench (real text): 34-43% kept at its chosen τ
+    (Table 2).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -27,6 +37,9 @@ from benchmarks.common import configurations, median_seconds, print_table, pyplo
 from tests import reference
 
 LENGTH, WINDOW, THRESHOLD = 4096, 128, 0.0
+TAUS = (-5.0, -4.0, -3.5, -3.0, -2.5)
+LINEAR_TAUS = (-4.0, -3.5, -3.0)
+TAU_DEPTHS, TAU_CONTEXT_TOKENS = (0.2, 0.5, 0.8), 2000
 # name: (hidden size Dh, kv heads H, query heads, head dim, MLP intermediate size, layers)
 SHAPES = {
     "SmolLM2-135M": (576, 3, 9, 64, 1536, 30),
@@ -167,8 +180,70 @@ def plot(rows):
     return save_figure(fig, "kvzap")
 
 
+def tau_sweep(surrogate_root: Path | None = None) -> list[dict]:
+    """(d): kept fraction and needle answers per (surrogate, τ); ``surrogate_root`` holds linear/ and mlp/ (default:
+    the shipped ones)."""
+    from transformers import DynamicCache
+
+    from kvpress_cpp.models import load_default_model
+    from kvpress_cpp.presses import KVzapThresholdPress
+    from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_default_model()
+    fact = HiddenFact()
+    prompts = [tokenizer(hidden_fact_prompt(tokenizer, TAU_CONTEXT_TOKENS, depth, fact), return_tensors="pt")
+               for depth in TAU_DEPTHS]
+    rows = []
+    for kind in ("mlp", "linear"):
+        for tau in (None, *TAUS) if kind == "mlp" else LINEAR_TAUS:
+            kept, answered = [], []
+            for inputs in prompts:
+                press = None if tau is None else KVzapThresholdPress(
+                    threshold=tau, model_type=kind,
+                    surrogate_dir=None if surrogate_root is None else surrogate_root / kind)
+                with torch.no_grad(), (press(model) if press is not None else nullcontext()):
+                    out = model.generate(**inputs, past_key_values=DynamicCache(), max_new_tokens=12, do_sample=False)
+                answer = tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+                answered.append(fact.answer in answer)
+                kept.append(1.0 if press is None else 1 - press.compression_ratio)
+                print(f"{kind} τ={tau}: kept {kept[-1]:.3f} {answer!r}", flush=True)
+            rows.append({"case": "tau_sweep", "surrogate": "none (full cache)" if tau is None else kind, "tau": tau,
+                         "context_tokens": TAU_CONTEXT_TOKENS, "depths": list(TAU_DEPTHS),
+                         "kept": round(sum(kept) / len(kept), 3), "kept_per_depth": [round(k, 3) for k in kept],
+                         "answered": sum(answered), "examples": len(answered),
+                         "surrogate_dir": str(surrogate_root or "shipped"),
+                         "load_average_1min": round(os.getloadavg()[0], 2)})
+    return rows
+
+
+def plot_tau(rows):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for kind, color in (("mlp", "tab:orange"), ("linear", "tab:blue")):
+        sweep = [r for r in rows if r["surrogate"] == kind]
+        ax.plot([r["tau"] for r in sweep], [r["kept"] for r in sweep], marker="o", color=color, label=f"{kind}: kept")
+        for r in sweep:
+            ax.annotate(f"{r['answered']}/{r['examples']}", (r["tau"], r["kept"]), textcoords="offset points",
+                        xytext=(0, 6 if kind == "mlp" else -12), ha="center", fontsize=8, color=color)
+    ax.axhspan(0.34, 0.43, color="gray", alpha=0.2, label="paper, LongBench: 34-43% kept")
+    ax.set_xlabel("τ (threshold on the predicted log KVzip+ score)")
+    ax.set_ylabel("kept fraction of the prompt's slots")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"KVzap on SmolLM2-135M, {TAU_CONTEXT_TOKENS}-token needle prompt\n"
+                 "labels: needle questions answered")
+    ax.legend(fontsize=8)
+    return save_figure(fig, "kvzap_tau")
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    if "--tau" in sys.argv:
+        rows = tau_sweep()
+        print_table(rows, ["surrogate", "tau", "kept", "answered", "examples"])
+        print("wrote", write_results("kvzap_tau", rows), "and", plot_tau(rows))
+        return
     rows = []
     for device, threads in configurations():
         torch.set_num_threads(threads)

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, load_default_model
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
@@ -45,11 +46,11 @@ def presses() -> list[tuple[str, object, bool]]:
         ("KeepKV 90%", KeepKVPress(budget=0.9)),
         ("KeepKV 25%", KeepKVPress(budget=0.25)),
         ("GVote (own budget)", GVotePress()),
-        ("KVzap-linear τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="linear")),
-        ("KVzap-MLP τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="mlp")),
+        (f"KVzap-linear τ={DEFAULT_THRESHOLD:g}", KVzapThresholdPress(model_type="linear")),
+        (f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}", KVzapThresholdPress(model_type="mlp")),
     ]
     head_wise = [("GVote, paged", GVotePress()),
-                 ("KVzap-MLP τ=-7, paged", KVzapThresholdPress(threshold=-7.0, model_type="mlp"))]
+                 (f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}, paged", KVzapThresholdPress(model_type="mlp"))]
     return [(name, press, False) for name, press in rows] + [(name, press, True) for name, press in head_wise]
 
 

@@ -4,20 +4,23 @@
 
 1. **KVzip+ targets** (KVzap paper, eq. 3). Each chunk ``p`` of local text becomes the prompt
    ``user: <p>\\n\\nRepeat the previous context exactly.`` / ``assistant: <p>`` (rendered with the tokenizer's chat
-   template; ``p`` is tokenised once, so both copies hold the same ids). One eager forward pass of the model; forward
-   hooks on every attention module turn that layer's attention probabilities into scores at once, so only one
-   layer's (Hq, T, T) probabilities are alive at a time. For context token i and kv head g::
+   template; ``p`` is tokenised once, so both copies hold the same ids). One forward pass of the model's decoder with
+   its own attention (sdpa); forward hooks on every attention module recompute the repeated copy's queries and the keys
+   from the attention input and form only the repeated rows' log-probabilities (never the whole (Hq, T, T) matrix),
+   in row blocks. For context token i and kv head g::
 
        s_i = max_{j in repeated copy of p} max_{h in group(g)} a^h_ji * ||W_O^h v_i|| / ||h_j||
 
    ``a^h`` is query head h's softmax attention (over all keys of the prompt, causal), ``W_O^h`` the columns of
-   ``o_proj`` that read head h's output (no bias), ``v_i`` the value of token i for h's kv head. ``h_j`` follows the
-   paper's eq. 2, ``h_j^out = h_j + sum_i a_ji W_O v_i``: the **residual stream entering the layer** at row j (the
-   decoder layer's input, before its input norm), whose update the term a_ji W_O v_i is. ``--h-norm attention-input``
-   uses instead the normalised attention input (the layer's ``input_layernorm`` output), as kvpress's
-   ``KVzipPress(kvzip_plus_normalization=True)`` does. The regression target is ``log s_i``, shape (T_ctx, H) per layer;
-   the regression input is the attention input at token i (``input_layernorm`` output, the ``hidden_states`` that
-   KVzap's surrogate reads at inference), shape (T_ctx, D).
+   ``o_proj`` that read head h's output (no bias), ``v_i`` the value of token i for h's kv head. ``h_j`` is by default
+   the normalised attention input at row j (the layer's ``input_layernorm`` output), as kvpress's
+   ``KVzipPress(kvzip_plus_normalization=True)`` (the authors' code) does; this puts log s on the paper's τ
+   scale. ``--h-norm residual`` uses instead the residual stream entering the layer (the decoder layer's input), the
+   ``h_j`` of the paper's eq. 2 ``h_j^out = h_j + sum_i a_ji W_O v_i``, whose log-scores sit ~3 nats lower. The
+   regression target is ``log s_i``, shape (T_ctx, H) per layer; the regression input is the attention input at token
+   i (the ``hidden_states`` that KVzap's surrogate reads at inference), shape (T_ctx, D). Chunks are collected in a
+   shuffled order (texts and held-out chunks evenly spread), each saved to ``--data-cache`` as it is done, so a run
+   resumes where it stopped and ``--fit-collected`` fits on what a stopped run collected.
 2. **Fits**, per layer: ridge regression (closed form, float64, unpenalised intercept, λ chosen on an inner split of
    the training chunks) and an MLP ``D -> D/8 -> GELU -> H`` (AdamW on MSE, inputs and targets standardised during
    training and folded back into the weights). Held-out chunks (not random tokens) give the validation R²:
@@ -35,10 +38,9 @@ import math
 import random
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -53,7 +55,10 @@ __all__ = [
     "build_repeat_prompt",
     "kvzip_plus_targets",
     "sample_chunks",
+    "ChunkPlan",
+    "plan_chunks",
     "collect_dataset",
+    "cached_chunks",
     "load_data_cache",
     "fit_ridge",
     "select_ridge",
@@ -133,20 +138,6 @@ def _decoder_layers(model) -> nn.ModuleList:
     return layers
 
 
-@contextmanager
-def _eager_attention(model) -> Iterator[None]:
-    """Temporarily switch the model to eager attention, whose attention modules return their probabilities."""
-    previous = model.config._attn_implementation
-    if previous == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 def _value_output_norms(attn: nn.Module, hidden: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
     """||W_O^h v_i|| for every query head h: (n, Hq) float32. ``hidden`` (n, D) is the attention input."""
     head_dim = attn.head_dim
@@ -158,34 +149,72 @@ def _value_output_norms(attn: nn.Module, hidden: torch.Tensor, n_heads: int, n_k
     return sq.clamp_min(0).sqrt()
 
 
-def _layer_scores(
-    probs: torch.Tensor, wov_norm: torch.Tensor, h_norm: torch.Tensor, prompt: RepeatPrompt, n_kv: int, row_block: int
+def _rotated_heads(attn: nn.Module, hidden: torch.Tensor, rows: slice, which: str, position_embeddings) -> torch.Tensor:
+    """Queries (``which="q"``) or keys (``"k"``) of ``rows`` as the attention module computes them: projection,
+    per-head norm if the model has one (Qwen3's q_norm/k_norm), rotary embedding. Returns (heads, rows, d) float32."""
+    if getattr(attn, "sliding_window", None) is not None:
+        raise ValueError("train_kvzap: KVzip+ targets assume full causal attention, not a sliding window")
+    x = getattr(attn, f"{which}_proj")(hidden[rows])
+    x = x.view(1, x.shape[0], -1, attn.head_dim)
+    norm = getattr(attn, f"{which}_norm", None)
+    if norm is not None:
+        x = norm(x)
+    x = x.transpose(1, 2)
+    cos, sin = position_embeddings
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    x, _ = rotate(x, x, cos[:, rows], sin[:, rows])
+    return x[0].float()
+
+
+def _layer_log_scores(
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    position_embeddings,
+    log_h_norm: torch.Tensor,
+    prompt: RepeatPrompt,
+    n_heads: int,
+    n_kv: int,
+    row_block: int,
 ) -> torch.Tensor:
-    """KVzip+ scores s (n, H) from one layer's probabilities ``probs`` (Hq, T, T), ||W_O^h v_i|| (n, Hq) and the
-    norms ||h_j|| (n,) of the repeated rows. The max over rows runs in blocks of ``row_block`` rows."""
+    """log KVzip+ scores (n, H) of one layer from its attention input ``hidden`` (T, D) and log ||h_j|| (n,) of the
+    repeated rows.
+
+    Only the repeated rows' attention is formed (the rest of the (Hq, T, T) matrix never is), in blocks of
+    ``row_block`` rows: log a_ji = q_j k_i scale - logsumexp over the causal keys of row j, then the max over rows of
+    log a_ji - log ||h_j|| in log space, plus log ||W_O^h v_i||, then the max over the kv group's query heads.
+    """
     c, r = prompt.context, prompt.repeat
-    n_heads = probs.shape[0]
-    best = torch.zeros(n_heads, len(c), dtype=torch.float32, device=probs.device)  # max_j a_ji / ||h_j||
+    group = n_heads // n_kv
+    keys = _rotated_heads(attn, hidden, slice(0, r.stop), "k", position_embeddings).repeat_interleave(group, dim=0)
+    best = torch.full((n_heads, len(c)), -math.inf, dtype=torch.float32, device=hidden.device)
     for start in range(0, len(r), row_block):
         stop = min(start + row_block, len(r))
-        block = probs[:, r.start + start : r.start + stop, c.start : c.stop].float()  # (Hq, rows, n)
-        block = block / h_norm[start:stop].view(1, -1, 1)
-        best = torch.maximum(best, block.amax(dim=1))
-    per_query_head = best * wov_norm.T  # (Hq, n)
-    return per_query_head.view(n_kv, n_heads // n_kv, -1).amax(dim=1).T.contiguous()  # (n, H)
+        rows = slice(r.start + start, r.start + stop)
+        queries = _rotated_heads(attn, hidden, rows, "q", position_embeddings)  # (Hq, b, d)
+        logits = torch.matmul(queries, keys[:, : rows.stop].transpose(1, 2)) * attn.scaling  # (Hq, b, rows.stop)
+        row_pos = torch.arange(rows.start, rows.stop, device=hidden.device)
+        future = torch.arange(rows.stop, device=hidden.device)[None, :] > row_pos[:, None]
+        logits.masked_fill_(future, -math.inf)
+        log_probs = logits[:, :, c.start : c.stop] - logits.logsumexp(-1, keepdim=True)
+        best = torch.maximum(best, (log_probs - log_h_norm[start:stop].view(1, -1, 1)).amax(dim=1))
+    log_wov = _value_output_norms(attn, hidden[c.start : c.stop], n_heads, n_kv).log()  # (n, Hq)
+    per_query_head = best + log_wov.T  # (Hq, n)
+    return per_query_head.view(n_kv, group, -1).amax(dim=1).T.contiguous()
 
 
 @torch.inference_mode()
 def kvzip_plus_targets(
-    model, prompt: RepeatPrompt, h_norm: str = "residual", row_block: int = 256
+    model, prompt: RepeatPrompt, h_norm: str = "attention-input", row_block: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Surrogate inputs and KVzip+ log-scores of the context tokens of ``prompt``, for every layer.
 
     Returns ``(features, log_scores)``: features (L, n, D) are the attention inputs (``input_layernorm`` outputs) at
-    the n context tokens; log_scores (L, n, H) are ``log max(s_i, SCORE_FLOOR)`` with s the KVzip+ score of the module
-    docstring; both float32 on the model's device. ``h_norm`` picks ``h_j``: "residual" (the paper's eq. 2, the layer
-    input) or "attention-input" (the normalised attention input, as kvpress's KVzipPress). The model runs once in eager
-    attention (switched temporarily if needed), only its decoder (no LM head).
+    the n context tokens; log_scores (L, n, H) are ``max(log s_i, log SCORE_FLOOR)`` with s the KVzip+ score of the
+    module docstring; both float32 on the model's device. ``h_norm`` picks ``h_j``: "attention-input" (the normalised
+    attention input, as kvpress's KVzipPress) or "residual" (the layer input of the paper's eq. 2). The model's
+    decoder runs once with its own attention implementation (sdpa is fastest); forward hooks on the attention modules
+    recompute the repeated rows' queries and the keys from the attention input and form only those rows'
+    probabilities.
     """
     if h_norm not in H_NORMS:
         raise ValueError(f"train_kvzap.kvzip_plus_targets: h_norm must be one of {H_NORMS}, got {h_norm!r}")
@@ -196,6 +225,7 @@ def kvzip_plus_targets(
     features: list[torch.Tensor | None] = [None] * len(layers)
     scores: list[torch.Tensor | None] = [None] * len(layers)
     residual_norms: list[torch.Tensor | None] = [None] * len(layers)
+    log_floor = math.log(SCORE_FLOOR)
 
     def layer_pre_hook(idx):
         def hook(module, args, kwargs):
@@ -206,19 +236,15 @@ def kvzip_plus_targets(
 
     def attention_hook(idx):
         def hook(module, args, kwargs, output):
-            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-            if probs is None:
-                raise RuntimeError(
-                    "train_kvzap: the attention module returned no probabilities; KVzip+ targets need eager attention"
-                )
             hidden = kwargs["hidden_states"][0]  # (T, D), the normalised attention input
             if h_norm == "residual":
                 norms = residual_norms[idx]
             else:
                 norms = hidden[r.start : r.stop].float().norm(dim=-1)
-            wov = _value_output_norms(module, hidden[c.start : c.stop], n_heads, n_kv)
-            s = _layer_scores(probs[0], wov, norms, prompt, n_kv, row_block)
-            scores[idx] = s.clamp_min(SCORE_FLOOR).log()
+            s = _layer_log_scores(
+                module, hidden, kwargs["position_embeddings"], norms.log(), prompt, n_heads, n_kv, row_block
+            )
+            scores[idx] = s.clamp_min(log_floor)
             features[idx] = hidden[c.start : c.stop].float().clone()
             residual_norms[idx] = None
 
@@ -231,8 +257,7 @@ def kvzip_plus_targets(
                 handles.append(layer.register_forward_pre_hook(layer_pre_hook(idx), with_kwargs=True))
             handles.append(layer.self_attn.register_forward_hook(attention_hook(idx), with_kwargs=True))
         device = next(model.parameters()).device
-        with _eager_attention(model):
-            _decoder(model)(input_ids=prompt.input_ids.to(device), use_cache=False)
+        _decoder(model)(input_ids=prompt.input_ids.to(device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -312,54 +337,127 @@ class Dataset:
         return flags[self.chunk] if val else ~flags[self.chunk]
 
 
-def load_data_cache(path: str | Path) -> tuple[Dataset, dict, float]:
-    """(dataset, data settings, seconds the collection took) from a ``--data-cache`` file written by :func:`main`."""
-    stored = torch.load(path)
-    settings, seconds = stored.pop("settings"), stored.pop("collect_seconds")
-    return Dataset(**stored), settings, seconds
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The chunks to collect, in collection order: token ids, source text name and held-out flag of each."""
+
+    ids: list[list[int]]
+    text: list[str]
+    is_val: list[bool]
 
 
-def collect_dataset(
-    model,
-    tokenizer,
-    texts: dict[str, str],
-    n_tokens: int,
-    context_tokens: int,
-    val_fraction: float,
-    seed: int,
-    h_norm: str = "residual",
-    progress: bool = True,
-) -> Dataset:
+def plan_chunks(
+    tokenizer, texts: dict[str, str], n_tokens: int, context_tokens: int, val_fraction: float, seed: int
+) -> ChunkPlan:
     """Sample chunks from ``texts`` (about n_tokens context tokens, split evenly between texts), hold out
-    ``val_fraction`` of each text's chunks (at least one), and compute features and KVzip+ log-scores for all."""
+    ``val_fraction`` of each text's chunks (at least one), and shuffle their order, so that the chunks collected
+    first (a run stopped early) are an even sample of texts and of held-out chunks."""
     rng = random.Random(seed)
     n_chunks = max(1, n_tokens // context_tokens)
     names = list(texts)
     per_text = [n_chunks // len(names) + (1 if i < n_chunks % len(names) else 0) for i in range(len(names))]
-    chunks, chunk_text, chunk_is_val = [], [], []
+    chunks = []
     for name, count in zip(names, per_text):
         if count == 0:
             continue
         ids = sample_chunks(tokenizer, texts[name], count, context_tokens, rng)
         n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
         val = set(rng.sample(range(count), n_val))
-        chunks += ids
-        chunk_text += [name] * count
-        chunk_is_val += [k in val for k in range(count)]
+        chunks += [(chunk, name, k in val) for k, chunk in enumerate(ids)]
+    rng.shuffle(chunks)
+    return ChunkPlan([c[0] for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks])
+
+
+def _chunk_file(cache: Path, k: int) -> Path:
+    return cache / f"chunk_{k:05d}.pt"
+
+
+def _read_cache_index(cache: Path) -> dict:
+    return json.loads((cache / "index.json").read_text())
+
+
+def cached_chunks(cache: str | Path) -> int:
+    """How many chunks of a ``--data-cache`` directory are collected (they are collected in plan order)."""
+    cache = Path(cache)
+    if not (cache / "index.json").is_file():
+        return 0
+    n = len(_read_cache_index(cache)["text"])
+    return sum(_chunk_file(cache, k).is_file() for k in range(n))
+
+
+def load_data_cache(cache: str | Path, allow_partial: bool = False) -> tuple[Dataset, dict, float]:
+    """(dataset, data settings, seconds the collection took) from a ``--data-cache`` directory written by
+    :func:`collect_dataset`. With ``allow_partial`` a collection stopped early gives the chunks collected so far."""
+    cache = Path(cache)
+    index = _read_cache_index(cache)
+    done = [k for k in range(len(index["text"])) if _chunk_file(cache, k).is_file()]
+    if len(done) < len(index["text"]) and not allow_partial:
+        raise ValueError(f"train_kvzap: {cache} holds {len(done)} of {len(index['text'])} chunks")
+    if not any(index["is_val"][k] for k in done) or all(index["is_val"][k] for k in done):
+        raise ValueError(f"train_kvzap: the {len(done)} chunks in {cache} lack training or held-out chunks")
+    first = torch.load(_chunk_file(cache, done[0]))
+    (n_layers, n, dim), n_heads = first["features"].shape, first["targets"].shape[2]
+    features = torch.empty(n_layers, n * len(done), dim, dtype=torch.float16)
+    targets = torch.empty(n_layers, n * len(done), n_heads, dtype=torch.float32)
+    seconds = 0.0
+    for pos, k in enumerate(done):
+        stored = first if pos == 0 else torch.load(_chunk_file(cache, k))
+        features[:, pos * n : (pos + 1) * n] = stored["features"]
+        targets[:, pos * n : (pos + 1) * n] = stored["targets"]
+        seconds += stored["seconds"]
+    data = Dataset(
+        features, targets, torch.arange(len(done)).repeat_interleave(n), [index["text"][k] for k in done],
+        [index["is_val"][k] for k in done],
+    )  # fmt: skip
+    return data, index["settings"], seconds
+
+
+def collect_dataset(
+    model,
+    tokenizer,
+    plan: ChunkPlan,
+    h_norm: str = "attention-input",
+    progress: bool = True,
+    cache: str | Path | None = None,
+    settings: dict | None = None,
+) -> Dataset:
+    """Features and KVzip+ log-scores of every chunk of ``plan``.
+
+    With ``cache`` (a directory), each chunk is saved there as soon as it is computed (with ``settings``, which must
+    match those of chunks already there); chunks already saved are not recomputed, so a stopped run resumes."""
     config = model.config
     n_layers, dim, n_kv = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
-    total = len(chunks) * context_tokens
+    context_tokens = len(plan.ids[0])
+    if cache is not None:
+        cache = Path(cache)
+        cache.mkdir(parents=True, exist_ok=True)
+        index = {"settings": settings, "text": plan.text, "is_val": plan.is_val}
+        if (cache / "index.json").is_file() and _read_cache_index(cache) != index:
+            raise ValueError(f"train_kvzap: {cache} holds chunks for other settings: {_read_cache_index(cache)['settings']}")
+        (cache / "index.json").write_text(json.dumps(index))
+    total = len(plan.ids) * context_tokens
     features = torch.empty(n_layers, total, dim, dtype=torch.float16)
     targets = torch.empty(n_layers, total, n_kv, dtype=torch.float32)
-    chunk_index = torch.arange(len(chunks)).repeat_interleave(context_tokens)
-    for k, ids in enumerate(tqdm(chunks, desc="KVzip+ targets", unit="chunk", disable=not progress)):
+    for k, ids in enumerate(tqdm(plan.ids, desc="KVzip+ targets", unit="chunk", disable=not progress)):
+        sl = slice(k * context_tokens, (k + 1) * context_tokens)
+        path = None if cache is None else _chunk_file(cache, k)
+        if path is not None and path.is_file():
+            stored = torch.load(path)
+            features[:, sl], targets[:, sl] = stored["features"], stored["targets"]
+            continue
+        t0 = time.perf_counter()
         x, y = kvzip_plus_targets(model, build_repeat_prompt(tokenizer, ids), h_norm=h_norm)
         if not torch.isfinite(x.half()).all():
             raise RuntimeError("train_kvzap: attention inputs overflow float16 storage")
-        sl = slice(k * context_tokens, (k + 1) * context_tokens)
         features[:, sl] = x.cpu().half()
         targets[:, sl] = y.cpu()
-    return Dataset(features, targets, chunk_index, chunk_text, chunk_is_val)
+        if path is not None:
+            partial = path.with_suffix(".tmp")
+            chunk = {"features": features[:, sl].clone(), "targets": targets[:, sl].clone()}
+            torch.save({**chunk, "seconds": time.perf_counter() - t0}, partial)
+            partial.rename(path)
+    chunk_index = torch.arange(len(plan.ids)).repeat_interleave(context_tokens)
+    return Dataset(features, targets, chunk_index, list(plan.text), list(plan.is_val))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -377,37 +475,79 @@ def r2_scores(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, t
     return (pearson**2).float(), cod.float()
 
 
+@dataclass
+class _Moments:
+    """Sums over rows of x - origin and y, float64: count, Σx, Σy, Σ x xᵀ, Σ x yᵀ (enough for a ridge fit)."""
+
+    origin: torch.Tensor
+    n: int
+    sx: torch.Tensor
+    sy: torch.Tensor
+    xx: torch.Tensor
+    xy: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor, y: torch.Tensor, origin: torch.Tensor, block: int = 16384) -> "_Moments":
+        d, h = x.shape[1], y.shape[1]
+        m = cls(origin, 0, x.new_zeros(d, dtype=torch.float64), x.new_zeros(h, dtype=torch.float64),
+                x.new_zeros(d, d, dtype=torch.float64), x.new_zeros(d, h, dtype=torch.float64))  # fmt: skip
+        for start in range(0, x.shape[0], block):  # blocks: x may be float16 storage of many rows
+            xb, yb = x[start : start + block].double() - origin, y[start : start + block].double()
+            m.n += xb.shape[0]
+            m.sx += xb.sum(0)
+            m.sy += yb.sum(0)
+            m.xx += xb.T @ xb
+            m.xy += xb.T @ yb
+        return m
+
+    def __add__(self, other: "_Moments") -> "_Moments":
+        return _Moments(self.origin, self.n + other.n, self.sx + other.sx, self.sy + other.sy, self.xx + other.xx,
+                        self.xy + other.xy)  # fmt: skip
+
+    def centred(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean x, mean y, Xcᵀ Xc, Xcᵀ Yc) with the rows centred on their own means."""
+        mx, my = self.sx / self.n, self.sy / self.n
+        return mx, my, self.xx - self.n * torch.outer(mx, mx), self.xy - self.n * torch.outer(mx, my)
+
+    def ridge(self, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+        mx, my, gram, cross = self.centred()
+        gram = gram.clone()
+        gram.diagonal().add_(lam)
+        w = torch.linalg.solve(gram, cross)
+        b = my - (mx + self.origin) @ w
+        return w.float(), b.float()
+
+
 def fit_ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Ridge regression with an unpenalised intercept, in float64.
 
     Minimises ``||y - x W - b||² + lam ||W||²``; x (N, D), y (N, H). Returns W (D, H) and b (H,) as float32.
     """
-    x, y = x.double(), y.double()
-    x_mean, y_mean = x.mean(0), y.mean(0)
-    xc, yc = x - x_mean, y - y_mean
-    gram = xc.T @ xc
-    gram.diagonal().add_(lam)
-    w = torch.linalg.solve(gram, xc.T @ yc)
-    b = y_mean - x_mean @ w
-    return w.float(), b.float()
+    return _Moments.of(x, y, x[:1024].double().mean(0)).ridge(lam)
 
 
 def select_ridge(
     x: torch.Tensor, y: torch.Tensor, inner_val: torch.Tensor, alphas: Sequence[float]
 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """Choose λ = alpha · trace(Xc^T Xc)/D by the MSE on the rows ``inner_val`` (bool, N) of a fit on the others, then
-    refit on all rows. Returns (W, b, λ, alpha)."""
-    xf = x.double()
-    xc = xf - xf.mean(0)
-    scale = float((xc**2).sum() / x.shape[1])
+    refit on all rows. Returns (W, b, λ, alpha).
+
+    One pass over x: the moments of the inner and the other rows, whose sum gives the final fit's.
+    """
+    origin = x[:1024].double().mean(0)
+    inner = _Moments.of(x[inner_val], y[inner_val], origin)
+    rest = _Moments.of(x[~inner_val], y[~inner_val], origin)
+    full = inner + rest
+    scale = float(full.centred()[2].diagonal().sum() / x.shape[1])
     best = (math.inf, alphas[0])
-    if inner_val.any() and (~inner_val).any() and len(alphas) > 1:
+    if inner.n > 0 and rest.n > 0 and len(alphas) > 1:
+        x_inner, y_inner = x[inner_val].float(), y[inner_val].float()
         for alpha in alphas:
-            w, b = fit_ridge(x[~inner_val], y[~inner_val], alpha * scale)
-            mse = float(((x[inner_val].float() @ w + b - y[inner_val]) ** 2).mean())
+            w, b = rest.ridge(alpha * scale)
+            mse = float(((x_inner @ w + b - y_inner) ** 2).mean())
             best = min(best, (mse, alpha))
     alpha = best[1]
-    w, b = fit_ridge(x, y, alpha * scale)
+    w, b = full.ridge(alpha * scale)
     return w, b, alpha * scale, alpha
 
 
@@ -439,8 +579,9 @@ def train_mlps(
     n_layers, n, dim = x.shape
     n_out = y.shape[2]
     y = y.float()
-    x_mean = x.float().mean(1, keepdim=True)  # (L, 1, D)
-    x_std = x.float().std(1, keepdim=True)
+    # Per layer: a float32 copy of all of x at once would be twice its float16 storage.
+    x_mean = torch.stack([x[layer].float().mean(0, keepdim=True) for layer in range(n_layers)])  # (L, 1, D)
+    x_std = torch.stack([x[layer].float().std(0, keepdim=True) for layer in range(n_layers)])
     x_std = torch.where(x_std > 1e-6, x_std, torch.ones_like(x_std))
     y_mean, y_std = y.mean(1, keepdim=True), y.std(1, keepdim=True)
     y_std = torch.where(y_std > 1e-6, y_std, torch.ones_like(y_std))
@@ -467,7 +608,7 @@ def train_mlps(
     best_params = [p.detach().clone() for p in (w1, b1, w2, b2)]
     best_mse = stop_mse() if x_stop is not None else None
     best_epoch = torch.zeros(n_layers, dtype=torch.long)
-    bar = tqdm(range(epochs), desc=f"MLP x {n_layers} layers", unit="epoch", disable=not progress)
+    bar = tqdm(range(epochs), desc=f"MLP x {n_layers} layers", unit="epoch", disable=not progress, leave=False)
     for epoch in bar:
         perm = torch.randperm(n, generator=gen)
         total = 0.0
@@ -563,6 +704,7 @@ def train_surrogates(
     seed: int,
     ridge_alphas: Sequence[float] = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0),
     progress: bool = True,
+    layers_per_mlp_batch: int = 6,
 ) -> tuple[list[nn.Linear], list[nn.Sequential], dict]:
     """Fit both surrogates on every layer; returns (linear layers, MLPs, metrics dict).
 
@@ -583,7 +725,7 @@ def train_surrogates(
     preds = {k: torch.zeros(n_layers, int(val.sum()), n_heads) for k in ("linear", "mlp")}
     lambdas, alphas = [], []
     for layer in tqdm(range(n_layers), desc="ridge", unit="layer", disable=not progress):
-        x_train, y_train = data.features[layer, train].float(), data.targets[layer, train]
+        x_train, y_train = data.features[layer, train], data.targets[layer, train]
         w, b, lam, alpha = select_ridge(x_train, y_train, inner_val, ridge_alphas)
         linear = nn.Linear(w.shape[0], w.shape[1])
         with torch.no_grad():
@@ -597,13 +739,18 @@ def train_surrogates(
     fit_rows = train.nonzero().squeeze(1)
     fit_rows, stop_rows = fit_rows[~inner_val], fit_rows[inner_val]
     if len(stop_rows) == 0:  # a single training chunk: no early stopping
-        fit_rows, x_stop, y_stop = train.nonzero().squeeze(1), None, None
-    else:
-        x_stop, y_stop = data.features[:, stop_rows], data.targets[:, stop_rows]
-    mlps = train_mlps(
-        data.features[:, fit_rows], data.targets[:, fit_rows], hidden_dim, epochs, batch_size, lr, weight_decay, seed,
-        progress, x_stop, y_stop,
-    )  # fmt: skip
+        fit_rows = train.nonzero().squeeze(1)
+    mlps = []
+    # A few layers at a time: the selected rows of all layers at once would copy the whole feature store.
+    for first in range(0, n_layers, layers_per_mlp_batch):
+        group = slice(first, min(first + layers_per_mlp_batch, n_layers))
+        x_stop, y_stop = (None, None) if len(stop_rows) == 0 else (
+            data.features[group][:, stop_rows], data.targets[group][:, stop_rows]
+        )  # fmt: skip
+        mlps += train_mlps(
+            data.features[group][:, fit_rows], data.targets[group][:, fit_rows], hidden_dim, epochs, batch_size, lr,
+            weight_decay, seed, progress, x_stop, y_stop,
+        )  # fmt: skip
     for layer in range(n_layers):
         x_train, y_train = data.features[layer, train].float(), data.targets[layer, train]
         x_val, y_val = data.features[layer, val].float(), data.targets[layer, val]
@@ -640,6 +787,24 @@ def train_surrogates(
     return linears, mlps, metrics
 
 
+@torch.no_grad()
+def surrogate_r2(surrogate_root: str | Path, data: Dataset) -> dict:
+    """R² of existing surrogates (``<surrogate_root>/{linear,mlp}``, kvpress layout) on ``data``'s held-out chunks:
+    {kind: {"summary": ..., "r2_layer_mean": per-layer means}}, to compare runs on the same held-out text."""
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    val = data.token_mask(val=True)
+    result = {}
+    for kind in ("linear", "mlp"):
+        surrogate = KVzapModel.from_pretrained(Path(surrogate_root) / kind, local_files_only=True).eval()
+        r2 = torch.stack([
+            r2_scores(module(data.features[layer, val].float()), data.targets[layer, val])[0]
+            for layer, module in enumerate(surrogate.layers)
+        ])  # fmt: skip
+        result[kind] = {"summary": _summary(r2), "r2_layer_mean": [round(float(v), 4) for v in r2.mean(1)]}
+    return result
+
+
 def _print_table(metrics: dict) -> None:
     r2 = metrics["r2"]
     n_heads = len(r2["linear"][0])
@@ -674,6 +839,10 @@ def _plot(metrics: dict, path: Path, title: str) -> None:
         layers = range(r2.shape[0])
         ax.plot(layers, r2.mean(1), marker="o", ms=3, color=color, label=f"{name} (mean {r2.mean():.3f})")
         ax.fill_between(layers, r2.min(1).values, r2.max(1).values, color=color, alpha=0.2)
+        if "compared" in metrics:
+            before = metrics["compared"][name]
+            ax.plot(layers, before["r2_layer_mean"], ls="--", color=color,
+                    label=f"{name}, {metrics['compared']['label']} (mean {before['summary']['mean']:.3f})")
     ax.set_xlabel("layer")
     ax.set_ylabel("R² (squared Pearson), held-out chunks")
     ax.set_ylim(0, 1)
@@ -689,12 +858,12 @@ def _load_model(name: str, device: str, dtype: torch.dtype):
     if name == "default":
         from kvpress_cpp.models import load_default_model
 
-        model, tokenizer = load_default_model(dtype=dtype, attn_implementation="eager", device=device)
+        model, tokenizer = load_default_model(dtype=dtype, attn_implementation="sdpa", device=device)
         return model, tokenizer, DEFAULT_MODEL_NAME
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="eager").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     return model, tokenizer, Path(name).name or name
 
 
@@ -706,10 +875,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a local HF path")
     p.add_argument("--texts", default="austen,python-docs", help="comma list: austen, python-docs or text file paths")
     p.add_argument("--out", required=True, help="output directory (linear/, mlp/, training_report.json, png)")
-    p.add_argument("--tokens", type=int, default=23040, help="total context tokens (train + held out)")
+    p.add_argument("--tokens", type=int, default=230400, help="total context tokens (train + held out)")
     p.add_argument("--context-tokens", type=int, default=768, help="tokens per context chunk p")
     p.add_argument("--val-fraction", type=float, default=0.15, help="fraction of each text's chunks held out")
-    p.add_argument("--h-norm", choices=H_NORMS, default="residual", help="which h_j divides (see module docstring)")
+    p.add_argument("--h-norm", choices=H_NORMS, default="attention-input", help="which h_j divides (see module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -719,7 +888,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--data-cache", default=None, help="torch file: load the targets from it if present, else save")
+    p.add_argument(
+        "--data-cache", default=None, help="directory: each chunk's targets are saved there and reused (resumes a run)"
+    )
+    p.add_argument(
+        "--fit-collected", action="store_true", help="fit on the chunks in --data-cache so far (a stopped collection)"
+    )
+    p.add_argument(
+        "--compare-with", default=None, help="surrogate directory (linear/, mlp/) to score on the same held-out chunks"
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -727,8 +904,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
     """Run the CLI; ``model``/``tokenizer`` may be passed in directly (then ``--model`` only names it).
 
-    With ``--data-cache`` an existing file made with the same data settings replaces step 1 (the model is then not
-    loaded); otherwise the targets are computed and saved there.
+    With ``--data-cache`` every chunk's targets are saved in that directory as they are computed; a complete cache
+    made with the same data settings replaces step 1 (the model is then not loaded), an incomplete one is resumed, or,
+    with ``--fit-collected``, fitted as it is.
     """
     args = parse_args(argv)
     progress = not args.no_progress
@@ -745,8 +923,9 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
     }
     t0 = time.perf_counter()
     t_load = 0.0
-    if cache is not None and cache.is_file():
-        data, cached_settings, t_collect = load_data_cache(cache)
+    cache_complete = cache is not None and 0 < cached_chunks(cache) == len(_read_cache_index(cache)["text"])
+    if cache is not None and (cache_complete or args.fit_collected):
+        data, cached_settings, t_collect = load_data_cache(cache, allow_partial=args.fit_collected)
         if cached_settings != data_settings:
             raise ValueError(f"train_kvzap: {cache} holds targets for {cached_settings}, not {data_settings}")
         model_name = DEFAULT_MODEL_NAME if args.model == "default" else Path(args.model).name
@@ -759,30 +938,31 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
         t_load = time.perf_counter() - t0
         t1 = time.perf_counter()
         texts = {name: load_text(name) for name in text_names}
-        data = collect_dataset(
-            model, tokenizer, texts, args.tokens, args.context_tokens, args.val_fraction, args.seed, args.h_norm,
-            progress,
-        )  # fmt: skip
+        plan = plan_chunks(tokenizer, texts, args.tokens, args.context_tokens, args.val_fraction, args.seed)
+        data = collect_dataset(model, tokenizer, plan, args.h_norm, progress, cache, data_settings)
         t_collect = time.perf_counter() - t1
-        if cache is not None:
-            torch.save({**vars(data), "settings": data_settings, "collect_seconds": t_collect}, cache)
     hidden_dim = args.hidden_dim or data.features.shape[2] // 8
     t2 = time.perf_counter()
     linears, mlps, metrics = train_surrogates(
         data, hidden_dim, args.epochs, args.batch_size, args.lr, args.weight_decay, args.seed, progress=progress
     )
     t_fit = time.perf_counter() - t2
+    if args.compare_with:
+        metrics["compared"] = {"label": "before", "dir": args.compare_with, **surrogate_r2(args.compare_with, data)}
     save_surrogate(build_kvzap_model(linears, None), out / "linear")
     save_surrogate(build_kvzap_model(mlps, hidden_dim), out / "mlp")
     val = data.token_mask(val=True)
     report = {
         "command": "python -m kvpress_cpp.train_kvzap " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": model_name,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "no_progress", "threads")},
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "fit_collected", "compare_with", "no_progress", "threads")
+        },
         "mlp_hidden_dim": hidden_dim,
         "data": {
             "texts": text_names,
             "chunks": len(data.chunk_text),
+            "chunks_planned": max(1, args.tokens // args.context_tokens),
             "chunks_val": sum(data.chunk_is_val),
             "chunks_per_text": {n: data.chunk_text.count(n) for n in dict.fromkeys(data.chunk_text)},
             "tokens_train": int((~val).sum()),

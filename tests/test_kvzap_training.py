@@ -79,7 +79,9 @@ def test_kvzip_plus_targets_match_loop_reference(maker, h_norm):
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-4)
 
 
-def test_kvzip_plus_targets_switch_sdpa_model_to_eager_and_back(tiny_llama):
+def test_kvzip_plus_targets_same_under_sdpa_and_eager(tiny_llama):
+    """The hooks form the repeated rows' probabilities themselves: the model's attention implementation (sdpa here,
+    never switched) does not change the targets."""
     model, tokenizer = tiny_llama
     assert model.config._attn_implementation == "sdpa"
     prompt = tk.build_repeat_prompt(tokenizer, tokenizer.encode(ENGLISH_PROSE[:60], add_special_tokens=False))
@@ -88,6 +90,43 @@ def test_kvzip_plus_targets_switch_sdpa_model_to_eager_and_back(tiny_llama):
     eager, _ = make_tiny_llama(attn_implementation="eager")
     _, y_eager = tk.kvzip_plus_targets(eager, prompt)
     torch.testing.assert_close(y, y_eager, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_input_norm_is_the_default(tiny_llama):
+    """kvpress's KVzipPress(kvzip_plus_normalization=True) convention: h_j is the normalised attention input."""
+    model, tokenizer = tiny_llama
+    prompt = tk.build_repeat_prompt(tokenizer, tokenizer.encode(ENGLISH_PROSE[:60], add_special_tokens=False))
+    _, y_default = tk.kvzip_plus_targets(model, prompt)
+    _, y_attention_input = tk.kvzip_plus_targets(model, prompt, h_norm="attention-input")
+    _, y_residual = tk.kvzip_plus_targets(model, prompt, h_norm="residual")
+    assert torch.equal(y_default, y_attention_input) and not torch.allclose(y_default, y_residual)
+    assert tk.parse_args(["--out", "x"]).h_norm == "attention-input"
+
+
+def test_data_cache_resumes_and_fits_a_stopped_collection(tmp_path, tiny_llama):
+    model, tokenizer = tiny_llama
+    texts = {"a": ENGLISH_PROSE, "b": ENGLISH_PROSE[::-1]}
+    plan = tk.plan_chunks(tokenizer, texts, n_tokens=6 * 20, context_tokens=20, val_fraction=0.3, seed=0)
+    assert len(plan.ids) == 6 and sorted(plan.text) == ["a"] * 3 + ["b"] * 3 and sum(plan.is_val) == 2
+    cache = tmp_path / "cache"
+    settings = {"any": "thing"}
+    full = tk.collect_dataset(model, tokenizer, plan, progress=False, cache=cache, settings=settings)
+    assert tk.cached_chunks(cache) == 6
+    # Stop "after" the first chunks: keep the collected prefix holding one held-out and one training chunk.
+    keep = max(plan.is_val.index(True), plan.is_val.index(False)) + 1
+    for k in range(keep, 6):
+        (cache / f"chunk_{k:05d}.pt").unlink()
+    with pytest.raises(ValueError, match=f"holds {keep} of 6 chunks"):
+        tk.load_data_cache(cache)
+    part, stored_settings, _ = tk.load_data_cache(cache, allow_partial=True)
+    assert stored_settings == settings and part.chunk_is_val == plan.is_val[:keep]
+    torch.testing.assert_close(part.targets, full.targets[:, : keep * 20], rtol=0, atol=0)
+    # Resuming computes only the missing chunks and gives the same data as one uninterrupted run.
+    resumed = tk.collect_dataset(model, tokenizer, plan, progress=False, cache=cache, settings=settings)
+    torch.testing.assert_close(resumed.targets, full.targets, rtol=1e-6, atol=1e-6)
+    assert torch.equal(resumed.features, full.features)
+    with pytest.raises(ValueError, match="other settings"):
+        tk.collect_dataset(model, tokenizer, plan, progress=False, cache=cache, settings={"other": 1})
 
 
 def test_repeat_prompt_layout(tiny_llama):
@@ -290,7 +329,11 @@ def test_cli_end_to_end_on_tiny_model(tmp_path):
         r2, _ = tk.r2_scores(pred[layer], data.targets[layer, val])
         assert r2.tolist() == pytest.approx(saved["r2"]["mlp"][layer], abs=1e-3)
     # Re-running from the cache with the same seed reproduces the weights exactly.
-    tk.main(argv[:5] + [str(tmp_path / "out2")] + argv[6:])
+    # --compare-with scores other surrogates (here the first run's) on the same held-out chunks.
+    report2 = tk.main(argv[:5] + [str(tmp_path / "out2")] + argv[6:] + ["--compare-with", str(out)])
     mlp2 = KVzapModel.from_pretrained(tmp_path / "out2" / "mlp")
     for p, q in zip(mlp.parameters(), mlp2.parameters()):
         assert torch.equal(p, q)
+    for kind in ("linear", "mlp"):
+        layer_means = [sum(row) / len(row) for row in saved["r2"][kind]]
+        assert report2["compared"][kind]["r2_layer_mean"] == pytest.approx(layer_means, abs=1e-3)
