@@ -44,7 +44,7 @@ from benchmarks.common import print_table, pyplot, save_figure, write_results
 from kvpress_cpp import ops
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.presses.keepkv import KeepKVPress
-from kvpress_cpp.presses.kvzap import KVzapThresholdPress
+from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD, KVzapThresholdPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -54,7 +54,7 @@ PRESSES = {
     "WeightedKV": lambda: WeightedKVPress(cache_size=KEPT),
     "KeepKV": lambda: KeepKVPress(budget=KEPT),
     "GVote": GVotePress,
-    "KVzap-MLP τ=-7": lambda: KVzapThresholdPress(threshold=-7.0),
+    f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}": KVzapThresholdPress,
     "StreamingLLM (kvpress)": lambda: StreamingLLMPress(compression_ratio=1 - KEPT),
     "SnapKV (kvpress)": lambda: SnapKVPress(compression_ratio=1 - KEPT),
     "TOVA (kvpress)": lambda: TOVAPress(compression_ratio=1 - KEPT),

@@ -25,6 +25,7 @@ from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.distributed import check_tensor_parallel
 from kvpress_cpp.models import default_model_dir, load_default_tokenizer
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 
 
@@ -39,7 +40,7 @@ def presses(kvzap: bool) -> list[tuple[str, object]]:
         ("GVote (own budget)", GVotePress()),
     ]
     if kvzap:
-        chosen.append(("KVzap-MLP τ=-7", KVzapThresholdPress(threshold=-7.0, model_type="mlp")))
+        chosen.append((f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}", KVzapThresholdPress(model_type="mlp")))
     return chosen
 
 
