@@ -80,7 +80,7 @@ class PagedLayer(CacheLayerMixin):
         self.last_pass_was_prefill = False
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
-        self._view = self._device_tables = self._layout = None
+        self._view = self._device_tables = self._layout = self._slot_index = None
         self._module = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -98,6 +98,7 @@ class PagedLayer(CacheLayerMixin):
         self.lengths = torch.zeros(batch, heads, dtype=torch.long)
         self.bases = torch.zeros(batch, heads, dtype=torch.long)
         self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
+        self._slot_index = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -274,6 +275,7 @@ class PagedLayer(CacheLayerMixin):
         in_use = self.block_tables >= 0
         used = self.block_tables[in_use]
         self.block_tables[in_use] = torch.arange(used.numel())
+        self._slot_index = None
         index = used.to(self.device)
         self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
         self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
@@ -343,6 +345,12 @@ class PagedLayer(CacheLayerMixin):
         size = self.block_size
         old_blocks = (self.lengths + size - 1) // size
         new_blocks = (new_lengths + size - 1) // size
+        if torch.equal(old_blocks, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
+            self.lengths = new_lengths.clone()
+            self.bases = torch.minimum(self.bases, self.lengths)
+            self._changed()
+            return
+        self._slot_index = None
         width = int(new_blocks.max()) if new_blocks.numel() else 0
         if width > self.block_tables.shape[-1]:
             self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
@@ -370,9 +378,16 @@ class PagedLayer(CacheLayerMixin):
 
     def _flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
-        # A -1 entry (a slot beyond the head's length, read only under a mask) reads block 0.
-        blocks = self.block_tables.gather(-1, slots // self.block_size).clamp(min=0)
-        return (blocks * self.block_size + slots % self.block_size).to(self.device)
+        return self._owned_slot_index().gather(-1, slots.to(self.device))
+
+    def _owned_slot_index(self) -> torch.Tensor:
+        """(B, H, entries * S) on the device: the pool index of every slot of every block table entry, kept until the
+        tables change (a decoding step that stays within its blocks reuses it). A -1 entry (a slot beyond the head's
+        length, read only under a mask) reads block 0."""
+        if self._slot_index is None:
+            blocks = self.block_tables.clamp(min=0).to(self.device) * self.block_size
+            self._slot_index = (blocks.unsqueeze(-1) + torch.arange(self.block_size, device=self.device)).flatten(2)
+        return self._slot_index
 
     # ------------------------------------------------------------------------------------------------------------
     # The view's layout
@@ -404,9 +419,14 @@ class PagedLayer(CacheLayerMixin):
         return self._flat_slots(torch.where(real, slots, 0)), real.to(self.device)
 
     def _view_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_pool_index` of the view's columns, kept until the layout changes."""
+        """:meth:`_pool_index` of the view's columns (None for "all real" when no head is padded), kept until the
+        layout changes."""
         if self._layout is None:
-            self._layout = self._pool_index(self._view_columns())
+            width = self._width()
+            if bool((self.lengths == width).all()):  # no padding: column t is slot t of every head
+                self._layout = self._owned_slot_index()[..., :width], None
+            else:
+                self._layout = self._pool_index(self._view_columns())
         return self._layout
 
     def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
@@ -414,7 +434,7 @@ class PagedLayer(CacheLayerMixin):
         padding."""
         index, real = self._view_layout()
         if width is not None:
-            index, real = index[..., :width], real[..., :width]
+            index, real = index[..., :width], real[..., :width] if real is not None else None
         return _gather(pool, index, real, fill)
 
     def _current_view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -545,9 +565,11 @@ class PagedLayer(CacheLayerMixin):
         return _gather(self.slot_blocks[_POSITIONS], index, real, -1).long().cpu()
 
 
-def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor, fill) -> torch.Tensor:
-    """pool (N, S, ...) at the pool indices (B, H, X) → (B, H, X, ...), `fill` where not real."""
+def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor | None, fill) -> torch.Tensor:
+    """pool (N, S, ...) at the pool indices (B, H, X) → (B, H, X, ...), `fill` where not real (None: all real)."""
     gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[2:])
+    if real is None:
+        return gathered
     return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
 
 
