@@ -80,7 +80,7 @@ class PagedLayer(CacheLayerMixin):
         self.last_pass_was_prefill = False
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
-        self._view = self._device_tables = self._layout = self._slot_index = None
+        self._view = self._device_tables = self._layout = self._slot_index = self._region = None
         self._module = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ class PagedLayer(CacheLayerMixin):
         self.lengths = torch.zeros(batch, heads, dtype=torch.long)
         self.bases = torch.zeros(batch, heads, dtype=torch.long)
         self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
-        self._slot_index = None
+        self._slot_index = self._region = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -275,7 +275,7 @@ class PagedLayer(CacheLayerMixin):
         in_use = self.block_tables >= 0
         used = self.block_tables[in_use]
         self.block_tables[in_use] = torch.arange(used.numel())
-        self._slot_index = None
+        self._slot_index = self._region = None
         index = used.to(self.device)
         self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
         self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
@@ -341,36 +341,37 @@ class PagedLayer(CacheLayerMixin):
 
     def _resize(self, new_lengths: torch.Tensor) -> None:
         """Give each (batch, kv head) the blocks new_lengths (B, H) need: new blocks from the free list (growing the
-        pool when it runs dry), blocks beyond the new length back to it. Slots below both lengths keep their data."""
+        pool when it runs dry), blocks beyond the new length back to it, except that a head shortened by less than a
+        block keeps one emptied block (a decoding press takes a head from M + 1 slots back to M at every step: its
+        next token needs that block again). Slots below both lengths keep their data."""
         size = self.block_size
-        old_blocks = (self.lengths + size - 1) // size
-        new_blocks = (new_lengths + size - 1) // size
-        if torch.equal(old_blocks, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
-            self.lengths = new_lengths.clone()
-            self.bases = torch.minimum(self.bases, self.lengths)
-            self._changed()
+        owned = self._owned_slots // size
+        needed = (new_lengths + size - 1) // size
+        spare = (self.lengths - new_lengths < size) & (owned > needed) & (new_lengths > 0)
+        new_blocks = torch.where(spare, needed + 1, needed)
+        self.lengths = new_lengths.clone()
+        self.bases = torch.minimum(self.bases, self.lengths)
+        self._changed()
+        if torch.equal(owned, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
             return
-        self._slot_index = None
+        self._slot_index = self._region = None
         width = int(new_blocks.max()) if new_blocks.numel() else 0
         if width > self.block_tables.shape[-1]:
             self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
                                                         value=-1)
         entry = torch.arange(self.block_tables.shape[-1])
-        released = (entry >= new_blocks.unsqueeze(-1)) & (entry < old_blocks.unsqueeze(-1))
+        released = (entry >= new_blocks.unsqueeze(-1)) & (entry < owned.unsqueeze(-1))
         if bool(released.any()):
             self.free_blocks.extend(self.block_tables[released].tolist())
             self.block_tables[released] = -1
-        taken = (entry >= old_blocks.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
+        taken = (entry >= owned.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
         count = int(taken.sum())
         if count:
             if count > len(self.free_blocks):
                 self._grow(count - len(self.free_blocks))
             self.block_tables[taken] = torch.tensor(self.free_blocks[-count:][::-1], dtype=torch.long)
             del self.free_blocks[-count:]
-        self.lengths = new_lengths.clone()
         self._owned_slots = new_blocks * size
-        self.bases = torch.minimum(self.bases, self.lengths)
-        self._changed()
 
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
@@ -429,10 +430,42 @@ class PagedLayer(CacheLayerMixin):
                 self._layout = self._pool_index(self._view_columns())
         return self._layout
 
+    def _regular_region(self) -> tuple[int, int] | None:
+        """(first block, blocks between heads) when every head owns the same number of blocks, in order and
+        consecutive, and head (b, h) starts `b·H + h` strides after the first (what a prefill into an empty pool, or
+        a trim, lays out, and decoding keeps): each pool is then a strided (B, H, slots, ...) tensor, which the view
+        reads and a press's write-back writes without an index. None otherwise; kept until the tables change."""
+        if self._region is None:
+            self._region = False
+            owned = self._owned_slots // self.block_size
+            blocks = int(owned.flatten()[0]) if owned.numel() else 0
+            if blocks and bool((owned == blocks).all()):
+                tables = self.block_tables[..., :blocks]
+                first = tables[..., :1]
+                heads = first.flatten()
+                stride = int(heads[1] - heads[0]) if heads.numel() > 1 else blocks
+                start = int(heads[0])
+                if (stride >= blocks and torch.equal(tables, first + torch.arange(blocks))
+                        and torch.equal(heads, start + stride * torch.arange(heads.numel()))):
+                    self._region = (start, stride)
+        return self._region or None
+
+    def _region_view(self, pool: torch.Tensor, width: int) -> torch.Tensor:
+        """The first `width` slots of every head of `pool` (N, S, ...) as a (B, H, width, ...) tensor sharing its
+        memory (the layout must be :meth:`_regular_region`'s)."""
+        start, stride = self._region
+        batch, heads = self.lengths.shape
+        head_stride = stride * pool.stride(0)
+        return pool.as_strided((batch, heads, width, *pool.shape[2:]),
+                               (heads * head_stride, head_stride, *pool.stride()[1:]), start * pool.stride(0))
+
     def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
         """pool (N, S, ...) at the view's first `width` columns (all by default) → (B, H, width, ...), `fill` on
-        padding."""
+        padding; without padding, on a regular layout, a tensor sharing the pool's memory (as a DynamicLayer's keys
+        are the cache's own: what is written into it is in the cache)."""
         index, real = self._view_layout()
+        if real is None and self._regular_region() is not None:
+            return self._region_view(pool, index.shape[-1] if width is None else width)
         if width is not None:
             index, real = index[..., :width], real[..., :width] if real is not None else None
         return _gather(pool, index, real, fill)
@@ -496,7 +529,16 @@ class PagedLayer(CacheLayerMixin):
             self._resize(torch.full((batch, heads), width, dtype=torch.long))
             self.bases = self.lengths.clone()
             self._changed()
-            flat, kept = self._view_layout()[0].reshape(-1), slice(None)
+            if self._regular_region() is not None:  # one strided copy per pool, none where the press wrote in place
+                def store(pool, tensor):
+                    _copy_into(self._region_view(pool, width), tensor)
+            else:
+                flat = self._view_layout()[0].reshape(-1)
+
+                def store(pool, tensor):
+                    # What the press wrote may share the pool's memory (the view of a regular layout before a resize).
+                    tensor = _unshared(tensor, pool)
+                    pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor.reshape(-1, *pool.shape[2:]))
         else:
             counts = keep.sum(-1).cpu()
             self._resize(counts)
@@ -504,11 +546,11 @@ class PagedLayer(CacheLayerMixin):
             self._changed()
             slot = (keep.cumsum(-1) - 1).cpu()
             flat = self._flat_slots(slot.clamp(min=0))[keep.to(self.device)]
-            kept = keep
-        self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(
-            0, flat, keys[kept].reshape(-1, keys.shape[-1]).to(self.dtype))
-        self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
-            0, flat, values[kept].reshape(-1, values.shape[-1]).to(self.dtype))
+
+            def store(pool, tensor):
+                pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor[keep].reshape(-1, *pool.shape[2:]))
+        store(self.key_blocks, keys.to(self.dtype))
+        store(self.value_blocks, values.to(self.dtype))
         per_slot = {} if state is None else state.per_slot
         pools = {_LOG_WEIGHTS: self.slot_blocks[_LOG_WEIGHTS], _POSITIONS: self.slot_blocks[_POSITIONS]}
         for name, tensor in per_slot.items():
@@ -516,9 +558,10 @@ class PagedLayer(CacheLayerMixin):
             if pool is None or pool.dtype != tensor.dtype:
                 pool = self._new_slot_pool(self.key_blocks.shape[0], tensor.dtype)
             pools[name] = pool
-            pool.view(-1).index_copy_(0, flat, tensor[kept].reshape(-1))
-        pools[_LOG_WEIGHTS].view(-1).index_copy_(0, flat, log_weights[kept].reshape(-1).float())
-        pools[_POSITIONS].view(-1).index_fill_(0, flat, -1)  # a press may reorder or merge slots: their positions are unknown
+            store(pool, tensor)
+        store(pools[_LOG_WEIGHTS], log_weights.float())
+        # A press may reorder or merge slots: their positions are unknown.
+        store(pools[_POSITIONS], torch.full(log_weights.shape, -1, dtype=torch.int32, device=self.device))
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
@@ -571,6 +614,19 @@ def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor | None, 
     if real is None:
         return gathered
     return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target[...] = source, skipped when source already is target's memory (an in-place op on the view)."""
+    if source.data_ptr() == target.data_ptr() and source.stride() == target.stride() and source.dtype == target.dtype:
+        return
+    target.copy_(_unshared(source, target))
+
+
+def _unshared(tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """tensor, or a copy of it when it shares pool's memory (an index_copy_ into pool may not read pool)."""
+    shared = tensor.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+    return tensor.clone() if shared else tensor
 
 
 def _is_prefix(tensor: torch.Tensor, view: torch.Tensor) -> bool:
