@@ -369,9 +369,31 @@ class PagedLayer(CacheLayerMixin):
         if count:
             if count > len(self.free_blocks):
                 self._grow(count - len(self.free_blocks))
-            self.block_tables[taken] = torch.tensor(self.free_blocks[-count:][::-1], dtype=torch.long)
-            del self.free_blocks[-count:]
+            self.block_tables[taken] = torch.tensor(self._take(taken.nonzero().tolist()), dtype=torch.long)
         self._owned_slots = new_blocks * size
+
+    def _take(self, entries: list[list[int]]) -> list[int]:
+        """Free blocks for the table entries [b, h, e] (row-major), each the block after its head's previous one
+        when that is free, else the free list's last: a head's blocks stay consecutive where they can, which keeps
+        a regular layout regular (:meth:`_regular_region`) when a decoding head grows by a block."""
+        free = set(self.free_blocks)
+        blocks, previous_entry = [], None
+        for b, h, e in entries:
+            if e == 0:
+                wanted = None
+            elif previous_entry == (b, h, e - 1):
+                wanted = blocks[-1] + 1
+            else:
+                wanted = int(self.block_tables[b, h, e - 1]) + 1
+            if wanted not in free:
+                wanted = self.free_blocks.pop()
+                while wanted not in free:  # taken out of order earlier in this call
+                    wanted = self.free_blocks.pop()
+            free.remove(wanted)
+            blocks.append(wanted)
+            previous_entry = (b, h, e)
+        self.free_blocks = [block for block in self.free_blocks if block in free]
+        return blocks
 
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
