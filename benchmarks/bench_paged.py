@@ -145,6 +145,7 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 24) 
     from kvpress import TOVAPress
     from transformers import DynamicCache
 
+    from kvpress_cpp.cache import attach
     from kvpress_cpp.paged_cache import PagedKVCache
     from kvpress_cpp.presses import KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
     from kvpress_cpp.texts import austen_novel
@@ -166,10 +167,15 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 24) 
                     logits = model(ids, past_key_values=cache).logits
                 runs.append([name, cache_name, press, cache, logits[:, -1:].argmax(-1), []])
         loads = []
+        attention_modules = [layer.self_attn for layer in model.model.layers]
         for _ in range(steps):
             loads.append(os.getloadavg()[0])
             for run in runs:
                 _, _, press, cache, token, times = run
+                # A layer's state is found through the attention module it was last attached to (one cache per
+                # model at a time, as generate uses it): this cache's turn.
+                for module, layer in zip(attention_modules, cache.layers):
+                    attach(module, layer)
                 with torch.no_grad(), press(model):
                     start = time.perf_counter()
                     run[4] = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)

@@ -81,6 +81,7 @@ class PagedLayer(CacheLayerMixin):
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
         self._view = self._device_tables = self._layout = self._slot_index = self._region = None
+        self._even = self._even_blocks = None
         self._module = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class PagedLayer(CacheLayerMixin):
         self.lengths = torch.zeros(batch, heads, dtype=torch.long)
         self.bases = torch.zeros(batch, heads, dtype=torch.long)
         self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
-        self._slot_index = self._region = None
+        self._slot_index = self._region = self._even_blocks = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -112,14 +113,21 @@ class PagedLayer(CacheLayerMixin):
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
                              f"got {tuple(key_states.shape)}")
-        before = self.lengths
-        self.last_pass_was_prefill = bool((before == 0).all())
+        before, even = self.lengths, self._evenness()
         after = before + new_tokens
-        if bool((after <= self._owned_slots).all()):  # the usual decoding step: no head needs a new block
+        if even and even[0] + new_tokens <= self._blocks_of_every_head() * self.block_size:
+            # The usual decoding step: heads of one length, none needing a new block (decided on host integers).
+            self.last_pass_was_prefill = even[0] == 0
             self.lengths = after
             self._changed()
+            self._even = (even[0] + new_tokens, even[1])
         else:
-            self._resize(after)
+            self.last_pass_was_prefill = bool((before == 0).all())
+            if bool((after <= self._owned_slots).all()):  # no head needs a new block
+                self.lengths = after
+                self._changed()
+            else:
+                self._resize(after)
         columns = before.unsqueeze(-1) + torch.arange(new_tokens)
         slots = self._flat_slots(columns).flatten()
         self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
@@ -218,7 +226,8 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         if not self.has_state:
             return None
-        width = int(self.bases.max())
+        even = self._evenness()
+        width = even[1] if even else int(self.bases.max())
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
         log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width)
@@ -275,7 +284,7 @@ class PagedLayer(CacheLayerMixin):
         in_use = self.block_tables >= 0
         used = self.block_tables[in_use]
         self.block_tables[in_use] = torch.arange(used.numel())
-        self._slot_index = self._region = None
+        self._slot_index = self._region = self._even_blocks = None
         index = used.to(self.device)
         self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
         self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
@@ -297,9 +306,9 @@ class PagedLayer(CacheLayerMixin):
 
     def probs_to_view(self, probs: torch.Tensor) -> torch.Tensor:
         """Attention probabilities (B, Hq, q, max length) over each head's slots → over the view's columns."""
-        width = self._width()
-        if probs.shape[-1] == width and bool((self.lengths == width).all()):
+        if self._evenness():
             return probs  # no padding: column t is slot t of every head
+        width = self._width()
         columns = self._view_columns()
         batch, heads, width = columns.shape
         padded = torch.nn.functional.pad(probs, (0, 1))  # column -1 reads the extra 0
@@ -345,6 +354,16 @@ class PagedLayer(CacheLayerMixin):
         block keeps one emptied block (a decoding press takes a head from M + 1 slots back to M at every step: its
         next token needs that block again). Slots below both lengths keep their data."""
         size = self.block_size
+        even, blocks = self._evenness(), self._blocks_of_every_head()
+        if even and blocks and bool((new_lengths == new_lengths.flatten()[0]).all()):
+            length = int(new_lengths.flatten()[0])
+            needed = -(-length // size)
+            if blocks == (needed + 1 if even[0] - length < size and blocks > needed and length else needed):
+                self.lengths = new_lengths.clone()
+                self.bases = torch.minimum(self.bases, self.lengths)
+                self._changed()
+                self._even = (length, min(even[1], length))
+                return
         owned = self._owned_slots // size
         needed = (new_lengths + size - 1) // size
         spare = (self.lengths - new_lengths < size) & (owned > needed) & (new_lengths > 0)
@@ -354,7 +373,7 @@ class PagedLayer(CacheLayerMixin):
         self._changed()
         if torch.equal(owned, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
             return
-        self._slot_index = self._region = None
+        self._slot_index = self._region = self._even_blocks = None
         width = int(new_blocks.max()) if new_blocks.numel() else 0
         if width > self.block_tables.shape[-1]:
             self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
@@ -397,7 +416,24 @@ class PagedLayer(CacheLayerMixin):
 
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
-        self._view = self._device_tables = self._layout = None
+        self._view = self._device_tables = self._layout = self._even = None
+
+    def _evenness(self) -> tuple[int, int] | bool:
+        """(length, base) when every head has the same length and the same base (no padding in the view: column t
+        is slot t), False otherwise; on host integers, kept until the lengths change, so that a decoding step of a
+        press keeping M slots per head decides its path without a tensor op."""
+        if self._even is None:
+            length, base = self.lengths.flatten()[:1], self.bases.flatten()[:1]
+            same = bool(length.numel()) and bool(((self.lengths == length) & (self.bases == base)).all())
+            self._even = (int(length), int(base)) if same else False
+        return self._even
+
+    def _blocks_of_every_head(self) -> int:
+        """The blocks each head owns when all own as many (0 otherwise), kept until the tables change."""
+        if self._even_blocks is None:
+            owned = (self._owned_slots // self.block_size).flatten()
+            self._even_blocks = int(owned[0]) if owned.numel() and bool((owned == owned[0]).all()) else 0
+        return self._even_blocks
 
     def _flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
@@ -418,6 +454,9 @@ class PagedLayer(CacheLayerMixin):
     def _width(self) -> int:
         if not self.lengths.numel():
             return 0
+        even = self._evenness()
+        if even:
+            return even[0]
         return int(self.bases.max()) + int((self.lengths - self.bases).max())
 
     def _slot_width(self) -> int:
@@ -445,9 +484,8 @@ class PagedLayer(CacheLayerMixin):
         """:meth:`_pool_index` of the view's columns (None for "all real" when no head is padded), kept until the
         layout changes."""
         if self._layout is None:
-            width = self._width()
-            if bool((self.lengths == width).all()):  # no padding: column t is slot t of every head
-                self._layout = self._owned_slot_index()[..., :width], None
+            if self._evenness():  # no padding: column t is slot t of every head
+                self._layout = self._owned_slot_index()[..., :self._width()], None
             else:
                 self._layout = self._pool_index(self._view_columns())
         return self._layout
@@ -551,6 +589,7 @@ class PagedLayer(CacheLayerMixin):
             self._resize(torch.full((batch, heads), width, dtype=torch.long))
             self.bases = self.lengths.clone()
             self._changed()
+            self._even = (width, width)
             if self._regular_region() is not None:  # one strided copy per pool, none where the press wrote in place
                 def store(pool, tensor):
                     _copy_into(self._region_view(pool, width), tensor)
