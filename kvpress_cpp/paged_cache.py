@@ -13,7 +13,9 @@ Presses and kvpress see the layer through its rectangular *view* (``layer.keys``
 ``get_state(layer)``), laid out exactly as a :class:`~transformers.DynamicCache` compacted with
 :func:`~kvpress_cpp.cache.compact_to_longest_head` would be: each head's *base* slots (those written at its last
 rewrite) left-aligned from column 0, the tokens appended since right-aligned at the end, -inf log-weights and zeros
-between. Whatever a press or kvpress writes back through that view is stored per head:
+between. On a regular layout (every head the same number of consecutive blocks at a fixed stride, as a prefill into
+an empty pool lays out and a press keeping M slots per head keeps while decoding) the view is a strided tensor over
+the pools, not a copy. Whatever a press or kvpress writes back through that view is stored per head:
 
 * a press's keys, values and state: each head keeps its columns whose log-weight is not -inf (the padding of a
   compaction to the longest head is dropped, not stored);
