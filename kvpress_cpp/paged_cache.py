@@ -13,7 +13,9 @@ Presses and kvpress see the layer through its rectangular *view* (``layer.keys``
 ``get_state(layer)``), laid out exactly as a :class:`~transformers.DynamicCache` compacted with
 :func:`~kvpress_cpp.cache.compact_to_longest_head` would be: each head's *base* slots (those written at its last
 rewrite) left-aligned from column 0, the tokens appended since right-aligned at the end, -inf log-weights and zeros
-between. Whatever a press or kvpress writes back through that view is stored per head:
+between. On a regular layout (every head the same number of consecutive blocks at a fixed stride, as a prefill into
+an empty pool lays out and a press keeping M slots per head keeps while decoding) the view is a strided tensor over
+the pools, not a copy. Whatever a press or kvpress writes back through that view is stored per head:
 
 * a press's keys, values and state: each head keeps its columns whose log-weight is not -inf (the padding of a
   compaction to the longest head is dropped, not stored);
@@ -80,7 +82,8 @@ class PagedLayer(CacheLayerMixin):
         self.last_pass_was_prefill = False
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
-        self._view = self._device_tables = self._layout = None
+        self._view = self._device_tables = self._layout = self._slot_index = self._region = None
+        self._even = self._even_blocks = None
         self._module = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -98,6 +101,7 @@ class PagedLayer(CacheLayerMixin):
         self.lengths = torch.zeros(batch, heads, dtype=torch.long)
         self.bases = torch.zeros(batch, heads, dtype=torch.long)
         self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
+        self._slot_index = self._region = self._even_blocks = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -111,14 +115,21 @@ class PagedLayer(CacheLayerMixin):
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
                              f"got {tuple(key_states.shape)}")
-        before = self.lengths
-        self.last_pass_was_prefill = bool((before == 0).all())
+        before, even = self.lengths, self._evenness()
         after = before + new_tokens
-        if bool((after <= self._owned_slots).all()):  # the usual decoding step: no head needs a new block
+        if even and even[0] + new_tokens <= self._blocks_of_every_head() * self.block_size:
+            # The usual decoding step: heads of one length, none needing a new block (decided on host integers).
+            self.last_pass_was_prefill = even[0] == 0
             self.lengths = after
             self._changed()
+            self._even = (even[0] + new_tokens, even[1])
         else:
-            self._resize(after)
+            self.last_pass_was_prefill = bool((before == 0).all())
+            if bool((after <= self._owned_slots).all()):  # no head needs a new block
+                self.lengths = after
+                self._changed()
+            else:
+                self._resize(after)
         columns = before.unsqueeze(-1) + torch.arange(new_tokens)
         slots = self._flat_slots(columns).flatten()
         self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
@@ -217,7 +228,8 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         if not self.has_state:
             return None
-        width = int(self.bases.max())
+        even = self._evenness()
+        width = even[1] if even else int(self.bases.max())
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
         log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width)
@@ -274,6 +286,7 @@ class PagedLayer(CacheLayerMixin):
         in_use = self.block_tables >= 0
         used = self.block_tables[in_use]
         self.block_tables[in_use] = torch.arange(used.numel())
+        self._slot_index = self._region = self._even_blocks = None
         index = used.to(self.device)
         self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
         self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
@@ -295,9 +308,9 @@ class PagedLayer(CacheLayerMixin):
 
     def probs_to_view(self, probs: torch.Tensor) -> torch.Tensor:
         """Attention probabilities (B, Hq, q, max length) over each head's slots → over the view's columns."""
-        width = self._width()
-        if probs.shape[-1] == width and bool((self.lengths == width).all()):
+        if self._evenness():
             return probs  # no padding: column t is slot t of every head
+        width = self._width()
         columns = self._view_columns()
         batch, heads, width = columns.shape
         padded = torch.nn.functional.pad(probs, (0, 1))  # column -1 reads the extra 0
@@ -339,40 +352,103 @@ class PagedLayer(CacheLayerMixin):
 
     def _resize(self, new_lengths: torch.Tensor) -> None:
         """Give each (batch, kv head) the blocks new_lengths (B, H) need: new blocks from the free list (growing the
-        pool when it runs dry), blocks beyond the new length back to it. Slots below both lengths keep their data."""
+        pool when it runs dry), blocks beyond the new length back to it, except that a head shortened by less than a
+        block keeps one emptied block (a decoding press takes a head from M + 1 slots back to M at every step: its
+        next token needs that block again). Slots below both lengths keep their data."""
         size = self.block_size
-        old_blocks = (self.lengths + size - 1) // size
-        new_blocks = (new_lengths + size - 1) // size
+        even, blocks = self._evenness(), self._blocks_of_every_head()
+        if even and blocks and bool((new_lengths == new_lengths.flatten()[0]).all()):
+            length = int(new_lengths.flatten()[0])
+            needed = -(-length // size)
+            if blocks == (needed + 1 if even[0] - length < size and blocks > needed and length else needed):
+                self.lengths = new_lengths.clone()
+                self.bases = torch.minimum(self.bases, self.lengths)
+                self._changed()
+                self._even = (length, min(even[1], length))
+                return
+        owned = self._owned_slots // size
+        needed = (new_lengths + size - 1) // size
+        spare = (self.lengths - new_lengths < size) & (owned > needed) & (new_lengths > 0)
+        new_blocks = torch.where(spare, needed + 1, needed)
+        self.lengths = new_lengths.clone()
+        self.bases = torch.minimum(self.bases, self.lengths)
+        self._changed()
+        if torch.equal(owned, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
+            return
+        self._slot_index = self._region = self._even_blocks = None
         width = int(new_blocks.max()) if new_blocks.numel() else 0
         if width > self.block_tables.shape[-1]:
             self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
                                                         value=-1)
         entry = torch.arange(self.block_tables.shape[-1])
-        released = (entry >= new_blocks.unsqueeze(-1)) & (entry < old_blocks.unsqueeze(-1))
+        released = (entry >= new_blocks.unsqueeze(-1)) & (entry < owned.unsqueeze(-1))
         if bool(released.any()):
             self.free_blocks.extend(self.block_tables[released].tolist())
             self.block_tables[released] = -1
-        taken = (entry >= old_blocks.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
+        taken = (entry >= owned.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
         count = int(taken.sum())
         if count:
             if count > len(self.free_blocks):
                 self._grow(count - len(self.free_blocks))
-            self.block_tables[taken] = torch.tensor(self.free_blocks[-count:][::-1], dtype=torch.long)
-            del self.free_blocks[-count:]
-        self.lengths = new_lengths.clone()
+            self.block_tables[taken] = torch.tensor(self._take(taken.nonzero().tolist()), dtype=torch.long)
         self._owned_slots = new_blocks * size
-        self.bases = torch.minimum(self.bases, self.lengths)
-        self._changed()
+
+    def _take(self, entries: list[list[int]]) -> list[int]:
+        """Free blocks for the table entries [b, h, e] (row-major), each the block after its head's previous one
+        when that is free, else the free list's last: a head's blocks stay consecutive where they can, which keeps
+        a regular layout regular (:meth:`_regular_region`) when a decoding head grows by a block."""
+        free = set(self.free_blocks)
+        blocks, previous_entry = [], None
+        for b, h, e in entries:
+            if e == 0:
+                wanted = None
+            elif previous_entry == (b, h, e - 1):
+                wanted = blocks[-1] + 1
+            else:
+                wanted = int(self.block_tables[b, h, e - 1]) + 1
+            if wanted not in free:
+                wanted = self.free_blocks.pop()
+                while wanted not in free:  # taken out of order earlier in this call
+                    wanted = self.free_blocks.pop()
+            free.remove(wanted)
+            blocks.append(wanted)
+            previous_entry = (b, h, e)
+        self.free_blocks = [block for block in self.free_blocks if block in free]
+        return blocks
 
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
-        self._view = self._device_tables = self._layout = None
+        self._view = self._device_tables = self._layout = self._even = None
+
+    def _evenness(self) -> tuple[int, int] | bool:
+        """(length, base) when every head has the same length and the same base (no padding in the view: column t
+        is slot t), False otherwise; on host integers, kept until the lengths change, so that a decoding step of a
+        press keeping M slots per head decides its path without a tensor op."""
+        if self._even is None:
+            length, base = self.lengths.flatten()[:1], self.bases.flatten()[:1]
+            same = bool(length.numel()) and bool(((self.lengths == length) & (self.bases == base)).all())
+            self._even = (int(length), int(base)) if same else False
+        return self._even
+
+    def _blocks_of_every_head(self) -> int:
+        """The blocks each head owns when all own as many (0 otherwise), kept until the tables change."""
+        if self._even_blocks is None:
+            owned = (self._owned_slots // self.block_size).flatten()
+            self._even_blocks = int(owned[0]) if owned.numel() and bool((owned == owned[0]).all()) else 0
+        return self._even_blocks
 
     def _flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
-        # A -1 entry (a slot beyond the head's length, read only under a mask) reads block 0.
-        blocks = self.block_tables.gather(-1, slots // self.block_size).clamp(min=0)
-        return (blocks * self.block_size + slots % self.block_size).to(self.device)
+        return self._owned_slot_index().gather(-1, slots.to(self.device))
+
+    def _owned_slot_index(self) -> torch.Tensor:
+        """(B, H, entries * S) on the device: the pool index of every slot of every block table entry, kept until the
+        tables change (a decoding step that stays within its blocks reuses it). A -1 entry (a slot beyond the head's
+        length, read only under a mask) reads block 0."""
+        if self._slot_index is None:
+            blocks = self.block_tables.clamp(min=0).to(self.device) * self.block_size
+            self._slot_index = (blocks.unsqueeze(-1) + torch.arange(self.block_size, device=self.device)).flatten(2)
+        return self._slot_index
 
     # ------------------------------------------------------------------------------------------------------------
     # The view's layout
@@ -380,6 +456,9 @@ class PagedLayer(CacheLayerMixin):
     def _width(self) -> int:
         if not self.lengths.numel():
             return 0
+        even = self._evenness()
+        if even:
+            return even[0]
         return int(self.bases.max()) + int((self.lengths - self.bases).max())
 
     def _slot_width(self) -> int:
@@ -404,17 +483,53 @@ class PagedLayer(CacheLayerMixin):
         return self._flat_slots(torch.where(real, slots, 0)), real.to(self.device)
 
     def _view_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_pool_index` of the view's columns, kept until the layout changes."""
+        """:meth:`_pool_index` of the view's columns (None for "all real" when no head is padded), kept until the
+        layout changes."""
         if self._layout is None:
-            self._layout = self._pool_index(self._view_columns())
+            if self._evenness():  # no padding: column t is slot t of every head
+                self._layout = self._owned_slot_index()[..., :self._width()], None
+            else:
+                self._layout = self._pool_index(self._view_columns())
         return self._layout
+
+    def _regular_region(self) -> tuple[int, int] | None:
+        """(first block, blocks between heads) when every head owns the same number of blocks, in order and
+        consecutive, and head (b, h) starts `b·H + h` strides after the first (what a prefill into an empty pool, or
+        a trim, lays out, and decoding keeps): each pool is then a strided (B, H, slots, ...) tensor, which the view
+        reads and a press's write-back writes without an index. None otherwise; kept until the tables change."""
+        if self._region is None:
+            self._region = False
+            owned = self._owned_slots // self.block_size
+            blocks = int(owned.flatten()[0]) if owned.numel() else 0
+            if blocks and bool((owned == blocks).all()):
+                tables = self.block_tables[..., :blocks]
+                first = tables[..., :1]
+                heads = first.flatten()
+                stride = int(heads[1] - heads[0]) if heads.numel() > 1 else blocks
+                start = int(heads[0])
+                if (stride >= blocks and torch.equal(tables, first + torch.arange(blocks))
+                        and torch.equal(heads, start + stride * torch.arange(heads.numel()))):
+                    self._region = (start, stride)
+        return self._region or None
+
+    def _region_view(self, pool: torch.Tensor, width: int) -> torch.Tensor:
+        """The first `width` slots of every head of `pool` (N, S, ...) as a (B, H, width, ...) tensor sharing its
+        memory (the layout must be :meth:`_regular_region`'s)."""
+        start, stride = self._region
+        batch, heads = self.lengths.shape
+        head_stride = stride * pool.stride(0)
+        return pool.as_strided((batch, heads, width, *pool.shape[2:]),
+                               (heads * head_stride, head_stride, *pool.stride()[1:]), start * pool.stride(0))
 
     def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
         """pool (N, S, ...) at the view's first `width` columns (all by default) → (B, H, width, ...), `fill` on
-        padding."""
+        padding; without padding, on a regular layout, a tensor sharing the pool's memory (as a DynamicLayer's keys
+        are the cache's own: what is written into it is in the cache)."""
         index, real = self._view_layout()
+        if real is None and self._regular_region() is not None:
+            return self._region_view(pool, index.shape[-1] if width is None else width)
         if width is not None:
-            index, real = index[..., :width], real[..., :width]
+            index, real = index[..., :width], real[..., :width] if real is not None else None
         return _gather(pool, index, real, fill)
 
     def _current_view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,7 +591,17 @@ class PagedLayer(CacheLayerMixin):
             self._resize(torch.full((batch, heads), width, dtype=torch.long))
             self.bases = self.lengths.clone()
             self._changed()
-            flat, kept = self._view_layout()[0].reshape(-1), slice(None)
+            self._even = (width, width)
+            if self._regular_region() is not None:  # one strided copy per pool, none where the press wrote in place
+                def store(pool, tensor):
+                    _copy_into(self._region_view(pool, width), tensor)
+            else:
+                flat = self._view_layout()[0].reshape(-1)
+
+                def store(pool, tensor):
+                    # What the press wrote may share the pool's memory (the view of a regular layout before a resize).
+                    tensor = _unshared(tensor, pool)
+                    pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor.reshape(-1, *pool.shape[2:]))
         else:
             counts = keep.sum(-1).cpu()
             self._resize(counts)
@@ -484,11 +609,11 @@ class PagedLayer(CacheLayerMixin):
             self._changed()
             slot = (keep.cumsum(-1) - 1).cpu()
             flat = self._flat_slots(slot.clamp(min=0))[keep.to(self.device)]
-            kept = keep
-        self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(
-            0, flat, keys[kept].reshape(-1, keys.shape[-1]).to(self.dtype))
-        self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
-            0, flat, values[kept].reshape(-1, values.shape[-1]).to(self.dtype))
+
+            def store(pool, tensor):
+                pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor[keep].reshape(-1, *pool.shape[2:]))
+        store(self.key_blocks, keys.to(self.dtype))
+        store(self.value_blocks, values.to(self.dtype))
         per_slot = {} if state is None else state.per_slot
         pools = {_LOG_WEIGHTS: self.slot_blocks[_LOG_WEIGHTS], _POSITIONS: self.slot_blocks[_POSITIONS]}
         for name, tensor in per_slot.items():
@@ -496,9 +621,10 @@ class PagedLayer(CacheLayerMixin):
             if pool is None or pool.dtype != tensor.dtype:
                 pool = self._new_slot_pool(self.key_blocks.shape[0], tensor.dtype)
             pools[name] = pool
-            pool.view(-1).index_copy_(0, flat, tensor[kept].reshape(-1))
-        pools[_LOG_WEIGHTS].view(-1).index_copy_(0, flat, log_weights[kept].reshape(-1).float())
-        pools[_POSITIONS].view(-1).index_fill_(0, flat, -1)  # a press may reorder or merge slots: their positions are unknown
+            store(pool, tensor)
+        store(pools[_LOG_WEIGHTS], log_weights.float())
+        # A press may reorder or merge slots: their positions are unknown.
+        store(pools[_POSITIONS], torch.full(log_weights.shape, -1, dtype=torch.int32, device=self.device))
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
@@ -545,10 +671,25 @@ class PagedLayer(CacheLayerMixin):
         return _gather(self.slot_blocks[_POSITIONS], index, real, -1).long().cpu()
 
 
-def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor, fill) -> torch.Tensor:
-    """pool (N, S, ...) at the pool indices (B, H, X) → (B, H, X, ...), `fill` where not real."""
+def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor | None, fill) -> torch.Tensor:
+    """pool (N, S, ...) at the pool indices (B, H, X) → (B, H, X, ...), `fill` where not real (None: all real)."""
     gathered = pool.reshape(-1, *pool.shape[2:]).index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[2:])
+    if real is None:
+        return gathered
     return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target[...] = source, skipped when source already is target's memory (an in-place op on the view)."""
+    if source.data_ptr() == target.data_ptr() and source.stride() == target.stride() and source.dtype == target.dtype:
+        return
+    target.copy_(_unshared(source, target))
+
+
+def _unshared(tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """tensor, or a copy of it when it shares pool's memory (an index_copy_ into pool may not read pool)."""
+    shared = tensor.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+    return tensor.clone() if shared else tensor
 
 
 def _is_prefix(tensor: torch.Tensor, view: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ INF = float("inf")
 
 
 def check_allocator(layer: PagedLayer):
-    """No block owned twice or leaked; each head holds exactly the blocks its length needs."""
+    """No block owned twice or leaked; each head holds the blocks its length needs (and at most one emptied block)."""
     layer.flush()
     tables = layer.block_tables
     used = tables[tables >= 0].tolist()
@@ -25,12 +25,14 @@ def check_allocator(layer: PagedLayer):
     assert len(set(layer.free_blocks)) == len(layer.free_blocks), "a block is free twice"
     assert len(used) + len(layer.free_blocks) == layer.key_blocks.shape[0], "a block leaked"
     owned = (tables >= 0).sum(-1)
-    expected = (layer.lengths + layer.block_size - 1) // layer.block_size
-    assert torch.equal(owned, expected)
+    needed = (layer.lengths + layer.block_size - 1) // layer.block_size
+    # A head shortened by less than a block may keep the one block it emptied; an empty head holds nothing.
+    spare = owned - needed
+    assert bool(((spare == 0) | ((spare == 1) & (layer.lengths > 0))).all()), (owned, needed)
     for b in range(tables.shape[0]):
         for h in range(tables.shape[1]):
             row = tables[b, h]
-            assert bool((row[:int(expected[b, h])] >= 0).all()) and bool((row[int(expected[b, h]):] < 0).all())
+            assert bool((row[:int(owned[b, h])] >= 0).all()) and bool((row[int(owned[b, h]):] < 0).all())
     assert layer.bytes_held() == len(used) * layer._block_bytes()
 
 
