@@ -623,9 +623,13 @@ def main() -> None:
         run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
             query_aware=args.query_aware)
     if args.action in ("report", "all"):
-        table = report(args.out)
         if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
+            for folder, _ in SETTINGS.values():
+                if (folder / "configs").is_dir():
+                    report(folder)
             table = combined_report()
+        else:
+            table = report(args.out)
         print(table)
         if args.readme is not None and not update_readme(args.readme, table):
             raise SystemExit(f"{args.readme} has no {README_BEGIN} ... {README_END} markers")
