@@ -6,6 +6,17 @@ once), then a CSV, one accuracy-versus-budget plot per task family and the READM
     python -m kvpress_cpp.evaluation.results report    # CSV, plots, table.md from the per-configuration JSONs
     python -m kvpress_cpp.evaluation.results run --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 \\
         --lengths 4096 16384 --examples 20 --out results/llama      # the same on a GPU
+    python -m kvpress_cpp.evaluation.results run --query-aware --lengths 2048 --ratios 0.75 --families niah \\
+        --examples 4 --batches 5   # question-aware, 20 niah examples per cell in 5 batches of 4
+
+Two settings, each in its own folder with its own fingerprints (they never share a configuration):
+query-agnostic (kvpress's default: the context is compressed alone, the question comes after) in ``DEFAULT_OUT``,
+and question-aware (``--query-aware``: kvpress's ``query_aware``, the question is part of the compressed prompt and
+the answer is generated under the press) in ``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own
+data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch before the next batch starts, so
+a run stopped early leaves every method with the same number of examples; the report pools the batches. The report
+gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
+``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
 
 A configuration is (method, compression ratio, context length). Its outcome goes to
 ``<out>/configs/<length>__<method>__<ratio>.json`` (scores per task as kvpress's RULER scorer computed them, the
