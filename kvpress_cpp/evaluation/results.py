@@ -488,7 +488,9 @@ def standings(df: pd.DataFrame) -> str:
             top = pool["score"].max()
             best = " / ".join(label(m) for m in pool[pool["score"] == top]["method"])
             cells = ", ".join(f"{m} {s:.1f} ({s - top:+.1f})" for m, s in zip(ours["method"], ours["score"]))
-            lines.append(f"- {length} tokens, {100 * (1 - ratio):.0f}% KV: best kvpress press {best} {top:.1f}; "
+            streaming = pool[pool["method"] == "streaming_llm"]["score"]  # the baseline the merging papers beat
+            versus = f" (StreamingLLM {streaming.iloc[0]:.1f})" if len(streaming) else ""
+            lines.append(f"- {length} tokens, {100 * (1 - ratio):.0f}% KV: best kvpress press {best} {top:.1f}{versus}; "
                          f"ours {cells}")
         for _, r in avg[(avg["length"] == length) & (avg["requested_ratio"] == 0)].iterrows():
             if r["method"] in METHODS and METHODS[r["method"]].measured:
