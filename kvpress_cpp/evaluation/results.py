@@ -517,6 +517,7 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
                 ours = method in METHODS
                 if method == "no_press":
                     ax.axhline(rows["score"].iloc[0], color="k", linewidth=2, label="no press")
+                    ax.axhspan(rows["lo"].iloc[0], rows["hi"].iloc[0], color="k", alpha=0.08)
                     continue
                 style = "o-" if ours else "s--"
                 shift = 0.6 * (_ordered_methods(part).index(method) - len(_ordered_methods(part)) / 2)  # bars apart
@@ -537,7 +538,7 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
                 ax.text(50, 50, "not in the plan", ha="center")
         model = df["model"].iloc[0]
         setting = "question-aware" if df["query_aware"].any() else "query-agnostic"
-        fig.suptitle(f"{model}: accuracy versus KV budget, RULER-style {fam}, {setting} (bars: Wilson 95%)",
+        fig.suptitle(f"{model}: accuracy versus KV budget\nRULER-style {fam}, {setting} (bars: Wilson 95%)",
                      fontsize=9)
         fig.tight_layout()
         path = out / f"accuracy_{fam}.png"
