@@ -269,6 +269,21 @@ def test_question_aware_run_puts_the_question_in_the_compressed_prompt(tiny_mode
     assert "Streaming perplexity" in report and (tmp_path / "report.md").read_text() == report
 
 
+def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_path):
+    def write(name, answers):
+        (tmp_path / name).mkdir()
+        pd.DataFrame({"task": ["niah_single_1", "niah_single_1", "vt"], "index": [0, 1, 0],
+                      "predicted_answer": answers}).to_csv(tmp_path / name / "predictions.csv", index=False)
+        return {"run_dir": name}
+
+    full = write("full", ["5629481.", "7475658.", "VAR A B C"])
+    press = write("press", ["7475658.", "5629481.", "VAR A"])  # the numbers swapped between examples
+    assert results.agreement(tmp_path, full, full) == {"niah_single_1": 100.0, "vt": 100.0}
+    # all-digit answers compare as the strings written (not 5629481.0); vt: LCS 2 of 2 and 4 tokens, F1 = 2/3
+    assert results.agreement(tmp_path, press, full) == pytest.approx({"niah_single_1": 0.0, "vt": 200 / 3})
+    assert results.agreement(tmp_path, press, None) == {}
+
+
 def test_wilson_interval_matches_the_formula_by_hand():
     # 5 of 10, z = 1.96: centre (0.5 + 0.19207) / 1.38415 = 0.5; half-width 1.96 sqrt(0.025 + 0.0096) / 1.38415
     # = 0.26341 → [23.66, 76.34]

@@ -270,7 +270,9 @@ def wilson(score: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def _predictions(out: Path, result: dict) -> pd.DataFrame:
-    return pd.read_csv(out / result["run_dir"] / "predictions.csv", keep_default_na=False)
+    # as strings: an all-digit column would be parsed as floats ("5629481." → 5629481.0)
+    return pd.read_csv(out / result["run_dir"] / "predictions.csv", keep_default_na=False,
+                       dtype={"predicted_answer": str})
 
 
 def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
