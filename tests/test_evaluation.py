@@ -105,6 +105,12 @@ def test_common_words_answers_are_the_most_frequent(examples):
         assert counts[9][1] > counts[10][1]  # no tie at the cut
 
 
+def test_an_example_is_the_same_in_any_range_of_indices(tokenizer):
+    whole = generate(tokenizer, 256, {"niah_single_1": 3}, seed=1)
+    tail = generate(tokenizer, 256, {"niah_single_1": range(1, 3)}, seed=1)
+    pd.testing.assert_frame_equal(whole.iloc[1:].reset_index(drop=True), tail)
+
+
 def test_generation_is_seeded(tokenizer):
     tasks = ["niah_single_2", "vt", "cwe"]
     first, again = generate(tokenizer, 512, 1, seed=5, tasks=tasks), generate(tokenizer, 512, 1, seed=5, tasks=tasks)
@@ -231,6 +237,75 @@ def test_results_runner_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatc
     assert "| zsmerge (ours) | – | – |" in table
 
 
+def test_question_aware_run_puts_the_question_in_the_compressed_prompt(tiny_model_dir, tmp_path):
+    """--query-aware reaches kvpress's evaluate.py (its query_aware), gets its own fingerprint (the two settings never
+    share a configuration), and per-family batches are pooled in the report."""
+    configs = results.plan(["no_press", "snapkv"], [0.5], [256], ["niah"], batches=2)
+    assert [c.key for c in configs] == ["256__no_press__0.00__niah0", "256__snapkv__0.50__niah0",
+                                        "256__no_press__0.00__niah1", "256__snapkv__0.50__niah1"]
+    examples = results.family_examples(configs, 2)
+    assert examples == {"256-niah0": {"niah_single_1": range(0, 1), "niah_multikey_1": range(0, 1)},
+                        "256-niah1": {"niah_single_1": range(1, 2), "niah_multikey_1": range(1, 2)}}
+    out, kwargs = tmp_path / "out", dict(model=str(tiny_model_dir), device="cpu", local_data=tmp_path / "data")
+    written = results.run(configs[:2], out, examples=examples, query_aware=True, **kwargs)
+    aware = [json.loads(p.read_text()) for p in written]
+    for r in aware:
+        assert r["query_aware"] and r["family"] == "niah"
+        folder = out / r["run_dir"]
+        assert folder.name.endswith("__query_aware")  # evaluate.py names its results folder after its config
+        assert "query_aware: true" in (folder / "config.yaml").read_text()
+        predictions = pd.read_csv(folder / "predictions.csv", keep_default_na=False)
+        assert (predictions["question"] == "").all()  # evaluate.py moved it into the compressed context
+    agnostic = results.run(configs[:1], tmp_path / "agnostic", examples=examples, **kwargs)
+    assert json.loads(agnostic[0].read_text())["fingerprint"] != aware[0]["fingerprint"]
+
+    results.run(configs, out, examples=examples, query_aware=True, **kwargs)
+    df = results.collect(out)
+    assert set(df["n"]) == {4} and df["query_aware"].all()  # 2 batches x 2 examples pooled per family
+    assert (df[df["method"] == "no_press"]["agreement"] == 100).all()  # the full cache agrees with itself
+    report = results.combined_report({"query-agnostic": tmp_path / "agnostic", "question-aware": out},
+                                     tmp_path / "report.md")
+    assert "| method | query-agnostic 10% | query-agnostic 25% | query-agnostic 50% | question-aware 10% |" in report
+    assert "Streaming perplexity" in report and (tmp_path / "report.md").read_text() == report
+
+
+def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_path):
+    def write(name, answers):
+        (tmp_path / name).mkdir()
+        pd.DataFrame({"task": ["niah_single_1", "niah_single_1", "vt"], "index": [0, 1, 0],
+                      "predicted_answer": answers}).to_csv(tmp_path / name / "predictions.csv", index=False)
+        return {"run_dir": name}
+
+    full = write("full", ["5629481.", "7475658.", "VAR A B C"])
+    press = write("press", ["7475658.", "5629481.", "VAR A"])  # the numbers swapped between examples
+    assert results.agreement(tmp_path, full, full) == {"niah_single_1": 100.0, "vt": 100.0}
+    # all-digit answers compare as the strings written (not 5629481.0); vt: LCS 2 of 2 and 4 tokens, F1 = 2/3
+    assert results.agreement(tmp_path, press, full) == pytest.approx({"niah_single_1": 0.0, "vt": 200 / 3})
+    assert results.agreement(tmp_path, press, None) == {}
+
+
+def test_wilson_interval_matches_the_formula_by_hand():
+    # 5 of 10, z = 1.96: centre (0.5 + 0.19207) / 1.38415 = 0.5; half-width 1.96 sqrt(0.025 + 0.0096) / 1.38415
+    # = 0.26341 → [23.66, 76.34]
+    assert results.wilson(50, 10) == pytest.approx((23.66, 76.34), abs=0.01)
+    # none of 10: [0, z² / (n + z²)] = [0, 3.8415 / 13.8415] = [0, 27.75]; all of 10 mirrors it
+    assert results.wilson(0, 10) == pytest.approx((0.0, 27.75), abs=0.01)
+    assert results.wilson(100, 10) == pytest.approx((72.25, 100.0), abs=0.01)
+    # 1 of 20: centre (0.05 + 0.09604) / 1.19207 = 0.12251; half-width 1.96 sqrt(0.002375 + 0.0024010) / 1.19207
+    # = 0.11363 → [0.89, 23.61]
+    assert results.wilson(5, 20) == pytest.approx((0.89, 23.61), abs=0.01)
+
+
+def test_table_cells_show_the_score_and_its_interval():
+    rows = [{"method": m, "label": results.label(m), "length": 2048, "requested_ratio": q, "compression_ratio": q,
+             "budget": 1 - q, "family": "niah", "score": s, "n": 10, "cpu_s": 1.0, "model": "m", "query_aware": True}
+            for m, q, s in [("no_press", 0.0, 100.0), ("streaming_llm", 0.75, 50.0), ("zsmerge", 0.75, 0.0)]]
+    table = results.markdown_table(pd.DataFrame(rows))
+    assert "| StreamingLLM | – | 50 [24-76] | – |" in table
+    assert "| zsmerge (ours) | – | 0 [0-28] | – |" in table
+    assert "| no press | 100 [72-100] (100% KV) |" in table and "10 examples per configuration" in table
+
+
 def test_update_readme_replaces_only_the_marked_table(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{results.README_BEGIN}\nold | table\n{results.README_END}\nafter\n")
@@ -241,7 +316,7 @@ def test_update_readme_replaces_only_the_marked_table(tmp_path):
 
 
 def test_readme_table_is_the_one_the_run_wrote():
-    table = REPO / "benchmarks" / "results" / "evaluation" / "table.md"
+    table = REPO / "benchmarks" / "results" / "evaluation" / "report.md"
     if not table.is_file():
         pytest.skip("no results run committed yet")
     readme = (REPO / "README.md").read_text()
@@ -260,5 +335,8 @@ def test_table_averages_the_families_the_uncompressed_model_solves():
     df = pd.DataFrame(rows)
     table = results.markdown_table(df)
     assert "left out, 0 without compression: vt" in table
-    assert "| SnapKV | – | 60.0 | – |" in table and "| zsmerge (ours) | – | 40.0 | 80.0 |" in table
-    assert "25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in results.standings(df)
+    snapkv, zsmerge, zsmerge_half = results.wilson(60, 2), results.wilson(40, 2), results.wilson(80, 2)
+    assert f"| SnapKV | – | 60 [{snapkv[0]:.0f}-{snapkv[1]:.0f}] | – |" in table
+    assert (f"| zsmerge (ours) | – | 40 [{zsmerge[0]:.0f}-{zsmerge[1]:.0f}] | "
+            f"80 [{zsmerge_half[0]:.0f}-{zsmerge_half[1]:.0f}] |") in table
+    assert "25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in results.standings(df)  # no StreamingLLM

@@ -6,6 +6,17 @@ once), then a CSV, one accuracy-versus-budget plot per task family and the READM
     python -m kvpress_cpp.evaluation.results report    # CSV, plots, table.md from the per-configuration JSONs
     python -m kvpress_cpp.evaluation.results run --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 \\
         --lengths 4096 16384 --examples 20 --out results/llama      # the same on a GPU
+    python -m kvpress_cpp.evaluation.results run --query-aware --lengths 2048 --ratios 0.75 --families niah \\
+        --examples 4 --batches 5   # question-aware, 20 niah examples per cell in 5 batches of 4
+
+Two settings, each in its own folder with its own fingerprints (they never share a configuration):
+query-agnostic (kvpress's default: the context is compressed alone, the question comes after) in ``DEFAULT_OUT``,
+and question-aware (``--query-aware``: kvpress's ``query_aware``, the question is part of the compressed prompt and
+the answer is generated under the press) in ``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own
+data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch before the next batch starts, so
+a run stopped early leaves every method with the same number of examples; the report pools the batches. The report
+gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
+``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
 
 A configuration is (method, compression ratio, context length). Its outcome goes to
 ``<out>/configs/<length>__<method>__<ratio>.json`` (scores per task as kvpress's RULER scorer computed them, the
@@ -64,6 +75,11 @@ DEFAULT_EXAMPLES = {
     4096: {"niah_depth_50": 1},
 }
 FAMILIES = ("niah", "niah_depth", "vt", "cwe")
+#: The tasks a per-family configuration (``--families``) runs; its examples are split evenly over them.
+FAMILY_TASKS = {"niah": ("niah_single_1", "niah_multikey_1"), "niah_depth": tuple(f"niah_depth_{d}" for d in (0, 50, 100)),
+                "vt": ("vt",), "cwe": ("cwe",)}
+#: Where the question-aware run writes (its own folder: the two settings never share a configuration JSON).
+QUESTION_AWARE_OUT = DEFAULT_OUT / "question_aware"
 
 
 def family(task: str) -> str:
@@ -84,26 +100,44 @@ class Config:
     method: str
     ratio: float  # requested; 0 for no_press; measured methods run once at 0
     length: int
+    family: str | None = None  # one task family's own data (FAMILY_TASKS), or None: every task of the length's plan
+    batch: int = 0  # with a family: which batch of its examples (batches are pooled in the report)
 
     @property
     def key(self) -> str:
-        return f"{self.length}__{self.method}__{self.ratio:.2f}"
+        return f"{self.length}__{self.method}__{self.ratio:.2f}" + (f"__{self.family}{self.batch}" if self.family else "")
+
+    @property
+    def data_dir(self) -> str:
+        """evaluate.py's data_dir: ``<length>`` (the length's plan) or ``<length>-<family><batch>``."""
+        return f"{self.length}-{self.family}{self.batch}" if self.family else str(self.length)
 
 
-def plan(methods: list[str], ratios: list[float], lengths: list[int]) -> list[Config]:
+def plan(methods: list[str], ratios: list[float], lengths: list[int],
+         families: list[str | None] | None = None, batches: int = 1) -> list[Config]:
+    """Configurations in run order: per length, per family (None: the length's whole plan), per batch of examples,
+    per ratio, per method (no press, ours, kvpress's); so every method has a batch at a ratio before the next batch
+    or ratio starts, and a run stopped early leaves a complete table with fewer examples."""
     configs = []
+    order = sorted(methods, key=lambda m: (m != "no_press", m not in METHODS))
     for length in lengths:
-        for method in sorted(methods, key=lambda m: (m != "no_press", m not in METHODS)):  # no press, ours, kvpress
-            if method == "no_press" or (method in METHODS and METHODS[method].measured):
-                configs.append(Config(method, 0.0, length))
-            else:
-                configs.extend(Config(method, ratio, length) for ratio in ratios)
+        for fam in families or [None]:
+            for i, ratio in enumerate(ratios):
+                for batch in range(batches if fam else 1):
+                    for method in order:
+                        once = method == "no_press" or (method in METHODS and METHODS[method].measured)
+                        if not once:
+                            configs.append(Config(method, ratio, length, fam, batch))
+                        elif i == 0:
+                            configs.append(Config(method, 0.0, length, fam, batch))
     return configs
 
 
-def _fingerprint(data_file: Path, model: str) -> str:
+def _fingerprint(data_file: Path, model: str, query_aware: bool = False) -> str:
     digest = hashlib.sha256(data_file.read_bytes())
     digest.update(model.encode())
+    if query_aware:  # the query-agnostic fingerprints stay what they were
+        digest.update(b"query_aware")
     return digest.hexdigest()[:16]
 
 
@@ -113,28 +147,44 @@ def _parquet_bytes(df: pd.DataFrame) -> bytes:
     return buffer.getvalue()
 
 
-def prepare_data(local_data: Path, model: str, examples: dict[int, dict[str, int]], seed: int) -> dict[int, Path]:
-    """Generate each length's examples → length → test.parquet. Always generated (a few seconds), written only when
-    they differ from the file there, so the data fingerprint follows the generator's code as well as the plan."""
+def prepare_data(local_data: Path, model: str, examples: dict[str, dict[str, int | range]],
+                 seed: int) -> dict[str, Path]:
+    """Generate each data_dir's examples (data_dir → task → count or indices) → data_dir → test.parquet. Always generated (a few
+    seconds), written only when they differ from the file there, so the data fingerprint follows the generator's
+    code as well as the plan."""
     from kvpress_cpp.evaluation.models import load_tokenizer
-    from kvpress_cpp.evaluation.ruler_data import generate, write_dataset
+    from kvpress_cpp.evaluation.ruler_data import generate
 
     root, tokenizer, files = launch.generated_root(local_data, model), load_tokenizer(model), {}
-    for length, counts in examples.items():
-        path = root / str(length) / "test.parquet"
-        df = generate(tokenizer, length, counts, seed)
-        if not (path.is_file() and _parquet_bytes(df) == path.read_bytes()):
-            write_dataset(df, root)
-        files[length] = path
+    for data_dir, counts in examples.items():
+        path = root / data_dir / "test.parquet"
+        df = generate(tokenizer, int(data_dir.split("-")[0]), counts, seed)
+        data = _parquet_bytes(df)
+        if not (path.is_file() and data == path.read_bytes()):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        files[data_dir] = path
     return files
 
 
+def family_examples(configs: list[Config], per_batch: int) -> dict[str, dict[str, range]]:
+    """data_dir → task → example indices for per-family configurations: ``per_batch`` examples per batch split evenly
+    over the family's tasks (the first tasks get the remainder); batch b takes each task's b-th block of indices."""
+    plan_ = {}
+    for config in configs:
+        tasks = FAMILY_TASKS[config.family]
+        counts = [per_batch // len(tasks) + (i < per_batch % len(tasks)) for i in range(len(tasks))]
+        plan_[config.data_dir] = {t: range(config.batch * k, (config.batch + 1) * k) for t, k in zip(tasks, counts)}
+    return plan_
+
+
 def _evaluate(evaluate, config: Config, model: str, device: str | None, run_dir: Path, data: pd.DataFrame,
-              seed: int) -> Path:
-    """One evaluate.py run (its CliEntryPoint, as its __main__ calls it); returns its results folder."""
-    args = dict(dataset=launch.GENERATED_DATASET, data_dir=str(config.length), model=model, device=device,
+              seed: int, query_aware: bool = False) -> Path:
+    """One evaluate.py run (its CliEntryPoint, as its __main__ calls it); returns its results folder. With
+    ``query_aware`` evaluate.py appends the question to the context, so the press compresses it with the prompt."""
+    args = dict(dataset=launch.GENERATED_DATASET, data_dir=config.data_dir, model=model, device=device,
                 press_name=config.method, compression_ratio=config.ratio, output_dir=str(run_dir), seed=seed,
-                log_level="WARNING")
+                log_level="WARNING", query_aware=query_aware)
     if config.method in DECODING_KVPRESS:
         context = int(data["context_tokens"].mean())
         args.update(target_size=max(1, round((1 - config.ratio) * context)), compression_interval=1)
@@ -147,22 +197,23 @@ def _evaluate(evaluate, config: Config, model: str, device: str | None, run_dir:
 
 
 def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, device: str | None = None,
-        examples: dict[int, dict[str, int]] | None = None, seed: int = 42, data_seed: int = 0,
-        local_data: Path | None = None) -> list[Path]:
-    """Run every configuration not already in ``<out>/configs`` for the same data and model; returns the JSONs."""
+        examples: dict[str, dict[str, int | range]] | None = None, seed: int = 42, data_seed: int = 0,
+        local_data: Path | None = None, query_aware: bool = False) -> list[Path]:
+    """Run every configuration not already in ``<out>/configs`` for the same data, model and setting (query-aware or
+    not); returns the JSONs. ``examples``: data_dir (Config.data_dir) → task → count."""
     import torch
     from tqdm import tqdm
 
-    examples = examples or DEFAULT_EXAMPLES
+    examples = {str(d): counts for d, counts in (examples or DEFAULT_EXAMPLES).items()}
     local_data = Path(local_data) if local_data else launch.cache_dir("evaluation-data")
-    files = prepare_data(local_data, model, {n: examples[n] for n in sorted({c.length for c in configs})}, data_seed)
+    files = prepare_data(local_data, model, {d: examples[d] for d in sorted({c.data_dir for c in configs})}, data_seed)
     evaluate, _ = launch.load_evaluation(local_data, model)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     written = []
     todo = []
     for config in configs:
         path = out / "configs" / f"{config.key}.json"
-        fingerprint = _fingerprint(files[config.length], model)
+        fingerprint = _fingerprint(files[config.data_dir], model, query_aware)
         if path.is_file() and json.loads(path.read_text()).get("fingerprint") == fingerprint:
             written.append(path)
         else:
@@ -170,13 +221,13 @@ def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, devic
     print(f"{len(configs) - len(todo)} of {len(configs)} configurations already done; running {len(todo)}")
     failed = []
     for config, path, fingerprint in tqdm(todo, desc="configurations", unit="config"):
-        data = pd.read_parquet(files[config.length])
+        data = pd.read_parquet(files[config.data_dir])
         run_dir = out / "runs" / config.key
         shutil.rmtree(run_dir, ignore_errors=True)  # a stale or interrupted run would make evaluate.py skip or nest
         torch.manual_seed(seed)
         cpu, wall = time.process_time(), time.perf_counter()
         try:
-            folder = _evaluate(evaluate, config, model, device, run_dir, data, seed)
+            folder = _evaluate(evaluate, config, model, device, run_dir, data, seed, query_aware)
         except Exception:  # record and go on: the next run retries it (no JSON is written)
             traceback.print_exc()
             failed.append(config)
@@ -189,7 +240,8 @@ def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, devic
         result = {
             "method": config.method, "label": label(config.method), "requested_ratio": config.ratio,
             "compression_ratio": round(measured, 4), "budget": round(1 - measured, 4), "length": config.length,
-            "model": model, "device": device or "auto", "scores": {t: m["string_match"] for t, m in metrics.items()},
+            "model": model, "device": device or "auto", "query_aware": query_aware, "family": config.family,
+            "scores": {t: m["string_match"] for t, m in metrics.items()},
             "examples": predictions["task"].value_counts().sort_index().to_dict(),
             "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "threads": torch.get_num_threads(),
             "fingerprint": fingerprint, "run_dir": str(folder.relative_to(out)),
@@ -203,21 +255,72 @@ def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, devic
     return written
 
 
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def wilson(score: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval (95% by default) of a proportion, in the 0-100 scale of ``score`` (the mean of n
+    examples' scores): (p + z²/2n ± z √(p(1-p)/n + z²/4n²)) / (1 + z²/n). Exact for 0/1 scores; for the partial
+    credit of multi-answer tasks (vt, cwe) it treats the mean as a proportion of n, an approximation."""
+    if n <= 0:
+        return 0.0, 100.0
+    p = min(max(score / 100, 0.0), 1.0)
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return 100 * max(0.0, (centre - half) / (1 + z * z / n)), 100 * min(1.0, (centre + half) / (1 + z * z / n))
+
+
+def _predictions(out: Path, result: dict) -> pd.DataFrame:
+    # as strings: an all-digit column would be parsed as floats ("5629481." → 5629481.0)
+    return pd.read_csv(out / result["run_dir"] / "predictions.csv", keep_default_na=False,
+                       dtype={"predicted_answer": str})
+
+
+def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
+    """Task → mean ROUGE-L F1 (0-100) of this configuration's answers against the full cache's (no_press on the same
+    data, ``full``) on the same examples: how much of the uncompressed answer survives compression, whatever the
+    reference answer (the ZSMerge paper's measure). Empty without a full-cache run."""
+    if full is None:
+        return {}
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    mine, theirs = _predictions(out, result), _predictions(out, full)
+    both = mine.merge(theirs, on=["task", "index"], suffixes=("", "_full"))
+    both["rouge_l"] = [100 * scorer.score(str(ref), str(pred))["rougeL"].fmeasure
+                       for ref, pred in zip(both["predicted_answer_full"], both["predicted_answer"])]
+    return both.groupby("task")["rouge_l"].mean().to_dict()
+
+
 def collect(out: Path) -> pd.DataFrame:
-    """One row per (configuration, task family): n-weighted mean of kvpress's per-task string_match."""
-    rows = []
-    for path in sorted((out / "configs").glob("*.json")):
-        r = json.loads(path.read_text())
-        by_family: dict[str, list[tuple[float, int]]] = {}
+    """One row per (method, ratio, length, task family): the n-weighted mean of kvpress's per-task string_match over
+    every configuration JSON (the batches of a family are pooled), its Wilson 95% interval (``lo``, ``hi``), the
+    agreement with the full cache's answers (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``)."""
+    results_ = [json.loads(path.read_text()) for path in sorted((out / "configs").glob("*.json"))]
+    full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
+    raw = []
+    for r in results_:
+        rouge = agreement(out, r, full.get(r["fingerprint"]))
         for task, score in r["scores"].items():
-            by_family.setdefault(family(task), []).append((score, r["examples"][task]))
-        for fam, pairs in by_family.items():
-            n = sum(k for _, k in pairs)
-            rows.append({"method": r["method"], "label": r["label"], "length": r["length"],
-                         "requested_ratio": r["requested_ratio"], "compression_ratio": r["compression_ratio"],
-                         "budget": r["budget"], "family": fam, "score": round(sum(s * k for s, k in pairs) / n, 2),
-                         "n": n, "cpu_s": r["cpu_s"], "model": r["model"]})
-    return pd.DataFrame(rows)
+            n = r["examples"][task]
+            raw.append({"method": r["method"], "label": r["label"], "length": r["length"],
+                        "requested_ratio": r["requested_ratio"], "family": family(task), "model": r["model"],
+                        "query_aware": bool(r.get("query_aware", False)), "n": n, "points": score * n,
+                        "budget_n": r["budget"] * n, "ratio_n": r["compression_ratio"] * n,
+                        "agreement_n": rouge.get(task, math.nan) * n, "cpu_s": r["cpu_s"] * n / sum(r["examples"].values())})
+    if not raw:
+        return pd.DataFrame()
+    keys = ["method", "label", "length", "requested_ratio", "family", "model", "query_aware"]
+    df = pd.DataFrame(raw).groupby(keys).sum(min_count=1).reset_index()
+    df["score"] = (df.pop("points") / df["n"]).round(2)
+    df["budget"] = (df.pop("budget_n") / df["n"]).round(4)
+    df["compression_ratio"] = (df.pop("ratio_n") / df["n"]).round(4)
+    df["agreement"] = (df.pop("agreement_n") / df["n"]).round(1)
+    df["cpu_s"] = df["cpu_s"].round(1)
+    bounds = [wilson(score, n) for score, n in zip(df["score"], df["n"])]
+    df["lo"], df["hi"] = [round(b[0], 1) for b in bounds], [round(b[1], 1) for b in bounds]
+    columns = ["method", "label", "length", "requested_ratio", "compression_ratio", "budget", "family", "score", "lo",
+               "hi", "n", "agreement", "cpu_s", "model", "query_aware"]
+    return df[columns]
 
 
 def _ordered_methods(df: pd.DataFrame) -> list[str]:
@@ -235,35 +338,131 @@ def informative(part: pd.DataFrame) -> pd.DataFrame:
     return part if base.empty or kept.empty else kept
 
 
+def pooled(part: pd.DataFrame) -> pd.DataFrame:
+    """Per (method, ratio): the score over every example of ``part``'s families (n-weighted), its n and Wilson 95%
+    interval (lo, hi)."""
+    keys = ["method", "requested_ratio", "budget"]
+    weighted = part.assign(points=part["score"] * part["n"]).groupby(keys)[["points", "n"]].sum().reset_index()
+    weighted["score"] = weighted["points"] / weighted["n"]
+    bounds = [wilson(s, n) for s, n in zip(weighted["score"], weighted["n"])]
+    weighted["lo"], weighted["hi"] = [b[0] for b in bounds], [b[1] for b in bounds]
+    return weighted.drop(columns="points")
+
+
+def cell(row) -> str:
+    """``58 [37-77]``: score and its Wilson 95% interval, rounded to whole points."""
+    return f"{row['score']:.0f} [{row['lo']:.0f}-{row['hi']:.0f}]"
+
+
+def _method_cells(avg: pd.DataFrame, method: str) -> list[str]:
+    """The 10% / 25% / 50% KV cells of ``method`` in a pooled table (measured-ratio methods: one cell at their ratio)."""
+    rows = avg[avg["method"] == method]
+    if rows.empty:
+        return ["–"] * len(RATIOS)
+    if method == "no_press":
+        return [f"{cell(rows.iloc[0])} (100% KV)"] * len(RATIOS)
+    if method in METHODS and METHODS[method].measured:
+        r = rows.iloc[0]
+        return [f"{cell(r)} at {100 * r['budget']:.0f}% KV (its choice)"] + ["–"] * (len(RATIOS) - 1)
+    cells = []
+    for ratio in RATIOS:
+        hit = rows[(rows["requested_ratio"] - ratio).abs() < 1e-6]
+        cells.append(cell(hit.iloc[0]) if len(hit) else "–")
+    return cells
+
+
+def _describe(whole: pd.DataFrame, part: pd.DataFrame, avg: pd.DataFrame) -> str:
+    """'task families niah, vt; 20 examples per configuration; left out, ...' for a table's header."""
+    counts = sorted(set(avg["n"]))
+    n = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    families = ", ".join(f for f in FAMILIES if f in set(part["family"]))
+    dropped = sorted(set(whole["family"]) - set(part["family"]))
+    note = f"; left out, 0 without compression: {', '.join(dropped)}" if dropped else ""
+    return f"task families {families}; {n} example{'s' if n != 1 else ''} per configuration{note}"
+
+
 def markdown_table(df: pd.DataFrame) -> str:
-    """Per length: a row per method, a column per KV budget; cells = score averaged over the informative task
-    families (each the n-weighted mean of its tasks); measured-ratio methods show their ratio."""
+    """Per length: a row per method, a column per KV budget; cells = score over every example of the informative
+    task families (n-weighted) with its Wilson 95% interval; measured-ratio methods show their ratio."""
     lines = []
     for length, whole in df.groupby("length"):
         part = informative(whole)
-        avg = part.groupby(["method", "requested_ratio", "budget"])["score"].mean().reset_index()
-        n = part.groupby(["method", "requested_ratio"])["n"].sum().max()
-        families = ", ".join(f for f in FAMILIES if f in set(part["family"]))
-        dropped = sorted(set(whole["family"]) - set(part["family"]))
-        note = f"; left out, 0 without compression: {', '.join(dropped)}" if dropped else ""
-        lines += [f"**{length} tokens** (score 0-100 = mean over task families {families}; {n} example{'s' if n != 1 else ''} per "
-                  f"configuration{note})", "",
+        avg = pooled(part)
+        lines += [f"**{length} tokens** (score 0-100 [Wilson 95% interval] over the examples of "
+                  f"{_describe(whole, part, avg)})", "",
                   "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
         for method in _ordered_methods(part):
-            rows = avg[avg["method"] == method]
-            if method == "no_press":
-                cells = [f"{rows['score'].iloc[0]:.1f} (100% KV)"] * 3
-            elif method in METHODS and METHODS[method].measured:
-                r = rows.iloc[0]
-                cells = [f"{r['score']:.1f} at {100 * r['budget']:.0f}% KV (its choice)"] + ["–", "–"]
-            else:
-                cells = []
-                for ratio in RATIOS:
-                    hit = rows[(rows["requested_ratio"] - ratio).abs() < 1e-6]
-                    cells.append(f"{hit['score'].iloc[0]:.1f}" if len(hit) else "–")
+            lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | "
+                         + " | ".join(_method_cells(avg, method)) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+#: The two settings of the report: name → (results folder, what it means).
+SETTINGS = {
+    "query-agnostic": (DEFAULT_OUT, "the context is compressed alone, the question comes after (kvpress's default)"),
+    "question-aware": (QUESTION_AWARE_OUT, "the question is part of the compressed prompt, the answer is generated "
+                                           "under the press (kvpress's query_aware; LongBench-style, as the papers)"),
+}
+
+
+def side_by_side(frames: dict[str, pd.DataFrame]) -> str:
+    """Per length: a row per method, the 10/25/50% KV cells of every setting next to each other."""
+    frames = {name: df for name, df in frames.items() if not df.empty}
+    lines = []
+    for length in sorted(set().union(*(set(df["length"]) for df in frames.values()))):
+        pooled_ = {}
+        for name, df in frames.items():
+            whole = df[df["length"] == length]
+            if not whole.empty:
+                part = informative(whole)
+                pooled_[name] = pooled(part)
+                lines.append(f"- {length} tokens, {name}: {_describe(whole, part, pooled_[name])}")
+        methods = _ordered_methods(pd.concat(pooled_.values()))
+        head = [f"{name} {100 * (1 - r):.0f}%" for name in pooled_ for r in RATIOS]
+        lines += ["", f"**{length} tokens**: score 0-100 [Wilson 95% interval] at 10 / 25 / 50% KV kept", "",
+                  "| method | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+        for method in methods:
+            cells = [c for avg in pooled_.values() for c in _method_cells(avg, method)]
             lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def agreement_table(df: pd.DataFrame) -> str:
+    """Per length: mean ROUGE-L F1 (0-100) of each method's answers against the full cache's, per KV budget."""
+    lines = []
+    for length, part in df.groupby("length"):
+        part = part.assign(weighted=part["agreement"] * part["n"]).dropna(subset=["agreement"])
+        if part.empty:
+            continue
+        avg = part.groupby(["method", "requested_ratio", "budget"])[["weighted", "n"]].sum().reset_index()
+        avg["agreement"] = avg["weighted"] / avg["n"]
+        lines += [f"**{length} tokens**: agreement with the full cache's answer (ROUGE-L F1, 0-100, mean over "
+                  f"{', '.join(f for f in FAMILIES if f in set(part['family']))})", "",
+                  "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
+        for method in [m for m in _ordered_methods(avg) if m != "no_press"]:
+            rows = avg[avg["method"] == method]
+            if method in METHODS and METHODS[method].measured:
+                r = rows.iloc[0]
+                cells = [f"{r['agreement']:.0f} at {100 * r['budget']:.0f}% KV"] + ["–"] * (len(RATIOS) - 1)
+            else:
+                cells = [f"{hit['agreement'].iloc[0]:.0f}" if len(hit := rows[(rows["requested_ratio"] - q).abs()
+                                                                              < 1e-6]) else "–" for q in RATIOS]
+            lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def streaming_table(results_dir: Path = REPO / "benchmarks" / "results") -> str:
+    """The streaming-perplexity runs of ``benchmarks/bench_streaming_ppl.py`` (``streaming_ppl*.json``) as one table."""
+    lines = ["| file | method | m | tokens (prefill) | ppl (all) | ppl beyond m |", "|---|---|---|---|---|---|"]
+    for path in sorted(results_dir.glob("streaming_ppl*.json")):
+        for row in json.loads(path.read_text())["rows"]:
+            beyond = "–" if row["ppl_beyond_m"] is None else f"{row['ppl_beyond_m']:.2f}"
+            lines.append(f"| {path.name} | {row['method']} | {row['cache_size'] or '–'} | {row['tokens']} "
+                         f"({row['prefill']}) | {row['ppl']:.2f} | {beyond} |")
+    return "\n".join(lines) + "\n"
 
 
 def _pyplot():
@@ -276,9 +475,9 @@ def _pyplot():
 
 
 def standings(df: pd.DataFrame) -> str:
-    """Per length and budget: each of our methods against the best kvpress press (score averaged over families)."""
-    df = pd.concat([informative(part) for _, part in df.groupby("length")])
-    avg = df.groupby(["length", "method", "requested_ratio", "budget"])["score"].mean().reset_index()
+    """Per length and budget: each of our methods against the best kvpress press (score over the informative
+    families' examples, as in the table)."""
+    avg = pd.concat([pooled(informative(part)).assign(length=length) for length, part in df.groupby("length")])
     theirs = avg[avg["method"].isin(list(KVPRESS_METHODS))]
     lines = []
     for length in sorted(avg["length"].unique()):
@@ -291,7 +490,9 @@ def standings(df: pd.DataFrame) -> str:
             top = pool["score"].max()
             best = " / ".join(label(m) for m in pool[pool["score"] == top]["method"])
             cells = ", ".join(f"{m} {s:.1f} ({s - top:+.1f})" for m, s in zip(ours["method"], ours["score"]))
-            lines.append(f"- {length} tokens, {100 * (1 - ratio):.0f}% KV: best kvpress press {best} {top:.1f}; "
+            streaming = pool[pool["method"] == "streaming_llm"]["score"]  # the baseline the merging papers beat
+            versus = f" (StreamingLLM {streaming.iloc[0]:.1f})" if len(streaming) else ""
+            lines.append(f"- {length} tokens, {100 * (1 - ratio):.0f}% KV: best kvpress press {best} {top:.1f}{versus}; "
                          f"ours {cells}")
         for _, r in avg[(avg["length"] == length) & (avg["requested_ratio"] == 0)].iterrows():
             if r["method"] in METHODS and METHODS[r["method"]].measured:
@@ -304,7 +505,8 @@ def standings(df: pd.DataFrame) -> str:
 
 
 def plots(df: pd.DataFrame, out: Path) -> list[Path]:
-    """One PNG per task family: score versus KV budget, a panel per length, a line per method."""
+    """One PNG per task family: score versus KV budget with Wilson 95% intervals, a panel per length, a line per
+    method (each method's points shifted a little sideways so the bars stay apart)."""
     plt = _pyplot()
     paths = []
     lengths = sorted(df["length"].unique())
@@ -317,10 +519,15 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
                 ours = method in METHODS
                 if method == "no_press":
                     ax.axhline(rows["score"].iloc[0], color="k", linewidth=2, label="no press")
+                    ax.axhspan(rows["lo"].iloc[0], rows["hi"].iloc[0], color="k", alpha=0.08)
                     continue
                 style = "o-" if ours else "s--"
-                ax.plot(100 * rows["budget"], rows["score"], style, label=label(method) + (" (ours)" if ours else ""),
-                        linewidth=2 if ours else 1, markersize=7 if ours else 4)
+                shift = 0.6 * (_ordered_methods(part).index(method) - len(_ordered_methods(part)) / 2)  # bars apart
+                ax.errorbar(100 * rows["budget"] + shift, rows["score"],
+                            yerr=[(rows["score"] - rows["lo"]).to_numpy(), (rows["hi"] - rows["score"]).to_numpy()],
+                            fmt=style, capsize=2,
+                            label=label(method) + (" (ours)" if ours else ""), linewidth=2 if ours else 1,
+                            markersize=7 if ours else 4, elinewidth=0.8)
             n = part.groupby("method")["n"].max().max() if len(part) else 0
             ax.set_title(f"{fam}, {length} tokens (n = {n} per point)")
             ax.set_xlabel("KV budget kept (% of the context)")
@@ -332,7 +539,9 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
             else:
                 ax.text(50, 50, "not in the plan", ha="center")
         model = df["model"].iloc[0]
-        fig.suptitle(f"{model}: accuracy versus KV budget, RULER-style {fam}", fontsize=9)
+        setting = "question-aware" if df["query_aware"].any() else "query-agnostic"
+        fig.suptitle(f"{model}: accuracy versus KV budget\nRULER-style {fam}, {setting} (bars: Wilson 95%)",
+                     fontsize=9)
         fig.tight_layout()
         path = out / f"accuracy_{fam}.png"
         fig.savefig(path, dpi=110)
@@ -342,12 +551,31 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def report(out: Path) -> str:
+    """One setting's results.csv, plots and table.md (its table and standings)."""
     df = collect(out)
     df.to_csv(out / "results.csv", index=False)
     table = markdown_table(df) + "\n" + standings(df)
     (out / "table.md").write_text(table)
     plots(df, out)
     return table
+
+
+def combined_report(settings: dict[str, Path] | None = None, path: Path = DEFAULT_OUT / "report.md") -> str:
+    """``report.md``: the settings' tables side by side, the standings and full-cache agreement of each setting, and
+    the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``."""
+    settings = settings or {name: folder for name, (folder, _) in SETTINGS.items()}
+    frames = {name: collect(folder) for name, folder in settings.items() if (folder / "configs").is_dir()}
+    parts = ["Settings: " + "; ".join(f"**{name}**: {SETTINGS[name][1]}" for name in frames if name in SETTINGS),
+             "", side_by_side(frames)]
+    for name, df in frames.items():
+        if not df.empty:
+            parts += [f"Standings, {name} (our methods against the best kvpress press):", "", standings(df)]
+            parts += [f"Agreement with the full cache, {name}:", "", agreement_table(df)]
+    parts += ["Streaming perplexity on Austen (`benchmarks/bench_streaming_ppl.py`, each file one run; every press "
+              "compresses at every step to m slots):", "", streaming_table()]
+    text = "\n".join(parts)
+    path.write_text(text)
+    return text
 
 
 README_BEGIN, README_END = "<!-- evaluation-table: written by kvpress_cpp.evaluation.results report -->", \
@@ -368,19 +596,32 @@ def update_readme(readme: Path, table: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["run", "report", "all"], nargs="?", default="all")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--device", default=None, help="cpu, cuda:0, ... (default: auto, as evaluate.py)")
     parser.add_argument("--methods", nargs="+", default=["no_press", *KVPRESS_METHODS, *METHODS])
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     parser.add_argument("--lengths", type=int, nargs="+", default=sorted(DEFAULT_EXAMPLES))
     parser.add_argument("--examples", type=int, default=None,
-                        help="examples per task at every length (default: the plan in DEFAULT_EXAMPLES)")
+                        help="examples per task at every length (default: the plan in DEFAULT_EXAMPLES); with "
+                             "--families: examples per family and batch, split over its tasks")
+    parser.add_argument("--batches", type=int, default=1,
+                        help="with --families: batches of --examples each, run one after the other for every method "
+                             "(pooled in the report), so that a run stopped early still covers every method")
+    parser.add_argument("--families", nargs="+", default=None, choices=list(FAMILY_TASKS),
+                        help="one configuration per family, each on its own data (default: every task of the plan "
+                             "in one configuration)")
+    parser.add_argument("--query-aware", action="store_true",
+                        help="question-aware: the question is part of the compressed prompt (kvpress's query_aware); "
+                             f"default --out {QUESTION_AWARE_OUT.relative_to(REPO)}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--local_data", type=Path, default=None)
     parser.add_argument("--readme", type=Path, default=None,
                         help="also write the table into this README (between its evaluation-table markers)")
     args = parser.parse_args()
+    args.out = args.out or (QUESTION_AWARE_OUT if args.query_aware else DEFAULT_OUT)
+    if args.families and not args.examples:
+        parser.error("--families needs --examples (examples per family)")
     if args.threads:
         import torch
 
@@ -388,12 +629,23 @@ def main() -> None:
     if args.action in ("run", "all"):
         from kvpress_cpp.evaluation.ruler_data import default_tasks
 
-        examples = ({n: {t: args.examples for t in default_tasks()} for n in args.lengths} if args.examples
-                    else {n: DEFAULT_EXAMPLES.get(n, DEFAULT_EXAMPLES[max(DEFAULT_EXAMPLES)]) for n in args.lengths})
-        run(plan(args.methods, args.ratios, args.lengths), args.out, args.model, args.device, examples,
-            local_data=args.local_data)
+        configs = plan(args.methods, args.ratios, args.lengths, args.families, args.batches)
+        if args.families:
+            examples = family_examples(configs, args.examples)
+        elif args.examples:
+            examples = {str(n): {t: args.examples for t in default_tasks()} for n in args.lengths}
+        else:
+            examples = {str(n): DEFAULT_EXAMPLES.get(n, DEFAULT_EXAMPLES[max(DEFAULT_EXAMPLES)]) for n in args.lengths}
+        run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
+            query_aware=args.query_aware)
     if args.action in ("report", "all"):
-        table = report(args.out)
+        if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
+            for folder, _ in SETTINGS.values():
+                if (folder / "configs").is_dir():
+                    report(folder)
+            table = combined_report()
+        else:
+            table = report(args.out)
         print(table)
         if args.readme is not None and not update_readme(args.readme, table):
             raise SystemExit(f"{args.readme} has no {README_BEGIN} ... {README_END} markers")

@@ -254,15 +254,16 @@ def default_tasks() -> list[str]:
     return list(TASKS)
 
 
-def generate(tokenizer, length: int, examples: int | dict[str, int], seed: int = 0,
+def generate(tokenizer, length: int, examples: int | dict[str, int | range], seed: int = 0,
              tasks: list[str] | None = None) -> pd.DataFrame:
-    """Rows of every task at ``length`` tokens: ``examples`` per task (or a dict task → count)."""
+    """Rows of every task at ``length`` tokens: ``examples`` per task (or a dict task → count, or task → range of
+    example indices: example i of a task is the same whichever range it is generated in)."""
     count = _token_counter(tokenizer)
     rows = []
     for task in tasks or (list(examples) if isinstance(examples, dict) else default_tasks()):
         build, max_new_tokens = TASKS[task]
         n = examples[task] if isinstance(examples, dict) else examples
-        for i in range(n):
+        for i in (n if isinstance(n, range) else range(n)):
             rng = random.Random(f"{seed}-{task}-{length}-{i}")
             row = build(rng, length, count)
             depth = int(task.rsplit("_", 1)[1]) if task.startswith("niah_depth_") else -1
