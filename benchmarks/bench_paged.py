@@ -7,7 +7,7 @@
 
 Parts (each row of benchmarks/results/paged.json names its part):
 
-* ``memory``: the demo prompt (kvpress_cpp/tasks.py, 3000-token haystack) prefilled under KVzapThresholdPress(τ = -7,
+* ``memory``: the demo prompt (kvpress_cpp/tasks.py, 3000-token haystack) prefilled under KVzapThresholdPress(its default τ,
   MLP), GVotePress() and kvpress's AdaKVPress(SnapKVPress(0.75)), once with a DynamicCache and once with a
   PagedKVCache (block size 16): bytes held as a fraction of the full (uncompressed) cache's keys and values, next to
   the fraction of slots the press kept. Targets: KVzap ≤ kept + 5 points, GVote within 5 points of kept, AdaKV ≤ 30%.
@@ -62,12 +62,13 @@ def memory_rows(model, tokenizer) -> list[dict]:
     from kvpress_cpp.cache import cache_bytes
     from kvpress_cpp.paged_cache import PagedKVCache
     from kvpress_cpp.presses import GVotePress, KVzapThresholdPress
+    from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
     from kvpress_cpp.tasks import hidden_fact_prompt
 
     ids = tokenizer(hidden_fact_prompt(tokenizer, 3000), return_tensors="pt").input_ids
     tokens = ids.shape[1]
     full = full_cache_bytes(model, tokens)
-    presses = {"KVzap-MLP τ=-7": lambda: KVzapThresholdPress(threshold=-7.0),
+    presses = {f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}": KVzapThresholdPress,
                "GVote": GVotePress,
                "AdaKV(SnapKV(0.75))": lambda: AdaKVPress(SnapKVPress(compression_ratio=0.75))}
     rows = []
@@ -148,13 +149,14 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 24) 
     from kvpress_cpp.cache import attach
     from kvpress_cpp.paged_cache import PagedKVCache
     from kvpress_cpp.presses import KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+    from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
     from kvpress_cpp.texts import austen_novel
 
     text = tokenizer(austen_novel("prideprejudice")[:40000]).input_ids
     presses = {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
                "ZSMerge": lambda: ZSMergePress(budget=0.25), "WeightedKV": lambda: WeightedKVPress(cache_size=0.25),
                "KeepKV": lambda: KeepKVPress(budget=0.25),
-               "KVzap-MLP τ=-7": lambda: KVzapThresholdPress(threshold=-7.0)}
+               f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}": KVzapThresholdPress}
     caches = {"rectangular": DynamicCache, "paged": PagedKVCache}
     rows = []
     for length in prompt_lengths:
