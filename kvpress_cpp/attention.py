@@ -103,7 +103,10 @@ def _honour_log_weights(attention_fn, hands_log_sum_exp: bool = False):
         scaling = module.scaling if scaling is None else scaling
         paged_layer = paged_layer_of(key)
         if paged_layer is not None:
-            return _paged_attention(paged_layer, module, query, attention_mask, scaling)
+            prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
+            if prompt_states is None:
+                return _paged_attention(paged_layer, module, query, scaling)
+            key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
         if log_weights is None:
             if hands_log_sum_exp and not args and _keeps_log_sum_exp(module, query, key, attention_mask, kwargs):
@@ -116,19 +119,25 @@ def _honour_log_weights(attention_fn, hands_log_sum_exp: bool = False):
     return attention
 
 
-def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float):
-    """Attention over a paged layer (``kvcomp::paged_decode_attention``). A prefill first evicts its padding (read from
-    transformers' mask, as the rectangular path folds it into b), so a shorter prompt of a batch holds only its own
-    blocks. Probabilities come back over the view's columns, for a press's hook, on later passes only (a prefill's
-    (q, T) probabilities would be the size of the prompt squared)."""
-    if layer.last_pass_was_prefill:
-        module.masked_key_indices = None  # kvpress's head-wise presses expect it (its own patch resets it at prefill)
+def _enter_paged_pass(layer: PagedLayer, module: torch.nn.Module,
+                      attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Bookkeeping of a pass over a paged layer; returns the prompt's keys and values when the pass is a prefill. A
+    prefill evicts its padding (read from transformers' mask, as the rectangular path folds it into b), so a shorter
+    prompt of a batch holds only its own blocks."""
     layer.attended_by(module)
-    if layer.last_pass_was_prefill and attention_mask is not None:
+    if not layer.last_pass_was_prefill:
+        return None
+    module.masked_key_indices = None  # kvpress's head-wise presses expect it (its own patch resets it at prefill)
+    if attention_mask is not None:
         layer.drop_padding(padding_log_weights(attention_mask, *layer.lengths.shape, layer.get_seq_length(),
-                                               query.device))
-    wants_probs = not layer.last_pass_was_prefill and bool(module._forward_hooks)
+                                               attention_mask.device))
+    return layer.take_prompt_states()
+
+
+def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor, scaling: float):
+    """Attention of a later pass over a paged layer (``kvcomp::paged_decode_attention``), with probabilities over the
+    view's columns when a press's hook is attached."""
+    wants_probs = bool(module._forward_hooks)
     output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs)
     return output.transpose(1, 2).contiguous(), layer.probs_to_view(probs) if wants_probs else None
 

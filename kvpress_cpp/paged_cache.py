@@ -80,6 +80,7 @@ class PagedLayer(CacheLayerMixin):
         self.counters: dict[str, Any] = {}
         self.has_state = False
         self.last_pass_was_prefill = False
+        self._prompt_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
         self._view = self._device_tables = self._layout = self._slot_index = self._region = None
@@ -130,6 +131,7 @@ class PagedLayer(CacheLayerMixin):
                 self._changed()
             else:
                 self._resize(after)
+        self._prompt_states = (key_states, value_states) if self.last_pass_was_prefill else None
         columns = before.unsqueeze(-1) + torch.arange(new_tokens)
         slots = self._flat_slots(columns).flatten()
         self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
@@ -257,6 +259,13 @@ class PagedLayer(CacheLayerMixin):
         if marked is not None:
             module.masked_key_indices = None
             self._evict_marked(*marked)
+
+    def take_prompt_states(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values (B, H, q, d) of this pass if it was the layer's first (a prefill: the layer holds exactly
+        these tokens), once; None otherwise. The attention path runs the model's own attention on them, a GEMM-based
+        kernel, where reading them back through the block tables row by row cost 5x the prompt's sdpa on CPU."""
+        states, self._prompt_states = self._prompt_states, None
+        return states
 
     def attended_by(self, module: torch.nn.Module) -> None:
         """Remember the attention module that reads this layer, for its ``masked_key_indices``."""
