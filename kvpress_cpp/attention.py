@@ -125,13 +125,14 @@ def _enter_paged_pass(layer: PagedLayer, module: torch.nn.Module,
     prefill evicts its padding (read from transformers' mask, as the rectangular path folds it into b), so a shorter
     prompt of a batch holds only its own blocks."""
     layer.attended_by(module)
-    if not layer.last_pass_was_prefill:
+    prompt_states = layer.take_prompt_states()
+    if prompt_states is None:
         return None
     module.masked_key_indices = None  # kvpress's head-wise presses expect it (its own patch resets it at prefill)
     if attention_mask is not None:
         layer.drop_padding(padding_log_weights(attention_mask, *layer.lengths.shape, layer.get_seq_length(),
                                                attention_mask.device))
-    return layer.take_prompt_states()
+    return prompt_states
 
 
 def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor, scaling: float):

@@ -79,7 +79,6 @@ class PagedLayer(CacheLayerMixin):
         self.free_blocks: list[int] = []
         self.counters: dict[str, Any] = {}
         self.has_state = False
-        self.last_pass_was_prefill = False
         self._prompt_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
@@ -120,18 +119,18 @@ class PagedLayer(CacheLayerMixin):
         after = before + new_tokens
         if even and even[0] + new_tokens <= self._blocks_of_every_head() * self.block_size:
             # The usual decoding step: heads of one length, none needing a new block (decided on host integers).
-            self.last_pass_was_prefill = even[0] == 0
+            is_prefill = even[0] == 0
             self.lengths = after
             self._changed()
             self._even = (even[0] + new_tokens, even[1])
         else:
-            self.last_pass_was_prefill = bool((before == 0).all())
+            is_prefill = bool((before == 0).all())
             if bool((after <= self._owned_slots).all()):  # no head needs a new block
                 self.lengths = after
                 self._changed()
             else:
                 self._resize(after)
-        self._prompt_states = (key_states, value_states) if self.last_pass_was_prefill else None
+        self._prompt_states = (key_states, value_states) if is_prefill else None
         columns = before.unsqueeze(-1) + torch.arange(new_tokens)
         slots = self._flat_slots(columns).flatten()
         self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
