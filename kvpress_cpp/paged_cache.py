@@ -82,7 +82,7 @@ class PagedLayer(CacheLayerMixin):
         self._prompt_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
-        self._view = self._device_tables = self._layout = self._slot_index = self._region = None
+        self._view = self._device_tables = self._layout = self._rows = self._slot_index = self._region = None
         self._even = self._even_blocks = None
         self._module = None
 
@@ -208,12 +208,14 @@ class PagedLayer(CacheLayerMixin):
     def _view_part(self, part: int) -> torch.Tensor:
         """Keys (0) or values (1) of the view. Between the writes of a pair (``layer.keys = k`` then
         ``layer.values = layer.values[...]``, as kvpress's pipeline does) the written one reads back as written and the
-        other as before; the pair is stored once both are written."""
+        other as before; the pair is stored once both are written. Once a state is written too (a press's whole
+        write), the view is read after storing it, so that it lines up with the state ``get_state`` reads."""
         pending = (self._pending_keys, self._pending_values)
-        if pending[part] is not _UNSET:
-            return pending[part]
-        if pending[1 - part] is not _UNSET and self._view is not None:
-            return self._view[part]
+        if self._pending_state is _UNSET:
+            if pending[part] is not _UNSET:
+                return pending[part]
+            if pending[1 - part] is not _UNSET and self._view is not None:
+                return self._view[part]
         return self._current_view()[part]
 
     @values.setter
@@ -426,7 +428,7 @@ class PagedLayer(CacheLayerMixin):
 
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
-        self._view = self._device_tables = self._layout = self._even = None
+        self._view = self._device_tables = self._layout = self._rows = self._even = None
 
     def _evenness(self) -> tuple[int, int] | bool:
         """(length, base) when every head has the same length and the same base (no padding in the view: column t
@@ -500,6 +502,14 @@ class PagedLayer(CacheLayerMixin):
                 self._layout = self._pool_index(self._view_columns())
         return self._layout
 
+    def _view_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into the view flattened to (B·H·W) of its real columns and of its padding (a padded layout), kept
+        until the layout changes."""
+        if self._rows is None:
+            real = self._view_layout()[1].reshape(-1)
+            self._rows = real.nonzero().squeeze(1), (~real).nonzero().squeeze(1)
+        return self._rows
+
     def _regular_region(self) -> tuple[int, int] | None:
         """(first block, blocks between heads) when every head owns the same number of blocks, in order and
         consecutive, and head (b, h) starts `b·H + h` strides after the first (what a prefill into an empty pool, or
@@ -536,6 +546,10 @@ class PagedLayer(CacheLayerMixin):
         index, real = self._view_layout()
         if real is None and self._regular_region() is not None:
             return self._region_view(pool, index.shape[-1] if width is None else width)
+        if width is None and real is not None:  # the whole view: fill only the padding rows, not every element
+            gathered = _gather(pool, index, None, fill)
+            gathered.view(-1, *pool.shape[2:]).index_fill_(0, self._view_rows()[1], fill)
+            return gathered
         if width is not None:
             index, real = index[..., :width], real[..., :width] if real is not None else None
         return _gather(pool, index, real, fill)
@@ -592,6 +606,8 @@ class PagedLayer(CacheLayerMixin):
         if state is None:
             keep = torch.ones(batch, heads, width, dtype=torch.bool, device=keys.device)
             log_weights = torch.zeros(batch, heads, width, device=keys.device)
+        elif self._store_state_in_place(keys, values, state):
+            return
         else:
             log_weights = state.log_weights
             keep = log_weights != float("-inf")
@@ -636,6 +652,42 @@ class PagedLayer(CacheLayerMixin):
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
+
+    def _store_state_in_place(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState) -> bool:
+        """Store only the state when a press hands back the view's own keys and values (KVzap between its
+        compactions: it marks the tokens it evicts -inf and moves nothing): every slot stays where it is, those whose
+        log-weight became -inf as dead slots, attended as the rectangular cache attends them, until the press
+        rewrites the layer (its compaction) or a head holds more than two blocks of them. Returns whether it stored
+        the state (False: the caller rewrites the layer, dropping the dead slots)."""
+        view = self._view
+        if view is None or keys is not view[0] or values is not view[1] or not self.has_state:
+            return False
+        log_weights = state.log_weights
+        if log_weights.shape != keys.shape[:3] or any(
+                self.slot_blocks.get(name) is None or self.slot_blocks[name].dtype != tensor.dtype
+                or tensor.shape != log_weights.shape for name, tensor in state.per_slot.items()):
+            return False
+        index, real = self._view_layout()
+        dead = log_weights == float("-inf")
+        if real is not None:
+            dead &= real
+        if bool((dead.sum(-1) > 2 * self.block_size).any()):
+            return False
+        tensors = {**state.per_slot, _LOG_WEIGHTS: log_weights.float()}
+        if real is None and self._regular_region() is not None:
+            for name, tensor in tensors.items():
+                _copy_into(self._region_view(self.slot_blocks[name], tensor.shape[-1]), tensor)
+        else:
+            rows = self._view_rows()[0] if real is not None else None
+            flat = index.reshape(-1) if rows is None else index.reshape(-1).index_select(0, rows)
+            for name, tensor in tensors.items():
+                tensor = tensor.reshape(-1) if rows is None else tensor.reshape(-1).index_select(0, rows)
+                self.slot_blocks[name].view(-1).index_copy_(0, flat, tensor)
+        # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part).
+        self.bases = self.lengths.clone()
+        self._changed()
+        self.counters = state.counters
+        return True
 
     def _evict(self, evicted: torch.Tensor) -> None:
         """Remove the slots evicted (B, H, max length) bool of each head, keeping the others in order; the view

@@ -87,9 +87,10 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
     model = Model(batch, heads)
     next_id, position = 1, 0
     positions = {}  # id -> absolute position, for ids whose position the layer still knows
+    dead = set()  # ids a press marked -inf without moving any slot (kept as dead slots)
     module = AttentionModule()
-    for step in range(60):
-        op = rng.choice(["append", "append", "press", "cut", "mask", "trim"]) if step else "append"
+    for step in range(80):
+        op = rng.choice(["append", "append", "press", "mark", "mark", "cut", "mask", "trim"]) if step else "append"
         layer = cache.layers[0] if cache.layers else None
         if op == "append":
             q = rng.randint(1, 7)
@@ -111,7 +112,21 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             set_state(layer, LayerState(torch.zeros(ids.shape).masked_fill(~keep, -INF), {"scores": ids.float()},
                                         {"step": step}))
             model.compact(keep)
-            positions = {}  # a press may merge or reorder: positions are forgotten
+            positions, dead = {}, set()  # a press may merge or reorder: positions are forgotten
+        elif op == "mark":  # KVzap between its compactions: the view's own keys and values back, a few slots -inf
+            keys, values = layer.keys, layer.values
+            ids = view_ids(layer)
+            had_state = get_state(layer) is not None
+            dead |= set(ids[(ids > 0) & (torch.rand(ids.shape) < 0.15)].tolist())
+            is_dead = torch.isin(ids, torch.tensor(sorted(dead), dtype=torch.long)) & (ids > 0)
+            layer.keys, layer.values = keys, values
+            set_state(layer, LayerState(torch.zeros(ids.shape).masked_fill(is_dead | (ids == 0), -INF),
+                                        {"scores": ids.float()}, {"step": step}))
+            if had_state and bool((is_dead.sum(-1) <= 2 * block_size).all()):
+                model.compact(model.rect > 0)  # every slot stays; the view shows each head's from column 0
+            else:  # no state of a press to keep beside, or too many dead slots: the layer is compacted
+                model.compact((model.rect > 0) & ~is_dead)
+                positions, dead = {}, set()  # a rewrite, as a press's
         elif op == "cut":
             width = rng.randint(0, layer.get_seq_length())
             layer.keys = layer.keys[:, :, :width]
@@ -148,8 +163,9 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             scores = state.per_slot["scores"]
             written_ids = model.rect[..., :scores.shape[-1]]
             assert torch.equal(scores.long(), written_ids)
-            assert bool((state.log_weights[written_ids == 0] == -INF).all())
-            assert bool((state.log_weights[written_ids > 0] == 0).all())
+            is_dead = torch.isin(written_ids, torch.tensor(sorted(dead), dtype=torch.long)) & (written_ids > 0)
+            assert bool((state.log_weights[(written_ids == 0) | is_dead] == -INF).all())
+            assert bool((state.log_weights[(written_ids > 0) & ~is_dead] == 0).all())
 
 
 def test_batch_of_different_lengths_holds_only_its_own_blocks():

@@ -181,7 +181,7 @@ def held_slots(layer):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv"])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap"])
 def test_decoding_presses_hold_the_rectangular_cache_slots(name, block_size, surrogate_dir):
     """After every decoding step of a press that compresses while decoding, each head of the paged cache holds the
     slots the rectangular cache attends (keys, values, log-weights, in order): the paged write-back of a step (a
