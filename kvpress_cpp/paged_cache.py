@@ -82,7 +82,8 @@ class PagedLayer(CacheLayerMixin):
         self._prompt_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
-        self._view = self._device_tables = self._layout = self._rows = self._slot_index = self._region = None
+        self._view = self._device_tables = self._layout = self._rows = self._columns = None
+        self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
         self._module = None
 
@@ -115,7 +116,7 @@ class PagedLayer(CacheLayerMixin):
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
                              f"got {tuple(key_states.shape)}")
-        before, even = self.lengths, self._evenness()
+        before, even, width = self.lengths, self._evenness(), self._width()
         after = before + new_tokens
         if even and even[0] + new_tokens <= self._blocks_of_every_head() * self.block_size:
             # The usual decoding step: heads of one length, none needing a new block (decided on host integers).
@@ -130,21 +131,24 @@ class PagedLayer(CacheLayerMixin):
                 self._changed()
             else:
                 self._resize(after)
+            if even is False and new_tokens:  # heads of different lengths stay so, each q slots longer
+                self._even, self._widest = False, width + new_tokens
         self._prompt_states = (key_states, value_states) if is_prefill else None
-        columns = before.unsqueeze(-1) + torch.arange(new_tokens)
-        slots = self._flat_slots(columns).flatten()
+        if even:  # every head appends at column even[0]
+            slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
+        else:
+            slots = self._flat_slots(before.unsqueeze(-1) + torch.arange(new_tokens)).flatten()
         self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
         self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
             0, slots, value_states.reshape(-1, value_states.shape[-1]))
         positions = (cache_kwargs or {}).get("cache_position")
         if positions is None:
             positions = torch.arange(new_tokens, device=self.device) + int(self._max_position()) + 1
-        for name, pool in self.slot_blocks.items():
-            flat = pool.view(-1)
-            if name == _POSITIONS:
-                flat.index_copy_(0, slots, positions.to(self.device, torch.int32).expand(batch, heads, -1).flatten())
-            else:
-                flat.index_fill_(0, slots, 0)
+        # The press's own per-slot pools are left as they are: a press reads a slot's state only once it has
+        # written it (get_state covers the columns of its last write).
+        self.slot_blocks[_LOG_WEIGHTS].view(-1).index_fill_(0, slots, 0)
+        self.slot_blocks[_POSITIONS].view(-1).index_copy_(
+            0, slots, positions.to(self.device, torch.int32).expand(batch, heads, -1).flatten())
         _LAYERS_BY_POOL[id(self.key_blocks)] = self
         return self.key_blocks, self.value_blocks
 
@@ -366,16 +370,10 @@ class PagedLayer(CacheLayerMixin):
         block keeps one emptied block (a decoding press takes a head from M + 1 slots back to M at every step: its
         next token needs that block again). Slots below both lengths keep their data."""
         size = self.block_size
-        even, blocks = self._evenness(), self._blocks_of_every_head()
-        if even and blocks and bool((new_lengths == new_lengths.flatten()[0]).all()):
-            length = int(new_lengths.flatten()[0])
-            needed = -(-length // size)
-            if blocks == (needed + 1 if even[0] - length < size and blocks > needed and length else needed):
-                self.lengths = new_lengths.clone()
-                self.bases = torch.minimum(self.bases, self.lengths)
-                self._changed()
-                self._even = (length, min(even[1], length))
-                return
+        if (self._evenness() and self._blocks_of_every_head()
+                and bool((new_lengths == new_lengths.flatten()[0]).all())
+                and self._resize_evenly(int(new_lengths.flatten()[0]))):
+            return
         owned = self._owned_slots // size
         needed = (new_lengths + size - 1) // size
         spare = (self.lengths - new_lengths < size) & (owned > needed) & (new_lengths > 0)
@@ -400,13 +398,41 @@ class PagedLayer(CacheLayerMixin):
         if count:
             if count > len(self.free_blocks):
                 self._grow(count - len(self.free_blocks))
-            self.block_tables[taken] = torch.tensor(self._take(taken.nonzero().tolist()), dtype=torch.long)
+            self.block_tables[taken] = self._take(taken, fresh_heads=bool((owned[new_blocks > owned] == 0).all()))
         self._owned_slots = new_blocks * size
 
-    def _take(self, entries: list[list[int]]) -> list[int]:
-        """Free blocks for the table entries [b, h, e] (row-major), each the block after its head's previous one
-        when that is free, else the free list's last: a head's blocks stay consecutive where they can, which keeps
-        a regular layout regular (:meth:`_regular_region`) when a decoding head grows by a block."""
+    def _resize_evenly(self, length: int) -> bool:
+        """:meth:`_resize` of a layer whose heads are all of one length and own one number of blocks to `length`
+        slots per head, when that keeps every head's blocks (a decoding press's M + 1 -> M): decided and done on host
+        integers and one small tensor. Returns False (nothing done) when blocks must change hands."""
+        even, blocks, size = self._evenness(), self._blocks_of_every_head(), self.block_size
+        if not even or not blocks:
+            return False
+        needed = -(-length // size)
+        if blocks != (needed + 1 if even[0] - length < size and blocks > needed and length else needed):
+            return False
+        self.lengths = torch.full(self.lengths.shape, length, dtype=torch.long)
+        self.bases = self.bases.clamp(max=length) if even[1] > length else self.bases
+        self._changed()
+        self._even = (length, min(even[1], length))
+        return True
+
+    def _take(self, taken: torch.Tensor, fresh_heads: bool) -> torch.Tensor:
+        """Free blocks for the table entries marked in taken (B, H, entries) bool, in row-major order, each the
+        block after its head's previous one when that is free, else the free list's last: a head's blocks stay
+        consecutive where they can, which keeps a regular layout regular (:meth:`_regular_region`) when a decoding
+        head grows by a block. When every head taking blocks held none (a prefill) and the free list ends with a
+        run of consecutive ids (a fresh or grown pool), that is the run itself, taken without a loop per entry."""
+        count = int(taken.sum())
+        if fresh_heads:
+            first = self.free_blocks[-1]
+            if self.free_blocks[-count:] == list(range(first + count - 1, first - 1, -1)):
+                del self.free_blocks[-count:]
+                return torch.arange(first, first + count)
+        return torch.tensor(self._take_each(taken.nonzero().tolist()), dtype=torch.long)
+
+    def _take_each(self, entries: list[list[int]]) -> list[int]:
+        """:meth:`_take` entry by entry, for the entries [b, h, e] (row-major)."""
         free = set(self.free_blocks)
         blocks, previous_entry = [], None
         for b, h, e in entries:
@@ -428,7 +454,8 @@ class PagedLayer(CacheLayerMixin):
 
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
-        self._view = self._device_tables = self._layout = self._rows = self._even = None
+        self._view = self._device_tables = self._layout = self._rows = self._columns = self._even = None
+        self._widest = self._state_index = None
 
     def _evenness(self) -> tuple[int, int] | bool:
         """(length, base) when every head has the same length and the same base (no padding in the view: column t
@@ -464,19 +491,29 @@ class PagedLayer(CacheLayerMixin):
     # The view's layout
 
     def _width(self) -> int:
-        if not self.lengths.numel():
-            return 0
-        even = self._evenness()
-        if even:
-            return even[0]
-        return int(self.bases.max()) + int((self.lengths - self.bases).max())
+        """The view's width (host integer), kept until the lengths change."""
+        if self._widest is None:
+            even = self._evenness()
+            if not self.lengths.numel():
+                self._widest = 0
+            elif even:
+                self._widest = even[0]
+            else:
+                self._widest = int(self.bases.max()) + int((self.lengths - self.bases).max())
+        return self._widest
 
     def _slot_width(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def _view_columns(self) -> torch.Tensor:
         """(B, H, W) int64: the slot each column of the view shows, -1 for padding. Base slots sit at their own column,
-        the slots appended since at the end."""
+        the slots appended since at the end. Kept until the layout changes (the attention's probabilities and the view
+        of a step both need it)."""
+        if self._columns is None:
+            self._columns = self._layout_columns()
+        return self._columns
+
+    def _layout_columns(self) -> torch.Tensor:
         width = self._width()
         column = torch.arange(width)
         if bool((self.lengths == width).all()):  # no padding (heads of equal length): column t is slot t
@@ -550,8 +587,11 @@ class PagedLayer(CacheLayerMixin):
             gathered = _gather(pool, index, None, fill)
             gathered.view(-1, *pool.shape[2:]).index_fill_(0, self._view_rows()[1], fill)
             return gathered
-        if width is not None:
-            index, real = index[..., :width], real[..., :width] if real is not None else None
+        if width is not None and width != index.shape[-1]:
+            if self._state_index is None or self._state_index[0].shape[-1] != width:
+                self._state_index = (index[..., :width].contiguous(),
+                                     real[..., :width].contiguous() if real is not None else None)
+            index, real = self._state_index
         return _gather(pool, index, real, fill)
 
     def _current_view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -611,8 +651,10 @@ class PagedLayer(CacheLayerMixin):
         else:
             log_weights = state.log_weights
             keep = log_weights != float("-inf")
-        if bool(keep.all()):  # every column kept (presses that keep equal lengths): no selection
-            self._resize(torch.full((batch, heads), width, dtype=torch.long))
+        all_kept = bool(keep.all())
+        if all_kept:  # every column kept (presses that keep equal lengths): no selection
+            if not self._resize_evenly(width):
+                self._resize(torch.full((batch, heads), width, dtype=torch.long))
             self.bases = self.lengths.clone()
             self._changed()
             self._even = (width, width)
@@ -648,7 +690,10 @@ class PagedLayer(CacheLayerMixin):
             store(pool, tensor)
         store(pools[_LOG_WEIGHTS], log_weights.float())
         # A press may reorder or merge slots: their positions are unknown.
-        store(pools[_POSITIONS], torch.full(log_weights.shape, -1, dtype=torch.int32, device=self.device))
+        if all_kept and self._regular_region() is not None:
+            self._region_view(pools[_POSITIONS], width).fill_(-1)
+        else:
+            store(pools[_POSITIONS], torch.full(log_weights.shape, -1, dtype=torch.int32, device=self.device))
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
