@@ -391,7 +391,7 @@ class PagedLayer(CacheLayerMixin):
         entry = torch.arange(self.block_tables.shape[-1])
         released = (entry >= new_blocks.unsqueeze(-1)) & (entry < owned.unsqueeze(-1))
         if bool(released.any()):
-            self.free_blocks.extend(self.block_tables[released].tolist())
+            self.free_blocks.extend(self.block_tables[released].tolist()[::-1])  # lowest ids last, as _grow
             self.block_tables[released] = -1
         taken = (entry >= owned.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
         count = int(taken.sum())

@@ -184,6 +184,31 @@ def test_batch_of_different_lengths_holds_only_its_own_blocks():
     assert bool((layer.keys[1, :, :7] == 0).all())
 
 
+def test_prefill_takes_each_heads_blocks_in_a_run():
+    """A prefill into an empty pool gives every head consecutive blocks, head after head (the regular layout, whose
+    view is a strided tensor over the pools), and so does one after a reset (the freed blocks are handed out lowest
+    first); into a pool whose free list is not one run, each free block is still taken once."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(2, 3, 10, 8)
+    layer.update(keys, -keys)
+    check_allocator(layer)
+    assert torch.equal(layer.block_tables, torch.arange(18).view(2, 3, 3))
+    assert layer._regular_region() == (0, 3)
+    layer.reset()
+    check_allocator(layer)
+    other = torch.randn(2, 3, 9, 8)
+    layer.update(other, -other)
+    check_allocator(layer)
+    assert torch.equal(layer.block_tables, torch.arange(18).view(2, 3, 3))
+    torch.testing.assert_close(layer.keys, other)
+    layer.reset()
+    layer.free_blocks = [block for pair in zip(range(0, 18, 2), range(1, 18, 2)) for block in pair[::-1]]
+    layer.update(other, -other)  # the free list ends ..., 17, 16: no run to take whole
+    check_allocator(layer)
+    torch.testing.assert_close(layer.keys, other)
+    torch.testing.assert_close(layer.values, -other)
+
+
 def test_bytes_held_and_reserved():
     cache = PagedKVCache(block_size=16)
     keys = torch.randn(2, 3, 40, 8)

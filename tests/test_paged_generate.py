@@ -185,12 +185,13 @@ def held_slots(layer):
 def test_decoding_presses_hold_the_rectangular_cache_slots(name, block_size, surrogate_dir):
     """After every decoding step of a press that compresses while decoding, each head of the paged cache holds the
     slots the rectangular cache attends (keys, values, log-weights, in order): the paged write-back of a step (a
-    strided store on a regular layout, a block kept across the M + 1 -> M step) loses and moves nothing. (The greedy
-    tokens' equality is test_generate_equals_the_rectangular_cache's.)"""
+    strided store on a regular layout, a block kept across the M + 1 -> M step, KVzap's evicted slots kept dead until
+    its compaction) loses and moves nothing. (The greedy tokens' equality is
+    test_generate_equals_the_rectangular_cache's.)"""
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 96)
     caches = {"rectangular": DynamicCache(), "paged": PagedKVCache(block_size=block_size)}
-    tokens = {}
+    tokens, widths = {}, {}
     for cache_name, cache in caches.items():
         press = PRESSES[name](surrogate_dir)
         with torch.no_grad(), press(model):
@@ -198,7 +199,11 @@ def test_decoding_presses_hold_the_rectangular_cache_slots(name, block_size, sur
             for _ in range(10):
                 token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
                 steps.append([held_slots(layer) for layer in cache.layers])
+                widths.setdefault(cache_name, []).append([layer.get_seq_length() for layer in cache.layers])
         tokens[cache_name] = steps
+    # The view is as wide as the rectangular cache (KVzap's dead slots stay until its compaction on both), so a
+    # forward without cache_position places its token at the same position on both.
+    assert widths["paged"] == widths["rectangular"]
     for step, (rectangular, paged) in enumerate(zip(tokens["rectangular"], tokens["paged"])):
         for layer, (expected, got) in enumerate(zip(rectangular, paged)):
             for head, (want, have) in enumerate(zip(expected, got)):
