@@ -708,9 +708,10 @@ class PagedLayer(CacheLayerMixin):
         if view is None or keys is not view[0] or values is not view[1] or not self.has_state:
             return False
         log_weights = state.log_weights
-        if log_weights.shape != keys.shape[:3] or any(
-                self.slot_blocks.get(name) is None or self.slot_blocks[name].dtype != tensor.dtype
-                or tensor.shape != log_weights.shape for name, tensor in state.per_slot.items()):
+        own_pools = set(self.slot_blocks) - {_LOG_WEIGHTS, _POSITIONS}
+        if (log_weights.shape != keys.shape[:3] or set(state.per_slot) != own_pools
+                or any(self.slot_blocks[name].dtype != tensor.dtype or tensor.shape != log_weights.shape
+                       for name, tensor in state.per_slot.items())):
             return False
         index, real = self._view_layout()
         dead = log_weights == float("-inf")
