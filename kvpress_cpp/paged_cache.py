@@ -18,7 +18,9 @@ an empty pool lays out and a press keeping M slots per head keeps while decoding
 the pools, not a copy. Whatever a press or kvpress writes back through that view is stored per head:
 
 * a press's keys, values and state: each head keeps its columns whose log-weight is not -inf (the padding of a
-  compaction to the longest head is dropped, not stored);
+  compaction to the longest head is dropped, not stored); a press that hands back the view's own keys and values
+  (KVzap between its compactions) has only its state stored, and the slots it marked -inf stay as dead slots until
+  it rewrites the layer or a head holds more than two blocks of them;
 * kvpress's pipeline's cut back to the context (``keys[:, :, :n]``): each head keeps its columns before n;
 * other keys and values (a kvpress press's compression): every column, as plain tokens.
 
