@@ -677,7 +677,8 @@ def build_kvzap_model(layers: Sequence[nn.Module], hidden_dim: int | None):
 def _quantiles(values: torch.Tensor) -> dict[str, float]:
     values = values.flatten().float()
     if values.numel() > 1_000_000:  # torch.quantile's size limit; an even subsample is plenty
-        values = values[torch.linspace(0, values.numel() - 1, 1_000_000).long()]
+        # integer steps: a float32 linspace rounds its last index up to numel past 2**24 elements
+        values = values[torch.arange(1_000_000, dtype=torch.int64) * (values.numel() - 1) // 999_999]
     q = torch.quantile(values, torch.tensor(QUANTILES))
     return {f"{p:g}": round(float(v), 4) for p, v in zip(QUANTILES, q)}
 

@@ -261,6 +261,16 @@ def test_r2_scores_match_direct_formulas():
     assert cod[2] < pearson2[2]
 
 
+
+@pytest.mark.parametrize("numel", [999_999, 1_000_001, 17_694_720])
+def test_quantiles_of_a_large_target_set_are_the_distributions(numel):
+    # 17,694,720 = the 10x training set's targets (ran past a float32 linspace's last index). A uniform ramp's
+    # p-quantile is p of its range, whether or not the helper subsamples it.
+    values = torch.arange(numel, dtype=torch.float64) / (numel - 1)
+    quantiles = tk._quantiles(values)
+    for p, q in quantiles.items():
+        assert q == pytest.approx(float(p), abs=2e-6)
+
 # ---------------------------------------------------------------------------------------------------------------------
 # kvpress layout
 # ---------------------------------------------------------------------------------------------------------------------
