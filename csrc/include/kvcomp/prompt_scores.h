@@ -1,4 +1,5 @@
-// Validation and output shapes of the prompt_scores family (prompt_log_sum_exp, prompt_scores), called first by the CPU and the CUDA kernels alike.
+// Validation and output shapes of the prompt_scores family (prompt_log_sum_exp, prompt_scores,
+// prompt_attention_with_scores), called first by the CPU and the CUDA kernels alike.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,6 +43,13 @@ inline PromptScoresShape check_prompt_attention(const char* op, const at::Tensor
   return shape;
 }
 
+// The query weights input_scale * decay^age of the scores.
+inline void check_prompt_score_weights(const char* op, double decay, double input_scale) {
+  TORCH_CHECK(decay > 0.0 && decay <= 1.0, op, ": expected decay in (0, 1], got ", decay);
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0.0, op, ": expected a finite input_scale >= 0, got ",
+              input_scale);
+}
+
 inline PromptScoresShape check_prompt_log_sum_exp(const at::Tensor& query, const at::Tensor& keys,
                                                   const at::Tensor& log_weights, double scale) {
   return check_prompt_attention("kvcomp::prompt_log_sum_exp", query, keys, log_weights, scale);
@@ -58,9 +66,20 @@ inline PromptScoresShape check_prompt_scores(const at::Tensor& query, const at::
   for (int64_t dim = 0; dim < 3; ++dim) {
     check_size(op, "log_sum_exp", log_sum_exp, dim, query.size(dim), "the size of query");
   }
-  TORCH_CHECK(decay > 0.0 && decay <= 1.0, op, ": expected decay in (0, 1], got ", decay);
-  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0.0, op, ": expected a finite input_scale >= 0, got ",
-              input_scale);
+  check_prompt_score_weights(op, decay, input_scale);
+  return shape;
+}
+
+inline PromptScoresShape check_prompt_attention_with_scores(const at::Tensor& query, const at::Tensor& keys,
+                                                             const at::Tensor& values, const at::Tensor& log_weights,
+                                                             double scale, double decay, double input_scale) {
+  constexpr const char* op = "kvcomp::prompt_attention_with_scores";
+  const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
+  check_dim(op, "values", values, 4, "(B, H, T, d)");
+  check_dtype(op, "values", values, query.scalar_type());
+  check_same_device(op, "values", values, "query", query);
+  for (int64_t dim = 0; dim < 4; ++dim) check_size(op, "values", values, dim, keys.size(dim), "the size of keys");
+  check_prompt_score_weights(op, decay, input_scale);
   return shape;
 }
 
