@@ -587,9 +587,11 @@ void fused_query_tile(const FusedLayout& layout, const scalar_t* query, const sc
       const float tile_max = scratch.tile_max[row * all_key_tiles + key_tile];
       const FloatVec coefficient(weight * kernels::chunk_normaliser(tile_max, stats));
       const int64_t begin = key_tile * kKeyTile, end = std::min(begin + kKeyTile, visible_end);
+      // Lanes past the row's causal limit are left alone: a NaN row holds NaN there too.
       for (int64_t c = begin; c < end; c += kLanes) {
-        at::vec::fmadd(coefficient, FloatVec::loadu(probs + c), FloatVec::loadu(partial_scores + c))
-            .store(partial_scores + c);
+        const int64_t lanes = std::min(kLanes, end - c);
+        at::vec::fmadd(coefficient, FloatVec::loadu(probs + c, lanes), FloatVec::loadu(partial_scores + c, lanes))
+            .store(partial_scores + c, lanes);
       }
     }
   }
