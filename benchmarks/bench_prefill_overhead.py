@@ -19,7 +19,11 @@ all T queries by ``prompt_log_sum_exp`` + ``prompt_scores`` (decay 1: nothing sk
 the log-sum-exp given (what the presses run on CPU, where sdpa hands it over), and with ZSMerge's λ = 0.98 (older
 queries skipped); against the former path (decode_attention on 512-query chunks, folded by update_scores) and
 against the layer's own causal sdpa (the attention forward the prefill runs anyway). ``workspace_MiB``: the op's
-per-thread tiles times the threads; the former path held a (B, Hq, 512, T) float32 probability chunk.
+per-thread tiles times the threads; the former path held a (B, Hq, 512, T) float32 probability chunk. The prefill's
+two ways to get the attention and the scores: ``fused_s`` (``prompt_attention_with_scores``: output, log-sum-exp and
+scores from one QKᵀ; what the prefill runs up to its workspace limit, ``fused_workspace_MiB``) against
+``sdpa_plus_scores_s`` (ATen's flash kernel with its log-sum-exp, then ``prompt_scores`` given it: the fallback), with
+WeightedKV's weights (decay 1: every query adds) and ZSMerge's (λ = 0.98: ``prompt_scores`` skips negligible queries).
 
 On CUDA (``--device cuda --parts op``): a random Llama-3-8B-shaped layer (B=1, Hq=32, H=8, d=128, bfloat16) at 32k
 and 128k tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward.
@@ -172,6 +176,15 @@ def former_scores(query, keys, log_weights, scale, decay, input_scale):
     return scores
 
 
+def sdpa_plus_scores(query, keys, values, log_weights, scale, decay, input_scale):
+    """The prefill's fallback past the fused op's workspace limit: ATen's flash kernel (which hands its log-sum-exp
+    over), its output in the model's layout, then prompt_scores given that log-sum-exp."""
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, True,
+                                                                            scale=scale)
+    output.transpose(1, 2).contiguous()
+    return ops.prompt_scores(query, keys, log_weights, scale, decay, input_scale, log_sum_exp=lse)
+
+
 def seconds(fn, device: str = "cpu", repeats: int = 1) -> float:
     """The median over `repeats` runs of fn()."""
     times = []
@@ -216,10 +229,19 @@ def op_rows(lengths, threads: int, repeats: int, save) -> list[dict]:
             "workspace_MiB": round(threads * tile_floats * 4 / 2**20, 3),
             "former_chunk_MiB": round(batch * query_heads * FORMER_CHUNK * length * 4 / 2**20, 1),
         }
+        for suffix, decay, input_scale in [("", 1.0, 1 / 3), ("_decay_0.98", 0.98, 1.0)]:
+            row[f"fused{suffix}_s"] = timed(lambda: ops.prompt_attention_with_scores(
+                query, keys, values, log_weights, scale, decay, input_scale))
+            row[f"sdpa_plus_scores{suffix}_s"] = timed(lambda: sdpa_plus_scores(
+                query, keys, values, log_weights, scale, decay, input_scale))
+            row[f"fused_vs_sdpa_plus_scores{suffix}"] = round(row[f"fused{suffix}_s"]
+                                                              / row[f"sdpa_plus_scores{suffix}_s"], 2)
+        row["fused_workspace_MiB"] = round(ops.prompt_attention_workspace_bytes(query, keys, threads) / 2**20, 3)
         row["speedup_vs_former"] = round(row["former_s"] / row["op_s"], 2)
         row["op_vs_sdpa"] = round(row["op_s"] / row["sdpa_s"], 2)
         row["op_given_lse_vs_sdpa"] = round(row["op_given_lse_s"] / row["sdpa_s"], 2)
-        for key in ("op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s"):
+        for key in ("op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "fused_s",
+                    "sdpa_plus_scores_s", "fused_decay_0.98_s", "sdpa_plus_scores_decay_0.98_s"):
             row[key] = round(row[key], 4)
         rows.append(row)
         print(row, flush=True)
@@ -273,8 +295,11 @@ def plot(rows: list[dict], name: str, title: str) -> None:
     op = [r for r in rows if r["part"] == "op"]
     for key, label in [("former_s", "former (decode_attention chunks + update_scores)"),
                        ("op_s", "prompt_log_sum_exp + prompt_scores"), ("op_given_lse_s", "prompt_scores, LSE given"),
-                       ("op_decay_0.98_s", "prompt_scores, λ = 0.98"), ("sdpa_s", "the layer's causal sdpa")]:
-        ax_op.plot([r["T"] for r in op], [r[key] for r in op], "o-", label=label)
+                       ("op_decay_0.98_s", "prompt_scores, λ = 0.98"), ("sdpa_s", "the layer's causal sdpa"),
+                       ("sdpa_plus_scores_s", "sdpa + prompt_scores (LSE given)"),
+                       ("fused_s", "prompt_attention_with_scores (output + scores)")]:
+        points = [r for r in op if key in r]
+        ax_op.plot([r["T"] for r in points], [r[key] for r in points], "o-", label=label)
     if op:
         ax_op.set_xscale("log", base=2)
         ax_op.set_yscale("log")
@@ -323,7 +348,9 @@ def main() -> None:
     for part, columns in [
         ("presses", ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed", "press_peak_MiB"]),
         ("op", ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
-                "op_vs_sdpa", "workspace_MiB", "former_chunk_MiB", "op_peak_MiB", "sdpa_peak_MiB"]),
+                "op_vs_sdpa", "workspace_MiB", "former_chunk_MiB", "op_peak_MiB", "sdpa_peak_MiB", "fused_s",
+                "sdpa_plus_scores_s", "fused_vs_sdpa_plus_scores", "fused_decay_0.98_s",
+                "sdpa_plus_scores_decay_0.98_s", "fused_vs_sdpa_plus_scores_decay_0.98", "fused_workspace_MiB"]),
     ]:
         if any(r["part"] == part for r in rows):
             print_table([r for r in rows if r["part"] == part], columns)

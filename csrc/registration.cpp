@@ -94,6 +94,11 @@ TORCH_LIBRARY(kvcomp, m) {
   // decay in (0, 1]; older queries whose total weight is below float32 resolution of a key tile's scores are skipped.
   m.def("prompt_scores(Tensor query, Tensor keys, Tensor log_weights, Tensor log_sum_exp, float scale, float decay, "
         "float input_scale) -> Tensor");
+  // The prompt's attention and its scores from one QK^T (CPU): values (B, H, T, d) -> the attention output
+  // softmax(scale * q.k + b) v as (B, q, Hq, d) in the query dtype (the layout the model's attention returns; 0 for a
+  // row that sees nothing), its log-sum-exp (B, Hq, q) float32 and prompt_scores' scores (B, H, T) float32.
+  m.def("prompt_attention_with_scores(Tensor query, Tensor keys, Tensor values, Tensor log_weights, float scale, "
+        "float decay, float input_scale) -> (Tensor, Tensor, Tensor)");
 }
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
@@ -103,7 +108,7 @@ TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
                          "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
-                         "paged_decode_attention"}) {
+                         "paged_decode_attention", "prompt_attention_with_scores"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

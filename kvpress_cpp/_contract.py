@@ -433,16 +433,29 @@ _declare(Contract(
     outputs=lambda v: [((v["B"], v["Hq"], v["q"]), F32)],
 ))
 
+def _prompt_score_weight_rules() -> list:
+    return [
+        Rule(lambda v: 0.0 < v["decay"] <= 1.0, lambda v: f"expected decay in (0, 1], got {v['decay']}"),
+        Rule(lambda v: _finite(v["input_scale"]) and v["input_scale"] >= 0,
+             lambda v: f"expected a finite input_scale >= 0, got {v['input_scale']}"),
+    ]
+
+
 _declare(Contract(
     "prompt_scores",
     _prompt_attention_args() + [Tensor("log_sum_exp", "B Hq q", F32), Scalar("scale"), Scalar("decay"),
                                 Scalar("input_scale")],
-    rules=_prompt_attention_rules() + [
-        Rule(lambda v: 0.0 < v["decay"] <= 1.0, lambda v: f"expected decay in (0, 1], got {v['decay']}"),
-        Rule(lambda v: _finite(v["input_scale"]) and v["input_scale"] >= 0,
-             lambda v: f"expected a finite input_scale >= 0, got {v['input_scale']}"),
-    ],
+    rules=_prompt_attention_rules() + _prompt_score_weight_rules(),
     outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+))
+
+_declare(Contract(
+    "prompt_attention_with_scores",
+    _prompt_attention_args()[:2] + [Tensor("values", "B H T d", "query"), _prompt_attention_args()[2],
+                                    Scalar("scale"), Scalar("decay"), Scalar("input_scale")],
+    rules=_prompt_attention_rules() + _prompt_score_weight_rules(),
+    outputs=lambda v: [((v["B"], v["q"], v["Hq"], v["d"]), "query"), ((v["B"], v["Hq"], v["q"]), F32),
+                       ((v["B"], v["H"], v["T"]), F32)],
 ))
 
 

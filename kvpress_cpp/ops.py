@@ -438,6 +438,53 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
     return torch.ops.kvcomp.prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale)
 
 
+# The CPU kernel's tiles (csrc/cpu/prompt_scores.cpp: kFusedQueryTile, kKeyTile, kRowBlock, kScoreChunks).
+_FUSED_QUERY_TILE, _KEY_TILE, _ROW_BLOCK, _SCORE_CHUNKS = 64, 128, 4, 4
+#: The most workspace :func:`prompt_attention_with_scores` may take (beyond its outputs) before its callers fall
+#: back to sdpa + :func:`prompt_scores` (the issue's bound on prompt scoring).
+FUSED_PROMPT_WORKSPACE_LIMIT = 64 * 2**20
+
+
+def prompt_attention_workspace_bytes(query: torch.Tensor, keys: torch.Tensor, threads: int | None = None) -> int:
+    """The dominant workspace of :func:`prompt_attention_with_scores` on CPU, in bytes: per thread, the probability
+    rows of one query tile over all T keys (G x 64 rows rounded to 4, times T rounded to 128, float32), plus the
+    partial column sums of up to 4 groups of query tiles per (batch, kv head). (Per-row tiles of d or T / 128 floats
+    come on top: under 2% of it.)"""
+    batch, query_heads, num_queries, _ = query.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    rows = -(-query_heads // kv_heads * _FUSED_QUERY_TILE // _ROW_BLOCK) * _ROW_BLOCK
+    padded_len = -(-total // _KEY_TILE) * _KEY_TILE
+    chunks = min(_SCORE_CHUNKS, -(-num_queries // _FUSED_QUERY_TILE))
+    threads = torch.get_num_threads() if threads is None else threads
+    return 4 * padded_len * (min(threads, chunks * batch * kv_heads) * rows + chunks * batch * kv_heads)
+
+
+def prompt_attention_with_scores(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                 log_weights: torch.Tensor, scale: float | None = None, decay: float = 1.0,
+                                 input_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompt's causal attention and its scores from one QKᵀ (CPU): what the model's prefill attention and
+    :func:`prompt_scores` compute apart, with every probability formed once.
+
+    Per (batch, kv head, tile of 64 queries x G heads) the logits against all keys, the exact log-sum-exp of every row,
+    P·V accumulated with an online softmax, and the normalised column sums weighted as in :func:`prompt_scores`
+    (queries whose weight is 0 in float32 add nothing). Deterministic (fixed reduction order, whatever the thread
+    count); workspace: :func:`prompt_attention_workspace_bytes`, which grows with T (callers check it against
+    :data:`FUSED_PROMPT_WORKSPACE_LIMIT`). No CUDA kernel: on CUDA, sdpa + :func:`prompt_scores`.
+
+    Args:
+        query, keys, log_weights, scale: as for :func:`prompt_log_sum_exp`.
+        values: (B, H, T, d), the dtype of query.
+        decay, input_scale: the query weights input_scale * decay^(q-1-j), as for :func:`prompt_scores`.
+
+    Returns:
+        (output (B, q, Hq, d) in the query dtype: softmax(scale * q·Kᵀ + b)·V, 0 for a row that sees nothing,
+        log_sum_exp (B, Hq, q) float32, scores (B, H, T) float32).
+    """
+    if scale is None:
+        scale = _default_scale("prompt_attention_with_scores", "query", query)
+    return torch.ops.kvcomp.prompt_attention_with_scores(query, keys, values, log_weights, scale, decay, input_scale)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_blocks: torch.Tensor,

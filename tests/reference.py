@@ -532,7 +532,19 @@ def prompt_scores(query, keys, log_weights, scale, decay, input_scale):
     weights = torch.tensor([input_scale * decay ** (num_queries - 1 - j) for j in range(num_queries)],
                            dtype=torch.float64, device=query.device)
     weighted = (probs * weights[:, None]).sum(2)  # (B, Hq, T)
-    return weighted.reshape(batch, kv_heads, -1, total_len).sum(2)
+    return weighted.reshape(batch, kv_heads, query.shape[1] // kv_heads, total_len).sum(2)
+
+
+def prompt_attention_with_scores(query, keys, values, log_weights, scale, decay, input_scale):
+    """The three outputs from their formulas, float64: the attention output ``softmax(logits) · V`` of
+    :func:`prompt_attention`'s logits (V repeated over the group, empty rows 0) as (B, q, Hq, d), the log-sum-exp
+    (B, Hq, q) and :func:`prompt_scores` (B, H, T)."""
+    logits = prompt_attention(query, keys, log_weights, scale)
+    empty_row = (logits == float("-inf")).all(-1, keepdim=True)
+    probs = torch.where(empty_row, 0.0, logits.softmax(-1))
+    group_values = values.double().repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+    return ((probs @ group_values).transpose(1, 2), logits.logsumexp(-1),
+            prompt_scores(query, keys, log_weights, scale, decay, input_scale))
 
 
 def gather_paged(blocks: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, fill: float = 0.0):

@@ -137,6 +137,10 @@ def _prompt_scores_build(r, s, dtype):
     return query, keys, log_weights, log_sum_exp, scale, r.choice([1.0, 0.98, 0.5]), r.uniform(0, 2)
 
 
+def _prompt_attention_with_scores_build(r, s, dtype):
+    return _decode_attention_build(r, s, dtype) + (r.choice([1.0, 0.98, 0.5]), r.uniform(0, 2))
+
+
 def _prompt_scores_given_lse(query, keys, log_weights, log_sum_exp, scale, decay, input_scale):
     """prompt_scores from the formula, normalised by the given log-sum-exp: exp(logit - lse) in float64, a row whose
     log-sum-exp is ±inf adding nothing (it sees no slot) and a NaN one making its slots NaN."""
@@ -388,6 +392,10 @@ FUZZ: dict[str, OpFuzz] = {
                             tolerance=lambda dtype: _low_precision(dtype, 3e-2),
                             nonfinite_unchecked="queries below float32 resolution are skipped, NaN ones included "
                             "(test_prompt_scores.py plants NaN there)"),
+    "prompt_attention_with_scores": OpFuzz(
+        _decode_attention_sizes, _prompt_attention_with_scores_build, reference.prompt_attention_with_scores,
+        tolerance=lambda dtype: _low_precision(dtype, 3e-2),
+        nonfinite_unchecked="NaN and inf follow the online softmax (test_prompt_attention_with_scores.py plants NaN)"),
     "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
                                      lambda *args: reference.paged_decode_attention(*args[:7]),
                                      tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad,

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -134,10 +135,11 @@ inline FloatVec load_to_register(const float* address) {
 #endif
 }
 
-// block[rr][v] = scale * rows[rr] · keys_t[:, c + v * kLanes + lane]: kRowBlock rows against kBlockVectors vectors of
-// keys.
-inline void product_block(const float* const* rows, const float* keys_t, int64_t head_dim, int64_t c, float scale,
-                          ProductBlock& block) {
+// block[rr][v] = scale * Σ_e rows[rr][e] · columns[e * column_stride + c + v * kLanes + lane], e < inner: kRowBlock
+// rows against kBlockVectors vectors of columns. Logits: query rows against the transposed key tile (inner = d,
+// column_stride = kKeyTile); P·V: probability rows against a value tile (inner = its keys, column_stride = padded d).
+inline void product_block(const float* const* rows, const float* columns, int64_t inner, int64_t column_stride,
+                          int64_t c, float scale, ProductBlock& block) {
   // Accumulated in a local array, which the compiler keeps in registers: `block` may alias the query rows (both are
   // floats to it), so accumulating there would store every accumulator at every step.
   ProductBlock acc;
@@ -146,9 +148,9 @@ inline void product_block(const float* const* rows, const float* keys_t, int64_t
   }
   const float* row_ptrs[kRowBlock];
   std::copy(rows, rows + kRowBlock, row_ptrs);
-  for (int64_t e = 0; e < head_dim; ++e) {
+  for (int64_t e = 0; e < inner; ++e) {
     FloatVec k[kBlockVectors];
-    for (int64_t v = 0; v < kBlockVectors; ++v) k[v] = load_to_register(keys_t + e * kKeyTile + c + v * kLanes);
+    for (int64_t v = 0; v < kBlockVectors; ++v) k[v] = load_to_register(columns + e * column_stride + c + v * kLanes);
     for (int64_t rr = 0; rr < kRowBlock; ++rr) {
       const FloatVec qe(row_ptrs[rr][e]);
       for (int64_t v = 0; v < kBlockVectors; ++v) acc[rr][v] = at::vec::fmadd(qe, k[v], acc[rr][v]);
@@ -167,7 +169,7 @@ void tile_logits(const float* const* rows, int64_t rows_pad, const float* keys_t
   for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
     for (int64_t c = 0; c < columns; c += kBlockKeys) {
       ProductBlock block;
-      product_block(rows + r, keys_t, head_dim, c, scale, block);
+      product_block(rows + r, keys_t, head_dim, kKeyTile, c, scale, block);
       for (int64_t rr = 0; rr < kRowBlock; ++rr) {
         for (int64_t v = 0; v < kBlockVectors; ++v) block[rr][v].store(logits + (r + rr) * kKeyTile + c + v * kLanes);
       }
@@ -335,7 +337,7 @@ void scores_task(const PromptLayout& layout, const scalar_t* query, const scalar
           *std::max_element(tile_rows.visible.begin() + r, tile_rows.visible.begin() + r + kRowBlock);
       for (int64_t c = 0; c < block_visible; c += kBlockKeys) {
         ProductBlock block;
-        product_block(scratch.rows.data() + r, scratch.keys_t.data(), d, c, layout.scale, block);
+        product_block(scratch.rows.data() + r, scratch.keys_t.data(), d, kKeyTile, c, layout.scale, block);
         for (int64_t rr = 0; rr < kRowBlock; ++rr) {
           const int64_t visible = tile_rows.visible[r + rr];
           const FloatVec lse_b(tile_rows.lse[r + rr]), weight_b(tile_rows.weight[r + rr]);
@@ -394,11 +396,261 @@ at::Tensor prompt_scores_cpu(const at::Tensor& query, const at::Tensor& keys, co
   return scores;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Fused: prompt_attention_with_scores, the prompt's attention output, log-sum-exp and scores from one QKᵀ.
+//
+// One task per (batch, kv-head, chunk of query tiles). For each query tile (the G x kFusedQueryTile rows of one kv
+// head), key tile by key tile: the logits block (the register-blocked product), each row's online max, the block
+// turned in place into exp(logit - running max) while it is in cache, and P·V accumulated into the rows' outputs by
+// the same product (probability rows against the value tile), rescaled when a row's max grows (flash attention's
+// online softmax). The block stays in the workspace with the max it was taken against, so once the row's exact
+// log-sum-exp is known a read-only sweep adds w_j · exp(tile max - lse) · block to the column sums: every
+// probability is computed once and normalised exactly. The column sums of a pair are split over kScoreChunks
+// contiguous groups of query tiles, each summing into its own partial row, and the partials are added in chunk
+// order afterwards: deterministic whatever the thread count, and up to B * H * kScoreChunks tasks in parallel.
+
+constexpr int64_t kFusedQueryTile = 64;  // queries per tile (mirrored by ops.prompt_attention_workspace_bytes)
+constexpr int64_t kScoreChunks = 4;      // groups of query tiles per (batch, kv-head) summing their own partial scores
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+struct FusedLayout {
+  PromptLayout prompt;  // query and key strides; prompt.shape
+  int64_t value_strides[3];
+  int64_t output_strides[3];  // batch, query, query head of the (B, q, Hq, d) output
+  int64_t padded_head_dim;    // d rounded to kBlockKeys: the value tile's and the output rows' width
+  int64_t padded_len;         // T rounded to kKeyTile: a probability row's width
+
+  int64_t query_tiles() const { return (prompt.shape.num_queries + kFusedQueryTile - 1) / kFusedQueryTile; }
+  int64_t max_rows() const { return round_up(prompt.shape.group_size * kFusedQueryTile, kRowBlock); }
+};
+
+// One thread's workspace: the probability rows of a query tile over all its keys (max_rows x padded_len floats:
+// what ops.prompt_attention_workspace_bytes bounds), and per-row tiles of size d or T / kKeyTile.
+struct FusedScratch {
+  TileScratch tiles;
+  std::vector<float> probs;       // [max_rows, padded_len]: exp(logit - tile_max[row][key tile])
+  std::vector<float> tile_max;    // [max_rows, key tiles]: the running max each key tile of a row was taken against
+  std::vector<float> outputs;     // [max_rows, padded_head_dim]: Σ exp(logit - running max) v, rescaled as it grows
+  std::vector<float> values;      // [kKeyTile, padded_head_dim]: the value tile as floats, zero columns past d
+  std::vector<kernels::SoftmaxPartial> rows_stats;  // [max_rows]
+  std::vector<int64_t> visible;   // [max_rows]: slots of the key tile each row sees (0 for padding rows)
+  std::vector<const float*> prob_rows;  // [max_rows]: each row's probabilities of the current key tile
+
+  explicit FusedScratch(const FusedLayout& layout)
+      : tiles(layout.prompt.shape), probs(layout.max_rows() * layout.padded_len),
+        tile_max(layout.max_rows() * (layout.padded_len / kKeyTile)),
+        outputs(layout.max_rows() * layout.padded_head_dim), values(kKeyTile * layout.padded_head_dim, 0.0f),
+        rows_stats(layout.max_rows()), visible(layout.max_rows()), prob_rows(layout.max_rows()) {}
+};
+
+template <typename scalar_t>
+void load_value_tile(const FusedLayout& layout, const scalar_t* values, int64_t key_begin, int64_t len,
+                     float* tile) {
+  const int64_t d = layout.prompt.shape.head_dim;
+  for (int64_t i = 0; i < len; ++i) {
+    const scalar_t* value = values + (key_begin + i) * layout.value_strides[2];
+    float* dst = tile + i * layout.padded_head_dim;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(value[e]);
+  }
+}
+
+// The logits of every row of the query tile against one key tile into probs (columns [key_begin, key_begin +
+// kKeyTile)), then in place exp(logit - the row's new running max); the rows' statistics and outputs rescaled.
+void fused_key_tile_softmax(const FusedLayout& layout, int64_t rows_pad, int64_t key_tile, int64_t len,
+                            FusedScratch& scratch) {
+  const int64_t d = layout.prompt.shape.head_dim, stride = layout.padded_len, key_tiles = stride / kKeyTile;
+  float* block = scratch.probs.data() + key_tile * kKeyTile;
+  const float* bias = scratch.tiles.bias.data();
+  const int64_t columns = round_up(len, kBlockKeys);
+  for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
+    const int64_t block_visible = *std::max_element(scratch.visible.begin() + r, scratch.visible.begin() + r + kRowBlock);
+    for (int64_t c = 0; c < columns; c += kBlockKeys) {
+      ProductBlock product;
+      if (c < block_visible) {
+        product_block(scratch.tiles.rows.data() + r, scratch.tiles.keys_t.data(), d, kKeyTile, c, layout.prompt.scale,
+                      product);
+      }
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+        for (int64_t v = 0; v < kBlockVectors; ++v) {
+          const int64_t lane0 = c + v * kLanes, visible = scratch.visible[r + rr];
+          const FloatVec logit = lane0 < visible
+                                     ? masked_logits(product[rr][v], bias, scratch.tiles.bias_finite, lane0, visible)
+                                     : FloatVec(-INFINITY);
+          logit.store(block + (r + rr) * stride + lane0);
+        }
+      }
+    }
+  }
+  for (int64_t row = 0; row < rows_pad; ++row) {
+    float* logits = block + row * stride;
+    kernels::SoftmaxPartial& stats = scratch.rows_stats[row];
+    FloatVec max_v(-INFINITY);
+    for (int64_t c = 0; c < scratch.visible[row]; c += kLanes) max_v = at::vec::maximum(max_v, FloatVec::loadu(logits + c));
+    const float tile_max = at::vec::vec_reduce_all<float>(
+        [](const FloatVec& a, const FloatVec& b) { return at::vec::maximum(a, b); }, max_v);
+    // A NaN logit makes the row's statistics, output and scores NaN (std::max would drop it).
+    const float running_max = std::isnan(tile_max) ? tile_max : std::max(stats.max, tile_max);
+    scratch.tile_max[row * key_tiles + key_tile] = running_max;
+    if (running_max == -INFINITY) {  // nothing seen yet: probabilities 0
+      std::fill(logits, logits + columns, 0.0f);
+      continue;
+    }
+    const FloatVec max_b(running_max);
+    FloatVec sum_v(0.0f);
+    for (int64_t c = 0; c < columns; c += kLanes) {
+      const FloatVec p = fast_exp(FloatVec::loadu(logits + c) - max_b);
+      p.store(logits + c);
+      sum_v = sum_v + p;
+    }
+    const float rescale = kernels::shifted_exp(stats.max, running_max);
+    if (rescale != 1.0f) {
+      float* output = scratch.outputs.data() + row * layout.padded_head_dim;
+      at::vec::map([rescale](FloatVec x) { return x * FloatVec(rescale); }, output, output, layout.padded_head_dim);
+    }
+    stats = {running_max,
+             stats.sum * rescale +
+                 at::vec::vec_reduce_all<float>([](const FloatVec& a, const FloatVec& b) { return a + b; }, sum_v)};
+  }
+}
+
+// outputs[row] += probs[row, key tile] · values (the value tile), len keys.
+void fused_key_tile_values(const FusedLayout& layout, int64_t rows_pad, int64_t key_tile, int64_t len,
+                           FusedScratch& scratch) {
+  const int64_t width = layout.padded_head_dim;
+  for (int64_t row = 0; row < rows_pad; ++row) {
+    scratch.prob_rows[row] = scratch.probs.data() + row * layout.padded_len + key_tile * kKeyTile;
+  }
+  for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
+    for (int64_t c = 0; c < width; c += kBlockKeys) {
+      ProductBlock product;
+      product_block(scratch.prob_rows.data() + r, scratch.values.data(), len, width, c, 1.0f, product);
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+        float* output = scratch.outputs.data() + (r + rr) * width + c;
+        for (int64_t v = 0; v < kBlockVectors; ++v) {
+          (FloatVec::loadu(output + v * kLanes) + product[rr][v]).store(output + v * kLanes);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void fused_query_tile(const FusedLayout& layout, const scalar_t* query, const scalar_t* keys, const scalar_t* values,
+                      const float* log_weights, ScoreWeights weights, int64_t pair, int64_t query_tile,
+                      FusedScratch& scratch, scalar_t* output, float* lse, float* partial_scores) {
+  const PromptScoresShape& shape = layout.prompt.shape;
+  const int64_t batch = pair / shape.kv_heads, head = pair % shape.kv_heads, d = shape.head_dim;
+  const int64_t query_begin = query_tile * kFusedQueryTile;
+  const int64_t tq = std::min(kFusedQueryTile, shape.num_queries - query_begin);
+  const int64_t rows = shape.group_size * tq;
+  const int64_t rows_pad = load_query_tile(layout.prompt, query, batch, head, query_begin, tq, scratch.tiles);
+  const scalar_t* pair_keys = keys + batch * layout.prompt.key_strides[0] + head * layout.prompt.key_strides[1];
+  const scalar_t* pair_values = values + batch * layout.value_strides[0] + head * layout.value_strides[1];
+  const float* pair_bias = log_weights + pair * shape.total_len;
+  std::fill(scratch.rows_stats.begin(), scratch.rows_stats.begin() + rows_pad, kernels::SoftmaxPartial{});
+  std::fill(scratch.outputs.begin(), scratch.outputs.begin() + rows_pad * layout.padded_head_dim, 0.0f);
+
+  const int64_t key_end = layout.prompt.position(query_begin + tq - 1) + 1;  // the newest row's causal limit
+  const int64_t key_tiles = (key_end + kKeyTile - 1) / kKeyTile, all_key_tiles = layout.padded_len / kKeyTile;
+  for (int64_t key_tile = 0; key_tile < key_tiles; ++key_tile) {
+    const int64_t key_begin = key_tile * kKeyTile, len = std::min(kKeyTile, key_end - key_begin);
+    load_key_tile(layout.prompt, pair_keys, pair_bias, key_begin, len, scratch.tiles);
+    load_value_tile(layout, pair_values, key_begin, len, scratch.values.data());
+    for (int64_t row = 0; row < rows_pad; ++row) {
+      scratch.visible[row] =
+          row < rows ? visible_slots(layout.prompt.position(query_begin + row % tq), key_begin, len) : 0;
+    }
+    fused_key_tile_softmax(layout, rows_pad, key_tile, len, scratch);
+    fused_key_tile_values(layout, rows_pad, key_tile, len, scratch);
+  }
+
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t g = row / tq, t = row % tq, query_head = head * shape.group_size + g;
+    const kernels::SoftmaxPartial stats = scratch.rows_stats[row];
+    const float row_lse = kernels::row_log_sum_exp(stats);
+    lse[(batch * shape.query_heads + query_head) * shape.num_queries + query_begin + t] = row_lse;
+    const float inverse = kernels::inverse_sum(stats.sum);
+    const float* accumulated = scratch.outputs.data() + row * layout.padded_head_dim;
+    scalar_t* out = output + batch * layout.output_strides[0] + (query_begin + t) * layout.output_strides[1] +
+                    query_head * layout.output_strides[2];
+    for (int64_t e = 0; e < d; ++e) out[e] = static_cast<scalar_t>(accumulated[e] * inverse);
+
+    // A zero weight (an empty row, input_scale 0, or decay^age below float range) adds nothing: skipped exactly.
+    const float weight = row_lse == -INFINITY ? 0.0f
+                                              : kernels::query_weight(weights.decay, weights.input_scale,
+                                                                      shape.num_queries - 1 - (query_begin + t));
+    if (weight == 0.0f) continue;
+    const float* probs = scratch.probs.data() + row * layout.padded_len;
+    const int64_t visible_end = layout.prompt.position(query_begin + t) + 1;
+    for (int64_t key_tile = 0; key_tile * kKeyTile < visible_end; ++key_tile) {
+      const float tile_max = scratch.tile_max[row * all_key_tiles + key_tile];
+      const FloatVec coefficient(weight * kernels::chunk_normaliser(tile_max, stats));
+      const int64_t begin = key_tile * kKeyTile, end = std::min(begin + kKeyTile, visible_end);
+      // Lanes past the row's causal limit are left alone: a NaN row holds NaN there too.
+      for (int64_t c = begin; c < end; c += kLanes) {
+        const int64_t lanes = std::min(kLanes, end - c);
+        at::vec::fmadd(coefficient, FloatVec::loadu(probs + c, lanes), FloatVec::loadu(partial_scores + c, lanes))
+            .store(partial_scores + c, lanes);
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_attention_with_scores_cpu(
+    const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_weights,
+    double scale, double decay, double input_scale) {
+  const PromptScoresShape shape =
+      check_prompt_attention_with_scores(query, keys, values, log_weights, scale, decay, input_scale);
+  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor values_c = unit_stride_last(values), log_weights_c = log_weights.contiguous();
+  at::Tensor output = at::empty({shape.batch, shape.num_queries, shape.query_heads, shape.head_dim}, query.options());
+  at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
+  const FusedLayout layout{make_layout(shape, query_c, keys_c, scale),
+                           {values_c.stride(0), values_c.stride(1), values_c.stride(2)},
+                           {output.stride(0), output.stride(1), output.stride(2)},
+                           round_up(shape.head_dim, kBlockKeys),
+                           round_up(shape.total_len, kKeyTile)};
+  const int64_t pairs = shape.batch * shape.kv_heads, query_tiles = layout.query_tiles();
+  const int64_t chunks = std::min(kScoreChunks, query_tiles);
+  // Partial column sums [chunk, pair, padded_len]; the lanes past T of the last key tile only ever add 0.
+  at::Tensor partial_scores = at::zeros({chunks, pairs, layout.padded_len}, query.options().dtype(at::kFloat));
+  const ScoreWeights weights{decay, input_scale};
+  KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::prompt_attention_with_scores", [&] {
+    at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
+      FusedScratch scratch(layout);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t chunk = task / pairs, pair = task % pairs;
+        for (int64_t query_tile = chunk * query_tiles / chunks; query_tile < (chunk + 1) * query_tiles / chunks;
+             ++query_tile) {
+          fused_query_tile(layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+                           values_c.const_data_ptr<scalar_t>(), log_weights_c.const_data_ptr<float>(), weights, pair,
+                           query_tile, scratch, output.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(),
+                           partial_scores.mutable_data_ptr<float>() + (chunk * pairs + pair) * layout.padded_len);
+        }
+      }
+    });
+  });
+  // The chunks' partial sums added in chunk order (a fixed order, not at::sum's, which may split by thread count).
+  at::Tensor scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
+  const float* partial = partial_scores.const_data_ptr<float>();
+  float* out = scores.mutable_data_ptr<float>();
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    for (int64_t i = 0; i < shape.total_len; ++i) {
+      float sum = 0.0f;
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) sum += partial[(chunk * pairs + pair) * layout.padded_len + i];
+      out[pair * shape.total_len + i] = sum;
+    }
+  }
+  return {output, lse, scores};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcomp, CPU, m) {
   m.impl("prompt_log_sum_exp", &prompt_log_sum_exp_cpu);
   m.impl("prompt_scores", &prompt_scores_cpu);
+  m.impl("prompt_attention_with_scores", &prompt_attention_with_scores_cpu);
 }
 
 }  // namespace kvcomp

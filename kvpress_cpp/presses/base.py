@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import (padding_log_weights, patch_eager_attention, request_prefill_log_sum_exp,
+from kvpress_cpp.attention import (padding_log_weights, patch_eager_attention, request_prefill_scores,
                                    take_prefill_attention)
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
@@ -61,12 +61,15 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
 def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
                  kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
     """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
-    by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. The queries and the
-    log-sum-exp of the layer's own sdpa prompt pass are reused when the press asked for them (CPU, no padding);
-    otherwise the queries are recomputed and the op computes the log-sum-exp.
+    by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. When the press asked the
+    layer's own sdpa prompt pass for them (CPU, no padding: :meth:`KVCompPress.prompt_score_weights`), the scores it
+    computed with the attention are taken as they are, or its queries and log-sum-exp reused; otherwise the queries
+    are recomputed and the op computes the log-sum-exp.
     """
     kept = take_prefill_attention(module, keys.shape[-2])
-    queries, lse = kept if kept is not None else (query_states(module, hidden_states, kwargs), None)
+    if kept is not None and kept.scores is not None and kept.weights == (decay, input_scale) and first_query == 0:
+        return kept.scores
+    queries, lse = kept[:2] if kept is not None else (query_states(module, hidden_states, kwargs), None)
     queries = queries[:, :, first_query:]
     if lse is not None:
         lse = lse[:, :, first_query:]
@@ -129,15 +132,18 @@ class KVCompPress(BasePress):
     handles_padding: ClassVar[bool] = False
     #: Whether the press can compress a prompt another press already shrank (its slots no longer one per token).
     compresses_compressed_prompt: ClassVar[bool] = False
-    #: Whether compress_prefill scores the prompt with score_prompt: its layers' sdpa prompt pass then keeps its
-    #: queries and their log-sum-exp for it (only while the press's own context is active).
-    scores_prompt: ClassVar[bool] = False
 
     # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,), and the layers
     # whose counts are this rank's heads only, to be gathered over the tensor-parallel ranks.
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def prompt_score_weights(self, module: nn.Module) -> tuple[float, float] | None:
+        """(decay, input_scale) of the score_prompt call compress_prefill makes on `module`, or None if it makes
+        none: the layer's sdpa prompt pass then computes those scores with its attention (only while the press's own
+        context is active)."""
+        return None
 
     def compress_prefill(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, attentions: torch.Tensor | None, log_weights: torch.Tensor,
@@ -310,13 +316,13 @@ class KVCompPress(BasePress):
     def __call__(self, model):
         attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
         for module in attention_modules:
-            request_prefill_log_sum_exp(module, self.scores_prompt)
+            request_prefill_scores(module, self.prompt_score_weights(module))
         try:
             with super().__call__(model):
                 yield
         finally:
             for module in attention_modules:
-                request_prefill_log_sum_exp(module, False)
+                request_prefill_scores(module, None)
 
 
 @dataclass

@@ -44,7 +44,8 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     evict_only: bool = False
     prefill_chunk_size: int | None = None
 
-    scores_prompt = True
+    def prompt_score_weights(self, module):
+        return 1.0, 1.0 / query_group_size(module)  # compress_prefill's score_prompt call
 
     def __post_init__(self):
         if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (

@@ -52,7 +52,8 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     eviction_order: str = "authors"
     prefill_chunk_size: int | None = None
 
-    scores_prompt = True
+    def prompt_score_weights(self, module):
+        return self.decay, 1.0  # compress_prefill's score_prompt call
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not (

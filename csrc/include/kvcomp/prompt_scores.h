@@ -1,9 +1,11 @@
-// Validation and output shapes of the prompt_scores family (prompt_log_sum_exp, prompt_scores), called first by the CPU and the CUDA kernels alike.
+// Validation and output shapes of the prompt_scores family (prompt_log_sum_exp, prompt_scores,
+// prompt_attention_with_scores), called first by the CPU and the CUDA kernels alike.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
+#include <string>
 
 #include "kvcomp/attention.h"
 #include "kvcomp/checks.h"
@@ -42,6 +44,24 @@ inline PromptScoresShape check_prompt_attention(const char* op, const at::Tensor
   return shape;
 }
 
+// A tensor whose `dims` sizes are the first `dims` of `like`'s (named like_name), of the given dtype, on like's
+// device.
+inline void check_shaped_like(const char* op, const char* name, const at::Tensor& t, const char* shape,
+                              at::ScalarType dtype, const char* like_name, const at::Tensor& like, int64_t dims) {
+  check_dim(op, name, t, dims, shape);
+  check_dtype(op, name, t, dtype);
+  check_same_device(op, name, t, like_name, like);
+  const std::string meaning = std::string("the size of ") + like_name;
+  for (int64_t dim = 0; dim < dims; ++dim) check_size(op, name, t, dim, like.size(dim), meaning.c_str());
+}
+
+// The query weights input_scale * decay^age of the scores.
+inline void check_prompt_score_weights(const char* op, double decay, double input_scale) {
+  TORCH_CHECK(decay > 0.0 && decay <= 1.0, op, ": expected decay in (0, 1], got ", decay);
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0.0, op, ": expected a finite input_scale >= 0, got ",
+              input_scale);
+}
+
 inline PromptScoresShape check_prompt_log_sum_exp(const at::Tensor& query, const at::Tensor& keys,
                                                   const at::Tensor& log_weights, double scale) {
   return check_prompt_attention("kvcomp::prompt_log_sum_exp", query, keys, log_weights, scale);
@@ -52,15 +72,18 @@ inline PromptScoresShape check_prompt_scores(const at::Tensor& query, const at::
                                              double scale, double decay, double input_scale) {
   constexpr const char* op = "kvcomp::prompt_scores";
   const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
-  check_dim(op, "log_sum_exp", log_sum_exp, 3, "(B, Hq, q)");
-  check_dtype(op, "log_sum_exp", log_sum_exp, at::kFloat);
-  check_same_device(op, "log_sum_exp", log_sum_exp, "query", query);
-  for (int64_t dim = 0; dim < 3; ++dim) {
-    check_size(op, "log_sum_exp", log_sum_exp, dim, query.size(dim), "the size of query");
-  }
-  TORCH_CHECK(decay > 0.0 && decay <= 1.0, op, ": expected decay in (0, 1], got ", decay);
-  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0.0, op, ": expected a finite input_scale >= 0, got ",
-              input_scale);
+  check_shaped_like(op, "log_sum_exp", log_sum_exp, "(B, Hq, q)", at::kFloat, "query", query, query.dim() - 1);
+  check_prompt_score_weights(op, decay, input_scale);
+  return shape;
+}
+
+inline PromptScoresShape check_prompt_attention_with_scores(const at::Tensor& query, const at::Tensor& keys,
+                                                             const at::Tensor& values, const at::Tensor& log_weights,
+                                                             double scale, double decay, double input_scale) {
+  constexpr const char* op = "kvcomp::prompt_attention_with_scores";
+  const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
+  check_shaped_like(op, "values", values, "(B, H, T, d)", query.scalar_type(), "keys", keys, keys.dim());
+  check_prompt_score_weights(op, decay, input_scale);
   return shape;
 }
 
