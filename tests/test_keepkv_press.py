@@ -137,6 +137,24 @@ def test_pyramid_budgets_decay_and_average_to_the_uniform_budget():
     assert sum(sizes) / len(sizes) == 32
 
 
+def test_recent_window_as_a_fraction_of_the_budget():
+    """recent=0.5 with a budget of 24 slots is the window of 12 tokens (the paper gives the window as a share of
+    the budget): the same cache as recent=12, and the prompt's last 12 keys are kept as they are (threshold 1: no
+    merge changes a kept key)."""
+    model, tokenizer = make_tiny_llama()
+    input_ids = prompt_ids(tokenizer, 64)
+    tokens_fraction, by_fraction = greedy(model, input_ids, press=KeepKVPress(budget=24, recent=0.5,
+                                                                              similarity_threshold=1.0), max_new_tokens=1)
+    tokens_count, by_count = greedy(model, input_ids, press=KeepKVPress(budget=24, recent=12,
+                                                                        similarity_threshold=1.0), max_new_tokens=1)
+    _, full = greedy(model, input_ids, max_new_tokens=1)
+    assert torch.equal(tokens_fraction, tokens_count)
+    for layer, same, uncompressed in zip(by_fraction.layers, by_count.layers, full.layers):
+        assert get_state(layer).counters["recent"] == 12
+        torch.testing.assert_close(layer.keys, same.keys, rtol=0, atol=0)
+        torch.testing.assert_close(layer.keys[..., -12:, :], uncompressed.keys[..., 64 - 12:64, :], rtol=0, atol=0)
+
+
 def test_budget_without_room_for_heavy_hitters_is_refused():
     model, tokenizer = make_tiny_llama()
     with pytest.raises(ValueError, match="KeepKVPress: a budget of 16 slots .* leaves no heavy hitter"):
@@ -146,7 +164,8 @@ def test_budget_without_room_for_heavy_hitters_is_refused():
 @pytest.mark.parametrize("kwargs,message", [
     ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
     ({"budget": True}, "budget must be a token count"), ({"sinks": -1}, "sinks must be ≥ 0"),
-    ({"recent": 0}, "recent must be ≥ 1"), ({"similarity_threshold": 1.5}, r"similarity_threshold must be in \[-1, 1\]"),
+    ({"recent": 0}, "recent must be a token count ≥ 1"), ({"recent": 1.0}, r"fraction of the budget in \(0, 1\)"),
+    ({"similarity_threshold": 1.5}, r"similarity_threshold must be in \[-1, 1\]"),
     ({"ema_decay": 1.0}, r"ema_decay \(β\) must be in \(0, 1\)"), ({"ema_decay": 0.0}, r"ema_decay \(β\)"),
     ({"scorer": "knorm"}, "scorer must be a kvpress ScorerPress"), ({"layer_budgets": "linear"}, "layer_budgets must"),
     ({"merge_first": True, "scorer": KnormPress()}, "merge_first .* cannot be combined with a scorer"),

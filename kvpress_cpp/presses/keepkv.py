@@ -34,7 +34,9 @@ class KeepKVPress(KVCompDecodingPress):
         budget: M, the slots kept per layer and kv head, sinks and recent window included: a token count (int ≥ 1)
             or a fraction of the prompt length (float in (0, 1]).
         sinks: leading tokens never evicted (paper: 4).
-        recent: R, the recent window never evicted; the last R prompt queries initialise the EMA.
+        recent: R, the recent window never evicted; the last R prompt queries initialise the EMA. A token count
+            (int ≥ 1) or a fraction of the layer's budget M (float in (0, 1)), the form of the paper's appendix
+            ("the ratio between the recent window and the heavy hitter varies between 5:1 and 4:1": 0.8).
         similarity_threshold: an evicted slot merges only if its best key cosine reaches it (paper: 0.8).
         ema_decay: β of the EMA score estimate (not given by the paper: 0.9).
         convex: merge keys convexly, ``Σ w k / Σ w`` (the authors' released code) instead of eq. 7's ZIP key.
@@ -50,7 +52,7 @@ class KeepKVPress(KVCompDecodingPress):
 
     budget: int | float = 0.25
     sinks: int = 4
-    recent: int = 32
+    recent: int | float = 0.8
     similarity_threshold: float = 0.8
     ema_decay: float = 0.9
     convex: bool = False
@@ -65,8 +67,10 @@ class KeepKVPress(KVCompDecodingPress):
                              f"got {self.budget!r}")
         if self.sinks < 0:
             raise ValueError(f"KeepKVPress: sinks must be ≥ 0, got {self.sinks}")
-        if self.recent < 1:
-            raise ValueError(f"KeepKVPress: recent must be ≥ 1, got {self.recent}")
+        if isinstance(self.recent, bool) or not ((isinstance(self.recent, int) and self.recent >= 1) or (
+                isinstance(self.recent, float) and 0 < self.recent < 1)):
+            raise ValueError(f"KeepKVPress: recent must be a token count ≥ 1 or a fraction of the budget in (0, 1), "
+                             f"got {self.recent!r}")
         if not -1 <= self.similarity_threshold <= 1:
             raise ValueError(f"KeepKVPress: similarity_threshold must be in [-1, 1], got {self.similarity_threshold}")
         if not 0 < self.ema_decay < 1:
@@ -100,11 +104,12 @@ class KeepKVPress(KVCompDecodingPress):
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         length = keys.shape[-2]
         budget = self.layer_budget(length, module.layer_idx, module.config.num_hidden_layers)
-        if self.sinks + self.recent >= budget:
+        recent = self.recent if isinstance(self.recent, int) else max(1, round(self.recent * budget))
+        if self.sinks + recent >= budget:
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
-                             f"hitter after {self.sinks} sinks and a recent window of {self.recent}; raise the budget "
+                             f"hitter after {self.sinks} sinks and a recent window of {recent}; raise the budget "
                              f"or lower sinks / recent")
-        steps = min(self.recent, length)
+        steps = min(recent, length)
         queries = query_states(module, hidden_states[:, length - steps:], _last_positions(kwargs, steps))
         logits = _group_logits(queries, keys, module.scaling)
         causal = torch.arange(length, device=keys.device) > torch.arange(length - steps, length,
@@ -113,7 +118,7 @@ class KeepKVPress(KVCompDecodingPress):
                                   logits.masked_fill(causal, float("-inf")))
         votes = torch.ones_like(log_ema)
         state = LayerState(log_weights, {"log_ema": log_ema, "age": age, "votes": votes},
-                           {"budget": budget, "tokens_seen": length})
+                           {"budget": budget, "recent": recent, "tokens_seen": length})
         # Tokens dropped without merge (the votes of the slots dropped), per (batch, kv head): a (B, H) float32
         # tensor kept on the device (an int would cost a host sync per step).
         state.counters["dropped"] = torch.zeros(keys.shape[:2], dtype=torch.float32, device=keys.device)
@@ -174,7 +179,7 @@ class KeepKVPress(KVCompDecodingPress):
         ranking = (log_estimate if ranking is None else ranking).nan_to_num(nan=float("-inf"))
         protected = torch.zeros(length, dtype=torch.bool, device=keys.device)
         protected[:self.sinks] = True
-        protected[length - self.recent:] = True
+        protected[length - state.counters["recent"]:] = True
         ranking = ranking.masked_fill(state.per_slot["votes"] <= 0, float("-inf")).masked_fill(protected, float("inf"))
         evicted = torch.topk(ranking, length - budget, dim=-1, largest=False).indices
         keep = torch.ones_like(ranking, dtype=torch.bool).scatter(-1, evicted, False)
@@ -199,12 +204,13 @@ class KeepKVPress(KVCompDecodingPress):
         of the upper half where the similarity reaches the threshold (so a pair merges into its heavier member and
         chains are cut). Merged-away slots stay in place with 0 votes, and are the first evicted by ``_evict``."""
         length = keys.shape[-2]
-        count = length - self.sinks - self.recent
+        recent = state.counters["recent"]
+        count = length - self.sinks - recent
         if count < 2:
             return keys, values, state
         log_estimate = self.log_estimate(state)
         middle = torch.zeros(length, dtype=torch.bool, device=keys.device)
-        middle[self.sinks:length - self.recent] = True
+        middle[self.sinks:length - recent] = True
         ranking = log_estimate.nan_to_num(nan=float("-inf")).masked_fill(~middle, float("inf"))
         lower = torch.topk(ranking, count // 2, dim=-1, largest=False).indices
         keep = torch.ones_like(ranking, dtype=torch.bool).scatter(-1, lower, False)
