@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -306,12 +307,34 @@ struct StepScalars {
 
 // Per-thread buffers of one row's step.
 struct StepScratch {
-  std::vector<float> log_normalisers, log_ema, age, votes, log_estimate, eviction_key, scratch, acc;
+  std::vector<float> log_normalisers, group_factors, log_mean, sums, log_ema, age, votes, log_estimate, eviction_key,
+      scratch, acc;
   std::vector<int64_t> order, targets, evicted, retained, destination;
   std::vector<std::pair<int64_t, int64_t>> pairs;
   std::unique_ptr<bool[]> keep;
   int64_t keep_size = 0;
 };
+
+// ln(e^a + e^b) lane by lane (kernels::log_add_exp): -inf where both are -inf.
+FloatVec log_add_exp(const FloatVec& a, const FloatVec& b) {
+  const FloatVec high = at::vec::maximum(a, b), low = at::vec::minimum(a, b);
+  const FloatVec sum = high + (low - high).exp().log1p();
+  return FloatVec::blendv(sum, high, high == FloatVec(-kernels::infinity()));
+}
+
+// ln(1 - e^x) lane by lane for x <= 0 (kernels::log_one_minus_exp).
+FloatVec log_one_minus_exp(const FloatVec& x) {
+  const FloatVec near_zero = (FloatVec(0.0f) - x.expm1()).log(), far = (FloatVec(0.0f) - x.exp()).log1p();
+  return FloatVec::blendv(far, near_zero, x > FloatVec(-0.69314718f));
+}
+
+// KeepKV's attention bias ln p of `count` votes (α = 1: -inf for p = 0).
+void log_votes(const float* votes, int64_t count, float* out) {
+  for (int64_t t = 0; t < count; t += FloatVec::size()) {
+    const int64_t lanes = std::min<int64_t>(FloatVec::size(), count - t);
+    FloatVec::loadu(votes + t, lanes).log().store(out + t, lanes);
+  }
+}
 
 // ln of the softmax normaliser of every (g, j) query row of one kv head, from its slot of largest probability:
 // LSE = q·k·scale + b - ln p there (one dot product a row), so that ℓ = ln p - b + LSE for every slot.
@@ -350,31 +373,62 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
   w.log_ema.resize(slots);
   w.age.resize(slots);
   w.votes.resize(slots);
+  // s̄ = (1/G) Σ_g p_g exp(LSE_g - b): with the query's largest LSE factored out, one weighted sum and one log a
+  // slot, vectorised over the slots. A sum below FLT_MIN (every term underflowed, or none: p = 0) is redone in the
+  // log domain.
+  w.group_factors.resize(group);
+  w.log_mean.resize(slots);
+  w.sums.resize(slots);
+  std::fill(w.log_ema.begin(), w.log_ema.end(), -kernels::infinity());  // the fold of the new queries, first
   const float log_group = logf(static_cast<float>(group));
-  for (int64_t t = 0; t < slots; ++t) {
-    float folded = -kernels::infinity();
-    for (int64_t j = 0; j < new_tokens; ++j) {
-      // ln of the group mean of exp(ℓ) = logsumexp_g(ℓ_g) - ln G, with ℓ_g = ln p - b + LSE (-inf where p = 0).
+  for (int64_t j = 0; j < new_tokens; ++j) {
+    const float* normalisers = w.log_normalisers.data() + j;  // stride new_tokens over g
+    float shift = -kernels::infinity();
+    for (int64_t g = 0; g < group; ++g) shift = std::max(shift, normalisers[g * new_tokens]);
+    for (int64_t g = 0; g < group; ++g) w.group_factors[g] = expf(normalisers[g * new_tokens] - shift);
+    const float weight = scalars.log_fold_weight + scalars.log_decay * static_cast<float>(new_tokens - 1 - j);
+    const FloatVec offset(shift - log_group + weight);
+    for (int64_t t = 0; t < slots; t += FloatVec::size()) {
+      const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
+      FloatVec sum(0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        sum = at::vec::fmadd(FloatVec::loadu(probabilities + (g * new_tokens + j) * slots + t, lanes),
+                             FloatVec(w.group_factors[g]), sum);
+      }
+      sum.store(w.sums.data() + t, lanes);
+      (sum.log() + offset - FloatVec::loadu(log_weights + t, lanes)).store(w.log_mean.data() + t, lanes);
+    }
+    for (int64_t t = 0; t < slots; ++t) {
+      if (w.sums[t] >= FLT_MIN) continue;
       float high = -kernels::infinity();
       for (int64_t g = 0; g < group; ++g) {
         const float p = probabilities[(g * new_tokens + j) * slots + t];
-        if (p > 0.0f) high = std::max(high, logf(p) - log_weights[t] + w.log_normalisers[g * new_tokens + j]);
+        if (p > 0.0f) high = std::max(high, logf(p) + normalisers[g * new_tokens]);
       }
-      float log_mean = high;
-      if (high > -kernels::infinity()) {
-        float sum = 0.0f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = probabilities[(g * new_tokens + j) * slots + t];
-          if (p > 0.0f) sum += expf(logf(p) - log_weights[t] + w.log_normalisers[g * new_tokens + j] - high);
-        }
-        log_mean = high + logf(sum) - log_group;
+      float total = 0.0f;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = probabilities[(g * new_tokens + j) * slots + t];
+        if (p > 0.0f) total += expf(logf(p) + normalisers[g * new_tokens] - high);
       }
-      const float weight = scalars.log_fold_weight + scalars.log_decay * static_cast<float>(new_tokens - 1 - j);
-      folded = kernels::log_add_exp(folded, log_mean + weight);
+      w.log_mean[t] = high == -kernels::infinity() ? high  // the query sees no slot t: adds nothing
+                                                  : high + logf(total) - log_group - log_weights[t] + weight;
     }
+    for (int64_t t = 0; t < slots; t += FloatVec::size()) {
+      const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
+      log_add_exp(FloatVec::loadu(w.log_ema.data() + t, lanes), FloatVec::loadu(w.log_mean.data() + t, lanes))
+          .store(w.log_ema.data() + t, lanes);
+    }
+  }
+  // S <- β^q S + the fold; each slot's age grows by the new queries that see it (the new tokens are the last q
+  // slots: slot t is seen by min(q, T - t)).
+  const float log_decay_q = static_cast<float>(new_tokens) * scalars.log_decay;
+  for (int64_t t = 0; t < old_slots; t += FloatVec::size()) {
+    const int64_t lanes = std::min<int64_t>(FloatVec::size(), old_slots - t);
+    log_add_exp(FloatVec::loadu(log_ema_in + t, lanes) + FloatVec(log_decay_q), FloatVec::loadu(w.log_ema.data() + t, lanes))
+        .store(w.log_ema.data() + t, lanes);
+  }
+  for (int64_t t = 0; t < slots; ++t) {
     const bool is_old = t < old_slots;
-    const float decayed = (is_old ? log_ema_in[t] : -kernels::infinity()) + static_cast<float>(new_tokens) * scalars.log_decay;
-    w.log_ema[t] = kernels::log_add_exp(decayed, folded);
     w.age[t] = (is_old ? age_in[t] : 0.0f) + static_cast<float>(std::min(new_tokens, slots - t));
     w.votes[t] = is_old ? votes_in[t] : 1.0f;
   }
@@ -385,7 +439,7 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
     std::copy_n(w.log_ema.data(), slots, out_log_ema);
     std::copy_n(w.age.data(), slots, out_age);
     std::copy_n(w.votes.data(), slots, out_votes);
-    for (int64_t t = 0; t < slots; ++t) out_log_weights[t] = logf(w.votes[t]);
+    log_votes(w.votes.data(), slots, out_log_weights);
     *out_dropped = 0.0f;
     return;
   }
@@ -393,8 +447,13 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
   w.log_estimate.resize(slots);
   w.eviction_key.resize(slots);
   w.order.resize(slots);
+  for (int64_t t = 0; t < slots; t += FloatVec::size()) {  // ln ŝ = ln S - ln(1 - β^age)
+    const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
+    const FloatVec decay_powers = FloatVec::loadu(w.age.data() + t, lanes) * FloatVec(scalars.log_decay);
+    (FloatVec::loadu(w.log_ema.data() + t, lanes) - log_one_minus_exp(decay_powers))
+        .store(w.log_estimate.data() + t, lanes);
+  }
   for (int64_t t = 0; t < slots; ++t) {
-    w.log_estimate[t] = kernels::keepkv_log_estimate(w.log_ema[t], w.age[t], scalars.log_decay);
     const bool is_protected = t < scalars.sinks || t >= slots - scalars.recent;
     w.eviction_key[t] = kernels::keepkv_eviction_key(w.log_estimate[t], w.votes[t], is_protected);
     w.order[t] = t;
@@ -454,7 +513,7 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
     }
     begin = end;
   }
-  for (int64_t r = 0; r < kept; ++r) out_log_weights[r] = logf(out_votes[r]);
+  log_votes(out_votes, kept, out_log_weights);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cpu(

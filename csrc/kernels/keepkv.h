@@ -182,7 +182,7 @@ KVCOMP_HOST_DEVICE inline float zip_max_log(float current, float vote, float log
 // ln(e^a + e^b), -inf when both are -inf.
 KVCOMP_HOST_DEVICE inline float log_add_exp(float a, float b) {
   const float high = a > b ? a : b, low = a > b ? b : a;
-  if (high == -infinity()) return high;
+  if (low == -infinity()) return high;  // also both -inf
   return high + log1pf(expf(low - high));
 }
 
