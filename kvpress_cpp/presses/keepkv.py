@@ -19,6 +19,7 @@ import torch
 from kvpress.presses.scorer_press import ScorerPress
 
 from kvpress_cpp import ops
+from kvpress_cpp.attention import take_decode_query
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
 from kvpress_cpp.presses.base import KVCompDecodingPress, query_states
 from kvpress_cpp.presses.kvzap import KVzapPress
@@ -130,10 +131,13 @@ class KeepKVPress(KVCompDecodingPress):
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
         log_weights = state.align(keys.shape[-2] - new_tokens, new_tokens)  # the new tokens' b = 0 included
+        queries = take_decode_query(module, new_tokens)
+        if queries is None or queries.shape[0] != keys.shape[0]:  # a padded batch's row (RowStates): its own queries
+            queries = query_states(module, hidden_states, kwargs)
         # One op folds the new queries into every slot's EMA (their logits recovered from the attention's
         # probabilities, not recomputed over the keys) and, past the budget, evicts, merges and packs the layer.
         keys, values, log_ema, age, votes, state.log_weights, dropped = ops.keepkv_decode_step(
-            keys, values, query_states(module, hidden_states, kwargs), attentions, log_weights,
+            keys, values, queries, attentions, log_weights,
             state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"], module.scaling,
             self.ema_decay, state.counters["budget"], self.sinks, self.recent, self.similarity_threshold, self.convex)
         state.per_slot = {"log_ema": log_ema, "age": age, "votes": votes}
