@@ -212,7 +212,7 @@ def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(
             log_weights = torch.nn.functional.pad(state.log_weights, (0, keys.shape[-2] - state.log_weights.shape[-1]))
             expected = attention_output_float64(query, keys, values, log_weights, module.scaling)
             _, _, votes, log_estimate, targets = reference.keepkv_step_selection(
-                keys, query, log_weights, state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"],
+                keys, query, attentions, log_weights, state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"],
                 module.scaling, self.ema_decay, state.counters["budget"], self.sinks, self.recent,
                 self.similarity_threshold)
             fallback_heads = rows_with_convex_fallback(votes, log_estimate, targets)

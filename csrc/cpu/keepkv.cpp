@@ -410,8 +410,10 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
         const float p = probabilities[(g * new_tokens + j) * slots + t];
         if (p > 0.0f) total += expf(logf(p) + normalisers[g * new_tokens] - high);
       }
-      w.log_mean[t] = high == -kernels::infinity() ? high  // the query sees no slot t: adds nothing
-                                                  : high + logf(total) - log_group - log_weights[t] + weight;
+      // -inf: the query sees no slot t (adds nothing); +inf: a logit overflowed float32 (as logsumexp, +inf).
+      w.log_mean[t] = (high == -kernels::infinity() || high == kernels::infinity())
+                          ? high
+                          : high + logf(total) - log_group - log_weights[t] + weight;
     }
     for (int64_t t = 0; t < slots; t += FloatVec::size()) {
       const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
