@@ -315,7 +315,7 @@ struct StepScratch {
   int64_t keep_size = 0;
 };
 
-// ln(e^a + e^b) lane by lane (kernels::log_add_exp): -inf where both are -inf.
+// ln(e^a + e^b) lane by lane: -inf where both are -inf.
 FloatVec log_add_exp(const FloatVec& a, const FloatVec& b) {
   const FloatVec high = at::vec::maximum(a, b), low = at::vec::minimum(a, b);
   const FloatVec sum = high + (low - high).exp().log1p();

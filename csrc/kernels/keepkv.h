@@ -177,23 +177,12 @@ KVCOMP_HOST_DEVICE inline float zip_max_log(float current, float vote, float log
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// keepkv_decode_step: the EMA score estimate (eq. 8) of every slot, in the log domain, and the eviction ranking.
-
-// ln(e^a + e^b), -inf when both are -inf.
-KVCOMP_HOST_DEVICE inline float log_add_exp(float a, float b) {
-  const float high = a > b ? a : b, low = a > b ? b : a;
-  if (low == -infinity()) return high;  // also both -inf
-  return high + log1pf(expf(low - high));
-}
+// keepkv_decode_step: the bias correction of the EMA score estimate (eq. 8: ln ŝ = ln S - ln(1 - β^age)) and the
+// eviction ranking.
 
 // ln(1 - e^x) for x <= 0, accurate at both ends (-inf at x = 0).
 KVCOMP_HOST_DEVICE inline float log_one_minus_exp(float x) {
   return x > -0.69314718f ? logf(-expm1f(x)) : log1pf(-expf(x));
-}
-
-// ln ŝ = ln S - ln(1 - β^t): the EMA ln S of a slot corrected by its own age t (the queries that have seen it).
-KVCOMP_HOST_DEVICE inline float keepkv_log_estimate(float log_ema, float age, float log_decay) {
-  return log_ema - log_one_minus_exp(age * log_decay);
 }
 
 // The key a slot is evicted by (lowest first): ln ŝ, NaN as -inf; -inf for a slot without votes (merged away); +inf

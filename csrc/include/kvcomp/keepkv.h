@@ -30,6 +30,16 @@ inline void check_keepkv_keys(const char* op, const at::Tensor& keys) {
   check_floating(op, "keys", keys);
 }
 
+// values (B, H, T, d) beside keys: same dtype, device and shape.
+inline void check_keepkv_values(const char* op, const at::Tensor& values, const at::Tensor& keys) {
+  check_dim(op, "values", values, 4, "(B, H, T, d)");
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": expected values of the dtype of keys (",
+              keys.scalar_type(), "), got ", values.scalar_type());
+  check_same_device(op, "values", values, "keys", keys);
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": expected values of the shape of keys (", keys.sizes(),
+              "), got ", values.sizes());
+}
+
 // A (B, H, T) per-slot tensor beside keys (B, H, T, d).
 inline void check_keepkv_per_slot(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
                                   const at::Tensor& keys) {
@@ -55,12 +65,7 @@ inline KeepKVShape check_keepkv_zip_merge(const at::Tensor& keys, const at::Tens
                                           const at::Tensor& log_scores, const at::Tensor& targets) {
   constexpr const char* op = "kvcomp::keepkv_zip_merge";
   check_keepkv_keys(op, keys);
-  check_dim(op, "values", values, 4, "(B, H, T, d)");
-  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": expected values of the dtype of keys (",
-              keys.scalar_type(), "), got ", values.scalar_type());
-  check_same_device(op, "values", values, "keys", keys);
-  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": expected values of the shape of keys (", keys.sizes(),
-              "), got ", values.sizes());
+  check_keepkv_values(op, values, keys);
   check_keepkv_per_slot(op, "votes", votes, at::kFloat, keys);
   check_keepkv_per_slot(op, "log_scores", log_scores, at::kFloat, keys);
   check_keepkv_per_slot(op, "targets", targets, at::kLong, keys);
@@ -80,12 +85,7 @@ inline KeepKVStepShape check_keepkv_decode_step(const at::Tensor& keys, const at
                                                 double threshold) {
   constexpr const char* op = "kvcomp::keepkv_decode_step";
   check_keepkv_keys(op, keys);
-  check_dim(op, "values", values, 4, "(B, H, T, d)");
-  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": expected values of the dtype of keys (",
-              keys.scalar_type(), "), got ", values.scalar_type());
-  check_same_device(op, "values", values, "keys", keys);
-  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": expected values of the shape of keys (", keys.sizes(),
-              "), got ", values.sizes());
+  check_keepkv_values(op, values, keys);
   check_dim(op, "queries", queries, 4, "(B, Hq, q, d)");
   TORCH_CHECK(queries.scalar_type() == keys.scalar_type(), op, ": expected queries of the dtype of keys (",
               keys.scalar_type(), "), got ", queries.scalar_type());
