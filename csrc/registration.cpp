@@ -61,6 +61,19 @@ TORCH_LIBRARY(kvcomp, m) {
   // check_targets=False skips CUDA's host-synced check of targets (straight from keepkv_match); CPU always checks.
   m.def("keepkv_zip_merge(Tensor keys, Tensor values, Tensor votes, Tensor log_scores, Tensor targets, bool convex, "
         "bool check_targets=True) -> (Tensor, Tensor, Tensor)");
+  // One KeepKV decoding step of a layer, for q >= 1 new tokens at the end of keys, values (B, H, T, d): the EMA of
+  // every slot's score (eq. 8, log domain, S <- β^q S + Σ_j (1-β) β^(q-1-j) s̄_j with s̄ the group mean of
+  // exp(q·k·scale), recovered from the attention's probabilities (B, Hq, q, T) and log_weights b (B, H, T) as
+  // ln p - b + LSE) and each slot's age; log_ema, age, votes (B, H, T - q) are the slots' before the step (the new
+  // tokens start at -inf, 0, 1). If T > budget, the T - budget slots of lowest ln ŝ = ln S - ln(1 - β^age) (ties to
+  // the lower slot; not the first `sinks` nor the last `recent`) are evicted, each ZIP-merged (as keepkv_zip_merge,
+  // fed ln ŝ) into its most similar retained slot (as keepkv_match) or dropped; a merged slot takes its set's
+  // vote-weighted mean ŝ and oldest age. -> keys, values (B, H, min(T, budget), d), log_ema, age, votes,
+  // log_weights = ln votes (B, H, min(T, budget)) float32 of the retained slots in order, and dropped (B, H): the votes
+  // of the slots dropped without merge.
+  m.def("keepkv_decode_step(Tensor keys, Tensor values, Tensor queries, Tensor probabilities, Tensor log_weights, "
+        "Tensor log_ema, Tensor age, Tensor votes, float scale, float ema_decay, int budget, int sinks, int recent, "
+        "float threshold, bool convex) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // gvote family (prefill only). Nucleus budget of the last prompt query: probs (B, Hq, T) float32 -> (B, Hq) int64,
   // the smallest k >= 1 with (sum of the k largest) >= p * (row sum), NaN and negative entries counting as 0 mass.
@@ -106,7 +119,7 @@ TORCH_LIBRARY(kvcomp, m) {
 // silently wrong gradients). The in-place zsmerge_decode_step is not listed: it refuses inputs that require grad.
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
-                         "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
+                         "keepkv_match", "keepkv_zip_merge", "keepkv_decode_step", "nucleus_budget", "averaged_rope", "gvote_union_mask",
                          "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
                          "paged_decode_attention", "prompt_attention_with_scores"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());

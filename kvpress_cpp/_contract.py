@@ -334,6 +334,33 @@ _declare(Contract(
 ))
 
 _declare(Contract(
+    "keepkv_decode_step",
+    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d", "keys"), Tensor("queries", "B Hq q d", "keys"),
+     Tensor("probabilities", "B Hq q T", F32), Tensor("log_weights", "B H T", F32), Tensor("log_ema", "B H S", F32),
+     Tensor("age", "B H S", F32), Tensor("votes", "B H S", F32), Scalar("scale"), Scalar("ema_decay"),
+     Scalar("budget"), Scalar("sinks"), Scalar("recent"), Scalar("threshold"), Scalar("convex")],
+    rules=[
+        _gqa("Hq", "H", "queries", "keys", allow_empty=False),
+        Rule(lambda v: 1 <= v["q"] <= v["T"],
+             lambda v: f"expected queries.size(2) = q new tokens in [1, T = {v['T']}], got {v['q']}"),
+        Rule(lambda v: v["S"] == v["T"] - v["q"],
+             lambda v: f"expected log_ema.size(2) == {v['T'] - v['q']} (the slots before the q new tokens, T - q), "
+             f"got log_ema of shape {tuple(v['log_ema'].shape)}"),
+        Rule(lambda v: _finite(v["scale"]), lambda v: f"expected a finite scale, got {v['scale']}"),
+        Rule(lambda v: 0.0 < v["ema_decay"] < 1.0, lambda v: f"expected ema_decay in (0, 1), got {v['ema_decay']}"),
+        _at_least("sinks", 0),
+        _at_least("recent", 1),
+        Rule(lambda v: v["budget"] > v["sinks"] + v["recent"],
+             lambda v: f"expected budget > sinks + recent (a heavy hitter to evict), got budget = {v['budget']}, "
+             f"sinks = {v['sinks']}, recent = {v['recent']}"),
+        Rule(lambda v: -1.0 <= v["threshold"] <= 1.0,
+             lambda v: f"expected threshold in [-1, 1], got {v['threshold']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], min(v["T"], v["budget"]), v["d"]), "keys")] * 2
+    + [((v["B"], v["H"], min(v["T"], v["budget"])), F32)] * 4 + [((v["B"], v["H"]), F32)],
+))
+
+_declare(Contract(
     "nucleus_budget",
     [Tensor("probs", "B Hq T", F32), Scalar("p")],
     rules=[Rule(lambda v: 0.0 < v["p"] <= 1.0, lambda v: f"expected p in (0, 1], got p = {v['p']}")],

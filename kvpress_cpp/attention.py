@@ -37,7 +37,7 @@ from kvpress_cpp.cache import state_for_attention
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
-           "request_prefill_scores", "take_prefill_attention"]
+           "request_prefill_scores", "take_decode_query", "take_prefill_attention"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 
@@ -85,6 +85,14 @@ def take_prefill_attention(module: torch.nn.Module, prompt_length: int) -> Prefi
     kept = getattr(module, "_kvcomp_prefill_attention", None)
     module._kvcomp_prefill_attention = None
     return kept if kept is not None and kept.log_sum_exp.shape[-1] == prompt_length else None
+
+
+def take_decode_query(module: torch.nn.Module, new_tokens: int) -> torch.Tensor | None:
+    """The post-RoPE queries (B, Hq, q, d) of the later pass of `new_tokens` tokens that just attended to `module`'s
+    layer with state (the ones its probabilities come from), or None. Taken once."""
+    query = getattr(module, "_kvcomp_decode_query", None)
+    module._kvcomp_decode_query = None
+    return query if query is not None and query.shape[2] == new_tokens else None
 
 
 def _keeps_prompt_scores(module, query, key, attention_mask, dropout, kwargs) -> bool:
@@ -138,6 +146,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False):
                 return _prompt_attention_keeping_scores(module, query, key, value, kwargs)
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
         output, probs = ops.decode_attention(query, key, value, log_weights, scaling)
+        module._kvcomp_decode_query = query  # for the press's hook (take_decode_query): no second projection
         return output.transpose(1, 2).contiguous(), probs
 
     setattr(attention, _WRAPPED_ATTR, True)
@@ -165,6 +174,7 @@ def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Te
     view's columns when a press's hook is attached."""
     wants_probs = bool(module._forward_hooks)
     output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs)
+    module._kvcomp_decode_query = query if wants_probs else None
     return output.transpose(1, 2).contiguous(), layer.probs_to_view(probs) if wants_probs else None
 
 

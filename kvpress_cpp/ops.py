@@ -252,6 +252,55 @@ def keepkv_zip_merge(
     return torch.ops.kvcomp.keepkv_zip_merge(keys, values, votes, log_scores, targets, convex, check_targets)
 
 
+def keepkv_decode_step(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    probabilities: torch.Tensor,
+    log_weights: torch.Tensor,
+    log_ema: torch.Tensor,
+    age: torch.Tensor,
+    votes: torch.Tensor,
+    scale: float,
+    ema_decay: float,
+    budget: int,
+    sinks: int,
+    recent: int,
+    threshold: float = 0.8,
+    convex: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KeepKV decoding step of a layer whose last q slots are the new tokens: EMA update, eviction, ZIP merge and
+    packing in one call (no ATen launch per part).
+
+    1. The logits ℓ = q·k·scale of every (query head, new token, slot) come from the attention's probabilities:
+       ``ℓ = ln p - b + LSE``, the row's LSE from its slot of largest p (one dot product per row); ℓ = -inf where
+       p = 0. s̄ = exp(ℓ) averaged over the G query heads of each kv head.
+    2. EMA (eq. 8, log domain): ``ln S ← ln(β^q S + Σ_j (1-β) β^(q-1-j) s̄_j)``, the new tokens starting at S = 0,
+       age 0, vote 1; every slot's age grows by the new queries that see it (slot t: min(q, T - t)).
+    3. If T > budget: the T - budget slots of lowest ``ln ŝ = ln S - ln(1 - β^age)`` (NaN lowest, slots without
+       votes first, ties to the lower slot) among neither the first `sinks` nor the last `recent` slots are evicted;
+       each merges into its most similar retained slot (``keepkv_match``) with ``keepkv_zip_merge`` fed ln ŝ, or is
+       dropped. A merged slot's ŝ is its set's vote-weighted mean Σ p ŝ / Σ p and its age the oldest member's.
+
+    Args:
+        keys, values: (B, H, T, d) float32, float16 or bfloat16, the new tokens last.
+        queries: (B, Hq, q, d) post-RoPE queries of the new tokens (dtype of keys), Hq a multiple of H.
+        probabilities: (B, Hq, q, T) float32, the attention's softmax of ``ℓ + b`` (``decode_attention``).
+        log_weights: (B, H, T) float32 bias b that attention added.
+        log_ema, age, votes: (B, H, T - q) float32 state of the slots before the new tokens.
+        scale: the attention's logit scale. ema_decay: β in (0, 1).
+        budget: M > sinks + recent, slots kept per (batch, kv head). threshold: cosine in [-1, 1] a merge needs.
+        convex: the convex key for every merge (the authors' released code).
+
+    Returns:
+        keys, values (B, H, T', d) and log_ema, age, votes, log_weights = ln votes (B, H, T') float32 of the retained
+        slots in order, T' = min(T, budget), and dropped (B, H) float32: the votes of the slots dropped this step.
+        New tensors.
+    """
+    return torch.ops.kvcomp.keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes,
+                                                scale, ema_decay, budget, sinks, recent, threshold, convex)
+
+
 def nucleus_budget(probs: torch.Tensor, p: float = 0.95) -> torch.Tensor:
     """GVote's budget (step 1 of its Algorithm 1): the size of the top-p (nucleus) set of each head's attention.
 

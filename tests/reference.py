@@ -2,6 +2,8 @@
 in float32 math, as directly as possible and with no attention to speed.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -398,6 +400,83 @@ def keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, convex
                         values)
     out_p = torch.where((size[..., :slots] > 1) & (targets == -1), vote_sum[..., :slots], votes)
     return out_k, out_v, out_p
+
+
+def keepkv_step_selection(keys, queries, probabilities, log_weights, log_ema, age, votes, scale, ema_decay, budget,
+                          sinks, recent, threshold):
+    """The first half of a KeepKV decoding step (see ops.keepkv_decode_step) from the formulas, float64: per slot of
+    keys (B, H, T, d) whose last q are the new tokens, the EMA ln S (eq. 8, folding the q new queries in order, each
+    s̄ the group mean of exp(ℓ)), the age (+ the causal count of new queries, min(q, T - t)), the votes (1 for new
+    tokens), ln ŝ = ln(S / (1 - β^age)), and the targets (keepkv_match; all -1 when T <= budget) of the eviction of
+    the T - budget slots of lowest ŝ (NaN lowest, no-vote slots first, ties to the lower slot), neither sinks nor
+    recent. ℓ is what the attention that gave `probabilities` (B, Hq, q, T) computed: ℓ = ln p - b + LSE, the row's
+    LSE = q·k·scale + b - ln p at its slot of largest p (-inf where p = 0); for a consistent softmax this is
+    q·k·scale itself."""
+    batch, kv_heads, slots, head_dim = keys.shape
+    new_tokens, old_slots = queries.shape[2], slots - queries.shape[2]
+    group = queries.shape[1] // kv_heads
+    grouped = queries.double().reshape(batch, kv_heads, group, new_tokens, head_dim)
+    p = probabilities.double().reshape(batch, kv_heads, group, new_tokens, slots)
+    bias = log_weights.double()[:, :, None, None]
+    top = p.argmax(-1, keepdim=True)
+    top_keys = keys.double()[:, :, None, None].expand(-1, -1, group, new_tokens, -1, -1).gather(
+        -2, top.unsqueeze(-1).expand(*top.shape, head_dim)).squeeze(-2)
+    top_logit = ((grouped * top_keys).sum(-1, keepdim=True) * scale).float().double()  # a float32 logit, as attention's
+    log_sum_exp = top_logit + bias.expand_as(p).gather(-1, top) - p.gather(-1, top).log()
+    logits = torch.where(p > 0, p.log() - bias + log_sum_exp, float("-inf"))  # (B, H, G, q, T)
+    log_mean = torch.logsumexp(logits, dim=2) - math.log(group)  # (B, H, q, T)
+    log_s = F.pad(log_ema.double(), (0, new_tokens), value=float("-inf"))
+    for j in range(new_tokens):
+        log_s = torch.logaddexp(log_s + math.log(ema_decay), math.log1p(-ema_decay) + log_mean[:, :, j])
+    sees = torch.arange(slots) <= old_slots + torch.arange(new_tokens).unsqueeze(-1)  # causal (q, T)
+    new_age = F.pad(age.double(), (0, new_tokens)) + sees.sum(0)
+    new_votes = F.pad(votes.double(), (0, new_tokens), value=1.0)
+    log_estimate = log_s - torch.log1p(-torch.tensor(ema_decay, dtype=torch.float64) ** new_age)
+    keep = torch.ones(batch, kv_heads, slots, dtype=torch.bool)
+    if slots > budget:
+        key = log_estimate.nan_to_num(nan=float("-inf")).masked_fill(new_votes <= 0, float("-inf"))
+        protected = (torch.arange(slots) < sinks) | (torch.arange(slots) >= slots - recent)
+        key = key.masked_fill(protected, float("inf"))
+        order = torch.sort(key, dim=-1, stable=True).indices
+        keep.scatter_(-1, order[..., :slots - budget], False)
+    return log_s, new_age, new_votes, log_estimate, keepkv_match(keys, keep, threshold)
+
+
+def keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes, scale, ema_decay,
+                       budget, sinks, recent, threshold, convex):
+    """A KeepKV decoding step (ops.keepkv_decode_step) from the formulas, float64 inside: the selection above, eq. 7's set merge fed
+    ln ŝ (keepkv_zip_merge), a merged slot's ŝ the vote-weighted mean Σ p ŝ / Σ p of its set and its age the oldest
+    member's (ln S = ln ŝ + ln(1 - β^age)), then the retained slots in order."""
+    log_s, new_age, new_votes, log_estimate, targets = keepkv_step_selection(
+        keys, queries, probabilities, log_weights, log_ema, age, votes, scale, ema_decay, budget, sinks, recent,
+        threshold)
+    batch, kv_heads, slots, _ = keys.shape
+    out_keys, out_values, merged_votes = keepkv_zip_merge(keys, values, new_votes, log_estimate.float(), targets,
+                                                          convex)
+    merged_votes = merged_votes.double()
+    log_s, new_age = log_s.clone(), new_age.clone()
+    dropped = torch.zeros(batch, kv_heads, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(kv_heads):
+            dropped[b, h] = new_votes[b, h][targets[b, h] == -2].sum()
+            for c in (targets[b, h] == -1).nonzero().flatten().tolist():
+                members = [c] + (targets[b, h] == c).nonzero().flatten().tolist()
+                if new_votes[b, h, c] <= 0:
+                    log_s[b, h, c] = float("-inf")
+                if len(members) == 1:
+                    continue
+                p = new_votes[b, h, members]
+                log_merged_estimate = torch.logsumexp(p.log() + log_estimate[b, h, members], 0) - p.sum().log()
+                new_age[b, h, c] = new_age[b, h, members].max()
+                log_s[b, h, c] = log_merged_estimate + (-torch.expm1(new_age[b, h, c] * math.log(ema_decay))).log()
+    kept = targets == -1
+    rows = min(slots, budget)  # every row keeps that many
+
+    def pack(t):
+        return t[kept].reshape(batch, kv_heads, rows, *t.shape[3:])
+
+    return (pack(out_keys), pack(out_values), pack(log_s).float(), pack(new_age).float(), pack(merged_votes).float(),
+            pack(merged_votes).log().float(), dropped.float())
 
 
 def nucleus_budget(probs: torch.Tensor, p: float) -> torch.Tensor:

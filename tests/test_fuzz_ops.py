@@ -291,6 +291,42 @@ def _keepkv_zip_bad(r, args):
     return cases
 
 
+def _keepkv_step_sizes(r, o):
+    s = {"B": o.get("B", r.randint(1, 2)), "H": o.get("H", r.randint(1, 3)), "q": o.get("q", r.randint(1, 3)),
+         "d": o.get("d", r.choice([1, 4, 8, 16])), "S": o.get("S", r.randint(0, 16))}
+    s["Hq"] = o.get("Hq", s["H"] * r.randint(1, 3))
+    s["T"] = o.get("T", s["S"] + s["q"])
+    return s
+
+
+def _keepkv_step_build(r, s, dtype):
+    """A layer after a pass of q new tokens: probabilities are the causal softmax of q·k·scale + b (float64), as the
+    attention gives them; old slots with random EMA, ages >= 1, votes and b (some -inf: slots no query sees)."""
+    batch, kv_heads, query_heads, new_tokens, slots, head_dim = (s[k] for k in ("B", "H", "Hq", "q", "T", "d"))
+    old_slots = s["S"]
+    keys, values = (_randn(r, (batch, kv_heads, slots, head_dim), dtype) for _ in range(2))
+    queries = _randn(r, (batch, query_heads, new_tokens, head_dim), dtype)
+    log_weights = _randn(r, (batch, kv_heads, slots)) * 0.5
+    log_weights[torch.rand(log_weights.shape, generator=_g(r)) < 0.1] = -math.inf
+    log_weights[..., slots - new_tokens:] = 0.0
+    scale = max(head_dim, 1) ** -0.5
+    if query_heads and kv_heads and query_heads % kv_heads == 0 and slots >= new_tokens >= 1:
+        grouped = queries.double().reshape(batch, kv_heads, query_heads // kv_heads, new_tokens, head_dim)
+        logits = grouped @ keys.double().unsqueeze(2).transpose(-1, -2) * scale + log_weights.double()[:, :, None, None]
+        hidden = torch.arange(slots) > slots - new_tokens + torch.arange(new_tokens).unsqueeze(-1)
+        probabilities = logits.masked_fill(hidden, -math.inf).softmax(-1).float().reshape(
+            batch, query_heads, new_tokens, slots)
+    else:  # shapes the contract rejects: any probabilities of the declared shape
+        probabilities = torch.rand(batch, query_heads, new_tokens, slots, generator=_g(r))
+    log_ema = _randn(r, (batch, kv_heads, old_slots)) - 2.0
+    age = torch.randint(1, 7, (batch, kv_heads, old_slots), generator=_g(r)).float()
+    votes = torch.rand((batch, kv_heads, old_slots), generator=_g(r)) * 3 + 0.5
+    sinks, recent = r.randint(0, 2), r.randint(1, 3)
+    budget = r.randint(sinks + recent + 1, max(sinks + recent + 1, slots + 1))
+    return (keys, values, queries, probabilities, log_weights, log_ema, age, votes, scale, r.choice([0.5, 0.9, 0.99]),
+            budget, sinks, recent, r.uniform(-0.5, 0.9), r.random() < 0.5)
+
+
 def _keepkv_match_odd(r, args):
     """Extreme magnitudes (float32 squares overflow beyond ~1e19, underflow below ~1e-19) and threshold 1.0 with
     duplicated keys, so that exact ties and similarity 1 are decided alike on the direct and the GEMM path."""
@@ -412,6 +448,11 @@ FUZZ: dict[str, OpFuzz] = {
     "keepkv_zip_merge": OpFuzz(_keepkv_sizes, _keepkv_zip_build, reference.keepkv_zip_merge,
                                tolerance=lambda dtype: _low_precision(dtype, 3e-2) if dtype != torch.float32
                                else (1e-3, 1e-3), bad_values=_keepkv_zip_bad),
+    "keepkv_decode_step": OpFuzz(_keepkv_step_sizes, _keepkv_step_build, reference.keepkv_decode_step,
+                                 tolerance=lambda dtype: _low_precision(dtype, 3e-2) if dtype != torch.float32
+                                 else (1e-3, 1e-3),
+                                 nonfinite_unchecked="NaN / inf keys, queries or probabilities: the logits the op "
+                                 "recovers from the probabilities are specified for a finite softmax only"),
     "nucleus_budget": OpFuzz(_nucleus_sizes, _nucleus_build, reference.nucleus_budget),
     "averaged_rope": OpFuzz(_rope_sizes, _rope_build, reference.averaged_rope,
                             tolerance=lambda dtype: _low_precision(dtype), nonfinite_reference=_rope_tables_first),

@@ -9,10 +9,10 @@ import pytest
 import torch
 from kvpress import KnormPress
 
-from kvpress_cpp import ops
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.base import query_states
 from kvpress_cpp.presses.keepkv import KeepKVPress, pyramid_budgets
+from tests import reference
 from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, prompt_ids
 from tests.models import make_tiny_llama
 
@@ -209,7 +209,7 @@ def rows_with_convex_fallback(votes, log_scores, targets) -> set[tuple[int, int]
     return rows
 
 
-def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(monkeypatch):
+def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged():
     """Theorem 3 inside the press, under ``generate``: at every decoding step the new token's query feeds ŝ, the
     cache is cut back to the budget by ZIP merges, and that same query attends over the merged cache as over the
     unmerged one (each head's output, relative change ≤ 1e-5).
@@ -219,16 +219,10 @@ def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(
     average), and a similarity threshold of -1 merges every evicted slot (a slot dropped without merge perturbs the
     output; the theorem covers merges). Heads where the op's guard chose the convex key for some set (eq. 7's
     denominator of the other sign: logits on both sides of 0) are outside the theorem and left out; they must stay
-    a minority."""
+    a minority. Which sets fall back is found from tests/reference.py's selection (ŝ, votes and targets of the step,
+    float64), since the press merges inside one op."""
     model, tokenizer = make_tiny_llama(num_key_value_heads=4)
-    changes, fallback_heads = [], []
-    zip_merge = ops.keepkv_zip_merge
-
-    def recording_zip_merge(keys, values, votes, log_scores, targets, convex, **options):
-        fallback_heads.extend(rows_with_convex_fallback(votes, log_scores, targets))
-        return zip_merge(keys, values, votes, log_scores, targets, convex, **options)
-
-    monkeypatch.setattr(ops, "keepkv_zip_merge", recording_zip_merge)
+    changes = []
 
     @dataclass
     class Measuring(KeepKVPress):
@@ -236,7 +230,11 @@ def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(
             query = query_states(module, hidden_states, kwargs)
             log_weights = torch.nn.functional.pad(state.log_weights, (0, keys.shape[-2] - state.log_weights.shape[-1]))
             expected = attention_output_float64(query, keys, values, log_weights, module.scaling)
-            fallback_heads.clear()
+            _, _, votes, log_estimate, targets = reference.keepkv_step_selection(
+                keys, query, attentions, log_weights, state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"],
+                module.scaling, self.ema_decay, state.counters["budget"], self.sinks, self.recent,
+                self.similarity_threshold)
+            fallback_heads = rows_with_convex_fallback(votes, log_estimate, targets)
             keys, values, state = super().compress_decoding(module, hidden_states, keys, values, attentions, state,
                                                             kwargs)
             got = attention_output_float64(query, keys, values, state.log_weights, module.scaling)

@@ -11,7 +11,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -207,7 +209,8 @@ template <typename scalar_t>
 void zip_one_row(const scalar_t* keys, const scalar_t* values, const float* votes, const float* log_scores,
                  const int64_t* targets, int64_t slots, int64_t head_dim, bool convex, int64_t row, int64_t kv_heads,
                  scalar_t* out_keys, scalar_t* out_values, float* out_votes,
-                 std::vector<std::pair<int64_t, int64_t>>& pairs, std::vector<float>& acc) {
+                 std::vector<std::pair<int64_t, int64_t>>& pairs, std::vector<float>& acc,
+                 const int64_t* destination = nullptr) {  // the output row of each retained slot (identity if null)
   pairs.clear();
   for (int64_t e = 0; e < slots; ++e) {
     const int64_t t = targets[e];
@@ -234,7 +237,8 @@ void zip_one_row(const scalar_t* keys, const scalar_t* values, const float* vote
     sums.add(votes[c], log_scores[c], max_log);
     for (size_t k = begin; k < end; ++k) sums.add(votes[pairs[k].second], log_scores[pairs[k].second], max_log);
     const kernels::ZipCoefficients coefficients = kernels::zip_coefficients(max_log, sums, convex);
-    out_votes[c] = sums.votes;
+    const int64_t out = destination != nullptr ? destination[c] : c;
+    out_votes[out] = sums.votes;
     if (coefficients.merged) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       const auto add = [&](int64_t slot) {
@@ -246,8 +250,8 @@ void zip_one_row(const scalar_t* keys, const scalar_t* values, const float* vote
       };
       add(c);
       for (size_t k = begin; k < end; ++k) add(pairs[k].second);
-      store_scaled(key_acc, coefficients.key_scale, head_dim, out_keys + c * head_dim);
-      store_scaled(value_acc, coefficients.value_scale, head_dim, out_values + c * head_dim);
+      store_scaled(key_acc, coefficients.key_scale, head_dim, out_keys + out * head_dim);
+      store_scaled(value_acc, coefficients.value_scale, head_dim, out_values + out * head_dim);
     }
     begin = end;
   }
@@ -291,11 +295,290 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cpu(const at::Te
   return {out_keys, out_values, out_votes};
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// keepkv_decode_step
+
+struct StepScalars {
+  float scale, log_decay, log_fold_weight;  // q·k scale, ln β, ln(1 - β)
+  int64_t budget, sinks, recent;
+  float threshold;
+  bool convex;
+};
+
+// Per-thread buffers of one row's step.
+struct StepScratch {
+  std::vector<float> log_normalisers, group_factors, log_mean, sums, log_ema, age, votes, log_estimate, eviction_key,
+      scratch, acc;
+  std::vector<int64_t> order, targets, evicted, retained, destination;
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  std::unique_ptr<bool[]> keep;
+  int64_t keep_size = 0;
+};
+
+// ln(e^a + e^b) lane by lane: -inf where both are -inf.
+FloatVec log_add_exp(const FloatVec& a, const FloatVec& b) {
+  const FloatVec high = at::vec::maximum(a, b), low = at::vec::minimum(a, b);
+  const FloatVec sum = high + (low - high).exp().log1p();
+  return FloatVec::blendv(sum, high, high == FloatVec(-kernels::infinity()));
+}
+
+// ln(1 - e^x) lane by lane for x <= 0 (kernels::log_one_minus_exp).
+FloatVec log_one_minus_exp(const FloatVec& x) {
+  const FloatVec near_zero = (FloatVec(0.0f) - x.expm1()).log(), far = (FloatVec(0.0f) - x.exp()).log1p();
+  return FloatVec::blendv(far, near_zero, x > FloatVec(-0.69314718f));
+}
+
+// KeepKV's attention bias ln p of `count` votes (α = 1: -inf for p = 0).
+void log_votes(const float* votes, int64_t count, float* out) {
+  for (int64_t t = 0; t < count; t += FloatVec::size()) {
+    const int64_t lanes = std::min<int64_t>(FloatVec::size(), count - t);
+    FloatVec::loadu(votes + t, lanes).log().store(out + t, lanes);
+  }
+}
+
+// ln of the softmax normaliser of every (g, j) query row of one kv head, from its slot of largest probability:
+// LSE = q·k·scale + b - ln p there (one dot product a row), so that ℓ = ln p - b + LSE for every slot.
+template <typename scalar_t>
+void log_normalisers_of_row(const scalar_t* keys, const scalar_t* queries, const float* probabilities,
+                            const float* log_weights, int64_t group, int64_t new_tokens, int64_t slots,
+                            int64_t head_dim, int64_t query_head_stride, float scale, float* out,
+                            std::vector<float>& query) {
+  query.resize(head_dim);
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t j = 0; j < new_tokens; ++j) {
+      const float* p = probabilities + (g * new_tokens + j) * slots;
+      const int64_t top = std::max_element(p, p + slots) - p;  // the first largest, as torch.argmax
+      load_row(queries + g * query_head_stride + j * head_dim, head_dim, query.data());
+      float dot, unused_norm;
+      dot_and_norm(query.data(), keys + top * head_dim, head_dim, dot, unused_norm);
+      out[g * new_tokens + j] = dot * scale + log_weights[top] - logf(p[top]);
+    }
+  }
+}
+
+template <typename scalar_t>
+void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const scalar_t* queries,
+                         const float* probabilities, const float* log_weights, const float* log_ema_in,
+                         const float* age_in, const float* votes_in, int64_t group, int64_t new_tokens,
+                         int64_t slots, int64_t head_dim, int64_t query_head_stride, const StepScalars& scalars,
+                         int64_t row, int64_t kv_heads, scalar_t* out_keys, scalar_t* out_values,
+                         float* out_log_ema, float* out_age, float* out_votes, float* out_log_weights,
+                         float* out_dropped, StepScratch& w) {
+  const int64_t old_slots = slots - new_tokens;
+  // EMA fold of the q queries in order (query j weighted (1-β) β^(q-1-j)), each slot's age grown by the queries that
+  // see it (the new tokens are the last q slots: slot t is seen by min(q, T - t)).
+  w.log_normalisers.resize(group * new_tokens);
+  log_normalisers_of_row(keys, queries, probabilities, log_weights, group, new_tokens, slots, head_dim,
+                         query_head_stride, scalars.scale, w.log_normalisers.data(), w.scratch);
+  w.log_ema.resize(slots);
+  w.age.resize(slots);
+  w.votes.resize(slots);
+  // s̄ = (1/G) Σ_g p_g exp(LSE_g - b): with the query's largest LSE factored out, one weighted sum and one log a
+  // slot, vectorised over the slots. A sum below FLT_MIN (every term underflowed, or none: p = 0) is redone in the
+  // log domain.
+  w.group_factors.resize(group);
+  w.log_mean.resize(slots);
+  w.sums.resize(slots);
+  std::fill(w.log_ema.begin(), w.log_ema.end(), -kernels::infinity());  // the fold of the new queries, first
+  const float log_group = logf(static_cast<float>(group));
+  for (int64_t j = 0; j < new_tokens; ++j) {
+    const float* normalisers = w.log_normalisers.data() + j;  // stride new_tokens over g
+    float shift = -kernels::infinity();
+    for (int64_t g = 0; g < group; ++g) shift = std::max(shift, normalisers[g * new_tokens]);
+    for (int64_t g = 0; g < group; ++g) w.group_factors[g] = expf(normalisers[g * new_tokens] - shift);
+    const float weight = scalars.log_fold_weight + scalars.log_decay * static_cast<float>(new_tokens - 1 - j);
+    const FloatVec offset(shift - log_group + weight);
+    for (int64_t t = 0; t < slots; t += FloatVec::size()) {
+      const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
+      FloatVec sum(0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        sum = at::vec::fmadd(FloatVec::loadu(probabilities + (g * new_tokens + j) * slots + t, lanes),
+                             FloatVec(w.group_factors[g]), sum);
+      }
+      sum.store(w.sums.data() + t, lanes);
+      (sum.log() + offset - FloatVec::loadu(log_weights + t, lanes)).store(w.log_mean.data() + t, lanes);
+    }
+    for (int64_t t = 0; t < slots; ++t) {
+      if (w.sums[t] >= FLT_MIN) continue;
+      float high = -kernels::infinity();
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = probabilities[(g * new_tokens + j) * slots + t];
+        if (p > 0.0f) high = std::max(high, logf(p) + normalisers[g * new_tokens]);
+      }
+      float total = 0.0f;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = probabilities[(g * new_tokens + j) * slots + t];
+        if (p > 0.0f) total += expf(logf(p) + normalisers[g * new_tokens] - high);
+      }
+      // -inf: the query sees no slot t (adds nothing); +inf: a logit overflowed float32 (as logsumexp, +inf).
+      w.log_mean[t] = (high == -kernels::infinity() || high == kernels::infinity())
+                          ? high
+                          : high + logf(total) - log_group - log_weights[t] + weight;
+    }
+    for (int64_t t = 0; t < slots; t += FloatVec::size()) {
+      const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
+      log_add_exp(FloatVec::loadu(w.log_ema.data() + t, lanes), FloatVec::loadu(w.log_mean.data() + t, lanes))
+          .store(w.log_ema.data() + t, lanes);
+    }
+  }
+  // S <- β^q S + the fold; each slot's age grows by the new queries that see it (the new tokens are the last q
+  // slots: slot t is seen by min(q, T - t)).
+  const float log_decay_q = static_cast<float>(new_tokens) * scalars.log_decay;
+  for (int64_t t = 0; t < old_slots; t += FloatVec::size()) {
+    const int64_t lanes = std::min<int64_t>(FloatVec::size(), old_slots - t);
+    log_add_exp(FloatVec::loadu(log_ema_in + t, lanes) + FloatVec(log_decay_q), FloatVec::loadu(w.log_ema.data() + t, lanes))
+        .store(w.log_ema.data() + t, lanes);
+  }
+  for (int64_t t = 0; t < slots; ++t) {
+    const bool is_old = t < old_slots;
+    w.age[t] = (is_old ? age_in[t] : 0.0f) + static_cast<float>(std::min(new_tokens, slots - t));
+    w.votes[t] = is_old ? votes_in[t] : 1.0f;
+  }
+  const int64_t kept = std::min(slots, scalars.budget);
+  if (kept == slots) {  // room left: nothing evicted
+    std::copy_n(keys, slots * head_dim, out_keys);
+    std::copy_n(values, slots * head_dim, out_values);
+    std::copy_n(w.log_ema.data(), slots, out_log_ema);
+    std::copy_n(w.age.data(), slots, out_age);
+    std::copy_n(w.votes.data(), slots, out_votes);
+    log_votes(w.votes.data(), slots, out_log_weights);
+    *out_dropped = 0.0f;
+    return;
+  }
+  // Evict the T - M slots of lowest ln ŝ (ties to the lower slot) among neither the sinks nor the recent window.
+  w.log_estimate.resize(slots);
+  w.eviction_key.resize(slots);
+  w.order.resize(slots);
+  for (int64_t t = 0; t < slots; t += FloatVec::size()) {  // ln ŝ = ln S - ln(1 - β^age)
+    const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
+    const FloatVec decay_powers = FloatVec::loadu(w.age.data() + t, lanes) * FloatVec(scalars.log_decay);
+    (FloatVec::loadu(w.log_ema.data() + t, lanes) - log_one_minus_exp(decay_powers))
+        .store(w.log_estimate.data() + t, lanes);
+  }
+  for (int64_t t = 0; t < slots; ++t) {
+    const bool is_protected = t < scalars.sinks || t >= slots - scalars.recent;
+    w.eviction_key[t] = kernels::keepkv_eviction_key(w.log_estimate[t], w.votes[t], is_protected);
+    w.order[t] = t;
+  }
+  const int64_t evictions = slots - kept;
+  const auto evicted_first = [&](int64_t a, int64_t b) {
+    return w.eviction_key[a] < w.eviction_key[b] || (w.eviction_key[a] == w.eviction_key[b] && a < b);
+  };
+  std::nth_element(w.order.begin(), w.order.begin() + (evictions - 1), w.order.end(), evicted_first);
+  if (w.keep_size < slots) {
+    w.keep.reset(new bool[slots]);
+    w.keep_size = slots;
+  }
+  std::fill_n(w.keep.get(), slots, true);
+  for (int64_t e = 0; e < evictions; ++e) w.keep[w.order[e]] = false;
+  // Each evicted slot merges into its most similar retained slot (or is dropped), then the retained slots are
+  // packed in order: output row r holds the r-th retained slot, merged with its set.
+  w.targets.resize(slots);
+  match_one_row(keys, w.keep.get(), slots, head_dim, scalars.threshold, w.targets.data(), w.evicted, w.retained, w.scratch);
+  w.destination.assign(slots, -1);
+  float dropped = 0.0f;
+  for (int64_t t = 0; t < slots; ++t) {
+    if (w.targets[t] == kernels::kKeepKVEvictedNoMerge) dropped += w.votes[t];
+  }
+  *out_dropped = dropped;
+  for (int64_t r = 0; r < kept; ++r) {
+    const int64_t c = w.retained[r];
+    w.destination[c] = r;
+    std::copy_n(keys + c * head_dim, head_dim, out_keys + r * head_dim);
+    std::copy_n(values + c * head_dim, head_dim, out_values + r * head_dim);
+    out_votes[r] = w.votes[c];
+    out_age[r] = w.age[c];
+    out_log_ema[r] = w.votes[c] <= 0.0f ? -kernels::infinity() : w.log_ema[c];
+  }
+  zip_one_row(keys, values, w.votes.data(), w.log_estimate.data(), w.targets.data(), slots, head_dim, scalars.convex, row,
+              kv_heads, out_keys, out_values, out_votes, w.pairs, w.acc, w.destination.data());
+  // A merged set's ŝ is its vote-weighted mean Σ p ŝ / Σ p (what eq. 7's key scores, theorem 3), its age the oldest
+  // member's; ln S is recovered from ŝ with that age. w.pairs holds the (target, member) pairs grouped by target.
+  for (size_t begin = 0; begin < w.pairs.size();) {
+    const int64_t c = w.pairs[begin].first;
+    size_t end = begin;
+    while (end < w.pairs.size() && w.pairs[end].first == c) ++end;
+    const auto weighted = [&](int64_t slot) { return w.log_estimate[slot] + logf(w.votes[slot]); };
+    float peak = weighted(c), age = w.age[c];
+    for (size_t m = begin; m < end; ++m) {
+      peak = std::max(peak, weighted(w.pairs[m].second));
+      age = std::max(age, w.age[w.pairs[m].second]);
+    }
+    const int64_t r = w.destination[c];
+    out_age[r] = age;
+    if (!(out_votes[r] > 0.0f) || peak == -kernels::infinity() || kernels::is_nan(peak)) {
+      out_log_ema[r] = -kernels::infinity();
+    } else {
+      float mass = expf(weighted(c) - peak);
+      for (size_t m = begin; m < end; ++m) mass += expf(weighted(w.pairs[m].second) - peak);
+      out_log_ema[r] = peak + logf(mass) - logf(out_votes[r]) + kernels::log_one_minus_exp(age * scalars.log_decay);
+    }
+    begin = end;
+  }
+  log_votes(out_votes, kept, out_log_weights);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cpu(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
+    const at::Tensor& log_weights, const at::Tensor& log_ema, const at::Tensor& age, const at::Tensor& votes,
+    double scale, double ema_decay, int64_t budget, int64_t sinks, int64_t recent, double threshold, bool convex) {
+  const KeepKVStepShape shape = check_keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema,
+                                                         age, votes, scale, ema_decay, budget, sinks, recent,
+                                                         threshold);
+  const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
+  const int64_t head_dim = shape.cache.head_dim, kept = shape.kept, group = shape.group, q = shape.queries;
+  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous(), queries_c = queries.contiguous();
+  const at::Tensor probabilities_c = probabilities.contiguous(), log_weights_c = log_weights.contiguous();
+  const at::Tensor log_ema_c = log_ema.contiguous(), age_c = age.contiguous(), votes_c = votes.contiguous();
+  at::Tensor out_keys = at::empty({batch, kv_heads, kept, head_dim}, keys.options());
+  at::Tensor out_values = at::empty({batch, kv_heads, kept, head_dim}, keys.options());
+  const auto per_slot = log_ema.options();
+  at::Tensor out_log_ema = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_age = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_votes = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_log_weights = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_dropped = at::empty({batch, kv_heads}, per_slot);
+  const StepScalars scalars{static_cast<float>(scale), static_cast<float>(std::log(ema_decay)),
+                            static_cast<float>(std::log1p(-ema_decay)), budget, sinks, recent,
+                            static_cast<float>(threshold), convex};
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_decode_step", [&] {
+    const scalar_t* keys_ptr = keys_c.const_data_ptr<scalar_t>();
+    const scalar_t* values_ptr = values_c.const_data_ptr<scalar_t>();
+    const scalar_t* queries_ptr = queries_c.const_data_ptr<scalar_t>();
+    const float* probabilities_ptr = probabilities_c.const_data_ptr<float>();
+    const int64_t old_slots = slots - q;
+    at::parallel_for(0, batch * kv_heads, grain_for(slots * (head_dim + group * q)), [&](int64_t begin, int64_t end) {
+      StepScratch scratch;
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / kv_heads, h = row % kv_heads;
+        const int64_t first_query_head = b * kv_heads * group + h * group;
+        decode_step_one_row(keys_ptr + row * slots * head_dim, values_ptr + row * slots * head_dim,
+                            queries_ptr + first_query_head * q * head_dim,
+                            probabilities_ptr + first_query_head * q * slots,
+                            log_weights_c.const_data_ptr<float>() + row * slots,
+                            log_ema_c.const_data_ptr<float>() + row * old_slots,
+                            age_c.const_data_ptr<float>() + row * old_slots,
+                            votes_c.const_data_ptr<float>() + row * old_slots, group, q, slots, head_dim,
+                            q * head_dim, scalars, row, kv_heads,
+                            out_keys.mutable_data_ptr<scalar_t>() + row * kept * head_dim,
+                            out_values.mutable_data_ptr<scalar_t>() + row * kept * head_dim,
+                            out_log_ema.mutable_data_ptr<float>() + row * kept,
+                            out_age.mutable_data_ptr<float>() + row * kept,
+                            out_votes.mutable_data_ptr<float>() + row * kept,
+                            out_log_weights.mutable_data_ptr<float>() + row * kept,
+                            out_dropped.mutable_data_ptr<float>() + row, scratch);
+      }
+    });
+  });
+  return {out_keys, out_values, out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcomp, CPU, m) {
   m.impl("keepkv_match", &keepkv_match_cpu);
   m.impl("keepkv_zip_merge", &keepkv_zip_merge_cpu);
+  m.impl("keepkv_decode_step", &keepkv_decode_step_cpu);
 }
 
 }  // namespace kvcomp

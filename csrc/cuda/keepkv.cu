@@ -17,6 +17,7 @@
 // keepkv_match; any invalid one then merges nowhere), the members of each set are grouped by an ATen sort, then one
 // block per (row, slot) merges a retained slot with its members (block reductions for m and the sums, threads
 // over d).
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
@@ -28,6 +29,8 @@
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -373,11 +376,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::T
   return {out_keys, out_values, out_votes};
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// keepkv_decode_step: the CPU kernel's steps as device-side ATen calls around keepkv_match / keepkv_zip_merge. Every
+// shape follows from the input shapes (T - budget evictions a row), so nothing waits on the device (CUDA graphs).
+
+at::Tensor log_one_minus_exp(const at::Tensor& x) {  // kernels::log_one_minus_exp
+  return at::where(x > -0.69314718, (-x.expm1()).log(), (-x.exp()).log1p());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cuda(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
+    const at::Tensor& log_weights, const at::Tensor& log_ema, const at::Tensor& age, const at::Tensor& votes,
+    double scale, double ema_decay, int64_t budget, int64_t sinks, int64_t recent, double threshold, bool convex) {
+  const KeepKVStepShape shape = check_keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema,
+                                                         age, votes, scale, ema_decay, budget, sinks, recent,
+                                                         threshold);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
+  const int64_t head_dim = shape.cache.head_dim, group = shape.group, q = shape.queries, kept = shape.kept;
+  const double log_decay = std::log(ema_decay);
+  const double inf = std::numeric_limits<double>::infinity();
+  // ℓ = ln p - b + LSE (B, H, G, q, T), the row's LSE from its slot of largest p.
+  const at::Tensor p = probabilities.reshape({batch, kv_heads, group, q, slots});
+  const at::Tensor top = p.argmax(-1, /*keepdim=*/true);
+  const at::Tensor grouped = queries.to(at::kFloat).reshape({batch, kv_heads, group, q, head_dim});
+  const at::Tensor top_keys = keys.to(at::kFloat).unsqueeze(2).expand({batch, kv_heads, group, slots, head_dim})
+                                  .gather(3, top.expand({batch, kv_heads, group, q, head_dim}));
+  const at::Tensor bias = log_weights.reshape({batch, kv_heads, 1, 1, slots}).expand_as(p);
+  const at::Tensor log_sum_exp = (grouped * top_keys).sum(-1, /*keepdim=*/true) * scale + bias.gather(-1, top) -
+                                 p.gather(-1, top).log();
+  const at::Tensor logits = at::where(p > 0, p.log() - bias + log_sum_exp, -inf);
+  // EMA fold of the q queries in order, each slot's age grown by the queries that see it (min(q, T - t)).
+  const at::Tensor log_mean = at::logsumexp(logits, {2}) - std::log(static_cast<double>(group));  // (B, H, q, T)
+  const at::Tensor fold_weights = at::arange(q - 1, -1, -1, log_mean.options()) * log_decay + std::log1p(-ema_decay);
+  const at::Tensor folded = at::logsumexp(log_mean + fold_weights.unsqueeze(-1), {2});
+  const at::Tensor new_log_ema = at::logaddexp(
+      at::constant_pad_nd(log_ema, {0, q}, -inf) + static_cast<double>(q) * log_decay, folded);
+  const at::Tensor seen = (slots - at::arange(slots, log_ema.options())).clamp_max(static_cast<double>(q));
+  const at::Tensor new_age = at::constant_pad_nd(age, {0, q}, 0.0) + seen;
+  const at::Tensor new_votes = at::constant_pad_nd(votes, {0, q}, 1.0);
+  if (kept == slots) {  // room left: nothing evicted
+    return {keys.clone(at::MemoryFormat::Contiguous), values.clone(at::MemoryFormat::Contiguous), new_log_ema,
+            new_age, new_votes, new_votes.log(), at::zeros({batch, kv_heads}, log_ema.options())};
+  }
+  // Evict the T - M slots of lowest ln ŝ (ties to the lower slot: a stable sort) among neither sinks nor recent.
+  const at::Tensor log_estimate = new_log_ema - log_one_minus_exp(new_age * log_decay);
+  const at::Tensor positions = at::arange(slots, log_ema.options().dtype(at::kLong));
+  const at::Tensor is_protected = (positions < sinks).logical_or(positions >= slots - recent);
+  const at::Tensor eviction_key = at::where(log_estimate.isnan().logical_or(new_votes <= 0), -inf, log_estimate)
+                                      .masked_fill(is_protected, inf);
+  const at::Tensor evicted = std::get<1>(eviction_key.sort(/*stable=*/true, /*dim=*/-1, /*descending=*/false))
+                                 .narrow(-1, 0, slots - kept);
+  const at::Tensor keep = at::ones({batch, kv_heads, slots}, log_ema.options().dtype(at::kBool)).scatter(-1, evicted,
+                                                                                                        false);
+  const at::Tensor targets = keepkv_match_cuda(keys, keep, threshold, slots - kept);
+  const at::Tensor dropped = new_votes.masked_fill(targets != kernels::kKeepKVEvictedNoMerge, 0.0).sum(-1);
+  auto [merged_keys, merged_values, merged_votes] =
+      keepkv_zip_merge_cuda(keys, values, new_votes, log_estimate, targets, convex, /*check_targets=*/false);
+  // A merged set's ŝ is Σ p ŝ / Σ p (log domain, shifted by its largest member), its age the oldest member's.
+  const at::Tensor owner = at::where(targets >= 0, targets, positions.expand_as(targets));
+  const at::Tensor weighted = log_estimate + new_votes.log();
+  at::Tensor peak = at::full_like(weighted, -inf).scatter_reduce(-1, owner, weighted, "amax");
+  peak = at::where(peak.isfinite(), peak, 0.0);
+  const at::Tensor mass = at::zeros_like(weighted).scatter_add(-1, owner, (weighted - peak.gather(-1, owner)).exp());
+  const at::Tensor merged_age = new_age.scatter_reduce(-1, owner, new_age, "amax");
+  const at::Tensor merged_log_ema = peak + mass.log() - merged_votes.log() + log_one_minus_exp(merged_age * log_decay);
+  const at::Tensor set_sizes = at::zeros_like(weighted).scatter_add(-1, owner, at::ones_like(weighted));
+  const at::Tensor out_log_ema = at::where(set_sizes > 1, merged_log_ema, new_log_ema)
+                                     .masked_fill(merged_votes <= 0, -inf);
+  // Pack the retained slots of every row in order.
+  const at::Tensor order = keepkv_partition(keep.reshape({batch * kv_heads, slots}), /*evicted_first=*/false)
+                               .narrow(1, 0, kept).reshape({batch, kv_heads, kept});
+  const at::Tensor rows = order.unsqueeze(-1).expand({batch, kv_heads, kept, head_dim});
+  const at::Tensor out_votes = merged_votes.gather(-1, order);
+  return {merged_keys.gather(2, rows), merged_values.gather(2, rows), out_log_ema.gather(-1, order),
+          merged_age.gather(-1, order), out_votes, out_votes.log(), dropped};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) {
   m.impl("keepkv_match", &keepkv_match_cuda);
   m.impl("keepkv_zip_merge", &keepkv_zip_merge_cuda);
+  m.impl("keepkv_decode_step", &keepkv_decode_step_cuda);
 }
 
 }  // namespace kvcomp

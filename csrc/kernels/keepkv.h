@@ -176,4 +176,21 @@ KVCOMP_HOST_DEVICE inline float zip_max_log(float current, float vote, float log
   return (zip_contributes(vote, log_score) && log_score > current) ? log_score : current;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// keepkv_decode_step: the bias correction of the EMA score estimate (eq. 8: ln ŝ = ln S - ln(1 - β^age)) and the
+// eviction ranking.
+
+// ln(1 - e^x) for x <= 0, accurate at both ends (-inf at x = 0).
+KVCOMP_HOST_DEVICE inline float log_one_minus_exp(float x) {
+  return x > -0.69314718f ? logf(-expm1f(x)) : log1pf(-expf(x));
+}
+
+// The key a slot is evicted by (lowest first): ln ŝ, NaN as -inf; -inf for a slot without votes (merged away); +inf
+// for a sink or a slot of the recent window (never evicted).
+KVCOMP_HOST_DEVICE inline float keepkv_eviction_key(float log_estimate, float vote, bool is_protected) {
+  if (is_protected) return infinity();
+  if (vote <= 0.0f || is_nan(log_estimate)) return -infinity();
+  return log_estimate;
+}
+
 }  // namespace kvcomp::kernels

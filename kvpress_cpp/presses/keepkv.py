@@ -19,6 +19,7 @@ import torch
 from kvpress.presses.scorer_press import ScorerPress
 
 from kvpress_cpp import ops
+from kvpress_cpp.attention import take_decode_query
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
 from kvpress_cpp.presses.base import KVCompDecodingPress, query_states
 from kvpress_cpp.presses.kvzap import KVzapPress
@@ -134,19 +135,20 @@ class KeepKVPress(KVCompDecodingPress):
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
-        pad = (0, new_tokens)
         log_weights = state.align(keys.shape[-2] - new_tokens, new_tokens)  # the new tokens' b = 0 included
-        logits = _logits_from_probabilities(query_states(module, hidden_states, kwargs), keys, log_weights,
-                                            attentions, module.scaling)
-        state.per_slot["log_ema"], state.per_slot["age"] = self._fold(
-            torch.nn.functional.pad(state.per_slot["log_ema"], pad, value=float("-inf")),
-            torch.nn.functional.pad(state.per_slot["age"], pad), logits)
-        state.per_slot["votes"] = torch.nn.functional.pad(state.per_slot["votes"], pad, value=1.0)
+        queries = take_decode_query(module, new_tokens)
+        if queries is None or queries.shape[0] != keys.shape[0]:  # a padded batch's row (RowStates): its own queries
+            queries = query_states(module, hidden_states, kwargs)
+        # One op folds the new queries into every slot's EMA (their logits recovered from the attention's
+        # probabilities, not recomputed over the keys) and, past the budget, evicts, merges and packs the layer.
+        keys, values, log_ema, age, votes, state.log_weights, dropped = ops.keepkv_decode_step(
+            keys, values, queries, attentions, log_weights,
+            state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"], module.scaling,
+            self.ema_decay, state.counters["budget"], self.sinks, state.counters["recent"], self.similarity_threshold, self.convex)
+        state.per_slot = {"log_ema": log_ema, "age": age, "votes": votes}
+        state.counters["dropped"] = state.counters["dropped"] + dropped
         state.counters["tokens_seen"] += new_tokens
-        if keys.shape[-2] <= state.counters["budget"]:
-            state.log_weights = ops.merge_count_bias(state.per_slot["votes"], 1.0)
-            return keys, values, state
-        return self._evict(keys, values, state)
+        return keys, values, state
 
     def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor):
         """Fold the last q tokens' queries, in order, into the EMA of every slot: ``S ← β S + (1-β) s̄`` with s̄ the
@@ -265,23 +267,6 @@ def _group_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> to
     batch, kv_heads = keys.shape[:2]
     grouped = queries.float().view(batch, kv_heads, -1, *queries.shape[-2:])
     return grouped @ keys.float().unsqueeze(2).transpose(-1, -2) * scale
-
-
-def _logits_from_probabilities(queries: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
-                               probabilities: torch.Tensor, scale: float) -> torch.Tensor:
-    """The logits q·k·scale (B, H, G, q, T) of the attention that gave `probabilities` (B, Hq, q, T), -inf where a
-    probability is 0, without a second pass over the keys: ``ln p = ℓ + b - LSE``, and each row's LSE comes from
-    the one slot of largest probability (its logit computed directly, one dot product per row)."""
-    batch, kv_heads = keys.shape[:2]
-    probabilities = probabilities.view(batch, kv_heads, -1, *probabilities.shape[-2:])  # (B, H, G, q, T)
-    top = probabilities.argmax(-1, keepdim=True)  # (B, H, G, q, 1)
-    grouped = queries.float().view(batch, kv_heads, -1, *queries.shape[-2:])  # (B, H, G, q, d)
-    top_keys = keys.float().unsqueeze(2).expand(-1, -1, grouped.shape[2], -1, -1).gather(
-        -2, top.squeeze(-1).unsqueeze(-1).expand(-1, -1, -1, -1, keys.shape[-1]))  # (B, H, G, q, d)
-    bias = log_weights.unsqueeze(2).unsqueeze(2)  # (B, H, 1, 1, T)
-    top_logit = (grouped * top_keys).sum(-1, keepdim=True) * scale
-    log_normaliser = top_logit + bias.expand_as(probabilities).gather(-1, top) - probabilities.gather(-1, top).log()
-    return torch.where(probabilities > 0, probabilities.log() - bias + log_normaliser, float("-inf"))
 
 
 def pyramid_budgets(budget: int, num_layers: int, amplitude: float = 0.5) -> list[int]:

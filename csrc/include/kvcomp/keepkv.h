@@ -12,7 +12,9 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <optional>
+#include <utility>
 
 #include "kvcomp/checks.h"
 
@@ -26,6 +28,16 @@ struct KeepKVShape {
 inline void check_keepkv_keys(const char* op, const at::Tensor& keys) {
   check_dim(op, "keys", keys, 4, "(B, H, T, d)");
   check_floating(op, "keys", keys);
+}
+
+// values (B, H, T, d) beside keys: same dtype, device and shape.
+inline void check_keepkv_values(const char* op, const at::Tensor& values, const at::Tensor& keys) {
+  check_dim(op, "values", values, 4, "(B, H, T, d)");
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": expected values of the dtype of keys (",
+              keys.scalar_type(), "), got ", values.scalar_type());
+  check_same_device(op, "values", values, "keys", keys);
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": expected values of the shape of keys (", keys.sizes(),
+              "), got ", values.sizes());
 }
 
 // A (B, H, T) per-slot tensor beside keys (B, H, T, d).
@@ -53,16 +65,65 @@ inline KeepKVShape check_keepkv_zip_merge(const at::Tensor& keys, const at::Tens
                                           const at::Tensor& log_scores, const at::Tensor& targets) {
   constexpr const char* op = "kvcomp::keepkv_zip_merge";
   check_keepkv_keys(op, keys);
-  check_dim(op, "values", values, 4, "(B, H, T, d)");
-  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": expected values of the dtype of keys (",
-              keys.scalar_type(), "), got ", values.scalar_type());
-  check_same_device(op, "values", values, "keys", keys);
-  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": expected values of the shape of keys (", keys.sizes(),
-              "), got ", values.sizes());
+  check_keepkv_values(op, values, keys);
   check_keepkv_per_slot(op, "votes", votes, at::kFloat, keys);
   check_keepkv_per_slot(op, "log_scores", log_scores, at::kFloat, keys);
   check_keepkv_per_slot(op, "targets", targets, at::kLong, keys);
   return {keys.size(0), keys.size(1), keys.size(2), keys.size(3)};
+}
+
+struct KeepKVStepShape {
+  KeepKVShape cache;
+  int64_t group, queries, kept;  // query heads per kv head, new tokens q, slots after the step min(T, budget)
+};
+
+inline KeepKVStepShape check_keepkv_decode_step(const at::Tensor& keys, const at::Tensor& values,
+                                                const at::Tensor& queries, const at::Tensor& probabilities,
+                                                const at::Tensor& log_weights, const at::Tensor& log_ema,
+                                                const at::Tensor& age, const at::Tensor& votes, double scale,
+                                                double ema_decay, int64_t budget, int64_t sinks, int64_t recent,
+                                                double threshold) {
+  constexpr const char* op = "kvcomp::keepkv_decode_step";
+  check_keepkv_keys(op, keys);
+  check_keepkv_values(op, values, keys);
+  check_dim(op, "queries", queries, 4, "(B, Hq, q, d)");
+  TORCH_CHECK(queries.scalar_type() == keys.scalar_type(), op, ": expected queries of the dtype of keys (",
+              keys.scalar_type(), "), got ", queries.scalar_type());
+  check_same_device(op, "queries", queries, "keys", keys);
+  check_size(op, "queries", queries, 0, keys.size(0), "batch of keys");
+  check_size(op, "queries", queries, 3, keys.size(3), "head dim of keys");
+  const int64_t kv_heads = keys.size(1), query_heads = queries.size(1), new_tokens = queries.size(2);
+  TORCH_CHECK(kv_heads > 0 && query_heads > 0 && query_heads % kv_heads == 0, op, ": expected the ", query_heads,
+              " query heads of queries to be a positive multiple of the ", kv_heads, " kv heads of keys");
+  TORCH_CHECK(new_tokens >= 1 && new_tokens <= keys.size(2), op, ": expected queries.size(2) = q new tokens in [1, T",
+              " = ", keys.size(2), "], got ", new_tokens);
+  check_dim(op, "probabilities", probabilities, 4, "(B, Hq, q, T)");
+  check_dtype(op, "probabilities", probabilities, at::kFloat);
+  check_same_device(op, "probabilities", probabilities, "keys", keys);
+  check_size(op, "probabilities", probabilities, 0, keys.size(0), "batch of keys");
+  check_size(op, "probabilities", probabilities, 1, query_heads, "query heads of queries");
+  check_size(op, "probabilities", probabilities, 2, new_tokens, "new tokens of queries");
+  check_size(op, "probabilities", probabilities, 3, keys.size(2), "slots of keys");
+  check_keepkv_per_slot(op, "log_weights", log_weights, at::kFloat, keys);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"log_ema", log_ema}, {"age", age},
+                                {"votes", votes}}) {
+    check_dim(op, name, t, 3, "(B, H, T - q)");
+    check_dtype(op, name, t, at::kFloat);
+    check_same_device(op, name, t, "keys", keys);
+    check_size(op, name, t, 0, keys.size(0), "batch of keys");
+    check_size(op, name, t, 1, kv_heads, "kv heads of keys");
+    check_size(op, name, t, 2, keys.size(2) - new_tokens, "the slots before the q new tokens, T - q");
+  }
+  check_finite(op, "scale", scale);
+  TORCH_CHECK(ema_decay > 0.0 && ema_decay < 1.0, op, ": expected ema_decay in (0, 1), got ", ema_decay);
+  check_at_least(op, "sinks", sinks, 0);
+  check_at_least(op, "recent", recent, 1);
+  TORCH_CHECK(budget > checked_sum(op, {{"sinks", sinks}, {"recent", recent}}), op,
+              ": expected budget > sinks + recent (a heavy hitter to evict), got budget = ", budget, ", sinks = ",
+              sinks, ", recent = ", recent);
+  check_range(op, "threshold", threshold, -1.0, 1.0);
+  return {{keys.size(0), kv_heads, keys.size(2), keys.size(3)}, query_heads / kv_heads, new_tokens,
+          std::min(keys.size(2), budget)};
 }
 
 // The error for a target that is neither -1, -2 nor a retained slot of its row; the same words on CPU and CUDA.
