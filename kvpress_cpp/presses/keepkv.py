@@ -144,7 +144,8 @@ class KeepKVPress(KVCompDecodingPress):
         keys, values, log_ema, age, votes, state.log_weights, dropped = ops.keepkv_decode_step(
             keys, values, queries, attentions, log_weights,
             state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"], module.scaling,
-            self.ema_decay, state.counters["budget"], self.sinks, state.counters["recent"], self.similarity_threshold, self.convex)
+            self.ema_decay, state.counters["budget"], self.sinks, state.counters["recent"], self.similarity_threshold,
+            self.convex)
         state.per_slot = {"log_ema": log_ema, "age": age, "votes": votes}
         state.counters["dropped"] = state.counters["dropped"] + dropped
         state.counters["tokens_seen"] += new_tokens
