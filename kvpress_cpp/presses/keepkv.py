@@ -24,6 +24,9 @@ from kvpress_cpp.cache import LayerState, compact_to_longest_head
 from kvpress_cpp.presses.base import KVCompDecodingPress, query_states
 from kvpress_cpp.presses.kvzap import KVzapPress
 
+# Prompt queries whose logits the prefill holds at once while it folds the recent window into the EMA.
+PREFILL_FOLD_QUERIES = 256
+
 __all__ = ["KeepKVPress"]
 
 
@@ -110,13 +113,17 @@ class KeepKVPress(KVCompDecodingPress):
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
                              f"hitter after {self.sinks} sinks and a recent window of {recent}; raise the budget "
                              f"or lower sinks / recent")
-        steps = min(recent, length)
-        queries = query_states(module, hidden_states[:, length - steps:], _last_positions(kwargs, steps))
-        logits = _group_logits(queries, keys, module.scaling)
-        causal = torch.arange(length, device=keys.device) > torch.arange(length - steps, length,
-                                                                          device=keys.device).unsqueeze(-1)
-        log_ema, age = self._fold(_empty_like_slots(log_weights, float("-inf")), _empty_like_slots(log_weights, 0.0),
-                                  logits.masked_fill(causal, float("-inf")))
+        # The last `recent` prompt queries initialise the EMA, folded in order a chunk at a time so that the logits
+        # held at once stay (B, Hq, PREFILL_FOLD_QUERIES, T) whatever the window.
+        log_ema, age = _empty_like_slots(log_weights, float("-inf")), _empty_like_slots(log_weights, 0.0)
+        slots = torch.arange(length, device=keys.device)
+        for start in range(length - min(recent, length), length, PREFILL_FOLD_QUERIES):
+            end = min(start + PREFILL_FOLD_QUERIES, length)
+            positions = _positions(kwargs, start - length, end - length)
+            queries = query_states(module, hidden_states[:, start:end], positions)
+            causal = slots > torch.arange(start, end, device=keys.device).unsqueeze(-1)
+            logits = _group_logits(queries, keys, module.scaling).masked_fill(causal, float("-inf"))
+            log_ema, age = self._fold(log_ema, age, logits, end)
         votes = torch.ones_like(log_ema)
         state = LayerState(log_weights, {"log_ema": log_ema, "age": age, "votes": votes},
                            {"budget": budget, "recent": recent, "tokens_seen": length})
@@ -151,9 +158,10 @@ class KeepKVPress(KVCompDecodingPress):
         state.counters["tokens_seen"] += new_tokens
         return keys, values, state
 
-    def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor):
-        """Fold the last q tokens' queries, in order, into the EMA of every slot: ``S ← β S + (1-β) s̄`` with s̄ the
-        group mean of exp(logits), in the log domain, and each slot's age grown by the queries that see it.
+    def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor, end: int):
+        """Fold the queries of the q tokens ending at position `end` (exclusive), in order, into the EMA of every
+        slot: ``S ← β S + (1-β) s̄`` with s̄ the group mean of exp(logits), in the log domain, and each slot's age
+        grown by the queries that see it.
 
         log_ema, age: (B, H, T) of the slots (-inf and 0 for the new ones); logits (B, H, G, q, T) float32, -inf where
         a query does not see a slot."""
@@ -165,9 +173,8 @@ class KeepKVPress(KVCompDecodingPress):
             queries - 1, -1, -1, dtype=torch.float32, device=logits.device)
         folded = torch.logsumexp(log_mean + weights.unsqueeze(-1), dim=-2)
         log_ema = torch.logaddexp(log_ema + queries * log_decay, folded)
-        # The queries are the last q tokens: slot i is seen by min(q, T - i) of them (causal).
-        length = logits.shape[-1]
-        seen = (length - torch.arange(length, device=logits.device)).clamp_max(queries)
+        # The queries are tokens end-q .. end-1: slot i is seen by those at or after it (causal).
+        seen = (end - torch.arange(logits.shape[-1], device=logits.device)).clamp(0, queries)
         return log_ema, age + seen
 
     def log_estimate(self, state: LayerState) -> torch.Tensor:
@@ -256,10 +263,11 @@ def _empty_like_slots(like: torch.Tensor, value: float) -> torch.Tensor:
     return torch.full_like(like, value, dtype=torch.float32)
 
 
-def _last_positions(kwargs: dict, count: int) -> dict:
-    """The layer kwargs with the rotary tables of the last `count` positions only."""
+def _positions(kwargs: dict, start: int, end: int) -> dict:
+    """The layer kwargs with the rotary tables of the pass's positions [start, end) only, counted from its end (≤ 0)."""
     cos, sin = kwargs["position_embeddings"]
-    return {**kwargs, "position_embeddings": (cos[:, -count:], sin[:, -count:])}
+    stop = end if end < 0 else None
+    return {**kwargs, "position_embeddings": (cos[:, start:stop], sin[:, start:stop])}
 
 
 def _group_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
