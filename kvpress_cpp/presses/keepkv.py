@@ -121,9 +121,8 @@ class KeepKVPress(KVCompDecodingPress):
             end = min(start + PREFILL_FOLD_QUERIES, length)
             positions = _positions(kwargs, start - length, end - length)
             queries = query_states(module, hidden_states[:, start:end], positions)
-            causal = slots > torch.arange(start, end, device=keys.device).unsqueeze(-1)
-            logits = _group_logits(queries, keys, module.scaling).masked_fill(causal, float("-inf"))
-            log_ema, age = self._fold(log_ema, age, logits, end)
+            hidden = slots > torch.arange(start, end, device=keys.device).unsqueeze(-1)
+            log_ema, age = self._fold(log_ema, age, _group_logits(queries, keys, module.scaling), hidden, end)
         votes = torch.ones_like(log_ema)
         state = LayerState(log_weights, {"log_ema": log_ema, "age": age, "votes": votes},
                            {"budget": budget, "recent": recent, "tokens_seen": length})
@@ -158,20 +157,21 @@ class KeepKVPress(KVCompDecodingPress):
         state.counters["tokens_seen"] += new_tokens
         return keys, values, state
 
-    def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor, end: int):
+    def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, end: int):
         """Fold the queries of the q tokens ending at position `end` (exclusive), in order, into the EMA of every
         slot: ``S ← β S + (1-β) s̄`` with s̄ the group mean of exp(logits), in the log domain, and each slot's age
         grown by the queries that see it.
 
-        log_ema, age: (B, H, T) of the slots (-inf and 0 for the new ones); logits (B, H, G, q, T) float32, -inf where
-        a query does not see a slot."""
+        log_ema, age: (B, H, T) of the slots (-inf and 0 for the new ones); logits (B, H, G, q, T) float32; hidden
+        (q, T) bool, True where a query does not see a slot."""
         group, queries = logits.shape[2], logits.shape[3]
         log_decay = math.log(self.ema_decay)
-        log_mean = torch.logsumexp(logits, dim=2) - math.log(group)  # (B, H, q, T)
-        # Query j is multiplied by β once for each later query: weight (1-β) β^(q-1-j).
+        # Query j is multiplied by β once for each later query: weight (1-β) β^(q-1-j). Weights and the causal mask
+        # go into one (q, T) bias, so the group mean and the sum over queries are a single log-sum-exp pass.
         weights = math.log1p(-self.ema_decay) + log_decay * torch.arange(
             queries - 1, -1, -1, dtype=torch.float32, device=logits.device)
-        folded = torch.logsumexp(log_mean + weights.unsqueeze(-1), dim=-2)
+        bias = weights.unsqueeze(-1).masked_fill(hidden, float("-inf"))
+        folded = torch.logsumexp(logits + bias, dim=(2, 3)) - math.log(group)
         log_ema = torch.logaddexp(log_ema + queries * log_decay, folded)
         # The queries are tokens end-q .. end-1: slot i is seen by those at or after it (causal).
         seen = (end - torch.arange(logits.shape[-1], device=logits.device)).clamp(0, queries)
