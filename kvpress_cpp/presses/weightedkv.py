@@ -45,7 +45,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     prefill_chunk_size: int | None = None
 
     def prompt_score_weights(self, module):
-        return 1.0, 1.0 / query_group_size(module)  # compress_prefill's score_prompt call
+        return 1.0, 1.0 / query_group_size(module)  # plain sums of the group-mean attention
 
     def __post_init__(self):
         if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (
@@ -69,7 +69,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         group_size = query_group_size(module)
-        sums = score_prompt(module, hidden_states, keys, log_weights, kwargs, 1.0, 1.0 / group_size)
+        sums = score_prompt(module, hidden_states, keys, log_weights, kwargs, *self.prompt_score_weights(module))
         length = keys.shape[-2]
         counts = torch.arange(length, 0, -1, dtype=torch.float32, device=keys.device).expand_as(sums)
         size, sinks, recent = self.regions(length)

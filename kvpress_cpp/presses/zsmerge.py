@@ -53,7 +53,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     prefill_chunk_size: int | None = None
 
     def prompt_score_weights(self, module):
-        return self.decay, 1.0  # compress_prefill's score_prompt call
+        return self.decay, 1.0  # eq. 5: λ-decayed sums over the group's query heads
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not (
@@ -87,7 +87,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         return recent, context, self.residual_slots
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        scores = score_prompt(module, hidden_states, keys, log_weights, kwargs, self.decay, 1.0)
+        scores = score_prompt(module, hidden_states, keys, log_weights, kwargs, *self.prompt_score_weights(module))
         recent, context, residual = self.split(keys.shape[-2])
         state = LayerState(log_weights, {"scores": scores}, {"recent": recent, "context": context,
                                                              "residual": residual, "tokens_seen": keys.shape[-2]})
