@@ -112,6 +112,11 @@ TORCH_LIBRARY(kvcomp, m) {
   // row that sees nothing), its log-sum-exp (B, Hq, q) float32 and prompt_scores' scores (B, H, T) float32.
   m.def("prompt_attention_with_scores(Tensor query, Tensor keys, Tensor values, Tensor log_weights, float scale, "
         "float decay, float input_scale) -> (Tensor, Tensor, Tensor)");
+  // The log of the scores without a softmax (KeepKV's EMA over its recent window), (B, H, T) float32:
+  // ln sum_j input_scale * decay^(q-1-j) * sum_g exp(scale * q_gj.k_i + b_i), causal, decay in (0, 1),
+  // input_scale > 0; -inf for a slot no query sees. An online log-sum-exp per slot: no overflow whatever the logits.
+  m.def("prompt_log_unnormalised_scores(Tensor query, Tensor keys, Tensor log_weights, float scale, float decay, "
+        "float input_scale) -> Tensor");
 }
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
@@ -121,7 +126,8 @@ TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "keepkv_decode_step", "nucleus_budget", "averaged_rope", "gvote_union_mask",
                          "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
-                         "paged_decode_attention", "prompt_attention_with_scores"}) {
+                         "paged_decode_attention", "prompt_attention_with_scores",
+                         "prompt_log_unnormalised_scores"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

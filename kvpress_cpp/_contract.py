@@ -485,6 +485,17 @@ _declare(Contract(
                        ((v["B"], v["H"], v["T"]), F32)],
 ))
 
+_declare(Contract(
+    "prompt_log_unnormalised_scores",
+    _prompt_attention_args() + [Scalar("scale"), Scalar("decay"), Scalar("input_scale")],
+    rules=_prompt_attention_rules() + [
+        Rule(lambda v: 0.0 < v["decay"] < 1.0, lambda v: f"expected decay in (0, 1), got {v['decay']}"),
+        Rule(lambda v: _finite(v["input_scale"]) and v["input_scale"] > 0,
+             lambda v: f"expected a finite input_scale > 0, got {v['input_scale']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
+))
+
 
 def _probs_width(v) -> Any:
     """Width of paged_decode_attention's probabilities: max(lengths), known only from the tables' contents."""

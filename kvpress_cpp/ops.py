@@ -534,6 +534,31 @@ def prompt_attention_with_scores(query: torch.Tensor, keys: torch.Tensor, values
     return torch.ops.kvcomp.prompt_attention_with_scores(query, keys, values, log_weights, scale, decay, input_scale)
 
 
+def prompt_log_unnormalised_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
+                                   scale: float | None = None, decay: float = 0.9,
+                                   input_scale: float = 1.0) -> torch.Tensor:
+    """The log of the prompt's scores without a softmax: ``ln s_i = ln Σ_j input_scale · decay^(q-1-j) Σ_g
+    exp(scale · q_{g,j}·k_i + b_i)`` over the q newest prompt queries that see slot i (causal), the query heads g of
+    slot i's kv head (GQA, keys never repeated). KeepKV's EMA of exp(q·k·scale) over its recent window: decay β,
+    input_scale (1-β)/G.
+
+    Per (batch, kv head, tile of 128 keys), query tiles newest first, an online log-sum-exp per slot (running max and
+    rescaled sum), so nothing overflows whatever the logits; deterministic (fixed order, whatever the thread count);
+    workspace a few tiles per thread, whatever T.
+
+    Args:
+        query, keys, log_weights, scale: as for :func:`prompt_log_sum_exp` (b = -inf: a slot no query sees).
+        decay: in (0, 1).
+        input_scale: > 0.
+
+    Returns:
+        (B, H, T) float32 ln s, -inf for a slot no query sees (past every query's causal limit, or b = -inf).
+    """
+    if scale is None:
+        scale = _default_scale("prompt_log_unnormalised_scores", "query", query)
+    return torch.ops.kvcomp.prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_blocks: torch.Tensor,

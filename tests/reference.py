@@ -626,6 +626,19 @@ def prompt_attention_with_scores(query, keys, values, log_weights, scale, decay,
             prompt_scores(query, keys, log_weights, scale, decay, input_scale))
 
 
+def prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale):
+    """``ln s_i = ln Σ_j Σ_g input_scale · decay^(q-1-j) · exp(logit[g, j, i])`` in float64, the logits of
+    :func:`prompt_attention` (b added, -inf past each query's causal limit), the weights written out per query and the
+    sum taken as one log-sum-exp over (g, j): (B, H, T), -inf for a slot no query sees."""
+    batch, kv_heads, total_len = log_weights.shape
+    num_queries = query.shape[2]
+    logits = prompt_attention(query, keys, log_weights, scale)
+    log_w = torch.tensor([math.log(input_scale) + (num_queries - 1 - j) * math.log(decay) for j in range(num_queries)],
+                         dtype=torch.float64, device=query.device)
+    terms = (logits + log_w[:, None]).reshape(batch, kv_heads, -1, total_len)  # (B, H, G·q, T)
+    return terms.logsumexp(2)
+
+
 def gather_paged(blocks: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, fill: float = 0.0):
     """The slots of a paged pool (N, S, ...) as a rectangular (B, H, T, ...) tensor, T = max(lengths), one Python
     step per slot (independent of the cache's vectorised gathers); slots beyond a head's length hold `fill`."""

@@ -16,7 +16,6 @@ from kvpress.presses.kvzap_press import KVzapModel
 from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
-from kvpress_cpp.presses import keepkv
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.kvzap import KVzapThresholdPress
@@ -124,10 +123,7 @@ def test_weightedkv_matches_the_paper(llama):
     run_in_lock_step(llama, WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24), read)
 
 
-@pytest.mark.parametrize("fold_queries", [256, 3])
-def test_keepkv_matches_the_paper(llama, monkeypatch, fold_queries):
-    # 3: the prefill folds its 8-query recent window into the EMA in chunks of 3, 3 and 2 queries.
-    monkeypatch.setattr(keepkv, "PREFILL_FOLD_QUERIES", fold_queries)
+def test_keepkv_matches_the_paper(llama):
     # A low similarity threshold so that a random tiny model merges (its keys are far less alike than a real one's).
     press = KeepKVPress(budget=24, recent=8, similarity_threshold=0.3)
 

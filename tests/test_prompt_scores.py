@@ -185,6 +185,114 @@ def test_wrong_device_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# prompt_log_unnormalised_scores: KeepKV's EMA from its recent window
+
+# Compared in the log domain: the logits are float32 (products of |scale q·k| up to ~20 here, ~2e-6 absolute) and exp
+# is at::vec's exp_u20 (~2.4e-6 relative) on CPU; a log-sum-exp of such terms carries their absolute error.
+LOG_SCORE_TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,query_heads,kv_heads", [(1, 9, 3), (2, 4, 4)], ids=["gqa", "mha-b2"])
+@pytest.mark.parametrize("num_queries,total_len", [(1, 1), (1, 37), (37, 37), (130, 300), (45, 300), (300, 300)])
+@pytest.mark.parametrize("decay,input_scale", [(0.9, 0.1 / 3), (0.5, 2.0)])
+def test_log_unnormalised_scores_match_reference(device, dtype, batch, query_heads, kv_heads, num_queries, total_len,
+                                                 decay, input_scale):
+    """A window from 1 query to all of them, T not a multiple of the key tile (128), q across query tiles (64),
+    padding (b = -inf) and merged slots (b = 0.6 ln w)."""
+    query, keys, log_weights = make_inputs(batch, query_heads, kv_heads, num_queries, total_len, 24, dtype, device)
+    scale = 24 ** -0.5
+    log_scores = ops.prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale)
+    assert log_scores.dtype == torch.float32 and log_scores.shape == log_weights.shape
+    expected = reference.prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale)
+    unseen = expected == -math.inf
+    assert bool(unseen[log_weights == -math.inf].all())
+    assert bool((log_scores[unseen] == -math.inf).all())
+    torch.testing.assert_close(log_scores.double()[~unseen], expected[~unseen], **LOG_SCORE_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("magnitude", [30.0, 300.0])
+def test_log_unnormalised_scores_never_overflow(device, magnitude):
+    """Logits of ±magnitude (exp(300) overflows float32 and float64 alike: the reference is a log-sum-exp too) and
+    decay^age far below float32's range (0.5^500): finite wherever a query sees the slot, and the formula's."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 500, 600, 16, device=device, padding=0.0)
+    query = query / query.norm(dim=-1, keepdim=True) * magnitude ** 0.5 * 4
+    keys = keys / keys.norm(dim=-1, keepdim=True) * magnitude ** 0.5 * 4
+    log_scores = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 1 / 16, 0.5, 1.0)
+    expected = reference.prompt_log_unnormalised_scores(query, keys, log_weights, 1 / 16, 0.5, 1.0)
+    assert bool(torch.isfinite(log_scores).all())
+    assert float(expected.abs().max()) > magnitude / 2
+    torch.testing.assert_close(log_scores.double(), expected, rtol=1e-5, atol=1e-3 * magnitude / 30)
+
+
+def test_log_unnormalised_scores_of_a_slot_no_query_sees():
+    """-inf for padding (b = -inf, whatever its key holds: NaN here) and, with every query's visible slots -inf, for
+    every slot."""
+    query, keys, log_weights = make_inputs(1, 2, 1, 10, 10, 8, padding=0.0)
+    log_weights[..., :3] = -math.inf
+    keys[..., :3, :] = float("nan")
+    log_scores = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.3, 0.9, 1.0)
+    assert bool((log_scores[..., :3] == -math.inf).all()) and bool(torch.isfinite(log_scores[..., 3:]).all())
+    all_padding = torch.full_like(log_weights, -math.inf)
+    assert bool((ops.prompt_log_unnormalised_scores(query, keys, all_padding, 0.3, 0.9, 1.0) == -math.inf).all())
+
+
+def test_log_unnormalised_scores_deterministic_whatever_the_thread_count():
+    query, keys, log_weights = make_inputs(2, 8, 2, 300, 300, 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.2, 0.9, 0.25)
+        torch.set_num_threads(2)
+        two = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.2, 0.9, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_log_unnormalised_scores_opcheck(device):
+    query, keys, log_weights = make_inputs(1, 4, 2, 20, 33, 16, device=device)
+    torch.library.opcheck(torch.ops.kvcomp.prompt_log_unnormalised_scores.default,
+                          (query, keys, log_weights, 0.25, 0.9, 0.5))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(query=torch.zeros(4, 20, 16)),
+     "kvcomp::prompt_log_unnormalised_scores: expected query of shape (B, Hq, q, d), got a 3-d"),
+    (dict(keys=torch.zeros(1, 2, 33, 16, dtype=torch.float64)), "expected keys of dtype Float, got Double"),
+    (dict(log_weights=torch.zeros(1, 2, 33, dtype=torch.float16)), "expected log_weights of dtype Float"),
+    (dict(decay=0.0), "expected decay in (0, 1), got 0"),
+    (dict(decay=1.0), "expected decay in (0, 1), got 1"),
+    (dict(decay=math.nan), "expected decay in (0, 1), got nan"),
+    (dict(input_scale=0.0), "expected a finite input_scale > 0, got 0"),
+    (dict(input_scale=math.inf), "expected a finite input_scale > 0, got inf"),
+    (dict(scale=-1.0), "expected a finite scale > 0, got -1"),
+    (dict(query=torch.zeros(1, 4, 34, 16)), "expected 1 <= q <= T (the q queries are the last q of the T prompt "
+     "tokens), got q = query.size(2) = 34 and T = keys.size(2) = 33"),
+    (dict(query=torch.zeros(1, 4, 0, 16)), "expected 1 <= q <= T"),
+    (dict(query=torch.zeros(1, 4, 0, 16), keys=torch.zeros(1, 2, 0, 16), log_weights=torch.zeros(1, 2, 0)),
+     "expected a prompt of T >= 1 tokens"),
+])
+def test_log_unnormalised_scores_bad_input_names_the_op_and_value(change, message):
+    args = dict(query=torch.zeros(1, 4, 20, 16), keys=torch.zeros(1, 2, 33, 16), log_weights=torch.zeros(1, 2, 33),
+                scale=0.25, decay=0.9, input_scale=1.0)
+    args.update(change)
+    with pytest.raises(RuntimeError, match="kvcomp::prompt_log_unnormalised_scores") as error:
+        torch.ops.kvcomp.prompt_log_unnormalised_scores(*args.values())
+    assert message in str(error.value)
+
+
+@CUDA
+def test_log_unnormalised_scores_wrong_device_is_refused():
+    query, keys, log_weights = make_inputs(1, 4, 2, 20, 33, 16)
+    with pytest.raises(RuntimeError, match="kvcomp::prompt_log_unnormalised_scores: expected keys on the device"):
+        ops.prompt_log_unnormalised_scores(query.cuda(), keys, log_weights.cuda())
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The presses, before and after: the folding they ran before this op, in plain PyTorch
 
 
@@ -211,7 +319,7 @@ def austen_prompt(default_model):
     return tokenizer(austen_text()[:6000], return_tensors="pt").input_ids[:, :700]
 
 
-# KeepKV scores its last R queries from their logits (its ZIP merge needs unnormalised scores), not with this op.
+# KeepKV's EMA is unnormalised (prompt_log_unnormalised_scores): test_keepkv_prefill_state_as_before below.
 @pytest.mark.parametrize("press", [ZSMergePress(budget=0.25), WeightedKVPress(cache_size=0.25)],
                          ids=["zsmerge", "weightedkv"])
 def test_presses_keep_the_same_cache_as_before(default_model, austen_prompt, press, monkeypatch):
@@ -277,3 +385,73 @@ def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default
     assert handed is not None and handed.scores is None
     torch.testing.assert_close(handed.queries, queries)
     torch.testing.assert_close(handed.log_sum_exp.double(), expected, **LSE_TOL)
+
+
+def former_keepkv_fold(queries, keys, log_weights, scale, decay, input_scale, chunk_size=256):
+    """KeepKV's former prefill EMA, in plain PyTorch: the window's queries a chunk of 256 at a time, their
+    (B, H, G, q, T) float32 logits, each chunk folded by one log-sum-exp over (group, query) of logits + ln((1-β)
+    β^(q-1-j)) masked causally, minus ln G, into ln S ← logaddexp(ln S + q ln β, folded). b is not read (KeepKV's
+    prefill has none but 0)."""
+    batch, kv_heads, length = keys.shape[:3]
+    window, group = queries.shape[2], queries.shape[1] // kv_heads
+    assert math.isclose(input_scale, (1 - decay) / group) and bool((log_weights == 0).all())
+    log_ema = torch.full((batch, kv_heads, length), -math.inf)
+    slots = torch.arange(length)
+    for start in range(length - window, length, chunk_size):
+        end = min(start + chunk_size, length)
+        count = end - start
+        grouped = queries[:, :, start - length + window:end - length + window].float()
+        logits = grouped.view(batch, kv_heads, group, count, -1) @ keys.float().unsqueeze(2).transpose(-1, -2) * scale
+        weights = math.log1p(-decay) + math.log(decay) * torch.arange(count - 1, -1, -1, dtype=torch.float32)
+        bias = weights.unsqueeze(-1).masked_fill(slots > torch.arange(start, end).unsqueeze(-1), -math.inf)
+        folded = torch.logsumexp(logits + bias, dim=(2, 3)) - math.log(group)
+        log_ema = torch.logaddexp(log_ema + count * math.log(decay), folded)
+    return log_ema
+
+
+@pytest.mark.parametrize("recent", [0.8, 300], ids=["default-window", "window-300"])
+def test_keepkv_prefill_state_as_before(default_model, austen_prompt, recent, monkeypatch):
+    """SmolLM2, a 700-token Austen prompt, KeepKV at a quarter of it (M = 175; R = 140 by default) or at half of it with
+    a 300-query window (over two of the former's 256-query chunks), against the former PyTorch fold.
+
+    The prefill alone, the prompt attention by sdpa on both sides (so every layer sees the same inputs): the same
+    votes and ages exactly, ln S within 2e-5 absolute (measured 3e-6: the op's float32 logits and exp_u20 against
+    torch's), the same slots kept (an unmerged slot's key bitwise equal; a different slot would differ by O(1)),
+    values within 1e-5 (merged as Σ w v / Σ w). A merged key is eq. 7's ZIP key, (Σ w k)·ln(Σ w / Σ p) / Σ w ln ŝ,
+    whose denominator may nearly cancel (guarded only below 1e-3 of its terms): it amplifies ln S's 3e-6 to up to
+    2e-3 of the key's size (|k| up to ~1e3 here), so merged keys are held to rtol 1e-2 (not a tolerance a wrong slot
+    or a wrong weight would pass: those move a key by O(|k|)). Then `generate` as the user runs it (the prompt
+    attention by the fused op, its queries reused): the same 4 tokens as the former fold."""
+    from transformers import DynamicCache
+
+    from kvpress_cpp.presses.keepkv import KeepKVPress
+
+    model, _ = default_model
+    budget = 0.25 if recent == 0.8 else 0.5
+    tokens, _ = greedy(model, austen_prompt, press=KeepKVPress(budget=budget, recent=recent), max_new_tokens=4)
+    monkeypatch.setattr(press_base, "request_prefill_scores",
+                        lambda module, weights: attention.request_prefill_scores(module, None))
+
+    def prefill():
+        cache = DynamicCache()
+        with torch.no_grad(), KeepKVPress(budget=budget, recent=recent)(model):
+            model(austen_prompt, past_key_values=cache)
+        return cache
+
+    cache = prefill()
+    with monkeypatch.context() as former:
+        former.setattr(ops, "prompt_log_unnormalised_scores", former_keepkv_fold)
+        before = prefill()
+        before_tokens, _ = greedy(model, austen_prompt, press=KeepKVPress(budget=budget, recent=recent),
+                                  max_new_tokens=4)
+    assert torch.equal(tokens, before_tokens)
+    for layer, before_layer in zip(cache.layers, before.layers):
+        state, before_state = get_state(layer), get_state(before_layer)
+        assert torch.equal(state.per_slot["votes"], before_state.per_slot["votes"])
+        assert torch.equal(state.per_slot["age"], before_state.per_slot["age"])
+        assert torch.equal(state.log_weights, before_state.log_weights)
+        torch.testing.assert_close(state.per_slot["log_ema"], before_state.per_slot["log_ema"], rtol=0, atol=2e-5)
+        unmerged = state.per_slot["votes"] == 1
+        assert torch.equal(layer.keys[unmerged], before_layer.keys[unmerged])
+        torch.testing.assert_close(layer.keys, before_layer.keys, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(layer.values, before_layer.values, rtol=1e-4, atol=1e-5)

@@ -397,6 +397,114 @@ at::Tensor prompt_scores_cpu(const at::Tensor& query, const at::Tensor& keys, co
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// prompt_log_unnormalised_scores: ln Σ_j w_j Σ_g exp(scale q·k + b) per slot (KeepKV's EMA from its recent window).
+//
+// One task per (batch, kv-head, key tile), query tiles newest first, as prompt_scores' pass 2, but with no row
+// normaliser: each column keeps an online log-sum-exp of x = scale q·k + b + ln w_j. A product block's 4 rows update it
+// at once: the block's column max raises the running max, the sum is rescaled to it (one exp) and the 4 terms added
+// (4 exps), so exp never sees a positive argument and no logits buffer is kept.
+
+// The per-row inputs of one query tile: rows past the tile (padding to kRowBlock) see no slot.
+struct WindowRows {
+  std::vector<float> log_weight;  // ln w_j of the row's query
+  std::vector<int64_t> visible;   // slots of the key tile the row sees
+
+  explicit WindowRows(int64_t max_rows) : log_weight(max_rows), visible(max_rows) {}
+};
+
+struct LogScoreWeights {
+  double log_decay, log_input_scale;
+};
+
+template <typename scalar_t>
+void log_unnormalised_scores_task(const PromptLayout& layout, const scalar_t* query, const scalar_t* keys,
+                                  const float* log_weights, LogScoreWeights weights, int64_t pair, int64_t key_tile,
+                                  TileScratch& scratch, WindowRows& window_rows, float* log_scores) {
+  const PromptScoresShape& shape = layout.shape;
+  const int64_t batch = pair / shape.kv_heads, head = pair % shape.kv_heads, d = shape.head_dim;
+  const int64_t key_begin = key_tile * kKeyTile, len = std::min(kKeyTile, shape.total_len - key_begin);
+  load_key_tile(layout, keys + batch * layout.key_strides[0] + head * layout.key_strides[1],
+                log_weights + pair * shape.total_len, key_begin, len, scratch);
+  const float* bias = scratch.bias.data();
+  const FloatVec minus_inf(-INFINITY), zero(0.0f);
+
+  FloatVec column_max[kKeyTile / kLanes], column_sum[kKeyTile / kLanes];
+  for (auto& m : column_max) m = minus_inf;
+  for (auto& sum : column_sum) sum = zero;
+  const int64_t first_seeing = std::max<int64_t>(0, key_begin - layout.position(0));
+  for (int64_t query_tile = layout.query_tiles() - 1; query_tile >= first_seeing / kQueryTile; --query_tile) {
+    const int64_t query_begin = query_tile * kQueryTile;
+    const int64_t tq = std::min(kQueryTile, shape.num_queries - query_begin);
+    const int64_t rows = shape.group_size * tq;
+    const int64_t rows_pad = load_query_tile(layout, query, batch, head, query_begin, tq, scratch);
+    for (int64_t row = 0; row < rows_pad; ++row) {
+      const int64_t t = row % tq;
+      window_rows.log_weight[row] = kernels::query_log_weight(weights.log_decay, weights.log_input_scale,
+                                                              shape.num_queries - 1 - (query_begin + t));
+      window_rows.visible[row] = row < rows ? visible_slots(layout.position(query_begin + t), key_begin, len) : 0;
+    }
+    for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
+      const int64_t block_visible =
+          *std::max_element(window_rows.visible.begin() + r, window_rows.visible.begin() + r + kRowBlock);
+      for (int64_t c = 0; c < block_visible; c += kBlockKeys) {
+        ProductBlock block;
+        product_block(scratch.rows.data() + r, scratch.keys_t.data(), d, kKeyTile, c, layout.scale, block);
+        for (int64_t v = 0; v < kBlockVectors && c + v * kLanes < block_visible; ++v) {
+          const int64_t lane0 = c + v * kLanes, column = lane0 / kLanes;
+          FloatVec terms[kRowBlock];
+          FloatVec block_max = minus_inf;
+          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+            const int64_t visible = window_rows.visible[r + rr];
+            terms[rr] = lane0 < visible ? masked_logits(block[rr][v], bias, scratch.bias_finite, lane0, visible) +
+                                              FloatVec(window_rows.log_weight[r + rr])
+                                        : minus_inf;
+            block_max = at::vec::maximum(block_max, terms[rr]);
+          }
+          const FloatVec new_max = at::vec::maximum(column_max[column], block_max);
+          // Shifted by 0 while the column has seen nothing (exp(-inf - -inf) would be NaN): every term is then -inf.
+          const FloatVec shift = FloatVec::blendv(new_max, zero, new_max == minus_inf);
+          FloatVec sum = column_sum[column] * fast_exp(column_max[column] - shift);
+          for (int64_t rr = 0; rr < kRowBlock; ++rr) sum = sum + fast_exp(terms[rr] - shift);
+          column_sum[column] = sum;
+          column_max[column] = new_max;
+        }
+      }
+    }
+  }
+  // ln Σ = max + ln(sum): -inf for a slot no query sees (sum 0, max -inf).
+  float* out = log_scores + pair * shape.total_len + key_begin;
+  for (int64_t c = 0; c < len; c += kLanes) {
+    const FloatVec log_sum = column_max[c / kLanes] + column_sum[c / kLanes].log();
+    FloatVec::blendv(log_sum, minus_inf, column_sum[c / kLanes] == zero).store(out + c, std::min(kLanes, len - c));
+  }
+}
+
+at::Tensor prompt_log_unnormalised_scores_cpu(const at::Tensor& query, const at::Tensor& keys,
+                                              const at::Tensor& log_weights, double scale, double decay,
+                                              double input_scale) {
+  const PromptScoresShape shape =
+      check_prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale);
+  at::Tensor log_scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
+  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor log_weights_c = log_weights.contiguous();
+  const PromptLayout layout = make_layout(shape, query_c, keys_c, scale);
+  const int64_t key_tiles = layout.key_tiles();
+  const LogScoreWeights weights{std::log(decay), std::log(input_scale)};
+  KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::prompt_log_unnormalised_scores", [&] {
+    at::parallel_for(0, shape.batch * shape.kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
+      TileScratch scratch(shape);
+      WindowRows window_rows(TileScratch::max_rows(shape));
+      for (int64_t task = begin; task < end; ++task) {
+        log_unnormalised_scores_task(layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+                                     log_weights_c.const_data_ptr<float>(), weights, task / key_tiles,
+                                     task % key_tiles, scratch, window_rows, log_scores.mutable_data_ptr<float>());
+      }
+    });
+  });
+  return log_scores;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Fused: prompt_attention_with_scores, the prompt's attention output, log-sum-exp and scores from one QKᵀ.
 //
 // One task per (batch, kv-head, chunk of query tiles). For each query tile (the G x kFusedQueryTile rows of one kv
@@ -651,6 +759,7 @@ TORCH_LIBRARY_IMPL(kvcomp, CPU, m) {
   m.impl("prompt_log_sum_exp", &prompt_log_sum_exp_cpu);
   m.impl("prompt_scores", &prompt_scores_cpu);
   m.impl("prompt_attention_with_scores", &prompt_attention_with_scores_cpu);
+  m.impl("prompt_log_unnormalised_scores", &prompt_log_unnormalised_scores_cpu);
 }
 
 }  // namespace kvcomp

@@ -1,5 +1,5 @@
-// Device-free math of the prompt_scores family (kvcomp::prompt_log_sum_exp, kvcomp::prompt_scores), used by the CPU
-// loops, the CUDA kernels and GoogleTest.
+// Device-free math of the prompt_scores family (kvcomp::prompt_log_sum_exp, kvcomp::prompt_scores,
+// kvcomp::prompt_log_unnormalised_scores), used by the CPU loops, the CUDA kernels and GoogleTest.
 //
 // The scores of a prompt's keys from its q newest queries j (prompt token T - q + j), per kv head h:
 //   s_i = Σ_j w_j Σ_{g in the group of h} p_{g,j,i},   p_{g,j,i} = exp(scale q_{g,j}·k_i + b_i - lse_{g,j}),
@@ -48,6 +48,22 @@ KVCOMP_HOST_DEVICE inline bool older_queries_negligible(int64_t group_size, doub
                                                         float min_partial_score) {
   return min_partial_score > 0.0f &&
          static_cast<double>(group_size) * weight_bound < ::ldexp(static_cast<double>(min_partial_score), -26);
+}
+
+// prompt_log_unnormalised_scores: ln s_i of s_i = Σ_j w_j Σ_g exp(scale q_{g,j}·k_i + b_i), causal, the scores
+// without a softmax (KeepKV's EMA over its recent window: decay β, input_scale (1-β)/G). No row normaliser, so no
+// bound on a term: each column keeps an online log-sum-exp (running max and the sum rescaled to it, SoftmaxPartial)
+// of the terms scale q·k + b + ln w_j, and exp never sees a positive argument whatever the logits.
+//
+// ln w_j of the query `age` = q - 1 - j steps older than the newest: ln input_scale + age · ln decay (finite for any
+// age, where w_j itself would underflow to 0 in float32 past a few hundred steps).
+KVCOMP_HOST_DEVICE inline float query_log_weight(double log_decay, double log_input_scale, int64_t age) {
+  return static_cast<float>(log_input_scale + static_cast<double>(age) * log_decay);
+}
+
+// One term x added to a column's online log-sum-exp.
+KVCOMP_HOST_DEVICE inline SoftmaxPartial add_log_term(SoftmaxPartial column, float x) {
+  return combine(column, SoftmaxPartial{x, 1.0f});
 }
 
 }  // namespace kvcomp::kernels

@@ -19,13 +19,10 @@ import torch
 from kvpress.presses.scorer_press import ScorerPress
 
 from kvpress_cpp import ops
-from kvpress_cpp.attention import take_decode_query
+from kvpress_cpp.attention import take_decode_query, take_prefill_attention
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
 from kvpress_cpp.presses.base import KVCompDecodingPress, query_states
 from kvpress_cpp.presses.kvzap import KVzapPress
-
-# Prompt queries whose logits the prefill holds at once while it folds the recent window into the EMA.
-PREFILL_FOLD_QUERIES = 256
 
 __all__ = ["KeepKVPress"]
 
@@ -113,16 +110,16 @@ class KeepKVPress(KVCompDecodingPress):
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
                              f"hitter after {self.sinks} sinks and a recent window of {recent}; raise the budget "
                              f"or lower sinks / recent")
-        # The last `recent` prompt queries initialise the EMA, folded in order a chunk at a time so that the logits
-        # held at once stay (B, Hq, PREFILL_FOLD_QUERIES, T) whatever the window.
-        log_ema, age = _empty_like_slots(log_weights, float("-inf")), _empty_like_slots(log_weights, 0.0)
-        slots = torch.arange(length, device=keys.device)
-        for start in range(length - min(recent, length), length, PREFILL_FOLD_QUERIES):
-            end = min(start + PREFILL_FOLD_QUERIES, length)
-            positions = _positions(kwargs, start - length, end - length)
-            queries = query_states(module, hidden_states[:, start:end], positions)
-            hidden = slots > torch.arange(start, end, device=keys.device).unsqueeze(-1)
-            log_ema, age = self._fold(log_ema, age, _group_logits(queries, keys, module.scaling), hidden, end)
+        # The last `recent` prompt queries initialise the EMA: S_i = Σ_j (1-β) β^(T-1-j) s̄_j,i over the window's
+        # queries j at or after slot i, s̄ the group mean of exp(q·k·scale), in the log domain by one tile-bounded op.
+        window = min(recent, length)
+        queries = self._window_queries(module, hidden_states, kwargs, window)
+        group = queries.shape[1] // keys.shape[1]
+        log_ema = ops.prompt_log_unnormalised_scores(queries, keys, log_weights, module.scaling, self.ema_decay,
+                                                     (1 - self.ema_decay) / group)
+        # Each slot's age: the window's queries at or after it.
+        age = (length - torch.arange(length, dtype=torch.float32, device=keys.device)).clamp(max=window)
+        age = age.expand_as(log_ema).contiguous()
         votes = torch.ones_like(log_ema)
         state = LayerState(log_weights, {"log_ema": log_ema, "age": age, "votes": votes},
                            {"budget": budget, "recent": recent, "tokens_seen": length})
@@ -157,25 +154,19 @@ class KeepKVPress(KVCompDecodingPress):
         state.counters["tokens_seen"] += new_tokens
         return keys, values, state
 
-    def _fold(self, log_ema: torch.Tensor, age: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, end: int):
-        """Fold the queries of the q tokens ending at position `end` (exclusive), in order, into the EMA of every
-        slot: ``S ← β S + (1-β) s̄`` with s̄ the group mean of exp(logits), in the log domain, and each slot's age
-        grown by the queries that see it.
+    def prompt_score_weights(self, module):
+        # No normalised scores (KeepKV's are exp(q·k·scale), not probabilities): input_scale 0 weighs every query out,
+        # so the prompt pass only keeps its queries for _window_queries.
+        return 1.0, 0.0
 
-        log_ema, age: (B, H, T) of the slots (-inf and 0 for the new ones); logits (B, H, G, q, T) float32; hidden
-        (q, T) bool, True where a query does not see a slot."""
-        group, queries = logits.shape[2], logits.shape[3]
-        log_decay = math.log(self.ema_decay)
-        # Query j is multiplied by β once for each later query: weight (1-β) β^(q-1-j). Weights and the causal mask
-        # go into one (q, T) bias, so the group mean and the sum over queries are a single log-sum-exp pass.
-        weights = math.log1p(-self.ema_decay) + log_decay * torch.arange(
-            queries - 1, -1, -1, dtype=torch.float32, device=logits.device)
-        bias = weights.unsqueeze(-1).masked_fill(hidden, float("-inf"))
-        folded = torch.logsumexp(logits + bias, dim=(2, 3)) - math.log(group)
-        log_ema = torch.logaddexp(log_ema + queries * log_decay, folded)
-        # The queries are tokens end-q .. end-1: slot i is seen by those at or after it (causal).
-        seen = (end - torch.arange(logits.shape[-1], device=logits.device)).clamp(0, queries)
-        return log_ema, age + seen
+    @staticmethod
+    def _window_queries(module, hidden_states, kwargs, window: int) -> torch.Tensor:
+        """The post-RoPE queries (B, Hq, window, d) of the prompt's last `window` tokens: those the layer's prompt
+        pass kept (:meth:`prompt_score_weights`), else recomputed for the window only."""
+        kept = take_prefill_attention(module, hidden_states.shape[1])
+        if kept is not None:
+            return kept.queries[:, :, -window:]
+        return query_states(module, hidden_states[:, -window:], _positions(kwargs, -window, 0))
 
     def log_estimate(self, state: LayerState) -> torch.Tensor:
         """ln ŝ (B, H, T): the bias-corrected EMA of each slot's per-token score, corrected by its own age."""
@@ -259,23 +250,11 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def _empty_like_slots(like: torch.Tensor, value: float) -> torch.Tensor:
-    return torch.full_like(like, value, dtype=torch.float32)
-
-
 def _positions(kwargs: dict, start: int, end: int) -> dict:
     """The layer kwargs with the rotary tables of the pass's positions [start, end) only, counted from its end (≤ 0)."""
     cos, sin = kwargs["position_embeddings"]
     stop = end if end < 0 else None
     return {**kwargs, "position_embeddings": (cos[:, start:stop], sin[:, start:stop])}
-
-
-def _group_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """q·k·scale (B, H, G, q, T) float32 of queries (B, Hq, q, d) over keys (B, H, T, d), query head h·G + g reading
-    kv head h."""
-    batch, kv_heads = keys.shape[:2]
-    grouped = queries.float().view(batch, kv_heads, -1, *queries.shape[-2:])
-    return grouped @ keys.float().unsqueeze(2).transpose(-1, -2) * scale
 
 
 def pyramid_budgets(budget: int, num_layers: int, amplitude: float = 0.5) -> list[int]:

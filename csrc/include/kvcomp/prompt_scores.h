@@ -1,5 +1,5 @@
 // Validation and output shapes of the prompt_scores family (prompt_log_sum_exp, prompt_scores,
-// prompt_attention_with_scores), called first by the CPU and the CUDA kernels alike.
+// prompt_attention_with_scores, prompt_log_unnormalised_scores), called first by the CPU and the CUDA kernels alike.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -84,6 +84,19 @@ inline PromptScoresShape check_prompt_attention_with_scores(const at::Tensor& qu
   const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
   check_shaped_like(op, "values", values, "(B, H, T, d)", query.scalar_type(), "keys", keys, keys.dim());
   check_prompt_score_weights(op, decay, input_scale);
+  return shape;
+}
+
+// The weights input_scale * decay^age of the unnormalised scores, taken in the log domain: decay in (0, 1) (an EMA)
+// and input_scale > 0 (ln 0 would weigh every query out).
+inline PromptScoresShape check_prompt_log_unnormalised_scores(const at::Tensor& query, const at::Tensor& keys,
+                                                              const at::Tensor& log_weights, double scale,
+                                                              double decay, double input_scale) {
+  constexpr const char* op = "kvcomp::prompt_log_unnormalised_scores";
+  const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
+  TORCH_CHECK(decay > 0.0 && decay < 1.0, op, ": expected decay in (0, 1), got ", decay);
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale > 0.0, op, ": expected a finite input_scale > 0, got ",
+              input_scale);
   return shape;
 }
 
