@@ -635,7 +635,8 @@ def prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input
     logits = prompt_attention(query, keys, log_weights, scale)
     log_w = torch.tensor([math.log(input_scale) + (num_queries - 1 - j) * math.log(decay) for j in range(num_queries)],
                          dtype=torch.float64, device=query.device)
-    terms = (logits + log_w[:, None]).reshape(batch, kv_heads, -1, total_len)  # (B, H, G·q, T)
+    group = query.shape[1] // kv_heads
+    terms = (logits + log_w[:, None]).reshape(batch, kv_heads, group * num_queries, total_len)  # (B, H, G·q, T)
     return terms.logsumexp(2)
 
 

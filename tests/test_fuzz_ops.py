@@ -141,6 +141,10 @@ def _prompt_attention_with_scores_build(r, s, dtype):
     return _decode_attention_build(r, s, dtype) + (r.choice([1.0, 0.98, 0.5]), r.uniform(0, 2))
 
 
+def _prompt_log_unnormalised_scores_build(r, s, dtype):
+    return _prompt_attention_build(r, s, dtype) + (r.choice([0.9, 0.5, 0.01]), r.uniform(0.01, 2))
+
+
 def _prompt_scores_given_lse(query, keys, log_weights, log_sum_exp, scale, decay, input_scale):
     """prompt_scores from the formula, normalised by the given log-sum-exp: exp(logit - lse) in float64, a row whose
     log-sum-exp is ±inf adding nothing (it sees no slot) and a NaN one making its slots NaN."""
@@ -432,6 +436,11 @@ FUZZ: dict[str, OpFuzz] = {
         _decode_attention_sizes, _prompt_attention_with_scores_build, reference.prompt_attention_with_scores,
         tolerance=lambda dtype: _low_precision(dtype, 3e-2),
         nonfinite_unchecked="NaN and inf follow the online softmax (test_prompt_attention_with_scores.py plants NaN)"),
+    "prompt_log_unnormalised_scores": OpFuzz(
+        _decode_attention_sizes, _prompt_log_unnormalised_scores_build, reference.prompt_log_unnormalised_scores,
+        tolerance=lambda dtype: _low_precision(dtype, 3e-2),
+        nonfinite_unchecked="NaN and inf follow the online log-sum-exp (a +inf term meets the running max +inf: NaN, "
+        "where torch.logsumexp gives +inf)"),
     "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
                                      lambda *args: reference.paged_decode_attention(*args[:7]),
                                      tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad,

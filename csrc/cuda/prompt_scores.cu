@@ -14,6 +14,7 @@
 // scores_kernel: one block per (batch, kv-head, key tile) over the row tiles, newest first, each thread summing one
 //   column over half of the rows in a fixed order; the two halves add in a fixed order. Each score is written by one
 //   block: deterministic, no atomics. Older rows are skipped once kernels::older_queries_negligible holds for the tile.
+// log_unnormalised_scores_kernel: the same blocks, each column an online log-sum-exp of the weighted logits.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,6 +23,7 @@
 #include <mma.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -310,6 +312,60 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(Layout layout, const s
 
 static_assert(kThreads == 2 * kTile, "scores_kernel: two threads per column");
 
+// ---------------------------------------------------------------------------------------------------------------
+// prompt_log_unnormalised_scores: as scores_kernel (one block per key tile, row tiles newest first, two threads per
+// column over half of the rows each, in a fixed order), but each thread keeps an online log-sum-exp
+// (kernels::add_log_term) of scale q·k + b + ln w_j instead of a sum of probabilities; the halves combine in a fixed
+// order. Nothing is skipped: without a row normaliser no bound caps an older query's term.
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layout layout,
+                                                                           const scalar_t* __restrict__ query,
+                                                                           const scalar_t* __restrict__ keys,
+                                                                           const float* __restrict__ log_weights,
+                                                                           double log_decay, double log_input_scale,
+                                                                           float* __restrict__ log_scores) {
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const Shared<scalar_t> smem(shared_raw, layout.head_dim);
+  __shared__ float row_log_weight[kTile], half_max[kThreads], half_sum[kThreads];
+  const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
+  const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  load_key_tile(layout, keys, batch, head, key_begin, smem.k_tile);
+  load_bias(layout, log_weights, pair, key_begin, smem.bias);
+
+  const int column = threadIdx.x % kTile, half = threadIdx.x / kTile;  // rows half * 32 .. half * 32 + 31
+  kernels::SoftmaxPartial running;
+  // Rows whose query sees the tile's first key: j >= key_begin - (T - q).
+  const int64_t first_query = key_begin - (layout.total_len - layout.num_queries);
+  const int64_t first_row = (first_query > 0 ? first_query : 0) * layout.group_size;
+  const int64_t row_tiles = (layout.rows() + kTile - 1) / kTile;
+  for (int64_t tile = row_tiles - 1; tile >= first_row / kTile; --tile) {
+    const int64_t row_begin = tile * kTile;
+    __syncthreads();  // the previous tile's rows are no longer read
+    load_query_tile(layout, query, batch, head, row_begin, smem.q_tile);
+    for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
+      row_log_weight[r] = kernels::query_log_weight(log_decay, log_input_scale,
+                                                    layout.num_queries - 1 - (row_begin + r) / layout.group_size);
+    }
+    __syncthreads();
+    tile_logits(smem.q_tile, smem.k_tile, layout.head_dim, smem.logits);
+    for (int r = half * (kTile / 2); r < (half + 1) * (kTile / 2) && row_begin + r < layout.rows(); ++r) {
+      const float logit = masked_logit(smem.logits, r, column, key_begin, layout.position(row_begin + r), smem.bias,
+                                       layout.scale);
+      running = kernels::add_log_term(running, logit + row_log_weight[r]);
+    }
+  }
+  half_max[threadIdx.x] = running.max;
+  half_sum[threadIdx.x] = running.sum;
+  __syncthreads();
+  if (half == 0 && key_begin + column < layout.total_len) {
+    const kernels::SoftmaxPartial both = kernels::combine(kernels::SoftmaxPartial{half_max[column], half_sum[column]},
+                                                          kernels::SoftmaxPartial{half_max[column + kTile],
+                                                                                  half_sum[column + kTile]});
+    log_scores[pair * layout.total_len + key_begin + column] = kernels::row_log_sum_exp(both);
+  }
+}
+
 Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {
   return {{query.stride(0), query.stride(1), query.stride(2)},
           {keys.stride(0), keys.stride(1), keys.stride(2)},
@@ -375,11 +431,38 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
   return scores;
 }
 
+at::Tensor prompt_log_unnormalised_scores_cuda(const at::Tensor& query, const at::Tensor& keys,
+                                               const at::Tensor& log_weights, double scale, double decay,
+                                               double input_scale) {
+  constexpr const char* op = "kvcomp::prompt_log_unnormalised_scores";
+  const PromptScoresShape shape =
+      check_prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale);
+  check_head_dim(op, shape);
+  const c10::cuda::OptionalCUDAGuard device_guard(query.device());
+  at::Tensor log_scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
+  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor log_weights_c = log_weights.contiguous();
+  const Layout layout = make_layout(shape, query_c, keys_c, scale);
+  const dim3 grid(static_cast<unsigned>((shape.total_len + kTile - 1) / kTile),
+                  static_cast<unsigned>(shape.batch * shape.kv_heads));
+  KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), op, [&] {
+    const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
+    allow_shared_bytes(log_unnormalised_scores_kernel<scalar_t>, bytes);
+    log_unnormalised_scores_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+        layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+        log_weights_c.const_data_ptr<float>(), std::log(decay), std::log(input_scale),
+        log_scores.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return log_scores;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) {
   m.impl("prompt_log_sum_exp", &prompt_log_sum_exp_cuda);
   m.impl("prompt_scores", &prompt_scores_cuda);
+  m.impl("prompt_log_unnormalised_scores", &prompt_log_unnormalised_scores_cuda);
 }
 
 }  // namespace kvcomp

@@ -1,6 +1,7 @@
 // GoogleTest of the prompt_scores family's device-free math: query weights, the bound on the older queries' weights
 // against the geometric series summed by hand, the float32-resolution test behind the skip, and the log-sum-exp of a
-// row from its softmax statistics.
+// row from its softmax statistics; the log-domain query weights and the online log-sum-exp of
+// prompt_log_unnormalised_scores.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,8 +10,10 @@
 
 namespace {
 
+using kvcomp::kernels::add_log_term;
 using kvcomp::kernels::older_queries_negligible;
 using kvcomp::kernels::older_queries_weight_bound;
+using kvcomp::kernels::query_log_weight;
 using kvcomp::kernels::query_weight;
 using kvcomp::kernels::row_log_sum_exp;
 using kvcomp::kernels::SoftmaxPartial;
@@ -50,6 +53,29 @@ TEST(OlderQueriesNegligible, BelowHalfAnUlpOfTheSmallestScore) {
 TEST(RowLogSumExp, FromSoftmaxStatistics) {
   EXPECT_FLOAT_EQ(row_log_sum_exp(SoftmaxPartial{2.0f, 3.0f}), 2.0f + std::log(3.0f));
   EXPECT_EQ(row_log_sum_exp(SoftmaxPartial{}), -INFINITY);  // nothing to attend to
+}
+
+TEST(QueryLogWeight, IsTheLogOfTheWeightAndStaysFinite) {
+  EXPECT_FLOAT_EQ(query_log_weight(std::log(0.9), std::log(0.1 / 3), 2), static_cast<float>(std::log(0.1 / 3 * 0.81)));
+  EXPECT_FLOAT_EQ(query_log_weight(std::log(0.5), 0.0, 0), 0.0f);
+  // 0.5^1000 underflows float32 (and its weight would be 0); its log does not.
+  EXPECT_EQ(query_weight(0.5, 1.0, 1000), 0.0f);
+  EXPECT_FLOAT_EQ(query_log_weight(std::log(0.5), 0.0, 1000), static_cast<float>(1000 * std::log(0.5)));
+}
+
+TEST(AddLogTerm, IsAnOnlineLogSumExp) {
+  // Terms far past exp's float32 range, in any order: the running max keeps every exp's argument <= 0.
+  const float terms[] = {500.0f, -3.0f, 501.5f, -INFINITY, 499.0f};
+  SoftmaxPartial column;
+  double max = -INFINITY;
+  for (float x : terms) {
+    column = add_log_term(column, x);
+    max = std::fmax(max, x);
+  }
+  double sum = 0.0;  // log Σ exp(x), summed by hand about the largest term
+  for (float x : terms) sum += std::exp(static_cast<double>(x) - max);
+  EXPECT_NEAR(row_log_sum_exp(column), max + std::log(sum), 1e-4);
+  EXPECT_EQ(row_log_sum_exp(add_log_term(SoftmaxPartial{}, -INFINITY)), -INFINITY);  // a slot no query sees
 }
 
 }  // namespace
