@@ -25,6 +25,10 @@ scores from one QKᵀ; what the prefill runs up to its workspace limit, ``fused_
 ``sdpa_plus_scores_s`` (ATen's flash kernel with its log-sum-exp, then ``prompt_scores`` given it: the fallback), with
 WeightedKV's weights (decay 1: every query adds) and ZSMerge's (λ = 0.98: ``prompt_scores`` skips negligible queries).
 
+KeepKV's EMA op alone (``part = "keepkv_op"``, the same SmolLM2-shaped layer, its default window R = 0.8 M of the
+last R queries at M = T / 4): ``prompt_log_unnormalised_scores`` (``op_s``) against the chunked PyTorch fold it
+replaced (``former_s``, ``tests.reference.keepkv_former_prefill_fold``: (B, Hq, 256, T) float32 logits per chunk).
+
 On CUDA (``--device cuda --parts op``): a random Llama-3-8B-shaped layer (B=1, Hq=32, H=8, d=128, bfloat16) at 32k
 and 128k tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward.
 """
@@ -51,6 +55,7 @@ from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD, KVzapThresholdPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
+from tests import reference
 
 KEPT = 0.25  # budgets: a quarter of the prompt (kvpress's compression_ratio 0.75)
 PRESSES = {
@@ -249,6 +254,29 @@ def op_rows(lengths, threads: int, repeats: int, save) -> list[dict]:
     return rows
 
 
+def keepkv_op_rows(lengths, repeats: int, save) -> list[dict]:
+    """KeepKV's prefill EMA over its default window on a SmolLM2-shaped layer: the op against the former PyTorch fold
+    (both given the window's queries)."""
+    batch, query_heads, kv_heads, head_dim = 1, 9, 3, 64
+    decay = KeepKVPress.ema_decay
+    rows = []
+    for length in tqdm(lengths, desc="keepkv op", unit="T"):
+        window = round(KeepKVPress.recent * round(KEPT * length))
+        generator = torch.Generator().manual_seed(length)
+        query = torch.randn(batch, query_heads, window, head_dim, generator=generator)
+        keys = torch.randn(batch, kv_heads, length, head_dim, generator=generator)
+        log_weights = torch.zeros(batch, kv_heads, length)
+        args = (query, keys, log_weights, head_dim ** -0.5, decay, (1 - decay) * kv_heads / query_heads)
+        row = {"part": "keepkv_op", "T": length, "window": window,
+               "op_s": round(seconds(lambda: ops.prompt_log_unnormalised_scores(*args), repeats=repeats), 4),
+               "former_s": round(seconds(lambda: reference.keepkv_former_prefill_fold(*args), repeats=repeats), 4)}
+        row["speedup_vs_former"] = round(row["former_s"] / row["op_s"], 1)
+        rows.append(row)
+        print(row, flush=True)
+        save(rows)
+    return rows
+
+
 def cuda_op_rows(lengths) -> list[dict]:
     """A random Llama-3-8B-shaped layer in bfloat16: the op against the layer's sdpa (flash), time and peak memory
     beyond the inputs."""
@@ -300,7 +328,12 @@ def plot(rows: list[dict], name: str, title: str) -> None:
                        ("fused_s", "prompt_attention_with_scores (output + scores)")]:
         points = [r for r in op if key in r]
         ax_op.plot([r["T"] for r in points], [r[key] for r in points], "o-", label=label)
-    if op:
+    keepkv_op = [r for r in rows if r["part"] == "keepkv_op"]
+    for key, label in [("op_s", "KeepKV EMA: prompt_log_unnormalised_scores (window R = T / 5)"),
+                       ("former_s", "KeepKV EMA: former PyTorch fold")]:
+        if keepkv_op:
+            ax_op.plot([r["T"] for r in keepkv_op], [r[key] for r in keepkv_op], "s--", label=label)
+    if op or keepkv_op:
         ax_op.set_xscale("log", base=2)
         ax_op.set_yscale("log")
     ax_op.set_xlabel("T")
@@ -311,7 +344,8 @@ def plot(rows: list[dict], name: str, title: str) -> None:
 
 def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["presses", "op"], choices=["presses", "op"])
+    parser.add_argument("--parts", nargs="+", default=["presses", "op", "keepkv_op"],
+                        choices=["presses", "op", "keepkv_op"])
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--repeats", type=int, default=3, help="rounds per prompt length; the median time is kept")
     parser.add_argument("--op-lengths", type=int, nargs="+", default=None)
@@ -345,12 +379,15 @@ def main() -> None:
     if "op" in args.parts:
         rows += (cuda_op_rows(args.op_lengths or [32768, 131072]) if cuda else
                  op_rows(args.op_lengths or OP_LENGTHS, torch.get_num_threads(), args.repeats, save))
+    if "keepkv_op" in args.parts and not cuda:
+        rows += keepkv_op_rows(args.op_lengths or OP_LENGTHS[:3], args.repeats, save)
     for part, columns in [
         ("presses", ["press", "prompt", "forward_s", "with_press_s", "ratio", "press_s", "removed", "press_peak_MiB"]),
         ("op", ["T", "op_s", "op_given_lse_s", "op_decay_0.98_s", "former_s", "sdpa_s", "speedup_vs_former",
                 "op_vs_sdpa", "workspace_MiB", "former_chunk_MiB", "op_peak_MiB", "sdpa_peak_MiB", "fused_s",
                 "sdpa_plus_scores_s", "fused_vs_sdpa_plus_scores", "fused_decay_0.98_s",
                 "sdpa_plus_scores_decay_0.98_s", "fused_vs_sdpa_plus_scores_decay_0.98", "fused_workspace_MiB"]),
+        ("keepkv_op", ["T", "window", "op_s", "former_s", "speedup_vs_former"]),
     ]:
         if any(r["part"] == part for r in rows):
             print_table([r for r in rows if r["part"] == part], columns)

@@ -640,6 +640,29 @@ def prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input
     return terms.logsumexp(2)
 
 
+def keepkv_former_prefill_fold(queries, keys, log_weights, scale, decay, input_scale, chunk_size=256):
+    """KeepKV's former prefill EMA (before kvcomp::prompt_log_unnormalised_scores), the plain-PyTorch baseline of the
+    press test and the benchmark, ln S (B, H, T) float32: the window's queries a chunk of 256 at a time, their
+    (B, H, G, q, T) float32 logits, each chunk folded by one log-sum-exp over (group, query) of logits + ln((1-β)
+    β^(q-1-j)) masked causally, minus ln G, into ln S ← logaddexp(ln S + q ln β, folded). b is not read (KeepKV's
+    prefill has none but 0)."""
+    batch, kv_heads, length = keys.shape[:3]
+    window, group = queries.shape[2], queries.shape[1] // kv_heads
+    assert math.isclose(input_scale, (1 - decay) / group) and bool((log_weights == 0).all())
+    log_ema = torch.full((batch, kv_heads, length), -math.inf)
+    slots = torch.arange(length)
+    for start in range(length - window, length, chunk_size):
+        end = min(start + chunk_size, length)
+        count = end - start
+        grouped = queries[:, :, start - length + window:end - length + window].float()
+        logits = grouped.view(batch, kv_heads, group, count, -1) @ keys.float().unsqueeze(2).transpose(-1, -2) * scale
+        weights = math.log1p(-decay) + math.log(decay) * torch.arange(count - 1, -1, -1, dtype=torch.float32)
+        bias = weights.unsqueeze(-1).masked_fill(slots > torch.arange(start, end).unsqueeze(-1), -math.inf)
+        folded = torch.logsumexp(logits + bias, dim=(2, 3)) - math.log(group)
+        log_ema = torch.logaddexp(log_ema + count * math.log(decay), folded)
+    return log_ema
+
+
 def gather_paged(blocks: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, fill: float = 0.0):
     """The slots of a paged pool (N, S, ...) as a rectangular (B, H, T, ...) tensor, T = max(lengths), one Python
     step per slot (independent of the cache's vectorised gathers); slots beyond a head's length hold `fill`."""

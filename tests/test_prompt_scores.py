@@ -387,28 +387,6 @@ def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default
     torch.testing.assert_close(handed.log_sum_exp.double(), expected, **LSE_TOL)
 
 
-def former_keepkv_fold(queries, keys, log_weights, scale, decay, input_scale, chunk_size=256):
-    """KeepKV's former prefill EMA, in plain PyTorch: the window's queries a chunk of 256 at a time, their
-    (B, H, G, q, T) float32 logits, each chunk folded by one log-sum-exp over (group, query) of logits + ln((1-β)
-    β^(q-1-j)) masked causally, minus ln G, into ln S ← logaddexp(ln S + q ln β, folded). b is not read (KeepKV's
-    prefill has none but 0)."""
-    batch, kv_heads, length = keys.shape[:3]
-    window, group = queries.shape[2], queries.shape[1] // kv_heads
-    assert math.isclose(input_scale, (1 - decay) / group) and bool((log_weights == 0).all())
-    log_ema = torch.full((batch, kv_heads, length), -math.inf)
-    slots = torch.arange(length)
-    for start in range(length - window, length, chunk_size):
-        end = min(start + chunk_size, length)
-        count = end - start
-        grouped = queries[:, :, start - length + window:end - length + window].float()
-        logits = grouped.view(batch, kv_heads, group, count, -1) @ keys.float().unsqueeze(2).transpose(-1, -2) * scale
-        weights = math.log1p(-decay) + math.log(decay) * torch.arange(count - 1, -1, -1, dtype=torch.float32)
-        bias = weights.unsqueeze(-1).masked_fill(slots > torch.arange(start, end).unsqueeze(-1), -math.inf)
-        folded = torch.logsumexp(logits + bias, dim=(2, 3)) - math.log(group)
-        log_ema = torch.logaddexp(log_ema + count * math.log(decay), folded)
-    return log_ema
-
-
 @pytest.mark.parametrize("recent", [0.8, 300], ids=["default-window", "window-300"])
 def test_keepkv_prefill_state_as_before(default_model, austen_prompt, recent, monkeypatch):
     """SmolLM2, a 700-token Austen prompt, KeepKV at a quarter of it (M = 175; R = 140 by default) or at half of it with
@@ -440,7 +418,7 @@ def test_keepkv_prefill_state_as_before(default_model, austen_prompt, recent, mo
 
     cache = prefill()
     with monkeypatch.context() as former:
-        former.setattr(ops, "prompt_log_unnormalised_scores", former_keepkv_fold)
+        former.setattr(ops, "prompt_log_unnormalised_scores", reference.keepkv_former_prefill_fold)
         before = prefill()
         before_tokens, _ = greedy(model, austen_prompt, press=KeepKVPress(budget=budget, recent=recent),
                                   max_new_tokens=4)
