@@ -327,7 +327,8 @@ def plot(rows: list[dict], name: str, title: str) -> None:
                        ("sdpa_plus_scores_s", "sdpa + prompt_scores (LSE given)"),
                        ("fused_s", "prompt_attention_with_scores (output + scores)")]:
         points = [r for r in op if key in r]
-        ax_op.plot([r["T"] for r in points], [r[key] for r in points], "o-", label=label)
+        if points:
+            ax_op.plot([r["T"] for r in points], [r[key] for r in points], "o-", label=label)
     keepkv_op = [r for r in rows if r["part"] == "keepkv_op"]
     for key, label in [("op_s", "KeepKV EMA: prompt_log_unnormalised_scores (window R = T / 5)"),
                        ("former_s", "KeepKV EMA: former PyTorch fold")]:

@@ -286,6 +286,53 @@ at::Tensor prompt_log_sum_exp_cpu(const at::Tensor& query, const at::Tensor& key
 // ---------------------------------------------------------------------------------------------------------------
 // Pass 2: prompt_scores
 
+// The key tile of a key-tile task (pass 2, prompt_log_unnormalised_scores): tile `key_tile` of pair (batch, kv-head),
+// loaded into scratch.
+struct KeyTile {
+  int64_t batch, head, begin, len;
+};
+
+template <typename scalar_t>
+KeyTile load_task_key_tile(const PromptLayout& layout, const scalar_t* keys, const float* log_weights, int64_t pair,
+                           int64_t key_tile, TileScratch& scratch) {
+  const PromptScoresShape& shape = layout.shape;
+  const int64_t begin = key_tile * kKeyTile;
+  const KeyTile tile{pair / shape.kv_heads, pair % shape.kv_heads, begin, std::min(kKeyTile, shape.total_len - begin)};
+  load_key_tile(layout, keys + tile.batch * layout.key_strides[0] + tile.head * layout.key_strides[1],
+                log_weights + pair * shape.total_len, tile.begin, tile.len, scratch);
+  return tile;
+}
+
+// The common loop of a key-tile task (pass 2, prompt_log_unnormalised_scores): the query tiles that see the key tile
+// [key_begin, key_begin + len) of (batch, kv-head), newest first, each loaded into scratch; set_rows(query_begin, tq,
+// rows, rows_pad) fills `visible` (slots of the key tile each row sees, 0 for a row that adds nothing) and the rows'
+// other inputs; add_block(r, c, block) takes every product block of rows r..r+3 and columns c.. that a row sees; then
+// older_negligible(query_tile, query_begin) may end the walk.
+template <typename scalar_t, typename SetRows, typename AddBlock, typename OlderNegligible>
+void walk_query_tiles(const PromptLayout& layout, const scalar_t* query, int64_t batch, int64_t head,
+                      int64_t key_begin, TileScratch& scratch, const std::vector<int64_t>& visible, SetRows&& set_rows,
+                      AddBlock&& add_block, OlderNegligible&& older_negligible) {
+  const PromptScoresShape& shape = layout.shape;
+  // Query tiles whose newest row sees the tile's first key, newest first.
+  const int64_t first_seeing = std::max<int64_t>(0, key_begin - layout.position(0));
+  for (int64_t query_tile = layout.query_tiles() - 1; query_tile >= first_seeing / kQueryTile; --query_tile) {
+    const int64_t query_begin = query_tile * kQueryTile;
+    const int64_t tq = std::min(kQueryTile, shape.num_queries - query_begin);
+    const int64_t rows_pad = load_query_tile(layout, query, batch, head, query_begin, tq, scratch);
+    set_rows(query_begin, tq, shape.group_size * tq, rows_pad);
+    for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
+      const int64_t block_visible = *std::max_element(visible.begin() + r, visible.begin() + r + kRowBlock);
+      for (int64_t c = 0; c < block_visible; c += kBlockKeys) {
+        ProductBlock block;
+        product_block(scratch.rows.data() + r, scratch.keys_t.data(), shape.head_dim, kKeyTile, c, layout.scale,
+                      block);
+        add_block(r, c, block);
+      }
+    }
+    if (older_negligible(query_tile, query_begin)) break;
+  }
+}
+
 struct ScoreWeights {
   double decay, input_scale;
 };
@@ -303,21 +350,13 @@ void scores_task(const PromptLayout& layout, const scalar_t* query, const scalar
                  const float* lse, ScoreWeights weights, int64_t pair, int64_t key_tile, TileScratch& scratch,
                  TileRows& tile_rows, float* scores) {
   const PromptScoresShape& shape = layout.shape;
-  const int64_t batch = pair / shape.kv_heads, head = pair % shape.kv_heads, d = shape.head_dim;
-  const int64_t key_begin = key_tile * kKeyTile, len = std::min(kKeyTile, shape.total_len - key_begin);
-  load_key_tile(layout, keys + batch * layout.key_strides[0] + head * layout.key_strides[1],
-                log_weights + pair * shape.total_len, key_begin, len, scratch);
+  const KeyTile tile = load_task_key_tile(layout, keys, log_weights, pair, key_tile, scratch);
+  const int64_t batch = tile.batch, head = tile.head, key_begin = tile.begin, len = tile.len;
   const float* bias = scratch.bias.data();
 
   FloatVec acc[kKeyTile / kLanes];
   for (auto& a : acc) a = FloatVec(0.0f);
-  // Query tiles whose newest row sees the tile's first key, newest first.
-  const int64_t first_seeing = std::max<int64_t>(0, key_begin - layout.position(0));
-  for (int64_t query_tile = layout.query_tiles() - 1; query_tile >= first_seeing / kQueryTile; --query_tile) {
-    const int64_t query_begin = query_tile * kQueryTile;
-    const int64_t tq = std::min(kQueryTile, shape.num_queries - query_begin);
-    const int64_t rows = shape.group_size * tq;
-    const int64_t rows_pad = load_query_tile(layout, query, batch, head, query_begin, tq, scratch);
+  const auto set_rows = [&](int64_t query_begin, int64_t tq, int64_t rows, int64_t rows_pad) {
     for (int64_t row = 0; row < rows_pad; ++row) {
       const int64_t g = row / tq, t = row % tq;
       const float row_lse_value = row < rows ? lse[(batch * shape.query_heads + head * shape.group_size + g) *
@@ -332,42 +371,37 @@ void scores_task(const PromptLayout& layout, const scalar_t* query, const scalar
       tile_rows.visible[row] =
           tile_rows.weight[row] == 0.0f ? 0 : visible_slots(layout.position(query_begin + t), key_begin, len);
     }
-    for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
-      const int64_t block_visible =
-          *std::max_element(tile_rows.visible.begin() + r, tile_rows.visible.begin() + r + kRowBlock);
-      for (int64_t c = 0; c < block_visible; c += kBlockKeys) {
-        ProductBlock block;
-        product_block(scratch.rows.data() + r, scratch.keys_t.data(), d, kKeyTile, c, layout.scale, block);
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-          const int64_t visible = tile_rows.visible[r + rr];
-          const FloatVec lse_b(tile_rows.lse[r + rr]), weight_b(tile_rows.weight[r + rr]);
-          for (int64_t v = 0; v < kBlockVectors && c + v * kLanes < visible; ++v) {
-            const int64_t lane0 = c + v * kLanes;
-            const FloatVec p =
-                fast_exp(masked_logits(block[rr][v], bias, scratch.bias_finite, lane0, visible) - lse_b);
-            acc[lane0 / kLanes] = at::vec::fmadd(weight_b, p, acc[lane0 / kLanes]);
-          }
-        }
+  };
+  const auto add_block = [&](int64_t r, int64_t c, const ProductBlock& block) {
+    for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+      const int64_t visible = tile_rows.visible[r + rr];
+      const FloatVec lse_b(tile_rows.lse[r + rr]), weight_b(tile_rows.weight[r + rr]);
+      for (int64_t v = 0; v < kBlockVectors && c + v * kLanes < visible; ++v) {
+        const int64_t lane0 = c + v * kLanes;
+        const FloatVec p = fast_exp(masked_logits(block[rr][v], bias, scratch.bias_finite, lane0, visible) - lse_b);
+        acc[lane0 / kLanes] = at::vec::fmadd(weight_b, p, acc[lane0 / kLanes]);
       }
     }
-    // Every older query together adds at most G · weight_bound to a score (kernels::older_queries_negligible).
-    if (query_tile > 0) {
-      const double bound = kernels::older_queries_weight_bound(weights.decay, weights.input_scale,
-                                                               shape.num_queries - query_begin);
-      if (bound < INFINITY) {
-        // Smallest partial score over the tile's attended slots (-inf slots and slots past the tile stay 0).
-        const FloatVec minus_inf(-INFINITY), plus_inf(INFINITY);
-        FloatVec min_v(INFINITY);
-        for (int64_t c = 0; c < len; c += kLanes) {
-          const FloatVec unattended = FloatVec::loadu(bias + c) == minus_inf;
-          min_v = at::vec::minimum(min_v, FloatVec::blendv(acc[c / kLanes], plus_inf, unattended));
-        }
-        const float min_score = at::vec::vec_reduce_all<float>(
-            [](const FloatVec& a, const FloatVec& b) { return at::vec::minimum(a, b); }, min_v);
-        if (kernels::older_queries_negligible(shape.group_size, bound, min_score)) break;
-      }
+  };
+  // Every older query together adds at most G · weight_bound to a score (kernels::older_queries_negligible).
+  const auto older_negligible = [&](int64_t query_tile, int64_t query_begin) {
+    if (query_tile == 0) return false;
+    const double bound = kernels::older_queries_weight_bound(weights.decay, weights.input_scale,
+                                                             shape.num_queries - query_begin);
+    if (bound == INFINITY) return false;
+    // Smallest partial score over the tile's attended slots (-inf slots and slots past the tile stay 0).
+    const FloatVec minus_inf(-INFINITY), plus_inf(INFINITY);
+    FloatVec min_v(INFINITY);
+    for (int64_t c = 0; c < len; c += kLanes) {
+      const FloatVec unattended = FloatVec::loadu(bias + c) == minus_inf;
+      min_v = at::vec::minimum(min_v, FloatVec::blendv(acc[c / kLanes], plus_inf, unattended));
     }
-  }
+    const float min_score = at::vec::vec_reduce_all<float>(
+        [](const FloatVec& a, const FloatVec& b) { return at::vec::minimum(a, b); }, min_v);
+    return kernels::older_queries_negligible(shape.group_size, bound, min_score);
+  };
+  walk_query_tiles(layout, query, batch, head, key_begin, scratch, tile_rows.visible, set_rows, add_block,
+                   older_negligible);
   float* out = scores + pair * shape.total_len + key_begin;
   for (int64_t c = 0; c < len; c += kLanes) acc[c / kLanes].store(out + c, std::min(kLanes, len - c));
 }
@@ -421,56 +455,48 @@ void log_unnormalised_scores_task(const PromptLayout& layout, const scalar_t* qu
                                   const float* log_weights, LogScoreWeights weights, int64_t pair, int64_t key_tile,
                                   TileScratch& scratch, WindowRows& window_rows, float* log_scores) {
   const PromptScoresShape& shape = layout.shape;
-  const int64_t batch = pair / shape.kv_heads, head = pair % shape.kv_heads, d = shape.head_dim;
-  const int64_t key_begin = key_tile * kKeyTile, len = std::min(kKeyTile, shape.total_len - key_begin);
-  load_key_tile(layout, keys + batch * layout.key_strides[0] + head * layout.key_strides[1],
-                log_weights + pair * shape.total_len, key_begin, len, scratch);
+  const KeyTile tile = load_task_key_tile(layout, keys, log_weights, pair, key_tile, scratch);
+  const int64_t batch = tile.batch, head = tile.head, key_begin = tile.begin, len = tile.len;
   const float* bias = scratch.bias.data();
   const FloatVec minus_inf(-INFINITY), zero(0.0f);
 
   FloatVec column_max[kKeyTile / kLanes], column_sum[kKeyTile / kLanes];
   for (auto& m : column_max) m = minus_inf;
   for (auto& sum : column_sum) sum = zero;
-  const int64_t first_seeing = std::max<int64_t>(0, key_begin - layout.position(0));
-  for (int64_t query_tile = layout.query_tiles() - 1; query_tile >= first_seeing / kQueryTile; --query_tile) {
-    const int64_t query_begin = query_tile * kQueryTile;
-    const int64_t tq = std::min(kQueryTile, shape.num_queries - query_begin);
-    const int64_t rows = shape.group_size * tq;
-    const int64_t rows_pad = load_query_tile(layout, query, batch, head, query_begin, tq, scratch);
+  const auto set_rows = [&](int64_t query_begin, int64_t tq, int64_t rows, int64_t rows_pad) {
     for (int64_t row = 0; row < rows_pad; ++row) {
       const int64_t t = row % tq;
       window_rows.log_weight[row] = kernels::query_log_weight(weights.log_decay, weights.log_input_scale,
                                                               shape.num_queries - 1 - (query_begin + t));
       window_rows.visible[row] = row < rows ? visible_slots(layout.position(query_begin + t), key_begin, len) : 0;
     }
-    for (int64_t r = 0; r < rows_pad; r += kRowBlock) {
-      const int64_t block_visible =
-          *std::max_element(window_rows.visible.begin() + r, window_rows.visible.begin() + r + kRowBlock);
-      for (int64_t c = 0; c < block_visible; c += kBlockKeys) {
-        ProductBlock block;
-        product_block(scratch.rows.data() + r, scratch.keys_t.data(), d, kKeyTile, c, layout.scale, block);
-        for (int64_t v = 0; v < kBlockVectors && c + v * kLanes < block_visible; ++v) {
-          const int64_t lane0 = c + v * kLanes, column = lane0 / kLanes;
-          FloatVec terms[kRowBlock];
-          FloatVec block_max = minus_inf;
-          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-            const int64_t visible = window_rows.visible[r + rr];
-            terms[rr] = lane0 < visible ? masked_logits(block[rr][v], bias, scratch.bias_finite, lane0, visible) +
-                                              FloatVec(window_rows.log_weight[r + rr])
-                                        : minus_inf;
-            block_max = at::vec::maximum(block_max, terms[rr]);
-          }
-          const FloatVec new_max = at::vec::maximum(column_max[column], block_max);
-          // Shifted by 0 while the column has seen nothing (exp(-inf - -inf) would be NaN): every term is then -inf.
-          const FloatVec shift = FloatVec::blendv(new_max, zero, new_max == minus_inf);
-          FloatVec sum = column_sum[column] * fast_exp(column_max[column] - shift);
-          for (int64_t rr = 0; rr < kRowBlock; ++rr) sum = sum + fast_exp(terms[rr] - shift);
-          column_sum[column] = sum;
-          column_max[column] = new_max;
-        }
+  };
+  const auto add_block = [&](int64_t r, int64_t c, const ProductBlock& block) {
+    const int64_t block_visible =
+        *std::max_element(window_rows.visible.begin() + r, window_rows.visible.begin() + r + kRowBlock);
+    for (int64_t v = 0; v < kBlockVectors && c + v * kLanes < block_visible; ++v) {
+      const int64_t lane0 = c + v * kLanes, column = lane0 / kLanes;
+      FloatVec terms[kRowBlock];
+      FloatVec block_max = minus_inf;
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+        const int64_t visible = window_rows.visible[r + rr];
+        terms[rr] = lane0 < visible ? masked_logits(block[rr][v], bias, scratch.bias_finite, lane0, visible) +
+                                          FloatVec(window_rows.log_weight[r + rr])
+                                    : minus_inf;
+        block_max = at::vec::maximum(block_max, terms[rr]);
       }
+      const FloatVec new_max = at::vec::maximum(column_max[column], block_max);
+      // Shifted by 0 while the column has seen nothing (exp(-inf - -inf) would be NaN): every term is then -inf.
+      const FloatVec shift = FloatVec::blendv(new_max, zero, new_max == minus_inf);
+      FloatVec sum = column_sum[column] * fast_exp(column_max[column] - shift);
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) sum = sum + fast_exp(terms[rr] - shift);
+      column_sum[column] = sum;
+      column_max[column] = new_max;
     }
-  }
+  };
+  // No row normaliser bounds an older query's term: every query of the window is read.
+  walk_query_tiles(layout, query, batch, head, key_begin, scratch, window_rows.visible, set_rows, add_block,
+                   [](int64_t, int64_t) { return false; });
   // ln Σ = max + ln(sum): -inf for a slot no query sees (sum 0, max -inf).
   float* out = log_scores + pair * shape.total_len + key_begin;
   for (int64_t c = 0; c < len; c += kLanes) {

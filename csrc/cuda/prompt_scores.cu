@@ -58,6 +58,13 @@ struct Layout {
   float scale;
 
   __device__ int64_t rows() const { return group_size * num_queries; }
+  __device__ int64_t row_tiles() const { return (rows() + kTile - 1) / kTile; }
+  // The oldest row tile holding a row whose query sees the key tile starting at key_begin: queries
+  // j >= key_begin - (T - q) see its first key. Key-tile blocks walk the row tiles from the newest down to it.
+  __device__ int64_t first_row_tile_seeing(int64_t key_begin) const {
+    const int64_t first_query = key_begin - (total_len - num_queries);
+    return (first_query > 0 ? first_query : 0) * group_size / kTile;
+  }
   // Prompt position of row r (query r / G): its causal limit.
   __device__ int64_t position(int64_t row) const { return total_len - num_queries + row / group_size; }
 };
@@ -256,11 +263,7 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(Layout layout, const s
 
   const int column = threadIdx.x % kTile, half = threadIdx.x / kTile;  // rows half * 32 .. half * 32 + 31
   float acc = 0.0f;
-  // Rows whose query sees the tile's first key: j >= key_begin - (T - q).
-  const int64_t first_query = key_begin - (layout.total_len - layout.num_queries);
-  const int64_t first_row = (first_query > 0 ? first_query : 0) * layout.group_size;
-  const int64_t row_tiles = (layout.rows() + kTile - 1) / kTile;
-  for (int64_t tile = row_tiles - 1; tile >= first_row / kTile; --tile) {
+  for (int64_t tile = layout.row_tiles() - 1; tile >= layout.first_row_tile_seeing(key_begin); --tile) {
     const int64_t row_begin = tile * kTile;
     __syncthreads();  // the previous tile's rows are no longer read
     load_query_tile(layout, query, batch, head, row_begin, smem.q_tile);
@@ -335,11 +338,7 @@ __global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layou
 
   const int column = threadIdx.x % kTile, half = threadIdx.x / kTile;  // rows half * 32 .. half * 32 + 31
   kernels::SoftmaxPartial running;
-  // Rows whose query sees the tile's first key: j >= key_begin - (T - q).
-  const int64_t first_query = key_begin - (layout.total_len - layout.num_queries);
-  const int64_t first_row = (first_query > 0 ? first_query : 0) * layout.group_size;
-  const int64_t row_tiles = (layout.rows() + kTile - 1) / kTile;
-  for (int64_t tile = row_tiles - 1; tile >= first_row / kTile; --tile) {
+  for (int64_t tile = layout.row_tiles() - 1; tile >= layout.first_row_tile_seeing(key_begin); --tile) {
     const int64_t row_begin = tile * kTile;
     __syncthreads();  // the previous tile's rows are no longer read
     load_query_tile(layout, query, batch, head, row_begin, smem.q_tile);
