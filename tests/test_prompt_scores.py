@@ -1,8 +1,9 @@
 """kvcomp::prompt_log_sum_exp and kvcomp::prompt_scores against a float64 plain-PyTorch reference written from the
 formula (full softmax, explicit weights), the skip of negligible old queries, determinism, opcheck, torch.compile and
-bad input; then the presses that score their prompt with them (ZSMerge, WeightedKV, KeepKV) against the folding they
-did before (decode_attention's probabilities of 512-query chunks folded by update_scores), re-implemented here in
-plain PyTorch, on SmolLM2. CUDA cases run when a GPU is present."""
+bad input; kvcomp::prompt_log_unnormalised_scores (KeepKV's EMA) likewise, compared in the log domain; then the
+presses that score their prompt with them (ZSMerge, WeightedKV) against the folding they did before
+(decode_attention's probabilities of 512-query chunks folded by update_scores), re-implemented here in plain PyTorch,
+and KeepKV against its former PyTorch fold, on SmolLM2. CUDA cases run when a GPU is present."""
 
 import math
 
@@ -433,3 +434,37 @@ def test_keepkv_prefill_state_as_before(default_model, austen_prompt, recent, mo
         assert torch.equal(layer.keys[unmerged], before_layer.keys[unmerged])
         torch.testing.assert_close(layer.keys, before_layer.keys, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(layer.values, before_layer.values, rtol=1e-4, atol=1e-5)
+
+
+def test_keepkv_prefill_reuses_the_prompt_pass_queries(default_model, austen_prompt, monkeypatch):
+    """On CPU without padding every layer's prompt pass runs the fused op with score weights (1, 0) (no score sweep)
+    and KeepKV takes the queries it kept: query_states is never called, and the EMA is the op's over exactly those
+    queries (the window's, sliced from the pass's)."""
+    from transformers import DynamicCache
+
+    from kvpress_cpp.presses import keepkv
+    from kvpress_cpp.presses.keepkv import KeepKVPress
+
+    model, _ = default_model
+    calls, windows = [], []
+    fused, log_scores = ops.prompt_attention_with_scores, ops.prompt_log_unnormalised_scores
+
+    def recording_fused(*args):
+        calls.append(args[5:])
+        return fused(*args)
+
+    def recording_log_scores(queries, *args):
+        windows.append(queries.shape[2])
+        return log_scores(queries, *args)
+
+    monkeypatch.setattr(ops, "prompt_attention_with_scores", recording_fused)
+    monkeypatch.setattr(ops, "prompt_log_unnormalised_scores", recording_log_scores)
+    monkeypatch.setattr(keepkv, "query_states", None)  # must not be called
+    press = KeepKVPress(budget=0.25)
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(austen_prompt, past_key_values=cache)
+    layers = model.config.num_hidden_layers
+    assert calls == [(1.0, 0.0)] * layers
+    assert windows == [round(0.8 * round(0.25 * austen_prompt.shape[1]))] * layers
+    assert all(bool(torch.isfinite(get_state(layer).per_slot["log_ema"]).all()) for layer in cache.layers)
