@@ -12,6 +12,7 @@ import torch
 import kvpress_cpp
 from kvpress_cpp import ops
 from tests import reference
+from tests.layouts import in_strided_rows, outside
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -289,22 +290,14 @@ def test_decode_large_regions(device, dtype):
 def test_decode_on_strided_rows_updates_them_where_they_lie(device, dtype):
     """Rows at their own strides inside larger buffers (a paged cache's view over its block pools: each (batch, kv
     head) row contiguous, a gap after it) are updated in place as the contiguous cache would be, the gaps untouched."""
-    budget, batch, heads, head_dim = (3, 4, 2), 2, 3, 8
-    cache = make_decode_inputs(batch, heads, budget, 2, head_dim, dtype, device, seed=11)
-    strided = []
-    for t in cache:
-        row = t[0, 0].numel()
-        buffer = torch.full((batch * heads * (row + 5) + 3,), 7.0, dtype=t.dtype, device=device)
-        view = buffer.as_strided(t.shape, (heads * (row + 5), row + 5, *t.stride()[2:]), 3)
-        view.copy_(t)
-        strided.append((buffer, view))
+    budget = (3, 4, 2)
+    cache = make_decode_inputs(2, 3, budget, 2, 8, dtype, device, seed=11)
+    strided = [in_strided_rows(t) for t in cache]
     ops.zsmerge_decode_step(*(view for _, view in strided), 1, *budget)
     assert_caches_close([view[:, :, :sum(budget)] for _, view in strided],
                         run_decode(reference.zsmerge_decode_step, cache, 1, budget), dtype)
     for buffer, view in strided:
-        outside = torch.ones_like(buffer, dtype=torch.bool)
-        outside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(False)
-        assert bool((buffer[outside] == 7.0).all())
+        assert bool((outside(buffer, view) == 7.0).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -64,10 +64,9 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
               t.strides(), " for shape ", t.sizes());
 }
 
-// For the tensors an op updates in place one (batch, kv head) row at a time, (B, H, ...): each row contiguous, the rows
-// in (batch, head) order each at or after the end of the previous, at any stride (a contiguous tensor, or a paged
-// cache's strided view over its block pools, which the op then updates without a copy in or out).
-inline void check_contiguous_rows(const char* op, const char* name, const at::Tensor& t) {
+// Whether t (B, H, ...) has each (batch, kv head) row contiguous and the rows in (batch, head) order, each at or after
+// the end of the previous, at any stride: a contiguous tensor, or a paged cache's strided view over its block pools.
+inline bool has_contiguous_rows(const at::Tensor& t) {
   bool ordered = t.dim() >= 2;
   int64_t row = 1;
   for (int64_t dim = t.dim() - 1; dim >= 2; --dim) {
@@ -79,12 +78,22 @@ inline void check_contiguous_rows(const char* op, const char* name, const at::Te
     const int64_t heads_span = t.size(1) <= 1 ? row : (t.size(1) - 1) * t.stride(1) + row;
     ordered &= t.size(0) <= 1 || t.stride(0) >= heads_span;
   }
-  TORCH_CHECK(ordered, op, ": expected ", name, " with contiguous (batch, kv head) rows in order (it is updated in ",
+  return ordered;
+}
+
+// For the tensors an op updates in place one row at a time: has_contiguous_rows (the op then updates a paged cache's
+// view where it lies, without a copy in or out).
+inline void check_contiguous_rows(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(has_contiguous_rows(t), op, ": expected ", name, " with contiguous (batch, kv head) rows in order (it is updated in ",
               "place row by row), got strides ", t.strides(), " for shape ", t.sizes());
 }
 
-// The row strides of a tensor that passed check_contiguous_rows, for the kernels.
+// The row strides of a tensor with contiguous rows (has_contiguous_rows), for the kernels.
 inline kernels::RowStrides row_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.size(1)}; }
+
+// For the (B, H, ...) tensors a kernel only reads row by row through row_strides(): t itself when its rows are
+// contiguous (a paged cache's view is read where it lies), otherwise a contiguous copy.
+inline at::Tensor with_contiguous_rows(const at::Tensor& t) { return has_contiguous_rows(t) ? t : t.contiguous(); }
 
 // Sums of size arguments (slot budgets) computed without overflow: a wrapped sum would pass the size checks and let a
 // kernel read wild memory.
