@@ -45,7 +45,8 @@ TORCH_LIBRARY(kvcomp, m) {
   // k_i* . k_j (counts-weighted mean, counts add, scores max), move the oldest recent token (ring slot
   // (ring_position + t) mod recent) into i* and the new token into its ring slot. Slots [0, M) are the result.
   // paper_order (Algorithm 1 of the paper): the leaving recent token is a candidate of the argmin too (ties to the
-  // context), and when it is evicted the new token simply takes its ring slot.
+  // context), and when it is evicted the new token simply takes its ring slot. Each (batch, kv head) row contiguous, the
+  // rows at any increasing stride (a paged cache's strided view over its block pools is updated without a copy).
   m.def("zsmerge_decode_step(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) scores, Tensor(d!) counts, "
         "int ring_position, int recent, int context, int residual, bool paper_order=False) -> ()");
 

@@ -46,6 +46,9 @@ class Tensor:
     dtype: Any  # torch.dtype, CACHE_DTYPES, or the name of an earlier tensor argument
     optional: bool = False
     inplace: bool = False  # updated in place: contiguous, no overlap with another in-place argument, no grad
+    # with inplace: each (b, h) row of (B, H, ...) contiguous, the rows in order at any stride, rather than contiguous
+    # (checks.h check_contiguous_rows)
+    strided_rows: bool = False
 
     @property
     def symbols(self) -> list[str]:
@@ -141,20 +144,25 @@ class Contract:
                     self.fail(rule.says(env))
             else:  # a symbolic condition under torch.compile
                 torch._check(holds, lambda: f"{self.qualified}: {rule.says(env)}")
-        self._check_inplace([(a.name, values[a.name]) for a in tensors if a.inplace])
+        self._check_inplace([(a, values[a.name]) for a in tensors if a.inplace])
         return env
 
     def _check_inplace(self, tensors: list) -> None:
-        for i, (name, t) in enumerate(tensors):
-            if not t.is_contiguous():
+        for i, (arg, t) in enumerate(tensors):
+            name = arg.name
+            if arg.strided_rows:
+                if not has_contiguous_rows(t):
+                    self.fail(f"expected {name} with contiguous (batch, kv head) rows in order (it is updated in place "
+                              f"row by row), got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+            elif not t.is_contiguous():
                 self.fail(f"expected a contiguous {name} (it is updated in place), got strides {tuple(t.stride())} "
                           f"for shape {tuple(t.shape)}")
             if t.requires_grad:
                 self.fail(f"expected {name} not to require grad (it is updated in place and the op has no backward), "
                           "got a tensor with requires_grad=True")
-            for other_name, other in tensors[:i]:
+            for other_arg, other in tensors[:i]:
                 if _overlap(t, other):
-                    self.fail(f"expected {name} and {other_name} to be separate memory (both are updated in place), "
+                    self.fail(f"expected {name} and {other_arg.name} to be separate memory (both are updated in place), "
                               "got overlapping tensors")
 
     def output_tensors(self, args: tuple, kwargs: dict | None = None):
@@ -171,14 +179,33 @@ class Contract:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share bytes (at::get_overlap_status for contiguous tensors)."""
+    """Whether the byte ranges of two tensors of one storage intersect (checks.h may_overlap)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
     if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
         return False
-    a_begin, b_begin = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
-    a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
+
+    def byte_range(t):
+        begin = t.storage_offset() * t.element_size()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return begin, begin + (last + 1) * t.element_size()
+
+    (a_begin, a_end), (b_begin, b_end) = byte_range(a), byte_range(b)
     return a_begin < b_end and b_begin < a_end
+
+
+def has_contiguous_rows(t: torch.Tensor) -> bool:
+    """Whether each (b, h) row of t (B, H, ...) is contiguous and the rows are in order (checks.h
+    check_contiguous_rows)."""
+    row, ordered = 1, t.dim() >= 2
+    for dim in range(t.dim() - 1, 1, -1):
+        ordered &= t.shape[dim] <= 1 or t.stride(dim) == row
+        row *= t.shape[dim]
+    if ordered and t.numel():
+        ordered &= t.shape[1] <= 1 or t.stride(1) >= row
+        heads_span = row if t.shape[1] <= 1 else (t.shape[1] - 1) * t.stride(1) + row
+        ordered &= t.shape[0] <= 1 or t.stride(0) >= heads_span
+    return bool(ordered)
 
 
 def _finite(x) -> bool:
@@ -302,8 +329,10 @@ _declare(Contract(
 
 _declare(Contract(
     "zsmerge_decode_step",
-    [Tensor("keys", "B H T d", CACHE_DTYPES, inplace=True), Tensor("values", "B H T d", "keys", inplace=True),
-     Tensor("scores", "B H T", F32, inplace=True), Tensor("counts", "B H T", F32, inplace=True),
+    [Tensor("keys", "B H T d", CACHE_DTYPES, inplace=True, strided_rows=True),
+     Tensor("values", "B H T d", "keys", inplace=True, strided_rows=True),
+     Tensor("scores", "B H T", F32, inplace=True, strided_rows=True),
+     Tensor("counts", "B H T", F32, inplace=True, strided_rows=True),
      Scalar("ring_position"), Scalar("recent"), Scalar("context"), Scalar("residual"), Scalar("paper_order", False)],
     rules=_zsmerge_budget() + [
         Rule(lambda v: 0 <= v["ring_position"] < v["recent"],

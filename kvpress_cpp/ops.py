@@ -5,6 +5,8 @@ bfloat16.
 
 import torch
 
+from kvpress_cpp._contract import has_contiguous_rows
+
 
 def _default_scale(op: str, name: str, t: torch.Tensor) -> float:
     """The attention scale d ** -0.5 from the head dim of ``t`` (its last size), which must be >= 1."""
@@ -147,6 +149,13 @@ def zsmerge_prefill(
     return torch.ops.kvcomp.zsmerge_prefill(keys, values, scores, recent, context, residual)
 
 
+def contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (B, H, ...) itself when each (batch, kv head) row is contiguous and the rows are in order, at any
+    stride (what the in-place decode ops such as :func:`zsmerge_decode_step` take: a contiguous tensor, or a paged
+    cache's strided view over its block pools); otherwise a contiguous copy."""
+    return tensor if has_contiguous_rows(tensor) else tensor.contiguous()
+
+
 def zsmerge_decode_step(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -173,10 +182,14 @@ def zsmerge_decode_step(
     ring slot.
 
     Args:
-        keys: (B, H, M + q, d) contiguous, float32, float16 or bfloat16; updated in place.
-        values: (B, H, M + q, d) contiguous, the dtype of keys; updated in place.
-        scores: (B, H, M + q) contiguous float32; updated in place.
-        counts: (B, H, M + q) contiguous float32 fusion counts w; updated in place.
+        keys: (B, H, M + q, d) float32, float16 or bfloat16; updated in place.
+        values: (B, H, M + q, d), the dtype of keys; updated in place.
+        scores: (B, H, M + q) float32; updated in place.
+        counts: (B, H, M + q) float32 fusion counts w; updated in place.
+
+    Each argument's (batch, kv head) rows must be contiguous and in order, at any stride (:func:`contiguous_rows`):
+    a contiguous tensor, or a :class:`~kvpress_cpp.paged_cache.PagedKVCache` view over its block pools, which is
+    then updated where it lies.
         ring_position: offset in [0, recent) of the oldest recent token, shared by all heads.
         recent, context, residual: the slot budget (recent >= 1, context >= 1, residual >= 0).
         paper_order: the paper's eviction order instead of the authors' code's.

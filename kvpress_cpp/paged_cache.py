@@ -30,7 +30,6 @@ attention patch to hide; on a paged layer those slots are evicted for real, the 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from typing import Any
@@ -87,6 +86,8 @@ class PagedLayer(CacheLayerMixin):
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
+        self._region_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._even_lengths: dict[int, torch.Tensor] = {}
         self._module = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ class PagedLayer(CacheLayerMixin):
         self.lengths = torch.zeros(batch, heads, dtype=torch.long)
         self.bases = torch.zeros(batch, heads, dtype=torch.long)
         self._owned_slots = torch.zeros(batch, heads, dtype=torch.long)
-        self._slot_index = self._region = self._even_blocks = None
+        self._forget_region()
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -119,15 +120,15 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
                              f"got {tuple(key_states.shape)}")
         before, even, width = self.lengths, self._evenness(), self._width()
-        after = before + new_tokens
         if even and even[0] + new_tokens <= self._blocks_of_every_head() * self.block_size:
             # The usual decoding step: heads of one length, none needing a new block (decided on host integers).
             is_prefill = even[0] == 0
-            self.lengths = after
+            self.lengths = self._lengths_of_every_head(even[0] + new_tokens)
             self._changed()
             self._even = (even[0] + new_tokens, even[1])
         else:
             is_prefill = bool((before == 0).all())
+            after = before + new_tokens
             if bool((after <= self._owned_slots).all()):  # no head needs a new block
                 self.lengths = after
                 self._changed()
@@ -177,7 +178,7 @@ class PagedLayer(CacheLayerMixin):
         if self.is_initialized:
             self._pending_keys = self._pending_values = self._pending_state = _UNSET
             self._resize(torch.zeros_like(self.lengths))
-            self.bases.zero_()
+            self.bases = torch.zeros_like(self.lengths)
             self.has_state, self.counters = False, {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -244,10 +245,13 @@ class PagedLayer(CacheLayerMixin):
         log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width)
         if self._state_written is None:
             return LayerState(log_weights, per_slot, self.counters)
-        # The press's own fields (its owner, a padded batch's rows) come back as written; the tensors from the blocks.
-        # No value probe: the blocks move slots by design (masked evictions, cuts), which the probe would report.
-        return dataclasses.replace(self._state_written, log_weights=log_weights, per_slot=per_slot,
-                                   counters=self.counters, value_probe=None)
+        # The press's own fields (its owner, a padded batch's rows) come back as written, in the object it wrote (as a
+        # DynamicLayer hands back its state); the tensors from the blocks. No value probe: the blocks move slots by
+        # design (masked evictions, cuts), which the probe would report.
+        state = self._state_written
+        state.log_weights, state.per_slot, state.counters, state.value_probe = (log_weights, per_slot, self.counters,
+                                                                                None)
+        return state
 
     @kvcomp_state.setter
     def kvcomp_state(self, state: LayerState | None) -> None:
@@ -302,7 +306,7 @@ class PagedLayer(CacheLayerMixin):
         in_use = self.block_tables >= 0
         used = self.block_tables[in_use]
         self.block_tables[in_use] = torch.arange(used.numel())
-        self._slot_index = self._region = self._even_blocks = None
+        self._forget_region()
         index = used.to(self.device)
         self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
         self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
@@ -362,6 +366,7 @@ class PagedLayer(CacheLayerMixin):
 
         self.key_blocks, self.value_blocks = grown(self.key_blocks), grown(self.value_blocks)
         self.slot_blocks = {name: grown(pool) for name, pool in self.slot_blocks.items()}
+        self._region_views.clear()  # views of the old pools
         # Lowest ids last, so that they are handed out first.
         self.free_blocks.extend(range(capacity + extra - 1, capacity - 1, -1))
         self._changed()
@@ -385,7 +390,7 @@ class PagedLayer(CacheLayerMixin):
         self._changed()
         if torch.equal(owned, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
             return
-        self._slot_index = self._region = self._even_blocks = None
+        self._forget_region()
         width = int(new_blocks.max()) if new_blocks.numel() else 0
         if width > self.block_tables.shape[-1]:
             self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
@@ -413,8 +418,8 @@ class PagedLayer(CacheLayerMixin):
         needed = -(-length // size)
         if blocks != (needed + 1 if even[0] - length < size and blocks > needed and length else needed):
             return False
-        self.lengths = torch.full(self.lengths.shape, length, dtype=torch.long)
-        self.bases = self.bases.clamp(max=length) if even[1] > length else self.bases
+        self.lengths = self._lengths_of_every_head(length)
+        self.bases = self._lengths_of_every_head(min(even[1], length))
         self._changed()
         self._even = (length, min(even[1], length))
         return True
@@ -454,6 +459,11 @@ class PagedLayer(CacheLayerMixin):
         self.free_blocks = [block for block in self.free_blocks if block in free]
         return blocks
 
+    def _forget_region(self) -> None:
+        """Forget what was derived from the block tables (their layout changed)."""
+        self._slot_index = self._region = self._even_blocks = None
+        self._region_views.clear()
+
     def _changed(self) -> None:
         """Forget what was derived from the tables, lengths and bases."""
         self._view = self._device_tables = self._layout = self._rows = self._columns = self._even = None
@@ -468,6 +478,17 @@ class PagedLayer(CacheLayerMixin):
             same = bool(length.numel()) and bool(((self.lengths == length) & (self.bases == base)).all())
             self._even = (int(length), int(base)) if same else False
         return self._even
+
+    def _lengths_of_every_head(self, length: int) -> torch.Tensor:
+        """A (B, H) int64 tensor of `length`, shared between calls, so that a decoding step of heads of one length
+        sets its lengths and bases without a tensor op. The layer never writes lengths or bases in place (they may be
+        one tensor)."""
+        tensor = self._even_lengths.get(length)
+        if tensor is None:
+            if len(self._even_lengths) >= 8:  # lengths that keep growing (a press that does not compress)
+                self._even_lengths.clear()
+            tensor = self._even_lengths[length] = torch.full(self.lengths.shape, length, dtype=torch.long)
+        return tensor
 
     def _blocks_of_every_head(self) -> int:
         """The blocks each head owns when all own as many (0 otherwise), kept until the tables change."""
@@ -571,20 +592,28 @@ class PagedLayer(CacheLayerMixin):
 
     def _region_view(self, pool: torch.Tensor, width: int) -> torch.Tensor:
         """The first `width` slots of every head of `pool` (N, S, ...) as a (B, H, width, ...) tensor sharing its
-        memory (the layout must be :meth:`_regular_region`'s)."""
+        memory (the layout must be :meth:`_regular_region`'s). Kept until the tables or the pools change: a decoding
+        step reads and writes the same few views (M + 1 slots after the append, M after the press) in every pool."""
+        cached = self._region_views.get((id(pool), width))
+        if cached is not None and cached[0] is pool:
+            return cached[1]
         start, stride = self._region
         batch, heads = self.lengths.shape
         head_stride = stride * pool.stride(0)
-        return pool.as_strided((batch, heads, width, *pool.shape[2:]),
+        view = pool.as_strided((batch, heads, width, *pool.shape[2:]),
                                (heads * head_stride, head_stride, *pool.stride()[1:]), start * pool.stride(0))
+        if len(self._region_views) >= 32:  # widths that keep growing (a press that does not compress while decoding)
+            self._region_views.clear()
+        self._region_views[id(pool), width] = (pool, view)
+        return view
 
     def _gather_view(self, pool: torch.Tensor, fill, width: int | None = None) -> torch.Tensor:
         """pool (N, S, ...) at the view's first `width` columns (all by default) → (B, H, width, ...), `fill` on
         padding; without padding, on a regular layout, a tensor sharing the pool's memory (as a DynamicLayer's keys
         are the cache's own: what is written into it is in the cache)."""
+        if self._evenness() and self._regular_region() is not None:  # no padding: the pools' strided view
+            return self._region_view(pool, self._width() if width is None else width)
         index, real = self._view_layout()
-        if real is None and self._regular_region() is not None:
-            return self._region_view(pool, index.shape[-1] if width is None else width)
         if width is None and real is not None:  # the whole view: fill only the padding rows, not every element
             gathered = _gather(pool, index, None, fill)
             gathered.view(-1, *pool.shape[2:]).index_fill_(0, self._view_rows()[1], fill)
@@ -646,18 +675,18 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"PagedKVCache: a press wrote keys of shape {tuple(keys.shape)} to a layer of "
                              f"{tuple(self.lengths.shape)} (batch, kv heads)")
         if state is None:
-            keep = torch.ones(batch, heads, width, dtype=torch.bool, device=keys.device)
             log_weights = torch.zeros(batch, heads, width, device=keys.device)
+            all_kept = True
         elif self._store_state_in_place(keys, values, state):
             return
         else:
             log_weights = state.log_weights
-            keep = log_weights != float("-inf")
-        all_kept = bool(keep.all())
+            # A decoding step usually keeps every slot: the minimum (two tensor ops) decides, the mask only if needed.
+            all_kept = not log_weights.numel() or log_weights.min().item() != float("-inf")
         if all_kept:  # every column kept (presses that keep equal lengths): no selection
             if not self._resize_evenly(width):
                 self._resize(torch.full((batch, heads), width, dtype=torch.long))
-            self.bases = self.lengths.clone()
+            self.bases = self.lengths
             self._changed()
             self._even = (width, width)
             if self._regular_region() is not None:  # one strided copy per pool, none where the press wrote in place
@@ -671,6 +700,7 @@ class PagedLayer(CacheLayerMixin):
                     tensor = _unshared(tensor, pool)
                     pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor.reshape(-1, *pool.shape[2:]))
         else:
+            keep = log_weights != float("-inf")
             counts = keep.sum(-1).cpu()
             self._resize(counts)
             self.bases = counts.clone()
@@ -696,6 +726,8 @@ class PagedLayer(CacheLayerMixin):
             self._region_view(pools[_POSITIONS], width).fill_(-1)
         else:
             store(pools[_POSITIONS], torch.full(log_weights.shape, -1, dtype=torch.int32, device=self.device))
+        if any(pools[name] is not self.slot_blocks.get(name) for name in pools):
+            self._region_views.clear()  # views of pools no longer used
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}

@@ -604,3 +604,23 @@ def test_empty_batch(device):
     assert ops.keepkv_match(keys, targets == -1, 0.8).shape == (0, 2, 10)
     assert [tuple(t.shape) for t in ops.keepkv_zip_merge(keys, values, votes, log_scores, targets)] == \
         [(0, 2, 10, 8)] * 2 + [(0, 2, 10)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_step_reads_strided_rows_where_they_lie(seed):
+    """keys, values and the per-slot tensors in rows at their own strides inside larger buffers (a PagedKVCache's view
+    over its block pools, read without a copy on CPU) give the result of the same inputs laid out contiguously,
+    which the fuzz test compares with the float64 reference."""
+    import random
+
+    from tests.layouts import in_strided_rows
+    from tests.test_fuzz_ops import _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random(f"strided-rows:{seed}")
+    args = _keepkv_step_build(r, _keepkv_step_sizes(r, {"S": 12, "q": 1 + seed % 2, "H": 2, "Hq": 4}), torch.float32)
+    strided = list(args)
+    for index in (0, 1, 4, 5, 6, 7):  # keys, values, log_weights, log_ema, age, votes
+        strided[index] = in_strided_rows(args[index])[1]
+        assert not strided[index].is_contiguous()
+    for got, expected in zip(ops.keepkv_decode_step(*strided), ops.keepkv_decode_step(*args)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)

@@ -9,6 +9,7 @@ import torch
 import kvpress_cpp
 from kvpress_cpp import ops
 from tests import reference
+from tests.layouts import in_strided_rows, outside
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -224,6 +225,19 @@ def test_non_contiguous_inputs_and_value_dim(device):
     got = ops.weightedkv_evict(keys_t, values_t, sums_t, counts, 1, 2, 9)
     assert_matches(got, ops.weightedkv_evict(keys, values, sums, counts, 1, 2, 9), torch.float32)
     assert all(t.is_contiguous() for t in got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("evictions", [1, 9])
+def test_inputs_in_strided_rows(device, evictions):
+    """Rows at their own strides inside larger buffers (a PagedKVCache's view over its block pools), read where they
+    lie on CPU: the reference's result, the buffers untouched."""
+    inputs = make_inputs(2, 3, 20, torch.float32, device, key_dim=6, value_dim=10, seed=3)
+    strided = [in_strided_rows(t) for t in inputs]
+    got = ops.weightedkv_evict(*(view for _, view in strided), 1, 2, evictions)
+    assert_matches(got, reference.weightedkv_evict(*to_cpu(inputs), 1, 2, evictions), torch.float32)
+    for (buffer, view), t in zip(strided, inputs):
+        assert torch.equal(view, t) and bool((outside(buffer, view) == 7.0).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)

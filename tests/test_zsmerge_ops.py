@@ -12,6 +12,7 @@ import torch
 import kvpress_cpp
 from kvpress_cpp import ops
 from tests import reference
+from tests.layouts import in_strided_rows, outside
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -282,6 +283,21 @@ def test_decode_large_regions(device, dtype):
     cache[2][1, 1, 20:320] = float("nan")  # a whole context of NaN
     assert_caches_close(run_decode(ops.zsmerge_decode_step, cache, 2, budget),
                         run_decode(reference.zsmerge_decode_step, cache, 2, budget), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_on_strided_rows_updates_them_where_they_lie(device, dtype):
+    """Rows at their own strides inside larger buffers (a paged cache's view over its block pools: each (batch, kv
+    head) row contiguous, a gap after it) are updated in place as the contiguous cache would be, the gaps untouched."""
+    budget = (3, 4, 2)
+    cache = make_decode_inputs(2, 3, budget, 2, 8, dtype, device, seed=11)
+    strided = [in_strided_rows(t) for t in cache]
+    ops.zsmerge_decode_step(*(view for _, view in strided), 1, *budget)
+    assert_caches_close([view[:, :, :sum(budget)] for _, view in strided],
+                        run_decode(reference.zsmerge_decode_step, cache, 1, budget), dtype)
+    for buffer, view in strided:
+        assert bool((outside(buffer, view) == 7.0).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -626,10 +642,11 @@ DECODE_BAD_INPUTS = [  # cache of M = 9 slots + q = 2 new tokens, (recent, conte
     (lambda k, v, s, c: (k, v[:, :, :-1], s, c, 0, 3, 4, 2), r"expected values of the shape of keys"),
     (lambda k, v, s, c: (k, v, s[:, :, :-1], c, 0, 3, 4, 2), r"expected scores.size\(2\) == 11 \(slots of keys\)"),
     (lambda k, v, s, c: (k, v, s, c[:, :, :-1], 0, 3, 4, 2), r"expected counts of the shape of scores \(\[2, 3, 11\]\), got \[2, 3, 10\]"),
-    (lambda k, v, s, c: (non_contiguous(k), v, s, c, 0, 3, 4, 2), r"expected a contiguous keys \(it is updated in place\), got strides"),
-    (lambda k, v, s, c: (k, non_contiguous(v), s, c, 0, 3, 4, 2), r"expected a contiguous values"),
-    (lambda k, v, s, c: (k, v, non_contiguous(s), c, 0, 3, 4, 2), r"expected a contiguous scores"),
-    (lambda k, v, s, c: (k, v, s, non_contiguous(c), 0, 3, 4, 2), r"expected a contiguous counts"),
+    (lambda k, v, s, c: (non_contiguous(k), v, s, c, 0, 3, 4, 2), r"expected keys with contiguous \(batch, kv head\) rows in order \(it is updated in place row by row\), got strides"),
+    (lambda k, v, s, c: (k, non_contiguous(v), s, c, 0, 3, 4, 2), r"expected values with contiguous \(batch, kv head\) rows in order"),
+    (lambda k, v, s, c: (k, v, non_contiguous(s), c, 0, 3, 4, 2), r"expected scores with contiguous \(batch, kv head\) rows in order"),
+    (lambda k, v, s, c: (k, v, s, non_contiguous(c), 0, 3, 4, 2), r"expected counts with contiguous \(batch, kv head\) rows in order"),
+    (lambda k, v, s, c: (k, v.transpose(2, 3).contiguous().transpose(2, 3), s, c, 0, 3, 4, 2), r"expected values with contiguous \(batch, kv head\) rows in order"),
     (lambda k, v, s, c: (k, v, s, c, 3, 3, 4, 2), r"expected ring_position in \[0, recent\) = \[0, 3\), got 3"),
     (lambda k, v, s, c: (k, v, s, c, -1, 3, 4, 2), r"expected ring_position in \[0, recent\) = \[0, 3\), got -1"),
     (lambda k, v, s, c: (k, v, s, c, 0, 0, 4, 2), r"expected recent >= 1, got 0"),

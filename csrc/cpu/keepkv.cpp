@@ -527,9 +527,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                                          threshold);
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t head_dim = shape.cache.head_dim, kept = shape.kept, group = shape.group, q = shape.queries;
-  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous(), queries_c = queries.contiguous();
-  const at::Tensor probabilities_c = probabilities.contiguous(), log_weights_c = log_weights.contiguous();
-  const at::Tensor log_ema_c = log_ema.contiguous(), age_c = age.contiguous(), votes_c = votes.contiguous();
+  // The (B, H, ...) rows are read where they lie when contiguous (a paged cache's view over its block pools).
+  const at::Tensor keys_c = with_contiguous_rows(keys), values_c = with_contiguous_rows(values);
+  const at::Tensor queries_c = queries.contiguous(), probabilities_c = probabilities.contiguous();
+  const at::Tensor log_weights_c = with_contiguous_rows(log_weights), log_ema_c = with_contiguous_rows(log_ema);
+  const at::Tensor age_c = with_contiguous_rows(age), votes_c = with_contiguous_rows(votes);
+  const kernels::RowStrides key_rows = row_strides(keys_c), value_rows = row_strides(values_c);
+  const kernels::RowStrides log_weight_rows = row_strides(log_weights_c), log_ema_rows = row_strides(log_ema_c);
+  const kernels::RowStrides age_rows = row_strides(age_c), vote_rows = row_strides(votes_c);
   at::Tensor out_keys = at::empty({batch, kv_heads, kept, head_dim}, keys.options());
   at::Tensor out_values = at::empty({batch, kv_heads, kept, head_dim}, keys.options());
   const auto per_slot = log_ema.options();
@@ -546,19 +551,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const scalar_t* values_ptr = values_c.const_data_ptr<scalar_t>();
     const scalar_t* queries_ptr = queries_c.const_data_ptr<scalar_t>();
     const float* probabilities_ptr = probabilities_c.const_data_ptr<float>();
-    const int64_t old_slots = slots - q;
     at::parallel_for(0, batch * kv_heads, grain_for(slots * (head_dim + group * q)), [&](int64_t begin, int64_t end) {
       StepScratch scratch;
       for (int64_t row = begin; row < end; ++row) {
         const int64_t b = row / kv_heads, h = row % kv_heads;
         const int64_t first_query_head = b * kv_heads * group + h * group;
-        decode_step_one_row(keys_ptr + row * slots * head_dim, values_ptr + row * slots * head_dim,
+        decode_step_one_row(keys_ptr + key_rows.offset(row), values_ptr + value_rows.offset(row),
                             queries_ptr + first_query_head * q * head_dim,
                             probabilities_ptr + first_query_head * q * slots,
-                            log_weights_c.const_data_ptr<float>() + row * slots,
-                            log_ema_c.const_data_ptr<float>() + row * old_slots,
-                            age_c.const_data_ptr<float>() + row * old_slots,
-                            votes_c.const_data_ptr<float>() + row * old_slots, group, q, slots, head_dim,
+                            log_weights_c.const_data_ptr<float>() + log_weight_rows.offset(row),
+                            log_ema_c.const_data_ptr<float>() + log_ema_rows.offset(row),
+                            age_c.const_data_ptr<float>() + age_rows.offset(row),
+                            votes_c.const_data_ptr<float>() + vote_rows.offset(row), group, q, slots, head_dim,
                             q * head_dim, scalars, row, kv_heads,
                             out_keys.mutable_data_ptr<scalar_t>() + row * kept * head_dim,
                             out_values.mutable_data_ptr<scalar_t>() + row * kept * head_dim,

@@ -76,8 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cpu(
     return {keys.contiguous().clone(), values.contiguous().clone(), sums.contiguous().clone(),
             counts.contiguous().clone()};
   }
-  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous();
-  const at::Tensor sums_c = sums.contiguous(), counts_c = counts.contiguous();
+  const at::Tensor keys_c = with_contiguous_rows(keys), values_c = with_contiguous_rows(values);
+  const at::Tensor sums_c = with_contiguous_rows(sums), counts_c = with_contiguous_rows(counts);
   const int64_t len = shape.len, out_len = shape.out_len();
   at::Tensor keys_out = at::empty({shape.batch, shape.kv_heads, out_len, shape.key_dim}, keys_c.options());
   at::Tensor values_out = at::empty({shape.batch, shape.kv_heads, out_len, shape.value_dim}, values_c.options());
@@ -97,14 +97,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cpu(
     const int64_t kd = shape.key_dim, vd = shape.value_dim;
     const int64_t middle_begin = shape.middle_begin(), middle_end = shape.middle_end();
     const int64_t middle = middle_end - middle_begin;
+    const kernels::RowStrides key_rows = row_strides(keys_c), value_rows = row_strides(values_c);
+    const kernels::RowStrides sum_rows = row_strides(sums_c), count_rows = row_strides(counts_c);
 
     at::parallel_for(0, shape.rows(), 1, [&](int64_t row_begin, int64_t row_end) {
       std::vector<uint8_t> evicted;
       std::vector<uint64_t> candidates;
       RunStack<scalar_t> stack{nullptr, nullptr, nullptr, nullptr, vd, {}, {}};
       for (int64_t row = row_begin; row < row_end; ++row) {
-        const float* row_sums = sums_ptr + row * len;
-        const float* row_counts = counts_ptr + row * len;
+        const float* row_sums = sums_ptr + sum_rows.offset(row);
+        const float* row_counts = counts_ptr + count_rows.offset(row);
         const auto key_of = [&](int64_t slot) {
           return kernels::eviction_key(kernels::mean_score(row_sums[slot], row_counts[slot]),
                                        static_cast<uint32_t>(slot));
@@ -127,8 +129,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cpu(
 
         // 2. Compact the survivors (memcpy per run of adjacent survivors), 3. fold each run of evicted slots into the
         // survivor right after it.
-        const scalar_t* row_keys = keys_ptr + row * len * kd;
-        const scalar_t* row_values = values_ptr + row * len * vd;
+        const scalar_t* row_keys = keys_ptr + key_rows.offset(row);
+        const scalar_t* row_values = values_ptr + value_rows.offset(row);
         scalar_t* row_keys_out = keys_out_ptr + row * out_len * kd;
         scalar_t* row_values_out = values_out_ptr + row * out_len * vd;
         stack.values = row_values;

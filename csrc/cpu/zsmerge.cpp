@@ -257,13 +257,15 @@ void zsmerge_decode_step_cpu(const at::Tensor& keys, const at::Tensor& values, c
     scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
     float* scores_ptr = scores.mutable_data_ptr<float>();
     float* counts_ptr = counts.mutable_data_ptr<float>();
-    const int64_t slots = shape.slots(), head_dim = shape.head_dim;
+    const kernels::RowStrides key_rows = row_strides(keys), value_rows = row_strides(values);
+    const kernels::RowStrides score_rows = row_strides(scores), count_rows = row_strides(counts);
+    const int64_t head_dim = shape.head_dim;
     const int64_t work_per_head = shape.num_new * (shape.budget.context + (shape.budget.residual + 6) * head_dim);
     // A task is one (batch, kv-head): its q steps depend on each other, the heads do not.
     at::parallel_for(0, shape.batch * shape.kv_heads, grain_for(work_per_head), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
-        decode_one_head(keys_ptr + row * slots * head_dim, values_ptr + row * slots * head_dim,
-                        scores_ptr + row * slots, counts_ptr + row * slots, shape, ring_position,
+        decode_one_head(keys_ptr + key_rows.offset(row), values_ptr + value_rows.offset(row),
+                        scores_ptr + score_rows.offset(row), counts_ptr + count_rows.offset(row), shape, ring_position,
                         paper_order);
       }
     });

@@ -123,21 +123,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> zsmerge_prefill_cuda(
 // so those three need no barrier between them; scores and counts are written by thread 0 only.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kDecodeThreads)
-    zsmerge_decode_step_kernel(scalar_t* __restrict__ keys,    // [B, H, M + q, d]
-                               scalar_t* __restrict__ values,  // [B, H, M + q, d]
-                               float* __restrict__ scores,     // [B, H, M + q]
-                               float* __restrict__ counts,     // [B, H, M + q]
-                               int64_t head_dim, int64_t num_new, int64_t residual, int64_t context,
+    zsmerge_decode_step_kernel(scalar_t* __restrict__ keys,    // [B, H, M + q, d], rows at key_rows
+                               scalar_t* __restrict__ values,  // [B, H, M + q, d], rows at value_rows
+                               float* __restrict__ scores,     // [B, H, M + q], rows at score_rows
+                               float* __restrict__ counts,     // [B, H, M + q], rows at count_rows
+                               kernels::RowStrides key_rows, kernels::RowStrides value_rows,
+                               kernels::RowStrides score_rows, kernels::RowStrides count_rows, int64_t head_dim, int64_t num_new, int64_t residual, int64_t context,
                                int64_t recent, int64_t ring_position, bool paper_order) {
   using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kDecodeThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ int64_t chosen_slot;
   const int64_t slots = residual + context + recent;
   const int64_t row = blockIdx.x;
-  scalar_t* row_keys = keys + row * (slots + num_new) * head_dim;
-  scalar_t* row_values = values + row * (slots + num_new) * head_dim;
-  float* row_scores = scores + row * (slots + num_new);
-  float* row_counts = counts + row * (slots + num_new);
+  scalar_t* row_keys = keys + key_rows.offset(row);
+  scalar_t* row_values = values + value_rows.offset(row);
+  float* row_scores = scores + score_rows.offset(row);
+  float* row_counts = counts + count_rows.offset(row);
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize, warp = tid / kWarpSize, warps = kDecodeThreads / kWarpSize;
 
@@ -226,7 +227,8 @@ void zsmerge_decode_step_cuda(const at::Tensor& keys, const at::Tensor& values, 
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::zsmerge_decode_step", [&] {
     zsmerge_decode_step_kernel<scalar_t><<<static_cast<unsigned>(rows), kDecodeThreads, 0, stream>>>(
         keys.mutable_data_ptr<scalar_t>(), values.mutable_data_ptr<scalar_t>(), scores.mutable_data_ptr<float>(),
-        counts.mutable_data_ptr<float>(), shape.head_dim, shape.num_new, residual, context, recent, ring_position,
+        counts.mutable_data_ptr<float>(), row_strides(keys), row_strides(values), row_strides(scores),
+        row_strides(counts), shape.head_dim, shape.num_new, residual, context, recent, ring_position,
         paper_order);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

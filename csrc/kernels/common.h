@@ -33,4 +33,11 @@ KVCOMP_HOST_DEVICE inline float bits_float(uint32_t bits) {
 #endif
 }
 
+// Where row (b, h) = row / heads, row % heads of a (B, H, ...) tensor with contiguous rows starts, in elements (a
+// contiguous tensor, or a paged cache's strided view over its block pools; kvcomp::check_contiguous_rows).
+struct RowStrides {
+  int64_t batch, head, heads;
+  KVCOMP_HOST_DEVICE int64_t offset(int64_t row) const { return row / heads * batch + row % heads * head; }
+};
+
 }  // namespace kvcomp::kernels

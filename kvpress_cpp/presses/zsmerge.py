@@ -123,8 +123,10 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
             counts = state.per_slot["counts"]
         new_tokens = keys.shape[-2] - budget
         if new_tokens:
-            keys, values = keys.contiguous(), values.contiguous()
-            scores, counts = scores.contiguous(), counts.contiguous()
+            # In place where the rows already lie in order: a paged cache's view is then updated in its blocks, and
+            # the write-back of slots [0, M) finds them there (no copy in or out).
+            keys, values = ops.contiguous_rows(keys), ops.contiguous_rows(values)
+            scores, counts = ops.contiguous_rows(scores), ops.contiguous_rows(counts)
             ops.zsmerge_decode_step(keys, values, scores, counts, state.counters["ring_position"], recent, context,
                                     residual, paper_order=self.eviction_order == "paper")
             state.counters["ring_position"] = (state.counters["ring_position"] + new_tokens) % recent

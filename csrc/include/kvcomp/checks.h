@@ -13,6 +13,8 @@
 #include <sstream>
 #include <utility>
 
+#include "kernels/common.h"
+
 namespace kvcomp {
 
 inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim, const char* layout) {
@@ -62,6 +64,37 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
               t.strides(), " for shape ", t.sizes());
 }
 
+// Whether t (B, H, ...) has each (batch, kv head) row contiguous and the rows in (batch, head) order, each at or after
+// the end of the previous, at any stride: a contiguous tensor, or a paged cache's strided view over its block pools.
+inline bool has_contiguous_rows(const at::Tensor& t) {
+  bool ordered = t.dim() >= 2;
+  int64_t row = 1;
+  for (int64_t dim = t.dim() - 1; dim >= 2; --dim) {
+    ordered &= t.size(dim) <= 1 || t.stride(dim) == row;
+    row *= t.size(dim);
+  }
+  if (ordered && t.numel() > 0) {
+    ordered &= t.size(1) <= 1 || t.stride(1) >= row;
+    const int64_t heads_span = t.size(1) <= 1 ? row : (t.size(1) - 1) * t.stride(1) + row;
+    ordered &= t.size(0) <= 1 || t.stride(0) >= heads_span;
+  }
+  return ordered;
+}
+
+// For the tensors an op updates in place one row at a time: has_contiguous_rows (the op then updates a paged cache's
+// view where it lies, without a copy in or out).
+inline void check_contiguous_rows(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(has_contiguous_rows(t), op, ": expected ", name, " with contiguous (batch, kv head) rows in order (it is updated in ",
+              "place row by row), got strides ", t.strides(), " for shape ", t.sizes());
+}
+
+// The row strides of a tensor with contiguous rows (has_contiguous_rows), for the kernels.
+inline kernels::RowStrides row_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.size(1)}; }
+
+// For the (B, H, ...) tensors a kernel only reads row by row through row_strides(): t itself when its rows are
+// contiguous (a paged cache's view is read where it lies), otherwise a contiguous copy.
+inline at::Tensor with_contiguous_rows(const at::Tensor& t) { return has_contiguous_rows(t) ? t : t.contiguous(); }
+
 // Sums of size arguments (slot budgets) computed without overflow: a wrapped sum would pass the size checks and let a
 // kernel read wild memory.
 inline int64_t checked_sum(const char* op, std::initializer_list<std::pair<const char*, int64_t>> terms) {
@@ -79,9 +112,28 @@ inline int64_t checked_sum(const char* op, std::initializer_list<std::pair<const
   return total;
 }
 
+// Whether two tensors' byte ranges in one storage intersect (at::get_overlap_status for dense tensors; for strided
+// rows, conservative: interleaved tensors of one storage count as overlapping).
+inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage() ||
+      !a.storage().is_alias_of(b.storage())) {
+    return false;
+  }
+  const auto byte_range = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t dim = 0; dim < t.dim(); ++dim) last += (t.size(dim) - 1) * t.stride(dim);
+    const int64_t begin = t.storage_offset() * static_cast<int64_t>(t.element_size());
+    return std::make_pair(begin, begin + (last + 1) * static_cast<int64_t>(t.element_size()));
+  };
+  const auto [a_begin, a_end] = byte_range(a);
+  const auto [b_begin, b_end] = byte_range(b);
+  return a_begin < b_end && b_begin < a_end;
+}
+
 // The arguments an op updates in place: none may overlap itself or another one (the kernel would read what it just
 // wrote), and none may require grad (the op has no backward, and an in-place update would silently detach the cache).
-// Contiguity is checked first, so the storage ranges compared here are exact.
+// Their layout (contiguous, or contiguous rows in order) is checked first, so no argument overlaps itself and the
+// storage ranges compared here bound what each one touches.
 inline void check_inplace_arguments(const char* op,
                                     std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   for (auto a = tensors.begin(); a != tensors.end(); ++a) {
@@ -92,7 +144,7 @@ inline void check_inplace_arguments(const char* op,
                 " without internal overlap (it is updated in place), got strides ", t.strides(), " for shape ",
                 t.sizes());
     for (auto b = tensors.begin(); b != a; ++b) {
-      TORCH_CHECK(at::get_overlap_status(t, *b->second) == at::MemOverlapStatus::No, op, ": expected ", a->first,
+      TORCH_CHECK(!may_overlap(t, *b->second), op, ": expected ", a->first,
                   " and ", b->first, " to be separate memory (both are updated in place), got overlapping tensors");
     }
   }

@@ -87,10 +87,10 @@ inline ZSMergeDecodeShape check_zsmerge_decode_step(const at::Tensor& keys, cons
   check_same_device(op, "counts", counts, "keys", keys);
   TORCH_CHECK(counts.sizes() == scores.sizes(), op, ": expected counts of the shape of scores (", scores.sizes(),
               "), got ", counts.sizes());
-  check_contiguous(op, "keys", keys);
-  check_contiguous(op, "values", values);
-  check_contiguous(op, "scores", scores);
-  check_contiguous(op, "counts", counts);
+  check_contiguous_rows(op, "keys", keys);
+  check_contiguous_rows(op, "values", values);
+  check_contiguous_rows(op, "scores", scores);
+  check_contiguous_rows(op, "counts", counts);
   check_inplace_arguments(op, {{"keys", &keys}, {"values", &values}, {"scores", &scores}, {"counts", &counts}});
   const ZSMergeBudget budget = check_zsmerge_budget(op, recent, context, residual);
   TORCH_CHECK(ring_position >= 0 && ring_position < recent, op, ": expected ring_position in [0, recent) = [0, ",
