@@ -13,7 +13,7 @@ cache shrinks). Methods, at cache size m (slots per layer and kv head):
 * WeightedKV: ``WeightedKVPress(cache_size=m)`` (4 sinks, recent window m/2 - 4, evicted values merged).
 * WeightedKV evict-only: the same with ``evict_only=True`` (the paper's ablation).
 * ZSMerge: ``ZSMergePress(budget=m)``; "ZSMerge paper order" with ``eviction_order="paper"``.
-* KeepKV: ``KeepKVPress(budget=m)`` (4 sinks, recent window 32, ZIP merges above cosine 0.8); "KeepKV convex" with
+* KeepKV: ``KeepKVPress(budget=m)`` (4 sinks, recent window 0.8 m, ZIP merges above cosine 0.8); "KeepKV convex" with
   ``convex=True`` (the authors' released code's key).
 * StreamingLLM, TOVA: kvpress's scorer presses inside ``DecodingPress(base_press=..., compression_interval=1,
   target_size=m)``: every decoding forward cuts the cache back to m (DecodingPress tells prefill from decoding by

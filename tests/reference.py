@@ -310,6 +310,7 @@ def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float,
 
 
 KEEPKV_GUARD_EPS = 1e-3  # kernels::kZipGuardRelativeEps
+KEEPKV_MAX_KEY_GROWTH = 2.0  # kernels::kZipMaxKeyGrowth: the ZIP key at most this many times the convex key (or 1/x)
 
 
 def keepkv_zip_coefficients(ell: torch.Tensor, p: torch.Tensor, convex: bool):
@@ -327,7 +328,8 @@ def keepkv_zip_coefficients(ell: torch.Tensor, p: torch.Tensor, convex: bool):
     numerator = m + torch.log(weight / votes)
     usable = (not convex and bool(torch.isfinite(numerator)) and bool(torch.isfinite(weighted_log))
               and abs(float(weighted_log)) > KEEPKV_GUARD_EPS * float(weight) * float(max_abs)
-              and (float(numerator) == 0 or (float(numerator) > 0) == (float(weighted_log) > 0)))
+              and (float(numerator) == 0
+                   or 1 / KEEPKV_MAX_KEY_GROWTH <= float(numerator * weight / weighted_log) <= KEEPKV_MAX_KEY_GROWTH))
     key_scale = numerator / weighted_log if usable else 1 / weight
     return w, key_scale, 1 / weight
 

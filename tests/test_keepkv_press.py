@@ -194,7 +194,8 @@ def attention_output_float64(query, keys, values, log_weights, scale):
 
 def rows_with_convex_fallback(votes, log_scores, targets) -> set[tuple[int, int]]:
     """(batch, kv head) rows where ``keepkv_zip_merge`` falls back to the convex key for some merged set (its
-    documented guard: Σ w ℓ near zero, or of the other sign than m + ln(Σ w / Σ p)), evaluated in float64."""
+    documented guard: Σ w ℓ near zero, or the ZIP key beyond kZipMaxKeyGrowth times the convex key, a sign
+    mismatch included), evaluated in float64."""
     rows = set()
     for b, h in torch.cartesian_prod(torch.arange(votes.shape[0]), torch.arange(votes.shape[1])).tolist():
         for retained in (targets[b, h] == -1).nonzero().flatten().tolist():
@@ -203,8 +204,10 @@ def rows_with_convex_fallback(votes, log_scores, targets) -> set[tuple[int, int]
             weights = p * (ell - ell.max()).exp()
             denominator = (weights * ell).sum()
             numerator = ell.max() + (weights.sum() / p.sum()).log()
-            if len(members) > 1 and (denominator.abs() <= 1e-3 * weights.sum() * ell.abs().max()
-                                     or numerator * denominator < 0):
+            growth = numerator * weights.sum() / denominator
+            if len(members) > 1 and (denominator.abs() <= reference.KEEPKV_GUARD_EPS * weights.sum() * ell.abs().max()
+                                     or not 1 / reference.KEEPKV_MAX_KEY_GROWTH <= growth
+                                     <= reference.KEEPKV_MAX_KEY_GROWTH):
                 rows.add((b, h))
     return rows
 
@@ -218,8 +221,8 @@ def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(
     query alone, the model has one query head per kv head (with GQA a merged key serves G queries with one score
     average), and a similarity threshold of -1 merges every evicted slot (a slot dropped without merge perturbs the
     output; the theorem covers merges). Heads where the op's guard chose the convex key for some set (eq. 7's
-    denominator of the other sign: logits on both sides of 0) are outside the theorem and left out; they must stay
-    a minority. Which sets fall back is found from tests/reference.py's selection (ŝ, votes and targets of the step,
+    denominator of the other sign, or a key growing beyond its bound: logits on both sides of 0) are outside the
+    theorem and left out; they must stay a minority. Which sets fall back is found from tests/reference.py's selection (ŝ, votes and targets of the step,
     float64), since the press merges inside one op."""
     model, tokenizer = make_tiny_llama(num_key_value_heads=4)
     changes = []

@@ -174,11 +174,11 @@ TEST(KeepKVKernels, GuardFallsBackOnANearZeroDenominator) {
   EXPECT_TRUE(c.merged);
   EXPECT_FALSE(c.zip_used);
   EXPECT_FLOAT_EQ(c.key_scale, 1.0f / sums.weight);
-  k::ZipSums tiny = sums;
+  k::ZipSums tiny = sums;  // numerators giving the convex key's scale (growth 1), so only the band decides
   tiny.weighted_log = 0.5e-3f * tiny.weight * tiny.max_abs_log;  // inside the guard band
-  EXPECT_FALSE(k::zip_guard_passes(0.1f, tiny));
+  EXPECT_FALSE(k::zip_guard_passes(tiny.weighted_log / tiny.weight, tiny));
   tiny.weighted_log = 2e-3f * tiny.weight * tiny.max_abs_log;  // outside
-  EXPECT_TRUE(k::zip_guard_passes(0.1f, tiny));
+  EXPECT_TRUE(k::zip_guard_passes(tiny.weighted_log / tiny.weight, tiny));
 }
 
 TEST(KeepKVKernels, GuardFallsBackOnASignMismatch) {
@@ -195,6 +195,25 @@ TEST(KeepKVKernels, GuardFallsBackOnASignMismatch) {
   sums.weighted_log = -0.5f;
   EXPECT_TRUE(k::zip_guard_passes(-0.3f, sums));
   EXPECT_FALSE(k::zip_guard_passes(0.3f, sums));
+}
+
+TEST(KeepKVKernels, GuardFallsBackWhenTheZipKeyGrowsBeyondTheBound) {
+  // growth = Σ w · numerator / Σ w ℓ = numerator / 0.5 here: the ZIP key is used for growth in [1/2, 2] only.
+  k::ZipSums sums;
+  sums.weight = 1.0f;
+  sums.votes = 2.0f;
+  sums.weighted_log = 0.5f;
+  sums.max_abs_log = 1.0f;
+  EXPECT_EQ(k::kZipMaxKeyGrowth, 2.0f);
+  EXPECT_TRUE(k::zip_guard_passes(1.0f, sums));     // growth 2
+  EXPECT_FALSE(k::zip_guard_passes(1.01f, sums));   // 2.02
+  EXPECT_TRUE(k::zip_guard_passes(0.25f, sums));    // 1/2
+  EXPECT_FALSE(k::zip_guard_passes(0.24f, sums));   // 0.48
+  // The coefficients then carry the convex key.
+  const auto c = k::zip_coefficients(1.01f - std::log(0.5f), sums, false);
+  EXPECT_TRUE(c.merged);
+  EXPECT_FALSE(c.zip_used);
+  EXPECT_FLOAT_EQ(c.key_scale, 1.0f);
 }
 
 TEST(KeepKVKernels, ZeroWeightSetsKeepTheSlot) {
