@@ -181,12 +181,18 @@ TEST(KeepKVKernels, GuardFallsBackOnANearZeroDenominator) {
   EXPECT_TRUE(k::zip_guard_passes(tiny.weighted_log / tiny.weight, tiny));
 }
 
-TEST(KeepKVKernels, GuardFallsBackOnASignMismatch) {
+// Σ w = 1, Σ p = 2, Σ w ℓ = 0.5, max |ℓ| = 1: outside the near-zero band, so only the numerator decides.
+k::ZipSums well_conditioned_sums() {
   k::ZipSums sums;
   sums.weight = 1.0f;
   sums.votes = 2.0f;
   sums.weighted_log = 0.5f;
   sums.max_abs_log = 1.0f;
+  return sums;
+}
+
+TEST(KeepKVKernels, GuardFallsBackOnASignMismatch) {
+  k::ZipSums sums = well_conditioned_sums();
   EXPECT_TRUE(k::zip_guard_passes(0.3f, sums));
   EXPECT_FALSE(k::zip_guard_passes(-0.3f, sums));
   EXPECT_TRUE(k::zip_guard_passes(0.0f, sums));  // a zero key: exact by the theorem
@@ -199,11 +205,7 @@ TEST(KeepKVKernels, GuardFallsBackOnASignMismatch) {
 
 TEST(KeepKVKernels, GuardFallsBackWhenTheZipKeyGrowsBeyondTheBound) {
   // growth = Σ w · numerator / Σ w ℓ = numerator / 0.5 here: the ZIP key is used for growth in [1/2, 2] only.
-  k::ZipSums sums;
-  sums.weight = 1.0f;
-  sums.votes = 2.0f;
-  sums.weighted_log = 0.5f;
-  sums.max_abs_log = 1.0f;
+  const k::ZipSums sums = well_conditioned_sums();
   EXPECT_EQ(k::kZipMaxKeyGrowth, 2.0f);
   EXPECT_TRUE(k::zip_guard_passes(1.0f, sums));     // growth 2
   EXPECT_FALSE(k::zip_guard_passes(1.01f, sums));   // 2.02
