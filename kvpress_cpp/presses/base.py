@@ -299,6 +299,12 @@ class KVCompPress(BasePress):
             attach(module, layer)
             self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum(dim=(0, 2))
             self._held_to_gather.add(layer_idx)
+        return self._after_layer(module, output)
+
+    def _after_layer(self, module: nn.Module, output):
+        """The end of every forward hook: after the last layer, the held counts of a tensor-parallel model's layers
+        gathered over its ranks."""
+        layer_idx = module.layer_idx
         if layer_idx == module.config.num_hidden_layers - 1 and self._held_to_gather and kv_head_shard(module):
             # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).
             layers = sorted(self._held_to_gather)
