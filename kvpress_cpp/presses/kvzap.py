@@ -210,6 +210,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     #: Padding enters as slots of b = -inf, which the DMS rule never revives, so each row equals its run alone.
     handles_padding = True
+    #: The keep rule reads the surrogate's scores only, never the attention.
+    reads_decode_probabilities = False
 
     def __post_init__(self):
         if self.sliding_window < 0:
