@@ -267,27 +267,27 @@ class KVzapThresholdPress(KVCompDecodingPress):
         batch, heads = layer.lengths.shape
         new_tokens, before = hidden_states.shape[1], layer.counters["tokens"]
         after = before + new_tokens
-        device = positions_pool.device
-        new_slots = layer.slot_index(layer.lengths.unsqueeze(-1) - new_tokens + torch.arange(new_tokens)).view(-1)
-        new_positions = torch.arange(before, after, device=device)
-        positions_pool.index_copy_(0, new_slots, new_positions.expand(batch, heads, -1).reshape(-1))
         first, stop = max(0, before - self.sliding_window), max(0, after - self.sliding_window)
         decided = stop - first
+        if decided and int(layer.lengths.min()) < self.sliding_window + decided:
+            return False
+        # Each head's decided slots, then its new ones: one index for both.
+        offsets = torch.cat([torch.arange(-self.sliding_window - decided, -self.sliding_window),
+                             torch.arange(-new_tokens, 0)])
+        slots = layer.slot_index(layer.lengths.unsqueeze(-1) + offsets)
+        decided_slots, new_slots = slots[..., :decided], slots[..., decided:]
+        positions_pool[new_slots] = torch.arange(before, after, device=positions_pool.device)
         if decided:
-            slots = layer.lengths.unsqueeze(-1) - self.sliding_window - decided + torch.arange(decided)
-            if bool((slots < 0).any()):
+            positions = positions_pool[decided_slots]
+            if not torch.equal(positions, torch.arange(first, stop, device=positions.device).expand_as(positions)):
                 return False
-            slots = layer.slot_index(slots)
-            positions = positions_pool[slots]
-            if not bool((positions == torch.arange(first, stop, device=device)).all()):
-                return False
-        scores_pool.index_copy_(0, new_slots, self.scorer.layer_scores(module, hidden_states).reshape(-1))
+        scores_pool[new_slots] = self.scorer.layer_scores(module, hidden_states)
         held = self._slots_held[module.layer_idx] + batch * new_tokens
         if decided:
-            log_weights = log_weights_pool[slots]
-            log_weights_after, held_now = ops.kvzap_threshold(log_weights, scores_pool[slots], positions,
+            log_weights = log_weights_pool[decided_slots]
+            log_weights_after, held_now = ops.kvzap_threshold(log_weights, scores_pool[decided_slots], positions,
                                                               self.threshold, self.sliding_window, before, after)
-            log_weights_pool[slots] = log_weights_after
+            log_weights_pool[decided_slots] = log_weights_after
             held = held - ((log_weights != float("-inf")).sum(-1) - held_now).sum(0)
         counters = layer.counters
         counters["tokens"], counters["since_compaction"] = after, counters.get("since_compaction", 0) + new_tokens
