@@ -299,16 +299,15 @@ class PagedLayer(CacheLayerMixin):
         self._changed()
 
     def drop_dead_slots(self) -> None:
-        """Evict the slots whose log-weight is -inf (a press's dead slots) from the heads where that frees a block;
-        the other heads keep theirs until it does."""
+        """Evict the slots whose log-weight is -inf (a press's dead slots) from every head, as a compaction of the
+        rectangular cache to its longest head does: the view is then as wide as that cache (a forward without
+        cache_position places its token at the same position on both)."""
         self.flush()
         slot = torch.arange(self._slot_width()).expand(*self.lengths.shape, -1)
         index, real = self._pool_index(torch.where(slot < self.lengths.unsqueeze(-1), slot, -1))
         dead = (_gather(self.slot_blocks[_LOG_WEIGHTS], index, real, 0.0) == float("-inf")).cpu()
-        size = self.block_size
-        frees_a_block = (self.lengths + size - 1) // size > (self.lengths - dead.sum(-1) + size - 1) // size
-        if bool(frees_a_block.any()):
-            self._evict(dead & frees_a_block.unsqueeze(-1))
+        if bool(dead.any()):
+            self._evict(dead)
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory

@@ -191,7 +191,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     On a :class:`~kvpress_cpp.paged_cache.PagedLayer` a decoding pass works in the layer's pools and reads no view
     (:meth:`_step_paged_layer`): it scores the new tokens, decides only the slots whose tokens leave the window, and
-    evicts the dead slots of a head once every ``compaction_slack`` tokens, if that frees one of its blocks.
+    evicts the slots it marked -inf (dead slots, attended as the rectangular cache attends them) once every
+    ``compaction_slack`` tokens, when the rectangular cache compacts.
 
     Attributes:
         threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
