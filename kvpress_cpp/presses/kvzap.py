@@ -283,13 +283,15 @@ class KVzapThresholdPress(KVCompDecodingPress):
             if not torch.equal(positions, torch.arange(first, stop, device=positions.device).expand_as(positions)):
                 return False
         scores_pool[new_slots] = self.scorer.layer_scores(module, hidden_states)
-        held = self._slots_held[module.layer_idx] + batch * new_tokens
+        held = self._slots_held[module.layer_idx]
         if decided:
-            log_weights = log_weights_pool[decided_slots]
-            log_weights_after, held_now = ops.kvzap_threshold(log_weights, scores_pool[decided_slots], positions,
-                                                              self.threshold, self.sliding_window, before, after)
-            log_weights_pool[decided_slots] = log_weights_after
-            held = held - ((log_weights != float("-inf")).sum(-1) - held_now).sum(0)
+            # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
+            log_weights, held_now = ops.kvzap_threshold(log_weights_pool[decided_slots], scores_pool[decided_slots],
+                                                        positions, self.threshold, self.sliding_window, before, after)
+            log_weights_pool[decided_slots] = log_weights
+            held = held + held_now.sum(0) + batch * (new_tokens - decided)
+        else:
+            held = held + batch * new_tokens
         counters = layer.counters
         counters["tokens"], counters["since_compaction"] = after, counters.get("since_compaction", 0) + new_tokens
         layer.own_appended_slots()
