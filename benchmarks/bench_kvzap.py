@@ -3,6 +3,7 @@
     python -m benchmarks.bench_kvzap          # writes benchmarks/results/kvzap.json and kvzap.png
     python -m benchmarks.bench_kvzap --quick  # (a) only, no SmolLM2 forward
     python -m benchmarks.bench_kvzap --tau    # (d) only: writes benchmarks/results/kvzap_tau.json and kvzap_tau.png
+    python -m benchmarks.bench_kvzap --decode # (e) only: writes benchmarks/results/paged_decode_kvzap.json
 
 (a) Scoring + thresholding of one layer, B = 1, float32: ``kvzap_score`` + ``kvzap_threshold`` against the surrogate
     as an nn.Module (what kvpress's KVzapPress.score runs) followed by the DMS rule in plain PyTorch (DMSPress's
@@ -20,6 +21,10 @@ Random surrogate weights: the timings do not depend on trained values.
     sliding window included) and how many of the 3 questions are answered, MLP at τ in TAUS (and the full cache),
     linear at LINEAR_TAUS. The paper's comparable figure is LongBench (real text): 34-43% kept at its chosen τ
     (Table 2).
+(e) KVzap's decode step on SmolLM2 (CPU, one thread, 2k and 4k prompts), on the rectangular and the paged cache,
+    against kvpress's TOVA (prefill only, rectangular): at 25% kept (bench_paged's reference) and at the slots KVzap
+    keeps of that prompt (its compression_ratio after a prefill), the issue's "same number of slots". The rows are
+    bench_paged's decode part (pairs decoded in turns, median of 23 steps, load average recorded).
 """
 
 from __future__ import annotations
@@ -237,7 +242,42 @@ def plot_tau(rows):
     return save_figure(fig, "kvzap_tau")
 
 
+def decode_rows(prompt_lengths=(2048, 4096)) -> list[dict]:
+    from kvpress import TOVAPress
+    from transformers import DynamicCache
+
+    from benchmarks import bench_paged
+    from kvpress_cpp.models import load_default_model
+    from kvpress_cpp.presses import KVzapThresholdPress
+    from kvpress_cpp.texts import austen_novel
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_default_model()
+    text = tokenizer(austen_novel("prideprejudice")[:40000]).input_ids
+    rows = []
+    for length in prompt_lengths:
+        press = KVzapThresholdPress()
+        with torch.no_grad(), press(model):
+            model(torch.tensor([text[:length]]), past_key_values=DynamicCache())
+        removed = round(press.compression_ratio, 3)
+        same_slots = f"TOVA at KVzap's slots ({1 - removed:.0%} kept)"
+        presses = {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
+                   same_slots: lambda: TOVAPress(compression_ratio=removed),
+                   f"KVzap-MLP τ={press.threshold:g}": KVzapThresholdPress}
+        length_rows = bench_paged.decode_rows(model, tokenizer, (length,), presses=presses)
+        reference = next(r["step_ms"] for r in length_rows if r["press"] == same_slots and r["cache"] == "rectangular")
+        for row in length_rows:
+            row["vs_tova_same_slots"] = round(row["step_ms"] / reference, 3)
+        rows += length_rows
+    return rows
+
+
 def main() -> None:
+    if "--decode" in sys.argv:
+        rows = decode_rows()
+        print_table(rows, list(rows[0]))
+        print("wrote", write_results("paged_decode_kvzap", rows))
+        return
     quick = "--quick" in sys.argv
     if "--tau" in sys.argv:
         rows = tau_sweep()

@@ -140,9 +140,11 @@ def batch_rows(model, tokenizer, kept: float = 0.25, layers: int = 2) -> list[di
              // model.config.num_hidden_layers}]
 
 
-def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 24) -> list[dict]:
+def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 24,
+                presses: dict | None = None) -> list[dict]:
     """Every (press, cache) pair prefilled once, then decoded one token at a time in turns (pair after pair, `steps`
-    rounds), so that a change in the machine's load falls on all of them alike; the median step of each."""
+    rounds), so that a change in the machine's load falls on all of them alike; the median step of each. `presses`:
+    {name: press factory} in place of the default set (one of them named "TOVA...", the reference)."""
     from kvpress import TOVAPress
     from transformers import DynamicCache
 
@@ -153,7 +155,8 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 24) 
     from kvpress_cpp.texts import austen_novel
 
     text = tokenizer(austen_novel("prideprejudice")[:40000]).input_ids
-    presses = {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
+    presses = presses if presses is not None else {
+               "TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
                "ZSMerge": lambda: ZSMergePress(budget=0.25), "WeightedKV": lambda: WeightedKVPress(cache_size=0.25),
                "KeepKV": lambda: KeepKVPress(budget=0.25),
                f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}": KVzapThresholdPress}

@@ -37,7 +37,7 @@ from kvpress_cpp.cache import state_for_attention
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
-           "request_prefill_scores", "take_decode_query", "take_prefill_attention"]
+           "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 
@@ -77,6 +77,12 @@ def request_prefill_scores(module: torch.nn.Module, weights: tuple[float, float]
     ``(decay, input_scale)`` (see :func:`take_prefill_attention`); None: keep nothing."""
     module._kvcomp_prompt_score_weights = weights
     module._kvcomp_prefill_attention = None
+
+
+def count_hook_without_probabilities(module: torch.nn.Module, change: int) -> None:
+    """A press whose forward hook on `module` never reads the attention's probabilities counts itself in (+1) when its
+    context opens and out (-1) when it closes: a pass over a paged layer maps them to the view only for other hooks."""
+    module._kvcomp_hooks_without_probs = getattr(module, "_kvcomp_hooks_without_probs", 0) + change
 
 
 def take_prefill_attention(module: torch.nn.Module, prompt_length: int) -> PrefillAttention | None:
@@ -171,8 +177,8 @@ def _enter_paged_pass(layer: PagedLayer, module: torch.nn.Module,
 
 def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor, scaling: float):
     """Attention of a later pass over a paged layer (``kvcomp::paged_decode_attention``), with probabilities over the
-    view's columns when a press's hook is attached."""
-    wants_probs = bool(module._forward_hooks)
+    view's columns when a hook that reads them is attached."""
+    wants_probs = len(module._forward_hooks) > getattr(module, "_kvcomp_hooks_without_probs", 0)
     output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs)
     module._kvcomp_decode_query = query if wants_probs else None
     return output.transpose(1, 2).contiguous(), layer.probs_to_view(probs) if wants_probs else None

@@ -283,6 +283,37 @@ class PagedLayer(CacheLayerMixin):
         self._module = weakref.ref(module)
 
     # ------------------------------------------------------------------------------------------------------------
+    # A press that steps the layer in its pools, reading no view (KVzap while decoding)
+
+    def written_state(self) -> LayerState | None:
+        """The last state a press wrote, for its own fields (owner, counters) only: its tensors are not gathered
+        from the blocks (``kvcomp_state`` does that). None when the layer holds no press state."""
+        self.flush()
+        return self._state_written if self.has_state else None
+
+    def slot_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Indices into the pools viewed as (N·S, ...) of each head's slots (B, H, X), counted from its first slot
+        (every slot index below the head's length)."""
+        return self._flat_slots(slots)
+
+    def own_appended_slots(self) -> None:
+        """The press wrote the state of the slots appended since its last write into its pools itself: they are
+        its base slots now, as after a write through the view (``kvcomp_state`` covers them)."""
+        self.bases = self.lengths.clone()
+        self._changed()
+
+    def drop_dead_slots(self) -> None:
+        """Evict the slots whose log-weight is -inf (a press's dead slots) from every head, as a compaction of the
+        rectangular cache to its longest head does: the view is then as wide as that cache (a forward without
+        cache_position places its token at the same position on both)."""
+        self.flush()
+        slot = torch.arange(self._slot_width()).expand(*self.lengths.shape, -1)
+        index, real = self._pool_index(torch.where(slot < self.lengths.unsqueeze(-1), slot, -1))
+        dead = (_gather(self.slot_blocks[_LOG_WEIGHTS], index, real, 0.0) == float("-inf")).cpu()
+        if bool(dead.any()):
+            self._evict(dead)
+
+    # ------------------------------------------------------------------------------------------------------------
     # Memory
 
     def blocks_in_use(self) -> int:

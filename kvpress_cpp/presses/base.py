@@ -42,8 +42,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import (padding_log_weights, patch_eager_attention, request_prefill_scores,
-                                   take_prefill_attention)
+from kvpress_cpp.attention import (count_hook_without_probabilities, padding_log_weights, patch_eager_attention,
+                                   request_prefill_scores, take_prefill_attention)
 from kvpress_cpp.cache import LayerState, attach, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 
@@ -132,6 +132,8 @@ class KVCompPress(BasePress):
     handles_padding: ClassVar[bool] = False
     #: Whether the press can compress a prompt another press already shrank (its slots no longer one per token).
     compresses_compressed_prompt: ClassVar[bool] = False
+    #: Whether compress_decoding reads the attention's probabilities (a paged pass computes them only for hooks that do).
+    reads_decode_probabilities: ClassVar[bool] = True
 
     # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,), and the layers
     # whose counts are this rank's heads only, to be gathered over the tensor-parallel ranks.
@@ -299,6 +301,12 @@ class KVCompPress(BasePress):
             attach(module, layer)
             self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum(dim=(0, 2))
             self._held_to_gather.add(layer_idx)
+        return self._after_layer(module, output)
+
+    def _after_layer(self, module: nn.Module, output):
+        """The end of every forward hook: after the last layer, the held counts of a tensor-parallel model's layers
+        gathered over its ranks."""
+        layer_idx = module.layer_idx
         if layer_idx == module.config.num_hidden_layers - 1 and self._held_to_gather and kv_head_shard(module):
             # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).
             layers = sorted(self._held_to_gather)
@@ -317,12 +325,16 @@ class KVCompPress(BasePress):
         attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
         for module in attention_modules:
             request_prefill_scores(module, self.prompt_score_weights(module))
+            if not self.reads_decode_probabilities:
+                count_hook_without_probabilities(module, +1)
         try:
             with super().__call__(model):
                 yield
         finally:
             for module in attention_modules:
                 request_prefill_scores(module, None)
+                if not self.reads_decode_probabilities:
+                    count_hook_without_probabilities(module, -1)
 
 
 @dataclass

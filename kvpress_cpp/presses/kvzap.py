@@ -31,6 +31,7 @@ from torch import nn
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import kv_head_shard
+from kvpress_cpp.paged_cache import PagedLayer
 from kvpress_cpp.presses.base import KVCompDecodingPress
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
@@ -188,6 +189,11 @@ class KVzapThresholdPress(KVCompDecodingPress):
     can be captured in a CUDA graph. Each slot's absolute position and score are kept in the layer's state
     (``per_slot["positions"]``, ``per_slot["scores"]``).
 
+    On a :class:`~kvpress_cpp.paged_cache.PagedLayer` a decoding pass works in the layer's pools and reads no view
+    (:meth:`_step_paged_layer`): it scores the new tokens, decides only the slots whose tokens leave the window, and
+    evicts the slots it marked -inf (dead slots, attended as the rectangular cache attends them) once every
+    ``compaction_slack`` tokens, when the rectangular cache compacts.
+
     Attributes:
         threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
         sliding_window: w, the most recent tokens, never evicted (paper: 128).
@@ -205,6 +211,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     #: Padding enters as slots of b = -inf, which the DMS rule never revives, so each row equals its run alone.
     handles_padding = True
+    #: The keep rule reads the surrogate's scores only, never the attention.
+    reads_decode_probabilities = False
 
     def __post_init__(self):
         if self.sliding_window < 0:
@@ -232,6 +240,69 @@ class KVzapThresholdPress(KVCompDecodingPress):
         state.counters["tokens"] = length
         state.counters["since_compaction"] = 0
         return keys, values, state
+
+    def forward_hook(self, module, input, kwargs, output):
+        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        layer = cache.layers[module.layer_idx] if cache is not None else None
+        if isinstance(layer, PagedLayer) and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
+            return self._after_layer(module, output)
+        return super().forward_hook(module, input, kwargs, output)
+
+    def _step_paged_layer(self, module, layer: PagedLayer, hidden_states: torch.Tensor) -> bool:
+        """compress_decoding of the q tokens update() just appended to a paged layer this press prefilled, in the
+        layer's pools: their positions and scores are written to their slots, and the tokens leaving the window,
+        positions [b, e) = [max(0, before - w), max(0, after - w)), are decided by kvzap_threshold over their slots
+        alone. Every token after them is in the window or decided in this pass, so never evicted: they are each
+        head's slots length - w - (e - b) ... length - w - 1, which the positions stored there confirm. Returns False,
+        with nothing but those new positions written, where that does not hold (a left-padded row's first tokens, a
+        cache cut back by kvpress's pipeline) or where the general path must run (a prefill, another press's state,
+        a tensor-parallel layer): the view is then read and written as for a DynamicCache."""
+        state = layer.written_state()
+        owner = state.owner() if state is not None and state.owner is not None else None
+        if (state is None or state.owner_type is not type(self) or owner not in (None, self)
+                or kv_head_shard(module) is not None or module.layer_idx not in self._slots_held
+                or not {"scores", "positions"} <= set(layer.slot_blocks)):
+            return False
+        scores_pool, positions_pool = layer.slot_blocks["scores"].view(-1), layer.slot_blocks["positions"].view(-1)
+        log_weights_pool = layer.slot_blocks["log_weights"].view(-1)
+        batch, heads = layer.lengths.shape
+        new_tokens, before = hidden_states.shape[1], layer.counters["tokens"]
+        after = before + new_tokens
+        first, stop = max(0, before - self.sliding_window), max(0, after - self.sliding_window)
+        decided = stop - first
+        if decided and int(layer.lengths.min()) < self.sliding_window + decided:
+            return False
+        # Each head's decided slots, then its new ones: one index for both.
+        offsets = torch.cat([torch.arange(-self.sliding_window - decided, -self.sliding_window),
+                             torch.arange(-new_tokens, 0)])
+        slots = layer.slot_index(layer.lengths.unsqueeze(-1) + offsets)
+        decided_slots, new_slots = slots[..., :decided], slots[..., decided:]
+        positions_pool[new_slots] = torch.arange(before, after, device=positions_pool.device)
+        if decided:
+            positions = positions_pool[decided_slots]
+            if not torch.equal(positions, torch.arange(first, stop, device=positions.device).expand_as(positions)):
+                return False
+        scores_pool[new_slots] = self.scorer.layer_scores(module, hidden_states)
+        held = self._slots_held[module.layer_idx]
+        if decided:
+            # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
+            log_weights, held_now = ops.kvzap_threshold(log_weights_pool[decided_slots], scores_pool[decided_slots],
+                                                        positions, self.threshold, self.sliding_window, before, after)
+            log_weights_pool[decided_slots] = log_weights
+            held = held + held_now.sum(0) + batch * (new_tokens - decided)
+        else:
+            held = held + batch * new_tokens
+        counters = layer.counters
+        counters["tokens"], counters["since_compaction"] = after, counters.get("since_compaction", 0) + new_tokens
+        layer.own_appended_slots()
+        if counters["since_compaction"] >= self.compaction_slack:
+            layer.drop_dead_slots()
+            counters["since_compaction"] = 0
+        layer_idx = module.layer_idx
+        self._slots_seen[layer_idx] = self._slots_seen.get(layer_idx, 0) + batch * new_tokens
+        self._slots_held[layer_idx] = held
+        self._held_to_gather.add(layer_idx)
+        return True
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]

@@ -1,0 +1,91 @@
+"""KVzapThresholdPress's decoding step on a PagedKVCache, which works in the layer's pools (scores the new token,
+decides the slot leaving the window, drops the dead slots when the rectangular cache compacts) instead of reading and
+writing the layer's view: it must keep what the rectangular cache keeps, slot for slot, and run on its own path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.paged_cache import PagedKVCache
+from kvpress_cpp.presses import KVzapThresholdPress
+from tests.generation import prompt_ids
+from tests.models import make_tiny_llama
+from tests.test_kvzap_press import write_surrogate
+
+
+@pytest.fixture(scope="module")
+def surrogate_dir(tmp_path_factory):
+    model, _ = make_tiny_llama()
+    return write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", model, "mlp", seed=0, scale=4.0)
+
+
+def held(layer):
+    """Per (batch, kv head): the token positions, scores and keys of the slots attended (finite log-weight)."""
+    state = get_state(layer)
+    keys = layer.keys
+    log_weights = state.align(keys.shape[-2], 0)
+    kept = torch.isfinite(log_weights)
+    return [(state.per_slot["positions"][b, h][kept[b, h]], state.per_slot["scores"][b, h][kept[b, h]],
+             keys[b, h][kept[b, h]]) for b in range(keys.shape[0]) for h in range(keys.shape[1])]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_step_keeps_the_rectangular_slots(block_size, surrogate_dir, monkeypatch):
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 64)
+    results = {}
+    for cache_name, cache in (("rectangular", DynamicCache()), ("paged", PagedKVCache(block_size=block_size))):
+        press = KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogate_dir, compaction_slack=3)
+        general_steps = []
+        general = press.compress_decoding
+        monkeypatch.setattr(press, "compress_decoding", lambda *a, **k: general_steps.append(1) or general(*a, **k))
+        steps = []
+        with torch.no_grad(), press(model):
+            token = ids
+            for _ in range(14):
+                token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                steps.append(([held(layer) for layer in cache.layers],
+                              [layer.get_seq_length() for layer in cache.layers], press.compression_ratio))
+        results[cache_name] = steps, len(general_steps)
+    (rectangular, rectangular_general), (paged, paged_general) = results["rectangular"], results["paged"]
+    assert rectangular_general > 0 and paged_general == 0  # the paged steps never went through the view
+    for step, ((want_layers, want_widths, want_ratio), (got_layers, got_widths, got_ratio)) in enumerate(
+            zip(rectangular, paged)):
+        assert got_widths == want_widths, f"step {step}"  # dead slots dropped when the rectangular cache compacts
+        assert got_ratio == pytest.approx(want_ratio), f"step {step}"
+        tokens = 64 + step  # step 0 is the prefill
+        for layer, (want, got) in enumerate(zip(want_layers, got_layers)):
+            for head, ((want_pos, want_scores, want_keys), (pos, scores, keys)) in enumerate(zip(want, got)):
+                where = f"step {step} layer {layer} head {head}"
+                assert torch.equal(pos, want_pos), where
+                torch.testing.assert_close(scores, want_scores, rtol=1e-4, atol=1e-4, msg=where)
+                torch.testing.assert_close(keys, want_keys, rtol=1e-4, atol=1e-4, msg=where)
+                # The DMS rule: the window (the last 8 tokens) is held, a token that left it only if score >= τ.
+                assert set(range(tokens - 8, tokens)) <= set(pos.tolist()), where
+                assert bool((scores[pos < tokens - 8] >= 0.0).all()), where
+    # Some token decided while decoding (positions 56 .. 68 left the window then) was evicted.
+    last = paged[-1][0]
+    assert any(set(range(56, 69)) - set(pos.tolist()) for heads in last for pos, _, _ in heads)
+
+
+def test_paged_step_on_a_left_padded_batch_generates_the_rectangular_tokens(surrogate_dir):
+    """Rows of a left-padded batch whose first tokens leave the window while padding precedes them take the general
+    path for those steps; the greedy tokens stay the rectangular cache's."""
+    model, tokenizer = make_tiny_llama()
+    tokenizer.padding_side = "left"
+    long, short = prompt_ids(tokenizer, 40)[0], prompt_ids(tokenizer, 40)[0][:4]
+    ids = torch.stack([long, torch.cat([torch.full((36,), tokenizer.pad_token_id or 0), short])])
+    mask = torch.stack([torch.ones(40, dtype=torch.long), torch.cat([torch.zeros(36), torch.ones(4)]).long()])
+    outputs, paths = [], []
+    for cache in (DynamicCache(), PagedKVCache(block_size=4)):
+        press = KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogate_dir, compaction_slack=3)
+        in_pools = press._step_paged_layer
+        press._step_paged_layer = lambda *a: paths.append(in_pools(*a)) or paths[-1]
+        with torch.no_grad(), press(model):
+            outputs.append(model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                          min_new_tokens=12, do_sample=False))
+    assert torch.equal(outputs[1], outputs[0])
+    assert True in paths and paths.count(False) > len(model.model.layers)  # more than the prefill took the general path
