@@ -314,7 +314,8 @@ KEEPKV_MAX_KEY_GROWTH = 2.0  # kernels::kZipMaxKeyGrowth: the ZIP key at most th
 
 
 def keepkv_zip_coefficients(ell: torch.Tensor, p: torch.Tensor, convex: bool):
-    """(w, key_scale, value_scale) of one set from its log-scores and votes (1-d, float64), or None when Σ w = 0."""
+    """(w, key_scale, value_scale, zip_used) of one set from its log-scores and votes (1-d, float64), or None when
+    Σ w = 0; zip_used is False where the guard (or ``convex``) gives the convex key."""
     contributes = (p > 0) & (ell > float("-inf"))
     if not contributes.any():
         return None
@@ -331,7 +332,7 @@ def keepkv_zip_coefficients(ell: torch.Tensor, p: torch.Tensor, convex: bool):
               and (float(numerator) == 0
                    or 1 / KEEPKV_MAX_KEY_GROWTH <= float(numerator * weight / weighted_log) <= KEEPKV_MAX_KEY_GROWTH))
     key_scale = numerator / weighted_log if usable else 1 / weight
-    return w, key_scale, 1 / weight
+    return w, key_scale, 1 / weight, usable
 
 
 def keepkv_zip_merge(keys, values, votes, log_scores, targets, convex=False, check_targets=True):
@@ -352,7 +353,7 @@ def keepkv_zip_merge(keys, values, votes, log_scores, targets, convex=False, che
                 coefficients = keepkv_zip_coefficients(log_scores[b, h, members].double(), p, convex)
                 if coefficients is None:
                     continue
-                w, key_scale, value_scale = coefficients
+                w, key_scale, value_scale, _ = coefficients
                 out_k[b, h, c] = (key_scale * (w[:, None] * keys[b, h, members].double()).sum(0)).to(keys.dtype)
                 out_v[b, h, c] = (value_scale * (w[:, None] * values[b, h, members].double()).sum(0)).to(values.dtype)
     return out_k, out_v, out_p

@@ -195,19 +195,14 @@ def attention_output_float64(query, keys, values, log_weights, scale):
 def rows_with_convex_fallback(votes, log_scores, targets) -> set[tuple[int, int]]:
     """(batch, kv head) rows where ``keepkv_zip_merge`` falls back to the convex key for some merged set (its
     documented guard: Σ w ℓ near zero, or the ZIP key beyond kZipMaxKeyGrowth times the convex key, a sign
-    mismatch included), evaluated in float64."""
+    mismatch included), evaluated in float64 by tests/reference.py's guard."""
     rows = set()
     for b, h in torch.cartesian_prod(torch.arange(votes.shape[0]), torch.arange(votes.shape[1])).tolist():
         for retained in (targets[b, h] == -1).nonzero().flatten().tolist():
             members = [retained] + (targets[b, h] == retained).nonzero().flatten().tolist()
-            ell, p = log_scores[b, h, members].double(), votes[b, h, members].double()
-            weights = p * (ell - ell.max()).exp()
-            denominator = (weights * ell).sum()
-            numerator = ell.max() + (weights.sum() / p.sum()).log()
-            growth = numerator * weights.sum() / denominator
-            if len(members) > 1 and (denominator.abs() <= reference.KEEPKV_GUARD_EPS * weights.sum() * ell.abs().max()
-                                     or not 1 / reference.KEEPKV_MAX_KEY_GROWTH <= growth
-                                     <= reference.KEEPKV_MAX_KEY_GROWTH):
+            coefficients = reference.keepkv_zip_coefficients(log_scores[b, h, members].double(),
+                                                              votes[b, h, members].double(), convex=False)
+            if len(members) > 1 and coefficients is not None and not coefficients[3]:
                 rows.add((b, h))
     return rows
 
