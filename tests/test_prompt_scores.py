@@ -116,14 +116,18 @@ def test_row_with_nothing_to_attend_adds_nothing():
                                **SCORE_TOL)
 
 
-def test_deterministic_whatever_the_thread_count():
+@pytest.mark.parametrize("score", [
+    lambda query, keys, log_weights: ops.prompt_scores(query, keys, log_weights, 0.2, 0.98, 1.0),
+    lambda query, keys, log_weights: ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.2, 0.9, 0.25),
+], ids=["prompt_scores", "prompt_log_unnormalised_scores"])
+def test_deterministic_whatever_the_thread_count(score):
     query, keys, log_weights = make_inputs(2, 8, 2, 300, 300, 32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.prompt_scores(query, keys, log_weights, 0.2, 0.98, 1.0)
+        one = score(query, keys, log_weights)
         torch.set_num_threads(2)
-        two = ops.prompt_scores(query, keys, log_weights, 0.2, 0.98, 1.0)
+        two = score(query, keys, log_weights)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -238,19 +242,6 @@ def test_log_unnormalised_scores_of_a_slot_no_query_sees():
     assert bool((log_scores[..., :3] == -math.inf).all()) and bool(torch.isfinite(log_scores[..., 3:]).all())
     all_padding = torch.full_like(log_weights, -math.inf)
     assert bool((ops.prompt_log_unnormalised_scores(query, keys, all_padding, 0.3, 0.9, 1.0) == -math.inf).all())
-
-
-def test_log_unnormalised_scores_deterministic_whatever_the_thread_count():
-    query, keys, log_weights = make_inputs(2, 8, 2, 300, 300, 32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.2, 0.9, 0.25)
-        torch.set_num_threads(2)
-        two = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.2, 0.9, 0.25)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("device", DEVICES)
