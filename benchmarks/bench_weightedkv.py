@@ -47,6 +47,7 @@ def op_step(keys, values, sums, counts, attn):
     group = attn.shape[1] // sums.shape[1]
     sums = torch.ops.kvcomp.update_scores(sums, attn, 1.0, 1.0 / group)
     counts = F.pad(counts + 1, (0, 1), value=1.0)
+    # In place: a repeated call evicts again from the same rows (a valid cache each time), the same work per call.
     return torch.ops.kvcomp.weightedkv_evict(keys, values, sums, counts, SINKS, RECENT, 1)
 
 

@@ -26,13 +26,15 @@ TORCH_LIBRARY(kvcomp, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_blocks, Tensor value_blocks, Tensor log_weight_blocks, "
         "Tensor block_tables, Tensor lengths, float scale, bool return_probs) -> (Tensor, Tensor)");
 
-  // weightedkv family: `evictions` greedy steps of WeightedKV's Algorithm 1 on each (batch, kv-head): evict the middle
-  // slot (not the first `sinks`, not the last `recent`) of least mean sums/counts, fold its value into its right
-  // neighbour's, weighted by the two means. keys (B, H, T, d), values (B, H, T, d_v), sums, counts (B, H, T) float32
-  // -> the same with T - evictions slots. merge_values=False is the paper's eviction-only ablation (values dropped).
+  // weightedkv family: `evictions` greedy steps of WeightedKV's Algorithm 1 on each (batch, kv-head), in place: evict the
+  // middle slot (not the first `sinks`, not the last `recent`) of least mean sums/counts, fold its value into its right
+  // neighbour's, weighted by the two means, and shift the later slots left. keys (B, H, T, d), values (B, H, T, d_v),
+  // sums, counts (B, H, T) float32; slots [0, T - evictions) are the result. merge_values=False is the paper's
+  // eviction-only ablation (values dropped). Each (batch, kv head) row contiguous, the rows at any increasing stride
+  // (a paged cache's strided view over its block pools is updated without a copy).
   m.def(
-      "weightedkv_evict(Tensor keys, Tensor values, Tensor sums, Tensor counts, int sinks, int recent, int evictions,"
-      " bool merge_values=True) -> (Tensor, Tensor, Tensor, Tensor)");
+      "weightedkv_evict(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) sums, Tensor(d!) counts, int sinks, int recent, "
+      "int evictions, bool merge_values=True) -> ()");
 
   // zsmerge family, cache of M = residual + context + recent slots per (batch, kv-head) (layout in
   // csrc/kernels/zsmerge.h). Prefill of T > M tokens: keys/values (B, H, T, d), scores (B, H, T) float32 ->
@@ -122,9 +124,9 @@ TORCH_LIBRARY(kvcomp, m) {
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
 // "derivative for kvcomp::<op> is not implemented" when backward reaches it (instead of torch's default warning and
-// silently wrong gradients). The in-place zsmerge_decode_step is not listed: it refuses inputs that require grad.
+// silently wrong gradients). The in-place weightedkv_evict and zsmerge_decode_step are not listed: they refuse inputs that require grad.
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
-  for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "weightedkv_evict", "zsmerge_prefill",
+  for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "keepkv_decode_step", "nucleus_budget", "averaged_rope", "gvote_union_mask",
                          "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
                          "paged_decode_attention", "prompt_attention_with_scores",

@@ -294,9 +294,11 @@ _declare(Contract(
 
 _declare(Contract(
     "weightedkv_evict",
-    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d_v", "keys"), Tensor("sums", "B H T", F32),
-     Tensor("counts", "B H T", F32), Scalar("sinks"), Scalar("recent"), Scalar("evictions"),
-     Scalar("merge_values", True)],
+    [Tensor("keys", "B H T d", CACHE_DTYPES, inplace=True, strided_rows=True),
+     Tensor("values", "B H T d_v", "keys", inplace=True, strided_rows=True),
+     Tensor("sums", "B H T", F32, inplace=True, strided_rows=True),
+     Tensor("counts", "B H T", F32, inplace=True, strided_rows=True), Scalar("sinks"), Scalar("recent"),
+     Scalar("evictions"), Scalar("merge_values", True)],
     rules=[
         _slots_fit_32_bits("T"),
         _at_least("sinks", 0),
@@ -307,10 +309,6 @@ _declare(Contract(
              lambda v: "expected evictions <= T - sinks - recent (enough middle slots to evict), got evictions = "
              f"{v['evictions']}, T = {v['T']}, sinks = {v['sinks']}, recent = {v['recent']}"),
     ],
-    outputs=lambda v: [((v["B"], v["H"], v["T"] - v["evictions"], v["d"]), "keys"),
-                       ((v["B"], v["H"], v["T"] - v["evictions"], v["d_v"]), "keys"),
-                       ((v["B"], v["H"], v["T"] - v["evictions"]), F32),
-                       ((v["B"], v["H"], v["T"] - v["evictions"]), F32)],
 ))
 
 _declare(Contract(

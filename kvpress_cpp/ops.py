@@ -94,21 +94,22 @@ def weightedkv_evict(
     merge_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """WeightedKV's eviction step (Algorithm 1, lines 7-10), applied ``evictions`` times in a row on every (batch,
-    kv head).
+    kv head), in place.
 
     One step: ``ā = sums / counts``; ``j = argmin ā`` over the middle slots, i.e. neither the first ``sinks`` nor the
     last ``recent`` ones (ties to the lower slot, NaN counts as +inf, so all-NaN evicts the first middle slot);
     ``V[j+1] <- (ā_j V[j] + ā_{j+1} V[j+1]) / (ā_j + ā_{j+1})`` (the plain mean when that is 0/0; an infinite ā takes
-    its own value alone); then slot j's key, value, sum and count are deleted. ``sums[j+1]`` and ``counts[j+1]`` are
-    kept as they are. Each step recomputes the argmin on the cache the previous one left, exactly as ``evictions``
-    calls with ``evictions=1``; merged values are rounded to the cache dtype after every step, as a cache stored in it
-    would hold them, so the two agree bit for bit.
+    its own value alone); then slot j's key, value, sum and count are deleted and the later slots move left.
+    ``sums[j+1]`` and ``counts[j+1]`` are kept as they are. Each step recomputes the argmin on the cache the previous
+    one left, exactly as ``evictions`` calls with ``evictions=1``; merged values are rounded to the cache dtype after
+    every step, as a cache stored in it would hold them, so the two agree bit for bit.
 
     Args:
-        keys: (B, H, T, d) float32, float16 or bfloat16.
-        values: (B, H, T, d_v), the dtype of keys (d_v may differ from d).
-        sums: (B, H, T) float32 running attention sums a (``update_scores`` with decay=1, input_scale=1/G).
-        counts: (B, H, T) float32 number of attention rows summed into each slot, n.
+        keys: (B, H, T, d) float32, float16 or bfloat16; updated in place.
+        values: (B, H, T, d_v), the dtype of keys (d_v may differ from d); updated in place.
+        sums: (B, H, T) float32 running attention sums a (``update_scores`` with decay=1, input_scale=1/G); updated
+            in place.
+        counts: (B, H, T) float32 number of attention rows summed into each slot, n; updated in place.
         sinks: >= 0 leading slots that are never evicted (the paper keeps 4).
         recent: >= 1 trailing slots that are never evicted (the paper: m/2 - 4); at least 1, because the last
             middle slot merges into its right neighbour.
@@ -116,11 +117,18 @@ def weightedkv_evict(
             T - m to reduce a prefill of T tokens to m slots.
         merge_values: False is the paper's eviction-only ablation: slot j's value is dropped with its key.
 
+    Each argument's (batch, kv head) rows must be contiguous and in order, at any stride (:func:`contiguous_rows`):
+    a contiguous tensor, or a :class:`~kvpress_cpp.paged_cache.PagedKVCache` view over its block pools, which is
+    then updated where it lies.
+
     Returns:
-        (keys, values, sums, counts) with T - evictions slots: (B, H, T - e, d), (B, H, T - e, d_v), (B, H, T - e),
-        (B, H, T - e); new tensors, the survivors in their original order.
+        (keys, values, sums, counts)[:, :, :T - evictions]: views of the arguments' first T - e slots, (B, H, T - e, d),
+        (B, H, T - e, d_v), (B, H, T - e), (B, H, T - e), the survivors in their original order. The slots after them
+        hold stale data.
     """
-    return torch.ops.kvcomp.weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions, merge_values)
+    torch.ops.kvcomp.weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions, merge_values)
+    kept = keys.shape[2] - evictions
+    return keys[:, :, :kept], values[:, :, :kept], sums[:, :, :kept], counts[:, :, :kept]
 
 
 def zsmerge_prefill(
@@ -153,7 +161,7 @@ def contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (B, H, ...) itself when each (batch, kv head) row is contiguous and the rows are in order, at any
     stride (what the in-place decode ops such as :func:`zsmerge_decode_step` take: a contiguous tensor, or a paged
     cache's strided view over its block pools); otherwise a contiguous copy."""
-    return tensor if has_contiguous_rows(tensor) else tensor.contiguous()
+    return tensor if tensor.is_contiguous() or has_contiguous_rows(tensor) else tensor.contiguous()
 
 
 def zsmerge_decode_step(

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from kvpress_cpp import ops
 from kvpress_cpp._contract import CONTRACTS, Contract, Scalar, Tensor
 from tests import reference
 
@@ -218,6 +219,10 @@ def _weightedkv_build(r, s, dtype):
     return (_randn(r, (s["B"], s["H"], s["T"], s["d"]), dtype), _randn(r, (s["B"], s["H"], s["T"], s["d_v"]), dtype),
             torch.rand((s["B"], s["H"], s["T"]), generator=_g(r)) * counts, counts, sinks, recent, evictions,
             r.random() < 0.8)
+
+
+def _weightedkv_run(args):
+    return ops.weightedkv_evict(*(t.clone() for t in args[:4]), *args[4:])
 
 
 def _zsmerge_prefill_sizes(r, o):
@@ -447,7 +452,7 @@ FUZZ: dict[str, OpFuzz] = {
                                      meta_shapes=False,
                                      nonfinite_unchecked="NaN placement over blocks not yet specified (issue 21)"),
     "weightedkv_evict": OpFuzz(_weightedkv_sizes, _weightedkv_build, reference.weightedkv_evict,
-                               tolerance=lambda dtype: _low_precision(dtype)),
+                               tolerance=lambda dtype: _low_precision(dtype), run=_weightedkv_run),
     "zsmerge_prefill": OpFuzz(_zsmerge_prefill_sizes, _zsmerge_prefill_build, reference.zsmerge_prefill,
                               tolerance=lambda dtype: _low_precision(dtype)),
     "zsmerge_decode_step": OpFuzz(_zsmerge_decode_sizes, _zsmerge_decode_build,

@@ -34,6 +34,11 @@ def make_inputs(batch, kv_heads, total_len, dtype, device, key_dim=16, value_dim
     return keys.to(device, dtype), values.to(device, dtype), sums.to(device), counts.to(device)
 
 
+def evict_copies(keys, values, sums, counts, *args):
+    """The op on copies of the cache (it updates its arguments in place): the arguments stay as they were."""
+    return ops.weightedkv_evict(keys.clone(), values.clone(), sums.clone(), counts.clone(), *args)
+
+
 def to_cpu(tensors):
     return tuple(t.cpu() for t in tensors)
 
@@ -70,7 +75,7 @@ SETTINGS = [
 @pytest.mark.parametrize("merge_values", [True, False], ids=["merge", "evict-only"])
 def test_matches_reference(device, dtype, total_len, sinks, recent, evictions, merge_values):
     inputs = make_inputs(2, 3, total_len, dtype, device, key_dim=16, value_dim=24, seed=evictions)
-    got = ops.weightedkv_evict(*inputs, sinks, recent, evictions, merge_values)
+    got = evict_copies(*inputs, sinks, recent, evictions, merge_values)
     expected = reference.weightedkv_evict(*to_cpu(inputs), sinks, recent, evictions, merge_values)
     assert got[0].shape == (2, 3, total_len - evictions, 16) and got[1].shape == (2, 3, total_len - evictions, 24)
     assert all(t.device == inputs[0].device for t in got)
@@ -83,9 +88,9 @@ def test_matches_reference(device, dtype, total_len, sinks, recent, evictions, m
 def test_k_evictions_equal_k_single_steps(device, dtype, sinks, recent, evictions):
     """evictions=k is k greedy steps, bit for bit (merged values are rounded to the cache dtype at every step)."""
     cache = make_inputs(2, 3, 40, dtype, device, seed=7)
-    at_once = ops.weightedkv_evict(*cache, sinks, recent, evictions)
+    at_once = evict_copies(*cache, sinks, recent, evictions)
     for _ in range(evictions):
-        cache = ops.weightedkv_evict(*cache, sinks, recent, 1)
+        cache = evict_copies(*cache, sinks, recent, 1)
     for one_by_one, together in zip(cache, at_once):
         assert torch.equal(one_by_one, together)
 
@@ -96,7 +101,7 @@ def test_evicted_slots_are_the_smallest_means_and_sums_stay(device):
     middle, and the survivors keep their keys, sums and counts in order."""
     keys, values, sums, counts = make_inputs(1, 2, 30, torch.float32, device, seed=3)
     sinks, recent, evictions = 3, 4, 11
-    out_keys, _, out_sums, out_counts = ops.weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions)
+    out_keys, _, out_sums, out_counts = evict_copies(keys, values, sums, counts, sinks, recent, evictions)
     for h in range(2):
         mean = (sums[0, h] / counts[0, h]).cpu()
         middle = torch.arange(sinks, 30 - recent)
@@ -172,7 +177,7 @@ def test_ties_evict_the_lower_slot(device):
     """Equal means: argmin's first occurrence. Every step evicts the first middle slot into the next one."""
     keys, values, _, _ = make_inputs(1, 1, 12, torch.float32, device)
     sums, counts = torch.ones(1, 1, 12, device=device), torch.full((1, 1, 12), 2.0, device=device)
-    out = ops.weightedkv_evict(keys, values, sums, counts, 2, 3, 5)
+    out = evict_copies(keys, values, sums, counts, 2, 3, 5)
     assert torch.equal(out[0][0, 0], torch.cat([keys[0, 0, :2], keys[0, 0, 7:]]))
     # Equal weights: each step averages, so slot 7 ends up with v2/32 + v3/32 + v4/16 + v5/8 + v6/4 + v7/2.
     weights = torch.tensor([1 / 32, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2], device=device)
@@ -186,7 +191,7 @@ def test_zero_means_take_the_plain_mean(device):
     values = torch.tensor([[1.0, -2.0], [3.0, 6.0], [5.0, 5.0]], device=device).view(1, 1, 3, 2)
     keys = values.clone()
     sums, counts = torch.zeros(1, 1, 3, device=device), torch.ones(1, 1, 3, device=device)
-    _, out_values, _, _ = ops.weightedkv_evict(keys, values, sums, counts, 0, 1, 1)
+    _, out_values, _, _ = evict_copies(keys, values, sums, counts, 0, 1, 1)
     assert torch.equal(out_values[0, 0], torch.tensor([[2.0, 2.0], [5.0, 5.0]], device=device))
 
 
@@ -203,58 +208,50 @@ def test_nan_means_are_evicted_last(device, dtype):
     values[1, 1, :, 0] = float("nan")  # NaN values are merged, not crashed on
     values[1, 2, 4, 1] = float("inf")
     for evictions in (1, 8, 20):
-        got = ops.weightedkv_evict(keys, values, sums, counts, 2, 2, evictions)
+        got = evict_copies(keys, values, sums, counts, 2, 2, evictions)
         expected = reference.weightedkv_evict(*to_cpu((keys, values, sums, counts)), 2, 2, evictions)
         assert_matches(got, expected, dtype)
         # the NaN row evicts the first middle slots; merging +inf with +inf weights is the plain mean: finite values
         assert torch.equal(got[0][1, 0], torch.cat([keys[1, 0, :2], keys[1, 0, 2 + evictions :]]))
         assert torch.isfinite(got[1][1, 0]).all()
     # with 8 evictions among 20 middle slots, the NaN slots of row (0, 0) survive
-    kept = ops.weightedkv_evict(keys, values, sums, counts, 2, 2, 8)[2][0, 0]
+    kept = evict_copies(keys, values, sums, counts, 2, 2, 8)[2][0, 0]
     assert torch.isnan(kept).sum() == 3
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_non_contiguous_inputs_and_value_dim(device):
+def test_rows_not_contiguous_are_refused_and_contiguous_rows_copies_them(device):
+    """The op updates (batch, kv head) rows in place, so each row must be contiguous: a (B, T, H, d) storage viewed as
+    (B, H, T, d) is refused naming the op and the argument; ops.contiguous_rows gives it rows that are, and then the
+    result is the contiguous inputs' (a value dim unlike the key dim)."""
     keys, values, sums, counts = make_inputs(2, 3, 20, torch.float32, device, key_dim=6, value_dim=10, seed=2)
-    # (B, T, H, d) storage viewed as (B, H, T, d), as some caches are laid out
     keys_t = keys.transpose(1, 2).contiguous().transpose(1, 2)
-    values_t = values.transpose(1, 2).contiguous().transpose(1, 2)
-    sums_t = sums.transpose(1, 2).contiguous().transpose(1, 2)
-    assert not keys_t.is_contiguous()
-    got = ops.weightedkv_evict(keys_t, values_t, sums_t, counts, 1, 2, 9)
-    assert_matches(got, ops.weightedkv_evict(keys, values, sums, counts, 1, 2, 9), torch.float32)
-    assert all(t.is_contiguous() for t in got)
+    with pytest.raises(RuntimeError, match=r"kvcomp::weightedkv_evict: expected keys with contiguous \(batch, kv "
+                       r"head\) rows in order"):
+        torch.ops.kvcomp.weightedkv_evict(keys_t, values.clone(), sums.clone(), counts.clone(), 1, 2, 9)
+    got = ops.weightedkv_evict(ops.contiguous_rows(keys_t), values.clone(), sums.clone(), counts.clone(), 1, 2, 9)
+    assert_matches(got, reference.weightedkv_evict(keys, values, sums, counts, 1, 2, 9), torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("evictions", [1, 9])
-def test_inputs_in_strided_rows(device, evictions):
-    """Rows at their own strides inside larger buffers (a PagedKVCache's view over its block pools), read where they
-    lie on CPU: the reference's result, the buffers untouched."""
+@pytest.mark.parametrize("evictions", [0, 1, 9])
+def test_updated_in_place_in_strided_rows(device, evictions):
+    """Rows at their own strides inside larger buffers (a PagedKVCache's view over its block pools) are updated where
+    they lie: the results are views of the arguments' first T - e slots and equal the reference's, and nothing
+    outside the rows is written."""
     inputs = make_inputs(2, 3, 20, torch.float32, device, key_dim=6, value_dim=10, seed=3)
     strided = [in_strided_rows(t) for t in inputs]
     got = ops.weightedkv_evict(*(view for _, view in strided), 1, 2, evictions)
     assert_matches(got, reference.weightedkv_evict(*to_cpu(inputs), 1, 2, evictions), torch.float32)
-    for (buffer, view), t in zip(strided, inputs):
-        assert torch.equal(view, t) and bool((outside(buffer, view) == 7.0).all())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_outputs_are_new_tensors_and_inputs_untouched(device):
-    inputs = make_inputs(1, 2, 16, torch.float32, device)
-    before = [t.clone() for t in inputs]
-    for evictions in (0, 3):
-        out = ops.weightedkv_evict(*inputs, 1, 1, evictions)
-        for o, i, b in zip(out, inputs, before):
-            assert o.data_ptr() != i.data_ptr()
-            assert torch.equal(i, b)
+    for (buffer, view), result in zip(strided, got):
+        assert result.data_ptr() == view.data_ptr() and result.stride() == view.stride()
+        assert bool((outside(buffer, view) == 7.0).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch(device):
     inputs = make_inputs(0, 3, 10, torch.float16, device)
-    out = ops.weightedkv_evict(*inputs, 2, 2, 4)
+    out = evict_copies(*inputs, 2, 2, 4)
     assert [t.shape for t in out] == [(0, 3, 6, 16), (0, 3, 6, 16), (0, 3, 6), (0, 3, 6)]
 
 
@@ -268,8 +265,8 @@ def test_cuda_matches_cpu_at_scale(dtype, total_len, sinks, recent, evictions):
     """Long rows (many tiles of the block loops, many runs per warp, long runs) and enough rows to fill the GPU: the
     CUDA op picks exactly the same slots as the CPU op (validated against the reference above)."""
     inputs = make_inputs(4, 9, total_len, dtype, "cuda", key_dim=128, value_dim=128, seed=total_len)
-    got = ops.weightedkv_evict(*inputs, sinks, recent, evictions)
-    expected = ops.weightedkv_evict(*to_cpu(inputs), sinks, recent, evictions)
+    got = evict_copies(*inputs, sinks, recent, evictions)
+    expected = evict_copies(*to_cpu(inputs), sinks, recent, evictions)
     assert_matches(got, expected, dtype)
 
 
@@ -288,7 +285,7 @@ def test_decoding_step_over_long_rows(device, dtype, where):
     for row, slots in enumerate(planted):
         sums[0, row, slots] = -counts[0, row, slots]  # mean exactly -1: below every other (non-negative) mean
     inputs = tuple(t.to(device) for t in (keys, values, sums, counts))
-    got = ops.weightedkv_evict(*inputs, sinks, recent, 1)
+    got = evict_copies(*inputs, sinks, recent, 1)
     expected = reference.weightedkv_evict(keys, values, sums, counts, sinks, recent, 1)
     assert_matches(got, expected, dtype)
     for row, slots in enumerate(planted):  # the lowest planted slot went: its right neighbour now sits there
@@ -306,8 +303,8 @@ def test_cuda_monotone_means_make_one_long_run(dtype):
         sums = (sums if direction > 0 else sums.flip(0)).expand(2, 2, -1).contiguous()
         counts = torch.ones(2, 2, 2048, device="cuda")
         inputs = (keys, values, sums, counts)
-        got = ops.weightedkv_evict(*inputs, 4, 4, 1500)
-        assert_matches(got, ops.weightedkv_evict(*to_cpu(inputs), 4, 4, 1500), dtype)
+        got = evict_copies(*inputs, 4, 4, 1500)
+        assert_matches(got, evict_copies(*to_cpu(inputs), 4, 4, 1500), dtype)
 
 
 @CUDA
@@ -316,10 +313,11 @@ def test_cuda_monotone_means_make_one_long_run(dtype):
 def test_cuda_unaligned_and_odd_dims(dtype, value_dim):
     """Element-wise copies where rows are not whole 16-byte chunks, or the storage starts off alignment."""
     keys, values, sums, counts = make_inputs(2, 3, 70, dtype, "cuda", key_dim=value_dim, value_dim=value_dim, seed=9)
-    offset_keys = torch.empty(keys.numel() + 1, dtype=dtype, device="cuda")[1:].view_as(keys).copy_(keys)
-    for k in (keys, offset_keys):
-        got = ops.weightedkv_evict(k, values, sums, counts, 2, 3, 40)
-        assert_matches(got, ops.weightedkv_evict(*to_cpu((keys, values, sums, counts)), 2, 3, 40), dtype)
+    expected = evict_copies(*to_cpu((keys, values, sums, counts)), 2, 3, 40)
+    for offset in (0, 1):
+        k = torch.empty(keys.numel() + offset, dtype=dtype, device="cuda")[offset:].view_as(keys).copy_(keys)
+        got = ops.weightedkv_evict(k, values.clone(), sums.clone(), counts.clone(), 2, 3, 40)
+        assert_matches(got, expected, dtype)
 
 
 @CUDA
@@ -327,9 +325,9 @@ def test_cuda_runs_on_the_current_stream_and_device():
     inputs = make_inputs(2, 3, 300, torch.bfloat16, "cuda", seed=4)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        got = ops.weightedkv_evict(*inputs, 4, 10, 200)
+        got = evict_copies(*inputs, 4, 10, 200)
     stream.synchronize()
-    assert_matches(got, ops.weightedkv_evict(*to_cpu(inputs), 4, 10, 200), torch.bfloat16)
+    assert_matches(got, evict_copies(*to_cpu(inputs), 4, 10, 200), torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -340,14 +338,18 @@ def test_opcheck(device):
 
 
 def test_compile_fullgraph():
+    """Compiled, the in-place op updates the caller's cache as in eager mode."""
     def decode_step(keys, values, sums, counts):
         keys, values, sums, counts = ops.weightedkv_evict(keys, values, sums, counts, 2, 4, 1)
         return keys * 1.0, values + 0.0, sums / counts, counts
 
     compiled = torch.compile(decode_step, fullgraph=True)
     inputs = make_inputs(1, 2, 17, torch.float32, "cpu")
-    for got, expected in zip(compiled(*inputs), decode_step(*inputs)):
+    copies = [t.clone() for t in inputs]
+    for got, expected in zip(compiled(*inputs), decode_step(*copies)):
         torch.testing.assert_close(got, expected)
+    for updated, expected in zip(inputs, copies):
+        torch.testing.assert_close(updated, expected)
 
 
 def test_compile_dynamic_length():
@@ -357,7 +359,8 @@ def test_compile_dynamic_length():
     compiled = torch.compile(evict_half, fullgraph=True, dynamic=True)
     for total_len in (20, 31):
         inputs = make_inputs(1, 2, total_len, torch.float32, "cpu", seed=total_len)
-        for got, expected in zip(compiled(*inputs), evict_half(*inputs)):
+        copies = [t.clone() for t in inputs]
+        for got, expected in zip(compiled(*inputs), evict_half(*copies)):
             torch.testing.assert_close(got, expected)
 
 

@@ -299,15 +299,10 @@ void launch_gather(const at::Tensor& keys, const at::Tensor& values, const at::T
 
 bool aligned_16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts, int64_t sinks,
-    int64_t recent, int64_t evictions, bool merge_values) {
-  const WeightedKVEvictShape shape = check_weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions);
-  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
-  if (shape.evictions == 0) {
-    return {keys.contiguous().clone(), values.contiguous().clone(), sums.contiguous().clone(),
-            counts.contiguous().clone()};
-  }
+// The survivors of every row, folded, as new tensors of T - evictions slots (the kernels below gather them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> evicted_copies(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums, const at::Tensor& counts,
+    const WeightedKVEvictShape& shape, bool merge_values) {
   const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous();
   const at::Tensor sums_c = sums.contiguous(), counts_c = counts.contiguous();
   const int64_t out_len = shape.out_len();
@@ -315,7 +310,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
   at::Tensor values_out = at::empty({shape.batch, shape.kv_heads, out_len, shape.value_dim}, values_c.options());
   at::Tensor sums_out = at::empty({shape.batch, shape.kv_heads, out_len}, sums_c.options());
   at::Tensor counts_out = at::empty({shape.batch, shape.kv_heads, out_len}, counts_c.options());
-  if (shape.rows() == 0) return {keys_out, values_out, sums_out, counts_out};
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const unsigned row_blocks = grid_dim("kvcomp::weightedkv_evict", "rows", shape.rows());
@@ -371,6 +365,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weightedkv_evict_cuda
     gather(scalar_t{}, SourceList{sources.const_data_ptr<int32_t>(), out_len});
   });
   return {keys_out, values_out, sums_out, counts_out};
+}
+
+// In place through copies: the kernels gather the survivors into new tensors, which are copied back over the rows'
+// first T - evictions slots (the rows of one (batch, kv head) are independent, but a row's survivors move left over
+// slots other threads still read).
+void weightedkv_evict_cuda(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums,
+                           const at::Tensor& counts, int64_t sinks, int64_t recent, int64_t evictions,
+                           bool merge_values) {
+  const WeightedKVEvictShape shape = check_weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions);
+  if (shape.evictions == 0 || shape.rows() == 0) return;
+  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+  const auto [keys_out, values_out, sums_out, counts_out] =
+      evicted_copies(keys, values, sums, counts, shape, merge_values);
+  const int64_t out_len = shape.out_len();
+  keys.narrow(2, 0, out_len).copy_(keys_out);
+  values.narrow(2, 0, out_len).copy_(values_out);
+  sums.narrow(2, 0, out_len).copy_(sums_out);
+  counts.narrow(2, 0, out_len).copy_(counts_out);
 }
 
 }  // namespace

@@ -75,7 +75,9 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
         size, sinks, recent = self.regions(length)
         state = LayerState(log_weights, {"sums": sums, "counts": counts},
                            {"size": size, "sinks": sinks, "recent": recent, "group_size": group_size})
-        return self._fit_size(keys, values, state)
+        keys, values, state = self._fit_size(keys, values, state)
+        # The survivors get their own storage: the prompt's T slots are freed now, not at the first decoding step.
+        return keys.clone(), values.clone(), state
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
@@ -90,8 +92,10 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
         size, sinks, recent = (state.counters[name] for name in ("size", "sinks", "recent"))
         evictions = max(0, keys.shape[-2] - size)
         if evictions:
-            keys, values, sums, counts = ops.weightedkv_evict(keys, values, state.per_slot["sums"],
-                                                              state.per_slot["counts"], sinks, recent, evictions,
+            # In place: on a PagedKVCache, keys and values are its view over the block pools, updated where they lie.
+            keys, values = ops.contiguous_rows(keys), ops.contiguous_rows(values)
+            sums, counts = ops.contiguous_rows(state.per_slot["sums"]), ops.contiguous_rows(state.per_slot["counts"])
+            keys, values, sums, counts = ops.weightedkv_evict(keys, values, sums, counts, sinks, recent, evictions,
                                                               not self.evict_only)
             state.per_slot = {"sums": sums, "counts": counts}
         state.log_weights = torch.zeros_like(state.per_slot["sums"])

@@ -193,14 +193,17 @@ TEST(FoldRun, PaperStepFive) {
 
 using EvictResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// The op updates its arguments in place; the result is their first T - evictions slots.
 EvictResult call_weightedkv_evict(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& sums,
                                   const at::Tensor& counts, int64_t sinks, int64_t recent, int64_t evictions) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvcomp::weightedkv_evict", "")
-          .typed<EvictResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                             int64_t, int64_t, bool)>();
-  return op.call(keys, values, sums, counts, sinks, recent, evictions, /*merge_values=*/true);
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                      int64_t, bool)>();
+  op.call(keys, values, sums, counts, sinks, recent, evictions, /*merge_values=*/true);
+  const int64_t kept = keys.size(2) - evictions;
+  return {keys.narrow(2, 0, kept), values.narrow(2, 0, kept), sums.narrow(2, 0, kept), counts.narrow(2, 0, kept)};
 }
 
 TEST(WeightedKVEvictOp, CpuKernelIsRegistered) {
@@ -223,10 +226,10 @@ TEST(WeightedKVEvictOp, OneStepByHand) {
 }
 
 TEST(WeightedKVEvictOp, ErrorNamesTheOpAndTheValues) {
-  const auto keys = at::zeros({1, 2, 6, 4});
-  const auto sums = at::ones({1, 2, 6});
+  const auto keys = at::zeros({1, 2, 6, 4}), values = at::zeros({1, 2, 6, 4});
+  const auto sums = at::ones({1, 2, 6}), counts = at::ones({1, 2, 6});
   try {
-    call_weightedkv_evict(keys, keys, sums, sums, 2, 3, 2);
+    call_weightedkv_evict(keys, values, sums, counts, 2, 3, 2);
     FAIL() << "2 evictions from 1 middle slot were accepted";
   } catch (const c10::Error& e) {
     const std::string message = e.what_without_backtrace();

@@ -1,4 +1,4 @@
-// Validation and output shape of the weightedkv family, called first by the CPU and the CUDA kernel alike.
+// Validation and shape of the weightedkv family, called first by the CPU and the CUDA kernel alike.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +47,11 @@ inline WeightedKVEvictShape check_weightedkv_evict(const at::Tensor& keys, const
   check_size(op, "counts", counts, 0, shape.batch, "batch of keys");
   check_size(op, "counts", counts, 1, shape.kv_heads, "kv heads of keys");
   check_size(op, "counts", counts, 2, shape.len, "slots of keys");
+  check_contiguous_rows(op, "keys", keys);
+  check_contiguous_rows(op, "values", values);
+  check_contiguous_rows(op, "sums", sums);
+  check_contiguous_rows(op, "counts", counts);
+  check_inplace_arguments(op, {{"keys", &keys}, {"values", &values}, {"sums", &sums}, {"counts", &counts}});
   // Slots are indexed with 32 bits on the GPU (and in the argmin key).
   TORCH_CHECK(shape.len <= std::numeric_limits<int32_t>::max(), op, ": expected at most 2^31 - 1 slots, got T = ",
               shape.len);
