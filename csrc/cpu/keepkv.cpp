@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -379,7 +380,6 @@ void decode_step_one_row(scalar_t* keys, scalar_t* values, const scalar_t* queri
   w.group_factors.resize(group);
   w.log_mean.resize(slots);
   w.sums.resize(slots);
-  std::fill(w.log_ema.begin(), w.log_ema.end(), -kernels::infinity());  // the fold of the new queries, first
   const float log_group = logf(static_cast<float>(group));
   for (int64_t j = 0; j < new_tokens; ++j) {
     const float* normalisers = w.log_normalisers.data() + j;  // stride new_tokens over g
@@ -414,6 +414,10 @@ void decode_step_one_row(scalar_t* keys, scalar_t* values, const scalar_t* queri
       w.log_mean[t] = (high == -kernels::infinity() || high == kernels::infinity())
                           ? high
                           : high + logf(total) - log_group - log_weights[t] + weight;
+    }
+    if (j == 0) {  // the fold of the new queries starts as the first one's term (ln(0 + e^x) = x, exactly)
+      w.log_ema.swap(w.log_mean);
+      continue;
     }
     for (int64_t t = 0; t < slots; t += FloatVec::size()) {
       const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
@@ -486,13 +490,18 @@ void decode_step_one_row(scalar_t* keys, scalar_t* values, const scalar_t* queri
               w.log_estimate.data(), w.targets.data(), slots, head_dim, scalars.convex, row, kv_heads, keys, values,
               w.merged_votes.data(), w.pairs, w.acc);
   w.destination.assign(slots, -1);
+  for (int64_t r = 0; r < kept;) {  // one move per run of consecutive retained slots
+    int64_t run = 1;
+    while (r + run < kept && w.retained[r + run] == w.retained[r] + run) ++run;
+    if (w.retained[r] != r) {
+      std::memmove(keys + r * head_dim, keys + w.retained[r] * head_dim, run * head_dim * sizeof(scalar_t));
+      std::memmove(values + r * head_dim, values + w.retained[r] * head_dim, run * head_dim * sizeof(scalar_t));
+    }
+    r += run;
+  }
   for (int64_t r = 0; r < kept; ++r) {
     const int64_t c = w.retained[r];
     w.destination[c] = r;
-    if (c != r) {
-      std::copy_n(keys + c * head_dim, head_dim, keys + r * head_dim);
-      std::copy_n(values + c * head_dim, head_dim, values + r * head_dim);
-    }
     out_votes[r] = w.merged_votes[c];
     out_age[r] = w.age[c];
     out_log_ema[r] = w.votes[c] <= 0.0f ? -kernels::infinity() : w.log_ema[c];
