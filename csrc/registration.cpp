@@ -71,12 +71,13 @@ TORCH_LIBRARY(kvcomp, m) {
   // tokens start at -inf, 0, 1). If T > budget, the T - budget slots of lowest ln ŝ = ln S - ln(1 - β^age) (ties to
   // the lower slot; not the first `sinks` nor the last `recent`) are evicted, each ZIP-merged (as keepkv_zip_merge,
   // fed ln ŝ) into its most similar retained slot (as keepkv_match) or dropped; a merged slot takes its set's
-  // vote-weighted mean ŝ and oldest age. -> keys, values (B, H, min(T, budget), d), log_ema, age, votes,
-  // log_weights = ln votes (B, H, min(T, budget)) float32 of the retained slots in order, and dropped (B, H): the votes
-  // of the slots dropped without merge.
-  m.def("keepkv_decode_step(Tensor keys, Tensor values, Tensor queries, Tensor probabilities, Tensor log_weights, "
-        "Tensor log_ema, Tensor age, Tensor votes, float scale, float ema_decay, int budget, int sinks, int recent, "
-        "float threshold, bool convex) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // vote-weighted mean ŝ and oldest age. keys and values are updated in place (contiguous (batch, kv head) rows in
+  // order, at any stride: a paged cache's view over its block pools): their first min(T, budget) slots become the
+  // retained slots in order, merged. -> log_ema, age, votes, log_weights = ln votes (B, H, min(T, budget)) float32 of
+  // those slots, and dropped (B, H): the votes of the slots dropped without merge.
+  m.def("keepkv_decode_step(Tensor(a!) keys, Tensor(b!) values, Tensor queries, Tensor probabilities, "
+        "Tensor log_weights, Tensor log_ema, Tensor age, Tensor votes, float scale, float ema_decay, int budget, "
+        "int sinks, int recent, float threshold, bool convex) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // gvote family (prefill only). Nucleus budget of the last prompt query: probs (B, Hq, T) float32 -> (B, Hq) int64,
   // the smallest k >= 1 with (sum of the k largest) >= p * (row sum), NaN and negative entries counting as 0 mass.
@@ -124,10 +125,11 @@ TORCH_LIBRARY(kvcomp, m) {
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
 // "derivative for kvcomp::<op> is not implemented" when backward reaches it (instead of torch's default warning and
-// silently wrong gradients). The in-place weightedkv_evict and zsmerge_decode_step are not listed: they refuse inputs that require grad.
+// silently wrong gradients). The in-place weightedkv_evict, zsmerge_decode_step and keepkv_decode_step are not
+// listed: they refuse inputs that require grad.
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "zsmerge_prefill",
-                         "keepkv_match", "keepkv_zip_merge", "keepkv_decode_step", "nucleus_budget", "averaged_rope", "gvote_union_mask",
+                         "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
                          "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
                          "paged_decode_attention", "prompt_attention_with_scores",
                          "prompt_log_unnormalised_scores"}) {

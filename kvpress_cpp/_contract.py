@@ -362,7 +362,8 @@ _declare(Contract(
 
 _declare(Contract(
     "keepkv_decode_step",
-    [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d", "keys"), Tensor("queries", "B Hq q d", "keys"),
+    [Tensor("keys", "B H T d", CACHE_DTYPES, inplace=True, strided_rows=True),
+     Tensor("values", "B H T d", "keys", inplace=True, strided_rows=True), Tensor("queries", "B Hq q d", "keys"),
      Tensor("probabilities", "B Hq q T", F32), Tensor("log_weights", "B H T", F32), Tensor("log_ema", "B H S", F32),
      Tensor("age", "B H S", F32), Tensor("votes", "B H S", F32), Scalar("scale"), Scalar("ema_decay"),
      Scalar("budget"), Scalar("sinks"), Scalar("recent"), Scalar("threshold"), Scalar("convex")],
@@ -383,8 +384,7 @@ _declare(Contract(
         Rule(lambda v: -1.0 <= v["threshold"] <= 1.0,
              lambda v: f"expected threshold in [-1, 1], got {v['threshold']}"),
     ],
-    outputs=lambda v: [((v["B"], v["H"], min(v["T"], v["budget"]), v["d"]), "keys")] * 2
-    + [((v["B"], v["H"], min(v["T"], v["budget"])), F32)] * 4 + [((v["B"], v["H"]), F32)],
+    outputs=lambda v: [((v["B"], v["H"], min(v["T"], v["budget"])), F32)] * 4 + [((v["B"], v["H"]), F32)],
 ))
 
 _declare(Contract(

@@ -291,7 +291,7 @@ def keepkv_decode_step(
     convex: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One KeepKV decoding step of a layer whose last q slots are the new tokens: EMA update, eviction, ZIP merge and
-    packing in one call (no ATen launch per part).
+    packing in one call (no ATen launch per part), keys and values updated in place.
 
     1. The logits ℓ = q·k·scale of every (query head, new token, slot) come from the attention's probabilities:
        ``ℓ = ln p - b + LSE``, the row's LSE from its slot of largest p (one dot product per row); ℓ = -inf where
@@ -304,7 +304,9 @@ def keepkv_decode_step(
        dropped. A merged slot's ŝ is its set's vote-weighted mean Σ p ŝ / Σ p and its age the oldest member's.
 
     Args:
-        keys, values: (B, H, T, d) float32, float16 or bfloat16, the new tokens last.
+        keys, values: (B, H, T, d) float32, float16 or bfloat16, the new tokens last, with contiguous (batch, kv head)
+            rows in order at any stride (:func:`contiguous_rows`: a paged cache's view is updated in its blocks);
+            updated in place, their first T' slots becoming the retained slots.
         queries: (B, Hq, q, d) post-RoPE queries of the new tokens (dtype of keys), Hq a multiple of H.
         probabilities: (B, Hq, q, T) float32, the attention's softmax of ``ℓ + b`` (``decode_attention``).
         log_weights: (B, H, T) float32 bias b that attention added.
@@ -314,12 +316,14 @@ def keepkv_decode_step(
         convex: the convex key for every merge (the authors' released code).
 
     Returns:
-        keys, values (B, H, T', d) and log_ema, age, votes, log_weights = ln votes (B, H, T') float32 of the retained
-        slots in order, T' = min(T, budget), and dropped (B, H) float32: the votes of the slots dropped this step.
-        New tensors.
+        keys, values: views of the inputs' first T' = min(T, budget) slots (the retained slots in order, merged);
+        log_ema, age, votes, log_weights = ln votes (B, H, T') float32 of those slots (new tensors), and dropped
+        (B, H) float32: the votes of the slots dropped this step.
     """
-    return torch.ops.kvcomp.keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes,
-                                                scale, ema_decay, budget, sinks, recent, threshold, convex)
+    state = torch.ops.kvcomp.keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes,
+                                                 scale, ema_decay, budget, sinks, recent, threshold, convex)
+    kept = state[0].shape[-1]
+    return (keys[..., :kept, :], values[..., :kept, :], *state)
 
 
 def nucleus_budget(probs: torch.Tensor, p: float = 0.95) -> torch.Tensor:

@@ -308,6 +308,11 @@ def _keepkv_step_sizes(r, o):
     return s
 
 
+def _keepkv_step_run(args):
+    """The in-place step on copies of keys and values: their retained slots, then the per-slot outputs."""
+    return ops.keepkv_decode_step(args[0].clone(), args[1].clone(), *args[2:])
+
+
 def _keepkv_step_build(r, s, dtype):
     """A layer after a pass of q new tokens: probabilities are the causal softmax of q·k·scale + b (float64), as the
     attention gives them; old slots with random EMA, ages >= 1, votes and b (some -inf: slots no query sees)."""
@@ -464,7 +469,7 @@ FUZZ: dict[str, OpFuzz] = {
                                else (1e-3, 1e-3), bad_values=_keepkv_zip_bad),
     "keepkv_decode_step": OpFuzz(_keepkv_step_sizes, _keepkv_step_build, reference.keepkv_decode_step,
                                  tolerance=lambda dtype: _low_precision(dtype, 3e-2) if dtype != torch.float32
-                                 else (1e-3, 1e-3),
+                                 else (1e-3, 1e-3), run=_keepkv_step_run,
                                  nonfinite_unchecked="NaN / inf keys, queries or probabilities: the logits the op "
                                  "recovers from the probabilities are specified for a finite softmax only"),
     "nucleus_budget": OpFuzz(_nucleus_sizes, _nucleus_build, reference.nucleus_budget),

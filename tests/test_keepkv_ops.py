@@ -609,18 +609,39 @@ def test_empty_batch(device):
 @pytest.mark.parametrize("seed", range(4))
 def test_decode_step_reads_strided_rows_where_they_lie(seed):
     """keys, values and the per-slot tensors in rows at their own strides inside larger buffers (a PagedKVCache's view
-    over its block pools, read without a copy on CPU) give the result of the same inputs laid out contiguously,
-    which the fuzz test compares with the float64 reference."""
+    over its block pools: keys and values updated there, the others read without a copy on CPU) give the result of
+    the same inputs laid out contiguously, which the fuzz test compares with the float64 reference; nothing outside
+    the rows is written."""
     import random
 
-    from tests.layouts import in_strided_rows
+    from tests.layouts import in_strided_rows, outside
     from tests.test_fuzz_ops import _keepkv_step_build, _keepkv_step_sizes
 
     r = random.Random(f"strided-rows:{seed}")
     args = _keepkv_step_build(r, _keepkv_step_sizes(r, {"S": 12, "q": 1 + seed % 2, "H": 2, "Hq": 4}), torch.float32)
-    strided = list(args)
+    strided, buffers = list(args), {}
     for index in (0, 1, 4, 5, 6, 7):  # keys, values, log_weights, log_ema, age, votes
-        strided[index] = in_strided_rows(args[index])[1]
+        buffers[index], strided[index] = in_strided_rows(args[index])
         assert not strided[index].is_contiguous()
     for got, expected in zip(ops.keepkv_decode_step(*strided), ops.keepkv_decode_step(*args)):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    for index, buffer in buffers.items():
+        assert bool((outside(buffer, strided[index]) == 7.0).all())
+
+
+@pytest.mark.parametrize("index, name", [(2, "queries"), (3, "probabilities"), (4, "log_weights"), (5, "log_ema"),
+                                         (6, "age"), (7, "votes")])
+def test_decode_step_refuses_read_inputs_that_require_grad(index, name):
+    """The step updates keys and values in place and has no backward: an input that requires grad is refused by name
+    (its gradient would otherwise be silently lost), before anything is written."""
+    import random
+
+    from tests.test_fuzz_ops import _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random("requires-grad")
+    args = list(_keepkv_step_build(r, _keepkv_step_sizes(r, {"S": 12, "q": 1}), torch.float32))
+    keys = args[0].clone()
+    args[index] = args[index].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=f"kvcomp::keepkv_decode_step: expected {name} not to require grad"):
+        ops.keepkv_decode_step(*args)
+    torch.testing.assert_close(args[0], keys, rtol=0, atol=0)

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -307,8 +308,8 @@ struct StepScalars {
 
 // Per-thread buffers of one row's step.
 struct StepScratch {
-  std::vector<float> log_normalisers, group_factors, log_mean, sums, log_ema, age, votes, log_estimate, eviction_key,
-      scratch, acc;
+  std::vector<float> log_normalisers, group_factors, log_mean, sums, log_ema, age, votes, merged_votes, log_estimate,
+      eviction_key, scratch, acc;
   std::vector<int64_t> order, targets, evicted, retained, destination;
   std::vector<std::pair<int64_t, int64_t>> pairs;
   std::unique_ptr<bool[]> keep;
@@ -356,13 +357,13 @@ void log_normalisers_of_row(const scalar_t* keys, const scalar_t* queries, const
   }
 }
 
+// keys and values are updated in place: their first min(T, budget) slots become the retained ones, merged.
 template <typename scalar_t>
-void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const scalar_t* queries,
+void decode_step_one_row(scalar_t* keys, scalar_t* values, const scalar_t* queries,
                          const float* probabilities, const float* log_weights, const float* log_ema_in,
                          const float* age_in, const float* votes_in, int64_t group, int64_t new_tokens,
                          int64_t slots, int64_t head_dim, int64_t query_head_stride, const StepScalars& scalars,
-                         int64_t row, int64_t kv_heads, scalar_t* out_keys, scalar_t* out_values,
-                         float* out_log_ema, float* out_age, float* out_votes, float* out_log_weights,
+                         int64_t row, int64_t kv_heads, float* out_log_ema, float* out_age, float* out_votes, float* out_log_weights,
                          float* out_dropped, StepScratch& w) {
   const int64_t old_slots = slots - new_tokens;
   // EMA fold of the q queries in order (query j weighted (1-β) β^(q-1-j)), each slot's age grown by the queries that
@@ -379,7 +380,6 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
   w.group_factors.resize(group);
   w.log_mean.resize(slots);
   w.sums.resize(slots);
-  std::fill(w.log_ema.begin(), w.log_ema.end(), -kernels::infinity());  // the fold of the new queries, first
   const float log_group = logf(static_cast<float>(group));
   for (int64_t j = 0; j < new_tokens; ++j) {
     const float* normalisers = w.log_normalisers.data() + j;  // stride new_tokens over g
@@ -415,6 +415,10 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
                           ? high
                           : high + logf(total) - log_group - log_weights[t] + weight;
     }
+    if (j == 0) {  // the fold of the new queries starts as the first one's term (ln(0 + e^x) = x, exactly)
+      w.log_ema.swap(w.log_mean);
+      continue;
+    }
     for (int64_t t = 0; t < slots; t += FloatVec::size()) {
       const int64_t lanes = std::min<int64_t>(FloatVec::size(), slots - t);
       log_add_exp(FloatVec::loadu(w.log_ema.data() + t, lanes), FloatVec::loadu(w.log_mean.data() + t, lanes))
@@ -435,9 +439,7 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
     w.votes[t] = is_old ? votes_in[t] : 1.0f;
   }
   const int64_t kept = std::min(slots, scalars.budget);
-  if (kept == slots) {  // room left: nothing evicted
-    std::copy_n(keys, slots * head_dim, out_keys);
-    std::copy_n(values, slots * head_dim, out_values);
+  if (kept == slots) {  // room left: nothing evicted, keys and values stay as they are
     std::copy_n(w.log_ema.data(), slots, out_log_ema);
     std::copy_n(w.age.data(), slots, out_age);
     std::copy_n(w.votes.data(), slots, out_votes);
@@ -475,23 +477,35 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
   // packed in order: output row r holds the r-th retained slot, merged with its set.
   w.targets.resize(slots);
   match_one_row(keys, w.keep.get(), slots, head_dim, scalars.threshold, w.targets.data(), w.evicted, w.retained, w.scratch);
-  w.destination.assign(slots, -1);
   float dropped = 0.0f;
   for (int64_t t = 0; t < slots; ++t) {
     if (w.targets[t] == kernels::kKeepKVEvictedNoMerge) dropped += w.votes[t];
   }
   *out_dropped = dropped;
+  // Merged keys and values land on their retained slot first (a set reads only its own members, and no retained slot
+  // is a member), then the retained slots move down in order: slot retained[r] >= r, so no move overwrites a slot
+  // still to be read.
+  w.merged_votes = w.votes;
+  zip_one_row(static_cast<const scalar_t*>(keys), static_cast<const scalar_t*>(values), w.votes.data(),
+              w.log_estimate.data(), w.targets.data(), slots, head_dim, scalars.convex, row, kv_heads, keys, values,
+              w.merged_votes.data(), w.pairs, w.acc);
+  w.destination.assign(slots, -1);
+  for (int64_t r = 0; r < kept;) {  // one move per run of consecutive retained slots
+    int64_t run = 1;
+    while (r + run < kept && w.retained[r + run] == w.retained[r] + run) ++run;
+    if (w.retained[r] != r) {
+      std::memmove(keys + r * head_dim, keys + w.retained[r] * head_dim, run * head_dim * sizeof(scalar_t));
+      std::memmove(values + r * head_dim, values + w.retained[r] * head_dim, run * head_dim * sizeof(scalar_t));
+    }
+    r += run;
+  }
   for (int64_t r = 0; r < kept; ++r) {
     const int64_t c = w.retained[r];
     w.destination[c] = r;
-    std::copy_n(keys + c * head_dim, head_dim, out_keys + r * head_dim);
-    std::copy_n(values + c * head_dim, head_dim, out_values + r * head_dim);
-    out_votes[r] = w.votes[c];
+    out_votes[r] = w.merged_votes[c];
     out_age[r] = w.age[c];
     out_log_ema[r] = w.votes[c] <= 0.0f ? -kernels::infinity() : w.log_ema[c];
   }
-  zip_one_row(keys, values, w.votes.data(), w.log_estimate.data(), w.targets.data(), slots, head_dim, scalars.convex, row,
-              kv_heads, out_keys, out_values, out_votes, w.pairs, w.acc, w.destination.data());
   // A merged set's ŝ is its vote-weighted mean Σ p ŝ / Σ p (what eq. 7's key scores, theorem 3), its age the oldest
   // member's; ln S is recovered from ŝ with that age. w.pairs holds the (target, member) pairs grouped by target.
   for (size_t begin = 0; begin < w.pairs.size();) {
@@ -518,8 +532,8 @@ void decode_step_one_row(const scalar_t* keys, const scalar_t* values, const sca
   log_votes(out_votes, kept, out_log_weights);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cpu(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cpu(
+    at::Tensor& keys, at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
     const at::Tensor& log_weights, const at::Tensor& log_ema, const at::Tensor& age, const at::Tensor& votes,
     double scale, double ema_decay, int64_t budget, int64_t sinks, int64_t recent, double threshold, bool convex) {
   const KeepKVStepShape shape = check_keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema,
@@ -527,16 +541,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                                          threshold);
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t head_dim = shape.cache.head_dim, kept = shape.kept, group = shape.group, q = shape.queries;
-  // The (B, H, ...) rows are read where they lie when contiguous (a paged cache's view over its block pools).
-  const at::Tensor keys_c = with_contiguous_rows(keys), values_c = with_contiguous_rows(values);
+  // The (B, H, ...) rows are read (and keys, values updated) where they lie (a paged cache's view over its pools).
   const at::Tensor queries_c = queries.contiguous(), probabilities_c = probabilities.contiguous();
   const at::Tensor log_weights_c = with_contiguous_rows(log_weights), log_ema_c = with_contiguous_rows(log_ema);
   const at::Tensor age_c = with_contiguous_rows(age), votes_c = with_contiguous_rows(votes);
-  const kernels::RowStrides key_rows = row_strides(keys_c), value_rows = row_strides(values_c);
+  const kernels::RowStrides key_rows = row_strides(keys), value_rows = row_strides(values);
   const kernels::RowStrides log_weight_rows = row_strides(log_weights_c), log_ema_rows = row_strides(log_ema_c);
   const kernels::RowStrides age_rows = row_strides(age_c), vote_rows = row_strides(votes_c);
-  at::Tensor out_keys = at::empty({batch, kv_heads, kept, head_dim}, keys.options());
-  at::Tensor out_values = at::empty({batch, kv_heads, kept, head_dim}, keys.options());
   const auto per_slot = log_ema.options();
   at::Tensor out_log_ema = at::empty({batch, kv_heads, kept}, per_slot);
   at::Tensor out_age = at::empty({batch, kv_heads, kept}, per_slot);
@@ -547,8 +558,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                             static_cast<float>(std::log1p(-ema_decay)), budget, sinks, recent,
                             static_cast<float>(threshold), convex};
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_decode_step", [&] {
-    const scalar_t* keys_ptr = keys_c.const_data_ptr<scalar_t>();
-    const scalar_t* values_ptr = values_c.const_data_ptr<scalar_t>();
+    scalar_t* keys_ptr = keys.mutable_data_ptr<scalar_t>();
+    scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
     const scalar_t* queries_ptr = queries_c.const_data_ptr<scalar_t>();
     const float* probabilities_ptr = probabilities_c.const_data_ptr<float>();
     at::parallel_for(0, batch * kv_heads, grain_for(slots * (head_dim + group * q)), [&](int64_t begin, int64_t end) {
@@ -564,8 +575,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                             age_c.const_data_ptr<float>() + age_rows.offset(row),
                             votes_c.const_data_ptr<float>() + vote_rows.offset(row), group, q, slots, head_dim,
                             q * head_dim, scalars, row, kv_heads,
-                            out_keys.mutable_data_ptr<scalar_t>() + row * kept * head_dim,
-                            out_values.mutable_data_ptr<scalar_t>() + row * kept * head_dim,
                             out_log_ema.mutable_data_ptr<float>() + row * kept,
                             out_age.mutable_data_ptr<float>() + row * kept,
                             out_votes.mutable_data_ptr<float>() + row * kept,
@@ -574,7 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       }
     });
   });
-  return {out_keys, out_values, out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+  return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
 }
 
 }  // namespace

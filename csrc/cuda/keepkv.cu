@@ -384,8 +384,8 @@ at::Tensor log_one_minus_exp(const at::Tensor& x) {  // kernels::log_one_minus_e
   return at::where(x > -0.69314718, (-x.expm1()).log(), (-x.exp()).log1p());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cuda(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_decode_step_cuda(
+    at::Tensor& keys, at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
     const at::Tensor& log_weights, const at::Tensor& log_ema, const at::Tensor& age, const at::Tensor& votes,
     double scale, double ema_decay, int64_t budget, int64_t sinks, int64_t recent, double threshold, bool convex) {
   const KeepKVStepShape shape = check_keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema,
@@ -415,9 +415,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor seen = (slots - at::arange(slots, log_ema.options())).clamp_max(static_cast<double>(q));
   const at::Tensor new_age = at::constant_pad_nd(age, {0, q}, 0.0) + seen;
   const at::Tensor new_votes = at::constant_pad_nd(votes, {0, q}, 1.0);
-  if (kept == slots) {  // room left: nothing evicted
-    return {keys.clone(at::MemoryFormat::Contiguous), values.clone(at::MemoryFormat::Contiguous), new_log_ema,
-            new_age, new_votes, new_votes.log(), at::zeros({batch, kv_heads}, log_ema.options())};
+  if (kept == slots) {  // room left: nothing evicted, keys and values stay as they are
+    return {new_log_ema, new_age, new_votes, new_votes.log(), at::zeros({batch, kv_heads}, log_ema.options())};
   }
   // Evict the T - M slots of lowest ln ŝ (ties to the lower slot: a stable sort) among neither sinks nor recent.
   const at::Tensor log_estimate = new_log_ema - log_one_minus_exp(new_age * log_decay);
@@ -444,13 +443,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor set_sizes = at::zeros_like(weighted).scatter_add(-1, owner, at::ones_like(weighted));
   const at::Tensor out_log_ema = at::where(set_sizes > 1, merged_log_ema, new_log_ema)
                                      .masked_fill(merged_votes <= 0, -inf);
-  // Pack the retained slots of every row in order.
+  // Pack the retained slots of every row in order, into the first `kept` slots of keys and values (gathered first:
+  // the packing reads slots it also overwrites).
   const at::Tensor order = keepkv_partition(keep.reshape({batch * kv_heads, slots}), /*evicted_first=*/false)
                                .narrow(1, 0, kept).reshape({batch, kv_heads, kept});
   const at::Tensor rows = order.unsqueeze(-1).expand({batch, kv_heads, kept, head_dim});
   const at::Tensor out_votes = merged_votes.gather(-1, order);
-  return {merged_keys.gather(2, rows), merged_values.gather(2, rows), out_log_ema.gather(-1, order),
-          merged_age.gather(-1, order), out_votes, out_votes.log(), dropped};
+  keys.narrow(2, 0, kept).copy_(merged_keys.gather(2, rows));
+  values.narrow(2, 0, kept).copy_(merged_values.gather(2, rows));
+  return {out_log_ema.gather(-1, order), merged_age.gather(-1, order), out_votes, out_votes.log(), dropped};
 }
 
 }  // namespace

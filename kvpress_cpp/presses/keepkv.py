@@ -143,7 +143,9 @@ class KeepKVPress(KVCompDecodingPress):
         if queries is None or queries.shape[0] != keys.shape[0]:  # a padded batch's row (RowStates): its own queries
             queries = query_states(module, hidden_states, kwargs)
         # One op folds the new queries into every slot's EMA (their logits recovered from the attention's
-        # probabilities, not recomputed over the keys) and, past the budget, evicts, merges and packs the layer.
+        # probabilities, not recomputed over the keys) and, past the budget, evicts, merges and packs the layer in
+        # place: a paged cache's view is updated in its blocks, and its write-back finds the slots there.
+        keys, values = ops.contiguous_rows(keys), ops.contiguous_rows(values)
         keys, values, log_ema, age, votes, state.log_weights, dropped = ops.keepkv_decode_step(
             keys, values, queries, attentions, log_weights,
             state.per_slot["log_ema"], state.per_slot["age"], state.per_slot["votes"], module.scaling,
