@@ -20,7 +20,7 @@ import pytest
 
 from kvpress_cpp.evaluation import launch, results
 from kvpress_cpp.evaluation.registry import METHODS, evaluation_press
-from kvpress_cpp.evaluation.ruler_data import DEPTHS, LENGTH_TOLERANCE, TASKS, generate, write_dataset
+from kvpress_cpp.evaluation.ruler_data import DEPTHS, LENGTH_TOLERANCE, TASKS, _austen_characters, generate, write_dataset
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from tests.generation import greedy, prompt_ids
 from tests.models import make_tiny_llama, make_tokenizer
@@ -103,6 +103,30 @@ def test_common_words_answers_are_the_most_frequent(examples):
         top = {w for w, _ in counts[:10]}
         assert top == set(row["answer"])
         assert counts[9][1] > counts[10][1]  # no tie at the cut
+
+
+def test_facts_answer_is_where_the_asked_person_lives_and_nothing_else_names_them(examples):
+    rows = examples[examples["task"] == "facts"]
+    assert len(rows)
+    for _, row in rows.iterrows():
+        facts = dict(re.findall(r"\b([A-Z][a-z]+) lives in ([A-Z][a-z]+)\.", row["context"]))
+        assert len(facts) == 4 and len(set(facts.values())) == 4
+        asked = re.search(r"Where does ([A-Z][a-z]+) live", row["question"]).group(1)
+        assert row["answer"] == [facts[asked]]
+        for name in [*facts, *facts.values()]:  # the passage itself never names the people or places of the facts
+            assert len(re.findall(rf"\b{name}\b", row["context"])) == 1, name
+        assert row["answer_prefix"].endswith(f"{asked} lives in")
+
+
+def test_characters_answer_is_the_two_people_the_passage_names_most(examples):
+    rows = examples[examples["task"] == "characters"]
+    assert len(rows)
+    for _, row in rows.iterrows():
+        names = Counter(w for w in re.findall(r"\b[A-Z][a-z]+\b", row["context"]) if w in _austen_characters())
+        first, second = row["answer"]
+        others = [n for w, n in names.items() if w not in row["answer"]]
+        assert names[first] >= names[second] >= 3
+        assert all(n < names[second] for n in others)
 
 
 def test_an_example_is_the_same_in_any_range_of_indices(tokenizer):

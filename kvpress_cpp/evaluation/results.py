@@ -74,10 +74,10 @@ DEFAULT_EXAMPLES = {
     2048: {"niah_single_1": 1, "niah_multikey_1": 1, "vt": 1, **{f"niah_depth_{d}": 1 for d in (0, 50, 100)}},
     4096: {"niah_depth_50": 1},
 }
-FAMILIES = ("niah", "niah_depth", "vt", "cwe")
+FAMILIES = ("niah", "niah_depth", "vt", "cwe", "facts", "characters")
 #: The tasks a per-family configuration (``--families``) runs; its examples are split evenly over them.
 FAMILY_TASKS = {"niah": ("niah_single_1", "niah_multikey_1"), "niah_depth": tuple(f"niah_depth_{d}" for d in (0, 50, 100)),
-                "vt": ("vt",), "cwe": ("cwe",)}
+                "vt": ("vt",), "cwe": ("cwe",), "facts": ("facts",), "characters": ("characters",)}
 #: Where the question-aware run writes (its own folder: the two settings never share a configuration JSON).
 QUESTION_AWARE_OUT = DEFAULT_OUT / "question_aware"
 

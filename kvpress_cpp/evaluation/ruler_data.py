@@ -18,6 +18,12 @@ noise sentences, the key words come from Austen's vocabulary):
   noise sentences; the answer is every variable holding the value.
 * ``cwe``: common-words extraction: a numbered list of Austen words in which ten appear many times and the others
   at most three times; the answer is the ten frequent words.
+* ``facts``: multi-fact QA on real text: four statements "<person> lives in <place>." with Austen's people and
+  places, between the sentences of an Austen passage that names none of them; one person is asked for.
+* ``characters``: who an unchanged Austen passage is about: "Who are the main characters ... and what happens to
+  them?", answered freely; the reference is the two people the passage names most (fraction named), and the
+  answer's agreement with the full cache's (ROUGE-L, :func:`kvpress_cpp.evaluation.results.agreement`) measures
+  the rest.
 * ``niah_depth_<d>``: the needle-in-a-haystack depth sweep: ``niah_single_2`` with the needle at depth d% of the
   Austen haystack (d in :data:`DEPTHS`).
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import calendar
 import functools
 import random
 import re
@@ -58,7 +65,19 @@ _VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in th
 _CWE_INTRO = ("Below is a numbered list of words. In these words, some appear more often than others. "
               "Memorize the ones that appear most often.\n")
 
-MAX_NEW_TOKENS = {"niah": 16, "niah_multivalue": 48, "vt": 30, "cwe": 48}
+_FACTS_INTRO = "Read the following passage from a novel carefully. I will ask you about some facts in it afterwards.\n"
+_CHARACTERS_INTRO = "Read the following passage from a novel carefully. I will ask you about it afterwards.\n"
+#: Places of Austen's novels: capitalised words never written in lowercase that are not people (checked by hand
+#: against every such word seen 40 times or more).
+_AUSTEN_PLACES = frozenset(
+    "London Mansfield Hartfield Highbury Randalls Barton Longbourn Uppercross Netherfield Kellynch Lyme Meryton "
+    "Sotherton Norland Pemberley Rosings Donwell Portsmouth Hertfordshire Bath Delaford Cleveland Northanger "
+    "Woodston Fullerton Brighton Kent Devonshire Derbyshire Surrey Oxford Combe Hunsford Everingham Enscombe Weymouth "
+    "Antigua".split())
+#: Neither people nor places one lives in: titles, and countries (too broad an answer to "where").
+_TITLES_AND_COUNTRIES = frozenset("Mrs Miss Lady Lord Colonel Captain Chapter England Ireland".split())
+
+MAX_NEW_TOKENS = {"niah": 16, "niah_multivalue": 48, "vt": 30, "cwe": 48, "facts": 24, "characters": 48}
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,6 +93,18 @@ def _austen_words() -> tuple[str, ...]:
     """Lowercase Austen words of 5-9 letters seen at least 20 times: the vocabulary of keys and of ``cwe``."""
     counts = Counter(re.findall(r"\b[a-z]{5,9}\b", " ".join(_austen_sentences())))
     return tuple(sorted(w for w, c in counts.items() if c >= 20))
+
+
+@functools.lru_cache(maxsize=1)
+def _austen_characters() -> frozenset[str]:
+    """Names of Austen's people: capitalised words seen at least 20 times, never in lowercase, not a title, a place,
+    a country, a month or a weekday, nor a plural."""
+    text = " ".join(_austen_sentences())
+    lower = set(re.findall(r"\b[a-z]{3,}\b", text))
+    counts = Counter(re.findall(r"\b[A-Z][a-z]{2,}\b", text))
+    not_names = _TITLES_AND_COUNTRIES | _AUSTEN_PLACES | set(calendar.month_name) | set(calendar.day_name)
+    names = {w for w, c in counts.items() if c >= 20 and w.lower() not in lower and w not in not_names}
+    return frozenset(w for w in names if w[:-1] not in names)  # not a family's plural (the Bertrams)
 
 
 class _Sentences:
@@ -237,6 +268,52 @@ def _cwe(rng, length, count, n_common: int = 10, rare_max: int = 3):
     return _fit(build, length, count)
 
 
+def _facts(rng, length, count, n_facts: int = 4, asked: int = 1):
+    """Multi-fact QA on real text: ``n_facts`` statements "<person> lives in <place>." about Austen's people and
+    places, placed between the sentences of an Austen passage that names neither; the question asks where ``asked``
+    of the people live, and the answer is their places (scored as the fraction found)."""
+    people, places = sorted(_austen_characters()), sorted(_AUSTEN_PLACES)
+    haystack_seed, depths, order = rng.random(), [rng.random() for _ in range(n_facts)], rng.random()
+
+    def build(tokens: int) -> dict:
+        haystack = _austen_haystack(random.Random(haystack_seed), tokens, count)
+        named = set(re.findall(r"\b[A-Z][a-z]+\b", " ".join(haystack.sentences)))
+        pick = random.Random(order)  # the same people and places at every refit of the length
+        who = pick.sample([p for p in people if p not in named], n_facts)
+        where = pick.sample([p for p in places if p not in named], n_facts)
+        facts = [f"{person} lives in {place}." for person, place in zip(who, where)]
+        question = (f"Question: Where do {' and '.join(who[:asked])} live, according to the passage above?" if asked > 1
+                    else f"Question: Where does {who[0]} live, according to the passage above?")
+        return {"context": _FACTS_INTRO + _insert(haystack, facts, depths) + "\n", "question": question,
+                "answer_prefix": f" Answer: {who[0]} lives in", "answer": where[:asked]}
+
+    return _fit(build, length, count)
+
+
+def _characters(rng, length, count, named: int = 2):
+    """Who the passage is about, on real text: an Austen passage, unchanged; the answer is the ``named`` people it
+    names most often (each at least three times, strictly more often than the next). A free answer that
+    summarises the passage: its agreement with the full cache's answer (ROUGE-L) is the measure beyond the names."""
+    characters = _austen_characters()
+    question = ("Question: Who are the main characters of the passage above, and what happens to them? "
+                "Answer in two or three sentences.")
+    for _ in range(100):  # passages until one has `named` clear protagonists
+        haystack_seed = rng.random()
+
+        def build(tokens: int) -> dict:
+            context = " ".join(_austen_haystack(random.Random(haystack_seed), tokens, count).sentences)
+            mentions = Counter(w for w in re.findall(r"\b[A-Z][a-z]{2,}\b", context) if w in characters)
+            ranked = mentions.most_common(named + 1) + [("", 0)]
+            clear = ranked[named - 1][1] >= 3 and ranked[named - 1][1] > ranked[named][1]
+            return {"context": _CHARACTERS_INTRO + context + "\n", "question": question, "answer_prefix": " Answer:",
+                    "answer": [w for w, _ in ranked[:named]] if clear else []}
+
+        row = _fit(build, length, count)
+        if row["answer"]:
+            return row
+    raise ValueError(f"characters: no {length}-token passage with {named} clear protagonists in 100 tries")
+
+
 #: task name → (builder(rng, length, count) → row, max_new_tokens)
 TASKS: dict[str, tuple[Callable, int]] = {
     "niah_single_1": (functools.partial(_niah, noise=True), MAX_NEW_TOKENS["niah"]),
@@ -245,6 +322,8 @@ TASKS: dict[str, tuple[Callable, int]] = {
     "niah_multivalue": (functools.partial(_niah, noise=False, n_values=4), MAX_NEW_TOKENS["niah_multivalue"]),
     "vt": (_vt, MAX_NEW_TOKENS["vt"]),
     "cwe": (_cwe, MAX_NEW_TOKENS["cwe"]),
+    "facts": (_facts, MAX_NEW_TOKENS["facts"]),
+    "characters": (_characters, MAX_NEW_TOKENS["characters"]),
     **{f"niah_depth_{d}": (functools.partial(_niah, noise=False, depth=d / 100), MAX_NEW_TOKENS["niah"])
        for d in DEPTHS},
 }
