@@ -268,10 +268,11 @@ def _cwe(rng, length, count, n_common: int = 10, rare_max: int = 3):
     return _fit(build, length, count)
 
 
-def _facts(rng, length, count, n_facts: int = 4, asked: int = 1):
+def _facts(rng, length, count, n_facts: int = 4):
     """Multi-fact QA on real text: ``n_facts`` statements "<person> lives in <place>." about Austen's people and
-    places, placed between the sentences of an Austen passage that names neither; the question asks where ``asked``
-    of the people live, and the answer is their places (scored as the fraction found)."""
+    places, placed between the sentences of an Austen passage that names none of them; the question asks where one
+    of the people lives (the others are distractors of the same form). Asking for two at once was tried: SmolLM2
+    answers the first and stops, 31% uncompressed on 8 examples, against 50% for one."""
     people, places = sorted(_austen_characters()), sorted(_AUSTEN_PLACES)
     haystack_seed, depths, order = rng.random(), [rng.random() for _ in range(n_facts)], rng.random()
 
@@ -282,10 +283,9 @@ def _facts(rng, length, count, n_facts: int = 4, asked: int = 1):
         who = pick.sample([p for p in people if p not in named], n_facts)
         where = pick.sample([p for p in places if p not in named], n_facts)
         facts = [f"{person} lives in {place}." for person, place in zip(who, where)]
-        question = (f"Question: Where do {' and '.join(who[:asked])} live, according to the passage above?" if asked > 1
-                    else f"Question: Where does {who[0]} live, according to the passage above?")
+        question = f"Question: Where does {who[0]} live, according to the passage above?"
         return {"context": _FACTS_INTRO + _insert(haystack, facts, depths) + "\n", "question": question,
-                "answer_prefix": f" Answer: {who[0]} lives in", "answer": where[:asked]}
+                "answer_prefix": f" Answer: {who[0]} lives in", "answer": [where[0]]}
 
     return _fit(build, length, count)
 
