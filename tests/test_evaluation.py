@@ -364,3 +364,20 @@ def test_table_averages_the_families_the_uncompressed_model_solves():
     assert (f"| zsmerge (ours) | – | 40 [{zsmerge[0]:.0f}-{zsmerge[1]:.0f}] | "
             f"80 [{zsmerge_half[0]:.0f}-{zsmerge_half[1]:.0f}] |") in table
     assert "25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in results.standings(df)  # no StreamingLLM
+
+
+def test_real_text_families_get_their_own_table_and_stay_out_of_the_pooled_one():
+    rows = [{"method": m, "label": results.label(m), "length": 2048, "requested_ratio": q, "compression_ratio": q,
+             "budget": 1 - q, "family": fam, "score": s, "n": 10, "agreement": a, "cpu_s": 1.0, "model": "m",
+             "query_aware": True}
+            for m, q, fam, s, a in [("no_press", 0.0, "niah", 100.0, 100.0), ("zsmerge", 0.75, "niah", 50.0, 60.0),
+                                    ("no_press", 0.0, "facts", 50.0, 100.0), ("zsmerge", 0.75, "facts", 0.0, 12.4),
+                                    ("no_press", 0.0, "characters", 80.0, 100.0)]]
+    df = pd.DataFrame(rows)
+    pooled_table = results.markdown_table(results.ruler_style(df))
+    assert "| zsmerge (ours) | – | 50 [24-76] | – |" in pooled_table and "facts" not in pooled_table
+    table = results.family_table(df)
+    assert "| method | KV kept | facts: score [95%] | facts: ROUGE-L vs full | characters: score [95%] |" in table
+    assert "| no press | 100% | 50 [24-76] | 100 | 80 [49-94] | 100 |" in table
+    assert "| zsmerge (ours) | 25% | 0 [0-28] | 12 | – | – |" in table  # characters not run for it
+    assert results.family_table(results.ruler_style(df)) == ""

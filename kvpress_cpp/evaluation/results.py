@@ -75,6 +75,8 @@ DEFAULT_EXAMPLES = {
     4096: {"niah_depth_50": 1},
 }
 FAMILIES = ("niah", "niah_depth", "vt", "cwe", "facts", "characters")
+#: Families on unchanged real text, reported each on its own (``family_table``) beside the pooled RULER-style ones.
+REAL_TEXT_FAMILIES = ("facts", "characters")
 #: The tasks a per-family configuration (``--families``) runs; its examples are split evenly over them.
 FAMILY_TASKS = {"niah": ("niah_single_1", "niah_multikey_1"), "niah_depth": tuple(f"niah_depth_{d}" for d in (0, 50, 100)),
                 "vt": ("vt",), "cwe": ("cwe",), "facts": ("facts",), "characters": ("characters",)}
@@ -338,6 +340,11 @@ def informative(part: pd.DataFrame) -> pd.DataFrame:
     return part if base.empty or kept.empty else kept
 
 
+def ruler_style(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the RULER-style families, which the pooled tables and standings cover."""
+    return df[~df["family"].isin(REAL_TEXT_FAMILIES)]
+
+
 def pooled(part: pd.DataFrame) -> pd.DataFrame:
     """Per (method, ratio): the score over every example of ``part``'s families (n-weighted), its n and Wilson 95%
     interval (lo, hi)."""
@@ -454,6 +461,39 @@ def agreement_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def family_table(df: pd.DataFrame) -> str:
+    """Per length: the real-text families each on its own, a row per method and KV budget measured: score [Wilson
+    95%] and the agreement with the full cache's answer (ROUGE-L F1). Empty without rows of those families."""
+    df = df[df["family"].isin(REAL_TEXT_FAMILIES)]
+    lines = []
+    for length, part in df.groupby("length"):
+        families = [f for f in REAL_TEXT_FAMILIES if f in set(part["family"])]
+        counts = sorted(set(part["n"]))
+        n = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        head = [c for f in families for c in (f"{f}: score [95%]", f"{f}: ROUGE-L vs full")]
+        lines += [f"**{length} tokens**, families on unchanged Austen text ({n} examples per cell)", "",
+                  "| method | KV kept | " + " | ".join(head) + " |", "|---" * (len(head) + 2) + "|"]
+        for method in _ordered_methods(part):
+            rows = part[part["method"] == method]
+            for ratio in sorted(set(rows["requested_ratio"])):
+                at = rows[(rows["requested_ratio"] - ratio).abs() < 1e-6]
+                cells = []
+                for fam in families:
+                    hit = at[at["family"] == fam]
+                    if hit.empty:
+                        cells += ["–", "–"]
+                        continue
+                    r = hit.iloc[0]
+                    lo, hi = wilson(r["score"], r["n"])
+                    cells += [cell({"score": r["score"], "lo": lo, "hi": hi}),
+                              "–" if pd.isna(r["agreement"]) else f"{r['agreement']:.0f}"]
+                budget = "100%" if method == "no_press" else f"{100 * at['budget'].mean():.0f}%"
+                lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | {budget} | "
+                             + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def streaming_table(results_dir: Path = REPO / "benchmarks" / "results") -> str:
     """The streaming-perplexity runs of ``benchmarks/bench_streaming_ppl.py`` (``streaming_ppl*.json``) as one table."""
     lines = ["| file | method | m | tokens (prefill) | ppl (all) | ppl beyond m |", "|---|---|---|---|---|---|"]
@@ -554,7 +594,7 @@ def report(out: Path) -> str:
     """One setting's results.csv, plots and table.md (its table and standings)."""
     df = collect(out)
     df.to_csv(out / "results.csv", index=False)
-    table = markdown_table(df) + "\n" + standings(df)
+    table = markdown_table(ruler_style(df)) + "\n" + standings(ruler_style(df)) + "\n" + family_table(df)
     (out / "table.md").write_text(table)
     plots(df, out)
     return table
@@ -564,13 +604,17 @@ def combined_report(settings: dict[str, Path] | None = None, path: Path = DEFAUL
     """``report.md``: the settings' tables side by side, the standings and full-cache agreement of each setting, and
     the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``."""
     settings = settings or {name: folder for name, (folder, _) in SETTINGS.items()}
-    frames = {name: collect(folder) for name, folder in settings.items() if (folder / "configs").is_dir()}
+    everything = {name: collect(folder) for name, folder in settings.items() if (folder / "configs").is_dir()}
+    frames = {name: ruler_style(df) for name, df in everything.items()}
     parts = ["Settings: " + "; ".join(f"**{name}**: {SETTINGS[name][1]}" for name in frames if name in SETTINGS),
              "", side_by_side(frames)]
     for name, df in frames.items():
         if not df.empty:
             parts += [f"Standings, {name} (our methods against the best kvpress press):", "", standings(df)]
             parts += [f"Agreement with the full cache, {name}:", "", agreement_table(df)]
+    for name, df in everything.items():
+        if (table := family_table(df)):
+            parts += [f"Beyond needles, {name}:", "", table]
     parts += ["Streaming perplexity on Austen (`benchmarks/bench_streaming_ppl.py`, each file one run; every press "
               "compresses at every step to m slots):", "", streaming_table()]
     text = "\n".join(parts)
