@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import matplotlib.image
 import pandas as pd
 import pytest
 
@@ -381,3 +382,16 @@ def test_real_text_families_get_their_own_table_and_stay_out_of_the_pooled_one()
     assert "| no press | 100% | 50 [24-76] | 100 | 80 [49-94] | 100 |" in table
     assert "| zsmerge (ours) | 25% | 0 [0-28] | 12 | – | – |" in table  # characters not run for it
     assert results.family_table(results.ruler_style(df)) == ""
+
+
+def test_a_real_text_family_is_plotted_at_its_own_lengths_only(tmp_path):
+    """The needles run at 2k and 4k, facts at 2k only: the facts figure has one panel, not an empty 4k one."""
+    rows = [{"method": m, "label": results.label(m), "length": length, "budget": 1 - q, "family": fam, "score": s,
+             "lo": s / 2, "hi": (s + 100) / 2, "n": 20, "model": "m", "query_aware": True}
+            for m, q, fam, length, s in [("no_press", 0.0, "niah", 2048, 90.0), ("zsmerge", 0.75, "niah", 2048, 10.0),
+                                         ("no_press", 0.0, "niah", 4096, 85.0), ("no_press", 0.0, "facts", 2048, 50.0),
+                                         ("zsmerge", 0.75, "facts", 2048, 25.0)]]
+    paths = {path.name: path for path in results.plots(pd.DataFrame(rows), tmp_path)}
+    width = {name: matplotlib.image.imread(path).shape[1] for name, path in paths.items()}
+    assert set(width) == {"accuracy_niah.png", "accuracy_facts.png"}
+    assert width["accuracy_niah.png"] == 2 * width["accuracy_facts.png"]

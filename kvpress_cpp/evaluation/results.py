@@ -549,8 +549,9 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
     method (each method's points shifted a little sideways so the bars stay apart)."""
     plt = _pyplot()
     paths = []
-    lengths = sorted(df["length"].unique())
     for fam in [f for f in FAMILIES if f in set(df["family"])]:
+        # A real-text family runs at fewer lengths than the needles: a panel per length it has.
+        lengths = sorted((df if fam not in REAL_TEXT_FAMILIES else df[df["family"] == fam])["length"].unique())
         fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
         for ax, length in zip(axes[0], lengths):
             part = df[(df["family"] == fam) & (df["length"] == length)]
@@ -580,7 +581,8 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
                 ax.text(50, 50, "not in the plan", ha="center")
         model = df["model"].iloc[0]
         setting = "question-aware" if df["query_aware"].any() else "query-agnostic"
-        fig.suptitle(f"{model}: accuracy versus KV budget\nRULER-style {fam}, {setting} (bars: Wilson 95%)",
+        kind = "Austen text" if fam in REAL_TEXT_FAMILIES else "RULER-style"
+        fig.suptitle(f"{model}: accuracy versus KV budget\n{kind}, {fam}, {setting} (bars: Wilson 95%)",
                      fontsize=9)
         fig.tight_layout()
         path = out / f"accuracy_{fam}.png"
