@@ -323,7 +323,7 @@ def keepkv_decode_step(
     state = torch.ops.kvcomp.keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes,
                                                  scale, ema_decay, budget, sinks, recent, threshold, convex)
     kept = state[0].shape[-1]
-    return (keys[..., :kept, :], values[..., :kept, :], *state)
+    return (keys.narrow(-2, 0, kept), values.narrow(-2, 0, kept), *state)
 
 
 def nucleus_budget(probs: torch.Tensor, p: float = 0.95) -> torch.Tensor:

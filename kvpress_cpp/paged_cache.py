@@ -69,6 +69,9 @@ class PagedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     holds_kvcomp_state = True  # kvpress_cpp.cache accepts it next to DynamicLayer
+    # A write through the view without a state drops the press's state, so no value probe is needed to notice
+    # another press rearranging the slots (kvcomp_state hands back none).
+    moves_state_with_slots = True
 
     def __init__(self, block_size: int = 16):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:

@@ -296,10 +296,12 @@ class KVCompPress(BasePress):
         if result is not None:
             layer.keys, layer.values, state = result
             state.owner, state.owner_type = weakref.ref(self), type(self)
-            state.value_probe = layer.values[..., 0].clone()
+            if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
+                state.value_probe = layer.values[..., 0].clone()
             set_state(layer, state)
             attach(module, layer)
-            self._slots_held[layer_idx] = torch.isfinite(state.log_weights).sum(dim=(0, 2))
+            # Slots held: log-weight above -inf (one comparison; isfinite costs four ops a layer and step).
+            self._slots_held[layer_idx] = state.log_weights.gt(float("-inf")).sum(dim=(0, 2))
             self._held_to_gather.add(layer_idx)
         return self._after_layer(module, output)
 

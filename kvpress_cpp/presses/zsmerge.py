@@ -132,4 +132,4 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
             state.counters["ring_position"] = (state.counters["ring_position"] + new_tokens) % recent
         state.per_slot = {"scores": scores[..., :budget], "counts": counts[..., :budget]}
         state.log_weights = ops.merge_count_bias(state.per_slot["counts"], self.alpha)
-        return keys[..., :budget, :], values[..., :budget, :], state
+        return keys.narrow(-2, 0, budget), values.narrow(-2, 0, budget), state
