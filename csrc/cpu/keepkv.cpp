@@ -97,6 +97,53 @@ float rescaled_cosine(const float* evicted_row, float norm_sq_e, const scalar_t*
   return kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r);
 }
 
+// dot_and_norm of one row `a` with up to FloatVec::size() keys: the per-key lane sums come from one transpose of the
+// accumulators and a vector sum over lanes in the same order as horizontal_sum (so the same bits), instead of two
+// scalar reductions per key.
+template <typename scalar_t>
+void dots_and_norms(const float* a, const scalar_t* keys, const int64_t* slots, int64_t count, int64_t head_dim,
+                    float* dots, float* norms_sq) {
+  constexpr int lanes = FloatVec::size();
+  alignas(64) float dot_lanes[lanes * lanes] = {}, norm_lanes[lanes * lanes] = {};
+  alignas(64) float by_lane[lanes * lanes];
+  for (int64_t k = 0; k < count; ++k) {
+    const scalar_t* b = keys + slots[k] * head_dim;
+    FloatVec d(0.0f), n(0.0f);
+    for (int64_t c = 0; c < head_dim; c += lanes) {
+      const int64_t width = std::min<int64_t>(lanes, head_dim - c);
+      const FloatVec x = load_as_float(b + c, width);
+      d = at::vec::fmadd(FloatVec::loadu(a + c, width), x, d);
+      n = at::vec::fmadd(x, x, n);
+    }
+    d.store(dot_lanes + k * lanes);
+    n.store(norm_lanes + k * lanes);
+  }
+  for (auto [accumulators, out] : {std::pair{dot_lanes, dots}, std::pair{norm_lanes, norms_sq}}) {
+    at::vec::transpose_mxn<float, lanes, lanes>(accumulators, lanes, by_lane, lanes);
+    FloatVec sum(0.0f);
+    for (int j = 0; j < lanes; ++j) sum = sum + FloatVec::loadu(by_lane + j * lanes);
+    sum.store(out, count);
+  }
+}
+
+// kernels::cosine_similarity of one key (||a||^2 = norm_sq_a) with `count` <= FloatVec::size() keys, lane by lane:
+// the same correctly rounded float operations (square roots, product, quotient, clamp, rounding to the grid), so the
+// same bits, without a square root and a division in series per slot.
+void cosine_similarities(const float* dots, float norm_sq_a, const float* norms_sq_b, int64_t count, float* out) {
+  if (norm_sq_a == 0.0f) {
+    std::fill_n(out, count, 0.0f);
+    return;
+  }
+  const FloatVec norm_sq_b = FloatVec::loadu(norms_sq_b, count);
+  const FloatVec cosine = FloatVec::loadu(dots, count) / (FloatVec(sqrtf(norm_sq_a)) * norm_sq_b.sqrt());
+  const FloatVec clamped = at::vec::clamp(cosine, FloatVec(-1.0f), FloatVec(1.0f));
+  const FloatVec resolution(kernels::kCosineResolution);
+  FloatVec rounded = (clamped / resolution).round() * resolution;
+  rounded = FloatVec::blendv(rounded, cosine, cosine != cosine);  // NaN stays NaN
+  const FloatVec zero(0.0f);
+  FloatVec::blendv(rounded, zero, norm_sq_b == zero).store(out, count);
+}
+
 template <typename scalar_t>
 void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_t head_dim, float threshold,
                    int64_t* targets, std::vector<int64_t>& evicted, std::vector<int64_t>& retained,
@@ -116,15 +163,21 @@ void match_one_row(const scalar_t* keys, const bool* keep, int64_t slots, int64_
       const float norm_sq_e =
           rescaled_norm_sq(evicted_row, head_dim, load_row(keys + e * head_dim, head_dim, evicted_row));
       kernels::SlotChoice best = kernels::MergesFirst::none();
-      for (const int64_t r : retained) {  // ascending: ties keep the lower slot
-        float dot, norm_sq_r;
-        dot_and_norm(evicted_row, keys + r * head_dim, head_dim, dot, norm_sq_r);
-        const float similarity =
-            kernels::norm_sq_is_safe(norm_sq_r)
-                ? kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r)
-                : rescaled_cosine(evicted_row, norm_sq_e, keys + r * head_dim, head_dim, evicted_row + head_dim);
-        const kernels::SlotChoice candidate{similarity, r};
-        if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+      constexpr int64_t lanes = FloatVec::size();
+      float dots[lanes], norms_sq[lanes], similarities[lanes];
+      for (int64_t i = 0; i < num_retained; i += lanes) {  // ascending: ties keep the lower slot
+        const int64_t count = std::min(lanes, num_retained - i);
+        dots_and_norms(evicted_row, keys, retained.data() + i, count, head_dim, dots, norms_sq);
+        cosine_similarities(dots, norm_sq_e, norms_sq, count, similarities);
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t r = retained[i + k];
+          const float similarity =
+              kernels::norm_sq_is_safe(norms_sq[k])
+                  ? similarities[k]
+                  : rescaled_cosine(evicted_row, norm_sq_e, keys + r * head_dim, head_dim, evicted_row + head_dim);
+          const kernels::SlotChoice candidate{similarity, r};
+          if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+        }
       }
       targets[e] = kernels::match_target(best, threshold);
     }
