@@ -88,6 +88,24 @@ def test_match_large_rows(device, evicted):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("evicted", [1, 2, 8])
+@pytest.mark.parametrize("head_dim", [5, 20, 67])
+def test_match_direct_path_at_any_width(device, dtype, evicted, head_dim):
+    """The direct path (at most 8 evicted slots: a decoding step) reduces its keys eight at a time: head sizes that are
+    not a multiple of a vector, and retained counts that leave a partial group, match the reference exactly."""
+    generator = torch.Generator().manual_seed(11)
+    slots = 37
+    keys = correlated_keys(2, 3, slots, head_dim, generator).to(dtype)
+    keep = torch.ones(2, 3, slots, dtype=torch.bool)
+    keep[..., torch.randperm(slots, generator=generator)[:evicted]] = False
+    got = ops.keepkv_match(keys.to(device), keep.to(device), 0.5).cpu()
+    expected = reference.keepkv_match(keys, keep, 0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert bool((got >= 0).any()), "no slot merged: the threshold never mattered"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("evicted", [1, 3])
 def test_match_decoding_step_over_long_rows(device, evicted):
     """Direct path over rows long enough that CUDA splits the retained slots over many blocks per evicted slot
