@@ -140,7 +140,9 @@ def test_pyramid_budgets_decay_and_average_to_the_uniform_budget():
 def test_recent_window_as_a_fraction_of_the_budget():
     """recent=0.5 with a budget of 24 slots is the window of 12 tokens (the paper gives the window as a share of
     the budget): the same cache as recent=12, and the prompt's last 12 keys are kept as they are (threshold 1: no
-    merge changes a kept key)."""
+    merge changes a kept key). Layer 0's keys equal the uncompressed run's exactly; a later layer's keys depend on the
+    prompt attention of the layers before, which the press's fused pass computes in another float32 order than sdpa
+    (1.7e-6 apart on AVX2 builds), while a merge would move a key by its own size."""
     model, tokenizer = make_tiny_llama()
     input_ids = prompt_ids(tokenizer, 64)
     tokens_fraction, by_fraction = greedy(model, input_ids, press=KeepKVPress(budget=24, recent=0.5,
@@ -149,10 +151,12 @@ def test_recent_window_as_a_fraction_of_the_budget():
                                                                         similarity_threshold=1.0), max_new_tokens=1)
     _, full = greedy(model, input_ids, max_new_tokens=1)
     assert torch.equal(tokens_fraction, tokens_count)
-    for layer, same, uncompressed in zip(by_fraction.layers, by_count.layers, full.layers):
+    for layer, same in zip(by_fraction.layers, by_count.layers):
         assert get_state(layer).counters["recent"] == 12
         torch.testing.assert_close(layer.keys, same.keys, rtol=0, atol=0)
-        torch.testing.assert_close(layer.keys[..., -12:, :], uncompressed.keys[..., 64 - 12:64, :], rtol=0, atol=0)
+    for index, (layer, uncompressed) in enumerate(zip(by_fraction.layers, full.layers)):
+        tolerance = {"rtol": 0, "atol": 0} if index == 0 else {}
+        torch.testing.assert_close(layer.keys[..., -12:, :], uncompressed.keys[..., 64 - 12:64, :], **tolerance)
 
 
 def test_budget_without_room_for_heavy_hitters_is_refused():
