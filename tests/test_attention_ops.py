@@ -190,6 +190,24 @@ def test_nan_input_does_not_crash(device):
     torch.testing.assert_close(out[0, 4:], reference.decode_attention(query, keys, values, log_weights, 0.25)[0][0, 4:])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("total_len", [17, 33, 300])
+@pytest.mark.parametrize("nan_slot", [0, -2])
+def test_nan_log_weight_reaches_every_row_that_sees_it(device, total_len, nan_slot):
+    """Several queries (q = 3): the earlier rows end in causally masked -inf slots, which may fall in the scalar tail
+    after the vector part of a chunk's maximum; a NaN log-weight still makes every row that sees it NaN and no other
+    row, as the float64 softmax does (the tail's max once dropped the NaN for a -inf, leaving the chunk empty)."""
+    query, keys, values, log_weights = make_inputs(1, 4, 2, 3, total_len, 16, torch.float32, device, seed=9,
+                                                   evicted=0.0)
+    log_weights[0, 0, nan_slot] = float("nan")
+    out, probs = ops.decode_attention(query, keys, values, log_weights, 0.25)
+    expected_out, expected_probs = reference.decode_attention(query, keys, values, log_weights, 0.25)
+    assert torch.equal(out.isnan().any(-1).cpu(), expected_out.isnan().any(-1).cpu())
+    assert torch.equal(probs.isnan().any(-1).cpu(), expected_probs.isnan().any(-1).cpu())
+    assert bool(out.isnan().any()) and not bool(out[:, 2:].isnan().any()), "kv head 1 never reads the NaN"
+    torch.testing.assert_close(out, expected_out.to(out.device), equal_nan=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # merge_count_bias
 
