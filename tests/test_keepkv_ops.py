@@ -92,8 +92,9 @@ def test_match_large_rows(device, evicted):
 @pytest.mark.parametrize("evicted", [1, 2, 8])
 @pytest.mark.parametrize("head_dim", [5, 20, 67])
 def test_match_direct_path_at_any_width(device, dtype, evicted, head_dim):
-    """The direct path (at most 8 evicted slots: a decoding step) reduces its keys a vector width (8 or 16) at a time: head sizes that are
-    not a multiple of a vector, and retained counts that leave a partial group, match the reference exactly."""
+    """The direct path (at most 8 evicted slots: a decoding step) reduces its keys a vector width (8 or 16) at a
+    time: head sizes that are not a multiple of a vector, and retained counts that leave a partial group, match the
+    reference exactly."""
     generator = torch.Generator().manual_seed(11)
     slots = 37
     keys = correlated_keys(2, 3, slots, head_dim, generator).to(dtype)

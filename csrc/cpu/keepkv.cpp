@@ -44,16 +44,23 @@ float horizontal_sum(const FloatVec& v) {
   return total;
 }
 
-// a·b and ||b||^2 in one pass, float32.
+// a·b and ||b||^2 in one pass, float32, as vectors of lane partial sums.
 template <typename scalar_t>
-void dot_and_norm(const float* a, const scalar_t* b, int64_t head_dim, float& dot, float& norm_sq_b) {
-  FloatVec d(0.0f), n(0.0f);
+void dot_and_norm_lanes(const float* a, const scalar_t* b, int64_t head_dim, FloatVec& dot, FloatVec& norm_sq_b) {
+  dot = norm_sq_b = FloatVec(0.0f);
   for (int64_t c = 0; c < head_dim; c += FloatVec::size()) {
     const int64_t lanes = std::min<int64_t>(FloatVec::size(), head_dim - c);
     const FloatVec x = load_as_float(b + c, lanes);
-    d = at::vec::fmadd(FloatVec::loadu(a + c, lanes), x, d);
-    n = at::vec::fmadd(x, x, n);
+    dot = at::vec::fmadd(FloatVec::loadu(a + c, lanes), x, dot);
+    norm_sq_b = at::vec::fmadd(x, x, norm_sq_b);
   }
+}
+
+// a·b and ||b||^2 in one pass, float32.
+template <typename scalar_t>
+void dot_and_norm(const float* a, const scalar_t* b, int64_t head_dim, float& dot, float& norm_sq_b) {
+  FloatVec d, n;
+  dot_and_norm_lanes(a, b, head_dim, d, n);
   dot = horizontal_sum(d);
   norm_sq_b = horizontal_sum(n);
 }
@@ -107,14 +114,8 @@ void dots_and_norms(const float* a, const scalar_t* keys, const int64_t* slots, 
   alignas(64) float dot_lanes[lanes * lanes] = {}, norm_lanes[lanes * lanes] = {};
   alignas(64) float by_lane[lanes * lanes];
   for (int64_t k = 0; k < count; ++k) {
-    const scalar_t* b = keys + slots[k] * head_dim;
-    FloatVec d(0.0f), n(0.0f);
-    for (int64_t c = 0; c < head_dim; c += lanes) {
-      const int64_t width = std::min<int64_t>(lanes, head_dim - c);
-      const FloatVec x = load_as_float(b + c, width);
-      d = at::vec::fmadd(FloatVec::loadu(a + c, width), x, d);
-      n = at::vec::fmadd(x, x, n);
-    }
+    FloatVec d, n;
+    dot_and_norm_lanes(a, keys + slots[k] * head_dim, head_dim, d, n);
     d.store(dot_lanes + k * lanes);
     n.store(norm_lanes + k * lanes);
   }
