@@ -68,11 +68,15 @@ py-test: build
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 GPU_SITE := build/gpu-site
+# accelerate: transformers' device_map (tests/test_device_map.py); pytest-xdist: the CUDA tests on several workers.
 GPU_WHEELS := kvpress==0.5.5 cachetools==5.5.2 datasets==5.0.1 dill==0.4.1 multiprocess==0.70.19 fire==0.7.1 \
-              termcolor==3.3.0
+              termcolor==3.3.0 accelerate==1.15.0 psutil==7.2.2 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
+              pytest-xdist==3.8.0 execnet==2.1.2
+# One wheel at a time: a wheel built for another Python than the GPU machine's is skipped, not fatal.
 gpu-check:
-	@if ls .whl/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	@for wheel in $(wildcard .whl/*.whl); do \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $$wheel \
+	    >/dev/null 2>&1 || echo "gpu-check: skipped $$wheel (not for this Python)"; done
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} MAX_JOBS=$$(nproc) \
 	  $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 

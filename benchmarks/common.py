@@ -81,7 +81,7 @@ def write_results(name: str, rows: list[dict]) -> Path:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
+    widths = [max([len(c)] + [len(f"{r.get(c, '')}") for r in rows]) for c in columns]  # rows may be empty
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in rows:
         print("  ".join(f"{row.get(c, '')}".ljust(w) for c, w in zip(columns, widths)))

@@ -30,14 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "gpu"
 PYTHON = sys.executable
 STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode"]
-CUDA_TEST_FILES = ["tests/test_attention_ops.py", "tests/test_scores.py", "tests/test_keepkv_ops.py",
-                   "tests/test_zsmerge_ops.py", "tests/test_weightedkv_ops.py", "tests/test_kvzap_ops.py",
-                   "tests/test_gvote_ops.py"]
-# Sanitizer runs are 10-100x slower: the decoding-step ops, a few cases each.
-SANITIZER_TESTS = ["tests/test_attention_ops.py", "tests/test_scores.py", "tests/test_keepkv_ops.py",
-                   "tests/test_zsmerge_ops.py", "tests/test_weightedkv_ops.py", "tests/test_kvzap_ops.py",
-                   "tests/test_gvote_ops.py", "tests/test_prompt_scores.py", "tests/test_paged_attention_ops.py"]
-SANITIZER_FILTER = "cuda and not scale and not opcheck and not compile"
+# Sanitizer runs are 10-100x slower: every op on 8 random valid inputs (the CUDA fuzz) and each press's decoding step
+# (CUDA-graph capture), about a second a test under memcheck.
+SANITIZER_TESTS = ["tests/test_fuzz_ops.py::test_cuda_kernel_matches_the_reference_on_random_valid_inputs",
+                   "tests/test_cuda_graphs.py"]
 OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
                  "bench_gvote", "bench_kvzap --quick"]
 DECODE_LENGTHS = [8192, 16384, 32768]
@@ -117,8 +113,17 @@ def pytest_summary(log: Path) -> dict:
     return counts
 
 
+def workers(count: int) -> list[str]:
+    """pytest-xdist's option for `count` workers where it is installed (the GPU is shared, the CPU references are
+    the slow part), else nothing."""
+    found = subprocess.run(python("import xdist"), capture_output=True, cwd=ROOT).returncode == 0
+    return ["-n", str(count)] if found else []
+
+
 def stage_tests(timeout: float) -> dict:
-    command = [PYTHON, "-m", "pytest", "-q", "-k", "cuda", *CUDA_TEST_FILES]
+    """Every test with CUDA in its name (each op test's CUDA cases, the CUDA fuzz, presses across devices), then the
+    CUDA-graph capture of each press's decoding step on its own."""
+    command = [PYTHON, "-m", "pytest", "-q", "-rfE", *workers(8), "-k", "cuda and not test_cuda_graphs", "tests"]
     result = run("tests", command, timeout / 2)
     graphs = run("tests-cuda-graphs", [PYTHON, "-m", "pytest", "-q", "tests/test_cuda_graphs.py"], timeout / 2)
     result["figures"] = {"op_tests": pytest_summary(OUT / "tests.log"),
@@ -131,7 +136,7 @@ def stage_sanitizer(timeout: float) -> dict:
     figures, ok = {}, True
     for tool in ("memcheck", "racecheck", "synccheck"):
         command = ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", "--target-processes=all", PYTHON,
-                   "-m", "pytest", "-q", "-x", "-k", SANITIZER_FILTER, *SANITIZER_TESTS]
+                   "-m", "pytest", "-q", *SANITIZER_TESTS]
         result = run(f"sanitizer-{tool}", command, timeout / 3, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
         text = (OUT / f"sanitizer-{tool}.log").read_text(errors="replace")
         errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]

@@ -42,6 +42,7 @@ from tests import reference
 
 SEED = int(os.environ.get("KVCOMP_FUZZ_SEED", "17"))
 VALID_CASES = int(os.environ.get("KVCOMP_FUZZ_VALID", "12"))  # random valid inputs per op
+CUDA_VALID_CASES = 8  # per op, on the GPU
 WORKER_TIMEOUT_S = 60.0
 CRASH_AT = os.environ.get("KVCOMP_FUZZ_CRASH_AT")  # "op:k": the worker aborts at case k (tests the crash path)
 ROOT = Path(__file__).resolve().parents[1]
@@ -501,9 +502,11 @@ def _cache_dtype(args: tuple) -> torch.dtype:
     return floats[0] if floats else torch.float32
 
 
-def _assert_matches_reference(name: str, args: tuple, nonfinite: bool = False) -> None:
+def _assert_matches_reference(name: str, args: tuple, nonfinite: bool = False, device: str = "cpu") -> None:
+    """The op on `device` (its arguments copied there, unless it is the CPU) against the reference on the CPU."""
     fuzz = FUZZ[name]
-    got = _as_tuple(_call(name, args))
+    on_device = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    got = tuple(g.cpu() for g in _as_tuple(_call(name, on_device)))
     if nonfinite and fuzz.nonfinite_unchecked:
         return
     reference_fn = (nonfinite and fuzz.nonfinite_reference) or fuzz.reference
@@ -848,6 +851,23 @@ def test_fuzz(name, fuzz_results):
     assert result.total > 0 and result.passed + len(result.failures) >= result.total, result
     assert not result.failures, f"kvcomp::{name}: {len(result.failures)} of {result.total} cases failed:\n" + \
         "\n".join(result.failures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("name", sorted(name for name in FUZZ if name != "prompt_attention_with_scores"))
+def test_cuda_kernel_matches_the_reference_on_random_valid_inputs(name):
+    """The fuzz's random valid inputs (shapes, GQA groups, dtypes, -inf log-weights) on the GPU against the float64
+    reference: the CUDA kernels held to the description the CPU ones are. In process (a crash fails the run), and
+    small enough for compute-sanitizer. prompt_attention_with_scores has no CUDA kernel (its own tests check that the
+    dispatcher says so)."""
+    fuzz, accepted = FUZZ[name], 0
+    for k in range(CUDA_VALID_CASES):
+        r = random.Random(f"{SEED}:{name}:cuda:{k}")
+        args = fuzz.build(r, fuzz.sizes(r, {}), r.choice(CACHE))
+        if _contract_rejects(CONTRACTS[name], args) is None:  # e.g. a drawn size the op refuses: the CPU fuzz covers it
+            _assert_matches_reference(name, args, device="cuda")
+            accepted += 1
+    assert accepted > CUDA_VALID_CASES // 2, f"only {accepted} of {CUDA_VALID_CASES} random inputs were valid"
 
 
 def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
