@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "gpu"
 PYTHON = sys.executable
 STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode"]
-# Sanitizer runs are 10-100x slower: every op on 8 random valid inputs (the CUDA fuzz) and each press's decoding step
-# (CUDA-graph capture), about a second a test under memcheck.
-SANITIZER_TESTS = ["tests/test_fuzz_ops.py::test_cuda_kernel_matches_the_reference_on_random_valid_inputs",
-                   "tests/test_cuda_graphs.py"]
+# Sanitizer runs are 10-100x slower: every op on 8 random valid inputs (the CUDA fuzz), 25-50 s in all on an H100.
+# Not the CUDA-graph tests: without the caching allocator (which memcheck needs to see out-of-bounds accesses within
+# pooled blocks) a capture's allocations are cudaMalloc calls, which a capture refuses.
+SANITIZER_TESTS = ["tests/test_fuzz_ops.py::test_cuda_kernel_matches_the_reference_on_random_valid_inputs"]
 OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
                  "bench_gvote", "bench_kvzap --quick"]
 DECODE_LENGTHS = [8192, 16384, 32768]

@@ -61,8 +61,14 @@ def step(model, token: torch.Tensor, cache: DynamicCache, mask: torch.Tensor) ->
     honour the state of the cache the press last wrote, and the tests hold several copies."""
     for decoder_layer, cache_layer in zip(model.model.layers, cache.layers, strict=True):
         attach(decoder_layer.self_attn, cache_layer)
-    # An explicit all-ones mask and eager attention keep transformers' own mask building free of host syncs.
+    # A prepared 4-D mask is used as it is: transformers' own mask building copies a host scalar to the device
+    # (transformers 5's eager_mask), which a capture refuses.
     return model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+
+def visible(model, slots: int) -> torch.Tensor:
+    """The additive 4-D mask (B=2, 1, 1, slots) of a decoding step that sees every slot."""
+    return torch.zeros(2, 1, 1, slots, dtype=model.dtype, device="cuda")
 
 
 @pytest.mark.parametrize("name", sorted(PRESSES))
@@ -75,10 +81,10 @@ def test_decoding_step_replays_as_eager(model, name, tmp_path):
         model(input_ids=prompt, past_key_values=prefilled, use_cache=True)
         # One eager decoding step first: the cache then holds the press's decoding layout (ZSMerge's regions), the
         # shapes every later step keeps.
-        step(model, prompt[:, -1:], prefilled, torch.ones(2, PROMPT + 1, dtype=torch.long, device="cuda"))
+        step(model, prompt[:, -1:], prefilled, visible(model, PROMPT + 1))
         length = prefilled.get_seq_length()
         assert length < PROMPT, f"{name} did not compress the prompt"
-        mask = torch.ones(2, length + 1, dtype=torch.long, device="cuda")
+        mask = visible(model, length + 1)
         first, second = torch.tensor([[5], [7]], device="cuda"), torch.tensor([[11], [13]], device="cuda")
 
         # Warm-up on a side stream, as torch.cuda.graphs asks (lazy initialisations stay out of the capture).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from accelerate import dispatch_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.tp_worker import CASES, run_case, write_assets
@@ -30,7 +31,10 @@ def test_layer_state_stays_on_its_layers_device(assets, devices, case):
     first, second = devices
     device_map = {"model.embed_tokens": first, "model.rotary_emb": first, "model.layers.0": first,
                   "model.layers.1": second, "model.norm": second, "lm_head": second}
-    split = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map=device_map).eval()
+    # accelerate reads "cpu" beside a GPU as offloading (weights kept on the CPU, the layer run on the GPU) unless the
+    # main device is the CPU: then every module runs where the map puts it.
+    split = dispatch_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), device_map,
+                           main_device="cpu" if "cpu" in devices else None)
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(first).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():

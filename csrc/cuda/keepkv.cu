@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <cfloat>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -377,8 +378,427 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::T
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// keepkv_decode_step: the CPU kernel's steps as device-side ATen calls around keepkv_match / keepkv_zip_merge. Every
-// shape follows from the input shapes (T - budget evictions a row), so nothing waits on the device (CUDA graphs).
+// keepkv_decode_step, fused, for up to kDirectMaxEvicted evictions a row (every decoding step of up to 8 new tokens:
+// a step evicts at most q slots): one block per (batch, kv head) row runs the CPU kernel's steps in order, in one
+// launch (the ATen composition below took ~80 launches, 0.7 ms a layer on an H100, which made KeepKV decode slower
+// than the full cache):
+//   1. the LSE of every (query head g, new token j) from its slot of largest probability;
+//   2. per slot, the EMA fold, age and votes (straight into the outputs when nothing is evicted, else into scratch
+//      rows), ln ŝ and the eviction key;
+//   3. the E lowest keys, one block argmin each (kernels::EvictsFirst: the next is the least key after the last);
+//   4. each evicted slot's target, from the direct match's cosines (the same warp functions, so the same targets);
+//   5. each merged set's ZIP merge into its retained slot (in place), its votes, ŝ and age, as the CPU kernel;
+//   6. the retained slots packed in order: the per-slot outputs, and keys / values moved down in tiles (a tile is
+//      read whole before it is written, and its slots land below the next tile's first one).
+
+struct StepArgs {
+  float scale, log_decay, log_fold_weight, log_group, threshold;
+  int64_t rows, kv_heads, query_heads, group, new_tokens, slots, kept, head_dim, sinks, recent;
+  bool convex;
+};
+
+// ln(e^a + e^b), NaN if either is NaN, -inf for two -inf (the CPU kernel's log_add_exp lane by lane).
+__device__ float log_add_exp(float a, float b) {
+  if (kernels::is_nan(a) || kernels::is_nan(b)) return a + b;
+  const float high = fmaxf(a, b), low = fminf(a, b);
+  return high == -kernels::infinity() ? high : high + log1pf(expf(low - high));
+}
+
+// std::max(a, b) as the CPU kernel takes it: b only if a < b (a NaN b is skipped, a NaN a stays).
+__device__ float std_max(float a, float b) { return a < b ? b : a; }
+
+// Whether slot t is among the `count` evicted slots, and how many of them lie below it.
+struct EvictedSlots {
+  const int64_t* slots;
+  int count;
+  __device__ bool contains(int64_t t) const {
+    for (int k = 0; k < count; ++k) {
+      if (slots[k] == t) return true;
+    }
+    return false;
+  }
+  __device__ int64_t below(int64_t t) const {
+    int64_t n = 0;
+    for (int k = 0; k < count; ++k) n += slots[k] < t;
+    return n;
+  }
+};
+
+// Moves the retained slots after the first evicted one down to their packed position, words of word_t at a time.
+template <typename word_t>
+__device__ void pack_row(word_t* row, int64_t words_per_slot, int64_t slots, const EvictedSlots& evicted) {
+  constexpr int kWordsPerThread = 4;  // loads in flight per thread
+  const int64_t base = (evicted.slots[0] + 1) * words_per_slot, total = slots * words_per_slot - base;
+  for (int64_t tile = 0; tile < total; tile += static_cast<int64_t>(kThreads) * kWordsPerThread) {
+    word_t buffer[kWordsPerThread];
+    int64_t destination[kWordsPerThread];
+    for (int i = 0; i < kWordsPerThread; ++i) {
+      const int64_t index = tile + static_cast<int64_t>(i) * kThreads + threadIdx.x;
+      destination[i] = -1;
+      if (index >= total) continue;
+      const int64_t word = base + index, t = word / words_per_slot;
+      if (evicted.contains(t)) continue;
+      buffer[i] = row[word];
+      destination[i] = word - evicted.below(t) * words_per_slot;
+    }
+    __syncthreads();
+    for (int i = 0; i < kWordsPerThread; ++i) {
+      if (destination[i] >= 0) row[destination[i]] = buffer[i];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename scalar_t, typename word_t>
+__global__ void __launch_bounds__(kThreads)
+    keepkv_decode_step_kernel(scalar_t* __restrict__ keys, kernels::RowStrides key_rows,
+                              scalar_t* __restrict__ values, kernels::RowStrides value_rows,
+                              const scalar_t* __restrict__ queries,     // (B, Hq, q, d)
+                              const float* __restrict__ probabilities,  // (B, Hq, q, T)
+                              const float* __restrict__ log_weights, kernels::RowStrides log_weight_rows,
+                              const float* __restrict__ log_ema_in, kernels::RowStrides log_ema_rows,
+                              const float* __restrict__ age_in, kernels::RowStrides age_rows,
+                              const float* __restrict__ votes_in, kernels::RowStrides vote_rows,
+                              float* __restrict__ scratch,  // [5, R, T] when slots are evicted
+                              float* __restrict__ out_log_ema, float* __restrict__ out_age,
+                              float* __restrict__ out_votes, float* __restrict__ out_log_weights,  // [R, kept]
+                              float* __restrict__ out_dropped,                                      // [R]
+                              StepArgs a) {
+  using ChoiceReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
+  using SumReduce = cub::BlockReduce<float, kThreads>;
+  __shared__ union {
+    typename ChoiceReduce::TempStorage choice;
+    typename SumReduce::TempStorage sum;
+  } storage;
+  __shared__ int64_t chosen_slot;
+  __shared__ int64_t evicted_slots[kDirectMaxEvicted], targets[kDirectMaxEvicted];
+  __shared__ int64_t set_slot[kDirectMaxEvicted];
+  __shared__ float set_votes[kDirectMaxEvicted], set_age[kDirectMaxEvicted], set_log_ema[kDirectMaxEvicted];
+  __shared__ int set_count;
+  __shared__ float set_max_log;
+  __shared__ kernels::ZipCoefficients set_coefficients;
+  extern __shared__ float shared[];  // [G q] LSE, [G q] group factors, [q] offsets, [q] fold weights
+  const int64_t group = a.group, q = a.new_tokens, slots = a.slots, head_dim = a.head_dim, kept = a.kept;
+  float* lse = shared;
+  float* factors = lse + group * q;
+  float* offsets = factors + group * q;
+  float* fold_weights = offsets + q;
+  const int64_t row = blockIdx.x, old_slots = slots - q;
+  const int tid = threadIdx.x;
+  scalar_t* row_keys = keys + key_rows.offset(row);
+  scalar_t* row_values = values + value_rows.offset(row);
+  const int64_t first_head = row / a.kv_heads * a.query_heads + row % a.kv_heads * group;
+  const float* row_p = probabilities + first_head * q * slots;  // (g, j) at (g q + j) T
+  const scalar_t* row_q = queries + first_head * q * head_dim;   // (g, j) at (g q + j) d
+  const float* row_bias = log_weights + log_weight_rows.offset(row);
+  const float* row_log_ema = log_ema_in + log_ema_rows.offset(row);
+  const float* row_age = age_in + age_rows.offset(row);
+  const float* row_votes = votes_in + vote_rows.offset(row);
+
+  // 1. LSE = q·k·scale + b - ln p at the slot of largest p (the first of equals).
+  for (int64_t gj = 0; gj < group * q; ++gj) {
+    const float* p = row_p + gj * slots;
+    kernels::SlotChoice best = kernels::MergesFirst::none();
+    for (int64_t t = tid; t < slots; t += kThreads) {
+      const kernels::SlotChoice candidate{p[t], t};
+      if (kernels::MergesFirst{}(candidate, best)) best = candidate;
+    }
+    const kernels::SlotChoice top = ChoiceReduce(storage.choice).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
+    if (tid == 0) chosen_slot = top.slot;
+    __syncthreads();
+    const int64_t s = chosen_slot;
+    float partial = 0.0f;
+    for (int64_t c = tid; c < head_dim; c += kThreads) {
+      partial += static_cast<float>(row_q[gj * head_dim + c]) * static_cast<float>(row_keys[s * head_dim + c]);
+    }
+    const float dot = SumReduce(storage.sum).Sum(partial);
+    if (tid == 0) lse[gj] = dot * a.scale + row_bias[s] - logf(p[s]);
+    __syncthreads();
+  }
+  if (tid == 0) {  // s̄ of query j = (1/G) Σ_g p_g exp(LSE_g - b), its largest LSE factored out
+    for (int64_t j = 0; j < q; ++j) {
+      float shift = -kernels::infinity();
+      for (int64_t g = 0; g < group; ++g) shift = std_max(shift, lse[g * q + j]);
+      for (int64_t g = 0; g < group; ++g) factors[g * q + j] = expf(lse[g * q + j] - shift);
+      fold_weights[j] = a.log_fold_weight + a.log_decay * static_cast<float>(q - 1 - j);
+      offsets[j] = shift - a.log_group + fold_weights[j];
+    }
+  }
+  __syncthreads();
+
+  // 2. Per slot: the EMA fold of the q queries, then S <- β^q S + fold; age and votes; ln ŝ and the eviction key.
+  const bool evicting = kept < slots;
+  float* scratch_log_ema = scratch + (0 * a.rows + row) * slots;
+  float* scratch_age = scratch + (1 * a.rows + row) * slots;
+  float* scratch_votes = scratch + (2 * a.rows + row) * slots;
+  float* scratch_estimate = scratch + (3 * a.rows + row) * slots;
+  float* scratch_key = scratch + (4 * a.rows + row) * slots;
+  const float log_decay_q = static_cast<float>(q) * a.log_decay;
+  for (int64_t t = tid; t < slots; t += kThreads) {
+    float fold = 0.0f;
+    for (int64_t j = 0; j < q; ++j) {
+      float sum = 0.0f;
+      for (int64_t g = 0; g < group; ++g) sum = fmaf(row_p[(g * q + j) * slots + t], factors[g * q + j], sum);
+      float log_mean;
+      if (sum >= FLT_MIN) {
+        log_mean = logf(sum) + offsets[j] - row_bias[t];
+      } else {  // every term underflowed (or none: p = 0): the log domain
+        float high = -kernels::infinity();
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = row_p[(g * q + j) * slots + t];
+          if (p > 0.0f) high = std_max(high, logf(p) + lse[g * q + j]);
+        }
+        float total = 0.0f;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = row_p[(g * q + j) * slots + t];
+          if (p > 0.0f) total += expf(logf(p) + lse[g * q + j] - high);
+        }
+        log_mean = (high == -kernels::infinity() || high == kernels::infinity())
+                       ? high
+                       : high + logf(total) - a.log_group - row_bias[t] + fold_weights[j];
+      }
+      fold = j == 0 ? log_mean : log_add_exp(fold, log_mean);
+    }
+    const bool is_old = t < old_slots;
+    const float log_ema = is_old ? log_add_exp(row_log_ema[t] + log_decay_q, fold) : fold;
+    const float age = (is_old ? row_age[t] : 0.0f) + static_cast<float>(q < slots - t ? q : slots - t);
+    const float vote = is_old ? row_votes[t] : 1.0f;
+    if (!evicting) {
+      out_log_ema[row * kept + t] = log_ema;
+      out_age[row * kept + t] = age;
+      out_votes[row * kept + t] = vote;
+      out_log_weights[row * kept + t] = logf(vote);
+      continue;
+    }
+    const float estimate = log_ema - kernels::log_one_minus_exp(age * a.log_decay);
+    scratch_log_ema[t] = log_ema;
+    scratch_age[t] = age;
+    scratch_votes[t] = vote;
+    scratch_estimate[t] = estimate;
+    scratch_key[t] = kernels::keepkv_eviction_key(estimate, vote, t < a.sinks || t >= slots - a.recent);
+  }
+  if (!evicting) {
+    if (tid == 0) out_dropped[row] = 0.0f;
+    return;
+  }
+  __syncthreads();
+
+  // 3. The E = T - M slots of lowest key, ties to the lower slot: the k-th is the least after the (k-1)-th.
+  const int evictions = static_cast<int>(slots - kept);
+  for (int k = 0; k < evictions; ++k) {
+    // Keys are never NaN (keepkv_eviction_key), so EvictsFirst is a strict total order; slot -1 precedes them all.
+    const kernels::SlotChoice previous = k == 0 ? kernels::SlotChoice{-kernels::infinity(), -1}
+                                                : kernels::SlotChoice{scratch_key[evicted_slots[k - 1]],
+                                                                      evicted_slots[k - 1]};
+    kernels::SlotChoice best = kernels::EvictsFirst::none();
+    for (int64_t t = tid; t < slots; t += kThreads) {
+      const kernels::SlotChoice candidate{scratch_key[t], t};
+      if (kernels::EvictsFirst{}(previous, candidate) && kernels::EvictsFirst{}(candidate, best)) best = candidate;
+    }
+    const kernels::SlotChoice chosen = ChoiceReduce(storage.choice).Reduce(best, kernels::KeepBetter<kernels::EvictsFirst>{});
+    if (tid == 0) evicted_slots[k] = chosen.slot;
+    __syncthreads();
+  }
+  if (tid == 0) {  // ascending slots: the CPU kernel's order for the dropped votes and the sets' members
+    for (int k = 1; k < evictions; ++k) {
+      for (int m = k; m > 0 && evicted_slots[m - 1] > evicted_slots[m]; --m) {
+        const int64_t swap = evicted_slots[m];
+        evicted_slots[m] = evicted_slots[m - 1];
+        evicted_slots[m - 1] = swap;
+      }
+    }
+  }
+  __syncthreads();
+  const EvictedSlots evicted{evicted_slots, evictions};
+
+  // 4. Each evicted slot's most similar retained slot (warps over the slots, lanes over d).
+  const int lane = tid % kWarpSize, warp = tid / kWarpSize, warps = kThreads / kWarpSize;
+  for (int k = 0; k < evictions; ++k) {
+    const scalar_t* key_e = row_keys + evicted_slots[k] * head_dim;
+    const float scale_e = warp_key_scale(key_e, head_dim, lane);
+    float ignored, norm_sq_e;
+    warp_dot_and_norm(key_e, scale_e, key_e, scale_e, head_dim, lane, ignored, norm_sq_e);
+    kernels::SlotChoice warp_best = kernels::MergesFirst::none();
+    for (int64_t r = warp; r < slots; r += warps) {  // warp-uniform
+      if (evicted.contains(r)) continue;
+      const scalar_t* key_r = row_keys + r * head_dim;
+      float dot, norm_sq_r;
+      warp_dot_and_norm(key_e, scale_e, key_r, 1.0f, head_dim, lane, dot, norm_sq_r);
+      if (!kernels::norm_sq_is_safe(norm_sq_r)) {
+        const float scale_r = warp_key_scale(key_r, head_dim, lane);
+        warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot, norm_sq_r);
+      }
+      const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
+      if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
+    }
+    const kernels::SlotChoice chosen =
+        ChoiceReduce(storage.choice).Reduce(warp_best, kernels::KeepBetter<kernels::MergesFirst>{});
+    if (tid == 0) targets[k] = kernels::match_target(chosen, a.threshold);
+    __syncthreads();
+  }
+
+  // 5. The dropped votes; each set {c} ∪ {e : target(e) = c}: ZIP merge into c, Σ p, ŝ = Σ p ŝ / Σ p, the oldest age.
+  if (tid == 0) {
+    float dropped = 0.0f;
+    for (int k = 0; k < evictions; ++k) {
+      if (targets[k] == kernels::kKeepKVEvictedNoMerge) dropped += scratch_votes[evicted_slots[k]];
+    }
+    out_dropped[row] = dropped;
+    set_count = 0;
+  }
+  __syncthreads();
+  for (int k = 0; k < evictions; ++k) {  // block-uniform: every thread reads the same shared targets
+    const int64_t c = targets[k];
+    bool seen = c < 0;
+    for (int m = 0; m < k && !seen; ++m) seen = targets[m] == c;
+    if (seen) continue;
+    if (tid == 0) {
+      const auto weighted = [&](int64_t slot) { return scratch_estimate[slot] + logf(scratch_votes[slot]); };
+      float max_log = kernels::zip_max_log(-kernels::infinity(), scratch_votes[c], scratch_estimate[c]);
+      for (int m = k; m < evictions; ++m) {
+        if (targets[m] == c) {
+          max_log = kernels::zip_max_log(max_log, scratch_votes[evicted_slots[m]], scratch_estimate[evicted_slots[m]]);
+        }
+      }
+      kernels::ZipSums sums;
+      sums.add(scratch_votes[c], scratch_estimate[c], max_log);
+      float peak = weighted(c), age = scratch_age[c];
+      for (int m = k; m < evictions; ++m) {
+        if (targets[m] != c) continue;
+        const int64_t e = evicted_slots[m];
+        sums.add(scratch_votes[e], scratch_estimate[e], max_log);
+        peak = std_max(peak, weighted(e));
+        age = std_max(age, scratch_age[e]);
+      }
+      float log_ema = -kernels::infinity();
+      if (sums.votes > 0.0f && peak != -kernels::infinity() && !kernels::is_nan(peak)) {
+        float mass = expf(weighted(c) - peak);
+        for (int m = k; m < evictions; ++m) {
+          if (targets[m] == c) mass += expf(weighted(evicted_slots[m]) - peak);
+        }
+        log_ema = peak + logf(mass) - logf(sums.votes) + kernels::log_one_minus_exp(age * a.log_decay);
+      }
+      set_slot[set_count] = c;
+      set_votes[set_count] = sums.votes;
+      set_age[set_count] = age;
+      set_log_ema[set_count] = log_ema;
+      ++set_count;
+      set_max_log = max_log;
+      set_coefficients = kernels::zip_coefficients(max_log, sums, a.convex);
+    }
+    __syncthreads();
+    const kernels::ZipCoefficients coefficients = set_coefficients;
+    const float max_log = set_max_log;
+    if (coefficients.merged) {
+      for (int64_t col = tid; col < head_dim; col += kThreads) {
+        float key_acc = 0.0f, value_acc = 0.0f;
+        const auto add = [&](int64_t i) {  // c first, then its members in ascending order, as the CPU kernel
+          const float w = kernels::zip_weight(scratch_votes[i], scratch_estimate[i], max_log);
+          if (w > 0.0f) {
+            key_acc = fmaf(static_cast<float>(row_keys[i * head_dim + col]), w, key_acc);
+            value_acc = fmaf(static_cast<float>(row_values[i * head_dim + col]), w, value_acc);
+          }
+        };
+        add(c);
+        for (int m = k; m < evictions; ++m) {
+          if (targets[m] == c) add(evicted_slots[m]);
+        }
+        row_keys[c * head_dim + col] = static_cast<scalar_t>(key_acc * coefficients.key_scale);
+        row_values[c * head_dim + col] = static_cast<scalar_t>(value_acc * coefficients.value_scale);
+      }
+    }
+    __syncthreads();  // the set's shared scalars are reused by the next set; its writes precede the packing
+  }
+
+  // 6. The retained slots in order: slot t lands at t - (evicted slots below it).
+  for (int64_t t = tid; t < slots; t += kThreads) {
+    if (evicted.contains(t)) continue;
+    const int64_t r = row * kept + t - evicted.below(t);
+    float vote = scratch_votes[t], age = scratch_age[t];
+    float log_ema = vote <= 0.0f ? -kernels::infinity() : scratch_log_ema[t];
+    for (int n = 0; n < set_count; ++n) {
+      if (set_slot[n] == t) {
+        vote = set_votes[n];
+        age = set_age[n];
+        log_ema = set_log_ema[n];
+      }
+    }
+    out_log_ema[r] = log_ema;
+    out_age[r] = age;
+    out_votes[r] = vote;
+    out_log_weights[r] = logf(vote);
+  }
+  static_assert(sizeof(word_t) % sizeof(scalar_t) == 0, "a word holds whole elements");
+  const int64_t words_per_slot = head_dim * static_cast<int64_t>(sizeof(scalar_t)) / sizeof(word_t);
+  pack_row(reinterpret_cast<word_t*>(row_keys), words_per_slot, slots, evicted);
+  pack_row(reinterpret_cast<word_t*>(row_values), words_per_slot, slots, evicted);
+}
+
+// Whether rows of t (slot-contiguous, at t's batch and head strides) can be moved 16 bytes at a time.
+bool rows_aligned_to_16_bytes(const at::Tensor& t) {
+  const int64_t element = static_cast<int64_t>(t.element_size());
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.size(3) * element) % 16 == 0 &&
+         (t.stride(0) * element) % 16 == 0 && (t.stride(1) * element) % 16 == 0;
+}
+
+// The dynamic shared memory of the fused step: the LSE and group factor of every (g, j), an offset and a fold weight
+// per new token.
+int64_t fused_step_shared_bytes(int64_t group, int64_t new_tokens) {
+  return static_cast<int64_t>(sizeof(float)) * (2 * group * new_tokens + 2 * new_tokens);
+}
+constexpr int64_t kMaxFusedStepSharedBytes = 48 * 1024;  // the default limit of dynamic shared memory
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fused_decode_step(
+    at::Tensor& keys, at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
+    const at::Tensor& log_weights, const at::Tensor& log_ema, const at::Tensor& age, const at::Tensor& votes,
+    const KeepKVStepShape& shape, double scale, double ema_decay, int64_t sinks, int64_t recent, double threshold,
+    bool convex) {
+  const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
+  const int64_t kept = shape.kept, rows = batch * kv_heads;
+  const at::Tensor queries_c = queries.contiguous(), probabilities_c = probabilities.contiguous();
+  const at::Tensor log_weights_c = with_contiguous_rows(log_weights), log_ema_c = with_contiguous_rows(log_ema);
+  const at::Tensor age_c = with_contiguous_rows(age), votes_c = with_contiguous_rows(votes);
+  const auto per_slot = log_ema.options();
+  at::Tensor out_log_ema = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_age = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_votes = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_log_weights = at::empty({batch, kv_heads, kept}, per_slot);
+  at::Tensor out_dropped = at::empty({batch, kv_heads}, per_slot);
+  if (rows == 0) return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+  const at::Tensor scratch = at::empty({5, rows, slots}, per_slot);  // read and written only when evicting
+  const StepArgs args{static_cast<float>(scale), static_cast<float>(std::log(ema_decay)),
+                      static_cast<float>(std::log1p(-ema_decay)), std::log(static_cast<float>(shape.group)),
+                      static_cast<float>(threshold), rows, kv_heads, kv_heads * shape.group, shape.group,
+                      shape.queries, slots, kept, shape.cache.head_dim, sinks, recent, convex};
+  const unsigned grid = grid_dim("kvcomp::keepkv_decode_step", "(batch, kv head) rows", rows);
+  const int64_t shared_bytes = fused_step_shared_bytes(shape.group, shape.queries);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool wide = rows_aligned_to_16_bytes(keys) && rows_aligned_to_16_bytes(values);
+  KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_decode_step", [&] {
+    const auto launch = [&](auto* kernel) {
+      kernel<<<grid, kThreads, shared_bytes, stream>>>(
+          keys.mutable_data_ptr<scalar_t>(), row_strides(keys), values.mutable_data_ptr<scalar_t>(),
+          row_strides(values), queries_c.const_data_ptr<scalar_t>(), probabilities_c.const_data_ptr<float>(),
+          log_weights_c.const_data_ptr<float>(), row_strides(log_weights_c), log_ema_c.const_data_ptr<float>(),
+          row_strides(log_ema_c), age_c.const_data_ptr<float>(), row_strides(age_c), votes_c.const_data_ptr<float>(),
+          row_strides(votes_c), scratch.mutable_data_ptr<float>(),
+          out_log_ema.mutable_data_ptr<float>(), out_age.mutable_data_ptr<float>(), out_votes.mutable_data_ptr<float>(),
+          out_log_weights.mutable_data_ptr<float>(), out_dropped.mutable_data_ptr<float>(), args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (wide) {
+      launch(&keepkv_decode_step_kernel<scalar_t, uint4>);
+    } else {
+      launch(&keepkv_decode_step_kernel<scalar_t, scalar_t>);
+    }
+  });
+  return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+}
+
+// keepkv_decode_step with more than kDirectMaxEvicted evictions a row (a cache longer than its budget by more than a
+// decoding step's tokens), or more (query head, new token) pairs than the fused kernel's shared memory holds: the
+// CPU kernel's steps as device-side ATen calls around keepkv_match / keepkv_zip_merge.
+// Every shape follows from the input shapes (T - budget evictions a row), so nothing waits on the device (CUDA graphs).
 
 at::Tensor log_one_minus_exp(const at::Tensor& x) {  // kernels::log_one_minus_exp
   return at::where(x > -0.69314718, (-x.expm1()).log(), (-x.exp()).log1p());
@@ -394,6 +814,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
   const c10::cuda::CUDAGuard guard(keys.device());
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t head_dim = shape.cache.head_dim, group = shape.group, q = shape.queries, kept = shape.kept;
+  if (slots - kept <= kDirectMaxEvicted && fused_step_shared_bytes(group, q) <= kMaxFusedStepSharedBytes) {
+    return keepkv_fused_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes, shape,
+                                    scale, ema_decay, sinks, recent, threshold, convex);
+  }
   const double log_decay = std::log(ema_decay);
   const double inf = std::numeric_limits<double>::infinity();
   // ℓ = ln p - b + LSE (B, H, G, q, T), the row's LSE from its slot of largest p.
