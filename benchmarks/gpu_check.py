@@ -7,10 +7,12 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
   environment  GPU, driver, torch / transformers / kvpress versions, whether kvpress imports
   build        the extension for this GPU's architecture (TORCH_CUDA_ARCH_LIST from its compute capability)
   bandwidth    the device-to-device copy bandwidth (read + write), the roofline of the memory-bound ops
-  tests        the CUDA tests: every op test's CUDA cases and the CUDA-graph capture of each press's decoding step
-  sanitizer    compute-sanitizer memcheck, racecheck and synccheck over a subset of the CUDA op tests
+  tests        every test with CUDA in its name (op tests' CUDA cases, the CUDA fuzz, presses across devices), then
+               the CUDA-graph capture of each press's decoding step
+  sanitizer    compute-sanitizer memcheck, racecheck and synccheck over the CUDA fuzz (every op, random valid inputs)
   ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py)
   decode       bench_decode on a random-weight Llama-3-8B-shaped model at 8k, 16k and 32k, 10% budget
+  profile      bench_step_profile: where one decoding step's time goes on that model at 8k, full cache and presses
 Results: benchmarks/results/gpu/*.json (the benchmarks' own files, logs) and summary.json + summary.md, which also
 check the issue's targets against the figures.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "gpu"
 PYTHON = sys.executable
-STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode"]
+STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode", "profile"]
 # Sanitizer runs are 10-100x slower: every op on 8 random valid inputs (the CUDA fuzz), 25-50 s in all on an H100.
 # Not the CUDA-graph tests: without the caching allocator (which memcheck needs to see out-of-bounds accesses within
 # pooled blocks) a capture's allocations are cudaMalloc calls, which a capture refuses.
@@ -178,6 +180,16 @@ def stage_decode(timeout: float) -> dict:
         figures[f"{method} {length}"] = "ok" if result["ok"] else f"failed ({result['rc']})"
         ok = ok and result["ok"]
     return {"ok": ok, "figures": figures}
+
+
+def stage_profile(timeout: float) -> dict:
+    env = {"KVCOMP_RESULTS_DIR": str(OUT)}
+    command = [PYTHON, "-m", "benchmarks.bench_step_profile", "--device", "cuda", "--model", "random-llama3-8b",
+               "--lengths", "8192", "--name", "profile_step_random-llama3-8b"]
+    result = run("profile", command, timeout, env)
+    result["figures"] = {f"{row['method']} {row['prompt']}": row["step_ms"]
+                         for row in load_rows("profile_step_random-llama3-8b")}
+    return result
 
 
 def load_rows(name: str) -> list[dict]:
