@@ -10,14 +10,22 @@ Step at B=4, Hq=32, H=8, budget 1024, d=128: the cache holds 1024 slots plus the
   4. keepkv_zip_merge(keys, values, votes, ℓ, targets).
 "vectorised" runs the same step in plain PyTorch over all heads at once: reference.update_scores, a cosine of the
 evicted key against every slot (normalise, matmul, masked argmax), reference.keepkv_zip_merge_vectorised.
-Target (the issue): >= 2x the plain-PyTorch step on CPU.
+Second row per dtype, "keepkv_decode_step": the one op the press runs at every decoding step (on CUDA one kernel
+launch), on a layer of the same size after a new token (tests.test_fuzz_ops' generator: probabilities from the
+attention, EMA state, votes), which also recovers the logits from the probabilities and packs the cache in place:
+more work than the three ops above, timed against the same plain-PyTorch step.
+Target (the issue): >= 2x the plain-PyTorch step on CPU; >= 5x on a GPU (issue 20).
 """
+
+import random
+
 
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 from benchmarks.common import configurations, median_seconds, print_table, write_results
 from tests import reference
+from tests.test_fuzz_ops import _keepkv_step_build
 
 BETA = 0.9
 BATCH, QUERY_HEADS, KV_HEADS, HEAD_DIM = 4, 32, 8, 128
@@ -74,6 +82,15 @@ def vectorised_step(keys, values, scores, votes, attn):
     return reference.keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, False)
 
 
+def fused_step_inputs(dtype, device) -> list:
+    """keepkv_decode_step's arguments for the bench's layer: T = BUDGET + 1 slots, one new token, one eviction."""
+    sizes = {"B": BATCH, "H": KV_HEADS, "Hq": QUERY_HEADS, "q": 1, "d": HEAD_DIM, "S": BUDGET, "T": BUDGET + 1}
+    args = list(_keepkv_step_build(random.Random(0), sizes, dtype))
+    args[10:15] = [BUDGET, SINKS, RECENT, 0.8, False]  # budget, sinks, recent, threshold, convex
+    # In place: a repeated call packs the same rows again (a valid cache each time), the same work per call.
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def main() -> None:
     rows = []
     for device, threads in configurations():
@@ -88,6 +105,10 @@ def main() -> None:
                          "beta": BETA, "op_us": round(seconds["op"] * 1e6, 1),
                          "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
                          "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1)})
+            fused = fused_step_inputs(dtype, device)
+            fused_s = median_seconds(lambda: torch.ops.kvcomp.keepkv_decode_step(*fused), num_threads=threads)
+            rows.append({**rows[-1], "what": "keepkv_decode_step", "op_us": round(fused_s * 1e6, 1),
+                         "speedup_vs_vectorised": round(seconds["vectorised"] / fused_s, 1)})
     print_table(rows, ["what", "device", "threads", "dtype", "budget", "op_us", "vectorised_us",
                        "speedup_vs_vectorised"])
     print("wrote", write_results("keepkv", rows))
