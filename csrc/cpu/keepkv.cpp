@@ -596,26 +596,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t head_dim = shape.cache.head_dim, kept = shape.kept, group = shape.group, q = shape.queries;
   // The (B, H, ...) rows are read (and keys, values updated) where they lie (a paged cache's view over its pools).
-  const at::Tensor queries_c = queries.contiguous(), probabilities_c = probabilities.contiguous();
-  const at::Tensor log_weights_c = with_contiguous_rows(log_weights), log_ema_c = with_contiguous_rows(log_ema);
-  const at::Tensor age_c = with_contiguous_rows(age), votes_c = with_contiguous_rows(votes);
+  const KeepKVStepTensors t = keepkv_step_tensors(shape, queries, probabilities, log_weights, log_ema, age, votes);
   const kernels::RowStrides key_rows = row_strides(keys), value_rows = row_strides(values);
-  const kernels::RowStrides log_weight_rows = row_strides(log_weights_c), log_ema_rows = row_strides(log_ema_c);
-  const kernels::RowStrides age_rows = row_strides(age_c), vote_rows = row_strides(votes_c);
-  const auto per_slot = log_ema.options();
-  at::Tensor out_log_ema = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_age = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_votes = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_log_weights = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_dropped = at::empty({batch, kv_heads}, per_slot);
+  const kernels::RowStrides log_weight_rows = row_strides(t.log_weights), log_ema_rows = row_strides(t.log_ema);
+  const kernels::RowStrides age_rows = row_strides(t.age), vote_rows = row_strides(t.votes);
   const StepScalars scalars{static_cast<float>(scale), static_cast<float>(std::log(ema_decay)),
                             static_cast<float>(std::log1p(-ema_decay)), budget, sinks, recent,
                             static_cast<float>(threshold), convex};
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_decode_step", [&] {
     scalar_t* keys_ptr = keys.mutable_data_ptr<scalar_t>();
     scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
-    const scalar_t* queries_ptr = queries_c.const_data_ptr<scalar_t>();
-    const float* probabilities_ptr = probabilities_c.const_data_ptr<float>();
+    const scalar_t* queries_ptr = t.queries.const_data_ptr<scalar_t>();
+    const float* probabilities_ptr = t.probabilities.const_data_ptr<float>();
     at::parallel_for(0, batch * kv_heads, grain_for(slots * (head_dim + group * q)), [&](int64_t begin, int64_t end) {
       StepScratch scratch;
       for (int64_t row = begin; row < end; ++row) {
@@ -624,20 +616,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
         decode_step_one_row(keys_ptr + key_rows.offset(row), values_ptr + value_rows.offset(row),
                             queries_ptr + first_query_head * q * head_dim,
                             probabilities_ptr + first_query_head * q * slots,
-                            log_weights_c.const_data_ptr<float>() + log_weight_rows.offset(row),
-                            log_ema_c.const_data_ptr<float>() + log_ema_rows.offset(row),
-                            age_c.const_data_ptr<float>() + age_rows.offset(row),
-                            votes_c.const_data_ptr<float>() + vote_rows.offset(row), group, q, slots, head_dim,
+                            t.log_weights.const_data_ptr<float>() + log_weight_rows.offset(row),
+                            t.log_ema.const_data_ptr<float>() + log_ema_rows.offset(row),
+                            t.age.const_data_ptr<float>() + age_rows.offset(row),
+                            t.votes.const_data_ptr<float>() + vote_rows.offset(row), group, q, slots, head_dim,
                             q * head_dim, scalars, row, kv_heads,
-                            out_log_ema.mutable_data_ptr<float>() + row * kept,
-                            out_age.mutable_data_ptr<float>() + row * kept,
-                            out_votes.mutable_data_ptr<float>() + row * kept,
-                            out_log_weights.mutable_data_ptr<float>() + row * kept,
-                            out_dropped.mutable_data_ptr<float>() + row, scratch);
+                            t.out_log_ema.mutable_data_ptr<float>() + row * kept,
+                            t.out_age.mutable_data_ptr<float>() + row * kept,
+                            t.out_votes.mutable_data_ptr<float>() + row * kept,
+                            t.out_log_weights.mutable_data_ptr<float>() + row * kept,
+                            t.out_dropped.mutable_data_ptr<float>() + row, scratch);
       }
     });
   });
-  return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+  return t.outputs();
 }
 
 }  // namespace

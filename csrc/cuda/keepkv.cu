@@ -755,17 +755,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
     bool convex) {
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t kept = shape.kept, rows = batch * kv_heads;
-  const at::Tensor queries_c = queries.contiguous(), probabilities_c = probabilities.contiguous();
-  const at::Tensor log_weights_c = with_contiguous_rows(log_weights), log_ema_c = with_contiguous_rows(log_ema);
-  const at::Tensor age_c = with_contiguous_rows(age), votes_c = with_contiguous_rows(votes);
-  const auto per_slot = log_ema.options();
-  at::Tensor out_log_ema = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_age = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_votes = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_log_weights = at::empty({batch, kv_heads, kept}, per_slot);
-  at::Tensor out_dropped = at::empty({batch, kv_heads}, per_slot);
-  if (rows == 0) return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
-  const at::Tensor scratch = at::empty({5, rows, slots}, per_slot);  // read and written only when evicting
+  const KeepKVStepTensors t = keepkv_step_tensors(shape, queries, probabilities, log_weights, log_ema, age, votes);
+  if (rows == 0) return t.outputs();
+  const at::Tensor scratch = at::empty({5, rows, slots}, log_ema.options());  // read and written only when evicting
   const StepArgs args{static_cast<float>(scale), static_cast<float>(std::log(ema_decay)),
                       static_cast<float>(std::log1p(-ema_decay)), std::log(static_cast<float>(shape.group)),
                       static_cast<float>(threshold), rows, kv_heads, kv_heads * shape.group, shape.group,
@@ -778,12 +770,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
     const auto launch = [&](auto* kernel) {
       kernel<<<grid, kThreads, shared_bytes, stream>>>(
           keys.mutable_data_ptr<scalar_t>(), row_strides(keys), values.mutable_data_ptr<scalar_t>(),
-          row_strides(values), queries_c.const_data_ptr<scalar_t>(), probabilities_c.const_data_ptr<float>(),
-          log_weights_c.const_data_ptr<float>(), row_strides(log_weights_c), log_ema_c.const_data_ptr<float>(),
-          row_strides(log_ema_c), age_c.const_data_ptr<float>(), row_strides(age_c), votes_c.const_data_ptr<float>(),
-          row_strides(votes_c), scratch.mutable_data_ptr<float>(),
-          out_log_ema.mutable_data_ptr<float>(), out_age.mutable_data_ptr<float>(), out_votes.mutable_data_ptr<float>(),
-          out_log_weights.mutable_data_ptr<float>(), out_dropped.mutable_data_ptr<float>(), args);
+          row_strides(values), t.queries.const_data_ptr<scalar_t>(), t.probabilities.const_data_ptr<float>(),
+          t.log_weights.const_data_ptr<float>(), row_strides(t.log_weights), t.log_ema.const_data_ptr<float>(),
+          row_strides(t.log_ema), t.age.const_data_ptr<float>(), row_strides(t.age), t.votes.const_data_ptr<float>(),
+          row_strides(t.votes), scratch.mutable_data_ptr<float>(), t.out_log_ema.mutable_data_ptr<float>(),
+          t.out_age.mutable_data_ptr<float>(), t.out_votes.mutable_data_ptr<float>(),
+          t.out_log_weights.mutable_data_ptr<float>(), t.out_dropped.mutable_data_ptr<float>(), args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (wide) {
@@ -792,7 +784,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
       launch(&keepkv_decode_step_kernel<scalar_t, scalar_t>);
     }
   });
-  return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+  return t.outputs();
 }
 
 // keepkv_decode_step with more than kDirectMaxEvicted evictions a row (a cache longer than its budget by more than a

@@ -8,12 +8,14 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "kvcomp/checks.h"
@@ -133,6 +135,31 @@ inline KeepKVStepShape check_keepkv_decode_step(const at::Tensor& keys, const at
   check_range(op, "threshold", threshold, -1.0, 1.0);
   return {{keys.size(0), kv_heads, keys.size(2), keys.size(3)}, query_heads / kv_heads, new_tokens,
           std::min(keys.size(2), budget)};
+}
+
+// keepkv_decode_step's inputs as both kernels read them (queries and probabilities contiguous; the per-slot tensors
+// read row by row where they lie, as a paged cache's view over its pools) and its outputs, allocated: log_ema, age,
+// votes, log_weights (B, H, M) and dropped (B, H), float32.
+struct KeepKVStepTensors {
+  at::Tensor queries, probabilities, log_weights, log_ema, age, votes;
+  at::Tensor out_log_ema, out_age, out_votes, out_log_weights, out_dropped;
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> outputs() const {
+    return {out_log_ema, out_age, out_votes, out_log_weights, out_dropped};
+  }
+};
+
+inline KeepKVStepTensors keepkv_step_tensors(const KeepKVStepShape& shape, const at::Tensor& queries,
+                                             const at::Tensor& probabilities, const at::Tensor& log_weights,
+                                             const at::Tensor& log_ema, const at::Tensor& age,
+                                             const at::Tensor& votes) {
+  const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, kept = shape.kept;
+  const auto per_slot = log_ema.options();
+  return {queries.contiguous(), probabilities.contiguous(), with_contiguous_rows(log_weights),
+          with_contiguous_rows(log_ema), with_contiguous_rows(age), with_contiguous_rows(votes),
+          at::empty({batch, kv_heads, kept}, per_slot), at::empty({batch, kv_heads, kept}, per_slot),
+          at::empty({batch, kv_heads, kept}, per_slot), at::empty({batch, kv_heads, kept}, per_slot),
+          at::empty({batch, kv_heads}, per_slot)};
 }
 
 // The error for a target that is neither -1, -2 nor a retained slot of its row; the same words on CPU and CUDA.
