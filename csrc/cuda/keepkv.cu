@@ -397,36 +397,12 @@ struct StepArgs {
   bool convex;
 };
 
-// ln(e^a + e^b), NaN if either is NaN, -inf for two -inf (the CPU kernel's log_add_exp lane by lane).
-__device__ float log_add_exp(float a, float b) {
-  if (kernels::is_nan(a) || kernels::is_nan(b)) return a + b;
-  const float high = fmaxf(a, b), low = fminf(a, b);
-  return high == -kernels::infinity() ? high : high + log1pf(expf(low - high));
-}
-
 // std::max(a, b) as the CPU kernel takes it: b only if a < b (a NaN b is skipped, a NaN a stays).
 __device__ float std_max(float a, float b) { return a < b ? b : a; }
 
-// Whether slot t is among the `count` evicted slots, and how many of them lie below it.
-struct EvictedSlots {
-  const int64_t* slots;
-  int count;
-  __device__ bool contains(int64_t t) const {
-    for (int k = 0; k < count; ++k) {
-      if (slots[k] == t) return true;
-    }
-    return false;
-  }
-  __device__ int64_t below(int64_t t) const {
-    int64_t n = 0;
-    for (int k = 0; k < count; ++k) n += slots[k] < t;
-    return n;
-  }
-};
-
 // Moves the retained slots after the first evicted one down to their packed position, words of word_t at a time.
 template <typename word_t>
-__device__ void pack_row(word_t* row, int64_t words_per_slot, int64_t slots, const EvictedSlots& evicted) {
+__device__ void pack_row(word_t* row, int64_t words_per_slot, int64_t slots, const kernels::EvictedSlots& evicted) {
   constexpr int kWordsPerThread = 4;  // loads in flight per thread
   const int64_t base = (evicted.slots[0] + 1) * words_per_slot, total = slots * words_per_slot - base;
   for (int64_t tile = 0; tile < total; tile += static_cast<int64_t>(kThreads) * kWordsPerThread) {
@@ -439,7 +415,7 @@ __device__ void pack_row(word_t* row, int64_t words_per_slot, int64_t slots, con
       const int64_t word = base + index, t = word / words_per_slot;
       if (evicted.contains(t)) continue;
       buffer[i] = row[word];
-      destination[i] = word - evicted.below(t) * words_per_slot;
+      destination[i] = word - (t - evicted.packed_position(t)) * words_per_slot;
     }
     __syncthreads();
     for (int i = 0; i < kWordsPerThread; ++i) {
@@ -557,10 +533,10 @@ __global__ void __launch_bounds__(kThreads)
                        ? high
                        : high + logf(total) - a.log_group - row_bias[t] + fold_weights[j];
       }
-      fold = j == 0 ? log_mean : log_add_exp(fold, log_mean);
+      fold = j == 0 ? log_mean : kernels::log_add_exp(fold, log_mean);
     }
     const bool is_old = t < old_slots;
-    const float log_ema = is_old ? log_add_exp(row_log_ema[t] + log_decay_q, fold) : fold;
+    const float log_ema = is_old ? kernels::log_add_exp(row_log_ema[t] + log_decay_q, fold) : fold;
     const float age = (is_old ? row_age[t] : 0.0f) + static_cast<float>(q < slots - t ? q : slots - t);
     const float vote = is_old ? row_votes[t] : 1.0f;
     if (!evicting) {
@@ -609,7 +585,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  const EvictedSlots evicted{evicted_slots, evictions};
+  const kernels::EvictedSlots evicted{evicted_slots, evictions};
 
   // 4. Each evicted slot's most similar retained slot (warps over the slots, lanes over d).
   const int lane = tid % kWarpSize, warp = tid / kWarpSize, warps = kThreads / kWarpSize;
@@ -713,7 +689,7 @@ __global__ void __launch_bounds__(kThreads)
   // 6. The retained slots in order: slot t lands at t - (evicted slots below it).
   for (int64_t t = tid; t < slots; t += kThreads) {
     if (evicted.contains(t)) continue;
-    const int64_t r = row * kept + t - evicted.below(t);
+    const int64_t r = row * kept + evicted.packed_position(t);
     float vote = scratch_votes[t], age = scratch_age[t];
     float log_ema = vote <= 0.0f ? -kernels::infinity() : scratch_log_ema[t];
     for (int n = 0; n < set_count; ++n) {

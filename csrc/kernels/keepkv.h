@@ -204,4 +204,32 @@ KVCOMP_HOST_DEVICE inline float keepkv_eviction_key(float log_estimate, float vo
   return log_estimate;
 }
 
+// ln(e^a + e^b) for one pair, as the CPU kernel's vectorised fold takes it lane by lane: NaN if either is NaN, -inf
+// for two -inf, NaN for two +inf (inf - inf); the fused CUDA step folds its queries with it.
+KVCOMP_HOST_DEVICE inline float log_add_exp(float a, float b) {
+  if (is_nan(a) || is_nan(b)) return a + b;
+  const float high = a > b ? a : b, low = a > b ? b : a;
+  return high == -infinity() ? high : high + log1pf(expf(low - high));
+}
+
+// The slots one decoding step evicts from a row (the fused CUDA step: at most 8, ascending) and where each retained
+// slot lands when the row is packed: t minus the evicted slots below it, so the retained slots keep their order and
+// no slot moves up (a packing that reads a tile whole before writing it never overwrites a slot it has yet to read).
+struct EvictedSlots {
+  const int64_t* slots;  // ascending
+  int count;
+
+  KVCOMP_HOST_DEVICE bool contains(int64_t t) const {
+    for (int k = 0; k < count; ++k) {
+      if (slots[k] == t) return true;
+    }
+    return false;
+  }
+  KVCOMP_HOST_DEVICE int64_t packed_position(int64_t t) const {
+    int64_t below = 0;
+    for (int k = 0; k < count; ++k) below += slots[k] < t;
+    return t - below;
+  }
+};
+
 }  // namespace kvcomp::kernels

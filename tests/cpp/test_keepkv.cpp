@@ -1,5 +1,5 @@
 // GoogleTest of the keepkv family: the device-free pieces (cosine with zero norms, the match decision, the log-domain
-// ZIP coefficients and their guard) against hand computations, the ATen grouping of merge sets the CUDA path uses,
+// ZIP coefficients and their guard, the fused decoding step's log-add-exp and packing map) against hand computations, the ATen grouping of merge sets the CUDA path uses,
 // and both CPU kernels through the dispatcher.
 #include <gtest/gtest.h>
 
@@ -227,6 +227,43 @@ TEST(KeepKVKernels, ZeroWeightSetsKeepTheSlot) {
   // +inf log-score: Σ w is NaN -> unchanged, no NaN key
   const auto [m2, sums2] = sums_of({{1.0f, kInf}, {1.0f, 0.0f}});
   EXPECT_FALSE(k::zip_coefficients(m2, sums2, false).merged);
+}
+
+TEST(KeepKVKernels, LogAddExpOfOnePair) {
+  EXPECT_NEAR(k::log_add_exp(std::log(2.0f), std::log(3.0f)), std::log(5.0f), 1e-6f);
+  EXPECT_EQ(k::log_add_exp(1.5f, -kInf), 1.5f);  // ln(e^x + 0) = x exactly
+  EXPECT_EQ(k::log_add_exp(-kInf, 1.5f), 1.5f);
+  EXPECT_EQ(k::log_add_exp(-kInf, -kInf), -kInf);  // a slot no query sees stays unseen
+  EXPECT_EQ(k::log_add_exp(kInf, 0.0f), kInf);
+  EXPECT_TRUE(std::isnan(k::log_add_exp(kInf, kInf)));
+  EXPECT_TRUE(std::isnan(k::log_add_exp(kNan, -kInf)));
+  EXPECT_TRUE(std::isnan(k::log_add_exp(0.0f, kNan)));
+  EXPECT_NEAR(k::log_add_exp(-100.0f, 0.0f), 0.0f, 1e-6f);  // no underflow of the smaller term's share to NaN
+}
+
+// The packing of a row after a step: the retained slots in order from 0, each moved down (never up), as a stable
+// partition of the slots into retained and evicted would place them.
+TEST(KeepKVKernels, PackedPositionsArePartitionOrder) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t slots = 1 + static_cast<int64_t>(rng() % 40);
+    const int count = static_cast<int>(std::min<int64_t>(slots, rng() % 9));
+    std::vector<int64_t> all(slots);
+    for (int64_t t = 0; t < slots; ++t) all[t] = t;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int64_t> evicted(all.begin(), all.begin() + count);
+    std::sort(evicted.begin(), evicted.end());
+    const k::EvictedSlots slots_out{evicted.data(), count};
+    int64_t next = 0;
+    for (int64_t t = 0; t < slots; ++t) {
+      const bool is_evicted = std::binary_search(evicted.begin(), evicted.end(), t);
+      ASSERT_EQ(slots_out.contains(t), is_evicted);
+      if (is_evicted) continue;
+      ASSERT_EQ(slots_out.packed_position(t), next++) << "slot " << t;
+      ASSERT_LE(slots_out.packed_position(t), t);
+    }
+    ASSERT_EQ(next, slots - count);
+  }
 }
 
 TEST(KeepKVSets, MembersAreGroupedByTarget) {
