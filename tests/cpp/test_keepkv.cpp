@@ -1,6 +1,6 @@
 // GoogleTest of the keepkv family: the device-free pieces (cosine with zero norms, the match decision, the log-domain
-// ZIP coefficients and their guard, the fused decoding step's log-add-exp and packing map) against hand computations, the ATen grouping of merge sets the CUDA path uses,
-// and both CPU kernels through the dispatcher.
+// ZIP coefficients and their guard, the fused decoding step's log-add-exp and packing map) against hand computations,
+// the ATen grouping of merge sets the CUDA path uses, and both CPU kernels through the dispatcher.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
