@@ -247,7 +247,7 @@ inline kernels::SoftmaxPartial exp_in_place(float* p, int64_t len) {
   float max = reduce_max(max_v);
   // NaN-propagating as at::vec::maximum above (std::fmax would drop a NaN for a -inf of a causally masked tail, and
   // the chunk would then read as empty instead of NaN).
-  for (; i < len; ++i) max = (std::isnan(p[i]) || p[i] > max) ? p[i] : max;
+  for (; i < len; ++i) max = (kernels::is_nan(p[i]) || p[i] > max) ? p[i] : max;
   kernels::SoftmaxPartial partial{max, 0.0f};
   if (max == -INFINITY) {
     std::fill(p, p + len, 0.0f);

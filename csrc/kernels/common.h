@@ -33,6 +33,12 @@ KVCOMP_HOST_DEVICE inline float bits_float(uint32_t bits) {
 #endif
 }
 
+// +inf, usable in host and device code without relaxed-constexpr flags.
+KVCOMP_HOST_DEVICE inline float infinity() { return __builtin_huge_valf(); }
+
+// Bitwise NaN test: stays correct under fast-math flags (nvcc --use_fast_math, -ffast-math), which may fold x != x.
+KVCOMP_HOST_DEVICE inline bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
+
 // Where row (b, h) = row / heads, row % heads of a (B, H, ...) tensor with contiguous rows starts, in elements (a
 // contiguous tensor, or a paged cache's strided view over its block pools; kvcomp::check_contiguous_rows).
 struct RowStrides {

@@ -15,7 +15,7 @@
 
 #include "common.h"
 #include "gvote.h"    // ascending_logit_order
-#include "zsmerge.h"  // is_nan, infinity, SlotChoice, MergesFirst, KeepBetter, kNoSlot
+#include "zsmerge.h"  // SlotChoice, MergesFirst, KeepBetter, kNoSlot
 
 namespace kvcomp::kernels {
 

@@ -8,26 +8,13 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "common.h"
 
 namespace kvcomp::kernels {
 
-// +inf and the largest slot index, usable in host and device code without relaxed-constexpr flags.
-KVCOMP_HOST_DEVICE inline float infinity() { return __builtin_huge_valf(); }
+// The largest slot index: no slot.
 constexpr int64_t kNoSlot = INT64_MAX;
-
-// Bitwise NaN test: stays correct under fast-math flags (nvcc --use_fast_math, -ffast-math), which may fold x != x.
-KVCOMP_HOST_DEVICE inline bool is_nan(float x) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t bits = __float_as_uint(x);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-#endif
-  return (bits & 0x7fffffffu) > 0x7f800000u;
-}
 
 // The tokens [begin, end) (ranks among the n residual tokens, in position order) that residual slot `group` averages
 // at prefill: n tokens split into `groups` contiguous groups, the first n % groups of them one token longer.
