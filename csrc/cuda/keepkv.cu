@@ -102,6 +102,34 @@ __device__ float warp_key_scale(const scalar_t* key, int64_t head_dim, int lane)
   return kernels::key_scale(warp_sum(norm_sq), warp_max(max_abs));
 }
 
+// The best retained slot for evicted key key_e among the slots first, first + stride, ... < end that is_retained
+// admits, under MergesFirst, as this warp sees them: every lane returns the same candidate. The loop is warp-uniform
+// (all lanes reach the shuffles). Both the direct match and the fused decoding step call it, so they pick the same
+// targets.
+template <typename scalar_t, typename IsRetained>
+__device__ kernels::SlotChoice warp_best_retained(const scalar_t* row_keys, const scalar_t* key_e, int64_t head_dim,
+                                                  int lane, int64_t first, int64_t end, int64_t stride,
+                                                  IsRetained is_retained) {
+  // Every warp scales the evicted key itself (the same values in every warp): no shared memory, no barrier.
+  const float scale_e = warp_key_scale(key_e, head_dim, lane);
+  float ignored, norm_sq_e;
+  warp_dot_and_norm(key_e, scale_e, key_e, scale_e, head_dim, lane, ignored, norm_sq_e);
+  kernels::SlotChoice warp_best = kernels::MergesFirst::none();
+  for (int64_t r = first; r < end; r += stride) {
+    if (!is_retained(r)) continue;
+    const scalar_t* key_r = row_keys + r * head_dim;
+    float dot, norm_sq_r;
+    warp_dot_and_norm(key_e, scale_e, key_r, 1.0f, head_dim, lane, dot, norm_sq_r);
+    if (!kernels::norm_sq_is_safe(norm_sq_r)) {  // rare (|k| beyond 2^50 or below 2^-50): the CPU's second pass
+      const float scale_r = warp_key_scale(key_r, head_dim, lane);
+      warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot, norm_sq_r);
+    }
+    const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
+    if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
+  }
+  return warp_best;
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     keepkv_match_direct_kernel(const scalar_t* __restrict__ keys,       // [R, T, d]
@@ -120,24 +148,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t piece_end = piece_begin + piece_len < slots ? piece_begin + piece_len : slots;
   for (int64_t rank = blockIdx.y; rank < evicted_count; rank += gridDim.y) {  // block-uniform
     const int64_t e = evicted[row * slots + rank];
-    const scalar_t* key_e = row_keys + e * head_dim;
-    // Every warp scales the evicted key itself (the same values in every warp): no shared memory, no barrier.
-    const float scale_e = warp_key_scale(key_e, head_dim, lane);
-    float ignored, norm_sq_e;
-    warp_dot_and_norm(key_e, scale_e, key_e, scale_e, head_dim, lane, ignored, norm_sq_e);
-    kernels::SlotChoice warp_best = kernels::MergesFirst::none();
-    for (int64_t r = piece_begin + warp; r < piece_end; r += warps) {  // warp-uniform: all lanes reach the shuffles
-      if (!row_keep[r]) continue;
-      const scalar_t* key_r = row_keys + r * head_dim;
-      float dot, norm_sq_r;
-      warp_dot_and_norm(key_e, scale_e, key_r, 1.0f, head_dim, lane, dot, norm_sq_r);
-      if (!kernels::norm_sq_is_safe(norm_sq_r)) {  // rare (|k| beyond 2^50 or below 2^-50): the CPU's second pass
-        const float scale_r = warp_key_scale(key_r, head_dim, lane);
-        warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot, norm_sq_r);
-      }
-      const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
-      if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
-    }
+    const kernels::SlotChoice warp_best =
+        warp_best_retained(row_keys, row_keys + e * head_dim, head_dim, lane, piece_begin + warp, piece_end, warps,
+                           [&](int64_t r) { return row_keep[r]; });
     const kernels::SlotChoice chosen =
         BlockReduce(reduce_storage).Reduce(warp_best, kernels::KeepBetter<kernels::MergesFirst>{});
     if (threadIdx.x == 0 && chosen.slot != kernels::kNoSlot) {
@@ -386,7 +399,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::T
 //   2. per slot, the EMA fold, age and votes (straight into the outputs when nothing is evicted, else into scratch
 //      rows), ln ŝ and the eviction key;
 //   3. the E lowest keys, one block argmin each (kernels::EvictsFirst: the next is the least key after the last);
-//   4. each evicted slot's target, from the direct match's cosines (the same warp functions, so the same targets);
+//   4. each evicted slot's target, by the direct match's warp_best_retained (so the same targets);
 //   5. each merged set's ZIP merge into its retained slot (in place), its votes, ŝ and age, as the CPU kernel;
 //   6. the retained slots packed in order: the per-slot outputs, and keys / values moved down in tiles (a tile is
 //      read whole before it is written, and its slots land below the next tile's first one).
@@ -590,23 +603,9 @@ __global__ void __launch_bounds__(kThreads)
   // 4. Each evicted slot's most similar retained slot (warps over the slots, lanes over d).
   const int lane = tid % kWarpSize, warp = tid / kWarpSize, warps = kThreads / kWarpSize;
   for (int k = 0; k < evictions; ++k) {
-    const scalar_t* key_e = row_keys + evicted_slots[k] * head_dim;
-    const float scale_e = warp_key_scale(key_e, head_dim, lane);
-    float ignored, norm_sq_e;
-    warp_dot_and_norm(key_e, scale_e, key_e, scale_e, head_dim, lane, ignored, norm_sq_e);
-    kernels::SlotChoice warp_best = kernels::MergesFirst::none();
-    for (int64_t r = warp; r < slots; r += warps) {  // warp-uniform
-      if (evicted.contains(r)) continue;
-      const scalar_t* key_r = row_keys + r * head_dim;
-      float dot, norm_sq_r;
-      warp_dot_and_norm(key_e, scale_e, key_r, 1.0f, head_dim, lane, dot, norm_sq_r);
-      if (!kernels::norm_sq_is_safe(norm_sq_r)) {
-        const float scale_r = warp_key_scale(key_r, head_dim, lane);
-        warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot, norm_sq_r);
-      }
-      const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
-      if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
-    }
+    const kernels::SlotChoice warp_best =
+        warp_best_retained(row_keys, row_keys + evicted_slots[k] * head_dim, head_dim, lane, warp, slots, warps,
+                           [&](int64_t r) { return !evicted.contains(r); });
     const kernels::SlotChoice chosen =
         ChoiceReduce(storage.choice).Reduce(warp_best, kernels::KeepBetter<kernels::MergesFirst>{});
     if (tid == 0) targets[k] = kernels::match_target(chosen, a.threshold);
