@@ -20,6 +20,7 @@ check the issue's targets against the figures.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -118,8 +119,7 @@ def pytest_summary(log: Path) -> dict:
 def workers(count: int) -> list[str]:
     """pytest-xdist's option for `count` workers where it is installed (the GPU is shared, the CPU references are
     the slow part), else nothing."""
-    found = subprocess.run(python("import xdist"), capture_output=True, cwd=ROOT).returncode == 0
-    return ["-n", str(count)] if found else []
+    return ["-n", str(count)] if importlib.util.find_spec("xdist") is not None else []
 
 
 def stage_tests(timeout: float) -> dict:
