@@ -43,6 +43,9 @@ class LayerState:
     owner: weakref.ref | None = None
     owner_type: type | None = None
     value_probe: torch.Tensor | None = None
+    # The last align call's arguments and the tensors it left, weakly (a paged layer's state views its pools, which
+    # must not outlive a trim): (slots_before, new_tokens, log_weights, value_probe, *per_slot tensors).
+    _aligned: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
         """Log-weights for a layer that held `slots_before` slots before this forward appended `new_tokens`.
@@ -51,7 +54,12 @@ class LayerState:
         keys[:, :, :length]), so the state is cut to match; the new tokens are plain (b = 0) and are kept, so the
         state's length follows the layer's even through passes the press does not compress (a prefill-only press
         while decoding), and a layer shortened by someone else shows up as a state longer than the layer.
+
+        Aligning is idempotent, and a decoding pass aligns twice (the attention path, then the press): the second
+        call on the tensors the first returned is answered without cutting and padding again.
         """
+        if self._is_aligned(slots_before, new_tokens):
+            return self.log_weights
         if self.log_weights.shape[-1] > slots_before:
             self.log_weights = self.log_weights[..., :slots_before]
             self.per_slot = {name: tensor[..., :slots_before] for name, tensor in self.per_slot.items()}
@@ -60,7 +68,20 @@ class LayerState:
         missing = slots_before + new_tokens - self.log_weights.shape[-1]
         if missing:
             self.log_weights = torch.nn.functional.pad(self.log_weights, (0, missing))
+        self._aligned = self._alignment(slots_before, new_tokens)
         return self.log_weights
+
+    def _tensors(self) -> tuple:
+        return self.log_weights, self.value_probe, *self.per_slot.values()
+
+    def _alignment(self, slots_before: int, new_tokens: int) -> tuple:
+        return slots_before, new_tokens, *(weakref.ref(t) if t is not None else None for t in self._tensors())
+
+    def _is_aligned(self, slots_before: int, new_tokens: int) -> bool:
+        """Whether the last align call had these arguments and left the tensors the state holds now."""
+        aligned, tensors = self._aligned, self._tensors()
+        return (aligned is not None and aligned[:2] == (slots_before, new_tokens) and len(aligned) == 2 + len(tensors)
+                and all((ref() if ref is not None else None) is t for ref, t in zip(aligned[2:], tensors)))
 
     def nbytes(self) -> int:
         probe = self.value_probe.nbytes if self.value_probe is not None else 0

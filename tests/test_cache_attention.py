@@ -118,6 +118,23 @@ def test_compact_to_longest_head_keeps_order_and_pads():
     assert state.log_weights[0, 1].tolist() == [6.0, float("-inf"), float("-inf")]
 
 
+def test_align_cuts_to_the_layer_and_pads_the_new_tokens_however_often_it_is_called():
+    """align(slots_before, new) = the state's first slots_before columns then `new` zeros, its per-slot tensors cut
+    to slots_before; a second call on what the first left (the attention path, then the press) gives the same, and
+    tensors a press wrote in between are aligned afresh even for the same arguments."""
+    def expected(tensor, slots_before, new_tokens):
+        return torch.cat([tensor[..., :slots_before], torch.zeros(*tensor.shape[:-1], new_tokens)], -1)
+
+    log_weights, scores = torch.arange(6.0).view(1, 1, 6), torch.arange(10.0, 16.0).view(1, 1, 6)
+    state = LayerState(log_weights.clone(), {"scores": scores.clone()})
+    for slots_before, new_tokens in ((6, 1), (6, 1), (4, 2), (4, 2), (3, 1)):
+        assert torch.equal(state.align(slots_before, new_tokens), expected(log_weights, slots_before, new_tokens))
+        assert torch.equal(state.per_slot["scores"], scores[..., :slots_before])
+    state.log_weights, state.per_slot = -log_weights, {"scores": -scores}  # the press's step, then the next pass
+    assert torch.equal(state.align(3, 1), expected(-log_weights, 3, 1))
+    assert torch.equal(state.per_slot["scores"], -scores[..., :3])
+
+
 def test_state_is_ignored_by_another_cache_and_cleared_on_next_prefill():
     model, tokenizer = make_tiny_llama()
     input_ids = prompt_ids(tokenizer, 40)
