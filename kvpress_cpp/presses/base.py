@@ -135,8 +135,10 @@ class KVCompPress(BasePress):
     #: Whether compress_decoding reads the attention's probabilities (a paged pass computes them only for hooks that do).
     reads_decode_probabilities: ClassVar[bool] = True
 
-    # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,), and the layers
-    # whose counts are this rank's heads only, to be gathered over the tensor-parallel ranks.
+    # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,) (or, until
+    # :meth:`_held` first reads them, a copy of the log-weights (B, H, T) they are counted from: a decoding step
+    # then spends one copy, not a count), and the layers whose counts are this rank's heads only, to be gathered over
+    # the tensor-parallel ranks.
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
@@ -179,7 +181,7 @@ class KVCompPress(BasePress):
         is not counted as seen. Under tensor parallelism every rank reports the model's figure (all kv heads)."""
         ratios = {}
         for layer, seen in sorted(self._slots_seen.items()):
-            held = self._slots_held.get(layer)
+            held = self._held(layer)
             if held is not None:
                 ratios[layer] = 1.0 - float(held.sum()) / (float(seen) * held.numel()) if float(seen) else 0.0
         return ratios
@@ -300,8 +302,7 @@ class KVCompPress(BasePress):
                 state.value_probe = layer.values[..., 0].clone()
             set_state(layer, state)
             attach(module, layer)
-            # Slots held: log-weight above -inf (one comparison; isfinite costs four ops a layer and step).
-            self._slots_held[layer_idx] = state.log_weights.gt(float("-inf")).sum(dim=(0, 2))
+            self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
             self._held_to_gather.add(layer_idx)
         return self._after_layer(module, output)
 
@@ -312,11 +313,19 @@ class KVCompPress(BasePress):
         if layer_idx == module.config.num_hidden_layers - 1 and self._held_to_gather and kv_head_shard(module):
             # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).
             layers = sorted(self._held_to_gather)
-            gathered = gather_kv_heads(torch.stack([self._slots_held[layer] for layer in layers]), module, dim=-1)
+            gathered = gather_kv_heads(torch.stack([self._held(layer) for layer in layers]), module, dim=-1)
             self._slots_held.update(zip(layers, gathered))
         if layer_idx == module.config.num_hidden_layers - 1:
             self._held_to_gather.clear()
         return output
+
+    def _held(self, layer_idx: int) -> torch.Tensor | None:
+        """The slots held per kv head (H,) of a layer after the last forward: its log-weights above -inf, counted
+        the first time they are read."""
+        held = self._slots_held.get(layer_idx)
+        if held is not None and held.dim() == 3:
+            held = self._slots_held[layer_idx] = held.gt(float("-inf")).sum(dim=(0, 2))
+        return held
 
     def tensor_parallel_limitation(self) -> str | None:
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""

@@ -283,7 +283,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
             if not torch.equal(positions, torch.arange(first, stop, device=positions.device).expand_as(positions)):
                 return False
         scores_pool[new_slots] = self.scorer.layer_scores(module, hidden_states)
-        held = self._slots_held[module.layer_idx]
+        held = self._held(module.layer_idx)
         if decided:
             # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
             log_weights, held_now = ops.kvzap_threshold(log_weights_pool[decided_slots], scores_pool[decided_slots],
