@@ -264,11 +264,8 @@ def decode_rows(prompt_lengths=(2048, 4096)) -> list[dict]:
         presses = {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
                    same_slots: lambda: TOVAPress(compression_ratio=removed),
                    f"KVzap-MLP τ={press.threshold:g}": KVzapThresholdPress}
-        length_rows = bench_paged.decode_rows(model, tokenizer, (length,), presses=presses)
-        reference = next(r["step_ms"] for r in length_rows if r["press"] == same_slots and r["cache"] == "rectangular")
-        for row in length_rows:
-            row["vs_tova_same_slots"] = round(row["step_ms"] / reference, 3)
-        rows += length_rows
+        rows += bench_paged.decode_rows(model, tokenizer, (length,), presses=presses,
+                                        references={"vs_tova": "TOVA (prefill only)", "vs_tova_same_slots": same_slots})
     return rows
 
 
