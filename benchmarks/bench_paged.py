@@ -274,7 +274,7 @@ def plot(rows: list[dict]) -> None:
                        label=f"{prompt} tokens")
         right.axhline(1.1, color="grey", linestyle="--", linewidth=1)
         right.set_xticks(range(len(labels)), [f"{p}\n{c}" for p, c in labels], fontsize=6, rotation=60)
-        right.set_ylabel("decode step / TOVA's (rectangular), paired by round")
+        right.set_ylabel("step / TOVA's in the same round")
         right.set_title("CPU decode step, 1 thread, 25% kept")
         right.legend()
     save_figure(fig, NAME)
