@@ -193,13 +193,13 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 41, 
                                         if name == reference and cache_name == "rectangular")
                            for column, reference in references.items()}
         for name, cache_name, _, _, _, times in runs:
+            timed = times[1:]
             row = {"part": "decode", "prompt": length, "press": name, "cache": cache_name,
-                   "step_ms": round(1000 * statistics.median(times[1:]), 2),
-                   "fastest_ms": round(1000 * min(times[1:]), 2), "steps": len(times) - 1,
-                   "load_average": round(statistics.median(loads), 2)}
+                   "step_ms": round(1000 * statistics.median(timed), 2), "fastest_ms": round(1000 * min(timed), 2),
+                   "steps": len(timed), "load_average": round(statistics.median(loads), 2)}
             for column, reference in reference_times.items():
-                row[column] = round(statistics.median(times[1:]) / statistics.median(reference), 3)
-                row[f"{column}_paired"] = paired_ratio(times[1:], reference)
+                row[column] = round(statistics.median(timed) / statistics.median(reference), 3)
+                row[f"{column}_paired"] = paired_ratio(timed, reference)
             rows.append(row)
     return rows
 
