@@ -40,6 +40,7 @@ __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attenti
            "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
+_DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -93,11 +94,17 @@ def take_prefill_attention(module: torch.nn.Module, prompt_length: int) -> Prefi
     return kept if kept is not None and kept.log_sum_exp.shape[-1] == prompt_length else None
 
 
+def _hand_decode_query(module: torch.nn.Module, query: torch.Tensor | None) -> None:
+    """Keep a pass's queries on `module` for its press's hook. Once per layer and decoding step: straight into the
+    instance dict (what ``nn.Module.__setattr__`` does for a name that is no parameter, buffer or submodule, after
+    three dict lookups and a type check)."""
+    module.__dict__[_DECODE_QUERY_ATTR] = query
+
+
 def take_decode_query(module: torch.nn.Module, new_tokens: int) -> torch.Tensor | None:
     """The post-RoPE queries (B, Hq, q, d) of the later pass of `new_tokens` tokens that just attended to `module`'s
     layer with state (the ones its probabilities come from), or None. Taken once."""
-    query = getattr(module, "_kvcomp_decode_query", None)
-    module._kvcomp_decode_query = None
+    query = module.__dict__.pop(_DECODE_QUERY_ATTR, None)
     return query if query is not None and query.shape[2] == new_tokens else None
 
 
@@ -152,7 +159,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False):
                 return _prompt_attention_keeping_scores(module, query, key, value, kwargs)
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
         output, probs = ops.decode_attention(query, key, value, log_weights, scaling)
-        module._kvcomp_decode_query = query  # for the press's hook (take_decode_query): no second projection
+        _hand_decode_query(module, query)  # for the press's hook (take_decode_query): no second projection
         return output.transpose(1, 2).contiguous(), probs
 
     setattr(attention, _WRAPPED_ATTR, True)
@@ -180,7 +187,7 @@ def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Te
     view's columns when a hook that reads them is attached."""
     wants_probs = len(module._forward_hooks) > getattr(module, "_kvcomp_hooks_without_probs", 0)
     output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs)
-    module._kvcomp_decode_query = query if wants_probs else None
+    _hand_decode_query(module, query if wants_probs else None)
     return output.transpose(1, 2).contiguous(), layer.probs_to_view(probs) if wants_probs else None
 
 

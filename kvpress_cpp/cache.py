@@ -124,9 +124,13 @@ def set_state(layer, state: LayerState | None) -> None:
 def attach(module: torch.nn.Module, layer) -> None:
     """Tell the attention path that `module` attends over `layer`, whose state it must honour.
 
-    A weak reference: the cache owns its state, and a dropped cache leaves nothing behind on the model.
+    A weak reference: the cache owns its state, and a dropped cache leaves nothing behind on the model. Every
+    decoding step re-attaches its layer: an unchanged one is recognised without ``nn.Module.__setattr__``
+    (weakref.ref hands back the layer's one reference).
     """
-    setattr(module, _LAYER_ATTR, weakref.ref(layer))
+    ref = weakref.ref(layer)
+    if module.__dict__.get(_LAYER_ATTR) is not ref:
+        setattr(module, _LAYER_ATTR, ref)
 
 
 def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:

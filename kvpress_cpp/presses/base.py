@@ -135,7 +135,8 @@ class KVCompPress(BasePress):
     #: Whether compress_decoding reads the attention's probabilities (a paged pass computes them only for hooks that do).
     reads_decode_probabilities: ClassVar[bool] = True
 
-    # Per layer: the tokens seen per kv head (summed over the batch), the slots held per kv head (H,) (or, until
+    # Per layer: the tokens seen per kv head (summed over the batch) as [the prompt's (a tensor where counting them on
+    # the device would sync), the later passes' (an int: a tensor add per layer and step cost 5 µs)], the slots held per kv head (H,) (or, until
     # :meth:`_held` first reads them, a copy of the log-weights (B, H, T) they are counted from: a decoding step
     # then spends one copy, not a count), and the layers whose counts are this rank's heads only, to be gathered over
     # the tensor-parallel ranks.
@@ -180,8 +181,8 @@ class KVCompPress(BasePress):
         last forward: the prompt's, plus every later token for presses that compress while decoding. Padding
         is not counted as seen. Under tensor parallelism every rank reports the model's figure (all kv heads)."""
         ratios = {}
-        for layer, seen in sorted(self._slots_seen.items()):
-            held = self._held(layer)
+        for layer, (prompt, later) in sorted(self._slots_seen.items()):
+            held, seen = self._held(layer), prompt + later
             if held is not None:
                 ratios[layer] = 1.0 - float(held.sum()) / (float(seen) * held.numel()) if float(seen) else 0.0
         return ratios
@@ -224,12 +225,12 @@ class KVCompPress(BasePress):
                     f"{hidden_states.shape[1]} tokens: a press before {name} (in a ComposedPress) already compressed "
                     f"it. {name} scores every prompt token from the prompt's causal attention, so it must come first")
             log_weights = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-            self._slots_seen[layer_idx] = keys.shape[0] * keys.shape[-2]
+            self._slots_seen[layer_idx] = [keys.shape[0] * keys.shape[-2], 0]
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
         is_real = torch.isfinite(log_weights[:, 0])
         padding = (~is_real).sum(-1)
-        self._slots_seen[layer_idx] = is_real.sum()
+        self._slots_seen[layer_idx] = [is_real.sum(), 0]
         if self.handles_padding or not bool(padding.any()):
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         if not bool(is_real.any(-1).all()):
@@ -294,7 +295,7 @@ class KVCompPress(BasePress):
             else:
                 result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
             if result is not None:
-                self._slots_seen[layer_idx] = self._slots_seen.get(layer_idx, 0) + keys.shape[0] * new_tokens
+                self._count_later_tokens(layer_idx, keys.shape[0] * new_tokens)
         if result is not None:
             layer.keys, layer.values, state = result
             state.owner, state.owner_type = weakref.ref(self), type(self)
@@ -309,15 +310,20 @@ class KVCompPress(BasePress):
     def _after_layer(self, module: nn.Module, output):
         """The end of every forward hook: after the last layer, the held counts of a tensor-parallel model's layers
         gathered over its ranks."""
-        layer_idx = module.layer_idx
-        if layer_idx == module.config.num_hidden_layers - 1 and self._held_to_gather and kv_head_shard(module):
+        if module.layer_idx != module.config.num_hidden_layers - 1:
+            return output
+        if self._held_to_gather and kv_head_shard(module):
             # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).
             layers = sorted(self._held_to_gather)
             gathered = gather_kv_heads(torch.stack([self._held(layer) for layer in layers]), module, dim=-1)
             self._slots_held.update(zip(layers, gathered))
-        if layer_idx == module.config.num_hidden_layers - 1:
-            self._held_to_gather.clear()
+        self._held_to_gather.clear()
         return output
+
+    def _count_later_tokens(self, layer_idx: int, tokens: int) -> None:
+        """Count the tokens of a later pass as seen (a press taking over a cache another instance prefilled starts
+        from 0)."""
+        self._slots_seen.setdefault(layer_idx, [0, 0])[1] += tokens
 
     def _held(self, layer_idx: int) -> torch.Tensor | None:
         """The slots held per kv head (H,) of a layer after the last forward: its log-weights above -inf, counted

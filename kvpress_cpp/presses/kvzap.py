@@ -299,7 +299,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
             layer.drop_dead_slots()
             counters["since_compaction"] = 0
         layer_idx = module.layer_idx
-        self._slots_seen[layer_idx] = self._slots_seen.get(layer_idx, 0) + batch * new_tokens
+        self._count_later_tokens(layer_idx, batch * new_tokens)
         self._slots_held[layer_idx] = held
         self._held_to_gather.add(layer_idx)
         return True
