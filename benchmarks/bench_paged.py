@@ -18,7 +18,8 @@ Parts (each row of benchmarks/results/paged.json names its part):
 * ``decode``: CPU decode-step time (one thread) at 2k and 4k prompts, 25% kept, of every press that compresses while
   decoding, on the rectangular and the paged cache, against kvpress's TOVA (which prunes the prompt to the same slots
   and does not compress while decoding) on the rectangular cache. Every (press, cache) pair is prefilled once, then
-  all are decoded in turns, one token each per round (40 timed rounds), so the machine's changing load falls on
+  all are decoded in turns, one token each per round (120 timed rounds: a decoding round takes under a second, the
+  prefills dominate), so the machine's changing load falls on
   all alike; each row is the median step (and the fastest), with the load average seen, its ratio to TOVA's median
   step (``vs_tova``) and the median over rounds of its step over TOVA's in the same round (``vs_tova_paired``, the
   robust one: the machine's speed drifts over seconds). Target: within 1.1x of TOVA.
@@ -141,7 +142,7 @@ def batch_rows(model, tokenizer, kept: float = 0.25, layers: int = 2) -> list[di
              // model.config.num_hidden_layers}]
 
 
-def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 41, presses: dict | None = None,
+def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 121, presses: dict | None = None,
                 references: dict[str, str] | None = None) -> list[dict]:
     """Every (press, cache) pair prefilled once, then decoded one token at a time in turns (pair after pair, `steps`
     rounds), so that a change in the machine's load falls on all of them alike; the median step of each. `presses`:
