@@ -153,6 +153,42 @@ def test_state_is_ignored_by_another_cache_and_cleared_on_next_prefill():
         assert get_state(cache.layers[0]) is None
 
 
+def test_two_caches_decoded_in_turns_each_match_their_run_alone():
+    """The benchmark's turns (bench_paged.decode_rows): a module attends to the layer last attached to it, so each
+    cache's layers are attached before its step; re-attaching the layer already attached and switching to the other
+    cache's must both leave every step as it is when the cache decodes alone."""
+    from kvpress_cpp.cache import attach
+    from kvpress_cpp.presses import KeepKVPress
+
+    model, tokenizer = make_tiny_llama()
+    prompts = [prompt_ids(tokenizer, 48), prompt_ids(tokenizer, 64)[:, 8:]]
+    modules = [layer.self_attn for layer in model.model.layers]
+
+    def prefill(ids):
+        press, cache = KeepKVPress(budget=24, recent=8), DynamicCache()
+        with torch.no_grad(), press(model):
+            logits = model(ids, past_key_values=cache).logits
+        return press, cache, logits[:, -1:].argmax(-1)
+
+    def step(run):
+        press, cache, token = run
+        for module, layer in zip(modules, cache.layers):
+            attach(module, layer)
+        with torch.no_grad(), press(model):
+            logits = model(token, past_key_values=cache).logits[:, -1]
+        run[2] = logits.argmax(-1, keepdim=True)
+        return logits
+
+    alone = []
+    for ids in prompts:
+        run = list(prefill(ids))
+        alone.append([step(run) for _ in range(6)])
+    runs = [list(prefill(ids)) for ids in prompts]
+    for turn in range(6):
+        for run, expected in zip(runs, alone):
+            torch.testing.assert_close(step(run), expected[turn], rtol=0, atol=0)
+
+
 def test_pipeline_and_generate_agree_on_a_compressed_context():
     """kvpress's pipeline answers outside the press context; generate continuing the same compressed cache (with
     the logical positions) must give the same answer."""
