@@ -136,10 +136,10 @@ class KVCompPress(BasePress):
     reads_decode_probabilities: ClassVar[bool] = True
 
     # Per layer: the tokens seen per kv head (summed over the batch) as [the prompt's (a tensor where counting them on
-    # the device would sync), the later passes' (an int: a tensor add per layer and step cost 5 µs)], the slots held per kv head (H,) (or, until
-    # :meth:`_held` first reads them, a copy of the log-weights (B, H, T) they are counted from: a decoding step
-    # then spends one copy, not a count), and the layers whose counts are this rank's heads only, to be gathered over
-    # the tensor-parallel ranks.
+    # the device would sync), the later passes' (an int: a tensor add per layer and step cost 5 µs)]; the slots held
+    # per kv head (H,) (or, until :meth:`_held` first reads them, a copy of the log-weights (B, H, T) they are counted
+    # from: a decoding step then spends one copy, not a count); and the layers whose counts are this rank's heads
+    # only, to be gathered over the tensor-parallel ranks.
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
