@@ -102,6 +102,17 @@ TORCH_LIBRARY(kvcomp, m) {
   // slots of each row whose log-weight is not -inf).
   m.def("kvzap_threshold(Tensor log_weights, Tensor scores, Tensor positions, float threshold, int window, "
         "int tokens_before, int tokens_after) -> (Tensor, Tensor)");
+  // kvzap_threshold's decoding pass on a paged cache, in place in its per-slot pools: log-weights, scores (N, S)
+  // float32 and positions (N, S) int64, read through block_tables (B, H, max_blocks) and lengths (B, H) as in
+  // paged_decode_attention (each block owned by one (b, h)). The q new tokens, each (b, h)'s last q slots, get the
+  // positions tokens_before .. tokens_before + q - 1 and their scores new_scores (B, H, q) float32. The D tokens that
+  // leave the window in this pass must then be each (b, h)'s slots length - window - D .. length - window - 1 (every
+  // older token is decided, every later one in the window): where those slots hold exactly their positions, they are
+  // decided as kvzap_threshold decides them. -> held (B, H) int64: how many of them each (b, h) holds, or -1 where they
+  // are not there (log-weights untouched; kvzap_threshold over the (b, h)'s view then decides them, as it would have).
+  m.def("kvzap_paged_step(Tensor(a!) log_weight_blocks, Tensor(b!) score_blocks, Tensor(c!) position_blocks, "
+        "Tensor block_tables, Tensor lengths, Tensor new_scores, float threshold, int window, int tokens_before) "
+        "-> Tensor");
 
   // prompt_scores family (prefill scoring without P.V; math in csrc/kernels/prompt_scores.h). The q newest prompt
   // queries (B, Hq, q, d) over keys (B, H, T, d) with log-weights b (B, H, T) float32, causal, GQA without repeating
@@ -125,8 +136,8 @@ TORCH_LIBRARY(kvcomp, m) {
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
 // "derivative for kvcomp::<op> is not implemented" when backward reaches it (instead of torch's default warning and
-// silently wrong gradients). The in-place weightedkv_evict, zsmerge_decode_step and keepkv_decode_step are not
-// listed: they refuse inputs that require grad.
+// silently wrong gradients). The in-place weightedkv_evict, zsmerge_decode_step, keepkv_decode_step and
+// kvzap_paged_step are not listed: they refuse inputs that require grad.
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",

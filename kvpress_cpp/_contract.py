@@ -459,6 +459,27 @@ _declare(Contract(
     outputs=lambda v: [((v["B"], v["H"], v["T"]), F32), ((v["B"], v["H"]), I64)],
 ))
 
+_declare(Contract(
+    "kvzap_paged_step",
+    [Tensor("log_weight_blocks", "N S", F32, inplace=True), Tensor("score_blocks", "N S", F32, inplace=True),
+     Tensor("position_blocks", "N S", I64, inplace=True), Tensor("block_tables", "B H M", I64),
+     Tensor("lengths", "B H", I64), Tensor("new_scores", "B H q", F32), Scalar("threshold"), Scalar("window"),
+     Scalar("tokens_before")],
+    rules=[
+        Rule(lambda v: v["S"] >= 1, lambda v: f"expected a block size (log_weight_blocks.size(1)) >= 1, got {v['S']}"),
+        Rule(lambda v: v["q"] >= 1,
+             lambda v: f"expected at least one new token, got new_scores of shape {tuple(v['new_scores'].shape)}"),
+        Rule(lambda v: not math.isnan(v["threshold"]),
+             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
+        _at_least("window", 0),
+        _at_least("tokens_before", 0),
+        Rule(lambda v: v["tokens_before"] + v["q"] <= INT64_MAX,
+             lambda v: f"expected tokens_before + q to fit in 64 bits, got tokens_before = {v['tokens_before']}, "
+             f"q = {v['q']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["H"]), I64)],
+))
+
 
 def _prompt_attention_args() -> list:
     return [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("keys", "B H T d", "query"),

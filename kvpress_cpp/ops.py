@@ -462,6 +462,45 @@ def kvzap_threshold(
                                             tokens_after)
 
 
+def kvzap_paged_step(
+    log_weight_blocks: torch.Tensor,
+    score_blocks: torch.Tensor,
+    position_blocks: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    new_scores: torch.Tensor,
+    threshold: float,
+    window: int,
+    tokens_before: int,
+) -> torch.Tensor:
+    """:func:`kvzap_threshold` for a decoding pass of q new tokens on a paged cache, in place in its per-slot pools,
+    without gathering any (batch, kv head) row.
+
+    After every pass each row ends with its undecided tokens in position order (a token is decided when it leaves the
+    window): the D = |[max(0, tokens_before - window), max(0, tokens_before + q - window))| tokens leaving the window
+    now, then the window. So those D tokens are the row's slots ``length - window - D .. length - window - 1``, unless
+    the row is not what decoding made it (padding among its first tokens, a cache cut back); the op checks the
+    positions stored there.
+
+    Args:
+        log_weight_blocks, score_blocks: (N, S) float32 pools of N blocks of S slots, contiguous, updated in place.
+        position_blocks: (N, S) int64 pool of the slots' absolute positions, contiguous, updated in place.
+        block_tables: (B, H, max_blocks) int64; slot t of (b, h) is slot t % S of block block_tables[b, h, t // S]. Each
+            block belongs to one (b, h).
+        lengths: (B, H) int64 slots per (b, h), in [q, max_blocks * S], the new tokens included.
+        new_scores: (B, H, q) float32 the new tokens' surrogate scores, q ≥ 1.
+        threshold: τ, not NaN. window: w ≥ 0. tokens_before: the tokens seen before this pass, ≥ 0.
+
+    Returns:
+        (B, H) int64: per row, how many of the D tokens leaving the window it holds (not -inf) after the keep rule;
+        -1 where the slots ``length - window - D ..`` do not hold positions ``tokens_before - window ..`` in order (that
+        row's log-weights untouched: run kvzap_threshold over its view). Either way the new tokens' positions and
+        scores are written.
+    """
+    return torch.ops.kvcomp.kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tables, lengths,
+                                             new_scores, threshold, window, tokens_before)
+
+
 def prompt_log_sum_exp(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
                        scale: float | None = None) -> torch.Tensor:
     """Log-sum-exp of the prompt's attention rows, the first pass of :func:`prompt_scores`.

@@ -576,6 +576,37 @@ def kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_be
     return out, held
 
 
+def kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tables, lengths, new_scores, threshold,
+                     window, tokens_before):
+    """The paged decoding pass row by row, on each row's slot list: the new tokens' positions and scores written to its
+    last q slots; then, if the row holds the tokens leaving the window at slots length - window - D .. in order, its
+    log-weights are :func:`kvzap_threshold` of its gathered row, and held counts its slots of those positions still
+    held; otherwise held is -1 and its log-weights stay. Returns (held, log_weight_blocks, score_blocks,
+    position_blocks), the pools as new tensors."""
+    pools = [t.clone().cpu() for t in (log_weight_blocks, score_blocks, position_blocks)]
+    flat_log_weights, flat_scores, flat_positions = (t.view(-1) for t in pools)
+    block_size, new_tokens = log_weight_blocks.shape[1], new_scores.shape[-1]
+    tokens_after = tokens_before + new_tokens
+    begin, end = max(0, tokens_before - window), max(0, tokens_after - window)
+    held = torch.empty(lengths.shape, dtype=torch.int64)
+    for b, h in torch.cartesian_prod(*(torch.arange(n) for n in lengths.shape)).view(-1, 2).tolist():
+        length = int(lengths[b, h])
+        slots = torch.tensor([int(block_tables[b, h, t // block_size]) * block_size + t % block_size
+                              for t in range(length)], dtype=torch.int64)
+        flat_positions[slots[length - new_tokens:]] = torch.arange(tokens_before, tokens_after)
+        flat_scores[slots[length - new_tokens:]] = new_scores[b, h].cpu()
+        leaving = slots[length - window - (end - begin):length - window] if length >= window + end - begin else None
+        if end > begin and (leaving is None or flat_positions[leaving].tolist() != list(range(begin, end))):
+            held[b, h] = -1
+            continue
+        row = (t[slots].view(1, 1, -1) for t in (flat_log_weights, flat_scores, flat_positions))
+        row_log_weights, _ = kvzap_threshold(*row, threshold, window, tokens_before, tokens_after)
+        flat_log_weights[slots] = row_log_weights.view(-1)
+        deciding = (flat_positions[slots] >= begin) & (flat_positions[slots] < end)
+        held[b, h] = int((row_log_weights.view(-1)[deciding] != float("-inf")).sum())
+    return (held, *pools)
+
+
 def dms_keep(scores: torch.Tensor, threshold: float, window: int) -> torch.Tensor:
     """The KVzap / DMS rule over a whole sequence at once (paper Algorithm 1): scores (B, H, N) of every token ever
     seen → keep (B, H, N) bool: the last `window` tokens, and every earlier token whose score is not below the

@@ -190,20 +190,22 @@ def _paged_build(r, s, dtype):
     return (query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, max(s["d"], 1) ** -0.5, True)
 
 
+def _with(t: torch.Tensor, index: tuple, value) -> torch.Tensor:
+    changed = t.clone()
+    changed[index] = value
+    return changed
+
+
 def _paged_bad(r, args):
     tables, lengths = args[4], args[5]
     used = lengths > 0
     cases = []
     if bool(used.any()):
         b, h = used.nonzero()[0].tolist()
-        for value in (-1, args[1].shape[0], 2**62):
-            bad = tables.clone()
-            bad[b, h, 0] = value
-            cases.append(("index", "block_tables", args[:4] + (bad,) + args[5:]))
-    for value in (-1, tables.shape[2] * args[1].shape[1] + 1):
-        bad = lengths.clone()
-        bad.view(-1)[0] = value
-        cases.append(("index", "lengths", args[:5] + (bad,) + args[6:]))
+        cases += [("index", "block_tables", _replace(args, 4, _with(tables, (b, h, 0), value)))
+                  for value in (-1, args[1].shape[0], 2**62)]
+    cases += [("index", "lengths", _replace(args, 5, _with(lengths, (0, 0), value)))
+              for value in (-1, tables.shape[2] * args[1].shape[1] + 1)]
     return cases
 
 
@@ -431,6 +433,62 @@ def _kvzap_threshold_build(r, s, dtype):
             r.randint(before, s["T"] + 4))
 
 
+def _kvzap_paged_step_sizes(r, o):
+    s = {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("H", 3), ("q", 3), ("S", 4))}
+    s["window"], s["tokens_before"] = r.randint(0, 6), r.randint(0, 24)
+    return s
+
+
+def _kvzap_paged_step_build(r, s, dtype):
+    """Each row as decoding leaves it: some earlier decided tokens (a few evicted, -inf), then every token from the
+    first one leaving the window now to the new ones, in order; about one row in four disturbed (two slots swapped,
+    or its oldest undecided token gone, as after a cut) so that it must be left alone. Rows own distinct blocks of a
+    shuffled pool."""
+    window, before, new_tokens, block_size = s["window"], s["tokens_before"], s["q"], max(1, s["S"])
+    begin = max(0, before - window)
+    rows = []
+    for _ in range(s["B"] * s["H"]):
+        earlier = sorted(r.sample(range(begin), r.randint(0, begin)))
+        positions = earlier + list(range(begin, before + new_tokens))
+        if r.random() < 0.25 and len(positions) > new_tokens + 1:
+            if r.random() < 0.5:
+                i = r.randrange(len(positions) - new_tokens - 1)
+                positions[i], positions[i + 1] = positions[i + 1], positions[i]
+            else:
+                positions.remove(begin) if begin in positions else positions.pop(0)
+        rows.append(positions)
+    max_blocks = max((-(-len(p) // block_size) for p in rows), default=0) + r.randint(0, 1)
+    blocks = sum(-(-len(p) // block_size) for p in rows) + r.randint(0, 2)
+    pool = torch.randperm(blocks, generator=_g(r)).tolist()
+    tables = torch.full((s["B"], s["H"], max_blocks), -1, dtype=torch.int64)
+    position_blocks = torch.randint(-5, 50, (blocks, s["S"]), generator=_g(r))
+    log_weight_blocks = _randn(r, (blocks, s["S"]))
+    log_weight_blocks[torch.rand(log_weight_blocks.shape, generator=_g(r)) < 0.2] = -math.inf
+    for row, positions in enumerate(rows):
+        used = -(-len(positions) // block_size)
+        tables.view(-1, max_blocks)[row, :used] = torch.tensor([pool.pop() for _ in range(used)], dtype=torch.int64)
+        for t, position in enumerate(positions[:len(positions) - new_tokens] if s["S"] else []):
+            position_blocks[tables.view(-1, max_blocks)[row, t // block_size], t % block_size] = position
+    lengths = torch.tensor([len(p) for p in rows], dtype=torch.int64).view(s["B"], s["H"])
+    return (log_weight_blocks, _randn(r, (blocks, s["S"])), position_blocks, tables, lengths,
+            _randn(r, (s["B"], s["H"], new_tokens)), r.gauss(0, 1), window, before)
+
+
+def _kvzap_paged_step_run(args):
+    pools = tuple(t.clone() for t in args[:3])
+    held = ops.kvzap_paged_step(*pools, *args[3:])
+    return (held, *pools)
+
+
+def _kvzap_paged_step_bad(r, args):
+    tables, lengths, new_tokens = args[3], args[4], args[5].shape[-1]
+    cases = [("index", "block_tables", _replace(args, 3, _with(tables, (0, 0, 0), value)))
+             for value in (-1, args[0].shape[0], 2**62)]
+    cases += [("index", "lengths", _replace(args, 4, _with(lengths, (0, 0), value)))
+              for value in (new_tokens - 1, tables.shape[2] * args[0].shape[1] + 1)]
+    return cases
+
+
 FUZZ: dict[str, OpFuzz] = {
     "update_scores": OpFuzz(_update_scores_sizes, _update_scores_build, reference.update_scores),
     "merge_count_bias": OpFuzz(_merge_count_bias_sizes, _merge_count_bias_build, reference.merge_count_bias),
@@ -482,6 +540,9 @@ FUZZ: dict[str, OpFuzz] = {
                           tolerance=lambda dtype: _low_precision(dtype, 5e-2)),
     "kvzap_threshold": OpFuzz(_kvzap_threshold_sizes, _kvzap_threshold_build, reference.kvzap_threshold,
                               odd_values=_extreme_indices(2)),
+    "kvzap_paged_step": OpFuzz(_kvzap_paged_step_sizes, _kvzap_paged_step_build, reference.kvzap_paged_step,
+                               run=_kvzap_paged_step_run, bad_values=_kvzap_paged_step_bad,
+                               odd_values=_extreme_indices(2)),
 }
 
 

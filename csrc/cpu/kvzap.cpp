@@ -1,5 +1,6 @@
 // CPU kernels of the kvzap family: the surrogate (ATen GEMMs; bias + GELU and bias + float32 as vectorised passes
-// over the GEMM outputs, parallel over rows) and the keep rule (one pass per (batch, head) row: decision and count).
+// over the GEMM outputs, parallel over rows), the keep rule (one pass per (batch, head) row: decision and count) and
+// its decoding pass on a paged cache (one serial pass over the rows).
 #include <ATen/Parallel.h>
 #include "cpu/vec.h"
 #include <ATen/ops/empty.h>
@@ -105,11 +106,37 @@ std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cpu(const at::Tensor& log_wei
   return {out, held};
 }
 
+at::Tensor kvzap_paged_step_cpu(at::Tensor& log_weight_blocks, at::Tensor& score_blocks, at::Tensor& position_blocks,
+                                const at::Tensor& block_tables, const at::Tensor& lengths, const at::Tensor& new_scores,
+                                double threshold, int64_t window, int64_t tokens_before) {
+  const KVzapPagedStepShape shape = check_kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks,
+                                                           block_tables, lengths, new_scores, threshold, window,
+                                                           tokens_before);
+  at::Tensor held = at::empty({shape.batch, shape.heads}, lengths.options());
+  const at::Tensor tables_c = block_tables.contiguous(), lengths_c = lengths.contiguous();
+  const at::Tensor new_scores_c = new_scores.contiguous();
+  const int64_t* table_ptr = tables_c.const_data_ptr<int64_t>();
+  const int64_t* length_ptr = lengths_c.const_data_ptr<int64_t>();
+  const float* new_ptr = new_scores_c.const_data_ptr<float>();
+  float* lw_ptr = log_weight_blocks.mutable_data_ptr<float>();
+  float* score_ptr = score_blocks.mutable_data_ptr<float>();
+  int64_t* pos_ptr = position_blocks.mutable_data_ptr<int64_t>();
+  int64_t* held_ptr = held.mutable_data_ptr<int64_t>();
+  // A decoding pass decides about one slot per row: the rows are too small to share out over threads.
+  for (int64_t row = 0; row < shape.rows(); ++row) {
+    const z::PagedRow paged{table_ptr + row * shape.max_blocks, shape.block_size, length_ptr[row]};
+    held_ptr[row] = z::paged_step_row(lw_ptr, score_ptr, pos_ptr, paged, new_ptr + row * shape.new_tokens,
+                                      shape.new_tokens, tokens_before, window, static_cast<float>(threshold));
+  }
+  return held;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcomp, CPU, m) {
   m.impl("kvzap_score", &kvzap_score_cpu);
   m.impl("kvzap_threshold", &kvzap_threshold_cpu);
+  m.impl("kvzap_paged_step", &kvzap_paged_step_cpu);
 }
 
 }  // namespace kvcomp

@@ -5,6 +5,8 @@
 //     device too (kernels::launch::blocks_per_row): each thread decides its slots, CUB BlockReduce counts the held
 //     ones, and one atomicAdd per block adds them to the row's count (integers: the order does not matter). Nothing
 //     waits on the host.
+//   kvzap_paged_step: one thread per (batch, head) row (a decoding pass decides about one slot per row); the block
+//     tables' check before it is the one host sync.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -138,11 +140,53 @@ std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cuda(const at::Tensor& log_we
   return {out, held};
 }
 
+__global__ void __launch_bounds__(kThreads)
+    kvzap_paged_step_kernel(float* __restrict__ log_weights,  // [N * S]
+                            float* __restrict__ scores,  // [N * S]
+                            int64_t* __restrict__ positions,  // [N * S]
+                            const int64_t* __restrict__ block_tables,  // [B * H, max_blocks]
+                            const int64_t* __restrict__ lengths,  // [B * H]
+                            const float* __restrict__ new_scores,  // [B * H, q]
+                            int64_t* __restrict__ held,  // [B * H]
+                            int64_t rows, int64_t max_blocks, int64_t block_size, int64_t new_tokens,
+                            int64_t tokens_before, int64_t window, float threshold) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (row >= rows) return;
+  const z::PagedRow paged{block_tables + row * max_blocks, block_size, lengths[row]};
+  held[row] = z::paged_step_row(log_weights, scores, positions, paged, new_scores + row * new_tokens, new_tokens,
+                                tokens_before, window, threshold);
+}
+
+at::Tensor kvzap_paged_step_cuda(at::Tensor& log_weight_blocks, at::Tensor& score_blocks, at::Tensor& position_blocks,
+                                 const at::Tensor& block_tables, const at::Tensor& lengths,
+                                 const at::Tensor& new_scores, double threshold, int64_t window,
+                                 int64_t tokens_before) {
+  const KVzapPagedStepShape shape = check_kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks,
+                                                           block_tables, lengths, new_scores, threshold, window,
+                                                           tokens_before);
+  const c10::cuda::OptionalCUDAGuard device_guard(log_weight_blocks.device());
+  at::Tensor held = at::empty({shape.batch, shape.heads}, lengths.options());
+  if (shape.rows() == 0) return held;
+  const at::Tensor tables_c = block_tables.contiguous(), lengths_c = lengths.contiguous();
+  const at::Tensor new_scores_c = new_scores.contiguous();
+  const unsigned blocks = grid_dim("kvcomp::kvzap_paged_step", "rows",
+                                  kernels::launch::ceil_div(shape.rows(), kThreads), kernels::launch::kMaxGridX);
+  kvzap_paged_step_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      log_weight_blocks.mutable_data_ptr<float>(), score_blocks.mutable_data_ptr<float>(),
+      position_blocks.mutable_data_ptr<int64_t>(), tables_c.const_data_ptr<int64_t>(),
+      lengths_c.const_data_ptr<int64_t>(), new_scores_c.const_data_ptr<float>(), held.mutable_data_ptr<int64_t>(),
+      shape.rows(), shape.max_blocks, shape.block_size, shape.new_tokens, tokens_before, window,
+      static_cast<float>(threshold));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return held;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvcomp, CUDA, m) {
   m.impl("kvzap_score", &kvzap_score_cuda);
   m.impl("kvzap_threshold", &kvzap_threshold_cuda);
+  m.impl("kvzap_paged_step", &kvzap_paged_step_cuda);
 }
 
 }  // namespace kvcomp

@@ -1,5 +1,5 @@
-// Device-free math of the kvzap family (kvcomp::kvzap_score, kvzap_threshold), used by the CPU loops, the CUDA
-// kernels and GoogleTest.
+// Device-free math of the kvzap family (kvcomp::kvzap_score, kvzap_threshold, kvzap_paged_step), used by the CPU
+// loops, the CUDA kernels and GoogleTest.
 #pragma once
 
 #include <cmath>
@@ -54,5 +54,49 @@ KVCOMP_HOST_DEVICE inline float thresholded_log_weight(float log_weight, float s
 
 // A slot counts as held (in the per-row counts the press compacts with) unless its log-weight is -inf.
 KVCOMP_HOST_DEVICE inline bool is_held(float log_weight) { return log_weight != evicted_log_weight(); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// kvzap_paged_step: one decoding pass of one (batch, kv head) row of a paged cache, in its per-slot pools (N, S) read
+// through the row's block table. Every token is decided when it leaves the window, so after a pass that took the
+// cache from `before` to `before + q` tokens each row ends with its undecided tokens in position order: the D tokens
+// decided now, then the window. They are the row's slots length - window - D .. length - window - 1 exactly when the
+// positions stored there say so; a row where they do not (its first tokens padding, a cache cut back) is left to
+// kvzap_threshold over its whole view.
+
+struct PagedRow {
+  const int64_t* table;  // the row's block table
+  int64_t block_size, length;
+  // Index into the pools viewed as (N * S) of the row's slot `slot` (0 <= slot < length).
+  KVCOMP_HOST_DEVICE int64_t pool_slot(int64_t slot) const {
+    return table[slot / block_size] * block_size + slot % block_size;
+  }
+};
+
+// Writes the q new tokens' positions and scores into their slots (the row's last q), then, if the slots of the D
+// tokens leaving the window hold them in order, applies the keep rule to those slots. Returns how many of them are
+// held, or -1 (log-weights untouched) when they are not where the rule expects them. Requires length >= q.
+KVCOMP_HOST_DEVICE inline int64_t paged_step_row(float* log_weights, float* scores, int64_t* positions, PagedRow row,
+                                                 const float* new_scores, int64_t new_tokens, int64_t tokens_before,
+                                                 int64_t window, float threshold) {
+  for (int64_t i = 0; i < new_tokens; ++i) {
+    const int64_t slot = row.pool_slot(row.length - new_tokens + i);
+    positions[slot] = tokens_before + i;
+    scores[slot] = new_scores[i];
+  }
+  const DecisionRange range = decision_range(tokens_before, tokens_before + new_tokens, window);
+  const int64_t decided = range.end - range.begin, first_slot = row.length - window - decided;
+  if (decided == 0) return 0;
+  if (first_slot < 0) return -1;
+  for (int64_t j = 0; j < decided; ++j) {
+    if (positions[row.pool_slot(first_slot + j)] != range.begin + j) return -1;
+  }
+  int64_t held = 0;
+  for (int64_t j = 0; j < decided; ++j) {
+    const int64_t slot = row.pool_slot(first_slot + j);
+    log_weights[slot] = thresholded_log_weight(log_weights[slot], scores[slot], range.begin + j, range, threshold);
+    held += is_held(log_weights[slot]);
+  }
+  return held;
+}
 
 }  // namespace kvcomp::kernels::kvzap

@@ -190,9 +190,9 @@ class KVzapThresholdPress(KVCompDecodingPress):
     (``per_slot["positions"]``, ``per_slot["scores"]``).
 
     On a :class:`~kvpress_cpp.paged_cache.PagedLayer` a decoding pass works in the layer's pools and reads no view
-    (:meth:`_step_paged_layer`): it scores the new tokens, decides only the slots whose tokens leave the window, and
-    evicts the slots it marked -inf (dead slots, attended as the rectangular cache attends them) once every
-    ``compaction_slack`` tokens, when the rectangular cache compacts.
+    (:meth:`_step_paged_layer`, one ``kvzap_paged_step``): it scores the new tokens, decides only the slots whose
+    tokens leave the window, and evicts the slots it marked -inf (dead slots, attended as the rectangular cache attends
+    them) once every ``compaction_slack`` tokens, when the rectangular cache compacts.
 
     Attributes:
         threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
@@ -250,57 +250,37 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     def _step_paged_layer(self, module, layer: PagedLayer, hidden_states: torch.Tensor) -> bool:
         """compress_decoding of the q tokens update() just appended to a paged layer this press prefilled, in the
-        layer's pools: their positions and scores are written to their slots, and the tokens leaving the window,
-        positions [b, e) = [max(0, before - w), max(0, after - w)), are decided by kvzap_threshold over their slots
-        alone. Every token after them is in the window or decided in this pass, so never evicted: they are each
-        head's slots length - w - (e - b) ... length - w - 1, which the positions stored there confirm. Returns False,
-        with nothing but those new positions written, where that does not hold (a left-padded row's first tokens, a
-        cache cut back by kvpress's pipeline) or where the general path must run (a prefill, another press's state,
-        a tensor-parallel layer): the view is then read and written as for a DynamicCache."""
+        layer's pools (``ops.kvzap_paged_step``): the new tokens' positions and scores are written to their slots and
+        the tokens leaving the window are decided in theirs. Returns False, with nothing but the new tokens' positions
+        and scores written, where those slots do not hold them (a left-padded row's first tokens, a cache cut back by
+        kvpress's pipeline) or where the general path must run (a prefill, another press's state, a tensor-parallel
+        layer): the view is then read and written as for a DynamicCache."""
         state = layer.written_state()
         owner = state.owner() if state is not None and state.owner is not None else None
         if (state is None or state.owner_type is not type(self) or owner not in (None, self)
                 or kv_head_shard(module) is not None or module.layer_idx not in self._slots_held
                 or not {"scores", "positions"} <= set(layer.slot_blocks)):
             return False
-        scores_pool, positions_pool = layer.slot_blocks["scores"].view(-1), layer.slot_blocks["positions"].view(-1)
-        log_weights_pool = layer.slot_blocks["log_weights"].view(-1)
-        batch, heads = layer.lengths.shape
-        new_tokens, before = hidden_states.shape[1], layer.counters["tokens"]
-        after = before + new_tokens
-        first, stop = max(0, before - self.sliding_window), max(0, after - self.sliding_window)
-        decided = stop - first
-        if decided and int(layer.lengths.min()) < self.sliding_window + decided:
-            return False
-        # Each head's decided slots, then its new ones: one index for both.
-        offsets = torch.cat([torch.arange(-self.sliding_window - decided, -self.sliding_window),
-                             torch.arange(-new_tokens, 0)])
-        slots = layer.slot_index(layer.lengths.unsqueeze(-1) + offsets)
-        decided_slots, new_slots = slots[..., :decided], slots[..., decided:]
-        positions_pool[new_slots] = torch.arange(before, after, device=positions_pool.device)
-        if decided:
-            positions = positions_pool[decided_slots]
-            if not torch.equal(positions, torch.arange(first, stop, device=positions.device).expand_as(positions)):
-                return False
-        scores_pool[new_slots] = self.scorer.layer_scores(module, hidden_states)
-        held = self._held(module.layer_idx)
-        if decided:
-            # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
-            log_weights, held_now = ops.kvzap_threshold(log_weights_pool[decided_slots], scores_pool[decided_slots],
-                                                        positions, self.threshold, self.sliding_window, before, after)
-            log_weights_pool[decided_slots] = log_weights
-            held = held + held_now.sum(0) + batch * (new_tokens - decided)
-        else:
-            held = held + batch * new_tokens
+        _, _, log_weight_blocks, block_tables, lengths = layer.attention_inputs()
         counters = layer.counters
-        counters["tokens"], counters["since_compaction"] = after, counters.get("since_compaction", 0) + new_tokens
+        new_tokens, before = hidden_states.shape[1], counters["tokens"]
+        held_now = ops.kvzap_paged_step(log_weight_blocks, layer.slot_blocks["scores"], layer.slot_blocks["positions"],
+                                        block_tables, lengths, self.scorer.layer_scores(module, hidden_states),
+                                        self.threshold, self.sliding_window, before)
+        decided = max(0, before + new_tokens - self.sliding_window) - max(0, before - self.sliding_window)
+        if decided and int(held_now.min()) < 0:
+            return False
+        # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
+        batch = held_now.shape[0]
+        layer_idx = module.layer_idx
+        self._slots_held[layer_idx] = self._held(layer_idx) + held_now.sum(0) + batch * (new_tokens - decided)
+        counters["tokens"] = before + new_tokens
+        counters["since_compaction"] = counters.get("since_compaction", 0) + new_tokens
         layer.own_appended_slots()
         if counters["since_compaction"] >= self.compaction_slack:
             layer.drop_dead_slots()
             counters["since_compaction"] = 0
-        layer_idx = module.layer_idx
         self._count_later_tokens(layer_idx, batch * new_tokens)
-        self._slots_held[layer_idx] = held
         self._held_to_gather.add(layer_idx)
         return True
 

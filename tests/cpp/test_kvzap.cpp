@@ -1,5 +1,6 @@
 // GoogleTest of the kvzap family: the device-free pieces (exact GELU, the decision window, the keep rule with its
-// NaN and boundary cases) against hand computations, and the registered CPU kernels through the dispatcher.
+// NaN and boundary cases, a paged row's decoding pass) against hand computations, and the registered CPU kernels
+// through the dispatcher.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -79,6 +80,82 @@ TEST(KVzapKeepRule, LogWeightsAndHeldSlots) {
   EXPECT_TRUE(z::is_held(0.0f));
   EXPECT_TRUE(z::is_held(-1e30f));
   EXPECT_FALSE(z::is_held(-kInf));
+}
+
+// A row of 7 slots in blocks of 2: slot t lives in block table[t / 2] = {3, 0, 2, 1}, pool index 2 * block + t % 2.
+struct PagedRowFixture {
+  int64_t table[4] = {3, 0, 2, 1};
+  float log_weights[8] = {};
+  float scores[8] = {};
+  int64_t positions[8] = {};
+  z::PagedRow row{table, 2, 7};
+  int64_t pool(int64_t slot) const { return row.pool_slot(slot); }
+};
+
+TEST(KVzapPagedStep, PoolSlotsFollowTheBlockTable) {
+  PagedRowFixture f;
+  const int64_t expected[7] = {6, 7, 0, 1, 4, 5, 2};
+  for (int64_t slot = 0; slot < 7; ++slot) EXPECT_EQ(f.pool(slot), expected[slot]) << slot;
+}
+
+TEST(KVzapPagedStep, WritesTheNewTokenAndDecidesTheOneLeavingTheWindow) {
+  // Window 3: before the step the row held positions 0, 2, 5 (decided earlier, 1, 3, 4 evicted) then 6, 7, 8 (the
+  // window); the new token 9 makes 6 leave it. Its slot is 7 - 3 - 1 = 3.
+  PagedRowFixture f;
+  const int64_t held_positions[6] = {0, 2, 5, 6, 7, 8};
+  const float held_scores[6] = {1.0f, 1.0f, 1.0f, -9.0f, 1.0f, 1.0f};
+  for (int64_t slot = 0; slot < 6; ++slot) {
+    f.positions[f.pool(slot)] = held_positions[slot];
+    f.scores[f.pool(slot)] = held_scores[slot];
+  }
+  const float new_score = 0.5f;
+  EXPECT_EQ(z::paged_step_row(f.log_weights, f.scores, f.positions, f.row, &new_score, 1, 9, 3, -4.0f), 0);
+  EXPECT_EQ(f.positions[f.pool(6)], 9);
+  EXPECT_EQ(f.scores[f.pool(6)], 0.5f);
+  EXPECT_EQ(f.log_weights[f.pool(3)], -kInf);  // score -9 < τ = -4
+  for (int64_t slot : {0, 1, 2, 4, 5, 6}) EXPECT_EQ(f.log_weights[f.pool(slot)], 0.0f) << slot;
+  // Another step: 7 (score 1) leaves the window and is held; the row is one slot longer.
+  f.row.length = 8;
+  const float next_score = -9.0f;
+  EXPECT_EQ(z::paged_step_row(f.log_weights, f.scores, f.positions, f.row, &next_score, 1, 10, 3, -4.0f), 1);
+  EXPECT_EQ(f.log_weights[f.pool(4)], 0.0f);
+  EXPECT_EQ(f.positions[f.pool(7)], 10);
+}
+
+TEST(KVzapPagedStep, LeavesARowWhoseSlotsAreNotWhereDecodingPutsThemUntouched) {
+  PagedRowFixture f;
+  const int64_t held_positions[6] = {0, 2, 5, 7, 6, 8};  // 6 and 7 swapped: not the row decoding made
+  for (int64_t slot = 0; slot < 6; ++slot) {
+    f.positions[f.pool(slot)] = held_positions[slot];
+    f.scores[f.pool(slot)] = -9.0f;
+  }
+  const float new_score = -9.0f;
+  EXPECT_EQ(z::paged_step_row(f.log_weights, f.scores, f.positions, f.row, &new_score, 1, 9, 3, -4.0f), -1);
+  for (float log_weight : f.log_weights) EXPECT_EQ(log_weight, 0.0f);
+  EXPECT_EQ(f.positions[f.pool(6)], 9);  // the new token is written all the same
+  // A row shorter than the window and the tokens leaving it (its first tokens were padding) is left alone too.
+  f.row.length = 3;
+  EXPECT_EQ(z::paged_step_row(f.log_weights, f.scores, f.positions, f.row, &new_score, 1, 9, 3, -4.0f), -1);
+}
+
+TEST(KVzapPagedStep, NothingIsDecidedBeforeTheWindowFills) {
+  PagedRowFixture f;
+  f.row.length = 2;
+  const float new_scores[2] = {-9.0f, -9.0f};
+  EXPECT_EQ(z::paged_step_row(f.log_weights, f.scores, f.positions, f.row, new_scores, 2, 0, 3, -4.0f), 0);
+  EXPECT_EQ(f.positions[f.pool(1)], 1);
+  for (float log_weight : f.log_weights) EXPECT_EQ(log_weight, 0.0f);
+}
+
+TEST(KVzapPagedStep, WithoutAWindowTheNewTokensAreDecidedAtOnce) {
+  // Window 0: the two new tokens (positions 4, 5) are the tokens leaving the window, in the slots just written.
+  PagedRowFixture f;
+  f.row.length = 6;
+  for (int64_t slot = 0; slot < 4; ++slot) f.positions[f.pool(slot)] = slot;
+  const float new_scores[2] = {-9.0f, 9.0f};
+  EXPECT_EQ(z::paged_step_row(f.log_weights, f.scores, f.positions, f.row, new_scores, 2, 4, 0, -4.0f), 1);
+  EXPECT_EQ(f.log_weights[f.pool(4)], -kInf);
+  EXPECT_EQ(f.log_weights[f.pool(5)], 0.0f);
 }
 
 TEST(KVzapOps, ThresholdThroughTheDispatcher) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvcomp/block_tables.h"
 #include "kvcomp/checks.h"
 
 namespace kvcomp {
@@ -110,6 +111,61 @@ inline KVzapThresholdShape check_kvzap_threshold(const at::Tensor& log_weights, 
   check_at_least(op, "tokens_before", tokens_before, 0);
   TORCH_CHECK(tokens_after >= tokens_before, op, ": expected tokens_after >= tokens_before (", tokens_before,
               "), got tokens_after = ", tokens_after);
+  return shape;
+}
+
+struct KVzapPagedStepShape {
+  int64_t batch, heads, new_tokens, block_size, max_blocks;
+  int64_t rows() const { return batch * heads; }
+};
+
+// Checks shapes, dtypes, devices and the in-place pools, and the block tables' contents (check_block_table_contents,
+// every length in [q, max_blocks * block_size]: the q new tokens are each row's last slots): one host sync on a GPU.
+inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_blocks, const at::Tensor& score_blocks,
+                                                  const at::Tensor& position_blocks, const at::Tensor& block_tables,
+                                                  const at::Tensor& lengths, const at::Tensor& new_scores,
+                                                  double threshold, int64_t window, int64_t tokens_before) {
+  constexpr const char* op = "kvcomp::kvzap_paged_step";
+  check_dim(op, "log_weight_blocks", log_weight_blocks, 2, "(N, S)");
+  check_dim(op, "score_blocks", score_blocks, 2, "(N, S)");
+  check_dim(op, "position_blocks", position_blocks, 2, "(N, S)");
+  check_dim(op, "block_tables", block_tables, 3, "(B, H, max_blocks)");
+  check_dim(op, "lengths", lengths, 2, "(B, H)");
+  check_dim(op, "new_scores", new_scores, 3, "(B, H, q)");
+  check_dtype(op, "log_weight_blocks", log_weight_blocks, at::kFloat);
+  check_dtype(op, "score_blocks", score_blocks, at::kFloat);
+  check_dtype(op, "position_blocks", position_blocks, at::kLong);
+  check_dtype(op, "block_tables", block_tables, at::kLong);
+  check_dtype(op, "lengths", lengths, at::kLong);
+  check_dtype(op, "new_scores", new_scores, at::kFloat);
+  check_same_device(op, "score_blocks", score_blocks, "log_weight_blocks", log_weight_blocks);
+  check_same_device(op, "position_blocks", position_blocks, "log_weight_blocks", log_weight_blocks);
+  check_same_device(op, "block_tables", block_tables, "log_weight_blocks", log_weight_blocks);
+  check_same_device(op, "lengths", lengths, "log_weight_blocks", log_weight_blocks);
+  check_same_device(op, "new_scores", new_scores, "log_weight_blocks", log_weight_blocks);
+  const KVzapPagedStepShape shape{block_tables.size(0), block_tables.size(1), new_scores.size(2),
+                                  log_weight_blocks.size(1), block_tables.size(2)};
+  for (int64_t dim = 0; dim < 2; ++dim) {
+    check_size(op, "score_blocks", score_blocks, dim, log_weight_blocks.size(dim), "shape of log_weight_blocks");
+    check_size(op, "position_blocks", position_blocks, dim, log_weight_blocks.size(dim), "shape of log_weight_blocks");
+    check_size(op, "lengths", lengths, dim, block_tables.size(dim), "(B, H) of block_tables");
+    check_size(op, "new_scores", new_scores, dim, block_tables.size(dim), "(B, H) of block_tables");
+  }
+  TORCH_CHECK(shape.block_size >= 1, op, ": expected a block size (log_weight_blocks.size(1)) >= 1, got ",
+              shape.block_size);
+  TORCH_CHECK(shape.new_tokens >= 1, op, ": expected at least one new token, got new_scores of shape ",
+              new_scores.sizes());
+  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
+  check_at_least(op, "window", window, 0);
+  check_at_least(op, "tokens_before", tokens_before, 0);
+  checked_sum(op, {{"tokens_before", tokens_before}, {"q", shape.new_tokens}});
+  check_contiguous(op, "log_weight_blocks", log_weight_blocks);
+  check_contiguous(op, "score_blocks", score_blocks);
+  check_contiguous(op, "position_blocks", position_blocks);
+  check_inplace_arguments(op, {{"log_weight_blocks", &log_weight_blocks}, {"score_blocks", &score_blocks},
+                               {"position_blocks", &position_blocks}});
+  check_block_table_contents(op, block_tables, lengths, log_weight_blocks.size(0), shape.block_size, shape.new_tokens,
+                             "the q new tokens to max_blocks * block size");
   return shape;
 }
 

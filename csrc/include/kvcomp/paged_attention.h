@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "kvcomp/attention.h"
+#include "kvcomp/block_tables.h"
 #include "kvcomp/checks.h"
 
 namespace kvcomp {
@@ -18,9 +19,8 @@ struct PagedAttentionShape {
   int64_t rows() const { return group_size * num_queries; }
 };
 
-// Checks shapes, dtypes and devices, and the block tables' contents: every length in [0, max_blocks * block_size] and
-// every block a (b, h) uses (the first ceil(length / block_size) entries of its table) in [0, num_blocks). Reading
-// the contents costs one host sync on a GPU; the longest length comes from the same sync.
+// Checks shapes, dtypes and devices, and the block tables' contents (check_block_table_contents, every length in
+// [0, max_blocks * block_size]): one host sync on a GPU, which also gives the longest length.
 inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query, const at::Tensor& key_blocks,
                                                         const at::Tensor& value_blocks,
                                                         const at::Tensor& log_weight_blocks,
@@ -61,47 +61,9 @@ inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query,
   check_size(op, "log_weight_blocks", log_weight_blocks, 1, shape.block_size, "block size of key_blocks");
   check_size(op, "lengths", lengths, 0, shape.batch, "batch of query");
   check_size(op, "lengths", lengths, 1, shape.kv_heads, "kv heads of block_tables");
-  if (shape.batch * shape.kv_heads == 0) return shape;
 
-  // [longest length, shortest length, first used table entry out of range (numel if none)]: a loop over the tables
-  // on the host; on a GPU one reduction on the device and one sync.
-  const int64_t capacity = shape.max_blocks * shape.block_size, entries = block_tables.numel();
-  int64_t summary[3] = {0, capacity, entries};
-  if (lengths.is_cpu()) {
-    const at::Tensor lengths_c = lengths.contiguous(), tables_c = block_tables.contiguous();
-    const int64_t* length = lengths_c.const_data_ptr<int64_t>();
-    const int64_t* table = tables_c.const_data_ptr<int64_t>();
-    summary[0] = summary[1] = length[0];
-    for (int64_t pair = 0; pair < shape.batch * shape.kv_heads; ++pair) {
-      summary[0] = std::max(summary[0], length[pair]);
-      summary[1] = std::min(summary[1], length[pair]);
-      const int64_t used = std::clamp<int64_t>((length[pair] + shape.block_size - 1) / shape.block_size, 0,
-                                               shape.max_blocks);
-      for (int64_t i = 0; i < used && summary[2] == entries; ++i) {
-        const int64_t block = table[pair * shape.max_blocks + i];
-        if (block < 0 || block >= shape.num_blocks) summary[2] = pair * shape.max_blocks + i;
-      }
-    }
-  } else {
-    const at::Tensor blocks_used = (lengths + (shape.block_size - 1)).div(shape.block_size, "floor");
-    const at::Tensor used =
-        at::arange(shape.max_blocks, lengths.options()).view({1, 1, -1}) < blocks_used.unsqueeze(-1);
-    const at::Tensor out_of_range = used & ((block_tables < 0) | (block_tables >= shape.num_blocks));
-    const at::Tensor first_bad =
-        at::where(out_of_range.flatten(), at::arange(entries, lengths.options()), entries).min();
-    const at::Tensor on_host = at::stack({lengths.max(), lengths.min(), first_bad}).cpu();
-    std::copy_n(on_host.const_data_ptr<int64_t>(), 3, summary);
-  }
-  shape.max_len = summary[0];
-  TORCH_CHECK(summary[1] >= 0 && shape.max_len <= capacity, op, ": expected every length in [0, ", capacity,
-              "] (max_blocks * block size), got lengths from ", summary[1], " to ", shape.max_len);
-  if (summary[2] < entries) {
-    const int64_t entry = summary[2];
-    const int64_t block = block_tables.flatten()[entry].item<int64_t>();
-    TORCH_CHECK(false, op, ": block table index out of range: block_tables[", entry / (shape.kv_heads * shape.max_blocks),
-                ", ", entry / shape.max_blocks % shape.kv_heads, ", ", entry % shape.max_blocks, "] = ", block,
-                " is used but not in [0, ", shape.num_blocks, ")");
-  }
+  shape.max_len = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size, 0,
+                                              "max_blocks * block size");
   return shape;
 }
 
