@@ -25,12 +25,14 @@ def _sharded_projection(module: nn.Module):
     """The column-sharded weight of an attention layer's projections (a DTensor), or None when it is unsharded."""
     from torch.distributed.tensor import DTensor, Shard
 
-    # Read through the modules' dicts: nn.Module.__getattr__ costs 1 µs a lookup and 2-3 µs a missing name (a raised
-    # AttributeError), twice per layer and decoding step.
+    # Read through the modules' dicts where they have them (kvpress's tests pass stand-ins that do not):
+    # nn.Module.__getattr__ costs 1 µs a lookup and 2-3 µs a missing name (a raised AttributeError), twice per layer
+    # and decoding step.
+    submodules = getattr(module, "_modules", None)
     for name in ("k_proj", "qkv_proj"):
-        projection = module._modules.get(name)
+        projection = submodules.get(name) if submodules is not None else getattr(module, name, None)
         if projection is not None:
-            parameters = projection._parameters
+            parameters = getattr(projection, "_parameters", None) or {}
             weight = parameters["weight"] if "weight" in parameters else getattr(projection, "weight", None)
             sharded = isinstance(weight, DTensor) and any(isinstance(p, Shard) for p in weight.placements)
             return weight if sharded else None
