@@ -19,9 +19,10 @@ Parts (each row of benchmarks/results/paged.json names its part):
   decoding, on the rectangular and the paged cache, against kvpress's TOVA (which prunes the prompt to the same slots
   and does not compress while decoding) on the rectangular cache. Every (press, cache) pair is prefilled once, then
   all are decoded in turns, one token each per round (120 timed rounds: a round takes under a second, the prefills
-  dominate), so the machine's changing load falls on all alike; each row is the median step (and the fastest), with the load average seen, its ratio to TOVA's median
-  step (``vs_tova``) and the median over rounds of its step over TOVA's in the same round (``vs_tova_paired``, the
-  robust one: the machine's speed drifts over seconds). Target: within 1.1x of TOVA.
+  dominate), so the machine's changing load falls on all alike; each row is the median step (and the fastest), with
+  the load average seen, its ratio to TOVA's median step (``vs_tova``) and the median over rounds of its step over
+  TOVA's in the same round (``vs_tova_paired``, the robust one: the machine's speed drifts over seconds). Target:
+  within 1.1x of TOVA.
 * ``kernel`` (GPU): kvcomp::paged_decode_attention at T ≥ 16k against the device's copy bandwidth and against the
   rectangular kvcomp::decode_attention on the same slots (vLLM / FlashInfer as peers when they import).
 """

@@ -294,11 +294,6 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         return self._state_written if self.has_state else None
 
-    def slot_index(self, slots: torch.Tensor) -> torch.Tensor:
-        """Indices into the pools viewed as (N·S, ...) of each head's slots (B, H, X), counted from its first slot
-        (every slot index below the head's length)."""
-        return self._flat_slots(slots)
-
     def own_appended_slots(self) -> None:
         """The press wrote the state of the slots appended since its last write into its pools itself: they are
         its base slots now, as after a write through the view (``kvcomp_state`` covers them)."""

@@ -38,10 +38,7 @@ struct PagedParams {
   float scale;
 };
 
-// Pool index (block * S + offset) of slot `slot` of the (b, h) whose table row is `table`.
-__device__ __forceinline__ int64_t pool_slot(const int64_t* __restrict__ table, int64_t slot, int64_t block_size) {
-  return table[slot / block_size] * block_size + slot % block_size;
-}
+using kernels::pool_slot;
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)

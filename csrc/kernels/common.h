@@ -46,4 +46,9 @@ struct RowStrides {
   KVCOMP_HOST_DEVICE int64_t offset(int64_t row) const { return row / heads * batch + row % heads * head; }
 };
 
+// Pool index (block * S + offset) of slot `slot` of the paged-cache (b, h) whose block-table row is `table`.
+KVCOMP_HOST_DEVICE inline int64_t pool_slot(const int64_t* table, int64_t slot, int64_t block_size) {
+  return table[slot / block_size] * block_size + slot % block_size;
+}
+
 }  // namespace kvcomp::kernels

@@ -67,9 +67,7 @@ struct PagedRow {
   const int64_t* table;  // the row's block table
   int64_t block_size, length;
   // Index into the pools viewed as (N * S) of the row's slot `slot` (0 <= slot < length).
-  KVCOMP_HOST_DEVICE int64_t pool_slot(int64_t slot) const {
-    return table[slot / block_size] * block_size + slot % block_size;
-  }
+  KVCOMP_HOST_DEVICE int64_t pool_slot(int64_t slot) const { return kernels::pool_slot(table, slot, block_size); }
 };
 
 // Writes the q new tokens' positions and scores into their slots (the row's last q), then, if the slots of the D
