@@ -27,6 +27,7 @@ namespace kvcomp {
 namespace {
 
 using cpu::FloatVec;
+using cpu::first_argmax;
 using cpu::grain_for;
 using cpu::load_as_float;
 using cpu::store_from_float;
@@ -402,7 +403,7 @@ void log_normalisers_of_row(const scalar_t* keys, const scalar_t* queries, const
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t j = 0; j < new_tokens; ++j) {
       const float* p = probabilities + (g * new_tokens + j) * slots;
-      const int64_t top = std::max_element(p, p + slots) - p;  // the first largest, as torch.argmax
+      const int64_t top = first_argmax(p, slots);
       load_row(queries + g * query_head_stride + j * head_dim, head_dim, query.data());
       float dot, unused_norm;
       dot_and_norm(query.data(), keys + top * head_dim, head_dim, dot, unused_norm);

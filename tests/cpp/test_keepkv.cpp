@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/vec.h"
 #include "kernels/keepkv.h"
 #include "kvcomp/keepkv.h"
 
@@ -280,6 +281,26 @@ TEST(KeepKVSets, MembersAreGroupedByTarget) {
   EXPECT_EQ(o[6 + 2 + 1] - o[6 + 2], 1);  // (row 1, slot 2): member 5 + 4 = 9
   EXPECT_EQ(m[o[6 + 2]], 9);
   EXPECT_EQ(o[6 + 1] - o[6 + 0], 0);
+}
+
+// The decoding step's slot of largest probability (its log-normaliser recovery): the first largest, as
+// std::max_element, whatever the length against the vector width, with ties, -inf rows and a NaN.
+TEST(KeepKVKernels, FirstArgmaxIsTheFirstLargest) {
+  std::mt19937 generator(3);
+  std::uniform_int_distribution<int> level(0, 3);  // few distinct values: many ties
+  for (int64_t count = 1; count <= 70; ++count) {
+    std::vector<float> values(count);
+    for (int trial = 0; trial < 20; ++trial) {
+      for (float& v : values) v = static_cast<float>(level(generator)) - 4.0f;
+      EXPECT_EQ(kvcomp::cpu::first_argmax(values.data(), count),
+                std::max_element(values.begin(), values.end()) - values.begin()) << "count " << count;
+    }
+  }
+  const std::vector<float> none(19, -kInf);
+  EXPECT_EQ(kvcomp::cpu::first_argmax(none.data(), 19), 0);
+  const std::vector<float> with_nan = {0.1f, kNan, 0.7f, 0.7f, 0.2f};
+  EXPECT_EQ(kvcomp::cpu::first_argmax(with_nan.data(), 5),
+            std::max_element(with_nan.begin(), with_nan.end()) - with_nan.begin());
 }
 
 TEST(KeepKVSets, PartitionPutsEvictedFirstInOrder) {
