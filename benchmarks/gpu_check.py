@@ -13,6 +13,9 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
   ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py)
   decode       bench_decode on a random-weight Llama-3-8B-shaped model at 8k, 16k and 32k, 10% budget
   profile      bench_step_profile: where one decoding step's time goes on that model at 8k, full cache and presses
+  ncu          Nsight Compute over the kernels furthest from their targets (prompt scoring, decode attention, paged
+               decode attention) beside torch's flash attention: throughput, occupancy and its limits
+               (benchmarks/ncu_kernels.py)
 Results: benchmarks/results/gpu/*.json (the benchmarks' own files, logs) and summary.json + summary.md, which also
 check the issue's targets against the figures.
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "gpu"
 PYTHON = sys.executable
-STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode", "profile"]
+STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode", "profile", "ncu"]
 # Sanitizer runs are 10-100x slower: every op on 8 random valid inputs (the CUDA fuzz), 25-50 s in all on an H100.
 # Not the CUDA-graph tests: without the caching allocator (which memcheck needs to see out-of-bounds accesses within
 # pooled blocks) a capture's allocations are cudaMalloc calls, which a capture refuses.
@@ -189,6 +192,18 @@ def stage_profile(timeout: float) -> dict:
     result = run("profile", command, timeout, env)
     result["figures"] = {f"{row['method']} {row['prompt']}": row["step_ms"]
                          for row in load_rows("profile_step_random-llama3-8b")}
+    return result
+
+
+def stage_ncu(timeout: float) -> dict:
+    from benchmarks.ncu_kernels import NAME, short_name
+
+    result = run("ncu", [PYTHON, "-m", "benchmarks.ncu_kernels"], timeout, {"KVCOMP_RESULTS_DIR": str(OUT)})
+    path = OUT / f"{NAME}.json"
+    launches = json.loads(path.read_text())["launches"] if result["ok"] and path.exists() else []
+    result["figures"] = {short_name(launch["kernel"])[:60]: {key: launch.get(key) for key in (
+        "duration", "duration_unit", "dram_throughput_pct", "sm_throughput_pct", "achieved_occupancy_pct")}
+        for launch in launches}
     return result
 
 

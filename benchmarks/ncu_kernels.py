@@ -1,0 +1,187 @@
+"""Nsight Compute over the CUDA kernels furthest from their targets: why each is slow, in one short run.
+
+    python -m benchmarks.ncu_kernels          # on a GPU with ncu: benchmarks/results/gpu/ncu_kernels.{json,md,csv}
+
+The first GPU runs measured prompt scoring at 55x the layer's own sdpa (issue 19's target: 1.5x) and decode
+attention at 36% of the copy bandwidth (issue 20's: 70%), without saying where the time goes. This profiles one
+launch of each, on the shapes of those targets, next to torch's flash attention on the same layer:
+
+* prompt scoring: ``prompt_log_sum_exp`` + ``prompt_scores`` on a random Llama-3-8B-shaped layer (B = 1, Hq = 32,
+  H = 8, d = 128, bfloat16), T = 8192 (the kernels are quadratic in T: 8k keeps ncu's replays to seconds), and
+  sdpa's causal GQA forward on the same tensors;
+* decode attention: ``decode_attention`` and ``paged_decode_attention`` (blocks of 16) at B = 8, T = 16384, q = 1,
+  and sdpa's GQA decode on the same keys.
+
+Per kernel: duration, the speed-of-light figures (memory and SM throughput as a share of the device's peak, DRAM
+throughput), achieved and theoretical occupancy with what limits it (registers, shared memory), and the warp cycles
+per issued instruction. Every metric ncu printed stays in the CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import RESULTS_DIR
+
+NAME = "ncu_kernels"
+SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats"]
+#: The columns of the summary: ncu's metric name → the summary's.
+SUMMARY_METRICS = {
+    "Duration": "duration",
+    "Memory Throughput": "memory_throughput_pct",
+    "DRAM Throughput": "dram_throughput_pct",
+    "Compute (SM) Throughput": "sm_throughput_pct",
+    "Achieved Occupancy": "achieved_occupancy_pct",
+    "Theoretical Occupancy": "theoretical_occupancy_pct",
+    "Registers Per Thread": "registers_per_thread",
+    "Dynamic Shared Memory Per Block": "dynamic_shared_per_block",
+    "Block Limit Registers": "block_limit_registers",
+    "Block Limit Shared Mem": "block_limit_shared_memory",
+    "Warp Cycles Per Issued Instruction": "warp_cycles_per_instruction",
+}
+
+
+def launches(device: str = "cuda", prompt_length: int = 8192, cached: int = 16384, batch: int = 8) -> dict:
+    """name → a callable launching it once, on random tensors of the module docstring's shapes."""
+    from kvpress_cpp import ops
+
+    generator = torch.Generator(device).manual_seed(0)
+    dtype, query_heads, kv_heads, head_dim, block = torch.bfloat16, 32, 8, 128, 16
+    scale = head_dim ** -0.5
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+
+    prompt, keys, values = randn(1, query_heads, prompt_length, head_dim), *[randn(1, kv_heads, prompt_length,
+                                                                                   head_dim) for _ in range(2)]
+    log_weights = torch.zeros(1, kv_heads, prompt_length, device=device)
+    query = randn(batch, query_heads, 1, head_dim)
+    cache_keys, cache_values = randn(batch, kv_heads, cached, head_dim), randn(batch, kv_heads, cached, head_dim)
+    cache_log_weights = torch.zeros(batch, kv_heads, cached, device=device)
+    # The same cache in shuffled blocks: slot t of (b, h) at block tables[b, h, t // block], offset t % block.
+    blocks_per_head = cached // block
+    tables = torch.randperm(batch * kv_heads * blocks_per_head, device=device,
+                            generator=generator).view(batch, kv_heads, blocks_per_head)
+    slots = (tables.unsqueeze(-1) * block + torch.arange(block, device=device)).view(batch, kv_heads, cached)
+    key_blocks = torch.empty(batch * kv_heads * blocks_per_head, block, head_dim, device=device, dtype=dtype)
+    value_blocks, log_weight_blocks = torch.empty_like(key_blocks), torch.zeros(key_blocks.shape[:2], device=device)
+    key_blocks.view(-1, head_dim)[slots] = cache_keys
+    value_blocks.view(-1, head_dim)[slots] = cache_values
+    lengths = torch.full((batch, kv_heads), cached, device=device)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return {
+        "prompt_scores": lambda: ops.prompt_scores(prompt, keys, log_weights, scale, 1.0, 0.25),
+        "prompt sdpa": lambda: sdpa(prompt, keys, values, is_causal=True, scale=scale, enable_gqa=True),
+        "decode_attention": lambda: ops.decode_attention(query, cache_keys, cache_values, cache_log_weights, scale),
+        "paged_decode_attention": lambda: ops.paged_decode_attention(
+            query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, scale, return_probs=False),
+        "decode sdpa": lambda: sdpa(query, cache_keys, cache_values, scale=scale, enable_gqa=True),
+    }
+
+
+def workload() -> None:
+    """One launch of each between cudaProfilerStart and Stop (ncu runs with --profile-from-start off), after a
+    warm-up launch outside that range."""
+    import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+
+    calls = launches().values()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def _number(text: str) -> float | str:
+    """ncu's "1,234.56" → 1234.56; "n/a" and other text stay as they are."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def parse_details(text: str) -> list[dict]:
+    """ncu's ``--csv --page details`` output → one dict per profiled launch, in launch order: the kernel's name, grid
+    and block, every summary metric found (a number where it is one, its unit beside it unless %), every metric by
+    section, and the rules' advice (e.g. what limits the occupancy)."""
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if header is None:
+        raise ValueError('no ncu CSV table (a line starting with "ID") in the output')
+    launches: dict[str, dict] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[header:]))):
+        launch = launches.setdefault(row["ID"], {"kernel": row["Kernel Name"], "grid_size": row.get("Grid Size"),
+                                                 "block_size": row.get("Block Size"), "metrics": {}, "rules": []})
+        name = row.get("Metric Name", "")
+        if not name:
+            if row.get("Rule Description"):
+                launch["rules"].append(f"{row['Section Name']}: {row['Rule Description']}")
+            continue
+        unit, value = row.get("Metric Unit", ""), _number(row["Metric Value"])
+        launch["metrics"].setdefault(row["Section Name"], {})[name] = [value, unit]
+        if name in SUMMARY_METRICS:
+            launch[SUMMARY_METRICS[name]] = value
+            if unit and unit != "%":
+                launch[f"{SUMMARY_METRICS[name]}_unit"] = unit
+    return [launches[key] for key in sorted(launches, key=int)]
+
+
+def short_name(kernel: str) -> str:
+    """``void kvcomp::(anonymous namespace)::scores_kernel<c10::BFloat16>(...)`` → ``scores_kernel<c10::BFloat16>``."""
+    name = kernel.replace("(anonymous namespace)", "").removeprefix("void ").split("(", 1)[0]
+    base, bracket, template = name.partition("<")
+    return base.rsplit("::", 1)[-1] + bracket + template
+
+
+def markdown(launches: list[dict]) -> str:
+    columns = ["duration", "memory_throughput_pct", "dram_throughput_pct", "sm_throughput_pct",
+               "achieved_occupancy_pct", "theoretical_occupancy_pct", "registers_per_thread",
+               "warp_cycles_per_instruction", "grid_size", "block_size"]
+    lines = ["| kernel | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for launch in launches:
+        cells = [str(launch.get(c, "")) + (f" {launch[c + '_unit']}" if c + "_unit" in launch else "")
+                 for c in columns]
+        lines.append(f"| `{short_name(launch['kernel'])[:70]}` | " + " | ".join(cells) + " |")
+    for launch in launches:
+        if launch["rules"]:
+            lines += ["", f"`{short_name(launch['kernel'])[:70]}`:", *[f"- {rule}" for rule in launch["rules"]]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", action="store_true", help="only launch the kernels (what ncu runs)")
+    parser.add_argument("--ncu", default="ncu")
+    args = parser.parse_args()
+    if args.workload:
+        workload()
+        return
+    command = [args.ncu, "--profile-from-start", "off", "--csv", "--page", "details",
+               *[f"--section={section}" for section in SECTIONS], sys.executable, "-m", "benchmarks.ncu_kernels",
+               "--workload"]
+    print(" ".join(command), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{NAME}.csv").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        sys.exit(f"ncu failed ({done.returncode}): {done.stderr[-2000:]}")
+    launches = parse_details(done.stdout)
+    (RESULTS_DIR / f"{NAME}.json").write_text(json.dumps({"launches": launches}, indent=2) + "\n")
+    (RESULTS_DIR / f"{NAME}.md").write_text(markdown(launches))
+    print(markdown(launches))
+    print("wrote", RESULTS_DIR / f"{NAME}.json")
+
+
+if __name__ == "__main__":
+    main()
