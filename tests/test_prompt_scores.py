@@ -19,6 +19,7 @@ from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests import reference
 from tests.generation import greedy
+from tests.layouts import in_strided_rows
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -73,6 +74,28 @@ def test_head_dim_128_and_strided_views(device):
     scores = ops.prompt_scores(strided_query, buffer[:, :, :333], log_weights, 0.09, 0.98, 1.0)
     torch.testing.assert_close(scores.double(), reference.prompt_scores(query, keys, log_weights, 0.09, 0.98, 1.0),
                                **SCORE_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [20, 64])
+@pytest.mark.parametrize("views", ["query", "keys", "both"])
+def test_rows_off_16_byte_boundaries(device, dtype, head_dim, views):
+    """Views whose rows start off a 16-byte boundary (3 elements into a buffer, 5 between (batch, head) rows, as a
+    paged cache's view; the CUDA kernels then read them an element at a time instead of 16 bytes) and a head dim that
+    is no whole number of 16-byte pieces in half precision (20), against the same inputs made contiguous."""
+    query, keys, log_weights = make_inputs(2, 4, 2, 70, 150, head_dim, dtype, device)
+    query_in = in_strided_rows(query)[1] if views in ("query", "both") else query
+    keys_in = in_strided_rows(keys)[1] if views in ("keys", "both") else keys
+    scale = head_dim ** -0.5
+    torch.testing.assert_close(ops.prompt_log_sum_exp(query_in, keys_in, log_weights, scale).double(),
+                               reference.prompt_log_sum_exp(query, keys, log_weights, scale), **LSE_TOL)
+    torch.testing.assert_close(ops.prompt_scores(query_in, keys_in, log_weights, scale, 0.98, 0.5).double(),
+                               reference.prompt_scores(query, keys, log_weights, scale, 0.98, 0.5), **SCORE_TOL)
+    expected = reference.prompt_log_unnormalised_scores(query, keys, log_weights, scale, 0.9, 0.1)
+    seen = expected > -math.inf
+    got = ops.prompt_log_unnormalised_scores(query_in, keys_in, log_weights, scale, 0.9, 0.1)
+    torch.testing.assert_close(got.double()[seen], expected[seen], **LOG_SCORE_TOL)
 
 
 def test_given_log_sum_exp_skips_the_first_pass():

@@ -428,8 +428,6 @@ void launch_attend_chunk_rows(int rows_per_tile, const DecodeParams& params, int
   }
 }
 
-bool aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
-
 std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query, const at::Tensor& keys,
                                                          const at::Tensor& values, const at::Tensor& log_weights,
                                                          double scale) {
@@ -478,8 +476,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query
     constexpr int kWideVec = 16 / sizeof(scalar_t);  // one 16-byte load
     const scalar_t* keys_ptr = keys_c.const_data_ptr<scalar_t>();
     const scalar_t* values_ptr = values_c.const_data_ptr<scalar_t>();
-    bool wide = d % kWideVec == 0 && aligned(keys_ptr, 16) && aligned(values_ptr, 16);
-    for (int i = 0; i < 3; ++i) wide = wide && params.key_strides[i] % kWideVec == 0 && params.value_strides[i] % kWideVec == 0;
+    const bool wide =
+        launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(keys_ptr), sizeof(scalar_t), d, params.key_strides) &&
+        launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(values_ptr), sizeof(scalar_t), d,
+                                       params.value_strides);
     params.lanes = launch::decode_lanes(d, wide ? kWideVec : 1);
     const scalar_t* query_ptr = query_c.const_data_ptr<scalar_t>();
     const float* bias_ptr = log_weights_c.const_data_ptr<float>();

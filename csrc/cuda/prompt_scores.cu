@@ -9,8 +9,8 @@
 //     the 4 warps one 16-row strip;
 //   * float32 (or another head dim): plain float32 FMA, each thread an 8 x 4 register block (no TF32: the logits keep
 //     float32 products, as on CPU).
-// log_sum_exp_kernel: one block per (batch, kv-head, row tile) over its key tiles, each warp keeping the online
-//   softmax (kernels::combine) of its 16 rows.
+// log_sum_exp_kernel: one block per (batch, kv-head, row tile) over its key tiles, two threads per row each keeping
+//   the online softmax (kernels::combine) of half of every tile's columns, combined once at the end.
 // scores_kernel: one block per (batch, kv-head, key tile) over the row tiles, newest first, each thread summing one
 //   column over half of the rows in a fixed order; the two halves add in a fixed order. Each score is written by one
 //   block: deterministic, no atomics. Older rows are skipped once kernels::older_queries_negligible holds for the tile.
@@ -25,8 +25,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#include "kernels/launch.h"
 #include "kernels/prompt_scores.h"
 #include "kvcomp/prompt_scores.h"
 
@@ -56,6 +58,7 @@ struct Layout {
   int64_t key_strides[3];    // batch, head, slot
   int64_t query_heads, kv_heads, group_size, num_queries, total_len, head_dim;
   float scale;
+  bool query_in_pieces, keys_in_pieces;  // rows readable 16 bytes at a time (launch::rows_in_16_byte_pieces)
 
   __device__ int64_t rows() const { return group_size * num_queries; }
   __device__ int64_t row_tiles() const { return (rows() + kTile - 1) / kTile; }
@@ -73,35 +76,67 @@ struct Layout {
 // types; the padding also spreads rows over the banks).
 __host__ __device__ inline int tile_stride(int64_t head_dim) { return static_cast<int>(head_dim) + 8; }
 
-// Rows [row_begin, row_begin + kTile) of kv head (batch, head) into shared memory, zero past the last row.
+// Rows 0 .. kTile - 1 of a shared tile from global memory, row r starting at element row_offset(r) of `source` (-1:
+// zeros), `kWidth` elements per load: a 16-byte piece where the rows allow it, else one element. 32-bit index
+// arithmetic: a tile holds at most kTile * kMaxHeadDim elements.
+template <int kWidth, typename scalar_t, typename RowOffset>
+__device__ void copy_rows(const scalar_t* __restrict__ source, int head_dim, RowOffset row_offset, scalar_t* tile) {
+  using Piece = std::conditional_t<kWidth == 1, scalar_t, uint4>;
+  static_assert(sizeof(Piece) == kWidth * sizeof(scalar_t), "a piece is kWidth elements");
+  const int pieces = head_dim / kWidth, stride = tile_stride(head_dim);
+  for (int i = threadIdx.x; i < kTile * pieces; i += blockDim.x) {
+    const int r = i / pieces, e = (i - r * pieces) * kWidth;
+    const int64_t offset = row_offset(r);
+    Piece piece;
+    if (offset >= 0) {
+      piece = *reinterpret_cast<const Piece*>(source + offset + e);
+    } else {
+      memset(&piece, 0, sizeof(Piece));
+    }
+    *reinterpret_cast<Piece*>(tile + r * stride + e) = piece;
+  }
+}
+
+template <typename scalar_t, typename RowOffset>
+__device__ void load_rows(bool in_pieces, const scalar_t* __restrict__ source, int64_t head_dim, RowOffset row_offset,
+                          scalar_t* tile) {
+  if (in_pieces) {
+    copy_rows<16 / sizeof(scalar_t)>(source, static_cast<int>(head_dim), row_offset, tile);
+  } else {
+    copy_rows<1>(source, static_cast<int>(head_dim), row_offset, tile);
+  }
+}
+
+// Rows [row_begin, row_begin + kTile) of kv head (batch, head) into shared memory, zero past the last row. Each
+// row's offset (a 64-bit division by G) is computed once, by one thread; ends with the offsets' barrier only: the
+// tile itself is complete after the caller's next __syncthreads.
 template <typename scalar_t>
 __device__ void load_query_tile(const Layout& layout, const scalar_t* __restrict__ query, int64_t batch, int64_t head,
                                 int64_t row_begin, scalar_t* tile) {
-  const int stride = tile_stride(layout.head_dim);
-  for (int64_t i = threadIdx.x; i < kTile * layout.head_dim; i += blockDim.x) {
-    const int64_t r = i / layout.head_dim, e = i % layout.head_dim, row = row_begin + r;
-    scalar_t value = scalar_t(0.0f);
+  __shared__ int64_t row_offsets[kTile];
+  for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
+    const int64_t row = row_begin + r;
+    int64_t offset = -1;
     if (row < layout.rows()) {
       const int64_t j = row / layout.group_size, g = row % layout.group_size;
-      value = query[batch * layout.query_strides[0] + (head * layout.group_size + g) * layout.query_strides[1] +
-                    j * layout.query_strides[2] + e];
+      offset = batch * layout.query_strides[0] + (head * layout.group_size + g) * layout.query_strides[1] +
+               j * layout.query_strides[2];
     }
-    tile[r * stride + e] = value;
+    row_offsets[r] = offset;
   }
+  __syncthreads();
+  load_rows(layout.query_in_pieces, query, layout.head_dim, [&](int r) { return row_offsets[r]; }, tile);
 }
 
 // Keys [key_begin, key_begin + kTile) of (batch, head) into shared memory, zero past T.
 template <typename scalar_t>
 __device__ void load_key_tile(const Layout& layout, const scalar_t* __restrict__ keys, int64_t batch, int64_t head,
                               int64_t key_begin, scalar_t* tile) {
-  const int stride = tile_stride(layout.head_dim);
-  for (int64_t i = threadIdx.x; i < kTile * layout.head_dim; i += blockDim.x) {
-    const int64_t c = i / layout.head_dim, e = i % layout.head_dim, slot = key_begin + c;
-    tile[c * stride + e] = slot < layout.total_len
-                               ? keys[batch * layout.key_strides[0] + head * layout.key_strides[1] +
-                                      slot * layout.key_strides[2] + e]
-                               : scalar_t(0.0f);
-  }
+  const int64_t head_offset = batch * layout.key_strides[0] + head * layout.key_strides[1];
+  load_rows(layout.keys_in_pieces, keys, layout.head_dim, [&](int c) {
+    const int64_t slot = key_begin + c;
+    return slot < layout.total_len ? head_offset + slot * layout.key_strides[2] : int64_t{-1};
+  }, tile);
 }
 
 // logits[r][c] = Q_tile[r] · K_tile[c] (unscaled) for the 64 x 64 tile; ends with __syncthreads.
@@ -210,8 +245,14 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_kernel(Layout layout, co
   const int64_t last_row = (layout.rows() < row_begin + kTile ? layout.rows() : row_begin + kTile) - 1;
   load_query_tile(layout, query, batch, head, row_begin, smem.q_tile);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  kernels::SoftmaxPartial running[16];  // rows warp * 16 + i; every lane holds the same values
+  // Thread (r, half) keeps the online softmax of row r over the columns half * 32 .. half * 32 + 31 of every key
+  // tile; the two halves combine once, at the end. It walks its columns from a staggered start so that the 32 threads
+  // of a warp read 32 different banks at each step: a logits row is kLogitStride = 4 (mod 32) floats long, so rows
+  // r mod 8 start in 8 different groups of 4 banks, and (r / 8 mod 2, half) picks the bank within the group.
+  const int r = threadIdx.x / 2, half = threadIdx.x % 2, stagger = 2 * ((r / 8) % 2) + half;
+  const int64_t row = row_begin + r, position = layout.position(row);
+  const bool live = row <= last_row;
+  kernels::SoftmaxPartial running;
   const int64_t key_end = layout.position(last_row) + 1;
   for (int64_t key_begin = 0; key_begin < key_end; key_begin += kTile) {
     __syncthreads();  // the previous tile's logits and keys are no longer read
@@ -219,30 +260,30 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_kernel(Layout layout, co
     load_bias(layout, log_weights, pair, key_begin, smem.bias);
     __syncthreads();
     tile_logits(smem.q_tile, smem.k_tile, layout.head_dim, smem.logits);
-    for (int i = 0; i < 16; ++i) {
-      const int r = warp * 16 + i;
-      const int64_t row = row_begin + r;
-      if (row > last_row) break;
-      const int64_t position = layout.position(row);
-      const float a = masked_logit(smem.logits, r, lane, key_begin, position, smem.bias, layout.scale);
-      const float b = masked_logit(smem.logits, r, lane + 32, key_begin, position, smem.bias, layout.scale);
-      float max = fmaxf(a, b);
-      for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
-      float sum = kernels::shifted_exp(a, max) + kernels::shifted_exp(b, max);
-      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      running[i] = kernels::combine(running[i], kernels::SoftmaxPartial{max, sum});
+    if (!live) continue;
+    float logits[kTile / 2], max = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kTile / 2; ++c) {
+      const int column = half * (kTile / 2) + ((c + stagger) & (kTile / 2 - 1));
+      logits[c] = masked_logit(smem.logits, r, column, key_begin, position, smem.bias, layout.scale);
+      max = fmaxf(max, logits[c]);
     }
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kTile / 2; ++c) sum += kernels::shifted_exp(logits[c], max);
+    running = kernels::combine(running, kernels::SoftmaxPartial{max, sum});
   }
-  if (lane == 0) {
-    for (int i = 0; i < 16; ++i) {
-      const int64_t row = row_begin + warp * 16 + i;
-      if (row > last_row) break;
-      const int64_t j = row / layout.group_size, g = row % layout.group_size;
-      lse[((batch * layout.query_heads) + head * layout.group_size + g) * layout.num_queries + j] =
-          kernels::row_log_sum_exp(running[i]);
-    }
+  const kernels::SoftmaxPartial other{__shfl_xor_sync(0xffffffffu, running.max, 1),
+                                      __shfl_xor_sync(0xffffffffu, running.sum, 1)};
+  if (live && half == 0) {
+    const int64_t j = row / layout.group_size, g = row % layout.group_size;
+    lse[((batch * layout.query_heads) + head * layout.group_size + g) * layout.num_queries + j] =
+        kernels::row_log_sum_exp(kernels::combine(running, other));
   }
 }
+
+static_assert(kThreads == 2 * kTile, "log_sum_exp_kernel: two threads per row");
+static_assert(kLogitStride % 32 == 4, "log_sum_exp_kernel's column stagger assumes rows 4 banks apart");
 
 // ---------------------------------------------------------------------------------------------------------------
 // Pass 2
@@ -256,6 +297,7 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(Layout layout, const s
   extern __shared__ __align__(128) unsigned char shared_raw[];
   const Shared<scalar_t> smem(shared_raw, layout.head_dim);
   __shared__ float row_lse[kTile], row_weight[kTile], half_sums[kThreads], tile_min;
+  __shared__ int64_t row_position[kTile];
   const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
   const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kTile;
   load_key_tile(layout, keys, batch, head, key_begin, smem.k_tile);
@@ -273,6 +315,7 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(Layout layout, const s
       if (row < layout.rows()) {
         const int64_t j = row / layout.group_size, g = row % layout.group_size;
         value = lse[((batch * layout.query_heads) + head * layout.group_size + g) * layout.num_queries + j];
+        row_position[r] = layout.position(row);
       }
       // A row with nothing to attend to (or past the end) weighs 0; lse 0 then keeps exp's argument -inf.
       row_lse[r] = value == -INFINITY ? 0.0f : value;
@@ -283,9 +326,8 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(Layout layout, const s
     __syncthreads();
     tile_logits(smem.q_tile, smem.k_tile, layout.head_dim, smem.logits);
     for (int r = half * (kTile / 2); r < (half + 1) * (kTile / 2); ++r) {
-      if (row_weight[r] == 0.0f) continue;
-      const float logit = masked_logit(smem.logits, r, column, key_begin, layout.position(row_begin + r), smem.bias,
-                                       layout.scale);
+      if (row_weight[r] == 0.0f) continue;  // past the last row too: row_position[r] is unset there
+      const float logit = masked_logit(smem.logits, r, column, key_begin, row_position[r], smem.bias, layout.scale);
       acc = fmaf(row_weight[r], ::expf(logit - row_lse[r]), acc);
     }
     if (tile == 0) break;
@@ -331,6 +373,7 @@ __global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layou
   extern __shared__ __align__(128) unsigned char shared_raw[];
   const Shared<scalar_t> smem(shared_raw, layout.head_dim);
   __shared__ float row_log_weight[kTile], half_max[kThreads], half_sum[kThreads];
+  __shared__ int64_t row_position[kTile];
   const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
   const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kTile;
   load_key_tile(layout, keys, batch, head, key_begin, smem.k_tile);
@@ -345,12 +388,12 @@ __global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layou
     for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
       row_log_weight[r] = kernels::query_log_weight(log_decay, log_input_scale,
                                                     layout.num_queries - 1 - (row_begin + r) / layout.group_size);
+      row_position[r] = layout.position(row_begin + r);
     }
     __syncthreads();
     tile_logits(smem.q_tile, smem.k_tile, layout.head_dim, smem.logits);
     for (int r = half * (kTile / 2); r < (half + 1) * (kTile / 2) && row_begin + r < layout.rows(); ++r) {
-      const float logit = masked_logit(smem.logits, r, column, key_begin, layout.position(row_begin + r), smem.bias,
-                                       layout.scale);
+      const float logit = masked_logit(smem.logits, r, column, key_begin, row_position[r], smem.bias, layout.scale);
       running = kernels::add_log_term(running, logit + row_log_weight[r]);
     }
   }
@@ -366,10 +409,16 @@ __global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layou
 }
 
 Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {
-  return {{query.stride(0), query.stride(1), query.stride(2)},
-          {keys.stride(0), keys.stride(1), keys.stride(2)},
-          shape.query_heads, shape.kv_heads, shape.group_size, shape.num_queries, shape.total_len, shape.head_dim,
-          static_cast<float>(scale)};
+  Layout layout{{query.stride(0), query.stride(1), query.stride(2)},
+                {keys.stride(0), keys.stride(1), keys.stride(2)},
+                shape.query_heads, shape.kv_heads, shape.group_size, shape.num_queries, shape.total_len, shape.head_dim,
+                static_cast<float>(scale)};
+  const auto address = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()); };
+  layout.query_in_pieces = kernels::launch::rows_in_16_byte_pieces(address(query), query.element_size(),
+                                                                   shape.head_dim, layout.query_strides);
+  layout.keys_in_pieces = kernels::launch::rows_in_16_byte_pieces(address(keys), keys.element_size(), shape.head_dim,
+                                                                  layout.key_strides);
+  return layout;
 }
 
 at::Tensor unit_stride_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }

@@ -88,6 +88,18 @@ inline int decode_lanes(int64_t head_dim, int vec) {
   return std::min(32, next_power_of_two(ceil_div(head_dim, vec)));
 }
 
+// Whether rows of `head_dim` elements of `element_bytes` each, unit stride over d, starting at `address` with element
+// strides `strides` over (batch, head, slot), can be read in 16-byte pieces: every row starts on a 16-byte boundary
+// and holds a whole number of pieces. Views that are not (odd head dims, slices at odd offsets) take one element
+// per load.
+inline bool rows_in_16_byte_pieces(uintptr_t address, int64_t element_bytes, int64_t head_dim,
+                                   const int64_t (&strides)[3]) {
+  const int64_t per_piece = 16 / element_bytes;
+  bool fits = address % 16 == 0 && 16 % element_bytes == 0 && head_dim % per_piece == 0;
+  for (const int64_t stride : strides) fits = fits && stride % per_piece == 0;
+  return fits;
+}
+
 // The combine of the chunks runs one block per (query row, piece of the slots): each piece rescales at least
 // `min_piece` probabilities (and at most 65535 pieces per row); piece 0 also writes the row's output.
 struct CombineSplit {

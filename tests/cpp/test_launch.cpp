@@ -154,6 +154,29 @@ TEST(DecodeLanes, OneSixteenByteLoadPerLaneForUsualHeadDims) {
   EXPECT_EQ(launch::decode_lanes(7, 1), 8);
 }
 
+// A 16-byte load reads 8 bfloat16 / half or 4 float32 elements; it is only legal where every row of the view starts
+// on a 16-byte boundary, so the address and every stride must be multiples of a piece, and d a whole number of them.
+TEST(SixteenBytePieces, EveryRowStartsOnABoundaryAndHoldsWholePieces) {
+  const int64_t contiguous_bf16[3] = {8 * 1024 * 128, 1024 * 128, 128};  // (B, H, T, d = 128)
+  EXPECT_TRUE(launch::rows_in_16_byte_pieces(4096, 2, 128, contiguous_bf16));
+  EXPECT_FALSE(launch::rows_in_16_byte_pieces(4096 + 2, 2, 128, contiguous_bf16));  // a view one element in
+  EXPECT_FALSE(launch::rows_in_16_byte_pieces(4096 + 8, 2, 128, contiguous_bf16));  // 8 bytes in
+  EXPECT_TRUE(launch::rows_in_16_byte_pieces(4096 + 16, 2, 128, contiguous_bf16));
+  const int64_t padded_rows[3] = {8 * 1000 * 136, 1000 * 136, 136};  // rows 272 bytes apart: 16 | 272
+  EXPECT_TRUE(launch::rows_in_16_byte_pieces(0, 2, 128, padded_rows));
+  const int64_t strided_rows[3] = {8 * 1000 * 130, 1000 * 130, 130};  // rows 260 bytes apart: row 1 misaligned
+  EXPECT_FALSE(launch::rows_in_16_byte_pieces(0, 2, 128, strided_rows));
+  const int64_t odd_head_stride[3] = {8 * 1000 * 128 + 4, 1000 * 128 + 4, 128};  // head 1 starts 8 bytes off
+  EXPECT_FALSE(launch::rows_in_16_byte_pieces(0, 2, 128, odd_head_stride));
+  const int64_t d_60[3] = {60 * 64 * 4, 60 * 64, 60};
+  EXPECT_FALSE(launch::rows_in_16_byte_pieces(0, 2, 60, d_60));  // 60 elements: 7.5 pieces of 8
+  EXPECT_TRUE(launch::rows_in_16_byte_pieces(0, 4, 60, d_60));   // float32: 15 pieces of 4
+  const int64_t float_strides[3] = {4 * 64 * 6, 64 * 6, 6};
+  EXPECT_FALSE(launch::rows_in_16_byte_pieces(0, 4, 4, float_strides));  // rows 24 bytes apart
+  const int64_t doubles[3] = {64, 16, 2};
+  EXPECT_TRUE(launch::rows_in_16_byte_pieces(0, 8, 2, doubles));
+}
+
 TEST(CombineSplit, PiecesCoverTheSlotsWithinTheGridLimit) {
   EXPECT_EQ(launch::combine_split(16384).pieces, 4);
   EXPECT_EQ(launch::combine_split(16384).piece_len, 4096);
