@@ -128,6 +128,23 @@ def test_plain_sums_skip_nothing():
     assert bool(scores[:, 0, :11].isnan().all()) and bool(torch.isfinite(scores[:, 1]).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nan_slot", [0, 32, 70])
+def test_nan_key_reaches_the_log_sum_exp_of_every_query_that_sees_it(device, nan_slot):
+    """A NaN key makes the log-sum-exp of every query that sees it NaN, whatever else its tile holds (slot 32 with
+    q = T: query 32 sees slots 0..32, a tile's second half holds that slot alone), and leaves the others exact."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 100, 100, 16, device=device, padding=0.0)
+    keys[:, 0, nan_slot] = float("nan")
+    lse = ops.prompt_log_sum_exp(query, keys, log_weights, 0.25).cpu()
+    sees = torch.arange(100) >= nan_slot
+    assert bool(lse[:, :2, sees].isnan().all())
+    clean = keys.clone()
+    clean[:, 0, nan_slot] = 0.0
+    expected = reference.prompt_log_sum_exp(query, clean, log_weights, 0.25).cpu()
+    torch.testing.assert_close(lse[:, :2, ~sees].double(), expected[:, :2, ~sees], **LSE_TOL)
+    torch.testing.assert_close(lse[:, 2:].double(), expected[:, 2:], **LSE_TOL)
+
+
 def test_row_with_nothing_to_attend_adds_nothing():
     """A query whose visible slots are all -inf has lse -inf and contributes 0, never NaN."""
     query, keys, log_weights = make_inputs(1, 2, 1, 10, 10, 8, padding=0.0)

@@ -268,9 +268,11 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_kernel(Layout layout, co
       logits[c] = masked_logit(smem.logits, r, column, key_begin, position, smem.bias, layout.scale);
       max = fmaxf(max, logits[c]);
     }
+    // Not shifted_exp: fmaxf passes over NaN, so a half whose only other logits are -inf keeps max = -inf, and the
+    // NaN must still reach its sum (exp(NaN + inf)) rather than count as 0.
     float sum = 0.0f;
 #pragma unroll
-    for (int c = 0; c < kTile / 2; ++c) sum += kernels::shifted_exp(logits[c], max);
+    for (int c = 0; c < kTile / 2; ++c) sum += logits[c] == -INFINITY ? 0.0f : ::expf(logits[c] - max);
     running = kernels::combine(running, kernels::SoftmaxPartial{max, sum});
   }
   const kernels::SoftmaxPartial other{__shfl_xor_sync(0xffffffffu, running.max, 1),
