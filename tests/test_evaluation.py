@@ -294,6 +294,28 @@ def test_question_aware_run_puts_the_question_in_the_compressed_prompt(tiny_mode
     assert "Streaming perplexity" in report and (tmp_path / "report.md").read_text() == report
 
 
+def test_a_family_run_counts_instead_of_the_whole_plan_runs_examples_of_that_family(tmp_path):
+    """A whole-plan configuration and --families batches in one folder draw the same examples (same indices): for a
+    family that has batches at the same (method, ratio, length), only the batches count; its other families, and other
+    ratios, still come from the whole-plan run."""
+    (tmp_path / "configs").mkdir()
+
+    def write(key, ratio=0.5, **fields):
+        result = {"method": "snapkv", "label": "SnapKV", "requested_ratio": ratio, "compression_ratio": ratio,
+                  "budget": 1 - ratio, "length": 2048, "model": "m", "cpu_s": 1.0, "fingerprint": key, **fields}
+        (tmp_path / "configs" / f"{key}.json").write_text(json.dumps(result))
+
+    write("2048__snapkv__0.50", scores={"niah_single_1": 100.0, "vt": 50.0}, examples={"niah_single_1": 1, "vt": 2})
+    write("2048__snapkv__0.75", ratio=0.75, scores={"niah_single_1": 100.0}, examples={"niah_single_1": 1})
+    write("2048__snapkv__0.50__niah0", family="niah", scores={"niah_single_1": 0.0, "niah_multikey_1": 50.0},
+          examples={"niah_single_1": 2, "niah_multikey_1": 2})
+    write("2048__snapkv__0.50__niah1", family="niah", scores={"niah_single_1": 100.0}, examples={"niah_single_1": 4})
+    df = results.collect(tmp_path).set_index(["requested_ratio", "family"])
+    assert (df.loc[(0.5, "niah"), "n"], df.loc[(0.5, "niah"), "score"]) == (8, (0 * 2 + 50 * 2 + 100 * 4) / 8)
+    assert (df.loc[(0.5, "vt"), "n"], df.loc[(0.5, "vt"), "score"]) == (2, 50.0)
+    assert (df.loc[(0.75, "niah"), "n"], df.loc[(0.75, "niah"), "score"]) == (1, 100.0)
+
+
 def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_path):
     def write(name, answers):
         (tmp_path / name).mkdir()

@@ -17,6 +17,8 @@ data, in ``--batches`` batches of ``--examples`` examples: every method gets a b
 a run stopped early leaves every method with the same number of examples; the report pools the batches. The report
 gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
 ``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
+A family run and an earlier whole-plan run in the same folder draw the same examples: for that family the report
+counts the family run's batches only.
 
 A configuration is (method, compression ratio, context length). Its outcome goes to
 ``<out>/configs/<length>__<method>__<ratio>.json`` (scores per task as kvpress's RULER scorer computed them, the
@@ -299,10 +301,16 @@ def collect(out: Path) -> pd.DataFrame:
     agreement with the full cache's answers (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``)."""
     results_ = [json.loads(path.read_text()) for path in sorted((out / "configs").glob("*.json"))]
     full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
+    # A family run (--families) draws its examples from the same indices as the length's whole-plan run: where both
+    # exist for a (method, ratio, length, family), pooling them would count the same examples twice, so the family
+    # run's batches alone count.
+    by_family = {(r["method"], r["requested_ratio"], r["length"], r["family"]) for r in results_ if r.get("family")}
     raw = []
     for r in results_:
         rouge = agreement(out, r, full.get(r["fingerprint"]))
         for task, score in r["scores"].items():
+            if not r.get("family") and (r["method"], r["requested_ratio"], r["length"], family(task)) in by_family:
+                continue
             n = r["examples"][task]
             raw.append({"method": r["method"], "label": r["label"], "length": r["length"],
                         "requested_ratio": r["requested_ratio"], "family": family(task), "model": r["model"],
