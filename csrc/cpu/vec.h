@@ -57,8 +57,8 @@ inline void store_from_float(const FloatVec& lanes, scalar_t* out, int64_t count
 }
 
 // Index of the first largest of count > 0 values, as std::max_element and torch.argmax: a vectorised maximum, then the
-// first value equal to it (std::max_element compares one value at a time, about 10x slower on a decode step's rows).
-// A NaN maximum matches nothing, so that case is left to std::max_element's ordering.
+// first value equal to it (std::max_element compares one value at a time). A NaN maximum matches nothing, so that
+// case is left to std::max_element's ordering.
 inline int64_t first_argmax(const float* values, int64_t count) {
   const float largest =
       at::vec::reduce_all<float>([](FloatVec& a, FloatVec& b) { return at::vec::maximum(a, b); }, values, count);
