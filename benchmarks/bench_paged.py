@@ -212,6 +212,24 @@ def paired_ratio(times: list[float], reference: list[float]) -> float:
     return round(statistics.median(t / r for t, r in zip(times, reference)), 3)
 
 
+def shuffled_full_cache(batch: int, kv_heads: int, length: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                        device: str, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """A paged cache whose every (b, h) holds `length` random slots in shuffled blocks (slot t of (b, h) at block
+    tables[b, h, t // S], offset t % S; log-weights 0), and the rectangular (B, H, T, d) copies of the same slots:
+    the inputs of paged_decode_attention and of decode_attention over one cache."""
+    blocks_per_head = length // block_size
+    num_blocks = batch * kv_heads * blocks_per_head
+    tables = torch.randperm(num_blocks, device=device, generator=generator).view(batch, kv_heads, blocks_per_head)
+    key_blocks, value_blocks = (torch.randn(num_blocks, block_size, head_dim, device=device, dtype=dtype,
+                                            generator=generator) for _ in range(2))
+    slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).view(batch, kv_heads, -1)
+    return {"key_blocks": key_blocks, "value_blocks": value_blocks,
+            "log_weight_blocks": torch.zeros(num_blocks, block_size, device=device), "block_tables": tables,
+            "lengths": torch.full((batch, kv_heads), length, device=device),
+            "keys": key_blocks.view(-1, head_dim)[slots], "values": value_blocks.view(-1, head_dim)[slots],
+            "log_weights": torch.zeros(batch, kv_heads, length, device=device)}
+
+
 def kernel_rows(lengths=(16384, 32768, 65536), batch: int = 4, kv_heads: int = 8, group: int = 4,
                 head_dim: int = 128, block_size: int = 16) -> list[dict]:
     """GPU only: bytes of keys, values and log-weights read per second, against the device's copy bandwidth."""
@@ -222,23 +240,13 @@ def kernel_rows(lengths=(16384, 32768, 65536), batch: int = 4, kv_heads: int = 8
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []
     for length in lengths:
-        blocks_per_head = length // block_size
-        num_blocks = batch * kv_heads * blocks_per_head
-        tables = torch.randperm(num_blocks, device=device).view(batch, kv_heads, blocks_per_head)
-        key_blocks = torch.randn(num_blocks, block_size, head_dim, device=device, dtype=dtype)
-        value_blocks = torch.randn_like(key_blocks)
-        log_weights = torch.zeros(num_blocks, block_size, device=device)
-        lengths_t = torch.full((batch, kv_heads), length, device=device)
+        c = shuffled_full_cache(batch, kv_heads, length, head_dim, block_size, dtype, device)
+        key_blocks, value_blocks, log_weights = c["key_blocks"], c["value_blocks"], c["log_weight_blocks"]
         query = torch.randn(batch, kv_heads * group, 1, head_dim, device=device, dtype=dtype)
         read = key_blocks.nbytes + value_blocks.nbytes + log_weights.nbytes
-        paged = median_seconds(lambda: ops.paged_decode_attention(query, key_blocks, value_blocks, log_weights, tables,
-                                                                  lengths_t, return_probs=False))
-        keys = key_blocks.view(-1, head_dim)[(tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)
-                                              ).view(batch, kv_heads, -1)]
-        values = value_blocks.view(-1, head_dim)[(tables.unsqueeze(-1) * block_size
-                                                  + torch.arange(block_size, device=device)).view(batch, kv_heads, -1)]
-        rectangular = median_seconds(lambda: ops.decode_attention(query, keys, values,
-                                                                  log_weights.view(-1)[:length].expand(batch, kv_heads, -1)))
+        paged = median_seconds(lambda: ops.paged_decode_attention(query, key_blocks, value_blocks, log_weights,
+                                                                  c["block_tables"], c["lengths"], return_probs=False))
+        rectangular = median_seconds(lambda: ops.decode_attention(query, c["keys"], c["values"], c["log_weights"]))
         rows.append({"part": "kernel", "T": length, "batch": batch, "kv_heads": kv_heads, "group": group,
                      "head_dim": head_dim, "dtype": "bf16", "paged_us": round(paged * 1e6, 1),
                      "paged_gbs": round(read / paged / 1e9, 1), "copy_gbs": round(copy_gbs, 1),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_paged import shuffled_full_cache
 from benchmarks.common import RESULTS_DIR
 
 NAME = "ncu_kernels"
@@ -64,26 +65,17 @@ def launches(device: str = "cuda", prompt_length: int = 8192, cached: int = 1638
                                                                                    head_dim) for _ in range(2)]
     log_weights = torch.zeros(1, kv_heads, prompt_length, device=device)
     query = randn(batch, query_heads, 1, head_dim)
-    cache_keys, cache_values = randn(batch, kv_heads, cached, head_dim), randn(batch, kv_heads, cached, head_dim)
-    cache_log_weights = torch.zeros(batch, kv_heads, cached, device=device)
-    # The same cache in shuffled blocks: slot t of (b, h) at block tables[b, h, t // block], offset t % block.
-    blocks_per_head = cached // block
-    tables = torch.randperm(batch * kv_heads * blocks_per_head, device=device,
-                            generator=generator).view(batch, kv_heads, blocks_per_head)
-    slots = (tables.unsqueeze(-1) * block + torch.arange(block, device=device)).view(batch, kv_heads, cached)
-    key_blocks = torch.empty(batch * kv_heads * blocks_per_head, block, head_dim, device=device, dtype=dtype)
-    value_blocks, log_weight_blocks = torch.empty_like(key_blocks), torch.zeros(key_blocks.shape[:2], device=device)
-    key_blocks.view(-1, head_dim)[slots] = cache_keys
-    value_blocks.view(-1, head_dim)[slots] = cache_values
-    lengths = torch.full((batch, kv_heads), cached, device=device)
+    cache = shuffled_full_cache(batch, kv_heads, cached, head_dim, block, dtype, device, generator)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return {
         "prompt_scores": lambda: ops.prompt_scores(prompt, keys, log_weights, scale, 1.0, 0.25),
         "prompt sdpa": lambda: sdpa(prompt, keys, values, is_causal=True, scale=scale, enable_gqa=True),
-        "decode_attention": lambda: ops.decode_attention(query, cache_keys, cache_values, cache_log_weights, scale),
+        "decode_attention": lambda: ops.decode_attention(query, cache["keys"], cache["values"], cache["log_weights"],
+                                                         scale),
         "paged_decode_attention": lambda: ops.paged_decode_attention(
-            query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, scale, return_probs=False),
-        "decode sdpa": lambda: sdpa(query, cache_keys, cache_values, scale=scale, enable_gqa=True),
+            query, cache["key_blocks"], cache["value_blocks"], cache["log_weight_blocks"], cache["block_tables"],
+            cache["lengths"], scale, return_probs=False),
+        "decode sdpa": lambda: sdpa(query, cache["keys"], cache["values"], scale=scale, enable_gqa=True),
     }
 
 
