@@ -78,6 +78,25 @@ CASES = {
     "adakv-kvzap": lambda model, surrogates: AdaKVPress(KVzapPress(compression_ratio=0.6, model_type="mlp",
                                                                    surrogate_dir=surrogates / "mlp")),
 }
+#: The cases whose forward hook is kvpress's own code (its DMSPress and AdaKVPress wrap the press).
+KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap"}
+
+
+def kvpress_transformers_mismatch() -> str | None:
+    """Why kvpress's own hooks cannot run here, or None: the installed transformers is outside the range kvpress
+    declares (kvpress 0.5.5: <5.3; later transformers stop passing the ``cache_position`` its hooks read). Our pins
+    satisfy it; a GPU machine without network may have only a newer transformers."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    for line in requires("kvpress") or []:
+        requirement = Requirement(line)
+        if requirement.name == "transformers" and requirement.marker is None:
+            installed = version("transformers")
+            if not requirement.specifier.contains(installed, prereleases=True):
+                return f"kvpress requires {requirement}, this machine has transformers {installed}"
+    return None
 
 
 def write_assets(root: Path) -> tuple[Path, Path]:

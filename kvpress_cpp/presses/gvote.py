@@ -46,7 +46,8 @@ class GVotePress(KVCompPress):
         recent: deviation from the paper: the last tokens of the prompt, always kept (0: none).
         budget_queries: deviation from the paper: w, each head's budget is the top-p size of the mean attention of
             the last w prompt queries (1: the last query alone, the paper).
-        seed: seed of the Gaussian samples (each layer draws from seed + layer index).
+        seed: seed of the Gaussian samples (each layer draws from seed + layer index, on the CPU: the same samples on
+            any device).
         chunk_size: (sample, head) rows whose logits are held at once (peak memory chunk_size × T, not S × T).
     """
 
@@ -109,12 +110,15 @@ class GVotePress(KVCompPress):
         """Steps 2-3: (B, Hq, S, d) queries of Gaussian samples of the attention input, with averaged RoPE."""
         body = hidden_states[:, self.sinks:].float()
         mean, std = body.mean(1, keepdim=True), body.var(1, unbiased=False, keepdim=True).sqrt()
-        generator = torch.Generator(device=hidden_states.device).manual_seed(self.seed + module.layer_idx)
-        noise = torch.randn(hidden_states.shape[0], self.num_samples, hidden_states.shape[-1], generator=generator,
-                            device=hidden_states.device)
+        # Drawn on the CPU whatever the layer's device: CPU and CUDA generators give different streams from one seed,
+        # and the same samples keep the same cache on any device (a device_map may put this layer on either).
+        generator = torch.Generator().manual_seed(self.seed + module.layer_idx)
+        noise = torch.randn(hidden_states.shape[0], self.num_samples, hidden_states.shape[-1],
+                            generator=generator).to(hidden_states.device)
         samples = (mean + std * noise).to(hidden_states.dtype)
         queries = prerope_query_states(module, samples)  # this rank's query heads, from replicated samples
         prompt_length = hidden_states.shape[1]
         positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
-        cos, sin = module.rotary_emb(samples, positions.unsqueeze(0))
-        return ops.averaged_rope(queries, cos[0], sin[0])
+        # The model's rotary module sits on its first device; under a device_map this layer may be elsewhere.
+        cos, sin = (table[0].to(queries.device) for table in module.rotary_emb(samples, positions.unsqueeze(0)))
+        return ops.averaged_rope(queries, cos, sin)
