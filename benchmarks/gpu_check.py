@@ -143,12 +143,18 @@ def stage_sanitizer(timeout: float) -> dict:
         command = ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", "--target-processes=all", PYTHON,
                    "-m", "pytest", "-q", *SANITIZER_TESTS]
         result = run(f"sanitizer-{tool}", command, timeout / 3, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
-        text = (OUT / f"sanitizer-{tool}.log").read_text(errors="replace")
-        errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
-        figures[tool] = {"errors": sum(errors) if errors else None, "rc": result["rc"],
-                         "tests": pytest_summary(OUT / f"sanitizer-{tool}.log")}
-        ok = ok and result["ok"] and errors != [] and sum(errors) == 0
+        errors = sanitizer_errors((OUT / f"sanitizer-{tool}.log").read_text(errors="replace"))
+        figures[tool] = {"errors": errors, "rc": result["rc"], "tests": pytest_summary(OUT / f"sanitizer-{tool}.log")}
+        ok = ok and result["ok"] and errors == 0
     return {"ok": ok, "figures": figures}
+
+
+def sanitizer_errors(text: str) -> int | None:
+    """Errors compute-sanitizer reported in a log (summed over its processes), None where it printed no summary.
+    memcheck and synccheck end with "ERROR SUMMARY: N errors", racecheck with "RACECHECK SUMMARY: H hazards displayed
+    (N errors, W warnings)"."""
+    counts = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: .*?\((\d+) error", text)
+    return sum(int(a or b) for a, b in counts) if counts else None
 
 
 def stage_ops(timeout: float) -> dict:
