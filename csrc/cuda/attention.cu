@@ -58,13 +58,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& query
   const at::Tensor log_weights_c = log_weights.contiguous();
   const at::Tensor query_c = query.contiguous();
 
-  gpu::DecodeParams params{};
-  params.kv_heads = shape.kv_heads;
-  params.num_queries = shape.num_queries;
-  params.total_len = shape.total_len;
-  params.head_dim = shape.head_dim;
-  params.rows = shape.rows();
-  params.scale = static_cast<float>(scale);
+  const gpu::DecodeParams params{shape.kv_heads, shape.num_queries, shape.total_len, shape.head_dim, shape.rows(),
+                                 static_cast<float>(scale)};
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::decode_attention", [&] {
     gpu::CacheView<scalar_t> cache{keys_c.const_data_ptr<scalar_t>(), values_c.const_data_ptr<scalar_t>(),
                                    log_weights_c.const_data_ptr<float>()};

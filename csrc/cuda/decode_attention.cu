@@ -425,10 +425,6 @@ void launch_attend_chunk_rows(const char* op, int rows_per_tile, const DecodePar
 
 }  // namespace
 
-// Decode attention of `pairs` (batch, kv head) pairs over `cache`: out [pairs * rows, d] and, where probs is not
-// null, the normalised probabilities [pairs * rows, total_len] (0 past a head's length). `params` comes with its
-// shape (kv_heads, num_queries, total_len, head_dim, rows, scale); the split is chosen here. `op` names the op in
-// errors.
 template <typename scalar_t>
 void split_decode_attention(const char* op, DecodeParams params, int64_t pairs, const scalar_t* query,
                             const CacheView<scalar_t>& cache, scalar_t* out, float* probs,

@@ -35,15 +35,15 @@ struct CacheView {
 struct DecodeParams {
   int64_t kv_heads, num_queries, total_len, head_dim, rows;  // rows = G * q query rows per kv head; total_len: the
                                                              // widest head (probs' last dim)
-  int64_t chunk_len, num_chunks, num_tiles;
-  int lanes;  // threads that share one slot (power of two <= 32); 256 / lanes slots are handled at once
   float scale;
+  // Chosen by split_decode_attention:
+  int64_t chunk_len = 0, num_chunks = 0, num_tiles = 0;
+  int lanes = 0;  // threads that share one slot (power of two <= 32); 256 / lanes slots are handled at once
 };
 
 // Decode attention of `pairs` (batch, kv head) pairs over `cache`: out [pairs * rows, d] and, where probs is not
 // null, the normalised probabilities [pairs * rows, total_len] (0 past a head's length). `params` comes with its
-// shape (kv_heads, num_queries, total_len, head_dim, rows, scale); the split is chosen here. `op` names the op in
-// errors.
+// shape and scale; the split is chosen here. `op` names the op in errors.
 template <typename scalar_t>
 void split_decode_attention(const char* op, DecodeParams params, int64_t pairs, const scalar_t* query,
                             const CacheView<scalar_t>& cache, scalar_t* out, float* probs,

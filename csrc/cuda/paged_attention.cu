@@ -38,13 +38,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(const at::Tensor&
   const at::Tensor values_c = value_blocks.contiguous(), log_weights_c = log_weight_blocks.contiguous();
   const at::Tensor tables_c = block_tables.contiguous(), lengths_c = lengths.contiguous();
 
-  gpu::DecodeParams params{};
-  params.kv_heads = shape.kv_heads;
-  params.num_queries = shape.num_queries;
-  params.total_len = shape.max_len;
-  params.head_dim = shape.head_dim;
-  params.rows = shape.rows();
-  params.scale = static_cast<float>(scale);
+  const gpu::DecodeParams params{shape.kv_heads, shape.num_queries, shape.max_len, shape.head_dim, shape.rows(),
+                                 static_cast<float>(scale)};
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::paged_decode_attention", [&] {
     // Pools [N * S, d]: a slot index is a pool slot, whatever the batch and head.
     gpu::CacheView<scalar_t> cache{keys_c.const_data_ptr<scalar_t>(), values_c.const_data_ptr<scalar_t>(),
