@@ -30,7 +30,9 @@ last R queries at M = T / 4): ``prompt_log_unnormalised_scores`` (``op_s``) agai
 replaced (``former_s``, ``tests.reference.keepkv_former_prefill_fold``: (B, Hq, 256, T) float32 logits per chunk).
 
 On CUDA (``--device cuda --parts op``): a random Llama-3-8B-shaped layer (B=1, Hq=32, H=8, d=128, bfloat16) at 32k
-and 128k tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward.
+and 128k tokens: the op's time and peak memory beyond its inputs against the layer's sdpa (flash) forward, the scores
+pass alone (the log-sum-exp given), and which of ATen's attention kernels hands over a log-sum-exp equal to
+``prompt_log_sum_exp``'s (cuDNN, flash, memory-efficient), at what cost.
 """
 
 from __future__ import annotations
@@ -277,9 +279,31 @@ def keepkv_op_rows(lengths, repeats: int, save) -> list[dict]:
     return rows
 
 
+def attention_with_log_sum_exp(query, keys, values, scale) -> dict:
+    """name → a callable running one of ATen's CUDA causal attention kernels that hand over their log-sum-exp beside
+    the output (what a press could reuse instead of ``prompt_log_sum_exp``), each returning that log-sum-exp as
+    (B, Hq, T) float32. cuDNN's takes the GQA keys as they are; flash and memory-efficient want repeated keys."""
+    aten, group, length = torch.ops.aten, query.shape[1] // keys.shape[1], query.shape[2]
+    repeated = [t.repeat_interleave(group, 1) for t in (keys, values)]
+
+    def lse(tensor):  # cuDNN: (B, Hq, T, 1); memory-efficient: (B, Hq, T rounded up to 32)
+        return tensor.float().flatten(2)[..., :length]
+
+    return {
+        "cudnn": lambda: lse(aten._scaled_dot_product_cudnn_attention(query, keys, values, None, True, 0.0, True,
+                                                                      False, scale=scale)[1]),
+        "flash": lambda: lse(aten._scaled_dot_product_flash_attention(query, *repeated, 0.0, True, False,
+                                                                      scale=scale)[1]),
+        "efficient": lambda: lse(aten._scaled_dot_product_efficient_attention(query, *repeated, None, True, 0.0, True,
+                                                                              scale=scale)[1]),
+    }
+
+
 def cuda_op_rows(lengths) -> list[dict]:
     """A random Llama-3-8B-shaped layer in bfloat16: the op against the layer's sdpa (flash), time and peak memory
-    beyond the inputs."""
+    beyond the inputs; the scores pass alone (``op_given_lse``: the log-sum-exp given); and each ATen attention kernel
+    that hands over a log-sum-exp (:func:`attention_with_log_sum_exp`): its time and largest difference from
+    ``prompt_log_sum_exp``'s, or why it did not run."""
     batch, query_heads, kv_heads, head_dim = 1, 32, 8, 128
     scale = head_dim ** -0.5
     rows = []
@@ -288,12 +312,15 @@ def cuda_op_rows(lengths) -> list[dict]:
         keys = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=torch.bfloat16)
         values = torch.randn_like(keys)
         log_weights = torch.zeros(batch, kv_heads, length, device="cuda")
+        ours = ops.prompt_log_sum_exp(query, keys, log_weights, scale)
         row = {"part": "op", "T": length, "device": torch.cuda.get_device_name()}
         for name, fn in [
             ("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                                               scale=scale, enable_gqa=True)),
             ("op", lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 0.25)),
             ("op_decay_0.98", lambda: ops.prompt_scores(query, keys, log_weights, scale, 0.98, 1.0)),
+            ("op_given_lse", lambda: ops.prompt_scores(query, keys, log_weights, scale, 1.0, 0.25,
+                                                       log_sum_exp=ours)),
         ]:
             fn()
             torch.cuda.synchronize()
@@ -302,6 +329,12 @@ def cuda_op_rows(lengths) -> list[dict]:
             row[f"{name}_s"] = round(min(seconds(fn, "cuda") for _ in range(3)), 5)
             row[f"{name}_peak_MiB"] = round((torch.cuda.max_memory_allocated() - live) / 2**20, 1)
         row["op_vs_sdpa"] = round(row["op_s"] / row["sdpa_s"], 2)
+        for name, fn in attention_with_log_sum_exp(query, keys, values, scale).items():
+            try:
+                row[f"lse_{name}_max_error"] = round((fn() - ours).abs().max().item(), 6)
+                row[f"lse_{name}_s"] = round(min(seconds(fn, "cuda") for _ in range(3)), 5)
+            except (RuntimeError, NotImplementedError) as error:  # a kernel this GPU or shape does not support
+                row[f"lse_{name}_error"] = f"{type(error).__name__}: {str(error)[:160]}"
         rows.append(row)
         print(row, flush=True)
     return rows

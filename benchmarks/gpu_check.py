@@ -10,7 +10,8 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
   tests        every test with CUDA in its name (op tests' CUDA cases, the CUDA fuzz, presses across devices), then
                the CUDA-graph capture of each press's decoding step
   sanitizer    compute-sanitizer memcheck, racecheck and synccheck over the CUDA fuzz (every op, random valid inputs)
-  ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py)
+  ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py), and prompt
+               scoring on a Llama-3-8B-shaped layer at 32k and 128k against its sdpa (bench_prefill_overhead)
   decode       bench_decode on a random-weight Llama-3-8B-shaped model at 8k, 16k and 32k, 10% budget
   profile      bench_step_profile: where one decoding step's time goes on that model at 8k, full cache and presses
   ncu          Nsight Compute over the kernels furthest from their targets (prompt scoring, decode attention, paged
@@ -41,7 +42,8 @@ STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "dec
 # pooled blocks) a capture's allocations are cudaMalloc calls, which a capture refuses.
 SANITIZER_TESTS = ["tests/test_fuzz_ops.py::test_cuda_kernel_matches_the_reference_on_random_valid_inputs"]
 OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
-                 "bench_gvote", "bench_kvzap --quick"]
+                 "bench_gvote", "bench_kvzap --quick",
+                 "bench_prefill_overhead --device cuda --parts op --name prefill_op_cuda"]
 DECODE_LENGTHS = [8192, 16384, 32768]
 # One run per (press, length), KeepKV first: its prefill folds only its recent window, while ZSMerge's and
 # WeightedKV's fold the whole prompt's attention (quadratic in the prompt: slow at 32k on an 8B model), so a run cut
@@ -253,6 +255,12 @@ def targets(stages: dict) -> list[dict]:
     checks.append({"target": "a merging press adds <= 10% to the decode step (step time over that of a full cache "
                              "of as many slots, minus 1)", "value": overhead,
                    "met": all(v <= 0.10 for v in overhead.values()) if overhead else None})
+    scoring = {row["T"]: row["op_vs_sdpa"] for row in load_rows("prefill_op_cuda") if row.get("part") == "op"}
+    checks.append({"target": "prompt scoring (prompt_log_sum_exp + prompt_scores) <= 1.5x the layer's sdpa at 32k, "
+                             "Llama-3-8B layer, B = 1", "value": scoring.get(32768),
+                   "met": scoring[32768] <= 1.5 if 32768 in scoring else None})
+    checks.append({"target": "prompt scoring at 128k, B = 1, completes", "value": scoring.get(131072),
+                   "met": True if 131072 in scoring else None})
     sanitizer = stages.get("sanitizer", {}).get("figures", {})
     errors = {tool: f.get("errors") for tool, f in sanitizer.items()}
     checks.append({"target": "compute-sanitizer memcheck / racecheck / synccheck: zero errors", "value": errors,
