@@ -2,7 +2,7 @@
 #   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
 #   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest
 #   make eval   the evaluation results run (resumable), then its CSV, plots and README table (see README: Evaluation)
-#   make gpu-check   on a machine with a GPU and no network: build for it, CUDA tests, compute-sanitizer, op and
+#   make gpu-check   on a machine with a GPU and no network: build for it (or use make gpu-prebuild's), CUDA tests, compute-sanitizer, op and
 #               decode benchmarks, results in benchmarks/results/gpu/ (see benchmarks/gpu_check.py)
 SHELL := /bin/bash
 VENV ?= .venv
@@ -16,7 +16,7 @@ export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test build cpp-test py-test system-deps clean eval eval-report eval-smoke gpu-check gpu-wheels
+.PHONY: demo test build cpp-test py-test system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
 
 demo: build
 	$(PYTHON) examples/demo.py
@@ -79,6 +79,18 @@ gpu-check:
 	    >/dev/null 2>&1 || echo "gpu-check: skipped $$wheel (not for this Python)"; done
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} MAX_JOBS=$$(nproc) \
 	  $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The extension built here against the GPU machine's torch (GPU_BUILD_PYTHON: a venv holding that torch, e.g.
+# torch==2.11.0 from the cu130 wheels), for sm_90, stripped, into build/gpu-prebuilt/: carry that folder and run
+# `make gpu-check GPU_CHECK_ARGS="--prebuilt build/gpu-prebuilt/_C.abi3.so ..."`, which then spends no device time
+# compiling (falling back to a build there if it does not load). x86-64-v3 CPU code: the GPU machine's CPU may lack
+# this one's AVX-512.
+GPU_BUILD_PYTHON ?=
+gpu-prebuild:
+	@test -n "$(GPU_BUILD_PYTHON)" || { echo "make gpu-prebuild: set GPU_BUILD_PYTHON to a Python with the GPU machine's torch"; exit 1; }
+	KVCOMP_CPU_ARCH=x86-64-v3 $(GPU_BUILD_PYTHON) setup.py build_ext --build-temp build/gpu-temp --build-lib build/gpu-lib
+	mkdir -p build/gpu-prebuilt
+	strip --strip-debug -o build/gpu-prebuilt/_C.abi3.so build/gpu-lib/kvpress_cpp/_C.abi3.so
 
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -16,3 +16,35 @@ def test_racecheck_summary():
 
 def test_a_log_without_a_summary_is_not_a_pass():
     assert sanitizer_errors("Traceback (most recent call last):\n") is None
+
+
+def test_a_prebuilt_extension_that_loads_spares_the_build(tmp_path, monkeypatch):
+    from benchmarks import gpu_check
+
+    (tmp_path / "kvpress_cpp").mkdir()
+    prebuilt = tmp_path / "prebuilt.so"
+    prebuilt.write_bytes(b"an extension")
+    commands = []
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "run", lambda name, *args, **kwargs: commands.append(name) or {"ok": True, "rc": 0})
+    assert gpu_check.stage_build(60, prebuilt)["figures"]["prebuilt"] == str(prebuilt)
+    assert (tmp_path / "kvpress_cpp" / gpu_check.EXTENSION).read_bytes() == b"an extension"
+    assert commands == ["build-check"]
+
+
+def test_a_prebuilt_extension_that_does_not_load_is_rebuilt(tmp_path, monkeypatch):
+    from benchmarks import gpu_check
+
+    (tmp_path / "kvpress_cpp").mkdir()
+    prebuilt = tmp_path / "prebuilt.so"
+    prebuilt.write_bytes(b"built against another torch")
+    commands = []
+
+    def run(name, *args, **kwargs):
+        commands.append(name)
+        return {"ok": name == "build" or commands.count("build-check") > 1, "rc": 0}
+
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "run", run)
+    assert gpu_check.stage_build(60, prebuilt)["ok"]
+    assert commands == ["build-check", "build", "build-check"]
