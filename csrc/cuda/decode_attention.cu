@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   for (int64_t i = tid; i < tile_rows * d; i += kDecodeThreads) {
     s_query[i] = static_cast<float>(query[(pair * p.rows + row0) * d + i]) * p.scale;
   }
-  // Every lane of a group reads the log-weight of its slot: one coalesced read into shared memory instead.
+  // Each slot's rows in the cache (a block-table lookup where paged) and its log-weight, resolved once into shared
+  // memory: every lane of a group uses them, in each of the steps below.
   for (int64_t i = tid; i < len; i += kDecodeThreads) {
     const int64_t index = cache.slot_index(pair, slot_begin + i);
     s_key_offset[i] = index * cache.key_strides[2];
