@@ -24,7 +24,8 @@ Parts (each row of benchmarks/results/paged.json names its part):
   TOVA's in the same round (``vs_tova_paired``, the robust one: the machine's speed drifts over seconds). Target:
   within 1.1x of TOVA.
 * ``kernel`` (GPU): kvcomp::paged_decode_attention at T ≥ 16k against the device's copy bandwidth and against the
-  rectangular kvcomp::decode_attention on the same slots (vLLM / FlashInfer as peers when they import).
+  rectangular kvcomp::decode_attention on the same slots (vLLM / FlashInfer as peers when they import), with
+  max_len given as the cache gives it and without (``paged_host_checked_us``: the host sync of the table check).
 """
 
 from __future__ import annotations
@@ -244,13 +245,17 @@ def kernel_rows(lengths=(16384, 32768, 65536), batch: int = 4, kv_heads: int = 8
         key_blocks, value_blocks, log_weights = c["key_blocks"], c["value_blocks"], c["log_weight_blocks"]
         query = torch.randn(batch, kv_heads * group, 1, head_dim, device=device, dtype=dtype)
         read = key_blocks.nbytes + value_blocks.nbytes + log_weights.nbytes
-        paged = median_seconds(lambda: ops.paged_decode_attention(query, key_blocks, value_blocks, log_weights,
-                                                                  c["block_tables"], c["lengths"], return_probs=False))
+        inputs = (query, key_blocks, value_blocks, log_weights, c["block_tables"], c["lengths"])
+        # As PagedKVCache calls it (max_len from its host lengths: the tables checked on the device, no sync), and
+        # without max_len (the tables checked and the longest length read back on the host: one sync a call).
+        paged = median_seconds(lambda: ops.paged_decode_attention(*inputs, return_probs=False, max_len=length))
+        host_checked = median_seconds(lambda: ops.paged_decode_attention(*inputs, return_probs=False))
         rectangular = median_seconds(lambda: ops.decode_attention(query, c["keys"], c["values"], c["log_weights"]))
         rows.append({"part": "kernel", "T": length, "batch": batch, "kv_heads": kv_heads, "group": group,
                      "head_dim": head_dim, "dtype": "bf16", "paged_us": round(paged * 1e6, 1),
                      "paged_gbs": round(read / paged / 1e9, 1), "copy_gbs": round(copy_gbs, 1),
                      "fraction_of_copy": round(read / paged / 1e9 / copy_gbs, 3),
+                     "paged_host_checked_us": round(host_checked * 1e6, 1),
                      "rectangular_decode_attention_us": round(rectangular * 1e6, 1)})
     for peer in ("vllm", "flashinfer"):
         try:

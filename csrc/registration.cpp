@@ -22,9 +22,11 @@ TORCH_LIBRARY(kvcomp, m) {
   // (B, H, max_blocks) int64, slot t at block_tables[b, h, t // S], offset t % S. q new queries (B, Hq, q, d) are the
   // last q slots of each (b, h) (causal; a (b, h) shorter than q gives its first queries output 0) -> (out (B, Hq, q, d)
   // in the query dtype, probs (B, Hq, q, max length) float32 over each head's slots, 0 beyond its length; probs has
-  // width 0 unless return_probs).
+  // width 0 unless return_probs). max_len, where the caller knows it (a cache that keeps its lengths on the host), is
+  // the width of probs and a bound on every length; the tables' contents are then checked by the kernel as it reads
+  // them (a device-side assert on a GPU) instead of before it on the host, so that a GPU call does not sync.
   m.def("paged_decode_attention(Tensor query, Tensor key_blocks, Tensor value_blocks, Tensor log_weight_blocks, "
-        "Tensor block_tables, Tensor lengths, float scale, bool return_probs) -> (Tensor, Tensor)");
+        "Tensor block_tables, Tensor lengths, float scale, bool return_probs, int? max_len=None) -> (Tensor, Tensor)");
 
   // weightedkv family: `evictions` greedy steps of WeightedKV's Algorithm 1 on each (batch, kv-head), in place: evict the
   // middle slot (not the first `sinks`, not the last `recent`) of least mean sums/counts, fold its value into its right

@@ -545,10 +545,21 @@ _declare(Contract(
 ))
 
 
+def _longest(lengths: torch.Tensor) -> int:
+    """max(lengths) where the values can be read without a device sync (a CPU tensor), else 0: the host's check of
+    a max_len given to paged_decode_attention, which a GPU call leaves to its kernel."""
+    if lengths.device.type != "cpu" or isinstance(lengths, torch._subclasses.FakeTensor) or not lengths.numel():
+        return 0
+    return int(lengths.max())
+
+
 def _probs_width(v) -> Any:
-    """Width of paged_decode_attention's probabilities: max(lengths), known only from the tables' contents."""
+    """Width of paged_decode_attention's probabilities: the caller's max_len, else max(lengths), known only from the
+    tables' contents."""
     if not v["return_probs"]:
         return 0
+    if v["max_len"] is not None:
+        return v["max_len"]
     lengths = v["lengths"]
     if lengths.device.type == "meta" or isinstance(lengths, torch._subclasses.FakeTensor):
         return torch.library.get_ctx().new_dynamic_size()
@@ -560,7 +571,7 @@ _declare(Contract(
     [Tensor("query", "B Hq q d", CACHE_DTYPES), Tensor("key_blocks", "N S d", "query"),
      Tensor("value_blocks", "N S d", "query"), Tensor("log_weight_blocks", "N S", F32),
      Tensor("block_tables", "B H M", I64), Tensor("lengths", "B H", I64), Scalar("scale"),
-     Scalar("return_probs", True)],
+     Scalar("return_probs", True), Scalar("max_len")],
     rules=[
         Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
              lambda v: f"expected a finite scale > 0, got {v['scale']}"),
@@ -570,6 +581,10 @@ _declare(Contract(
              lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
         Rule(lambda v: v["q"] >= 1,
              lambda v: f"expected at least one query, got query of shape {tuple(v['query'].shape)}"),
+        Rule(lambda v: v["max_len"] is None or 1 <= v["max_len"] <= v["M"] * v["S"],
+             lambda v: f"expected max_len in [1, {v['M'] * v['S']}] (max_blocks * block size), got {v['max_len']}"),
+        Rule(lambda v: v["max_len"] is None or _longest(v["lengths"]) <= v["max_len"],
+             lambda v: f"expected every length <= max_len = {v['max_len']}, got a length of {_longest(v['lengths'])}"),
     ],
     outputs=lambda v: [((v["B"], v["Hq"], v["q"], v["d"]), "query"), ((v["B"], v["Hq"], v["q"], _probs_width(v)), F32)],
 ))

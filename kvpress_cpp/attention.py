@@ -186,7 +186,8 @@ def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Te
     """Attention of a later pass over a paged layer (``kvcomp::paged_decode_attention``), with probabilities over the
     view's columns when a hook that reads them is attached."""
     wants_probs = len(module._forward_hooks) > getattr(module, "_kvcomp_hooks_without_probs", 0)
-    output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs)
+    output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs,
+                                               max_len=layer.longest_length() or None)
     _hand_decode_query(module, query if wants_probs else None)
     return output.transpose(1, 2).contiguous(), layer.probs_to_view(probs) if wants_probs else None
 

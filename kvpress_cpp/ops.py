@@ -632,6 +632,7 @@ def paged_decode_attention(
     lengths: torch.Tensor,
     scale: float | None = None,
     return_probs: bool = True,
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_attention` over a paged cache: each (batch, kv head) reads its own slots through its block table.
 
@@ -649,13 +650,17 @@ def paged_decode_attention(
         lengths: (B, H) int64 in [0, max_blocks * S].
         scale: attention scale, finite and > 0; default ``d ** -0.5``.
         return_probs: also return the probabilities (else probs has width 0).
+        max_len: where the caller knows it without reading the device (``PagedKVCache.longest_length()``), a bound
+            in [1, max_blocks * S] on every length and the width of probs. Without it the op finds max(lengths)
+            itself and checks the tables before the kernel: one host sync on a GPU. With it a GPU call syncs nothing:
+            a kernel checks the tables' contents on the device and stops the stream with a device-side assert
+            (``CUDA error: device-side assert triggered``, the bad entry printed) where one is out of range.
 
     Returns:
-        ``(out, probs)``: out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, max(lengths)) float32 indexed by each
-        head's slot, exactly 0 beyond its length and on masked slots. Validation reads the tables' contents: one
-        host sync on a GPU.
+        ``(out, probs)``: out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, max_len or max(lengths)) float32
+        indexed by each head's slot, exactly 0 beyond its length and on masked slots.
     """
     if scale is None:
         scale = query.shape[-1] ** -0.5
     return torch.ops.kvcomp.paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, block_tables,
-                                                   lengths, scale, return_probs)
+                                                   lengths, scale, return_probs, max_len)

@@ -305,7 +305,7 @@ class PagedLayer(CacheLayerMixin):
         rectangular cache to its longest head does: the view is then as wide as that cache (a forward without
         cache_position places its token at the same position on both)."""
         self.flush()
-        slot = torch.arange(self._slot_width()).expand(*self.lengths.shape, -1)
+        slot = torch.arange(self.longest_length()).expand(*self.lengths.shape, -1)
         index, real = self._pool_index(torch.where(slot < self.lengths.unsqueeze(-1), slot, -1))
         dead = (_gather(self.slot_blocks[_LOG_WEIGHTS], index, real, 0.0) == float("-inf")).cpu()
         if bool(dead.any()):
@@ -352,7 +352,9 @@ class PagedLayer(CacheLayerMixin):
     def attention_inputs(self) -> tuple[torch.Tensor, ...]:
         """(key_blocks, value_blocks, log_weight_blocks, block_tables, lengths) for ``ops.paged_decode_attention``."""
         if self._device_tables is None:
-            self._device_tables = (self.block_tables.to(self.device), self.lengths.to(self.device))
+            # non_blocking: from pageable memory the copy is staged before it returns, without waiting for the device
+            self._device_tables = (self.block_tables.to(self.device, non_blocking=True),
+                                   self.lengths.to(self.device, non_blocking=True))
         return (self.key_blocks, self.value_blocks, self.slot_blocks[_LOG_WEIGHTS], *self._device_tables)
 
     def probs_to_view(self, probs: torch.Tensor) -> torch.Tensor:
@@ -363,7 +365,7 @@ class PagedLayer(CacheLayerMixin):
         columns = self._view_columns()
         batch, heads, width = columns.shape
         padded = torch.nn.functional.pad(probs, (0, 1))  # column -1 reads the extra 0
-        index = torch.where(columns >= 0, columns, probs.shape[-1]).to(probs.device)
+        index = torch.where(columns >= 0, columns, probs.shape[-1]).to(probs.device, non_blocking=True)
         group_rows = probs.shape[1] // heads * probs.shape[2]
         gathered = padded.reshape(batch, heads, group_rows, -1).gather(
             -1, index.unsqueeze(2).expand(batch, heads, group_rows, width))
@@ -374,7 +376,7 @@ class PagedLayer(CacheLayerMixin):
         columns = self._view_columns()
         padding = (log_weights.cpu() == float("-inf")) & (columns >= 0)
         if bool(padding.any()):
-            evicted = torch.zeros(*self.lengths.shape, self._slot_width(), dtype=torch.bool)
+            evicted = torch.zeros(*self.lengths.shape, self.longest_length(), dtype=torch.bool)
             b, h, c = padding.nonzero(as_tuple=True)
             evicted[b, h, columns[b, h, c]] = True
             self._evict(evicted)
@@ -535,7 +537,7 @@ class PagedLayer(CacheLayerMixin):
         tables change (a decoding step that stays within its blocks reuses it). A -1 entry (a slot beyond the head's
         length, read only under a mask) reads block 0."""
         if self._slot_index is None:
-            blocks = self.block_tables.clamp(min=0).to(self.device) * self.block_size
+            blocks = self.block_tables.clamp(min=0).to(self.device, non_blocking=True) * self.block_size
             self._slot_index = (blocks.unsqueeze(-1) + torch.arange(self.block_size, device=self.device)).flatten(2)
         return self._slot_index
 
@@ -554,7 +556,12 @@ class PagedLayer(CacheLayerMixin):
                 self._widest = int(self.bases.max()) + int((self.lengths - self.bases).max())
         return self._widest
 
-    def _slot_width(self) -> int:
+    def longest_length(self) -> int:
+        """The most slots any (batch, kv head) holds, a host integer (the lengths live on the host): the attention op's
+        max_len, so that it reads nothing back from the device."""
+        even = self._evenness()
+        if even:
+            return even[0]
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def _view_columns(self) -> torch.Tensor:
@@ -835,7 +842,7 @@ class PagedLayer(CacheLayerMixin):
 
     def _slot_positions(self) -> torch.Tensor:
         """(B, H, max length) int64 token position of each head's slots in slot order, -1 beyond its length."""
-        slot = torch.arange(self._slot_width()).expand(*self.lengths.shape, -1)
+        slot = torch.arange(self.longest_length()).expand(*self.lengths.shape, -1)
         index, real = self._pool_index(torch.where(slot < self.lengths.unsqueeze(-1), slot, -1))
         return _gather(self.slot_blocks[_POSITIONS], index, real, -1).long().cpu()
 

@@ -187,7 +187,18 @@ def _paged_build(r, s, dtype):
     if owned:
         tables[..., :owned] = pool[:pairs * owned].view(s["B"], s["H"], owned)
     lengths = torch.randint(0, owned * s["S"] + 1, (s["B"], s["H"]), generator=_g(r))
-    return (query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, max(s["d"], 1) ** -0.5, True)
+    # max_len: any bound from the longest length to the tables' capacity (none where they hold no slot)
+    capacity, longest = s["M"] * s["S"], int(lengths.max()) if lengths.numel() else 0
+    max_len = r.randint(max(1, longest), capacity) if capacity else None
+    return (query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, max(s["d"], 1) ** -0.5, True,
+            max_len)
+
+
+def _paged_reference(*args):
+    """The float64 reference, its probabilities widened with zero columns to max_len."""
+    out, probs = reference.paged_decode_attention(*args[:7])
+    max_len = args[8]
+    return out, probs if max_len is None else torch.nn.functional.pad(probs, (0, max_len - probs.shape[-1]))
 
 
 def _with(t: torch.Tensor, index: tuple, value) -> torch.Tensor:
@@ -511,7 +522,7 @@ FUZZ: dict[str, OpFuzz] = {
         nonfinite_unchecked="NaN and inf follow the online log-sum-exp (a +inf term meets the running max +inf: NaN, "
         "where torch.logsumexp gives +inf)"),
     "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
-                                     lambda *args: reference.paged_decode_attention(*args[:7]),
+                                     _paged_reference,
                                      tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad,
                                      meta_shapes=False,
                                      nonfinite_unchecked="NaN placement over blocks not yet specified (issue 21)"),

@@ -3,6 +3,11 @@ agreement with kvcomp::decode_attention on the same slots, opcheck and bad input
 GPU is present. Block tables are shuffled so that no head's blocks are contiguous or in order, heads hold different
 lengths (0 included, and fewer than q), and blocks of the pool are left unused (holding NaN, which must never leak)."""
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -106,6 +111,69 @@ def test_without_probs(device):
 def test_opcheck():
     inputs = make_paged([[20, 7]], 4, 2, 16, 8)
     torch.library.opcheck(torch.ops.kvcomp.paged_decode_attention, (*inputs, 0.25, True))
+    torch.library.opcheck(torch.ops.kvcomp.paged_decode_attention, (*inputs, 0.25, True, 23))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# max_len: the caller's bound on the lengths, so that a GPU call reads nothing back
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("extra", [0, 1, 11])  # up to the tables' 48 slots
+def test_max_len_is_the_width_of_probs(device, extra):
+    """Columns past the longest head are 0 like those past any head's length; the rest is the reference's."""
+    inputs = make_paged([[37, 5], [16, 0]], 8, 3, 32, 16, device=device)
+    longest = 37
+    out, probs = ops.paged_decode_attention(*inputs, 0.3, max_len=longest + extra)
+    expected_out, expected_probs = reference.paged_decode_attention(*(t.cpu() for t in inputs), 0.3)
+    assert probs.shape == (*inputs[0].shape[:3], longest + extra)
+    torch.testing.assert_close(probs[..., :longest].cpu(), expected_probs, **PROBS_TOL)
+    assert bool((probs[..., longest:] == 0).all())
+    torch.testing.assert_close(out.cpu(), expected_out, **OUT_TOL[torch.float32])
+
+
+@CUDA
+def test_max_len_call_reads_nothing_back():
+    """With max_len the op syncs nothing (the tables are checked on the device); without it, it must sync to find the
+    longest length, which shows that the sync check sees a sync."""
+    inputs = make_paged([[300, 1, 49]], 6, 1, 64, 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = ops.paged_decode_attention(*inputs, 0.2, max_len=300)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            ops.paged_decode_attention(*inputs, 0.2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected, _ = reference.paged_decode_attention(*(t.cpu() for t in inputs), 0.2)
+    torch.testing.assert_close(out.cpu(), expected, **OUT_TOL[torch.float32])
+
+
+BAD_TABLE_ON_DEVICE = """
+import torch
+from kvpress_cpp import ops
+from tests.test_paged_attention_ops import make_paged
+inputs = list(make_paged([[20, 7]], 4, 1, 16, 8, device="cuda"))
+inputs[{index}] = torch.tensor({value}, device="cuda")
+ops.paged_decode_attention(*inputs, 0.25, max_len=24)
+torch.cuda.synchronize()
+"""
+
+
+@CUDA
+@pytest.mark.parametrize("index,value,says", [  # (b, h) = (0, 1) is pair 1; the pool has 7 blocks
+    (4, [[[0, 1, 2], [9, -1, -1]]],
+     r"block table index out of range: block_tables\[1, 0\] \(b \* H \+ h, entry\) = 9 is used but not in \[0, 7\)"),
+    (5, [[20, 25]], r"expected every length in \[0, max_len = 24\], got lengths\[1\] \(b \* H \+ h\) = 25"),
+], ids=["block", "length"])
+def test_max_len_bad_table_stops_on_the_device(index, value, says):
+    """A bad table the host did not read stops the kernel with a device-side assert naming the op and the entry (in
+    a subprocess: the assert leaves its CUDA context unusable)."""
+    done = subprocess.run([sys.executable, "-c", BAD_TABLE_ON_DEVICE.format(index=index, value=value)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode != 0
+    assert "device-side assert" in done.stderr
+    assert re.search("kvcomp::paged_decode_attention: " + says, done.stdout + done.stderr)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,6 +199,21 @@ def test_unused_table_entries_are_not_read():
     inputs[4] = inputs[4].clone()
     inputs[4][0, 1, 2] = 10 ** 9  # beyond head (0, 1)'s single block
     check_against_reference(inputs)
+
+
+def test_length_beyond_max_len():
+    inputs = make_paged([[20, 7]], 4, 1, 16, 8)
+    with pytest.raises(RuntimeError, match=r"kvcomp::paged_decode_attention: expected every length <= max_len = 19, "
+                                           r"got a length of 20"):
+        ops.paged_decode_attention(*inputs, max_len=19)
+
+
+@pytest.mark.parametrize("max_len", [0, -3, 25])
+def test_max_len_out_of_range(max_len):
+    inputs = make_paged([[20, 7]], 4, 1, 16, 8)  # 3 blocks of 8 per head: 24 slots
+    with pytest.raises(RuntimeError, match=rf"kvcomp::paged_decode_attention: expected max_len in \[1, 24\] "
+                                           rf"\(max_blocks \* block size\), got {max_len}"):
+        ops.paged_decode_attention(*inputs, max_len=max_len)
 
 
 def test_length_beyond_the_table():

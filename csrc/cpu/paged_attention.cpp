@@ -22,9 +22,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(const at::Tensor& 
                                                               const at::Tensor& log_weight_blocks,
                                                               const at::Tensor& block_tables,
                                                               const at::Tensor& lengths, double scale,
-                                                              bool return_probs) {
+                                                              bool return_probs, std::optional<int64_t> max_len) {
   const PagedAttentionShape shape = check_paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks,
-                                                                 block_tables, lengths, scale);
+                                                                 block_tables, lengths, scale, max_len);
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor probs = at::zeros({shape.batch, shape.query_heads, shape.num_queries, return_probs ? shape.max_len : 0},
                                query.options().dtype(at::kFloat));

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "kvcomp/attention.h"
 #include "kvcomp/block_tables.h"
@@ -15,17 +16,19 @@ namespace kvcomp {
 struct PagedAttentionShape {
   int64_t batch, query_heads, kv_heads, group_size, num_queries, head_dim;
   int64_t num_blocks, block_size, max_blocks;  // pool blocks, slots per block, block-table entries per (b, h)
-  int64_t max_len;                             // the longest (b, h): the width of probs
+  int64_t max_len;                             // the width of probs: the caller's max_len, else the longest (b, h)
   int64_t rows() const { return group_size * num_queries; }
 };
 
 // Checks shapes, dtypes and devices, and the block tables' contents (check_block_table_contents, every length in
-// [0, max_blocks * block_size]): one host sync on a GPU, which also gives the longest length.
+// [0, max_blocks * block_size]), which also gives the longest length: one host sync on a GPU. With max_len given
+// (in [1, max_blocks * block_size]) a GPU call reads nothing on the host: its kernel asserts each length <= max_len
+// and each block index it reads in [0, N) (CacheView); the host loop of a CPU call checks both before the kernel.
 inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query, const at::Tensor& key_blocks,
                                                         const at::Tensor& value_blocks,
                                                         const at::Tensor& log_weight_blocks,
                                                         const at::Tensor& block_tables, const at::Tensor& lengths,
-                                                        double scale) {
+                                                        double scale, std::optional<int64_t> max_len) {
   constexpr const char* op = "kvcomp::paged_decode_attention";
   check_dim(op, "query", query, 4, "(B, Hq, q, d)");
   check_dim(op, "key_blocks", key_blocks, 3, "(N, S, d)");
@@ -62,8 +65,21 @@ inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query,
   check_size(op, "lengths", lengths, 0, shape.batch, "batch of query");
   check_size(op, "lengths", lengths, 1, shape.kv_heads, "kv heads of block_tables");
 
-  shape.max_len = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size, 0,
-                                              "max_blocks * block size");
+  if (!max_len) {
+    shape.max_len = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size, 0,
+                                                "max_blocks * block size");
+    return shape;
+  }
+  const int64_t capacity = shape.max_blocks * shape.block_size;
+  TORCH_CHECK(*max_len >= 1 && *max_len <= capacity, op, ": expected max_len in [1, ", capacity,
+              "] (max_blocks * block size), got ", *max_len);
+  if (lengths.is_cpu()) {
+    const int64_t longest = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size,
+                                                       0, "max_blocks * block size");
+    TORCH_CHECK(longest <= *max_len, op, ": expected every length <= max_len = ", *max_len, ", got a length of ",
+                longest);
+  }
+  shape.max_len = *max_len;
   return shape;
 }
 
