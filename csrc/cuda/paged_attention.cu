@@ -25,12 +25,16 @@ __global__ void assert_block_tables_kernel(const int64_t* __restrict__ block_tab
                                            const int64_t* __restrict__ lengths, int64_t max_blocks,
                                            int64_t block_size, int64_t num_blocks, int64_t max_len) {
   const int64_t pair = blockIdx.x, length = lengths[pair];
-  CUDA_KERNEL_ASSERT_PRINTF(length >= 0 && length <= max_len,
-                            "kvcomp::paged_decode_attention: expected every length in [0, max_len = %lld], got "
-                            "lengths[%lld] (b * H + h) = %lld",
-                            static_cast<long long>(max_len), static_cast<long long>(pair),
-                            static_cast<long long>(length));
-  const int64_t used = (length + block_size - 1) / block_size;
+  const bool length_in_range = length >= 0 && length <= max_len;
+  if (threadIdx.x == 0) {  // one message per bad length
+    CUDA_KERNEL_ASSERT_PRINTF(length_in_range,
+                              "kvcomp::paged_decode_attention: expected every length in [0, max_len = %lld], got "
+                              "lengths[%lld] (b * H + h) = %lld",
+                              static_cast<long long>(max_len), static_cast<long long>(pair),
+                              static_cast<long long>(length));
+  }
+  if (!length_in_range) return;  // (the other threads) its entries would run past the table's row
+  const int64_t used = (length + block_size - 1) / block_size;  // <= max_blocks: max_len is checked on the host
   for (int64_t entry = threadIdx.x; entry < used; entry += blockDim.x) {
     const int64_t block = block_tables[pair * max_blocks + entry];
     CUDA_KERNEL_ASSERT_PRINTF(block >= 0 && block < num_blocks,
@@ -82,8 +86,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(const at::Tensor&
                                    tables_c.const_data_ptr<int64_t>(),
                                    lengths_c.const_data_ptr<int64_t>(),
                                    shape.block_size,
-                                   shape.max_blocks,
-                                   shape.num_blocks};
+                                   shape.max_blocks};
     gpu::split_decode_attention<scalar_t>("kvcomp::paged_decode_attention", params, pairs,
                                           query_c.const_data_ptr<scalar_t>(), cache, out.mutable_data_ptr<scalar_t>(),
                                           return_probs ? probs.mutable_data_ptr<float>() : nullptr,
