@@ -23,8 +23,8 @@ TORCH_LIBRARY(kvcomp, m) {
   // last q slots of each (b, h) (causal; a (b, h) shorter than q gives its first queries output 0) -> (out (B, Hq, q, d)
   // in the query dtype, probs (B, Hq, q, max length) float32 over each head's slots, 0 beyond its length; probs has
   // width 0 unless return_probs). max_len, where the caller knows it (a cache that keeps its lengths on the host), is
-  // the width of probs and a bound on every length; the tables' contents are then checked by the kernel as it reads
-  // them (a device-side assert on a GPU) instead of before it on the host, so that a GPU call does not sync.
+  // the width of probs and a bound on every length; the tables' contents are then checked on the device by a kernel
+  // queued before the attention's (a device-side assert) instead of on the host, so that a GPU call does not sync.
   m.def("paged_decode_attention(Tensor query, Tensor key_blocks, Tensor value_blocks, Tensor log_weight_blocks, "
         "Tensor block_tables, Tensor lengths, float scale, bool return_probs, int? max_len=None) -> (Tensor, Tensor)");
 

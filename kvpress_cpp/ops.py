@@ -654,7 +654,8 @@ def paged_decode_attention(
             in [1, max_blocks * S] on every length and the width of probs. Without it the op finds max(lengths)
             itself and checks the tables before the kernel: one host sync on a GPU. With it a GPU call syncs nothing:
             a kernel checks the tables' contents on the device and stops the stream with a device-side assert
-            (``CUDA error: device-side assert triggered``, the bad entry printed) where one is out of range.
+            (``CUDA error: device-side assert triggered``, the bad entry printed) where one is out of range, which,
+            unlike the error without max_len, leaves the process's CUDA context unusable (as PyTorch's index ops).
 
     Returns:
         ``(out, probs)``: out (B, Hq, q, d) in the query dtype, probs (B, Hq, q, max_len or max(lengths)) float32

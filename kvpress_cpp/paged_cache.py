@@ -352,7 +352,8 @@ class PagedLayer(CacheLayerMixin):
     def attention_inputs(self) -> tuple[torch.Tensor, ...]:
         """(key_blocks, value_blocks, log_weight_blocks, block_tables, lengths) for ``ops.paged_decode_attention``."""
         if self._device_tables is None:
-            # non_blocking: from pageable memory the copy is staged before it returns, without waiting for the device
+            # non_blocking: from pageable memory the copy is staged before it returns, without waiting for the device,
+            # so the tables may be edited in place afterwards (not so were they pinned)
             self._device_tables = (self.block_tables.to(self.device, non_blocking=True),
                                    self.lengths.to(self.device, non_blocking=True))
         return (self.key_blocks, self.value_blocks, self.slot_blocks[_LOG_WEIGHTS], *self._device_tables)

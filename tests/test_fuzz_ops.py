@@ -187,9 +187,10 @@ def _paged_build(r, s, dtype):
     if owned:
         tables[..., :owned] = pool[:pairs * owned].view(s["B"], s["H"], owned)
     lengths = torch.randint(0, owned * s["S"] + 1, (s["B"], s["H"]), generator=_g(r))
-    # max_len: any bound from the longest length to the tables' capacity (none where they hold no slot)
+    # max_len: mostly any bound from the longest length to the tables' capacity, else none (the op then finds the
+    # longest itself, as every caller but PagedKVCache); none where the tables hold no slot
     capacity, longest = s["M"] * s["S"], int(lengths.max()) if lengths.numel() else 0
-    max_len = r.randint(max(1, longest), capacity) if capacity else None
+    max_len = r.randint(max(1, longest), capacity) if capacity and r.random() < 0.7 else None
     return (query, key_blocks, value_blocks, log_weight_blocks, tables, lengths, max(s["d"], 1) ** -0.5, True,
             max_len)
 
@@ -679,7 +680,12 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
         add("valid", valid_case)
 
     arg_names = tuple(a.name for a in contract.args)
-    probe = valid(random.Random(f"{SEED}:{name}:probe"), dtype=torch.float32)[0]
+    # The probe gives every optional scalar (the type of its value picks the battery of bad values below).
+    probe_random = random.Random(f"{SEED}:{name}:probe")
+    for _ in range(20):
+        probe = valid(probe_random, dtype=torch.float32)[0]
+        if all(value is not None for value, arg in zip(probe, contract.args) if isinstance(arg, Scalar)):
+            break
     tensors = _tensor_args(contract, probe)
     symbol_owners: dict[str, list[str]] = {}
     for _, arg in tensors:

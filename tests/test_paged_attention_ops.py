@@ -3,6 +3,7 @@ agreement with kvcomp::decode_attention on the same slots, opcheck and bad input
 GPU is present. Block tables are shuffled so that no head's blocks are contiguous or in order, heads hold different
 lengths (0 included, and fewer than q), and blocks of the pool are left unused (holding NaN, which must never leak)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -169,8 +170,10 @@ torch.cuda.synchronize()
 def test_max_len_bad_table_stops_on_the_device(index, value, says):
     """A bad table the host did not read stops the kernel with a device-side assert naming the op and the entry (in
     a subprocess: the assert leaves its CUDA context unusable)."""
+    # CUDA_LAUNCH_BLOCKING: the check kernel's launch waits for it, so its printf is flushed before the error
     done = subprocess.run([sys.executable, "-c", BAD_TABLE_ON_DEVICE.format(index=index, value=value)],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+                          env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
     assert done.returncode != 0
     assert "device-side assert" in done.stderr
     assert re.search("kvcomp::paged_decode_attention: " + says, done.stdout + done.stderr)

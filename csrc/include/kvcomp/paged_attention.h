@@ -22,8 +22,9 @@ struct PagedAttentionShape {
 
 // Checks shapes, dtypes and devices, and the block tables' contents (check_block_table_contents, every length in
 // [0, max_blocks * block_size]), which also gives the longest length: one host sync on a GPU. With max_len given
-// (in [1, max_blocks * block_size]) a GPU call reads nothing on the host: its kernel asserts each length <= max_len
-// and each block index it reads in [0, N) (CacheView); the host loop of a CPU call checks both before the kernel.
+// (in [1, max_blocks * block_size]) a GPU call reads nothing on the host: a kernel queued before the attention's
+// (assert_block_tables_kernel) asserts each length <= max_len and each block index used in [0, N); the host loop of
+// a CPU call checks both before the kernel.
 inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query, const at::Tensor& key_blocks,
                                                         const at::Tensor& value_blocks,
                                                         const at::Tensor& log_weight_blocks,
