@@ -49,12 +49,15 @@ def make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype=to
             log_weight_blocks.to(device), tables.to(device), lengths.to(device))
 
 
-def check_against_reference(inputs, scale=0.3):
-    out, probs = ops.paged_decode_attention(*inputs, scale)
+def check_against_reference(inputs, scale=0.3, max_len=None):
+    """The op against the reference; with max_len, the reference's probabilities widened with zero columns."""
+    out, probs = ops.paged_decode_attention(*inputs, scale, max_len=max_len)
     expected_out, expected_probs = reference.paged_decode_attention(*(t.cpu() for t in inputs), scale)
     query, lengths = inputs[0], inputs[-1]
+    width = max_len or int(lengths.max())
     assert out.dtype == query.dtype and out.shape == query.shape and out.device == query.device
-    assert probs.shape == (*query.shape[:3], int(lengths.max()))
+    assert probs.shape == (*query.shape[:3], width)
+    expected_probs = torch.nn.functional.pad(expected_probs, (0, width - expected_probs.shape[-1]))
     torch.testing.assert_close(probs.cpu(), expected_probs, **PROBS_TOL)
     torch.testing.assert_close(out.cpu(), expected_out, **OUT_TOL[query.dtype])
     return out, probs
@@ -125,12 +128,8 @@ def test_max_len_is_the_width_of_probs(device, extra):
     """Columns past the longest head are 0 like those past any head's length; the rest is the reference's."""
     inputs = make_paged([[37, 5], [16, 0]], 8, 3, 32, 16, device=device)
     longest = 37
-    out, probs = ops.paged_decode_attention(*inputs, 0.3, max_len=longest + extra)
-    expected_out, expected_probs = reference.paged_decode_attention(*(t.cpu() for t in inputs), 0.3)
-    assert probs.shape == (*inputs[0].shape[:3], longest + extra)
-    torch.testing.assert_close(probs[..., :longest].cpu(), expected_probs, **PROBS_TOL)
+    _, probs = check_against_reference(inputs, max_len=longest + extra)
     assert bool((probs[..., longest:] == 0).all())
-    torch.testing.assert_close(out.cpu(), expected_out, **OUT_TOL[torch.float32])
 
 
 @CUDA

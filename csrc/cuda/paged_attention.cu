@@ -3,8 +3,8 @@
 // with each chunk's slots resolved to their pool slots once, in shared memory: the loops over K and V, their 16-byte
 // loads and their loads in flight are decode_attention's, and a head shorter than the longest reads nothing past its
 // length.
-#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -66,21 +66,20 @@ inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query,
   check_size(op, "lengths", lengths, 0, shape.batch, "batch of query");
   check_size(op, "lengths", lengths, 1, shape.kv_heads, "kv heads of block_tables");
 
-  if (!max_len) {
-    shape.max_len = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size, 0,
-                                                "max_blocks * block size");
+  if (max_len) {
+    const int64_t capacity = shape.max_blocks * shape.block_size;
+    TORCH_CHECK(*max_len >= 1 && *max_len <= capacity, op, ": expected max_len in [1, ", capacity,
+                "] (max_blocks * block size), got ", *max_len);
+  }
+  if (max_len && !lengths.is_cpu()) {  // left to assert_block_tables_kernel: no sync
+    shape.max_len = *max_len;
     return shape;
   }
-  const int64_t capacity = shape.max_blocks * shape.block_size;
-  TORCH_CHECK(*max_len >= 1 && *max_len <= capacity, op, ": expected max_len in [1, ", capacity,
-              "] (max_blocks * block size), got ", *max_len);
-  if (lengths.is_cpu()) {
-    const int64_t longest = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size,
-                                                       0, "max_blocks * block size");
-    TORCH_CHECK(longest <= *max_len, op, ": expected every length <= max_len = ", *max_len, ", got a length of ",
-                longest);
-  }
-  shape.max_len = *max_len;
+  const int64_t longest = check_block_table_contents(op, block_tables, lengths, shape.num_blocks, shape.block_size, 0,
+                                                     "max_blocks * block size");
+  TORCH_CHECK(!max_len || longest <= *max_len, op, ": expected every length <= max_len = ", max_len.value_or(0),
+              ", got a length of ", longest);
+  shape.max_len = max_len.value_or(longest);
   return shape;
 }
 
