@@ -18,8 +18,9 @@ from kvpress_cpp.presses.base import query_states
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests import reference
-from tests.generation import greedy
+from tests.generation import greedy, prompt_ids
 from tests.layouts import in_strided_rows
+from tests.models import make_tiny_llama
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -77,6 +78,33 @@ def test_head_dim_128_and_strided_views(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch,query_heads,kv_heads,num_queries,total_len", [
+    (1, 9, 3, 130, 300),  # G = 3: a tile of 64 rows splits a query's heads
+    (2, 8, 2, 300, 300),  # q = T over several query and key tiles, B = 2
+    (1, 4, 4, 1, 37),  # one query, one partial key tile
+    (1, 8, 2, 1000, 1100),  # many tiles: old queries skipped once negligible (decay < 1)
+], ids=["gqa3", "b2-q=T", "one-query", "long"])
+@pytest.mark.parametrize("decay,input_scale", [(1.0, 0.25), (0.9, 1.0), (0.5, 0.05)])
+def test_half_precision_head_dims_64_and_128(device, dtype, head_dim, batch, query_heads, kv_heads, num_queries,
+                                             total_len, decay, input_scale):
+    """Half precision at d = 64 and 128 with rows in 16-byte pieces: on CUDA the tensor-core kernels (logits in
+    mma.sync registers, tiles streamed by cp.async, base-2 softmax), on CPU the vectorised loops, both against the
+    float64 formula; -inf slots score exactly 0."""
+    query, keys, log_weights = make_inputs(batch, query_heads, kv_heads, num_queries, total_len, head_dim, dtype,
+                                           device)
+    scale = head_dim ** -0.5
+    lse = ops.prompt_log_sum_exp(query, keys, log_weights, scale)
+    torch.testing.assert_close(lse.double(), reference.prompt_log_sum_exp(query, keys, log_weights, scale),
+                               **LSE_TOL)
+    scores = ops.prompt_scores(query, keys, log_weights, scale, decay, input_scale)
+    expected = reference.prompt_scores(query, keys, log_weights, scale, decay, input_scale)
+    torch.testing.assert_close(scores.double(), expected, **SCORE_TOL)
+    assert bool((scores[log_weights == -math.inf] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [20, 64])
 @pytest.mark.parametrize("views", ["query", "keys", "both"])
@@ -130,10 +158,12 @@ def test_plain_sums_skip_nothing():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("nan_slot", [0, 32, 70])
-def test_nan_key_reaches_the_log_sum_exp_of_every_query_that_sees_it(device, nan_slot):
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+def test_nan_key_reaches_the_log_sum_exp_of_every_query_that_sees_it(device, nan_slot, dtype, head_dim):
     """A NaN key makes the log-sum-exp of every query that sees it NaN, whatever else its tile holds (slot 32 with
-    q = T: query 32 sees slots 0..32, a tile's second half holds that slot alone), and leaves the others exact."""
-    query, keys, log_weights = make_inputs(1, 4, 2, 100, 100, 16, device=device, padding=0.0)
+    q = T: query 32 sees slots 0..32, a tile's second half holds that slot alone), and leaves the others exact; in
+    bfloat16 at d = 64 through the tensor-core kernel on CUDA."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 100, 100, head_dim, dtype, device, padding=0.0)
     keys[:, 0, nan_slot] = float("nan")
     lse = ops.prompt_log_sum_exp(query, keys, log_weights, 0.25).cpu()
     sees = torch.arange(100) >= nan_slot
@@ -145,9 +175,11 @@ def test_nan_key_reaches_the_log_sum_exp_of_every_query_that_sees_it(device, nan
     torch.testing.assert_close(lse[:, 2:].double(), expected[:, 2:], **LSE_TOL)
 
 
-def test_row_with_nothing_to_attend_adds_nothing():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 8), (torch.float16, 128)])
+def test_row_with_nothing_to_attend_adds_nothing(device, dtype, head_dim):
     """A query whose visible slots are all -inf has lse -inf and contributes 0, never NaN."""
-    query, keys, log_weights = make_inputs(1, 2, 1, 10, 10, 8, padding=0.0)
+    query, keys, log_weights = make_inputs(1, 2, 1, 10, 10, head_dim, dtype, device, padding=0.0)
     log_weights[..., :3] = -math.inf
     lse = ops.prompt_log_sum_exp(query, keys, log_weights, 0.3)
     assert bool((lse[..., :3] == -math.inf).all())
@@ -417,6 +449,51 @@ def test_prefill_sdpa_hands_its_log_sum_exp_without_changing_the_forward(default
     assert handed is not None and handed.scores is None
     torch.testing.assert_close(handed.queries, queries)
     torch.testing.assert_close(handed.log_sum_exp.double(), expected, **LSE_TOL)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_prompt_pass_keeps_cudnn_log_sum_exp(dtype):
+    """On CUDA in half precision the prompt pass that keeps the log-sum-exp runs cuDNN's attention on the GQA keys as
+    they are and queries laid out as transformers leaves them (B, T, Hq, d transposed): its output is sdpa's within
+    half-precision rounding and its log-sum-exp the formula's."""
+    module = torch.nn.Module()
+    query = torch.randn(2, 200, 9, 64, device="cuda", dtype=dtype).transpose(1, 2)
+    keys, values = (torch.randn(2, 3, 200, 64, device="cuda", dtype=dtype) for _ in range(2))
+    output, _ = attention._cuda_prompt_attention_keeping_log_sum_exp(module, query, keys, values, 0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=0.125,
+                                                                enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(output, expected, atol=1e-2, rtol=1e-2)
+    kept = attention.take_prefill_attention(module, 200)
+    assert kept is not None and kept.queries is query and kept.scores is None
+    zeros = torch.zeros(2, 3, 200, device="cuda")
+    torch.testing.assert_close(kept.log_sum_exp.double(), reference.prompt_log_sum_exp(query, keys, zeros, 0.125),
+                               **LSE_TOL)
+
+
+@CUDA
+def test_cuda_press_scores_from_the_prompt_pass_log_sum_exp(monkeypatch):
+    """ZSMerge on a random 3-layer Llama (GQA, d = 64) in bfloat16 on CUDA: each layer's prompt pass hands cuDNN's
+    log-sum-exp to the press, which keeps the same cache (slots, merged keys and values, log-weights) as when
+    kvcomp::prompt_scores computes the log-sum-exp itself from the same prompt pass."""
+    model, tokenizer = make_tiny_llama(head_dim=64, num_hidden_layers=3)
+    model = model.to("cuda", torch.bfloat16)
+    prompt = prompt_ids(tokenizer, 700).cuda()
+    handed = []
+    take = attention.take_prefill_attention
+    monkeypatch.setattr(press_base, "take_prefill_attention",
+                        lambda module, length: handed.append(take(module, length)) or handed[-1])
+    tokens, cache = greedy(model, prompt, press=ZSMergePress(budget=0.25), max_new_tokens=4)
+    assert len(handed) == len(model.model.layers) and all(h is not None and h.scores is None for h in handed)
+    # The same prompt pass, its log-sum-exp dropped: the op's own first pass.
+    monkeypatch.setattr(press_base, "take_prefill_attention",
+                        lambda module, length: take(module, length)._replace(log_sum_exp=None))
+    own_tokens, own = greedy(model, prompt, press=ZSMergePress(budget=0.25), max_new_tokens=4)
+    assert torch.equal(tokens, own_tokens)
+    for layer, own_layer in zip(cache.layers, own.layers):
+        torch.testing.assert_close(layer.keys, own_layer.keys)
+        torch.testing.assert_close(layer.values, own_layer.values)
+        torch.testing.assert_close(get_state(layer).log_weights, get_state(own_layer).log_weights)
 
 
 @pytest.mark.parametrize("recent", [0.8, 300], ids=["default-window", "window-300"])

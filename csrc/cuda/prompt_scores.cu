@@ -16,6 +16,7 @@
 //   block: deterministic, no atomics. Older rows are skipped once kernels::older_queries_negligible holds for the tile.
 // log_unnormalised_scores_kernel: the same blocks, each column an online log-sum-exp of the weighted logits.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -31,6 +32,7 @@
 #include "kernels/launch.h"
 #include "kernels/prompt_scores.h"
 #include "kvcomp/prompt_scores.h"
+#include "mma.cuh"
 
 namespace kvcomp {
 namespace {
@@ -410,6 +412,363 @@ __global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layou
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core path (sm_80+, float16 / bfloat16, d = 64 or 128, rows in 16-byte pieces): passes 1 and 2 with the
+// logits kept in mma.sync accumulators (mma.cuh), never written to shared memory, as flash-attention 2 keeps them.
+// Each warp holds 16 rows of the operand that stays (pass 1: query rows; pass 2: keys) as A fragments in registers
+// for the whole block; the operand that moves (pass 1: key tiles, oldest first; pass 2: query tiles, newest first)
+// streams through two shared-memory buffers, the next tile copied by cp.async while the current one is multiplied.
+// Softmax in base 2 on logits pre-scaled by log2(e): one ex2 per probability. Block shape and grids as above (64
+// rows or keys per block, 4 warps), so the two paths split the work alike.
+
+constexpr int kStreamBuffers = 2;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kNoSlot = 0x7fffffff;  // the causal limit of a key no row sees (-inf log-weight, past T)
+
+// Whether a call takes the tensor-core path: the kernels index rows and slots in 32 bits.
+bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::ScalarType dtype) {
+  return (dtype == at::kHalf || dtype == at::kBFloat16) && (shape.head_dim == 64 || shape.head_dim == 128) &&
+         layout.query_in_pieces && layout.keys_in_pieces && shape.total_len < kNoSlot &&
+         shape.group_size * shape.num_queries < kNoSlot && at::cuda::getCurrentDeviceProperties()->major >= 8;
+}
+
+template <int kHeadDim>
+struct StreamTile {
+  static constexpr int kStride = kHeadDim + 8;  // elements per shared row: 16-byte rows land on distinct banks
+  static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces per row
+  static constexpr int kSteps = kHeadDim / 16;  // mma k-steps over d
+  static constexpr size_t kBytes = kTile * kStride * 2;
+};
+static_assert(kThreads / 32 * 16 == kTile, "the tensor-core kernels: 16 fixed rows per warp make a tile");
+
+// Row `row` of kv head (batch, head) as an element offset into the query: (query j, head g of the group) = divmod(row, G).
+struct QueryRows {
+  at::cuda::detail::IntDivider<unsigned> group;
+  int64_t base, head_stride, query_stride;
+
+  __device__ int64_t offset(unsigned row) const {
+    const auto split = group.divmod(row);
+    return base + split.mod * head_stride + split.div * query_stride;
+  }
+};
+
+__device__ QueryRows query_rows(const Layout& layout, at::cuda::detail::IntDivider<unsigned> group, int64_t batch,
+                                int64_t head) {
+  return {group, batch * layout.query_strides[0] + head * layout.group_size * layout.query_strides[1],
+          layout.query_strides[1], layout.query_strides[2]};
+}
+
+// Rows [row_begin, row_begin + kTile) of a tile into shared memory by cp.async (zeros past `rows`); row_offset(r)
+// gives the element offset of tile row r.
+template <int kHeadDim, typename scalar_t, typename RowOffset>
+__device__ void copy_tile_async(const scalar_t* __restrict__ source, int64_t row_begin, int64_t rows,
+                                RowOffset row_offset, scalar_t* tile) {
+  using Tile = StreamTile<kHeadDim>;
+  for (int i = threadIdx.x; i < kTile * Tile::kPieces; i += kThreads) {
+    const int r = i / Tile::kPieces, piece = i % Tile::kPieces;
+    const bool valid = row_begin + r < rows;
+    mma::copy_async<16>(tile + r * Tile::kStride + piece * 8, valid ? source + row_offset(r) + piece * 8 : source,
+                        valid);
+  }
+}
+
+// The A fragments of this warp's 16 rows (rows 16 warp .. 16 warp + 15 of a shared tile), all of d.
+template <int kHeadDim, typename scalar_t>
+__device__ void load_warp_rows(const scalar_t* tile, uint32_t (&fragments)[StreamTile<kHeadDim>::kSteps][4]) {
+  using Tile = StreamTile<kHeadDim>;
+  const int lane = threadIdx.x % 32;
+  // ldmatrix blocks 0..3: rows 0-7 and 8-15 at columns 0-7, then the same at columns 8-15 (a[0..3]).
+  const scalar_t* row = tile + ((threadIdx.x / 32) * 16 + (lane % 16)) * Tile::kStride + (lane / 16) * 8;
+#pragma unroll
+  for (int step = 0; step < Tile::kSteps; ++step) mma::load_blocks_x4(row + step * 16, fragments[step]);
+}
+
+// acc[n] = (this warp's 16 fixed rows) · (streamed rows 8 n .. 8 n + 7)ᵀ over all of d, for the 64 streamed rows.
+template <int kHeadDim, typename scalar_t>
+__device__ void warp_logits(const uint32_t (&fixed)[StreamTile<kHeadDim>::kSteps][4], const scalar_t* streamed,
+                            float (&acc)[kTile / 8][4]) {
+  using Tile = StreamTile<kHeadDim>;
+  const int lane = threadIdx.x % 32;
+  // ldmatrix blocks 0..3: streamed rows 0-7 at columns 0-7 and 8-15 (b0, b1 of n-tile 2p), then rows 8-15 (2p + 1).
+  const scalar_t* row = streamed + ((lane % 8) + (lane / 16) * 8) * Tile::kStride + ((lane / 8) % 2) * 8;
+#pragma unroll
+  for (int n = 0; n < kTile / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+  for (int step = 0; step < Tile::kSteps; ++step) {
+#pragma unroll
+    for (int pair = 0; pair < kTile / 16; ++pair) {
+      uint32_t b[4];
+      mma::load_blocks_x4(row + pair * 16 * Tile::kStride + step * 16, b);
+      mma::multiply_add<scalar_t>(acc[2 * pair], fixed[step], b[0], b[1]);
+      mma::multiply_add<scalar_t>(acc[2 * pair + 1], fixed[step], b[2], b[3]);
+    }
+  }
+}
+
+// Online softmax statistics in base 2: the running max m (of logits · log2 e) and Σ 2^(x - m).
+__device__ inline float exp2_base(float max) { return max == -INFINITY ? 0.0f : max; }
+
+__device__ inline kernels::SoftmaxPartial combine_base2(kernels::SoftmaxPartial a, kernels::SoftmaxPartial b) {
+  const float base = exp2_base(fmaxf(a.max, b.max));
+  return {fmaxf(a.max, b.max), a.sum * mma::exp2_fast(a.max - base) + b.sum * mma::exp2_fast(b.max - base)};
+}
+
+template <typename scalar_t, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) log_sum_exp_mma_kernel(Layout layout,
+                                                                   at::cuda::detail::IntDivider<unsigned> group,
+                                                                   const scalar_t* __restrict__ query,
+                                                                   const scalar_t* __restrict__ keys,
+                                                                   const float* __restrict__ log_weights,
+                                                                   float* __restrict__ lse) {  // [B, Hq, q]
+  using Tile = StreamTile<kHeadDim>;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  scalar_t* tiles = reinterpret_cast<scalar_t*>(shared_raw);  // [kStreamBuffers][kTile][kStride]
+  __shared__ float bias[kStreamBuffers][kTile];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
+  const int64_t rows = layout.rows(), total_len = layout.total_len;
+  // The newest rows see the most keys: their blocks start first.
+  const int64_t row_begin = (layout.row_tiles() - 1 - blockIdx.x) * static_cast<int64_t>(kTile);
+  const int64_t key_head = batch * layout.key_strides[0] + head * layout.key_strides[1];
+  const QueryRows queries = query_rows(layout, group, batch, head);
+  auto copy_keys = [&](int64_t key_begin, int buffer) {
+    copy_tile_async<kHeadDim>(keys, key_begin, total_len,
+                              [&](int c) { return key_head + (key_begin + c) * layout.key_strides[2]; },
+                              tiles + buffer * kTile * Tile::kStride);
+    if (threadIdx.x < kTile) {  // past T: 0, and the causal limit masks it
+      const bool valid = key_begin + threadIdx.x < total_len;
+      mma::copy_async<4>(&bias[buffer][threadIdx.x], log_weights + (valid ? pair * total_len + key_begin + threadIdx.x : 0),
+                         valid);
+    }
+    mma::commit_copies();
+  };
+
+  // The query tile goes through buffer 1 into registers before key tile 1 lands there.
+  copy_tile_async<kHeadDim>(query, row_begin, rows,
+                            [&](int r) { return queries.offset(static_cast<unsigned>(row_begin + r)); },
+                            tiles + kTile * Tile::kStride);
+  copy_keys(0, 0);
+  mma::wait_copies();
+  __syncthreads();
+  uint32_t fixed[Tile::kSteps][4];
+  load_warp_rows<kHeadDim>(tiles + kTile * Tile::kStride, fixed);
+
+  // This thread's rows: 16 warp + l / 4 and 8 below; its columns of each 8-key n-tile: 2 (l % 4) + {0, 1}.
+  int position[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row_begin + warp * 16 + lane / 4 + 8 * h;
+    position[h] = static_cast<int>(layout.position(row < rows ? row : rows - 1));
+  }
+  const int64_t last_row = (rows < row_begin + kTile ? rows : row_begin + kTile) - 1;
+  const int64_t key_tiles = (layout.position(last_row) + kTile) / kTile;
+  const float scale = layout.scale * kLog2e;
+  kernels::SoftmaxPartial running[2];
+  for (int64_t tile = 0; tile < key_tiles; ++tile) {
+    mma::wait_copies();
+    __syncthreads();  // key tile `tile` is in, and no warp still reads the buffer the next one goes to
+    if (tile + 1 < key_tiles) copy_keys((tile + 1) * kTile, (tile + 1) % kStreamBuffers);
+    const int buffer = tile % kStreamBuffers;
+    float acc[kTile / 8][4];
+    warp_logits<kHeadDim>(fixed, tiles + buffer * kTile * Tile::kStride, acc);
+
+    // Per column: its log-weight in base 2 and its causal limit (kNoSlot for a -inf slot: no row sees it).
+    const int key_begin = static_cast<int>(tile * kTile);
+    float column_bias[kTile / 4];
+    int column_slot[kTile / 4];
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = n * 8 + (lane % 4) * 2 + e;
+        const float b = bias[buffer][c];
+        column_bias[2 * n + e] = b * kLog2e;
+        column_slot[2 * n + e] = b == -INFINITY ? kNoSlot : key_begin + c;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float x[kTile / 4], tile_max = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kTile / 4; ++k) {
+        const float logit = fmaf(acc[k / 2][2 * h + k % 2], scale, column_bias[k]);
+        x[k] = column_slot[k] > position[h] ? -INFINITY : logit;
+        tile_max = fmaxf(tile_max, x[k]);  // passes over NaN: exp2 below still carries it into the sum
+      }
+      const float max = fmaxf(running[h].max, tile_max), base = exp2_base(max);
+      float sum = running[h].sum * mma::exp2_fast(running[h].max - base);
+#pragma unroll
+      for (int k = 0; k < kTile / 4; ++k) sum += mma::exp2_fast(x[k] - base);
+      running[h] = {max, sum};
+    }
+  }
+  mma::wait_copies();
+
+  // The four lanes of a row hold disjoint columns: combine them (every lane ends with the same statistics).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2) {
+      running[h] = combine_base2(running[h], {__shfl_xor_sync(0xffffffffu, running[h].max, offset),
+                                              __shfl_xor_sync(0xffffffffu, running[h].sum, offset)});
+    }
+    const int64_t row = row_begin + warp * 16 + lane / 4 + 8 * h;
+    if (lane % 4 == 0 && row < rows) {
+      const auto split = group.divmod(static_cast<unsigned>(row));
+      lse[((batch * layout.query_heads) + head * layout.group_size + split.mod) * layout.num_queries + split.div] =
+          running[h].sum == 0.0f ? -INFINITY : (running[h].max + ::log2f(running[h].sum)) * kLn2;
+    }
+  }
+}
+
+// Per query row of a streamed tile: its log-sum-exp in base 2, its weight w_j, and its causal limit (-1 for a row
+// that adds nothing: past the last row, nothing to attend to, or a weight that is 0 in float32).
+struct alignas(16) RowTerms {  // aligned for the float2 / int2 reads of a lane's two rows
+  float lse2[kStreamBuffers][kTile];
+  float weight[kStreamBuffers][kTile];
+  int position[kStreamBuffers][kTile];
+};
+
+template <typename scalar_t, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
+                                                              at::cuda::detail::IntDivider<unsigned> group,
+                                                              const scalar_t* __restrict__ query,
+                                                              const scalar_t* __restrict__ keys,
+                                                              const float* __restrict__ log_weights,
+                                                              const float* __restrict__ lse, double decay,
+                                                              double input_scale, float* __restrict__ scores) {
+  using Tile = StreamTile<kHeadDim>;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  scalar_t* tiles = reinterpret_cast<scalar_t*>(shared_raw);  // [kStreamBuffers][kTile][kStride]
+  __shared__ RowTerms terms;
+  __shared__ float warp_min[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
+  const int64_t rows = layout.rows(), total_len = layout.total_len, num_queries = layout.num_queries;
+  const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t key_head = batch * layout.key_strides[0] + head * layout.key_strides[1];
+  const QueryRows queries = query_rows(layout, group, batch, head);
+  const float* row_lse = lse + (batch * layout.query_heads + head * layout.group_size) * num_queries;
+
+  // Row r of tile `tile`, read by thread r < kTile into registers (the global loads overlap the tile's products),
+  // then stored for the buffer that tile goes to.
+  struct Row {
+    float lse2 = 0.0f, weight = 0.0f;
+    int position = -1;
+  };
+  auto fetch_row = [&](int64_t tile) {
+    Row row;
+    const int64_t index = tile * kTile + threadIdx.x;
+    if (threadIdx.x < kTile && index < rows) {
+      const auto split = group.divmod(static_cast<unsigned>(index));
+      const float value = row_lse[split.mod * num_queries + split.div];
+      const int64_t age = num_queries - 1 - split.div;
+      const float weight = value == -INFINITY ? 0.0f
+                           : decay == 1.0      ? static_cast<float>(input_scale)
+                                               : kernels::query_weight(decay, input_scale, age);
+      if (weight != 0.0f) row = {value * kLog2e, weight, static_cast<int>(total_len - 1 - age)};
+    }
+    return row;
+  };
+  auto store_row = [&](const Row& row, int buffer) {
+    if (threadIdx.x < kTile) {
+      terms.lse2[buffer][threadIdx.x] = row.lse2;
+      terms.weight[buffer][threadIdx.x] = row.weight;
+      terms.position[buffer][threadIdx.x] = row.position;
+    }
+  };
+  auto copy_queries = [&](int64_t tile, int buffer) {
+    const int64_t row_begin = tile * kTile;
+    copy_tile_async<kHeadDim>(query, row_begin, rows,
+                              [&](int r) { return queries.offset(static_cast<unsigned>(row_begin + r)); },
+                              tiles + buffer * kTile * Tile::kStride);
+    mma::commit_copies();
+  };
+
+  // The keys go through buffer 1 into registers before query tile 1 lands there.
+  copy_tile_async<kHeadDim>(keys, key_begin, total_len,
+                            [&](int c) { return key_head + (key_begin + c) * layout.key_strides[2]; },
+                            tiles + kTile * Tile::kStride);
+  const int64_t newest = layout.row_tiles() - 1, oldest = layout.first_row_tile_seeing(key_begin);
+  copy_queries(newest, 0);
+  store_row(fetch_row(newest), 0);
+  mma::wait_copies();
+  __syncthreads();
+  uint32_t fixed[Tile::kSteps][4];
+  load_warp_rows<kHeadDim>(tiles + kTile * Tile::kStride, fixed);
+
+  // This thread's keys: 16 warp + l / 4 and 8 below, each with its log-weight in base 2 and causal limit.
+  float key_bias[2], partial[2] = {0.0f, 0.0f};
+  int key_slot[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t slot = key_begin + warp * 16 + lane / 4 + 8 * h;
+    const float b = slot < total_len ? log_weights[pair * total_len + slot] : -INFINITY;
+    key_bias[h] = b * kLog2e;
+    key_slot[h] = b == -INFINITY ? kNoSlot : static_cast<int>(slot);
+  }
+  const float scale = layout.scale * kLog2e;
+  for (int64_t tile = newest; tile >= oldest; --tile) {
+    mma::wait_copies();
+    __syncthreads();  // query tile `tile` and its rows are in, and no warp still reads the buffer the next one goes to
+    const int buffer = (newest - tile) % kStreamBuffers, next = 1 - buffer;
+    Row next_row;
+    if (tile > oldest) {
+      copy_queries(tile - 1, next);
+      next_row = fetch_row(tile - 1);
+    }
+    float acc[kTile / 8][4];
+    warp_logits<kHeadDim>(fixed, tiles + buffer * kTile * Tile::kStride, acc);
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n) {
+      const int r = n * 8 + (lane % 4) * 2;
+      const float2 lse2 = *reinterpret_cast<const float2*>(&terms.lse2[buffer][r]);
+      const float2 weight = *reinterpret_cast<const float2*>(&terms.weight[buffer][r]);
+      const int2 position = *reinterpret_cast<const int2*>(&terms.position[buffer][r]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = mma::exp2_fast(fmaf(acc[n][2 * h], scale, key_bias[h]) - lse2.x);
+        const float p1 = mma::exp2_fast(fmaf(acc[n][2 * h + 1], scale, key_bias[h]) - lse2.y);
+        partial[h] = key_slot[h] > position.x ? partial[h] : fmaf(weight.x, p0, partial[h]);
+        partial[h] = key_slot[h] > position.y ? partial[h] : fmaf(weight.y, p1, partial[h]);
+      }
+    }
+    if (tile > oldest) store_row(next_row, next);
+
+    const int64_t row_begin = tile * kTile;
+    const double bound = kernels::older_queries_weight_bound(decay, input_scale,
+                                                             num_queries - 1 - row_begin / layout.group_size);
+    if (tile > oldest && bound < INFINITY) {
+      // The smallest partial score over the block's live keys: each key's is the sum over the four lanes of its row.
+      float key_min = INFINITY;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float total = partial[h] + __shfl_xor_sync(0xffffffffu, partial[h], 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (key_slot[h] != kNoSlot) key_min = fminf(key_min, total);
+      }
+      for (int offset = 4; offset < 32; offset *= 2) {
+        key_min = fminf(key_min, __shfl_xor_sync(0xffffffffu, key_min, offset));
+      }
+      if (lane == 0) warp_min[warp] = key_min;
+      __syncthreads();
+      float tile_min = warp_min[0];
+      for (int w = 1; w < kThreads / 32; ++w) tile_min = fminf(tile_min, warp_min[w]);
+      if (kernels::older_queries_negligible(layout.group_size, bound, tile_min)) break;
+    }
+  }
+  mma::wait_copies();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = partial[h] + __shfl_xor_sync(0xffffffffu, partial[h], 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const int64_t slot = key_begin + warp * 16 + lane / 4 + 8 * h;
+    if (lane % 4 == 0 && slot < total_len) scores[pair * total_len + slot] = total;
+  }
+}
+
 Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {
   Layout layout{{query.stride(0), query.stride(1), query.stride(2)},
                 {keys.stride(0), keys.stride(1), keys.stride(2)},
@@ -430,6 +789,20 @@ void check_head_dim(const char* op, const PromptScoresShape& shape) {
               ", got d = ", shape.head_dim);
 }
 
+// Calls launch(std::integral_constant<int, d>) for the head dims the tensor-core kernels are built for.
+template <typename Launch>
+void with_head_dim(int64_t head_dim, Launch launch) {
+  if (head_dim == 64) {
+    launch(std::integral_constant<int, 64>{});
+  } else {
+    launch(std::integral_constant<int, 128>{});
+  }
+}
+
+at::cuda::detail::IntDivider<unsigned> group_divider(const PromptScoresShape& shape) {
+  return at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(shape.group_size));
+}
+
 template <typename Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
@@ -447,6 +820,19 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
   const dim3 grid(static_cast<unsigned>((shape.group_size * shape.num_queries + kTile - 1) / kTile),
                   static_cast<unsigned>(shape.batch * shape.kv_heads));
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::prompt_log_sum_exp", [&] {
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      if (tensor_core_path(shape, layout, query.scalar_type())) {
+        return with_head_dim(shape.head_dim, [&](auto head_dim) {
+          const auto kernel = log_sum_exp_mma_kernel<scalar_t, decltype(head_dim)::value>;
+          const size_t bytes = kStreamBuffers * StreamTile<decltype(head_dim)::value>::kBytes;
+          allow_shared_bytes(kernel, bytes);
+          kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+              layout, group_divider(shape), query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+              log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+    }
     const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
     allow_shared_bytes(log_sum_exp_kernel<scalar_t>, bytes);
     log_sum_exp_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
@@ -470,6 +856,20 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
   const dim3 grid(static_cast<unsigned>((shape.total_len + kTile - 1) / kTile),
                   static_cast<unsigned>(shape.batch * shape.kv_heads));
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::prompt_scores", [&] {
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      if (tensor_core_path(shape, layout, query.scalar_type())) {
+        return with_head_dim(shape.head_dim, [&](auto head_dim) {
+          const auto kernel = scores_mma_kernel<scalar_t, decltype(head_dim)::value>;
+          const size_t bytes = kStreamBuffers * StreamTile<decltype(head_dim)::value>::kBytes;
+          allow_shared_bytes(kernel, bytes);
+          kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+              layout, group_divider(shape), query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+              log_weights_c.const_data_ptr<float>(), lse_c.const_data_ptr<float>(), decay, input_scale,
+              scores.mutable_data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+    }
     const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
     allow_shared_bytes(scores_kernel<scalar_t>, bytes);
     scores_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(

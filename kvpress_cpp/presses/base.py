@@ -62,7 +62,7 @@ def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Ten
                  kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
     """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
     by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. When the press asked the
-    layer's own sdpa prompt pass for them (CPU, no padding: :meth:`KVCompPress.prompt_score_weights`), the scores it
+    layer's own sdpa prompt pass for them (no padding: :meth:`KVCompPress.prompt_score_weights`), the scores it
     computed with the attention are taken as they are, or its queries and log-sum-exp reused; otherwise the queries
     are recomputed and the op computes the log-sum-exp.
     """
