@@ -415,16 +415,20 @@ __global__ void __launch_bounds__(kThreads) log_unnormalised_scores_kernel(Layou
 // ---------------------------------------------------------------------------------------------------------------
 // Tensor-core path (sm_80+, float16 / bfloat16, d = 64 or 128, rows in 16-byte pieces): passes 1 and 2 with the
 // logits kept in mma.sync accumulators (mma.cuh), never written to shared memory, as flash-attention 2 keeps them.
-// Each warp holds 16 rows of the operand that stays (pass 1: query rows; pass 2: keys) as A fragments in registers
-// for the whole block; the operand that moves (pass 1: key tiles, oldest first; pass 2: query tiles, newest first)
-// streams through two shared-memory buffers, the next tile copied by cp.async while the current one is multiplied.
-// Softmax in base 2 on logits pre-scaled by log2(e): one ex2 per probability. Block shape and grids as above (64
-// rows or keys per block, 4 warps), so the two paths split the work alike.
+// Each warp holds 32 rows of the operand that stays (pass 1: query rows; pass 2: keys) as A fragments in registers
+// for the whole block, 128 per block; the operand that moves (pass 1: key tiles, oldest first; pass 2: query tiles,
+// newest first) streams in tiles of 64 rows through two shared-memory buffers, the next tile copied by cp.async while
+// the current one is multiplied, 32 rows at a time. Each B fragment read from shared memory feeds two mma (the
+// warp's two 16-row blocks), and each streamed tile serves 128 fixed rows. Softmax in base 2 on logits pre-scaled by
+// log2(e): one ex2 per probability. Tiles wholly inside the causal limit skip the mask.
 
 constexpr int kStreamBuffers = 2;
+constexpr int kWarpRows = 32;                        // fixed rows per warp: two 16-row mma blocks
+constexpr int kFixedRows = kWarpRows * kThreads / 32;  // fixed rows per block
+constexpr int kHalf = kTile / 2;                     // streamed rows multiplied at once
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kNoSlot = 0x7fffffff;  // the causal limit of a key no row sees (-inf log-weight, past T)
+constexpr int kNoSlot = 0x7fffffff;  // the causal limit of a slot no row sees (-inf log-weight, past T)
 
 // Whether a call takes the tensor-core path: the kernels index rows and slots in 32 bits.
 bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::ScalarType dtype) {
@@ -434,21 +438,23 @@ bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::
 }
 
 template <int kHeadDim>
-struct StreamTile {
+struct MmaTiles {
   static constexpr int kStride = kHeadDim + 8;  // elements per shared row: 16-byte rows land on distinct banks
   static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces per row
   static constexpr int kSteps = kHeadDim / 16;  // mma k-steps over d
-  static constexpr size_t kBytes = kTile * kStride * 2;
+  // The fixed rows, then the streamed buffers (16-bit elements).
+  static constexpr size_t kSharedBytes = (kFixedRows + kStreamBuffers * kTile) * kStride * 2;
+  using Fragments = uint32_t[kWarpRows / 16][kSteps][4];
+  using Accumulators = float[kWarpRows / 16][kHalf / 8][4];
 };
-static_assert(kThreads / 32 * 16 == kTile, "the tensor-core kernels: 16 fixed rows per warp make a tile");
 
 // Row `row` of kv head (batch, head) as an element offset into the query: (query j, head g of the group) = divmod(row, G).
 struct QueryRows {
   at::cuda::detail::IntDivider<unsigned> group;
   int64_t base, head_stride, query_stride;
 
-  __device__ int64_t offset(unsigned row) const {
-    const auto split = group.divmod(row);
+  __device__ int64_t offset(int64_t row) const {
+    const auto split = group.divmod(static_cast<unsigned>(row));
     return base + split.mod * head_stride + split.div * query_stride;
   }
 };
@@ -459,52 +465,70 @@ __device__ QueryRows query_rows(const Layout& layout, at::cuda::detail::IntDivid
           layout.query_strides[1], layout.query_strides[2]};
 }
 
-// Rows [row_begin, row_begin + kTile) of a tile into shared memory by cp.async (zeros past `rows`); row_offset(r)
-// gives the element offset of tile row r.
-template <int kHeadDim, typename scalar_t, typename RowOffset>
-__device__ void copy_tile_async(const scalar_t* __restrict__ source, int64_t row_begin, int64_t rows,
+// Rows [row_begin, row_begin + count) into shared memory by cp.async (zeros past `rows`); row_offset(row) gives the
+// element offset of a row.
+template <int kHeadDim, int count, typename scalar_t, typename RowOffset>
+__device__ void copy_rows_async(const scalar_t* __restrict__ source, int64_t row_begin, int64_t rows,
                                 RowOffset row_offset, scalar_t* tile) {
-  using Tile = StreamTile<kHeadDim>;
-  for (int i = threadIdx.x; i < kTile * Tile::kPieces; i += kThreads) {
-    const int r = i / Tile::kPieces, piece = i % Tile::kPieces;
+  using Tiles = MmaTiles<kHeadDim>;
+  for (int i = threadIdx.x; i < count * Tiles::kPieces; i += kThreads) {
+    const int r = i / Tiles::kPieces, piece = i % Tiles::kPieces;
     const bool valid = row_begin + r < rows;
-    mma::copy_async<16>(tile + r * Tile::kStride + piece * 8, valid ? source + row_offset(r) + piece * 8 : source,
-                        valid);
+    mma::copy_async<16>(tile + r * Tiles::kStride + piece * 8,
+                        valid ? source + row_offset(row_begin + r) + piece * 8 : source, valid);
   }
 }
 
-// The A fragments of this warp's 16 rows (rows 16 warp .. 16 warp + 15 of a shared tile), all of d.
+// The A fragments of this warp's 32 fixed rows, all of d.
 template <int kHeadDim, typename scalar_t>
-__device__ void load_warp_rows(const scalar_t* tile, uint32_t (&fragments)[StreamTile<kHeadDim>::kSteps][4]) {
-  using Tile = StreamTile<kHeadDim>;
+__device__ void load_warp_rows(const scalar_t* fixed_rows, typename MmaTiles<kHeadDim>::Fragments& fragments) {
+  using Tiles = MmaTiles<kHeadDim>;
   const int lane = threadIdx.x % 32;
   // ldmatrix blocks 0..3: rows 0-7 and 8-15 at columns 0-7, then the same at columns 8-15 (a[0..3]).
-  const scalar_t* row = tile + ((threadIdx.x / 32) * 16 + (lane % 16)) * Tile::kStride + (lane / 16) * 8;
 #pragma unroll
-  for (int step = 0; step < Tile::kSteps; ++step) mma::load_blocks_x4(row + step * 16, fragments[step]);
+  for (int block = 0; block < kWarpRows / 16; ++block) {
+    const scalar_t* row =
+        fixed_rows + ((threadIdx.x / 32) * kWarpRows + block * 16 + lane % 16) * Tiles::kStride + (lane / 16) * 8;
+#pragma unroll
+    for (int step = 0; step < Tiles::kSteps; ++step) mma::load_blocks_x4(row + step * 16, fragments[block][step]);
+  }
 }
 
-// acc[n] = (this warp's 16 fixed rows) · (streamed rows 8 n .. 8 n + 7)ᵀ over all of d, for the 64 streamed rows.
+// acc[block][n] = (this warp's fixed rows 16 block ..) · (streamed rows 8 n .. 8 n + 7 of `streamed`)ᵀ over d, for
+// kHalf streamed rows.
 template <int kHeadDim, typename scalar_t>
-__device__ void warp_logits(const uint32_t (&fixed)[StreamTile<kHeadDim>::kSteps][4], const scalar_t* streamed,
-                            float (&acc)[kTile / 8][4]) {
-  using Tile = StreamTile<kHeadDim>;
+__device__ void warp_logits(const typename MmaTiles<kHeadDim>::Fragments& fixed, const scalar_t* streamed,
+                            typename MmaTiles<kHeadDim>::Accumulators& acc) {
+  using Tiles = MmaTiles<kHeadDim>;
   const int lane = threadIdx.x % 32;
   // ldmatrix blocks 0..3: streamed rows 0-7 at columns 0-7 and 8-15 (b0, b1 of n-tile 2p), then rows 8-15 (2p + 1).
-  const scalar_t* row = streamed + ((lane % 8) + (lane / 16) * 8) * Tile::kStride + ((lane / 8) % 2) * 8;
+  const scalar_t* row = streamed + ((lane % 8) + (lane / 16) * 8) * Tiles::kStride + ((lane / 8) % 2) * 8;
 #pragma unroll
-  for (int n = 0; n < kTile / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  for (int block = 0; block < kWarpRows / 16; ++block) {
 #pragma unroll
-  for (int step = 0; step < Tile::kSteps; ++step) {
+    for (int n = 0; n < kHalf / 8; ++n) acc[block][n][0] = acc[block][n][1] = acc[block][n][2] = acc[block][n][3] = 0;
+  }
 #pragma unroll
-    for (int pair = 0; pair < kTile / 16; ++pair) {
+  for (int step = 0; step < Tiles::kSteps; ++step) {
+#pragma unroll
+    for (int pair = 0; pair < kHalf / 16; ++pair) {
       uint32_t b[4];
-      mma::load_blocks_x4(row + pair * 16 * Tile::kStride + step * 16, b);
-      mma::multiply_add<scalar_t>(acc[2 * pair], fixed[step], b[0], b[1]);
-      mma::multiply_add<scalar_t>(acc[2 * pair + 1], fixed[step], b[2], b[3]);
+      mma::load_blocks_x4(row + pair * 16 * Tiles::kStride + step * 16, b);
+#pragma unroll
+      for (int block = 0; block < kWarpRows / 16; ++block) {
+        mma::multiply_add<scalar_t>(acc[block][2 * pair], fixed[block][step], b[0], b[1]);
+        mma::multiply_add<scalar_t>(acc[block][2 * pair + 1], fixed[block][step], b[2], b[3]);
+      }
     }
   }
 }
+
+// Fixed row (block, h) of this lane: 32 warp + 16 block + 8 h + lane / 4. Streamed column (n, e) of a half:
+// 8 n + 2 (lane % 4) + e, accumulator element acc[block][n][2 h + e].
+__device__ inline int fixed_row(int block, int h) {
+  return (threadIdx.x / 32) * kWarpRows + block * 16 + h * 8 + (threadIdx.x % 32) / 4;
+}
+__device__ inline int streamed_column(int n, int e) { return n * 8 + (threadIdx.x % 4) * 2 + e; }
 
 // Online softmax statistics in base 2: the running max m (of logits · log2 e) and Σ 2^(x - m).
 __device__ inline float exp2_base(float max) { return max == -INFINITY ? 0.0f : max; }
@@ -521,109 +545,132 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_mma_kernel(Layout layout
                                                                    const scalar_t* __restrict__ keys,
                                                                    const float* __restrict__ log_weights,
                                                                    float* __restrict__ lse) {  // [B, Hq, q]
-  using Tile = StreamTile<kHeadDim>;
+  using Tiles = MmaTiles<kHeadDim>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
-  scalar_t* tiles = reinterpret_cast<scalar_t*>(shared_raw);  // [kStreamBuffers][kTile][kStride]
+  scalar_t* fixed_rows = reinterpret_cast<scalar_t*>(shared_raw);
+  scalar_t* buffers = fixed_rows + kFixedRows * Tiles::kStride;  // [kStreamBuffers][kTile][kStride]
   __shared__ float bias[kStreamBuffers][kTile];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
   const int64_t rows = layout.rows(), total_len = layout.total_len;
   // The newest rows see the most keys: their blocks start first.
-  const int64_t row_begin = (layout.row_tiles() - 1 - blockIdx.x) * static_cast<int64_t>(kTile);
+  const int64_t row_begin = (gridDim.x - 1 - blockIdx.x) * static_cast<int64_t>(kFixedRows);
   const int64_t key_head = batch * layout.key_strides[0] + head * layout.key_strides[1];
   const QueryRows queries = query_rows(layout, group, batch, head);
   auto copy_keys = [&](int64_t key_begin, int buffer) {
-    copy_tile_async<kHeadDim>(keys, key_begin, total_len,
-                              [&](int c) { return key_head + (key_begin + c) * layout.key_strides[2]; },
-                              tiles + buffer * kTile * Tile::kStride);
+    copy_rows_async<kHeadDim, kTile>(keys, key_begin, total_len,
+                                     [&](int64_t slot) { return key_head + slot * layout.key_strides[2]; },
+                                     buffers + buffer * kTile * Tiles::kStride);
     if (threadIdx.x < kTile) {  // past T: 0, and the causal limit masks it
-      const bool valid = key_begin + threadIdx.x < total_len;
-      mma::copy_async<4>(&bias[buffer][threadIdx.x], log_weights + (valid ? pair * total_len + key_begin + threadIdx.x : 0),
-                         valid);
+      const int64_t slot = key_begin + threadIdx.x;
+      mma::copy_async<4>(&bias[buffer][threadIdx.x], log_weights + (slot < total_len ? pair * total_len + slot : 0),
+                         slot < total_len);
     }
     mma::commit_copies();
   };
 
-  // The query tile goes through buffer 1 into registers before key tile 1 lands there.
-  copy_tile_async<kHeadDim>(query, row_begin, rows,
-                            [&](int r) { return queries.offset(static_cast<unsigned>(row_begin + r)); },
-                            tiles + kTile * Tile::kStride);
+  copy_rows_async<kHeadDim, kFixedRows>(query, row_begin, rows, [&](int64_t row) { return queries.offset(row); },
+                                        fixed_rows);
   copy_keys(0, 0);
   mma::wait_copies();
   __syncthreads();
-  uint32_t fixed[Tile::kSteps][4];
-  load_warp_rows<kHeadDim>(tiles + kTile * Tile::kStride, fixed);
+  typename Tiles::Fragments fixed;
+  load_warp_rows<kHeadDim>(fixed_rows, fixed);
 
-  // This thread's rows: 16 warp + l / 4 and 8 below; its columns of each 8-key n-tile: 2 (l % 4) + {0, 1}.
-  int position[2];
+  int position[2][2];  // of this lane's rows (block, h); rows past the last are never written
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t row = row_begin + warp * 16 + lane / 4 + 8 * h;
-    position[h] = static_cast<int>(layout.position(row < rows ? row : rows - 1));
+  for (int block = 0; block < 2; ++block) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_begin + fixed_row(block, h);
+      position[block][h] = static_cast<int>(layout.position(row < rows ? row : rows - 1));
+    }
   }
-  const int64_t last_row = (rows < row_begin + kTile ? rows : row_begin + kTile) - 1;
+  const int64_t last_row = (rows < row_begin + kFixedRows ? rows : row_begin + kFixedRows) - 1;
   const int64_t key_tiles = (layout.position(last_row) + kTile) / kTile;
+  const int64_t first_position = layout.position(row_begin);  // the block's oldest row
   const float scale = layout.scale * kLog2e;
-  kernels::SoftmaxPartial running[2];
+  kernels::SoftmaxPartial running[2][2];
   for (int64_t tile = 0; tile < key_tiles; ++tile) {
     mma::wait_copies();
     __syncthreads();  // key tile `tile` is in, and no warp still reads the buffer the next one goes to
     if (tile + 1 < key_tiles) copy_keys((tile + 1) * kTile, (tile + 1) % kStreamBuffers);
     const int buffer = tile % kStreamBuffers;
-    float acc[kTile / 8][4];
-    warp_logits<kHeadDim>(fixed, tiles + buffer * kTile * Tile::kStride, acc);
-
-    // Per column: its log-weight in base 2 and its causal limit (kNoSlot for a -inf slot: no row sees it).
     const int key_begin = static_cast<int>(tile * kTile);
-    float column_bias[kTile / 4];
-    int column_slot[kTile / 4];
 #pragma unroll
-    for (int n = 0; n < kTile / 8; ++n) {
+    for (int half = 0; half < 2; ++half) {
+      typename Tiles::Accumulators acc;
+      warp_logits<kHeadDim>(fixed, buffers + (buffer * kTile + half * kHalf) * Tiles::kStride, acc);
+      // Per column of this lane: its log-weight in base 2 and its causal limit (kNoSlot for a -inf slot).
+      float column_bias[kHalf / 4];
+      int column_slot[kHalf / 4];
+      bool masked = key_begin + (half + 1) * kHalf - 1 > first_position;  // some column past some row's limit
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = n * 8 + (lane % 4) * 2 + e;
-        const float b = bias[buffer][c];
-        column_bias[2 * n + e] = b * kLog2e;
-        column_slot[2 * n + e] = b == -INFINITY ? kNoSlot : key_begin + c;
+      for (int n = 0; n < kHalf / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = half * kHalf + streamed_column(n, e);
+          const float b = bias[buffer][c];
+          column_bias[2 * n + e] = b * kLog2e;
+          column_slot[2 * n + e] = b == -INFINITY ? kNoSlot : key_begin + c;
+          masked = masked || b == -INFINITY;  // -inf whatever the key holds
+        }
       }
-    }
+      auto accumulate = [&](auto with_mask) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float x[kTile / 4], tile_max = -INFINITY;
+        for (int block = 0; block < 2; ++block) {
 #pragma unroll
-      for (int k = 0; k < kTile / 4; ++k) {
-        const float logit = fmaf(acc[k / 2][2 * h + k % 2], scale, column_bias[k]);
-        x[k] = column_slot[k] > position[h] ? -INFINITY : logit;
-        tile_max = fmaxf(tile_max, x[k]);  // passes over NaN: exp2 below still carries it into the sum
+          for (int h = 0; h < 2; ++h) {
+            float x[kHalf / 4], tile_max = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < kHalf / 4; ++k) {
+              x[k] = fmaf(acc[block][k / 2][2 * h + k % 2], scale, column_bias[k]);
+              if constexpr (decltype(with_mask)::value) {
+                if (column_slot[k] > position[block][h]) x[k] = -INFINITY;
+              }
+              tile_max = fmaxf(tile_max, x[k]);  // passes over NaN: exp2 below still carries it into the sum
+            }
+            kernels::SoftmaxPartial& row = running[block][h];
+            const float max = fmaxf(row.max, tile_max), base = exp2_base(max);
+            float sum = row.sum * mma::exp2_fast(row.max - base);
+#pragma unroll
+            for (int k = 0; k < kHalf / 4; ++k) sum += mma::exp2_fast(x[k] - base);
+            row = {max, sum};
+          }
+        }
+      };
+      if (masked) {
+        accumulate(std::true_type{});
+      } else {
+        accumulate(std::false_type{});
       }
-      const float max = fmaxf(running[h].max, tile_max), base = exp2_base(max);
-      float sum = running[h].sum * mma::exp2_fast(running[h].max - base);
-#pragma unroll
-      for (int k = 0; k < kTile / 4; ++k) sum += mma::exp2_fast(x[k] - base);
-      running[h] = {max, sum};
     }
   }
   mma::wait_copies();
 
   // The four lanes of a row hold disjoint columns: combine them (every lane ends with the same statistics).
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int block = 0; block < 2; ++block) {
 #pragma unroll
-    for (int offset = 1; offset < 4; offset *= 2) {
-      running[h] = combine_base2(running[h], {__shfl_xor_sync(0xffffffffu, running[h].max, offset),
-                                              __shfl_xor_sync(0xffffffffu, running[h].sum, offset)});
-    }
-    const int64_t row = row_begin + warp * 16 + lane / 4 + 8 * h;
-    if (lane % 4 == 0 && row < rows) {
-      const auto split = group.divmod(static_cast<unsigned>(row));
-      lse[((batch * layout.query_heads) + head * layout.group_size + split.mod) * layout.num_queries + split.div] =
-          running[h].sum == 0.0f ? -INFINITY : (running[h].max + ::log2f(running[h].sum)) * kLn2;
+    for (int h = 0; h < 2; ++h) {
+      kernels::SoftmaxPartial& row_stats = running[block][h];
+#pragma unroll
+      for (int offset = 1; offset < 4; offset *= 2) {
+        row_stats = combine_base2(row_stats, {__shfl_xor_sync(0xffffffffu, row_stats.max, offset),
+                                              __shfl_xor_sync(0xffffffffu, row_stats.sum, offset)});
+      }
+      const int64_t row = row_begin + fixed_row(block, h);
+      if (threadIdx.x % 4 == 0 && row < rows) {
+        const auto split = group.divmod(static_cast<unsigned>(row));
+        lse[((batch * layout.query_heads) + head * layout.group_size + split.mod) * layout.num_queries + split.div] =
+            row_stats.sum == 0.0f ? -INFINITY : (row_stats.max + ::log2f(row_stats.sum)) * kLn2;
+      }
     }
   }
 }
 
-// Per query row of a streamed tile: its log-sum-exp in base 2, its weight w_j, and its causal limit (-1 for a row
-// that adds nothing: past the last row, nothing to attend to, or a weight that is 0 in float32).
+// Per query row of a streamed tile: its log-sum-exp in base 2, its weight w_j, and its causal limit. A row that adds
+// nothing (past the last row, nothing to attend to, a weight that is 0 in float32) has weight 0, limit -1 and
+// log-sum-exp +inf, so that even unmasked its probabilities are 0.
 struct alignas(16) RowTerms {  // aligned for the float2 / int2 reads of a lane's two rows
   float lse2[kStreamBuffers][kTile];
   float weight[kStreamBuffers][kTile];
@@ -638,15 +685,16 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
                                                               const float* __restrict__ log_weights,
                                                               const float* __restrict__ lse, double decay,
                                                               double input_scale, float* __restrict__ scores) {
-  using Tile = StreamTile<kHeadDim>;
+  using Tiles = MmaTiles<kHeadDim>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
-  scalar_t* tiles = reinterpret_cast<scalar_t*>(shared_raw);  // [kStreamBuffers][kTile][kStride]
+  scalar_t* fixed_rows = reinterpret_cast<scalar_t*>(shared_raw);
+  scalar_t* buffers = fixed_rows + kFixedRows * Tiles::kStride;  // [kStreamBuffers][kTile][kStride]
   __shared__ RowTerms terms;
   __shared__ float warp_min[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t pair = blockIdx.y, batch = pair / layout.kv_heads, head = pair % layout.kv_heads;
   const int64_t rows = layout.rows(), total_len = layout.total_len, num_queries = layout.num_queries;
-  const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t key_begin = static_cast<int64_t>(blockIdx.x) * kFixedRows;
   const int64_t key_head = batch * layout.key_strides[0] + head * layout.key_strides[1];
   const QueryRows queries = query_rows(layout, group, batch, head);
   const float* row_lse = lse + (batch * layout.query_heads + head * layout.group_size) * num_queries;
@@ -654,7 +702,7 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   // Row r of tile `tile`, read by thread r < kTile into registers (the global loads overlap the tile's products),
   // then stored for the buffer that tile goes to.
   struct Row {
-    float lse2 = 0.0f, weight = 0.0f;
+    float lse2 = INFINITY, weight = 0.0f;
     int position = -1;
   };
   auto fetch_row = [&](int64_t tile) {
@@ -679,35 +727,36 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
     }
   };
   auto copy_queries = [&](int64_t tile, int buffer) {
-    const int64_t row_begin = tile * kTile;
-    copy_tile_async<kHeadDim>(query, row_begin, rows,
-                              [&](int r) { return queries.offset(static_cast<unsigned>(row_begin + r)); },
-                              tiles + buffer * kTile * Tile::kStride);
+    copy_rows_async<kHeadDim, kTile>(query, tile * kTile, rows, [&](int64_t row) { return queries.offset(row); },
+                                     buffers + buffer * kTile * Tiles::kStride);
     mma::commit_copies();
   };
 
-  // The keys go through buffer 1 into registers before query tile 1 lands there.
-  copy_tile_async<kHeadDim>(keys, key_begin, total_len,
-                            [&](int c) { return key_head + (key_begin + c) * layout.key_strides[2]; },
-                            tiles + kTile * Tile::kStride);
+  copy_rows_async<kHeadDim, kFixedRows>(keys, key_begin, total_len,
+                                        [&](int64_t slot) { return key_head + slot * layout.key_strides[2]; },
+                                        fixed_rows);
   const int64_t newest = layout.row_tiles() - 1, oldest = layout.first_row_tile_seeing(key_begin);
   copy_queries(newest, 0);
   store_row(fetch_row(newest), 0);
   mma::wait_copies();
   __syncthreads();
-  uint32_t fixed[Tile::kSteps][4];
-  load_warp_rows<kHeadDim>(tiles + kTile * Tile::kStride, fixed);
+  typename Tiles::Fragments fixed;
+  load_warp_rows<kHeadDim>(fixed_rows, fixed);
 
-  // This thread's keys: 16 warp + l / 4 and 8 below, each with its log-weight in base 2 and causal limit.
-  float key_bias[2], partial[2] = {0.0f, 0.0f};
-  int key_slot[2];
+  // This lane's keys (block, h), each with its log-weight in base 2 and causal limit (kNoSlot: -inf, scored 0).
+  float key_bias[2][2], partial[2][2] = {};
+  int key_slot[2][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t slot = key_begin + warp * 16 + lane / 4 + 8 * h;
-    const float b = slot < total_len ? log_weights[pair * total_len + slot] : -INFINITY;
-    key_bias[h] = b * kLog2e;
-    key_slot[h] = b == -INFINITY ? kNoSlot : static_cast<int>(slot);
+  for (int block = 0; block < 2; ++block) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t slot = key_begin + fixed_row(block, h);
+      const float b = slot < total_len ? log_weights[pair * total_len + slot] : -INFINITY;
+      key_bias[block][h] = b * kLog2e;
+      key_slot[block][h] = b == -INFINITY ? kNoSlot : static_cast<int>(slot);
+    }
   }
+  const int64_t last_key = key_begin + kFixedRows - 1;
   const float scale = layout.scale * kLog2e;
   for (int64_t tile = newest; tile >= oldest; --tile) {
     mma::wait_copies();
@@ -718,35 +767,59 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
       copy_queries(tile - 1, next);
       next_row = fetch_row(tile - 1);
     }
-    float acc[kTile / 8][4];
-    warp_logits<kHeadDim>(fixed, tiles + buffer * kTile * Tile::kStride, acc);
+    // Unmasked when every row of the tile sees every key of the block (rows adding nothing are 0 anyway).
+    const int64_t row_begin = tile * kTile;
+    const bool masked = layout.position(row_begin) < last_key;
 #pragma unroll
-    for (int n = 0; n < kTile / 8; ++n) {
-      const int r = n * 8 + (lane % 4) * 2;
-      const float2 lse2 = *reinterpret_cast<const float2*>(&terms.lse2[buffer][r]);
-      const float2 weight = *reinterpret_cast<const float2*>(&terms.weight[buffer][r]);
-      const int2 position = *reinterpret_cast<const int2*>(&terms.position[buffer][r]);
+    for (int half = 0; half < 2; ++half) {
+      typename Tiles::Accumulators acc;
+      warp_logits<kHeadDim>(fixed, buffers + (buffer * kTile + half * kHalf) * Tiles::kStride, acc);
+      auto accumulate = [&](auto with_mask) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float p0 = mma::exp2_fast(fmaf(acc[n][2 * h], scale, key_bias[h]) - lse2.x);
-        const float p1 = mma::exp2_fast(fmaf(acc[n][2 * h + 1], scale, key_bias[h]) - lse2.y);
-        partial[h] = key_slot[h] > position.x ? partial[h] : fmaf(weight.x, p0, partial[h]);
-        partial[h] = key_slot[h] > position.y ? partial[h] : fmaf(weight.y, p1, partial[h]);
+        for (int n = 0; n < kHalf / 8; ++n) {
+          const int r = half * kHalf + streamed_column(n, 0);
+          const float2 lse2 = *reinterpret_cast<const float2*>(&terms.lse2[buffer][r]);
+          const float2 weight = *reinterpret_cast<const float2*>(&terms.weight[buffer][r]);
+          const int2 position = *reinterpret_cast<const int2*>(&terms.position[buffer][r]);
+#pragma unroll
+          for (int block = 0; block < 2; ++block) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float p0 = mma::exp2_fast(fmaf(acc[block][n][2 * h], scale, key_bias[block][h]) - lse2.x);
+              const float p1 = mma::exp2_fast(fmaf(acc[block][n][2 * h + 1], scale, key_bias[block][h]) - lse2.y);
+              float& sum = partial[block][h];
+              if constexpr (decltype(with_mask)::value) {
+                sum = key_slot[block][h] > position.x ? sum : fmaf(weight.x, p0, sum);
+                sum = key_slot[block][h] > position.y ? sum : fmaf(weight.y, p1, sum);
+              } else {
+                sum = fmaf(weight.y, p1, fmaf(weight.x, p0, sum));
+              }
+            }
+          }
+        }
+      };
+      if (masked) {
+        accumulate(std::true_type{});
+      } else {
+        accumulate(std::false_type{});
       }
     }
     if (tile > oldest) store_row(next_row, next);
 
-    const int64_t row_begin = tile * kTile;
     const double bound = kernels::older_queries_weight_bound(decay, input_scale,
                                                              num_queries - 1 - row_begin / layout.group_size);
     if (tile > oldest && bound < INFINITY) {
-      // The smallest partial score over the block's live keys: each key's is the sum over the four lanes of its row.
+      // The smallest partial score over the block's scored keys: each key's is the sum over the four lanes of its
+      // row.
       float key_min = INFINITY;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float total = partial[h] + __shfl_xor_sync(0xffffffffu, partial[h], 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        if (key_slot[h] != kNoSlot) key_min = fminf(key_min, total);
+      for (int block = 0; block < 2; ++block) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float total = partial[block][h] + __shfl_xor_sync(0xffffffffu, partial[block][h], 1);
+          total += __shfl_xor_sync(0xffffffffu, total, 2);
+          if (key_slot[block][h] != kNoSlot) key_min = fminf(key_min, total);
+        }
       }
       for (int offset = 4; offset < 32; offset *= 2) {
         key_min = fminf(key_min, __shfl_xor_sync(0xffffffffu, key_min, offset));
@@ -761,11 +834,16 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   mma::wait_copies();
 
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float total = partial[h] + __shfl_xor_sync(0xffffffffu, partial[h], 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
-    const int64_t slot = key_begin + warp * 16 + lane / 4 + 8 * h;
-    if (lane % 4 == 0 && slot < total_len) scores[pair * total_len + slot] = total;
+  for (int block = 0; block < 2; ++block) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float total = partial[block][h] + __shfl_xor_sync(0xffffffffu, partial[block][h], 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const int64_t slot = key_begin + fixed_row(block, h);
+      if (lane % 4 == 0 && slot < total_len) {
+        scores[pair * total_len + slot] = key_slot[block][h] == kNoSlot ? 0.0f : total;
+      }
+    }
   }
 }
 
@@ -824,9 +902,12 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
       if (tensor_core_path(shape, layout, query.scalar_type())) {
         return with_head_dim(shape.head_dim, [&](auto head_dim) {
           const auto kernel = log_sum_exp_mma_kernel<scalar_t, decltype(head_dim)::value>;
-          const size_t bytes = kStreamBuffers * StreamTile<decltype(head_dim)::value>::kBytes;
+          const size_t bytes = MmaTiles<decltype(head_dim)::value>::kSharedBytes;
           allow_shared_bytes(kernel, bytes);
-          kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+          const dim3 row_blocks(static_cast<unsigned>(kernels::launch::ceil_div(shape.group_size * shape.num_queries,
+                                                                       kFixedRows)),
+                                grid.y);
+          kernel<<<row_blocks, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
               layout, group_divider(shape), query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
               log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -860,9 +941,10 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
       if (tensor_core_path(shape, layout, query.scalar_type())) {
         return with_head_dim(shape.head_dim, [&](auto head_dim) {
           const auto kernel = scores_mma_kernel<scalar_t, decltype(head_dim)::value>;
-          const size_t bytes = kStreamBuffers * StreamTile<decltype(head_dim)::value>::kBytes;
+          const size_t bytes = MmaTiles<decltype(head_dim)::value>::kSharedBytes;
           allow_shared_bytes(kernel, bytes);
-          kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
+          const dim3 key_blocks(static_cast<unsigned>(kernels::launch::ceil_div(shape.total_len, kFixedRows)), grid.y);
+          kernel<<<key_blocks, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
               layout, group_divider(shape), query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
               log_weights_c.const_data_ptr<float>(), lse_c.const_data_ptr<float>(), decay, input_scale,
               scores.mutable_data_ptr<float>());
