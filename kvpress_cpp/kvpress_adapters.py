@@ -50,7 +50,8 @@ from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_h
 from kvpress_cpp.presses.base import _row_kwargs
 from kvpress_cpp.presses.kvzap import KVzapPress
 
-__all__ = ["patch_dms_press", "patch_adakv_press", "SHARDABLE_SCORERS"]
+
+__all__ = ["patch_dms_press", "patch_adakv_press", "SHARDABLE_SCORERS", "kvpress_transformers_mismatch"]
 
 #: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
 #: queries and keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
@@ -58,6 +59,24 @@ SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
 
 _PATCHED_ATTR = "_kvcomp_adapted"
 _MARKS_ATTR = "_kvcomp_marks"  # on the press: layer → [marks added since the prefill, tokens cached]
+
+
+def kvpress_transformers_mismatch() -> str | None:
+    """Why kvpress's own forward hooks cannot run here, or None: the installed transformers is outside the range
+    kvpress declares (kvpress 0.5.5: <5.3; later transformers stop passing the ``cache_position`` its hooks read).
+    Our pins satisfy it; a GPU machine without network may have only a newer transformers. Tests skip, and
+    benchmarks leave out, what runs kvpress's hooks there."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    for line in requires("kvpress") or []:
+        requirement = Requirement(line)
+        if requirement.name == "transformers" and requirement.marker is None:
+            installed = version("transformers")
+            if not requirement.specifier.contains(installed, prereleases=True):
+                return f"kvpress requires {requirement}, this machine has transformers {installed}"
+    return None
 
 
 def _prefill_padding(kwargs: dict) -> list[int] | None:

@@ -12,7 +12,8 @@ import torch
 from accelerate import dispatch_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, kvpress_transformers_mismatch, run_case, write_assets
+from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
+from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, run_case, write_assets
 
 DEVICE_PAIRS = ([("cuda:0", "cuda:1")] if torch.cuda.device_count() >= 2 else []) + \
     ([("cuda:0", "cpu")] if torch.cuda.is_available() else [])

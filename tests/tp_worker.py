@@ -82,23 +82,6 @@ CASES = {
 KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap"}
 
 
-def kvpress_transformers_mismatch() -> str | None:
-    """Why kvpress's own hooks cannot run here, or None: the installed transformers is outside the range kvpress
-    declares (kvpress 0.5.5: <5.3; later transformers stop passing the ``cache_position`` its hooks read). Our pins
-    satisfy it; a GPU machine without network may have only a newer transformers."""
-    from importlib.metadata import requires, version
-
-    from packaging.requirements import Requirement
-
-    for line in requires("kvpress") or []:
-        requirement = Requirement(line)
-        if requirement.name == "transformers" and requirement.marker is None:
-            installed = version("transformers")
-            if not requirement.specifier.contains(installed, prereleases=True):
-                return f"kvpress requires {requirement}, this machine has transformers {installed}"
-    return None
-
-
 def write_assets(root: Path) -> tuple[Path, Path]:
     """(model dir, surrogate root): the tiny Llama of shape :data:`TP_SHAPE` saved with save_pretrained (with its
     tokenizer), and random KVzap surrogates for it (linear and MLP)."""
