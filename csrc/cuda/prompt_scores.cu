@@ -530,6 +530,22 @@ __device__ inline int fixed_row(int block, int h) {
 }
 __device__ inline int streamed_column(int n, int e) { return n * 8 + (threadIdx.x % 4) * 2 + e; }
 
+// The sum over the four lanes that hold one fixed row's columns, added in a fixed order; every lane gets it.
+__device__ inline float quad_sum(float value) {
+  value += __shfl_xor_sync(0xffffffffu, value, 1);
+  return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
+// accumulate(std::true_type) where the causal limit (or a -inf slot) cuts into the tile, else the unmasked variant.
+template <typename Accumulate>
+__device__ inline void with_mask_if(bool masked, Accumulate accumulate) {
+  if (masked) {
+    accumulate(std::true_type{});
+  } else {
+    accumulate(std::false_type{});
+  }
+}
+
 // Online softmax statistics in base 2: the running max m (of logits · log2 e) and Σ 2^(x - m).
 __device__ inline float exp2_base(float max) { return max == -INFINITY ? 0.0f : max; }
 
@@ -638,11 +654,7 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_mma_kernel(Layout layout
           }
         }
       };
-      if (masked) {
-        accumulate(std::true_type{});
-      } else {
-        accumulate(std::false_type{});
-      }
+      with_mask_if(masked, accumulate);
     }
   }
   mma::wait_copies();
@@ -798,11 +810,7 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
           }
         }
       };
-      if (masked) {
-        accumulate(std::true_type{});
-      } else {
-        accumulate(std::false_type{});
-      }
+      with_mask_if(masked, accumulate);
     }
     if (tile > oldest) store_row(next_row, next);
 
@@ -816,8 +824,7 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
       for (int block = 0; block < 2; ++block) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float total = partial[block][h] + __shfl_xor_sync(0xffffffffu, partial[block][h], 1);
-          total += __shfl_xor_sync(0xffffffffu, total, 2);
+          const float total = quad_sum(partial[block][h]);  // every lane shuffles, scored key or not
           if (key_slot[block][h] != kNoSlot) key_min = fminf(key_min, total);
         }
       }
@@ -837,8 +844,7 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   for (int block = 0; block < 2; ++block) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float total = partial[block][h] + __shfl_xor_sync(0xffffffffu, partial[block][h], 1);
-      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float total = quad_sum(partial[block][h]);
       const int64_t slot = key_begin + fixed_row(block, h);
       if (lane % 4 == 0 && slot < total_len) {
         scores[pair * total_len + slot] = key_slot[block][h] == kNoSlot ? 0.0f : total;
