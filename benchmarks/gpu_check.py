@@ -12,7 +12,9 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
   sanitizer    compute-sanitizer memcheck, racecheck and synccheck over the CUDA fuzz (every op, random valid inputs)
   ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py), and prompt
                scoring on a Llama-3-8B-shaped layer at 32k and 128k against its sdpa (bench_prefill_overhead)
-  decode       bench_decode on a random-weight Llama-3-8B-shaped model at 8k, 16k and 32k, 10% budget
+  prefill      bench_prefill_overhead: each press's prefill over the full-cache forward on a random-weight
+               Llama-3-8B-shaped model at 8k and 16k, kvpress's presses beside ours
+  decode       bench_decode on that model at 8k, 16k and 32k, 10% budget
   profile      bench_step_profile: where one decoding step's time goes on that model at 8k, full cache and presses
   ncu          Nsight Compute over the kernels furthest from their targets (prompt scoring, decode attention, paged
                decode attention) beside torch's flash attention: throughput, occupancy and its limits
@@ -38,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "gpu"
 PYTHON = sys.executable
 EXTENSION = "_C.abi3.so"  # the extension module setup.py builds (limited API)
-STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "decode", "profile", "ncu"]
+STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "prefill", "decode", "profile", "ncu"]
 # Sanitizer runs are 10-100x slower: every op on 8 random valid inputs (the CUDA fuzz), 25-50 s in all on an H100.
 # Not the CUDA-graph tests: without the caching allocator (which memcheck needs to see out-of-bounds accesses within
 # pooled blocks) a capture's allocations are cudaMalloc calls, which a capture refuses.
@@ -182,6 +184,23 @@ def stage_ops(timeout: float) -> dict:
         figures[module] = "ok" if result["ok"] else f"failed ({result['rc']})"
         ok = ok and result["ok"]
     return {"ok": ok, "figures": figures}
+
+
+PREFILL_NAME = "prefill_overhead_random-llama3-8b_cuda"
+PREFILL_PRESSES = ["ZSMerge", "WeightedKV", "KeepKV", "GVote", "StreamingLLM (kvpress)", "SnapKV (kvpress)",
+                   "TOVA (kvpress)"]
+
+
+def stage_prefill(timeout: float) -> dict:
+    """One round per prompt length (an 8B forward at 16k takes seconds); kvpress's presses are left out, saying why,
+    where its transformers range is not met."""
+    command = [PYTHON, "-m", "benchmarks.bench_prefill_overhead", "--device", "cuda", "--model", "random-llama3-8b",
+               "--lengths", "8192", "16384", "--repeats", "1", "--parts", "presses", "--presses", *PREFILL_PRESSES,
+               "--name", PREFILL_NAME]
+    result = run("prefill", command, timeout, {"KVCOMP_RESULTS_DIR": str(OUT)})
+    result["figures"] = {f"{row['press']} {row['prompt']}": row["ratio"] for row in load_rows(PREFILL_NAME)
+                         if row.get("part") == "presses"}
+    return result
 
 
 def decode_name(method: str, length: int) -> str:
