@@ -261,6 +261,36 @@ def test_wrong_device_is_refused():
         ops.prompt_log_sum_exp(query.cuda(), keys, log_weights.cuda())
 
 
+@CUDA
+def test_cuda_grid_limit_names_the_op_and_value():
+    """gridDim.y holds the (batch, kv head) pairs: past 65535 a clear error, not a failed launch."""
+    query, keys, log_weights = make_inputs(65536, 1, 1, 1, 1, 8, device="cuda", padding=0.0)
+    with pytest.raises(RuntimeError, match=r"kvcomp::prompt_log_sum_exp: .*at most 65535 .*got B·H = 65536"):
+        ops.prompt_log_sum_exp(query, keys, log_weights)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+def test_rows_of_weight_zero_add_nothing_even_nan(device, dtype, head_dim):
+    """A query row whose weight is 0 (input_scale 0, or decay^age below float32's range) adds nothing to any score,
+    even with a NaN query: it is skipped, never multiplied by 0. With q < T its tile lies wholly inside the causal
+    limit of the first keys (the tensor-core kernel's unmasked path on CUDA), and a key of log-weight -1e4 keeps a
+    partial score of 0, so no block stops early before reaching it."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 200, 400, head_dim, dtype, device, padding=0.0)
+    log_weights[..., 3] = -1e4
+    clean = query.clone()
+    query[:, 0, 5] = float("nan")
+    scale = head_dim ** -0.5
+    lse = ops.prompt_log_sum_exp(clean, keys, log_weights, scale)
+    unweighted = ops.prompt_scores(query, keys, log_weights, scale, 1.0, 0.0, log_sum_exp=lse)
+    assert bool((unweighted == 0).all())
+    clean[:, 0, 5] = 0.0
+    # Query 5 is 194 steps old: 0.5^194 is 0 in float32.
+    scores = ops.prompt_scores(query, keys, log_weights, scale, 0.5, 1.0, log_sum_exp=lse)
+    torch.testing.assert_close(scores.double(), reference.prompt_scores(clean, keys, log_weights, scale, 0.5, 1.0),
+                               **SCORE_TOL)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # prompt_log_unnormalised_scores: KeepKV's EMA from its recent window
 

@@ -430,13 +430,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kNoSlot = 0x7fffffff;  // the causal limit of a slot no row sees (-inf log-weight, past T)
 
-// Whether a call takes the tensor-core path: the kernels index rows and slots in 32 bits.
-bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::ScalarType dtype) {
-  return (dtype == at::kHalf || dtype == at::kBFloat16) && (shape.head_dim == 64 || shape.head_dim == 128) &&
-         layout.query_in_pieces && layout.keys_in_pieces && shape.total_len < kNoSlot &&
-         shape.group_size * shape.num_queries < kNoSlot && at::cuda::getCurrentDeviceProperties()->major >= 8;
-}
-
 template <int kHeadDim>
 struct MmaTiles {
   static constexpr int kStride = kHeadDim + 8;  // elements per shared row: 16-byte rows land on distinct banks
@@ -631,6 +624,7 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_mma_kernel(Layout layout
           masked = masked || b == -INFINITY;  // -inf whatever the key holds
         }
       }
+      masked = __any_sync(0xffffffffu, masked);  // one path per warp
       auto accumulate = [&](auto with_mask) {
 #pragma unroll
         for (int block = 0; block < 2; ++block) {
@@ -681,8 +675,8 @@ __global__ void __launch_bounds__(kThreads) log_sum_exp_mma_kernel(Layout layout
 }
 
 // Per query row of a streamed tile: its log-sum-exp in base 2, its weight w_j, and its causal limit. A row that adds
-// nothing (past the last row, nothing to attend to, a weight that is 0 in float32) has weight 0, limit -1 and
-// log-sum-exp +inf, so that even unmasked its probabilities are 0.
+// nothing (past the last row, nothing to attend to, a weight that is 0 in float32) has weight 0 and limit -1, and its
+// tile takes the masked path.
 struct alignas(16) RowTerms {  // aligned for the float2 / int2 reads of a lane's two rows
   float lse2[kStreamBuffers][kTile];
   float weight[kStreamBuffers][kTile];
@@ -714,7 +708,7 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   // Row r of tile `tile`, read by thread r < kTile into registers (the global loads overlap the tile's products),
   // then stored for the buffer that tile goes to.
   struct Row {
-    float lse2 = INFINITY, weight = 0.0f;
+    float lse2 = 0.0f, weight = 0.0f;
     int position = -1;
   };
   auto fetch_row = [&](int64_t tile) {
@@ -749,7 +743,11 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
                                         fixed_rows);
   const int64_t newest = layout.row_tiles() - 1, oldest = layout.first_row_tile_seeing(key_begin);
   copy_queries(newest, 0);
-  store_row(fetch_row(newest), 0);
+  const Row first = fetch_row(newest);
+  store_row(first, 0);
+  // Whether the row this thread stored for the tile in hand adds nothing: such a row is masked, never multiplied
+  // by 0 (a NaN or infinite logit of it would make 0 · NaN), as the other kernels skip it.
+  bool adds_nothing = threadIdx.x < kTile && first.weight == 0.0f;
   mma::wait_copies();
   __syncthreads();
   typename Tiles::Fragments fixed;
@@ -772,16 +770,17 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   const float scale = layout.scale * kLog2e;
   for (int64_t tile = newest; tile >= oldest; --tile) {
     mma::wait_copies();
-    __syncthreads();  // query tile `tile` and its rows are in, and no warp still reads the buffer the next one goes to
+    // Query tile `tile` and its rows are in, and no warp still reads the buffer the next one goes to.
+    const bool some_row_adds_nothing = __syncthreads_or(adds_nothing);
     const int buffer = (newest - tile) % kStreamBuffers, next = 1 - buffer;
     Row next_row;
     if (tile > oldest) {
       copy_queries(tile - 1, next);
       next_row = fetch_row(tile - 1);
     }
-    // Unmasked when every row of the tile sees every key of the block (rows adding nothing are 0 anyway).
+    // Unmasked when every row of the tile adds to, and sees, every key of the block.
     const int64_t row_begin = tile * kTile;
-    const bool masked = layout.position(row_begin) < last_key;
+    const bool masked = some_row_adds_nothing || layout.position(row_begin) < last_key;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       typename Tiles::Accumulators acc;
@@ -812,7 +811,10 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
       };
       with_mask_if(masked, accumulate);
     }
-    if (tile > oldest) store_row(next_row, next);
+    if (tile > oldest) {
+      store_row(next_row, next);
+      adds_nothing = threadIdx.x < kTile && next_row.weight == 0.0f;
+    }
 
     const double bound = kernels::older_queries_weight_bound(decay, input_scale,
                                                              num_queries - 1 - row_begin / layout.group_size);
@@ -853,6 +855,20 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   }
 }
 
+// Whether a call takes the tensor-core path: half precision at d = 64 or 128 in 16-byte rows, rows and slots (plus a
+// block's reach past T) indexed in 32 bits, and this build's kernels holding sm_80+ code for the device (a build for
+// an older architecture, JIT-compiled here from its PTX, would reach the __trap of mma.cuh).
+bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::ScalarType dtype) {
+  if (!(dtype == at::kHalf || dtype == at::kBFloat16) || !(shape.head_dim == 64 || shape.head_dim == 128) ||
+      !layout.query_in_pieces || !layout.keys_in_pieces || shape.total_len > kNoSlot - kFixedRows ||
+      shape.group_size * shape.num_queries > kNoSlot - kFixedRows) {
+    return false;
+  }
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, log_sum_exp_mma_kernel<at::BFloat16, 64>));
+  return attributes.ptxVersion >= 80;
+}
+
 Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {
   Layout layout{{query.stride(0), query.stride(1), query.stride(2)},
                 {keys.stride(0), keys.stride(1), keys.stride(2)},
@@ -868,9 +884,12 @@ Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, cons
 
 at::Tensor unit_stride_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
-void check_head_dim(const char* op, const PromptScoresShape& shape) {
+// What the launch shapes bound: the shared tiles (d) and gridDim.y, one (batch, kv head) pair each.
+void check_cuda_limits(const char* op, const PromptScoresShape& shape) {
   TORCH_CHECK(shape.head_dim <= kMaxHeadDim, op, ": the CUDA kernel supports head dims up to ", kMaxHeadDim,
               ", got d = ", shape.head_dim);
+  TORCH_CHECK(shape.batch * shape.kv_heads <= kernels::launch::kMaxGridY, op, ": the CUDA kernels take at most ",
+              kernels::launch::kMaxGridY, " (batch, kv head) pairs, got B·H = ", shape.batch * shape.kv_heads);
 }
 
 // Calls launch(std::integral_constant<int, d>) for the head dims the tensor-core kernels are built for.
@@ -895,7 +914,7 @@ void allow_shared_bytes(Kernel kernel, size_t bytes) {
 at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& log_weights,
                                    double scale) {
   const PromptScoresShape shape = check_prompt_log_sum_exp(query, keys, log_weights, scale);
-  check_head_dim("kvcomp::prompt_log_sum_exp", shape);
+  check_cuda_limits("kvcomp::prompt_log_sum_exp", shape);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
   const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
@@ -934,7 +953,7 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
                               const at::Tensor& log_sum_exp, double scale, double decay, double input_scale) {
   const PromptScoresShape shape =
       check_prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale);
-  check_head_dim("kvcomp::prompt_scores", shape);
+  check_cuda_limits("kvcomp::prompt_scores", shape);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
   const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
@@ -975,7 +994,7 @@ at::Tensor prompt_log_unnormalised_scores_cuda(const at::Tensor& query, const at
   constexpr const char* op = "kvcomp::prompt_log_unnormalised_scores";
   const PromptScoresShape shape =
       check_prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale);
-  check_head_dim(op, shape);
+  check_cuda_limits(op, shape);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor log_scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
   const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
