@@ -289,7 +289,7 @@ def targets(stages: dict) -> list[dict]:
                              "of as many slots, minus 1)", "value": overhead,
                    "met": all(v <= 0.10 for v in overhead.values()) if overhead else None})
     # In half precision the layer's own prompt pass (cuDNN's attention) hands its log-sum-exp to the press, whose
-    # scoring is then prompt_scores' second pass alone; both passes run where it cannot (float32).
+    # scoring is then prompt_scores' second pass alone; both passes run where cuDNN's attention does not.
     op_rows = {row["T"]: row for row in load_rows("prefill_op_cuda") if row.get("part") == "op"}
     scoring = {length: {"scores pass, log-sum-exp from the layer's attention": round(row["op_given_lse_s"] /
                                                                                      row["sdpa_s"], 2),
