@@ -911,6 +911,17 @@ void allow_shared_bytes(Kernel kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// A tensor-core kernel over `items` fixed rows (query rows or keys) of each (batch, kv head) pair: kFixedRows per
+// block along x, one pair along y.
+template <int kHeadDim, typename Kernel, typename... Args>
+void launch_tensor_cores(Kernel kernel, int64_t items, unsigned pairs, Args... args) {
+  const size_t bytes = MmaTiles<kHeadDim>::kSharedBytes;
+  allow_shared_bytes(kernel, bytes);
+  const dim3 grid(static_cast<unsigned>(kernels::launch::ceil_div(items, kFixedRows)), pairs);
+  kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& log_weights,
                                    double scale) {
   const PromptScoresShape shape = check_prompt_log_sum_exp(query, keys, log_weights, scale);
@@ -926,16 +937,11 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
     if constexpr (!std::is_same_v<scalar_t, float>) {
       if (tensor_core_path(shape, layout, query.scalar_type())) {
         return with_head_dim(shape.head_dim, [&](auto head_dim) {
-          const auto kernel = log_sum_exp_mma_kernel<scalar_t, decltype(head_dim)::value>;
-          const size_t bytes = MmaTiles<decltype(head_dim)::value>::kSharedBytes;
-          allow_shared_bytes(kernel, bytes);
-          const dim3 row_blocks(static_cast<unsigned>(kernels::launch::ceil_div(shape.group_size * shape.num_queries,
-                                                                       kFixedRows)),
-                                grid.y);
-          kernel<<<row_blocks, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
-              layout, group_divider(shape), query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
-              log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          constexpr int kHeadDim = decltype(head_dim)::value;
+          launch_tensor_cores<kHeadDim>(log_sum_exp_mma_kernel<scalar_t, kHeadDim>,
+                                        shape.group_size * shape.num_queries, grid.y, layout, group_divider(shape),
+                                        query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
+                                        log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
         });
       }
     }
@@ -965,15 +971,12 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
     if constexpr (!std::is_same_v<scalar_t, float>) {
       if (tensor_core_path(shape, layout, query.scalar_type())) {
         return with_head_dim(shape.head_dim, [&](auto head_dim) {
-          const auto kernel = scores_mma_kernel<scalar_t, decltype(head_dim)::value>;
-          const size_t bytes = MmaTiles<decltype(head_dim)::value>::kSharedBytes;
-          allow_shared_bytes(kernel, bytes);
-          const dim3 key_blocks(static_cast<unsigned>(kernels::launch::ceil_div(shape.total_len, kFixedRows)), grid.y);
-          kernel<<<key_blocks, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
-              layout, group_divider(shape), query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
-              log_weights_c.const_data_ptr<float>(), lse_c.const_data_ptr<float>(), decay, input_scale,
-              scores.mutable_data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          constexpr int kHeadDim = decltype(head_dim)::value;
+          launch_tensor_cores<kHeadDim>(scores_mma_kernel<scalar_t, kHeadDim>, shape.total_len, grid.y, layout,
+                                        group_divider(shape), query_c.const_data_ptr<scalar_t>(),
+                                        keys_c.const_data_ptr<scalar_t>(), log_weights_c.const_data_ptr<float>(),
+                                        lse_c.const_data_ptr<float>(), decay, input_scale,
+                                        scores.mutable_data_ptr<float>());
         });
       }
     }
