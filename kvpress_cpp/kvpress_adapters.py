@@ -50,7 +50,6 @@ from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_h
 from kvpress_cpp.presses.base import _row_kwargs
 from kvpress_cpp.presses.kvzap import KVzapPress
 
-
 __all__ = ["patch_dms_press", "patch_adakv_press", "SHARDABLE_SCORERS", "kvpress_transformers_mismatch"]
 
 #: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
