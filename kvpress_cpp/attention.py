@@ -142,18 +142,26 @@ def _prompt_attention_keeping_scores(module, query, key, value, kwargs):
     return output.transpose(1, 2).contiguous(), None
 
 
+# (device, dtype, head dim) of prompt passes cuDNN's attention refused.
+_CUDNN_REFUSED: set[tuple[torch.device, torch.dtype, int]] = set()
+
+
 def _cuda_prompt_attention_keeping_log_sum_exp(module, query, key, value, scaling):
     """A CUDA prompt pass through cuDNN's causal attention, which takes the GQA keys as they are and returns the
     log-sum-exp beside the output at sdpa's cost (H100, B = 1, Llama-3-8B layer: 12.9 / 239 ms at 32k / 128k against
     sdpa's 12.8 / 234 ms, within 4e-6 of ``prompt_log_sum_exp``; ``benchmarks/results/gpu/prefill_op_cuda_before.json``),
     so ``kvcomp::prompt_scores`` runs its second pass only. None where cuDNN does not take the inputs (float32, a
-    GPU or build without its attention): the press's op then computes the log-sum-exp itself."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    GPU or build without its attention): the press's op then computes the log-sum-exp itself. A refusal is
+    remembered for the device, dtype and head dim, so later layers and prefills do not ask again."""
+    inputs = (query.device, query.dtype, query.shape[-1])
+    if query.dtype not in (torch.float16, torch.bfloat16) or inputs in _CUDNN_REFUSED:
         return None
     try:
         output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, True,
                                                                         False, scale=scaling)[:2]
-    except RuntimeError:
+    except RuntimeError as error:
+        if not isinstance(error, torch.OutOfMemoryError):  # a refusal of the inputs, made again at every layer
+            _CUDNN_REFUSED.add(inputs)
         return None
     module._kvcomp_prefill_attention = PrefillAttention(query, lse.flatten(2), None, None)  # (B, Hq, T, 1)
     return output.transpose(1, 2).contiguous(), None

@@ -501,6 +501,30 @@ def test_cuda_prompt_pass_keeps_cudnn_log_sum_exp(dtype):
                                **LSE_TOL)
 
 
+def test_cudnn_refusal_is_asked_once_per_device_dtype_and_head_dim(monkeypatch):
+    """Where cuDNN's attention refuses a prompt pass (a GPU or build without it), the pass falls back to the op's own
+    log-sum-exp and does not ask cuDNN again for the same device, dtype and head dim; other inputs are still asked,
+    and running out of memory is not taken for a refusal. (Device-free: cuDNN's op is replaced by one that refuses.)"""
+    asked = []
+
+    def refuse(query, *args, **kwargs):
+        asked.append((query.dtype, query.shape[-1]))
+        raise (torch.OutOfMemoryError if query.shape[-1] == 32 else RuntimeError)("cuDNN: no engine for these inputs")
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", refuse)
+    monkeypatch.setattr(attention, "_CUDNN_REFUSED", set())
+
+    def prompt_pass(dtype, head_dim):
+        query, keys, values = (torch.zeros(1, 3, 8, head_dim, dtype=dtype) for _ in range(3))
+        return attention._cuda_prompt_attention_keeping_log_sum_exp(torch.nn.Module(), query, keys, values, 0.125)
+
+    for dtype, head_dim in [(torch.bfloat16, 64)] * 3 + [(torch.float16, 64), (torch.bfloat16, 128)] + \
+            [(torch.bfloat16, 32)] * 2 + [(torch.float32, 64)]:
+        assert prompt_pass(dtype, head_dim) is None
+    assert asked == [(torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 128), (torch.bfloat16, 32),
+                     (torch.bfloat16, 32)]
+
+
 @CUDA
 def test_cuda_press_scores_from_the_prompt_pass_log_sum_exp(monkeypatch):
     """ZSMerge on a random 3-layer Llama (GQA, d = 64) in bfloat16 on CUDA: each layer's prompt pass hands cuDNN's

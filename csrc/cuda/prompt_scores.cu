@@ -27,7 +27,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/launch.h"
 #include "kernels/prompt_scores.h"
@@ -855,6 +858,21 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   }
 }
 
+// Whether the code this build's kernels run on the current device is sm_80+ (asked once per device: the answer is
+// fixed for the process, and every layer of a prefill would ask again).
+bool mma_code_for_current_device() {
+  static const int devices = c10::cuda::device_count();
+  static std::vector<std::once_flag> asked(devices);
+  static std::unique_ptr<bool[]> answers(new bool[devices]());
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  std::call_once(asked[device], [device] {
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, log_sum_exp_mma_kernel<at::BFloat16, 64>));
+    answers[device] = attributes.ptxVersion >= 80;
+  });
+  return answers[device];
+}
+
 // Whether a call takes the tensor-core path: half precision at d = 64 or 128 in 16-byte rows, rows and slots (plus a
 // block's reach past T) indexed in 32 bits, and this build's kernels holding sm_80+ code for the device (a build for
 // an older architecture, JIT-compiled here from its PTX, would reach the __trap of mma.cuh).
@@ -864,9 +882,7 @@ bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::
       shape.group_size * shape.num_queries > kNoSlot - kFixedRows) {
     return false;
   }
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, log_sum_exp_mma_kernel<at::BFloat16, 64>));
-  return attributes.ptxVersion >= 80;
+  return mma_code_for_current_device();
 }
 
 Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {
