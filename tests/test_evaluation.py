@@ -316,6 +316,40 @@ def test_a_family_run_counts_instead_of_the_whole_plan_runs_examples_of_that_fam
     assert (df.loc[(0.75, "niah"), "n"], df.loc[(0.75, "niah"), "score"]) == (1, 100.0)
 
 
+def test_a_batch_counts_once_every_method_has_finished_it(tmp_path, capsys):
+    """A run stopped mid-batch leaves some methods a batch ahead: their half-done batch is left out (and named by the
+    report) until every method run at that length and family has it, so every method is scored on the same examples;
+    methods that choose their own ratio (run at 0) are compared among themselves."""
+    (tmp_path / "configs").mkdir()
+
+    def write(method, ratio, batch, score):
+        key = results.Config(method, ratio, 4096, "facts", batch).key
+        result = {"method": method, "label": method, "requested_ratio": ratio, "compression_ratio": ratio,
+                  "budget": 1 - ratio, "length": 4096, "model": "m", "cpu_s": 1.0, "fingerprint": "f",
+                  "family": "facts", "scores": {"facts": score}, "examples": {"facts": 4}, "run_dir": key}
+        (tmp_path / "configs" / f"{key}.json").write_text(json.dumps(result))
+        (tmp_path / key).mkdir()
+        pd.DataFrame({"task": ["facts"] * 4, "index": range(4), "predicted_answer": ["Bath"] * 4}).to_csv(
+            tmp_path / key / "predictions.csv", index=False)
+        return key
+
+    for batch in (0, 1):
+        for method in ("snapkv", "zsmerge"):
+            write(method, 0.75, batch, 50.0)
+        write("no_press", 0.0, batch, 100.0)
+    ahead = [write("zsmerge", 0.75, 2, 0.0),  # snapkv has not run batch 2 yet
+             write("snapkv", 0.5, 0, 100.0)]  # zsmerge, run at this length and family, has not run 50% yet
+    write("no_press", 0.0, 2, 0.0)  # no other method runs at ratio 0: complete
+    assert sorted(results.incomplete_batches(results._configurations(tmp_path))) == sorted(ahead)
+    df = results.collect(tmp_path).set_index(["method", "requested_ratio"])
+    assert df.loc[("zsmerge", 0.75), ["n", "score"]].tolist() == [8, 50.0]
+    assert ("snapkv", 0.5) not in df.index
+    assert df.loc[("no_press", 0.0), ["n", "score"]].tolist() == [12, round(200 / 3, 2)]
+    results.report(tmp_path)
+    printed = capsys.readouterr().out
+    assert all(key in printed for key in ahead)
+
+
 def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_path):
     def write(name, answers):
         (tmp_path / name).mkdir()

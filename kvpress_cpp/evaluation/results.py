@@ -14,7 +14,8 @@ query-agnostic (kvpress's default: the context is compressed alone, the question
 and question-aware (``--query-aware``: kvpress's ``query_aware``, the question is part of the compressed prompt and
 the answer is generated under the press) in ``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own
 data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch before the next batch starts, so
-a run stopped early leaves every method with the same number of examples; the report pools the batches. The report
+a run stopped early leaves every method with the same number of examples; the report pools the batches every method
+has finished (a batch a stopped run left half done counts once the rest of the methods have run it). The report
 gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
 ``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
 A family run and an earlier whole-plan run in the same folder draw the same examples: for that family the report
@@ -295,11 +296,36 @@ def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
     return both.groupby("task")["rouge_l"].mean().to_dict()
 
 
+def _configurations(out: Path) -> dict[str, dict]:
+    """Config.key → the configuration's JSON, for every configuration in ``out``."""
+    return {path.stem: json.loads(path.read_text()) for path in sorted((out / "configs").glob("*.json"))}
+
+
+def incomplete_batches(configurations: dict[str, dict]) -> list[str]:
+    """The keys of family batches that not every method has finished: a run stopped mid-batch, or still running,
+    leaves some methods a batch ahead, and pooling that batch would score them on examples the others have not seen.
+    Every method means those run at any budget of the same length and family (the measured ones, at ratio 0, among
+    themselves). A method's later batches count once every method has them."""
+    batches = {}  # key → (group, batch); Config.key ends in <family><batch>
+    for key, r in configurations.items():
+        if r.get("family"):
+            group = (r["length"], r["family"], r["requested_ratio"] == 0)
+            batches[key] = group, (r["requested_ratio"], key.rsplit("__", 1)[1].removeprefix(r["family"]))
+    methods: dict[tuple, dict[tuple, set[str]]] = {}
+    for key, (group, batch) in batches.items():
+        methods.setdefault(group, {}).setdefault(batch, set()).add(configurations[key]["method"])
+    return [key for key, (group, batch) in batches.items()
+            if methods[group][batch] != set().union(*methods[group].values())]
+
+
 def collect(out: Path) -> pd.DataFrame:
     """One row per (method, ratio, length, task family): the n-weighted mean of kvpress's per-task string_match over
-    every configuration JSON (the batches of a family are pooled), its Wilson 95% interval (``lo``, ``hi``), the
-    agreement with the full cache's answers (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``)."""
-    results_ = [json.loads(path.read_text()) for path in sorted((out / "configs").glob("*.json"))]
+    every configuration JSON (the batches of a family are pooled, those every method has finished:
+    :func:`incomplete_batches`), its Wilson 95% interval (``lo``, ``hi``), the agreement with the full cache's answers
+    (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``)."""
+    configurations = _configurations(out)
+    left_out = set(incomplete_batches(configurations))
+    results_ = [r for key, r in configurations.items() if key not in left_out]
     full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
     # A family run (--families) draws its examples from the same indices as the length's whole-plan run: where both
     # exist for a (method, ratio, length, family), pooling them would count the same examples twice, so the family
@@ -602,9 +628,12 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
 
 def report(out: Path) -> str:
     """One setting's results.csv, plots and table.md (its table and standings)."""
+    if left_out := incomplete_batches(_configurations(out)):
+        print(f"{out}: left out until every method has finished its batch: {', '.join(sorted(left_out))}")
     df = collect(out)
     df.to_csv(out / "results.csv", index=False)
-    table = markdown_table(ruler_style(df)) + "\n" + standings(ruler_style(df)) + "\n" + family_table(df)
+    needles = ruler_style(df)
+    table = (markdown_table(needles) + "\n" + standings(needles) + "\n" if not needles.empty else "") + family_table(df)
     (out / "table.md").write_text(table)
     plots(df, out)
     return table
