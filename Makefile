@@ -25,10 +25,12 @@ test: build cpp-test py-test
 
 # EVAL_ARGS: e.g. --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 --lengths 4096 16384 --examples 20
 # --out results/llama (a hub model also needs `make eval HF_HUB_OFFLINE=0 ...`). One CPU thread: CPU time is what
-# the default plan is sized for.
+# the default plan is sized for. EVAL_WORKERS: processes side by side, one thread and one model each (on a CPU with
+# cores to spare, e.g. EVAL_WORKERS=$$(nproc); keep 1 for a large model on one GPU).
 EVAL_ARGS ?=
+EVAL_WORKERS ?= 1
 eval: build
-	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 $(or $(EVAL_ARGS),--readme README.md)
+	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 --workers $(EVAL_WORKERS) $(or $(EVAL_ARGS),--readme README.md)
 
 eval-report: build
 	$(PYTHON) -m kvpress_cpp.evaluation.results report $(or $(EVAL_ARGS),--readme README.md)

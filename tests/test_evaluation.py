@@ -262,6 +262,26 @@ def test_results_runner_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatc
     assert "| zsmerge (ours) | – | – |" in table
 
 
+def test_worker_processes_write_what_one_process_writes(tiny_model_dir, tmp_path):
+    """--workers 2: two processes, each with its own model, run the configurations; every JSON's scores, examples
+    and measured ratio, and every answer, are those of the same run in this process. A worker count below 1 is
+    refused by name."""
+    examples = {256: {"niah_single_1": 1, "vt": 1}}
+    configs = results.plan(["no_press", "snapkv", "zsmerge", "gvote"], [0.5], [256])
+    kwargs = dict(model=str(tiny_model_dir), device="cpu", local_data=tmp_path / "data", examples=examples)
+    outs = {workers: tmp_path / f"workers{workers}" for workers in (1, 2)}
+    for workers, out in outs.items():
+        assert len(results.run(configs, out, workers=workers, **kwargs)) == len(configs)
+    for config in configs:
+        one, two = (json.loads((out / "configs" / f"{config.key}.json").read_text()) for out in outs.values())
+        assert {k: one[k] for k in ("scores", "examples", "compression_ratio")} == \
+            {k: two[k] for k in ("scores", "examples", "compression_ratio")}
+        answers = [results._predictions(out, r)["predicted_answer"].tolist() for out, r in zip(outs.values(), (one, two))]
+        assert answers[0] == answers[1]
+    with pytest.raises(ValueError, match="results.run: workers must be at least 1, got 0"):
+        results.run(configs, tmp_path / "none", workers=0, **kwargs)
+
+
 def test_question_aware_run_puts_the_question_in_the_compressed_prompt(tiny_model_dir, tmp_path):
     """--query-aware reaches kvpress's evaluate.py (its query_aware), gets its own fingerprint (the two settings never
     share a configuration), and per-family batches are pooled in the report."""

@@ -1,8 +1,10 @@
 """The results run: methods × KV budgets × context lengths on the generated RULER-style tasks, each configuration
-one run of kvpress's evaluate.py (through :mod:`kvpress_cpp.evaluation.launch`, in this process so the model loads
-once), then a CSV, one accuracy-versus-budget plot per task family and the README's markdown table.
+one run of kvpress's evaluate.py (through :mod:`kvpress_cpp.evaluation.launch`, in this process, or in ``--workers``
+processes, so that the model loads once per process), then a CSV, one accuracy-versus-budget plot per task family
+and the README's markdown table.
 
     python -m kvpress_cpp.evaluation.results run       # resumable: finished configurations are skipped
+    python -m kvpress_cpp.evaluation.results run --threads 1 --workers 8   # 8 processes, one thread and model each
     python -m kvpress_cpp.evaluation.results report    # CSV, plots, table.md from the per-configuration JSONs
     python -m kvpress_cpp.evaluation.results run --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 \\
         --lengths 4096 16384 --examples 20 --out results/llama      # the same on a GPU
@@ -201,18 +203,72 @@ def _evaluate(evaluate, config: Config, model: str, device: str | None, run_dir:
     return made[0]
 
 
+def _run_one(evaluate, config: Config, path: Path, fingerprint: str, out: Path, data_file: Path, model: str,
+             device: str | None, seed: int, query_aware: bool) -> bool:
+    """One configuration: evaluate.py's run, then its JSON at ``path``. False (the traceback printed, no JSON
+    written, so the next run retries it) when evaluate.py failed."""
+    import torch
+
+    data = pd.read_parquet(data_file)
+    run_dir = out / "runs" / config.key
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale or interrupted run would make evaluate.py skip or nest
+    torch.manual_seed(seed)
+    cpu, wall = time.process_time(), time.perf_counter()
+    try:
+        folder = _evaluate(evaluate, config, model, device, run_dir, data, seed, query_aware)
+    except Exception:
+        traceback.print_exc()
+        return False
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    predictions = pd.read_csv(folder / "predictions.csv")
+    metrics = json.loads((folder / "metrics.json").read_text())
+    measured = (float(predictions["compression_ratio"].mean()) if "compression_ratio" in predictions
+                else config.ratio)
+    result = {
+        "method": config.method, "label": label(config.method), "requested_ratio": config.ratio,
+        "compression_ratio": round(measured, 4), "budget": round(1 - measured, 4), "length": config.length,
+        "model": model, "device": device or "auto", "query_aware": query_aware, "family": config.family,
+        "scores": {t: m["string_match"] for t, m in metrics.items()},
+        "examples": predictions["task"].value_counts().sort_index().to_dict(),
+        "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "threads": torch.get_num_threads(),
+        "fingerprint": fingerprint, "run_dir": str(folder.relative_to(out)),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+    return True
+
+
+_worker_evaluate = None  # a worker process's kvpress evaluate module (its models load once per process)
+
+
+def _start_worker(local_data: Path, model: str, threads: int) -> None:
+    import torch
+
+    global _worker_evaluate
+    torch.set_num_threads(threads)
+    _worker_evaluate, _ = launch.load_evaluation(local_data, model)
+
+
+def _run_in_worker(*args) -> bool:
+    return _run_one(_worker_evaluate, *args)
+
+
 def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, device: str | None = None,
         examples: dict[str, dict[str, int | range]] | None = None, seed: int = 42, data_seed: int = 0,
-        local_data: Path | None = None, query_aware: bool = False) -> list[Path]:
+        local_data: Path | None = None, query_aware: bool = False, workers: int = 1) -> list[Path]:
     """Run every configuration not already in ``<out>/configs`` for the same data, model and setting (query-aware or
-    not); returns the JSONs. ``examples``: data_dir (Config.data_dir) → task → count."""
+    not); returns the JSONs. ``examples``: data_dir (Config.data_dir) → task → count. ``workers`` > 1: that many
+    processes, each with its own model, take the configurations in plan order (each with the torch thread count
+    this process has), for a CPU whose cores one small model's run cannot use."""
     import torch
     from tqdm import tqdm
 
+    if workers < 1:
+        raise ValueError(f"results.run: workers must be at least 1, got {workers}")
     examples = {str(d): counts for d, counts in (examples or DEFAULT_EXAMPLES).items()}
     local_data = Path(local_data) if local_data else launch.cache_dir("evaluation-data")
     files = prepare_data(local_data, model, {d: examples[d] for d in sorted({c.data_dir for c in configs})}, data_seed)
-    evaluate, _ = launch.load_evaluation(local_data, model)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     written = []
     todo = []
@@ -222,41 +278,35 @@ def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, devic
         if path.is_file() and json.loads(path.read_text()).get("fingerprint") == fingerprint:
             written.append(path)
         else:
-            todo.append((config, path, fingerprint))
-    print(f"{len(configs) - len(todo)} of {len(configs)} configurations already done; running {len(todo)}")
-    failed = []
-    for config, path, fingerprint in tqdm(todo, desc="configurations", unit="config"):
-        data = pd.read_parquet(files[config.data_dir])
-        run_dir = out / "runs" / config.key
-        shutil.rmtree(run_dir, ignore_errors=True)  # a stale or interrupted run would make evaluate.py skip or nest
-        torch.manual_seed(seed)
-        cpu, wall = time.process_time(), time.perf_counter()
-        try:
-            folder = _evaluate(evaluate, config, model, device, run_dir, data, seed, query_aware)
-        except Exception:  # record and go on: the next run retries it (no JSON is written)
-            traceback.print_exc()
-            failed.append(config)
-            continue
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        predictions = pd.read_csv(folder / "predictions.csv")
-        metrics = json.loads((folder / "metrics.json").read_text())
-        measured = (float(predictions["compression_ratio"].mean()) if "compression_ratio" in predictions
-                    else config.ratio)
-        result = {
-            "method": config.method, "label": label(config.method), "requested_ratio": config.ratio,
-            "compression_ratio": round(measured, 4), "budget": round(1 - measured, 4), "length": config.length,
-            "model": model, "device": device or "auto", "query_aware": query_aware, "family": config.family,
-            "scores": {t: m["string_match"] for t, m in metrics.items()},
-            "examples": predictions["task"].value_counts().sort_index().to_dict(),
-            "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "threads": torch.get_num_threads(),
-            "fingerprint": fingerprint, "run_dir": str(folder.relative_to(out)),
-        }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, path)
-        written.append(path)
-    if failed:
-        print(f"{len(failed)} configurations failed (rerun to retry): {[c.key for c in failed]}")
+            todo.append((config, path, fingerprint, out, files[config.data_dir], model, device, seed, query_aware))
+    print(f"{len(configs) - len(todo)} of {len(configs)} configurations already done; running {len(todo)}"
+          + (f" in {workers} processes" if workers > 1 and todo else ""))
+    progress = tqdm(total=len(todo), desc="configurations", unit="config")
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_start_worker,
+                                 initargs=(local_data, model, torch.get_num_threads())) as pool:
+            futures = [pool.submit(_run_in_worker, *job) for job in todo]  # taken in this order
+            try:
+                for _ in as_completed(futures):
+                    progress.update()
+            except KeyboardInterrupt:  # leave the queued configurations for the next run instead of waiting on them
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            done = [future.result() for future in futures]
+    else:
+        evaluate, _ = launch.load_evaluation(local_data, model)
+        done = []
+        for job in todo:
+            done.append(_run_one(evaluate, *job))
+            progress.update()
+    progress.close()
+    written += [job[1] for job, ok in zip(todo, done) if ok]
+    if failed := [job[0].key for job, ok in zip(todo, done) if not ok]:
+        print(f"{len(failed)} configurations failed (rerun to retry): {failed}")
     return written
 
 
@@ -697,7 +747,9 @@ def main() -> None:
     parser.add_argument("--query-aware", action="store_true",
                         help="question-aware: the question is part of the compressed prompt (kvpress's query_aware); "
                              f"default --out {QUESTION_AWARE_OUT.relative_to(REPO)}")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each process)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes running configurations side by side, each loading the model once")
     parser.add_argument("--local_data", type=Path, default=None)
     parser.add_argument("--readme", type=Path, default=None,
                         help="also write the table into this README (between its evaluation-table markers)")
@@ -720,7 +772,7 @@ def main() -> None:
         else:
             examples = {str(n): DEFAULT_EXAMPLES.get(n, DEFAULT_EXAMPLES[max(DEFAULT_EXAMPLES)]) for n in args.lengths}
         run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
-            query_aware=args.query_aware)
+            query_aware=args.query_aware, workers=args.workers)
     if args.action in ("report", "all"):
         if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
             for folder, _ in SETTINGS.values():
