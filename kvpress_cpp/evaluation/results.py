@@ -298,7 +298,7 @@ def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, devic
                 raise
             done = [future.result() for future in futures]
     else:
-        evaluate, _ = launch.load_evaluation(local_data, model)
+        evaluate = launch.load_evaluation(local_data, model)[0] if todo else None
         done = []
         for job in todo:
             done.append(_run_one(evaluate, *job))
