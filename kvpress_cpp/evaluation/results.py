@@ -747,7 +747,8 @@ def main() -> None:
     parser.add_argument("--query-aware", action="store_true",
                         help="question-aware: the question is part of the compressed prompt (kvpress's query_aware); "
                              f"default --out {QUESTION_AWARE_OUT.relative_to(REPO)}")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (of each process)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads of each process (default: torch's, shared among the --workers)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes running configurations side by side, each loading the model once")
     parser.add_argument("--local_data", type=Path, default=None)
@@ -757,10 +758,13 @@ def main() -> None:
     args.out = args.out or (QUESTION_AWARE_OUT if args.query_aware else DEFAULT_OUT)
     if args.families and not args.examples:
         parser.error("--families needs --examples (examples per family)")
-    if args.threads:
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.threads or args.workers > 1:
         import torch
 
-        torch.set_num_threads(args.threads)
+        # Without --threads, the workers share the cores torch would give one process.
+        torch.set_num_threads(args.threads or max(1, torch.get_num_threads() // args.workers))
     if args.action in ("run", "all"):
         from kvpress_cpp.evaluation.ruler_data import default_tasks
 
