@@ -948,6 +948,25 @@ def test_cuda_kernel_matches_the_reference_on_random_valid_inputs(name):
     assert accepted > CUDA_VALID_CASES // 2, f"only {accepted} of {CUDA_VALID_CASES} random inputs were valid"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA"))])
+@pytest.mark.parametrize("name", sorted(name for name in FUZZ if name != "prompt_attention_with_scores"))
+def test_every_size_set_to_zero_gives_the_reference_or_the_ops_error(name, device):
+    """Each size of the op's contract set to 0 (no batch, no kv heads, no slots, ...): an input the contract accepts
+    gives the reference's (empty) outputs, one it refuses an error naming the op. In process and on CUDA too, where
+    a kernel launched over a grid of 0 blocks fails as an invalid configuration: every op must return before it."""
+    contract, fuzz = CONTRACTS[name], FUZZ[name]
+    for symbol in sorted({symbol for arg in contract.args if isinstance(arg, Tensor) for symbol in arg.symbols}):
+        r = random.Random(f"{SEED}:{name}:zero:{symbol}")
+        args = fuzz.build(r, fuzz.sizes(r, {symbol: 0}), r.choice(CACHE))
+        if _contract_rejects(contract, args) is None:
+            _assert_matches_reference(name, args, device=device)
+            continue
+        on_device = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        with pytest.raises(RuntimeError, match=contract.qualified):
+            getattr(torch.ops.kvcomp, name)(*on_device)
+
+
 def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
     monkeypatch.setenv("KVCOMP_FUZZ_CRASH_AT", "merge_count_bias:3")
     results, _ = run_fuzz(["merge_count_bias", "nucleus_budget"])

@@ -19,6 +19,7 @@
 #include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/CallOnce.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -28,7 +29,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -862,10 +862,12 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
 // fixed for the process, and every layer of a prefill would ask again).
 bool mma_code_for_current_device() {
   static const int devices = c10::cuda::device_count();
-  static std::vector<std::once_flag> asked(devices);
+  static std::vector<c10::once_flag> asked(devices);
   static std::unique_ptr<bool[]> answers(new bool[devices]());
   const c10::DeviceIndex device = c10::cuda::current_device();
-  std::call_once(asked[device], [device] {
+  TORCH_CHECK(device >= 0 && device < devices, "kvcomp: CUDA device ", static_cast<int>(device), " is not among the ",
+              devices, " devices counted at the first call");
+  c10::call_once(asked[device], [device] {
     cudaFuncAttributes attributes;
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, log_sum_exp_mma_kernel<at::BFloat16, 64>));
     answers[device] = attributes.ptxVersion >= 80;
@@ -944,6 +946,7 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
   check_cuda_limits("kvcomp::prompt_log_sum_exp", shape);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
+  if (shape.batch == 0) return lse;  // a grid of 0 blocks is an invalid launch
   const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous();
   const Layout layout = make_layout(shape, query_c, keys_c, scale);
@@ -978,6 +981,7 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
   check_cuda_limits("kvcomp::prompt_scores", shape);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
+  if (shape.batch == 0) return scores;
   const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous(), lse_c = log_sum_exp.contiguous();
   const Layout layout = make_layout(shape, query_c, keys_c, scale);
@@ -1016,6 +1020,7 @@ at::Tensor prompt_log_unnormalised_scores_cuda(const at::Tensor& query, const at
   check_cuda_limits(op, shape);
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor log_scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
+  if (shape.batch == 0) return log_scores;
   const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous();
   const Layout layout = make_layout(shape, query_c, keys_c, scale);
