@@ -443,6 +443,19 @@ def test_table_averages_the_families_the_uncompressed_model_solves():
     assert "25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in results.standings(df)  # no StreamingLLM
 
 
+def test_a_method_choosing_its_ratio_pools_its_families_into_one_cell():
+    """GVote / KVzap measure their own ratio on every run, so two families of one length have different budgets:
+    the cell pools both (n-weighted score and budget), instead of showing whichever family came first."""
+    rows = [{"method": "kvzap_mlp", "label": "kvzap_mlp", "length": 2048, "requested_ratio": 0.0,
+             "compression_ratio": 1 - budget, "budget": budget, "family": fam, "score": score, "n": n, "cpu_s": 1.0,
+             "model": "m"} for fam, budget, score, n in [("niah", 0.36, 90.0, 20), ("niah_depth", 0.40, 100.0, 5)]]
+    avg = results.pooled(pd.DataFrame(rows))
+    assert len(avg) == 1 and avg.loc[0, "n"] == 25
+    assert avg.loc[0, "score"] == pytest.approx(92.0) and avg.loc[0, "budget"] == pytest.approx(0.368)
+    lo, hi = results.wilson(92.0, 25)
+    assert results.markdown_table(pd.DataFrame(rows)).count(f"| 92 [{lo:.0f}-{hi:.0f}] at 37% KV (its choice) |") == 1
+
+
 def test_real_text_families_get_their_own_table_and_stay_out_of_the_pooled_one():
     rows = [{"method": m, "label": results.label(m), "length": 2048, "requested_ratio": q, "compression_ratio": q,
              "budget": 1 - q, "family": fam, "score": s, "n": 10, "agreement": a, "cpu_s": 1.0, "model": "m",

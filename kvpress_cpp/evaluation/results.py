@@ -430,11 +430,13 @@ def ruler_style(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def pooled(part: pd.DataFrame) -> pd.DataFrame:
-    """Per (method, ratio): the score over every example of ``part``'s families (n-weighted), its n and Wilson 95%
-    interval (lo, hi)."""
-    keys = ["method", "requested_ratio", "budget"]
-    weighted = part.assign(points=part["score"] * part["n"]).groupby(keys)[["points", "n"]].sum().reset_index()
+    """Per (method, ratio): the score over every example of ``part``'s families (n-weighted), its n, Wilson 95%
+    interval (lo, hi) and budget (n-weighted: a method that chooses its own ratio measures one per run)."""
+    keys = ["method", "requested_ratio"]
+    weighted = part.assign(points=part["score"] * part["n"], budget_n=part["budget"] * part["n"]).groupby(keys)[
+        ["points", "budget_n", "n"]].sum().reset_index()
     weighted["score"] = weighted["points"] / weighted["n"]
+    weighted["budget"] = weighted.pop("budget_n") / weighted["n"]
     bounds = [wilson(s, n) for s, n in zip(weighted["score"], weighted["n"])]
     weighted["lo"], weighted["hi"] = [b[0] for b in bounds], [b[1] for b in bounds]
     return weighted.drop(columns="points")
