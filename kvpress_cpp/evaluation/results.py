@@ -368,12 +368,12 @@ def incomplete_batches(configurations: dict[str, dict]) -> list[str]:
             if methods[group][batch] != set().union(*methods[group].values())]
 
 
-def collect(out: Path) -> pd.DataFrame:
+def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.DataFrame:
     """One row per (method, ratio, length, task family): the n-weighted mean of kvpress's per-task string_match over
     every configuration JSON (the batches of a family are pooled, those every method has finished:
     :func:`incomplete_batches`), its Wilson 95% interval (``lo``, ``hi``), the agreement with the full cache's answers
-    (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``)."""
-    configurations = _configurations(out)
+    (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``). ``configurations``: ``out``'s, already read."""
+    configurations = _configurations(out) if configurations is None else configurations
     left_out = set(incomplete_batches(configurations))
     results_ = [r for key, r in configurations.items() if key not in left_out]
     full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
@@ -680,9 +680,10 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
 
 def report(out: Path) -> str:
     """One setting's results.csv, plots and table.md (its table and standings)."""
-    if left_out := incomplete_batches(_configurations(out)):
+    configurations = _configurations(out)
+    if left_out := incomplete_batches(configurations):
         print(f"{out}: left out until every method has finished its batch: {', '.join(sorted(left_out))}")
-    df = collect(out)
+    df = collect(out, configurations)
     df.to_csv(out / "results.csv", index=False)
     needles = ruler_style(df)
     table = (markdown_table(needles) + "\n" + standings(needles) + "\n" if not needles.empty else "") + family_table(df)
