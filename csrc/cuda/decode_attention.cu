@@ -1,14 +1,24 @@
 // The split-K decode attention kernels of decode_attention.cuh (CacheView, split_decode_attention).
 //
-// Memory-bound, as FlashInfer's and FlashAttention's split-KV decode: K and V must be read once, with several loads
-// in flight per thread, and there must be enough blocks to fill the GPU even at batch 1. The T slots of each (batch,
-// kv-head) are split into chunks of C slots (kernels::launch::decode_split):
-//   attend_chunk_kernel, one block per (batch, kv-head, tile of query rows, chunk): stages where the chunk's key and
-//     value rows are in the cache (CacheView), the tile's queries (all G * q rows of the group when G * q <= 8) and
-//     the chunk's log-weights in shared memory, asks for the attended slots' value rows in L2, reads the chunk's keys
-//     once (kInFlight slots per thread group issued before the first use) to get every row's logits, writes
-//     exp(logit - chunk max) into probs, reads the chunk's values once the same way to accumulate
-//     Σ exp(logit - chunk max) v into a float32 workspace, and stores the chunk's (max, sum of exp).
+// Memory-bound, as FlashInfer's and FlashAttention's split-KV decode: K and V must be read once, with enough bytes in
+// flight on every multiprocessor, and there must be enough blocks to fill the GPU even at batch 1. The T slots of
+// each (batch, kv-head) are split into chunks (kernels::launch::decode_split); each chunk is attended by one of:
+//   attend_chunk_mma_kernel (sm_80+, float16 / bfloat16, d = 64 or 128, rows in 16-byte pieces: the usual decode),
+//     one block of 4 warps per (batch, kv-head, tile of 16 query rows, chunk of up to 2048 slots): the chunk's keys
+//     and values stream through shared memory in tiles of 64 slots by cp.async, the next tile in flight while the
+//     current one is multiplied; each warp takes 16 slots of a tile: S = Q Kᵀ on tensor cores (mma.cuh; the query
+//     rows padded to 16 with zeros), the online softmax in base 2, O += P V with P split into a high and a low
+//     half-precision part so that the weights keep ~16 bits. The warps' partials are combined at the end.
+//   attend_chunk_kernel (float32, other head dims, unaligned views), one block per (batch, kv-head, tile of query
+//     rows, chunk of up to 256 slots): stages where the chunk's key and value rows are in the cache (CacheView), the
+//     tile's queries (all G * q rows of the group when G * q <= 8) and the chunk's log-weights in shared memory, asks
+//     for the attended slots' value rows in L2, reads the chunk's keys once (kInFlight slots per thread group issued
+//     before the first use) to get every row's logits, writes exp(logit - chunk max) into probs, reads the chunk's
+//     values once the same way to accumulate Σ exp(logit - chunk max) v into a float32 workspace, and stores the
+//     chunk's (max, sum of exp).
+// Both leave the same thing per (query row, chunk): the partial output Σ exp(logit - m_c) v, the statistics (m_c, Σ
+// exp(logit - m_c)) and, where probs are wanted, exp(logit - m_c) in probs; a slot no row attends (-inf, past the
+// head's length) is never read, so whatever it holds, even NaN, it contributes nothing. Then
 //   combine_chunks_kernel, one block per (query row, piece of the slots): reduces the row's chunk statistics (CUB
 //     block reduction with the online-softmax step kernels::combine), rescales its piece of probs by
 //     f_c = exp(m_c - M) / S, and piece 0 writes out = Σ_c f_c partial_c. No atomics: the result does not depend on
@@ -22,8 +32,10 @@
 #include <cub/block/block_reduce.cuh>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/decode_attention.cuh"
+#include "cuda/mma.cuh"
 #include "kernels/attention.h"
 #include "kernels/launch.h"
 #include "kvcomp/checks.h"
@@ -326,6 +338,252 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core path (see the file comment). Shared memory, 16-bit elements first:
+//   query  [kMmaRows][kStride]                     the tile's rows, zeros past the last
+//   tiles  [2 buffers][keys, values][kMmaTile][kStride]
+//   slot   [chunk_len] int64                        each chunk slot's row in the cache (a block-table lookup where paged)
+//   bias   [chunk_len] float                        its log-weight
+// After the last tile the buffers hold the warps' partials: out [kMmaWarps][kMmaRows][d] and (max, sum)
+// [kMmaWarps][kMmaRows], in base 2.
+constexpr int kMmaThreads = 128;
+constexpr int kMmaWarps = kMmaThreads / 32;
+constexpr int kMmaRows = kernels::launch::kTensorCoreDecodeRows;  // 16 query rows: one mma row block
+constexpr int kMmaTile = kernels::launch::kTensorCoreDecodeTile;  // 64 slots per streamed tile
+constexpr int kWarpSlots = kMmaTile / kMmaWarps;                  // 16: one k-step of P V
+static_assert(kMmaRows == 16 && kWarpSlots == 16, "one mma row block of queries, one k-step of P V per warp");
+
+template <int kHeadDim>
+struct DecodeMmaTiles {
+  static constexpr int kStride = kHeadDim + 8;    // elements per shared row: 16-byte rows land on distinct banks
+  static constexpr int kPieces = kHeadDim / 8;    // 16-byte pieces per row
+  static constexpr int kSteps = kHeadDim / 16;    // k-steps of Q Kᵀ over d
+  static constexpr int kOutTiles = kHeadDim / 8;  // n-tiles of P V over d
+  static constexpr int kTileElements = kMmaTile * kStride;
+  static constexpr size_t kRowBytes = 2 * (kMmaRows + 4 * kMmaTile) * kStride;
+  static_assert(kRowBytes % 16 == 0, "the slot array after the tiles must stay aligned");
+  static_assert(sizeof(float) * kMmaWarps * kMmaRows * (kHeadDim + 2) <= 2 * 4 * kTileElements,
+                "the warps' partials must fit the tile buffers");
+  static size_t shared_bytes(int64_t chunk_len) { return kRowBytes + (sizeof(int64_t) + sizeof(float)) * chunk_len; }
+};
+
+template <typename scalar_t, int kHeadDim>
+__global__ void __launch_bounds__(kMmaThreads, 2)
+    attend_chunk_mma_kernel(const scalar_t* __restrict__ query,  // [B * H, rows, d], 16-byte aligned
+                            const CacheView<scalar_t> cache,
+                            float* __restrict__ probs,  // [B * H, rows, T]: exp(logit - chunk max) on return; or null
+                            float* __restrict__ partial_out,  // [B * H, rows, chunks, d]
+                            float2* __restrict__ partial_stats,  // [B * H, rows, chunks]: (chunk max, Σ exp)
+                            const DecodeParams p) {
+  using Tiles = DecodeMmaTiles<kHeadDim>;
+  constexpr int kStride = Tiles::kStride;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int chunk_len = static_cast<int>(p.chunk_len);
+  scalar_t* s_query = reinterpret_cast<scalar_t*>(smem);
+  scalar_t* s_tiles = s_query + kMmaRows * kStride;
+  int64_t* s_slot = reinterpret_cast<int64_t*>(smem + Tiles::kRowBytes);
+  float* s_bias = reinterpret_cast<float*>(s_slot + chunk_len);
+  __shared__ float s_row_base[kMmaRows];
+
+  const int64_t chunk = blockIdx.x % p.num_chunks;
+  const int64_t row_tile = (blockIdx.x / p.num_chunks) % p.num_tiles;
+  const int64_t pair = blockIdx.x / (p.num_chunks * p.num_tiles);
+  const int64_t batch = pair / p.kv_heads, head = pair % p.kv_heads;
+  const int64_t row0 = row_tile * kMmaRows;
+  const int tile_rows = static_cast<int>(min(static_cast<int64_t>(kMmaRows), p.rows - row0));
+  const int64_t length = cache.length(pair, p.total_len);
+  const int64_t slot_begin = chunk * chunk_len;
+  const int len = static_cast<int>(max(min(length, slot_begin + chunk_len) - slot_begin, int64_t{0}));
+  const int width = static_cast<int>(min(p.total_len, slot_begin + chunk_len) - slot_begin);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const scalar_t* key_head = cache.keys + batch * cache.key_strides[0] + head * cache.key_strides[1];
+  const scalar_t* value_head = cache.values + batch * cache.value_strides[0] + head * cache.value_strides[1];
+
+  for (int i = tid; i < len; i += kMmaThreads) {
+    const int64_t index = cache.slot_index(pair, slot_begin + i);
+    s_slot[i] = index;
+    s_bias[i] = cache.log_weights[pair * cache.log_weight_strides[0] + index * cache.log_weight_strides[1]];
+  }
+  for (int i = tid; i < kMmaRows * Tiles::kPieces; i += kMmaThreads) {
+    const int r = i / Tiles::kPieces, piece = i % Tiles::kPieces;
+    const bool valid = r < tile_rows;
+    mma::copy_async<16>(s_query + r * kStride + piece * 8,
+                        query + (valid ? (pair * p.rows + row0 + r) * kHeadDim + piece * 8 : 0), valid);
+  }
+  __syncthreads();  // the slots and log-weights, which the tile copies read
+
+  // Tile `tile` of the chunk into buffer tile % 2; a slot no row attends is filled with zeros, not read.
+  const int tiles = (len + kMmaTile - 1) / kMmaTile;
+  auto copy_tile = [&](int tile) {
+    scalar_t* keys = s_tiles + (tile % 2) * 2 * Tiles::kTileElements;
+    auto copy_rows = [&](const scalar_t* head_rows, int64_t slot_stride, scalar_t* rows) {
+      for (int i = tid; i < kMmaTile * Tiles::kPieces; i += kMmaThreads) {
+        const int r = i / Tiles::kPieces, piece = i % Tiles::kPieces, local = tile * kMmaTile + r;
+        const bool valid = local < len && s_bias[local] != -INFINITY;
+        mma::copy_async<16>(rows + r * kStride + piece * 8,
+                            valid ? head_rows + s_slot[local] * slot_stride + piece * 8 : head_rows, valid);
+      }
+    };
+    copy_rows(key_head, cache.key_strides[2], keys);
+    copy_rows(value_head, cache.value_strides[2], keys + Tiles::kTileElements);
+    mma::commit_copies();
+  };
+  if (tiles > 0) copy_tile(0);
+  mma::commit_copies();
+  mma::wait_copies();
+  __syncthreads();
+
+  // The A fragments of the 16 query rows over all of d (every warp holds them all: the warps split the slots).
+  uint32_t q_frag[Tiles::kSteps][4];
+  {
+    const scalar_t* row = s_query + (lane % 16) * kStride + (lane / 16) * 8;
+#pragma unroll
+    for (int step = 0; step < Tiles::kSteps; ++step) mma::load_blocks_x4(row + step * 16, q_frag[step]);
+  }
+  // This lane's rows of the tile are lane / 4 (h = 0) and lane / 4 + 8 (h = 1); its slots of a warp's 16 are
+  // 8 (k / 2) + 2 (lane % 4) + k % 2 for k < 4 (accumulator element [k / 2][2 h + k % 2]). Each row's causal limit,
+  // relative to the chunk (0 for the padding rows).
+  int limit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = lane / 4 + 8 * h;
+    const int64_t count = kernels::causal_slot_count((row0 + r) % p.num_queries, p.num_queries, length) - slot_begin;
+    limit[h] = r < tile_rows ? static_cast<int>(min(max(count, int64_t{0}), static_cast<int64_t>(len))) : 0;
+  }
+  float* probs_rows = probs ? probs + (pair * p.rows + row0) * p.total_len + slot_begin : nullptr;
+  const float scale = p.scale * mma::kLog2e;
+  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
+  float out[Tiles::kOutTiles][4];
+#pragma unroll
+  for (int n = 0; n < Tiles::kOutTiles; ++n) out[n][0] = out[n][1] = out[n][2] = out[n][3] = 0.0f;
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::wait_copies();
+    __syncthreads();  // tile `tile` is in, and no warp still reads the buffer the next one goes to
+    if (tile + 1 < tiles) copy_tile(tile + 1);
+    const scalar_t* keys = s_tiles + (tile % 2) * 2 * Tiles::kTileElements + warp * kWarpSlots * kStride;
+    const scalar_t* values = keys + Tiles::kTileElements;
+
+    // S = Q Kᵀ over this warp's 16 slots: ldmatrix blocks of slots 0-7 at d 0-7 and 8-15 (b0, b1 of n-tile 0),
+    // then slots 8-15 (n-tile 1).
+    float logits[2][4] = {};
+    const scalar_t* key_row = keys + ((lane % 8) + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+#pragma unroll
+    for (int step = 0; step < Tiles::kSteps; ++step) {
+      uint32_t b[4];
+      mma::load_blocks_x4(key_row + step * 16, b);
+      mma::multiply_add<scalar_t>(logits[0], q_frag[step], b[0], b[1]);
+      mma::multiply_add<scalar_t>(logits[1], q_frag[step], b[2], b[3]);
+    }
+
+    // Logits in base 2 with the log-weight, -inf where the row does not attend the slot; the raw values go to
+    // probs (normalised after the last tile), then the online softmax step of each row over the quad of lanes.
+    const int first = tile * kMmaTile + warp * kWarpSlots;
+    float x[2][4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int c = first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+      const float bias = c < len ? s_bias[c] : -INFINITY;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        x[h][k] = c < limit[h] && bias != -INFINITY ? fmaf(logits[k / 2][2 * h + k % 2], scale, bias * mma::kLog2e)
+                                                    : -INFINITY;
+        if (probs_rows && lane / 4 + 8 * h < tile_rows && c < len) {
+          probs_rows[(lane / 4 + 8 * h) * p.total_len + c] = x[h][k];
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tile_max = fmaxf(fmaxf(x[h][0], x[h][1]), fmaxf(x[h][2], x[h][3]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(running_max[h], tile_max), base = mma::exp2_base(new_max);
+      const float correction = mma::exp2_fast(running_max[h] - base);
+      running_max[h] = new_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        x[h][k] = mma::exp2_fast(x[h][k] - base);
+        sum += x[h][k];
+      }
+      running_sum[h] = fmaf(running_sum[h], correction, sum);
+#pragma unroll
+      for (int n = 0; n < Tiles::kOutTiles; ++n) {
+        out[n][2 * h] *= correction;
+        out[n][2 * h + 1] *= correction;
+      }
+    }
+
+    // O += P V. P's A fragment (16 rows x 16 slots) is the logits' accumulator layout: a[0] rows lane / 4 at slots
+    // 2 (lane % 4) + {0, 1}, a[1] the rows 8 down, a[2], a[3] the same 8 slots right. V's B fragments by transposed
+    // ldmatrix: slots 0-7 and 8-15 at d 0-7 (b0, b1 of n-tile 2 pair), then at d 8-15 (n-tile 2 pair + 1).
+    uint32_t p_high[4], p_low[4];
+    mma::split_pair<scalar_t>(x[0][0], x[0][1], p_high[0], p_low[0]);
+    mma::split_pair<scalar_t>(x[1][0], x[1][1], p_high[1], p_low[1]);
+    mma::split_pair<scalar_t>(x[0][2], x[0][3], p_high[2], p_low[2]);
+    mma::split_pair<scalar_t>(x[1][2], x[1][3], p_high[3], p_low[3]);
+    const scalar_t* value_row = values + ((lane % 8) + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
+#pragma unroll
+    for (int pair_of_tiles = 0; pair_of_tiles < Tiles::kOutTiles / 2; ++pair_of_tiles) {
+      uint32_t b[4];
+      mma::load_blocks_x4_transposed(value_row + pair_of_tiles * 16, b);
+      mma::multiply_add<scalar_t>(out[2 * pair_of_tiles], p_high, b[0], b[1]);
+      mma::multiply_add<scalar_t>(out[2 * pair_of_tiles], p_low, b[0], b[1]);
+      mma::multiply_add<scalar_t>(out[2 * pair_of_tiles + 1], p_high, b[2], b[3]);
+      mma::multiply_add<scalar_t>(out[2 * pair_of_tiles + 1], p_low, b[2], b[3]);
+    }
+  }
+  __syncthreads();  // every warp is done with the tile buffers, which now take the partials
+
+  // The warps' partials, then per row of the tile the chunk's: max M over the warps, out = Σ_w 2^(m_w - M) out_w and
+  // sum = Σ_w 2^(m_w - M) sum_w. A warp that attended nothing of the row (sum 0) is skipped: its out is 0 but for
+  // the 0 · NaN of a value that only other rows attend. A NaN sum is kept, and reaches the row.
+  float* s_out = reinterpret_cast<float*>(s_tiles);
+  float2* s_stats = reinterpret_cast<float2*>(s_out + kMmaWarps * kMmaRows * kHeadDim);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = lane / 4 + 8 * h;
+    const float sum = mma::quad_sum(running_sum[h]);
+    if (lane % 4 == 0) s_stats[warp * kMmaRows + r] = make_float2(running_max[h], sum);
+#pragma unroll
+    for (int n = 0; n < Tiles::kOutTiles; ++n) {
+      float* destination = s_out + (warp * kMmaRows + r) * kHeadDim + n * 8 + 2 * (lane % 4);
+      destination[0] = out[n][2 * h];
+      destination[1] = out[n][2 * h + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < tile_rows * kHeadDim; i += kMmaThreads) {
+    const int r = i / kHeadDim, e = i % kHeadDim;
+    float max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) max = fmaxf(max, s_stats[w * kMmaRows + r].x);
+    const float base = mma::exp2_base(max);
+    float total = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float2 stats = s_stats[w * kMmaRows + r];
+      if (stats.y == 0.0f) continue;
+      const float factor = mma::exp2_fast(stats.x - base);
+      total = fmaf(factor, s_out[(w * kMmaRows + r) * kHeadDim + e], total);
+      sum = fmaf(factor, stats.y, sum);
+    }
+    const int64_t row = pair * p.rows + row0 + r;
+    partial_out[(row * p.num_chunks + chunk) * kHeadDim + e] = total;
+    if (e == 0) {
+      partial_stats[row * p.num_chunks + chunk] = make_float2(max * mma::kLn2, sum);
+      s_row_base[r] = base;
+    }
+  }
+  if (probs_rows == nullptr) return;
+  __syncthreads();  // the rows' shifts, and the raw logits every warp wrote
+  for (int r = 0; r < tile_rows; ++r) {
+    float* row = probs_rows + r * p.total_len;
+    for (int c = tid; c < width; c += kMmaThreads) row[c] = c < len ? mma::exp2_fast(row[c] - s_row_base[r]) : 0.0f;
+  }
+}
+
 struct CombinePartials {
   __device__ kernels::SoftmaxPartial operator()(const kernels::SoftmaxPartial& a,
                                                 const kernels::SoftmaxPartial& b) const {
@@ -424,6 +682,33 @@ void launch_attend_chunk_rows(const char* op, int rows_per_tile, const DecodePar
   }
 }
 
+template <typename scalar_t, int kHeadDim>
+void launch_attend_chunk_mma(const char* op, const DecodeParams& params, int64_t pairs, const scalar_t* query,
+                             const CacheView<scalar_t>& cache, float* probs, float* partial_out, float2* partial_stats,
+                             cudaStream_t stream) {
+  const auto kernel = attend_chunk_mma_kernel<scalar_t, kHeadDim>;
+  const size_t smem = DecodeMmaTiles<kHeadDim>::shared_bytes(params.chunk_len);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t blocks = pairs * params.num_tiles * params.num_chunks;
+  TORCH_CHECK(blocks <= kernels::launch::kMaxGridX, op, ": expected at most ", kernels::launch::kMaxGridX,
+              " blocks (B * H * tiles of 16 query rows * chunks), got ", blocks);
+  kernel<<<static_cast<unsigned>(blocks), kMmaThreads, smem, stream>>>(query, cache, probs, partial_out,
+                                                                       partial_stats, params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Whether a call takes the tensor-core path: half precision, d = 64 or 128, the query and the cache's rows in 16-byte
+// pieces, and this build's kernels holding sm_80+ code for the device.
+template <typename scalar_t>
+bool tensor_core_path(int64_t head_dim, const scalar_t* query, bool cache_in_pieces) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return false;
+  } else {
+    return (head_dim == 64 || head_dim == 128) && cache_in_pieces && reinterpret_cast<uintptr_t>(query) % 16 == 0 &&
+           mma::code_for_current_device();
+  }
+}
+
 }  // namespace
 
 template <typename scalar_t>
@@ -432,29 +717,41 @@ void split_decode_attention(const char* op, DecodeParams params, int64_t pairs, 
                             const at::TensorOptions& float_options) {
   namespace launch = kernels::launch;
   const int64_t rows = params.rows, d = params.head_dim;
+  TORCH_CHECK(pairs * rows <= launch::kMaxGridX, op, ": expected at most ", launch::kMaxGridX,
+              " query rows (B * Hq * q), got ", pairs * rows);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const launch::DecodeSplit split = launch::decode_split(pairs, rows, d, params.total_len, sms);
+  constexpr int kWideVec = 16 / sizeof(scalar_t);  // one 16-byte load
+  const bool wide = launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(cache.keys), sizeof(scalar_t), d,
+                                                   cache.key_strides) &&
+                    launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(cache.values), sizeof(scalar_t), d,
+                                                   cache.value_strides);
+  const bool tensor_cores = tensor_core_path(d, query, wide);
+  const launch::DecodeSplit split =
+      tensor_cores ? launch::tensor_core_decode_split(pairs, rows, d, params.total_len, sms)
+                   : launch::decode_split(pairs, rows, d, params.total_len, sms);
   params.num_tiles = split.num_tiles;
   params.chunk_len = split.chunk_len;
   params.num_chunks = split.num_chunks;
-  TORCH_CHECK(pairs * rows <= launch::kMaxGridX, op, ": expected at most ", launch::kMaxGridX,
-              " query rows (B * Hq * q), got ", pairs * rows);
   at::Tensor partial_out = at::empty({pairs * rows, params.num_chunks, d}, float_options);
   at::Tensor partial_stats = at::empty({pairs * rows, params.num_chunks, 2}, float_options);
   float* partial_ptr = partial_out.mutable_data_ptr<float>();
   auto* stats_ptr = reinterpret_cast<float2*>(partial_stats.mutable_data_ptr<float>());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  constexpr int kWideVec = 16 / sizeof(scalar_t);  // one 16-byte load
-  const bool wide = launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(cache.keys), sizeof(scalar_t), d,
-                                                   cache.key_strides) &&
-                    launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(cache.values), sizeof(scalar_t), d,
-                                                   cache.value_strides);
-  params.lanes = launch::decode_lanes(d, wide ? kWideVec : 1);
-  if (wide) {
+  if (tensor_cores) {
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      if (d == 64) {
+        launch_attend_chunk_mma<scalar_t, 64>(op, params, pairs, query, cache, probs, partial_ptr, stats_ptr, stream);
+      } else {
+        launch_attend_chunk_mma<scalar_t, 128>(op, params, pairs, query, cache, probs, partial_ptr, stats_ptr, stream);
+      }
+    }
+  } else if (wide) {
+    params.lanes = launch::decode_lanes(d, kWideVec);
     launch_attend_chunk_rows<scalar_t, kWideVec>(op, split.rows_per_tile, params, pairs, query, cache, probs,
                                                  partial_ptr, stats_ptr, stream);
   } else {  // odd head dims or unaligned views: one element per load
+    params.lanes = launch::decode_lanes(d, 1);
     launch_attend_chunk_rows<scalar_t, 1>(op, split.rows_per_tile, params, pairs, query, cache, probs, partial_ptr,
                                           stats_ptr, stream);
   }

@@ -11,6 +11,8 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -70,6 +72,38 @@ __device__ inline void load_blocks_x4(const void* row, uint32_t (&r)[4]) {
 #endif
 }
 
+// As load_blocks_x4, each block transposed: lane l receives the elements (rows 2 (l % 4) + {0, 1}, column l / 4) of
+// block m in r[m]. From a matrix stored row-major as [k][n] (values one slot per row, d contiguous), the B fragments:
+// blocks of rows k .. k + 7 and k + 8 .. k + 15 at the same 8 columns give b0 and b1.
+__device__ inline void load_blocks_x4_transposed(const void* row, uint32_t (&r)[4]) {
+#ifdef KVCOMP_MMA_UNSUPPORTED_ARCH
+  __trap();
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+#endif
+}
+
+// (a, b) as one A-fragment register of scalar_t (a in the low half, as the fragment's lower column) split in two:
+// high = (a, b) rounded, low = what rounding lost, rounded again. high + low carries about twice the dtype's
+// significand bits (16 for bfloat16), so an mma with each keeps float32 operands (softmax weights) close to exact.
+template <typename scalar_t>
+__device__ inline void split_pair(float a, float b, uint32_t& high, uint32_t& low) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const __nv_bfloat162 rounded = __floats2bfloat162_rn(a, b);
+    const __nv_bfloat162 rest = __floats2bfloat162_rn(a - __low2float(rounded), b - __high2float(rounded));
+    high = *reinterpret_cast<const uint32_t*>(&rounded);
+    low = *reinterpret_cast<const uint32_t*>(&rest);
+  } else {
+    static_assert(std::is_same_v<scalar_t, at::Half>, "mma::split_pair takes float16 or bfloat16");
+    const __half2 rounded = __floats2half2_rn(a, b);
+    const __half2 rest = __floats2half2_rn(a - __low2float(rounded), b - __high2float(rounded));
+    high = *reinterpret_cast<const uint32_t*>(&rounded);
+    low = *reinterpret_cast<const uint32_t*>(&rest);
+  }
+}
+
 // c += A · B for one 16 x 8 x 16 step (layouts above); scalar_t is at::Half or at::BFloat16.
 template <typename scalar_t>
 __device__ inline void multiply_add(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -99,6 +133,24 @@ __device__ inline float exp2_fast(float x) {
   return y;
 }
 
+// Softmax in base 2 (logits pre-scaled by log2 e, one ex2 per probability): the shift of a set whose max is `max`,
+// 0 for an all -inf set (ex2(-inf - -inf) would be NaN).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+__device__ inline float exp2_base(float max) { return max == -INFINITY ? 0.0f : max; }
+
+// The sum over the four lanes that hold one row of an accumulator (C layout above), added in a fixed order; every
+// lane gets it.
+__device__ inline float quad_sum(float value) {
+  value += __shfl_xor_sync(0xffffffffu, value, 1);
+  return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
 #undef KVCOMP_MMA_UNSUPPORTED_ARCH
+
+// Whether the code this build's kernels run on the current device is sm_80+, so that the helpers above do not trap
+// (a build for an older architecture, JIT-compiled from its PTX, would). Asked once per device (mma.cu): the answer
+// is fixed for the process, and every layer of a prefill or a decoding step would ask again.
+bool code_for_current_device();
 
 }  // namespace kvcomp::mma

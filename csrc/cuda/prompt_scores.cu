@@ -19,7 +19,6 @@
 #include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/util/CallOnce.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -28,9 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "kernels/launch.h"
 #include "kernels/prompt_scores.h"
@@ -429,8 +426,10 @@ constexpr int kStreamBuffers = 2;
 constexpr int kWarpRows = 32;                        // fixed rows per warp: two 16-row mma blocks
 constexpr int kFixedRows = kWarpRows * kThreads / 32;  // fixed rows per block
 constexpr int kHalf = kTile / 2;                     // streamed rows multiplied at once
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using mma::exp2_base;
+using mma::kLn2;
+using mma::kLog2e;
+using mma::quad_sum;
 constexpr int kNoSlot = 0x7fffffff;  // the causal limit of a slot no row sees (-inf log-weight, past T)
 
 template <int kHeadDim>
@@ -526,12 +525,6 @@ __device__ inline int fixed_row(int block, int h) {
 }
 __device__ inline int streamed_column(int n, int e) { return n * 8 + (threadIdx.x % 4) * 2 + e; }
 
-// The sum over the four lanes that hold one fixed row's columns, added in a fixed order; every lane gets it.
-__device__ inline float quad_sum(float value) {
-  value += __shfl_xor_sync(0xffffffffu, value, 1);
-  return value + __shfl_xor_sync(0xffffffffu, value, 2);
-}
-
 // accumulate(std::true_type) where the causal limit (or a -inf slot) cuts into the tile, else the unmasked variant.
 template <typename Accumulate>
 __device__ inline void with_mask_if(bool masked, Accumulate accumulate) {
@@ -543,8 +536,6 @@ __device__ inline void with_mask_if(bool masked, Accumulate accumulate) {
 }
 
 // Online softmax statistics in base 2: the running max m (of logits · log2 e) and Σ 2^(x - m).
-__device__ inline float exp2_base(float max) { return max == -INFINITY ? 0.0f : max; }
-
 __device__ inline kernels::SoftmaxPartial combine_base2(kernels::SoftmaxPartial a, kernels::SoftmaxPartial b) {
   const float base = exp2_base(fmaxf(a.max, b.max));
   return {fmaxf(a.max, b.max), a.sum * mma::exp2_fast(a.max - base) + b.sum * mma::exp2_fast(b.max - base)};
@@ -858,33 +849,16 @@ __global__ void __launch_bounds__(kThreads) scores_mma_kernel(Layout layout,
   }
 }
 
-// Whether the code this build's kernels run on the current device is sm_80+ (asked once per device: the answer is
-// fixed for the process, and every layer of a prefill would ask again).
-bool mma_code_for_current_device() {
-  static const int devices = c10::cuda::device_count();
-  static std::vector<c10::once_flag> asked(devices);
-  static std::unique_ptr<bool[]> answers(new bool[devices]());
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  TORCH_CHECK(device >= 0 && device < devices, "kvcomp: CUDA device ", static_cast<int>(device), " is not among the ",
-              devices, " devices counted at the first call");
-  c10::call_once(asked[device], [device] {
-    cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, log_sum_exp_mma_kernel<at::BFloat16, 64>));
-    answers[device] = attributes.ptxVersion >= 80;
-  });
-  return answers[device];
-}
-
 // Whether a call takes the tensor-core path: half precision at d = 64 or 128 in 16-byte rows, rows and slots (plus a
 // block's reach past T) indexed in 32 bits, and this build's kernels holding sm_80+ code for the device (a build for
-// an older architecture, JIT-compiled here from its PTX, would reach the __trap of mma.cuh).
+// an older architecture would reach the __trap of mma.cuh).
 bool tensor_core_path(const PromptScoresShape& shape, const Layout& layout, at::ScalarType dtype) {
   if (!(dtype == at::kHalf || dtype == at::kBFloat16) || !(shape.head_dim == 64 || shape.head_dim == 128) ||
       !layout.query_in_pieces || !layout.keys_in_pieces || shape.total_len > kNoSlot - kFixedRows ||
       shape.group_size * shape.num_queries > kNoSlot - kFixedRows) {
     return false;
   }
-  return mma_code_for_current_device();
+  return mma::code_for_current_device();
 }
 
 Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, const at::Tensor& keys, double scale) {

@@ -83,6 +83,19 @@ inline DecodeSplit decode_split(int64_t pairs, int64_t rows, int64_t head_dim, i
   return split;
 }
 
+// The tensor-core decode kernel (decode_attention.cu): blocks of kTensorCoreDecodeRows query rows (one mma row block,
+// padded with zeros) streaming a chunk in tiles of kTensorCoreDecodeTile slots. Chunks are whole tiles, as long as
+// 2048 slots (the pipeline's fill and the warps' final combine are paid once per chunk), halved down to 256 while
+// the grid would not give every multiprocessor two blocks.
+constexpr int kTensorCoreDecodeRows = 16;
+constexpr int kTensorCoreDecodeTile = 64;
+
+inline DecodeSplit tensor_core_decode_split(int64_t pairs, int64_t rows, int64_t head_dim, int64_t total_len,
+                                            int64_t sms) {
+  return decode_split(pairs, rows, head_dim, total_len, sms, kTensorCoreDecodeRows, kTensorCoreDecodeRows * head_dim,
+                      /*max_chunk=*/2048, /*min_chunk=*/256);
+}
+
 // Threads that share one slot: enough for the head dim at `vec` elements per load, a power of two <= 32.
 inline int decode_lanes(int64_t head_dim, int vec) {
   return std::min(32, next_power_of_two(ceil_div(head_dim, vec)));

@@ -145,6 +145,34 @@ TEST(DecodeSplit, TilesOfQueryRows) {
   }
 }
 
+// The tensor-core kernel: one block per 16 query rows and chunk; its chunks are whole 64-slot tiles.
+TEST(TensorCoreDecodeSplit, TargetShapeLongChunksThatStillFillTheDevice) {
+  // B = 8, 8 kv heads, G = 4, T = 16k: 64 pairs x 8 chunks of 2048 = 512 blocks, two per SM of 132 about twice over.
+  const launch::DecodeSplit split = launch::tensor_core_decode_split(64, 4, 128, 16384, 132);
+  EXPECT_EQ(split.rows_per_tile, 4);
+  EXPECT_EQ(split.num_tiles, 1);
+  EXPECT_EQ(split.chunk_len, 2048);
+  EXPECT_EQ(split.num_chunks, 8);
+  // Batch 1 at 16k: 8 pairs -> chunks halved to 256 (8 x 64 = 512 blocks >= 2 x 132); never below 256 slots.
+  EXPECT_EQ(launch::tensor_core_decode_split(8, 4, 128, 16384, 132).chunk_len, 256);
+  EXPECT_EQ(launch::tensor_core_decode_split(1, 1, 128, 100, 132).chunk_len, 256);
+  EXPECT_EQ(launch::tensor_core_decode_split(1, 1, 128, 100, 132).num_chunks, 1);
+}
+
+TEST(TensorCoreDecodeSplit, TilesOfSixteenRowsAndWholeSlotTiles) {
+  for (const int64_t rows : {1, 4, 8, 15, 16, 17, 24, 400}) {
+    for (const int64_t total_len : {1, 63, 64, 300, 4100, 65536}) {
+      const launch::DecodeSplit s = launch::tensor_core_decode_split(3, rows, 64, total_len, 132);
+      // The kernel starts tile t at row 16 t: tiles of fewer rows only where one tile holds them all.
+      EXPECT_TRUE(s.rows_per_tile == launch::kTensorCoreDecodeRows || s.num_tiles == 1) << rows;
+      EXPECT_GE(s.num_tiles * launch::kTensorCoreDecodeRows, rows);
+      EXPECT_EQ(s.chunk_len % launch::kTensorCoreDecodeTile, 0) << total_len;
+      EXPECT_GE(s.num_chunks * s.chunk_len, total_len);
+      EXPECT_LT((s.num_chunks - 1) * s.chunk_len, total_len);
+    }
+  }
+}
+
 TEST(DecodeLanes, OneSixteenByteLoadPerLaneForUsualHeadDims) {
   EXPECT_EQ(launch::decode_lanes(128, 8), 16);  // bf16 / fp16, d = 128: 16 lanes x 8 elements
   EXPECT_EQ(launch::decode_lanes(128, 4), 32);  // float32
