@@ -63,14 +63,16 @@ def test_decode_attention_matches_reference(device, dtype, query_heads, kv_heads
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_slot_chunks_and_row_tiles(device, dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_many_slot_chunks_and_row_tiles(device, dtype, head_dim):
     """B * H = 1 with T = 4100: the CPU splits the slots over threads (4 here), CUDA over many chunks; G * q = 24
-    query rows take 3 tiles of 8 on CUDA."""
+    query rows take 3 tiles of 8 on CUDA in float32, 2 tiles of 16 on the tensor-core path (half precision: chunks
+    of several 64-slot tiles, the last one partial)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        inputs = make_inputs(1, 8, 1, 3, 4100, 64, dtype, device, seed=1, evicted=0.3)
+        inputs = make_inputs(1, 8, 1, 3, 4100, head_dim, dtype, device, seed=1, evicted=0.3)
         check_against_reference(*inputs, 0.125)
     finally:
         torch.set_num_threads(previous)

@@ -104,8 +104,9 @@ def test_equals_decode_attention_on_the_same_slots(device, num_queries):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_without_probs(device):
-    inputs = make_paged([[20, 33]], 4, 2, 16, 16, device=device)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])  # CUDA: both kernels
+def test_without_probs(device, dtype, head_dim):
+    inputs = make_paged([[20, 33]], 4, 2, head_dim, 16, dtype, device)
     out, probs = ops.paged_decode_attention(*inputs, 0.25, return_probs=False)
     expected, _ = ops.paged_decode_attention(*inputs, 0.25)
     assert probs.shape == (1, 4, 2, 0)
