@@ -18,7 +18,10 @@
 //     chunk's (max, sum of exp).
 // Both leave the same thing per (query row, chunk): the partial output Σ exp(logit - m_c) v, the statistics (m_c, Σ
 // exp(logit - m_c)) and, where probs are wanted, exp(logit - m_c) in probs; a slot no row attends (-inf, past the
-// head's length) is never read, so whatever it holds, even NaN, it contributes nothing. Then
+// head's length) is never read, so whatever it holds, even NaN, it contributes nothing. (One difference: with q > 1,
+// a NaN or infinite value in one of a head's last q - 1 slots reaches, on the tensor-core path, the earlier queries'
+// rows too, which the causal mask gives weight 0 there: mma multiplies 0 by it, as the float64 reference's P V does.
+// attend_chunk_kernel skips zero weights.) Then
 //   combine_chunks_kernel, one block per (query row, piece of the slots): reduces the row's chunk statistics (CUB
 //     block reduction with the online-softmax step kernels::combine), rescales its piece of probs by
 //     f_c = exp(m_c - M) / S, and piece 0 writes out = Σ_c f_c partial_c. No atomics: the result does not depend on
@@ -537,8 +540,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   __syncthreads();  // every warp is done with the tile buffers, which now take the partials
 
   // The warps' partials, then per row of the tile the chunk's: max M over the warps, out = Σ_w 2^(m_w - M) out_w and
-  // sum = Σ_w 2^(m_w - M) sum_w. A warp that attended nothing of the row (sum 0) is skipped: its out is 0 but for
-  // the 0 · NaN of a value that only other rows attend. A NaN sum is kept, and reaches the row.
+  // sum = Σ_w 2^(m_w - M) sum_w. A warp that attended nothing of the row (sum 0) is skipped, so that its slots'
+  // non-finite values, which only other rows attend, do not reach the row through 0 · NaN; a NaN sum is kept.
   float* s_out = reinterpret_cast<float*>(s_tiles);
   float2* s_stats = reinterpret_cast<float2*>(s_out + kMmaWarps * kMmaRows * kHeadDim);
 #pragma unroll
@@ -688,6 +691,10 @@ void launch_attend_chunk_mma(const char* op, const DecodeParams& params, int64_t
                              cudaStream_t stream) {
   const auto kernel = attend_chunk_mma_kernel<scalar_t, kHeadDim>;
   const size_t smem = DecodeMmaTiles<kHeadDim>::shared_bytes(params.chunk_len);
+  int optin = 0;  // 99 KiB and more on every sm_80+ part: the largest chunk (98.6 KB at d = 128) fits
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
+  TORCH_CHECK(smem <= static_cast<size_t>(optin), op, ": the tensor-core kernel needs ", smem,
+              " bytes of shared memory per block, the device allows ", optin);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = pairs * params.num_tiles * params.num_chunks;
   TORCH_CHECK(blocks <= kernels::launch::kMaxGridX, op, ": expected at most ", kernels::launch::kMaxGridX,
