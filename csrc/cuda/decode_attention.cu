@@ -84,6 +84,34 @@ constexpr int in_flight() {
   return 40 + kRows * kVec + 4 * kVec <= 65536 / (kDecodeThreads * min_blocks<kRows, kVec>()) ? 4 : 2;
 }
 
+// The (batch, kv head) pair, tile of query rows and chunk of slots that block blockIdx.x of either attend kernel
+// covers: blocks run chunk-major within a tile, tile-major within a pair.
+struct ChunkBlock {
+  int64_t chunk, pair, batch, head;
+  int64_t row0;       // the tile's first query row
+  int64_t length;     // the head's slots (a paged cache's heads differ)
+  int64_t slot_begin; // the chunk's first slot
+  int64_t len;        // this head's slots of the chunk
+  int64_t width;      // the chunk's columns of probs
+  int tile_rows;      // query rows of the tile (fewer in the last)
+};
+
+template <typename scalar_t>
+__device__ ChunkBlock chunk_block(const DecodeParams& p, const CacheView<scalar_t>& cache, int rows_per_tile) {
+  ChunkBlock block;
+  block.chunk = blockIdx.x % p.num_chunks;
+  block.pair = blockIdx.x / (p.num_chunks * p.num_tiles);
+  block.batch = block.pair / p.kv_heads;
+  block.head = block.pair % p.kv_heads;
+  block.row0 = (blockIdx.x / p.num_chunks) % p.num_tiles * rows_per_tile;
+  block.tile_rows = static_cast<int>(min(static_cast<int64_t>(rows_per_tile), p.rows - block.row0));
+  block.length = cache.length(block.pair, p.total_len);
+  block.slot_begin = block.chunk * p.chunk_len;
+  block.len = max(min(block.length, block.slot_begin + p.chunk_len) - block.slot_begin, int64_t{0});
+  block.width = min(p.total_len, block.slot_begin + p.chunk_len) - block.slot_begin;
+  return block;
+}
+
 // One block per (batch, kv-head, row tile, chunk): see the file comment. Shared memory:
 //   s_key_offset, s_value_offset [C]  int64: where each slot's key and value rows start, from the head's first
 //   s_query  [kRows, d]       tile queries times the scale, float
@@ -108,16 +136,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   float* s_bias = s_probs + kRows * C;
   float* s_reduce = s_bias + C;
 
-  const int64_t chunk = blockIdx.x % p.num_chunks;
-  const int64_t tile = (blockIdx.x / p.num_chunks) % p.num_tiles;
-  const int64_t pair = blockIdx.x / (p.num_chunks * p.num_tiles);
-  const int64_t batch = pair / p.kv_heads, head = pair % p.kv_heads;
-  const int64_t row0 = tile * kRows;
-  const int tile_rows = static_cast<int>(min(static_cast<int64_t>(kRows), p.rows - row0));
-  const int64_t length = cache.length(pair, p.total_len);
-  const int64_t slot_begin = chunk * C;
-  const int64_t len = max(min(length, slot_begin + C) - slot_begin, int64_t{0});  // this head's slots of the chunk
-  const int64_t width = min(p.total_len, slot_begin + C) - slot_begin;          // the chunk's columns of probs
+  const ChunkBlock b = chunk_block(p, cache, kRows);
 
   const int tid = threadIdx.x;
   const int lane = tid % p.lanes;   // which kVec-wide pieces of d this thread reads
@@ -125,24 +144,24 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   const int groups = kDecodeThreads / p.lanes;
   const int64_t lane_stride = static_cast<int64_t>(p.lanes) * kVec;
 
-  const scalar_t* __restrict__ key_head = cache.keys + batch * cache.key_strides[0] + head * cache.key_strides[1];
+  const scalar_t* __restrict__ key_head = cache.keys + b.batch * cache.key_strides[0] + b.head * cache.key_strides[1];
   const scalar_t* __restrict__ value_head =
-      cache.values + batch * cache.value_strides[0] + head * cache.value_strides[1];
+      cache.values + b.batch * cache.value_strides[0] + b.head * cache.value_strides[1];
 
   __shared__ int64_t s_count[kRows];  // causal limit of each row of the tile
-  for (int64_t i = tid; i < tile_rows * d; i += kDecodeThreads) {
-    s_query[i] = static_cast<float>(query[(pair * p.rows + row0) * d + i]) * p.scale;
+  for (int64_t i = tid; i < b.tile_rows * d; i += kDecodeThreads) {
+    s_query[i] = static_cast<float>(query[(b.pair * p.rows + b.row0) * d + i]) * p.scale;
   }
   // Each slot's rows in the cache (a block-table lookup where paged) and its log-weight, resolved once into shared
   // memory: every lane of a group uses them, in each of the steps below.
-  for (int64_t i = tid; i < len; i += kDecodeThreads) {
-    const int64_t index = cache.slot_index(pair, slot_begin + i);
+  for (int64_t i = tid; i < b.len; i += kDecodeThreads) {
+    const int64_t index = cache.slot_index(b.pair, b.slot_begin + i);
     s_key_offset[i] = index * cache.key_strides[2];
     s_value_offset[i] = index * cache.value_strides[2];
-    s_bias[i] = cache.log_weights[pair * cache.log_weight_strides[0] + index * cache.log_weight_strides[1]];
+    s_bias[i] = cache.log_weights[b.pair * cache.log_weight_strides[0] + index * cache.log_weight_strides[1]];
   }
-  if (tid < tile_rows) {
-    s_count[tid] = kernels::causal_slot_count((row0 + tid) % p.num_queries, p.num_queries, length);
+  if (tid < b.tile_rows) {
+    s_count[tid] = kernels::causal_slot_count((b.row0 + tid) % p.num_queries, p.num_queries, b.length);
   }
   __syncthreads();
 
@@ -153,7 +172,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) q_first[r][i] = r < tile_rows && e_first < d ? s_query[r * d + e_first + i] : 0.0f;
+    for (int i = 0; i < kVec; ++i) q_first[r][i] = r < b.tile_rows && e_first < d ? s_query[r * d + e_first + i] : 0.0f;
   }
   // Rows are pulled apart by the transpose reduction below: at its end this lane holds `held` row sums, rows
   // row_base .. row_base + held - 1; with lanes > kRows several lanes hold the same row and only `writer` stores it.
@@ -166,9 +185,9 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   // Causal limits of the tile's rows: every row sees the slots below the smallest, none those from the largest on,
   // so the per-row limit (an integer division) is only evaluated for the few slots in between.
   // Both are kept relative to the chunk (int, C <= 256).
-  int min_local = static_cast<int>(len), max_local = 0;
-  for (int r = 0; r < tile_rows; ++r) {
-    const int64_t local_count = min(max(s_count[r] - slot_begin, int64_t{0}), len);
+  int min_local = static_cast<int>(b.len), max_local = 0;
+  for (int r = 0; r < b.tile_rows; ++r) {
+    const int64_t local_count = min(max(s_count[r] - b.slot_begin, int64_t{0}), b.len);
     min_local = min(min_local, static_cast<int>(local_count));
     max_local = max(max_local, static_cast<int>(local_count));
   }
@@ -178,7 +197,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   {
     constexpr int kSector = 32 / sizeof(scalar_t);
     const int sectors = static_cast<int>((d + kSector - 1) / kSector);
-    for (int i = tid; i < static_cast<int>(len) * sectors; i += kDecodeThreads) {  // len <= C <= 256
+    for (int i = tid; i < static_cast<int>(b.len) * sectors; i += kDecodeThreads) {  // len <= C <= 256
       const int local = i / sectors;
       if (kernels::slot_attended(local, max_local, s_bias[local])) {
         prefetch_l2(value_head + s_value_offset[local] + (i - local * sectors) * kSector);
@@ -189,14 +208,14 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
   // 1. Logits: the `lanes` threads of a group read one key (coalesced) and reduce its dot products with shuffles.
   //    Each step a group takes kInFlight slots, groups apart, and issues all their loads before the first use.
   //    The loop bound is uniform over the block so that every lane of a warp reaches the shuffles.
-  for (int64_t base = 0; base < len; base += static_cast<int64_t>(groups) * kInFlight) {
+  for (int64_t base = 0; base < b.len; base += static_cast<int64_t>(groups) * kInFlight) {
     float k[kInFlight][kVec];
     bool read[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int64_t local = base + u * groups + group;
       // Masked and evicted slots: the key is never read (some row of the tile must attend the slot).
-      read[u] = local < len && e_first < d && kernels::slot_attended(local, max_local, s_bias[local]);
+      read[u] = local < b.len && e_first < d && kernels::slot_attended(local, max_local, s_bias[local]);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) k[u][i] = 0.0f;
       if (read[u]) load_floats<scalar_t, kVec>(key_head + s_key_offset[local] + e_first, k[u]);
@@ -219,7 +238,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
           load_floats<scalar_t, kVec>(key + e, piece);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            if (r < tile_rows) {
+            if (r < b.tile_rows) {
 #pragma unroll
               for (int i = 0; i < kVec; ++i) dots[r] = fmaf(s_query[r * d + e + i], piece[i], dots[r]);
             }
@@ -243,13 +262,13 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
         }
       }
       for (; offset > 0; offset /= 2) dots[0] += __shfl_xor_sync(0xffffffffu, dots[0], offset);
-      if (local < len && writer) {
+      if (local < b.len && writer) {
         const float log_weight = s_bias[local];
-        const int64_t slot = slot_begin + local;
+        const int64_t slot = b.slot_begin + local;
 #pragma unroll
         for (int j = 0; j < kRows; ++j) {
           const int r = row_base + j;
-          if (j < held && r < tile_rows) {
+          if (j < held && r < b.tile_rows) {
             const bool attended = local < min_local ? log_weight != -INFINITY
                                                     : kernels::slot_attended(slot, s_count[r], log_weight);
             s_probs[r * C + local] = attended ? dots[j] + log_weight : -INFINITY;
@@ -262,24 +281,24 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
 
   // 2. One warp per row: chunk max, exp(logit - max) into shared memory and probs, sum of exp.
   const int warp = tid / 32, warp_lane = tid % 32;
-  for (int r = warp; r < tile_rows; r += kDecodeWarps) {
+  for (int r = warp; r < b.tile_rows; r += kDecodeWarps) {
     float* row = s_probs + r * C;
     float max = -INFINITY;
-    for (int64_t i = warp_lane; i < len; i += 32) max = fmaxf(max, row[i]);
+    for (int64_t i = warp_lane; i < b.len; i += 32) max = fmaxf(max, row[i]);
     for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
     float sum = 0.0f;
-    float* global_row = probs ? probs + (pair * p.rows + row0 + r) * p.total_len + slot_begin : nullptr;
-    for (int64_t i = warp_lane; i < len; i += 32) {
+    float* global_row = probs ? probs + (b.pair * p.rows + b.row0 + r) * p.total_len + b.slot_begin : nullptr;
+    for (int64_t i = warp_lane; i < b.len; i += 32) {
       const float e = kernels::shifted_exp(row[i], max);
       row[i] = e;
       if (global_row) global_row[i] = e;
       sum += e;
     }
     if (global_row) {  // columns past this head's length (a paged cache's shorter heads) are probability 0
-      for (int64_t i = len + warp_lane; i < width; i += 32) global_row[i] = 0.0f;
+      for (int64_t i = b.len + warp_lane; i < b.width; i += 32) global_row[i] = 0.0f;
     }
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (warp_lane == 0) partial_stats[(pair * p.rows + row0 + r) * p.num_chunks + chunk] = make_float2(max, sum);
+    if (warp_lane == 0) partial_stats[(b.pair * p.rows + b.row0 + r) * p.num_chunks + b.chunk] = make_float2(max, sum);
   }
   __syncthreads();
 
@@ -295,16 +314,16 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
       for (int i = 0; i < kVec; ++i) acc[r][i] = 0.0f;
     }
     if (e < d) {
-      for (int64_t base = group; base < len; base += static_cast<int64_t>(groups) * kInFlight) {
+      for (int64_t base = group; base < b.len; base += static_cast<int64_t>(groups) * kInFlight) {
         float v[kInFlight][kVec];
         bool read[kInFlight];
 #pragma unroll
         for (int u = 0; u < kInFlight; ++u) {
           const int64_t local = base + u * groups;
           read[u] = false;
-          if (local < len) {
+          if (local < b.len) {
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) read[u] |= r < tile_rows && s_probs[r * C + local] != 0.0f;
+            for (int r = 0; r < kRows; ++r) read[u] |= r < b.tile_rows && s_probs[r * C + local] != 0.0f;
           }
 #pragma unroll
           for (int i = 0; i < kVec; ++i) v[u][i] = 0.0f;
@@ -316,7 +335,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
           const int64_t local = base + u * groups;
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            const float weight = r < tile_rows ? s_probs[r * C + local] : 0.0f;
+            const float weight = r < b.tile_rows ? s_probs[r * C + local] : 0.0f;
             if (weight != 0.0f) {  // 0 * NaN would leak a masked slot's garbage
 #pragma unroll
               for (int i = 0; i < kVec; ++i) acc[r][i] = fmaf(weight, v[u][i], acc[r][i]);
@@ -327,14 +346,14 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (r >= tile_rows) break;
+      if (r >= b.tile_rows) break;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) s_reduce[group * lane_stride + lane * kVec + i] = acc[r][i];
       __syncthreads();
       if (tid < lane_stride && e_base + tid < d) {
         float total = 0.0f;
         for (int g = 0; g < groups; ++g) total += s_reduce[g * lane_stride + tid];
-        partial_out[((pair * p.rows + row0 + r) * p.num_chunks + chunk) * d + e_base + tid] = total;
+        partial_out[((b.pair * p.rows + b.row0 + r) * p.num_chunks + b.chunk) * d + e_base + tid] = total;
       }
       __syncthreads();
     }
@@ -345,7 +364,8 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
 // Tensor-core path (see the file comment). Shared memory, 16-bit elements first:
 //   query  [kMmaRows][kStride]                     the tile's rows, zeros past the last
 //   tiles  [2 buffers][keys, values][kMmaTile][kStride]
-//   slot   [chunk_len] int64                        each chunk slot's row in the cache (a block-table lookup where paged)
+//   slot   [chunk_len] int64                        each chunk slot's row in the cache (a block-table lookup
+//                                                    where paged)
 //   bias   [chunk_len] float                        its log-weight
 // After the last tile the buffers hold the warps' partials: out [kMmaWarps][kMmaRows][d] and (max, sum)
 // [kMmaWarps][kMmaRows], in base 2.
@@ -388,41 +408,32 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   float* s_bias = reinterpret_cast<float*>(s_slot + chunk_len);
   __shared__ float s_row_base[kMmaRows];
 
-  const int64_t chunk = blockIdx.x % p.num_chunks;
-  const int64_t row_tile = (blockIdx.x / p.num_chunks) % p.num_tiles;
-  const int64_t pair = blockIdx.x / (p.num_chunks * p.num_tiles);
-  const int64_t batch = pair / p.kv_heads, head = pair % p.kv_heads;
-  const int64_t row0 = row_tile * kMmaRows;
-  const int tile_rows = static_cast<int>(min(static_cast<int64_t>(kMmaRows), p.rows - row0));
-  const int64_t length = cache.length(pair, p.total_len);
-  const int64_t slot_begin = chunk * chunk_len;
-  const int len = static_cast<int>(max(min(length, slot_begin + chunk_len) - slot_begin, int64_t{0}));
-  const int width = static_cast<int>(min(p.total_len, slot_begin + chunk_len) - slot_begin);
+  const ChunkBlock b = chunk_block(p, cache, kMmaRows);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const scalar_t* key_head = cache.keys + batch * cache.key_strides[0] + head * cache.key_strides[1];
-  const scalar_t* value_head = cache.values + batch * cache.value_strides[0] + head * cache.value_strides[1];
+  const scalar_t* key_head = cache.keys + b.batch * cache.key_strides[0] + b.head * cache.key_strides[1];
+  const scalar_t* value_head = cache.values + b.batch * cache.value_strides[0] + b.head * cache.value_strides[1];
 
-  for (int i = tid; i < len; i += kMmaThreads) {
-    const int64_t index = cache.slot_index(pair, slot_begin + i);
+  for (int i = tid; i < b.len; i += kMmaThreads) {
+    const int64_t index = cache.slot_index(b.pair, b.slot_begin + i);
     s_slot[i] = index;
-    s_bias[i] = cache.log_weights[pair * cache.log_weight_strides[0] + index * cache.log_weight_strides[1]];
+    s_bias[i] = cache.log_weights[b.pair * cache.log_weight_strides[0] + index * cache.log_weight_strides[1]];
   }
   for (int i = tid; i < kMmaRows * Tiles::kPieces; i += kMmaThreads) {
     const int r = i / Tiles::kPieces, piece = i % Tiles::kPieces;
-    const bool valid = r < tile_rows;
+    const bool valid = r < b.tile_rows;
     mma::copy_async<16>(s_query + r * kStride + piece * 8,
-                        query + (valid ? (pair * p.rows + row0 + r) * kHeadDim + piece * 8 : 0), valid);
+                        query + (valid ? (b.pair * p.rows + b.row0 + r) * kHeadDim + piece * 8 : 0), valid);
   }
   __syncthreads();  // the slots and log-weights, which the tile copies read
 
   // Tile `tile` of the chunk into buffer tile % 2; a slot no row attends is filled with zeros, not read.
-  const int tiles = (len + kMmaTile - 1) / kMmaTile;
+  const int tiles = (b.len + kMmaTile - 1) / kMmaTile;
   auto copy_tile = [&](int tile) {
     scalar_t* keys = s_tiles + (tile % 2) * 2 * Tiles::kTileElements;
     auto copy_rows = [&](const scalar_t* head_rows, int64_t slot_stride, scalar_t* rows) {
       for (int i = tid; i < kMmaTile * Tiles::kPieces; i += kMmaThreads) {
         const int r = i / Tiles::kPieces, piece = i % Tiles::kPieces, local = tile * kMmaTile + r;
-        const bool valid = local < len && s_bias[local] != -INFINITY;
+        const bool valid = local < b.len && s_bias[local] != -INFINITY;
         mma::copy_async<16>(rows + r * kStride + piece * 8,
                             valid ? head_rows + s_slot[local] * slot_stride + piece * 8 : head_rows, valid);
       }
@@ -450,10 +461,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = lane / 4 + 8 * h;
-    const int64_t count = kernels::causal_slot_count((row0 + r) % p.num_queries, p.num_queries, length) - slot_begin;
-    limit[h] = r < tile_rows ? static_cast<int>(min(max(count, int64_t{0}), static_cast<int64_t>(len))) : 0;
+    const int64_t count =
+        kernels::causal_slot_count((b.row0 + r) % p.num_queries, p.num_queries, b.length) - b.slot_begin;
+    limit[h] = r < b.tile_rows ? static_cast<int>(min(max(count, int64_t{0}), static_cast<int64_t>(b.len))) : 0;
   }
-  float* probs_rows = probs ? probs + (pair * p.rows + row0) * p.total_len + slot_begin : nullptr;
+  float* probs_rows = probs ? probs + (b.pair * p.rows + b.row0) * p.total_len + b.slot_begin : nullptr;
   const float scale = p.scale * mma::kLog2e;
   float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
   float out[Tiles::kOutTiles][4];
@@ -486,12 +498,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int c = first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
-      const float bias = c < len ? s_bias[c] : -INFINITY;
+      const float bias = c < b.len ? s_bias[c] : -INFINITY;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         x[h][k] = c < limit[h] && bias != -INFINITY ? fmaf(logits[k / 2][2 * h + k % 2], scale, bias * mma::kLog2e)
                                                     : -INFINITY;
-        if (probs_rows && lane / 4 + 8 * h < tile_rows && c < len) {
+        if (probs_rows && lane / 4 + 8 * h < b.tile_rows && c < b.len) {
           probs_rows[(lane / 4 + 8 * h) * p.total_len + c] = x[h][k];
         }
       }
@@ -557,7 +569,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
   }
   __syncthreads();
-  for (int i = tid; i < tile_rows * kHeadDim; i += kMmaThreads) {
+  for (int i = tid; i < b.tile_rows * kHeadDim; i += kMmaThreads) {
     const int r = i / kHeadDim, e = i % kHeadDim;
     float max = -INFINITY;
 #pragma unroll
@@ -572,18 +584,18 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
       total = fmaf(factor, s_out[(w * kMmaRows + r) * kHeadDim + e], total);
       sum = fmaf(factor, stats.y, sum);
     }
-    const int64_t row = pair * p.rows + row0 + r;
-    partial_out[(row * p.num_chunks + chunk) * kHeadDim + e] = total;
+    const int64_t row = b.pair * p.rows + b.row0 + r;
+    partial_out[(row * p.num_chunks + b.chunk) * kHeadDim + e] = total;
     if (e == 0) {
-      partial_stats[row * p.num_chunks + chunk] = make_float2(max * mma::kLn2, sum);
+      partial_stats[row * p.num_chunks + b.chunk] = make_float2(max * mma::kLn2, sum);
       s_row_base[r] = base;
     }
   }
   if (probs_rows == nullptr) return;
   __syncthreads();  // the rows' shifts, and the raw logits every warp wrote
-  for (int r = 0; r < tile_rows; ++r) {
+  for (int r = 0; r < b.tile_rows; ++r) {
     float* row = probs_rows + r * p.total_len;
-    for (int c = tid; c < width; c += kMmaThreads) row[c] = c < len ? mma::exp2_fast(row[c] - s_row_base[r]) : 0.0f;
+    for (int c = tid; c < b.width; c += kMmaThreads) row[c] = c < b.len ? mma::exp2_fast(row[c] - s_row_base[r]) : 0.0f;
   }
 }
 
