@@ -10,8 +10,9 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
   tests        every test with CUDA in its name (op tests' CUDA cases, the CUDA fuzz, presses across devices), then
                the CUDA-graph capture of each press's decoding step
   sanitizer    compute-sanitizer memcheck, racecheck and synccheck over the CUDA fuzz (every op, random valid inputs)
-  ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py), and prompt
-               scoring on a Llama-3-8B-shaped layer at 32k and 128k against its sdpa (bench_prefill_overhead)
+  ops          the op benchmarks on CUDA against their plain-PyTorch equivalents (benchmarks/bench_*.py), paged
+               decode attention against the copy bandwidth (bench_paged --parts kernel), and prompt scoring on a
+               Llama-3-8B-shaped layer at 32k and 128k against its sdpa (bench_prefill_overhead)
   prefill      bench_prefill_overhead: each press's prefill over the full-cache forward on a random-weight
                Llama-3-8B-shaped model at 8k and 16k, kvpress's presses beside ours
   decode       bench_decode on that model at 8k, 16k and 32k, 10% budget
@@ -46,7 +47,7 @@ STAGES = ["environment", "build", "bandwidth", "tests", "sanitizer", "ops", "pre
 # pooled blocks) a capture's allocations are cudaMalloc calls, which a capture refuses.
 SANITIZER_TESTS = ["tests/test_fuzz_ops.py::test_cuda_kernel_matches_the_reference_on_random_valid_inputs"]
 OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
-                 "bench_gvote", "bench_kvzap --quick",
+                 "bench_gvote", "bench_kvzap --quick", "bench_paged --parts kernel --name paged_kernel_cuda",
                  "bench_prefill_overhead --device cuda --parts op --name prefill_op_cuda"]
 DECODE_LENGTHS = [8192, 16384, 32768]
 # One run per (press, length), KeepKV first: its prefill folds only its recent window, while ZSMerge's and
@@ -260,6 +261,9 @@ def targets(stages: dict) -> list[dict]:
     fractions = [r.get("fraction_of_copy_bw") for r in attention if r.get("fraction_of_copy_bw") is not None]
     checks.append({"target": "decode attention B=8, Hq=32, H=8, d=128, bf16, T>=16k: >= 70% of copy bandwidth",
                    "value": fractions, "met": bool(fractions) and min(fractions) >= 0.70 if fractions else None})
+    paged = [r["fraction_of_copy"] for r in load_rows("paged_kernel_cuda") if r.get("T", 0) >= 16384]
+    checks.append({"target": "paged decode attention (issue 21), B=4, H=8, G=4, d=128, bf16, blocks of 16, T>=16k: "
+                             ">= 70% of copy bandwidth", "value": paged, "met": min(paged) >= 0.70 if paged else None})
     speedups = {}
     for bench in ("scores", "keepkv", "zsmerge", "weightedkv", "kvzap"):
         for row in load_rows(bench):

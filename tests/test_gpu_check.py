@@ -48,3 +48,24 @@ def test_a_prebuilt_extension_that_does_not_load_is_rebuilt(tmp_path, monkeypatc
     monkeypatch.setattr(gpu_check, "run", run)
     assert gpu_check.stage_build(60, prebuilt)["ok"]
     assert commands == ["build-check", "build", "build-check"]
+
+
+def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch):
+    """Issue 21's GPU target reads bench_paged's kernel rows at T >= 16k (the peers' note rows and shorter caches
+    aside) and is met only when every one of them reaches 70% of the copy bandwidth."""
+    import json
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+
+    def paged_check(fractions):
+        rows = [{"part": "kernel", "T": length, "fraction_of_copy": f} for length, f in fractions.items()]
+        rows.append({"part": "kernel", "peer": "vllm", "note": "not installed"})
+        (tmp_path / "paged_kernel_cuda.json").write_text(json.dumps({"rows": rows}))
+        return next(c for c in gpu_check.targets({}) if c["target"].startswith("paged decode attention"))
+
+    assert next(c for c in gpu_check.targets({}) if c["target"].startswith("paged decode"))["met"] is None
+    assert paged_check({8192: 0.2, 16384: 0.72, 32768: 0.75})["met"] is True
+    check = paged_check({16384: 0.72, 32768: 0.69})
+    assert check["met"] is False and check["value"] == [0.72, 0.69]
