@@ -442,8 +442,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     copy_rows(value_head, cache.value_strides[2], keys + Tiles::kTileElements);
     mma::commit_copies();
   };
-  if (tiles > 0) copy_tile(0);
-  mma::commit_copies();
+  if (tiles > 0) {
+    copy_tile(0);  // its group holds the query rows too
+  } else {
+    mma::commit_copies();  // the query rows alone
+  }
   mma::wait_copies();
   __syncthreads();
 
@@ -463,7 +466,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     const int r = lane / 4 + 8 * h;
     const int64_t count =
         kernels::causal_slot_count((b.row0 + r) % p.num_queries, p.num_queries, b.length) - b.slot_begin;
-    limit[h] = r < b.tile_rows ? static_cast<int>(min(max(count, int64_t{0}), static_cast<int64_t>(b.len))) : 0;
+    limit[h] = r < b.tile_rows ? static_cast<int>(min(max(count, int64_t{0}), b.len)) : 0;
   }
   float* probs_rows = probs ? probs + (b.pair * p.rows + b.row0) * p.total_len + b.slot_begin : nullptr;
   const float scale = p.scale * mma::kLog2e;
