@@ -293,6 +293,24 @@ def test_decoding_step_over_long_rows(device, dtype, where):
 
 
 @CUDA
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.bfloat16, 128), (torch.bfloat16, 64),
+                                       (torch.float16, 36)])
+@pytest.mark.parametrize("merge_values", [True, False], ids=["merge", "evict-only"])
+def test_cuda_decoding_step_at_every_slot_across_tile_edges(dtype, dim, merge_values):
+    """One eviction in place at each of the slots 4 to 163, one row each. The CUDA shift cuts a row into tiles of 28
+    to 128 slots (as many as a block holds: 16-byte chunks, or elements where a slot is not whole chunks, d = 36 in
+    float16), so the evicted slot and its right neighbour fall on both sides of several tile edges, where a tile reads
+    the next one's first slot from the copy taken before the shift."""
+    sinks, recent, rows = 4, 8, 160
+    keys, values, sums, counts = make_inputs(1, rows, 300, dtype, "cpu", key_dim=dim, value_dim=dim, seed=21)
+    for row in range(rows):
+        sums[0, row, sinks + row] = -counts[0, row, sinks + row]  # mean exactly -1: below every other mean
+    expected = reference.weightedkv_evict(keys, values, sums, counts, sinks, recent, 1, merge_values)
+    got = evict_copies(*(t.cuda() for t in (keys, values, sums, counts)), sinks, recent, 1, merge_values)
+    assert_matches(got, expected, dtype)
+
+
+@CUDA
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_monotone_means_make_one_long_run(dtype):
     """Increasing means: every middle slot is evicted into its right neighbour in one chain (one warp, one run of
@@ -309,14 +327,17 @@ def test_cuda_monotone_means_make_one_long_run(dtype):
 
 @CUDA
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("value_dim", [1, 5, 40, 136])
-def test_cuda_unaligned_and_odd_dims(dtype, value_dim):
-    """Element-wise copies where rows are not whole 16-byte chunks, or the storage starts off alignment."""
+@pytest.mark.parametrize("value_dim", [1, 5, 40, 136, 1030])
+@pytest.mark.parametrize("evictions", [1, 40])
+def test_cuda_unaligned_and_odd_dims(dtype, value_dim, evictions):
+    """Element-wise copies where rows are not whole 16-byte chunks, or the storage starts off alignment; with 1030
+    elements a slot off alignment, one decoding step's slot is wider than the in-place shift's tile and takes the
+    out-of-place path."""
     keys, values, sums, counts = make_inputs(2, 3, 70, dtype, "cuda", key_dim=value_dim, value_dim=value_dim, seed=9)
-    expected = evict_copies(*to_cpu((keys, values, sums, counts)), 2, 3, 40)
+    expected = evict_copies(*to_cpu((keys, values, sums, counts)), 2, 3, evictions)
     for offset in (0, 1):
         k = torch.empty(keys.numel() + offset, dtype=dtype, device="cuda")[offset:].view_as(keys).copy_(keys)
-        got = ops.weightedkv_evict(k, values.clone(), sums.clone(), counts.clone(), 2, 3, 40)
+        got = ops.weightedkv_evict(k, values.clone(), sums.clone(), counts.clone(), 2, 3, evictions)
         assert_matches(got, expected, dtype)
 
 

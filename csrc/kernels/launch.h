@@ -56,6 +56,21 @@ inline RowPieces row_pieces(int64_t rows, int64_t len, int64_t sms, int64_t min_
   return {std::max<int64_t>(1, ceil_div(len, length)), length};
 }
 
+// weightedkv_evict's decoding step (one eviction) shifts the slots after the evicted one left by one, in place. The
+// out_len = T - 1 slots it writes are cut into tiles of whole slots, one block each, which holds all that its tile reads
+// (at most max_items chunks of keys and values) in registers before it writes any of it. A slot wider than max_items
+// chunks fits no tile: tiles = 0, and the op takes its out-of-place path.
+struct ShiftTiles {
+  int64_t slots_per_tile;
+  int64_t tiles;  // per row
+};
+
+inline ShiftTiles shift_tiles(int64_t out_len, int64_t chunks_per_slot, int64_t max_items) {
+  if (chunks_per_slot > max_items || out_len < 1) return {0, 0};
+  const int64_t slots = max_items / std::max<int64_t>(chunks_per_slot, 1);
+  return {slots, ceil_div(out_len, slots)};
+}
+
 // decode_attention (flash-decoding): one block per (batch, kv head, tile of query rows, chunk of slots).
 struct DecodeSplit {
   int rows_per_tile;   // query rows a block holds: a power of two <= max_tile_rows (the whole group when decoding)

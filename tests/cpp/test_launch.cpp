@@ -77,6 +77,24 @@ TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
   }
 }
 
+// weightedkv_evict's decoding step: the in-place shift in tiles of whole slots that fit a block's registers.
+TEST(ShiftTiles, WholeSlotsCoverTheRow) {
+  // bf16, d = 128, 16-byte chunks: 16 chunks a slot, 1024 a block: 64 slots a tile, 16 tiles for 1024 slots.
+  EXPECT_EQ(launch::shift_tiles(1024, 16, 1024).slots_per_tile, 64);
+  EXPECT_EQ(launch::shift_tiles(1024, 16, 1024).tiles, 16);
+  EXPECT_EQ(launch::shift_tiles(1025, 16, 1024).tiles, 17);  // a last tile of one slot
+  EXPECT_EQ(launch::shift_tiles(1, 1024, 1024).slots_per_tile, 1);  // the widest slot that fits
+  EXPECT_EQ(launch::shift_tiles(5, 1025, 1024).tiles, 0);  // wider: no tile (the out-of-place path)
+  for (const int64_t len : {1, 2, 63, 64, 65, 1000, 32767}) {
+    for (const int64_t chunks : {1, 3, 16, 100, 1024}) {
+      const launch::ShiftTiles tiles = launch::shift_tiles(len, chunks, 1024);
+      EXPECT_LE(tiles.slots_per_tile * chunks, 1024);  // a tile's reads fit
+      EXPECT_GE(tiles.tiles * tiles.slots_per_tile, len) << len << " " << chunks;  // every slot covered
+      EXPECT_LT((tiles.tiles - 1) * tiles.slots_per_tile, len);  // no empty tile
+    }
+  }
+}
+
 // weightedkv_evict's decoding step: the minimum over the middle slots in pieces, one block each.
 TEST(RowPieces, TileTheRowWithoutEmptyPieces) {
   // H100, batch 1, 8 kv heads, 32k middle slots: 33 pieces wanted, capped by 32768 / 1024 = 32 pieces of 1024.
