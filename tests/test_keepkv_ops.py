@@ -679,6 +679,35 @@ def test_decode_step_on_cuda_at_a_real_head_size_matches_reference(dtype, new_to
         assert bool((outside(buffer, on_cuda[index]) == 7.0).all())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens", [1, 8])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "paged-view"])
+def test_decode_step_on_cuda_packs_long_rows_as_the_cpu_op(dtype, new_tokens, strided):
+    """Rows of 700 slots at d = 128 evicting E = 1 or 8 slots (the fused kernel's most): the in-place pack spans 11 to
+    88 tiles (16-byte moves, or element moves for a paged view's rows), and every tile after the first evicted slot
+    reads its last sources from the copy of the next tile's first slots. The CUDA op gives the CPU op's cache, which
+    the test above and the fuzz compare with the float64 reference (too slow for rows this long)."""
+    import random
+
+    from tests.layouts import in_strided_rows
+    from tests.test_fuzz_ops import FUZZ, _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random(f"cuda-pack:{new_tokens}")
+    sizes = _keepkv_step_sizes(r, {"B": 2, "H": 2, "Hq": 8, "q": new_tokens, "d": 128, "S": 700})
+    args = list(_keepkv_step_build(r, sizes, dtype))
+    args[10:13] = [700, 4, 8]  # budget, sinks, recent: E = q
+    expected = ops.keepkv_decode_step(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    on_cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    if strided:  # keys and values in views over larger buffers
+        on_cuda[0] = in_strided_rows(on_cuda[0])[1]
+        on_cuda[1] = in_strided_rows(on_cuda[1])[1]
+    got = ops.keepkv_decode_step(*on_cuda)
+    atol, rtol = FUZZ["keepkv_decode_step"].tolerance(dtype)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.cpu().float(), e.float(), atol=atol, rtol=rtol, equal_nan=True)
+
+
 @pytest.mark.parametrize("index, name", [(2, "queries"), (3, "probabilities"), (4, "log_weights"), (5, "log_ema"),
                                          (6, "age"), (7, "votes")])
 def test_decode_step_refuses_read_inputs_that_require_grad(index, name):

@@ -46,6 +46,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int64_t kDirectMaxEvicted = 8;
+constexpr int kPackWordsPerThread = 4;  // keepkv_pack: words of keys and of values a thread holds across its barrier
+constexpr int64_t kPackTileWords = kPackWordsPerThread * kThreads;
 constexpr int64_t kMatchChunkElements = 1 << 26;  // similarities per GEMM chunk (256 MiB of float32)
 constexpr int64_t kDirectMinSlotsPerPiece = 512;  // direct path: 64 slots per warp at least
 
@@ -401,42 +403,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> keepkv_zip_merge_cuda(const at::T
 //   3. the E lowest keys, one block argmin each (kernels::EvictsFirst: the next is the least key after the last);
 //   4. each evicted slot's target, by the direct match's warp_best_retained (so the same targets);
 //   5. each merged set's ZIP merge into its retained slot (in place), its votes, ŝ and age, as the CPU kernel;
-//   6. the retained slots packed in order: the per-slot outputs, and keys / values moved down in tiles (a tile is
-//      read whole before it is written, and its slots land below the next tile's first one).
+//   6. the per-slot outputs of the retained slots in order; the evicted slots, and a copy of the slots that step 7's
+//      tiles read across their edges.
+// 7. keepkv_pack (a second launch, blocks (row, tile) over the whole device): the retained keys and values moved down
+//    to their packed slots, in place. A block reads all of its tile's sources before it writes, and the sources past
+//    its tile's end, which the next tiles overwrite, come from step 6's copy: no block writes what another reads.
 
 struct StepArgs {
   float scale, log_decay, log_fold_weight, log_group, threshold;
   int64_t rows, kv_heads, query_heads, group, new_tokens, slots, kept, head_dim, sinks, recent;
+  int64_t slots_per_tile, tiles;  // keepkv_pack's tiles along the kept slots (kernels::launch::slot_tiles)
   bool convex;
 };
 
 // std::max(a, b) as the CPU kernel takes it: b only if a < b (a NaN b is skipped, a NaN a stays).
 __device__ float std_max(float a, float b) { return a < b ? b : a; }
-
-// Moves the retained slots after the first evicted one down to their packed position, words of word_t at a time.
-template <typename word_t>
-__device__ void pack_row(word_t* row, int64_t words_per_slot, int64_t slots, const kernels::EvictedSlots& evicted) {
-  constexpr int kWordsPerThread = 4;  // loads in flight per thread
-  const int64_t base = (evicted.slots[0] + 1) * words_per_slot, total = slots * words_per_slot - base;
-  for (int64_t tile = 0; tile < total; tile += static_cast<int64_t>(kThreads) * kWordsPerThread) {
-    word_t buffer[kWordsPerThread];
-    int64_t destination[kWordsPerThread];
-    for (int i = 0; i < kWordsPerThread; ++i) {
-      const int64_t index = tile + static_cast<int64_t>(i) * kThreads + threadIdx.x;
-      destination[i] = -1;
-      if (index >= total) continue;
-      const int64_t word = base + index, t = word / words_per_slot;
-      if (evicted.contains(t)) continue;
-      buffer[i] = row[word];
-      destination[i] = word - (t - evicted.packed_position(t)) * words_per_slot;
-    }
-    __syncthreads();
-    for (int i = 0; i < kWordsPerThread; ++i) {
-      if (destination[i] >= 0) row[destination[i]] = buffer[i];
-    }
-    __syncthreads();
-  }
-}
 
 template <typename scalar_t, typename word_t>
 __global__ void __launch_bounds__(kThreads)
@@ -452,6 +433,9 @@ __global__ void __launch_bounds__(kThreads)
                               float* __restrict__ out_log_ema, float* __restrict__ out_age,
                               float* __restrict__ out_votes, float* __restrict__ out_log_weights,  // [R, kept]
                               float* __restrict__ out_dropped,                                      // [R]
+                              int64_t* __restrict__ evicted_out,  // [R, E]: the evicted slots, ascending
+                              word_t* __restrict__ edge_keys,     // [R, tiles - 1, E, words a slot]
+                              word_t* __restrict__ edge_values,   // [R, tiles - 1, E, words a slot]
                               StepArgs a) {
   using ChoiceReduce = cub::BlockReduce<kernels::SlotChoice, kThreads>;
   using SumReduce = cub::BlockReduce<float, kThreads>;
@@ -703,10 +687,74 @@ __global__ void __launch_bounds__(kThreads)
     out_votes[r] = vote;
     out_log_weights[r] = logf(vote);
   }
+  if (tid < evictions) evicted_out[row * evictions + tid] = evicted_slots[tid];
+  // Edge t of the pack: the E slots from the first of tile t + 1, which tile t may read and tile t + 1 overwrites.
   static_assert(sizeof(word_t) % sizeof(scalar_t) == 0, "a word holds whole elements");
   const int64_t words_per_slot = head_dim * static_cast<int64_t>(sizeof(scalar_t)) / sizeof(word_t);
-  pack_row(reinterpret_cast<word_t*>(row_keys), words_per_slot, slots, evicted);
-  pack_row(reinterpret_cast<word_t*>(row_values), words_per_slot, slots, evicted);
+  const int64_t edge_words = evictions * words_per_slot;
+  const word_t* key_words = reinterpret_cast<const word_t*>(row_keys);
+  const word_t* value_words = reinterpret_cast<const word_t*>(row_values);
+  for (int64_t i = tid; i < (a.tiles - 1) * edge_words; i += kThreads) {
+    const int64_t edge = i / edge_words;
+    const int64_t word = (edge + 1) * a.slots_per_tile * words_per_slot + i % edge_words;
+    if (word >= slots * words_per_slot) continue;  // the row ends before E slots past the edge
+    edge_keys[row * (a.tiles - 1) * edge_words + i] = key_words[word];
+    edge_values[row * (a.tiles - 1) * edge_words + i] = value_words[word];
+  }
+}
+
+// Step 7: block (row, tile, part) writes the words of its part of each of its tile's kept slots o after the first
+// evicted one: the o-th retained slot's, read from the row or, past the tile's end, from step 6's copy of the edge.
+struct PackArgs {
+  kernels::RowStrides key_rows, value_rows;  // in words
+  int64_t evictions, kept, words_per_slot, slots_per_tile, tiles, words_per_tile;
+};
+
+template <typename word_t>
+__global__ void __launch_bounds__(kThreads)
+    keepkv_pack_kernel(word_t* __restrict__ keys, word_t* __restrict__ values,
+                       const int64_t* __restrict__ evicted_in,  // [R, E] ascending
+                       const word_t* __restrict__ edge_keys, const word_t* __restrict__ edge_values, PackArgs p) {
+  const int64_t row = blockIdx.x / p.tiles, tile = blockIdx.x % p.tiles;
+  int64_t evicted[kDirectMaxEvicted];
+  for (int k = 0; k < kDirectMaxEvicted; ++k) evicted[k] = k < p.evictions ? evicted_in[row * p.evictions + k] : 0;
+  const int64_t tile_first = tile * p.slots_per_tile;
+  const int64_t last = min(tile_first + p.slots_per_tile, p.kept);
+  const int64_t first = max(tile_first, evicted[0]);  // the kept slots before the first evicted one stay
+  if (first >= last) return;  // the whole block returns
+  const int64_t word_first = blockIdx.y * p.words_per_tile;
+  const int64_t span = min(p.words_per_tile, p.words_per_slot - word_first);
+  const int64_t edge_words = p.evictions * p.words_per_slot;
+  const int64_t edge = (row * (p.tiles - 1) + tile) * edge_words;  // read only where tile < tiles - 1
+  word_t* row_keys = keys + p.key_rows.offset(row);
+  word_t* row_values = values + p.value_rows.offset(row);
+  const int64_t items = (last - first) * span;  // <= kPackTileWords (slot_tiles)
+  word_t key_reads[kPackWordsPerThread], value_reads[kPackWordsPerThread];
+#pragma unroll
+  for (int i = 0; i < kPackWordsPerThread; ++i) {
+    const int64_t item = threadIdx.x + static_cast<int64_t>(i) * kThreads;
+    if (item >= items) break;
+    const int64_t o = first + item / span, word = word_first + item % span;
+    int64_t source = o;  // the o-th retained slot: o plus the evicted slots up to it
+    for (int k = 0; k < kDirectMaxEvicted; ++k) source += k < p.evictions && evicted[k] <= source;
+    if (source >= last && tile < p.tiles - 1) {
+      const int64_t copied = edge + (source - last) * p.words_per_slot + word;
+      key_reads[i] = edge_keys[copied];
+      value_reads[i] = edge_values[copied];
+    } else {
+      key_reads[i] = row_keys[source * p.words_per_slot + word];
+      value_reads[i] = row_values[source * p.words_per_slot + word];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPackWordsPerThread; ++i) {
+    const int64_t item = threadIdx.x + static_cast<int64_t>(i) * kThreads;
+    if (item >= items) break;
+    const int64_t o = first + item / span, word = word_first + item % span;
+    row_keys[o * p.words_per_slot + word] = key_reads[i];
+    row_values[o * p.words_per_slot + word] = value_reads[i];
+  }
 }
 
 // Whether rows of t (slot-contiguous, at t's batch and head strides) can be moved 16 bytes at a time.
@@ -733,30 +781,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
   const KeepKVStepTensors t = keepkv_step_tensors(shape, queries, probabilities, log_weights, log_ema, age, votes);
   if (rows == 0) return t.outputs();
   const at::Tensor scratch = at::empty({5, rows, slots}, log_ema.options());  // read and written only when evicting
-  const StepArgs args{static_cast<float>(scale), static_cast<float>(std::log(ema_decay)),
-                      static_cast<float>(std::log1p(-ema_decay)), std::log(static_cast<float>(shape.group)),
-                      static_cast<float>(threshold), rows, kv_heads, kv_heads * shape.group, shape.group,
-                      shape.queries, slots, kept, shape.cache.head_dim, sinks, recent, convex};
-  const unsigned grid = grid_dim("kvcomp::keepkv_decode_step", "(batch, kv head) rows", rows);
-  const int64_t shared_bytes = fused_step_shared_bytes(shape.group, shape.queries);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool wide = rows_aligned_to_16_bytes(keys) && rows_aligned_to_16_bytes(values);
+  const int64_t evictions = slots - kept;
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_decode_step", [&] {
-    const auto launch = [&](auto* kernel) {
-      kernel<<<grid, kThreads, shared_bytes, stream>>>(
-          keys.mutable_data_ptr<scalar_t>(), row_strides(keys), values.mutable_data_ptr<scalar_t>(),
-          row_strides(values), t.queries.const_data_ptr<scalar_t>(), t.probabilities.const_data_ptr<float>(),
-          t.log_weights.const_data_ptr<float>(), row_strides(t.log_weights), t.log_ema.const_data_ptr<float>(),
-          row_strides(t.log_ema), t.age.const_data_ptr<float>(), row_strides(t.age), t.votes.const_data_ptr<float>(),
-          row_strides(t.votes), scratch.mutable_data_ptr<float>(), t.out_log_ema.mutable_data_ptr<float>(),
-          t.out_age.mutable_data_ptr<float>(), t.out_votes.mutable_data_ptr<float>(),
-          t.out_log_weights.mutable_data_ptr<float>(), t.out_dropped.mutable_data_ptr<float>(), args);
+    const auto launch = [&](auto word_tag) {
+      using word_t = decltype(word_tag);
+      constexpr int64_t per_word = sizeof(word_t) / sizeof(scalar_t);
+      const int64_t words_per_slot = shape.cache.head_dim / per_word;
+      const kernels::launch::SlotTiles tiles = kernels::launch::slot_tiles(kept, words_per_slot, kPackTileWords);
+      const StepArgs args{static_cast<float>(scale), static_cast<float>(std::log(ema_decay)),
+                          static_cast<float>(std::log1p(-ema_decay)), std::log(static_cast<float>(shape.group)),
+                          static_cast<float>(threshold), rows, kv_heads, kv_heads * shape.group, shape.group,
+                          shape.queries, slots, kept, shape.cache.head_dim, sinks, recent, tiles.slots_per_tile,
+                          tiles.tiles, convex};
+      const at::Tensor evicted = at::empty({rows, evictions}, log_ema.options().dtype(at::kLong));
+      const int64_t edge_elements = rows * (tiles.tiles - 1) * evictions * shape.cache.head_dim;
+      const at::Tensor edge_keys = at::empty({evictions > 0 ? edge_elements : 0}, keys.options());
+      const at::Tensor edge_values = at::empty({evictions > 0 ? edge_elements : 0}, values.options());
+      keepkv_decode_step_kernel<scalar_t, word_t>
+          <<<grid_dim("kvcomp::keepkv_decode_step", "(batch, kv head) rows", rows), kThreads,
+             fused_step_shared_bytes(shape.group, shape.queries), stream>>>(
+              keys.mutable_data_ptr<scalar_t>(), row_strides(keys), values.mutable_data_ptr<scalar_t>(),
+              row_strides(values), t.queries.const_data_ptr<scalar_t>(), t.probabilities.const_data_ptr<float>(),
+              t.log_weights.const_data_ptr<float>(), row_strides(t.log_weights), t.log_ema.const_data_ptr<float>(),
+              row_strides(t.log_ema), t.age.const_data_ptr<float>(), row_strides(t.age),
+              t.votes.const_data_ptr<float>(), row_strides(t.votes), scratch.mutable_data_ptr<float>(),
+              t.out_log_ema.mutable_data_ptr<float>(), t.out_age.mutable_data_ptr<float>(),
+              t.out_votes.mutable_data_ptr<float>(), t.out_log_weights.mutable_data_ptr<float>(),
+              t.out_dropped.mutable_data_ptr<float>(), evicted.mutable_data_ptr<int64_t>(),
+              reinterpret_cast<word_t*>(edge_keys.mutable_data_ptr<scalar_t>()),
+              reinterpret_cast<word_t*>(edge_values.mutable_data_ptr<scalar_t>()), args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (evictions == 0) return;
+      const auto word_rows = [&](const at::Tensor& x) {
+        return kernels::RowStrides{x.stride(0) / per_word, x.stride(1) / per_word, kv_heads};
+      };
+      const PackArgs pack{word_rows(keys), word_rows(values), evictions, kept, words_per_slot,
+                          tiles.slots_per_tile, tiles.tiles, tiles.chunks_per_tile};
+      const dim3 grid(grid_dim("kvcomp::keepkv_decode_step", "(row, tile) pairs", rows * tiles.tiles),
+                      static_cast<unsigned>(grid_dim("kvcomp::keepkv_decode_step", "parts of a slot", tiles.chunk_tiles,
+                                                     kernels::launch::kMaxGridY)));
+      keepkv_pack_kernel<word_t><<<grid, kThreads, 0, stream>>>(
+          reinterpret_cast<word_t*>(keys.mutable_data_ptr<scalar_t>()),
+          reinterpret_cast<word_t*>(values.mutable_data_ptr<scalar_t>()), evicted.const_data_ptr<int64_t>(),
+          reinterpret_cast<const word_t*>(edge_keys.const_data_ptr<scalar_t>()),
+          reinterpret_cast<const word_t*>(edge_values.const_data_ptr<scalar_t>()), pack);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (wide) {
-      launch(&keepkv_decode_step_kernel<scalar_t, uint4>);
+      launch(uint4{});
     } else {
-      launch(&keepkv_decode_step_kernel<scalar_t, scalar_t>);
+      launch(scalar_t{});
     }
   });
   return t.outputs();

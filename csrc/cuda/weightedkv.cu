@@ -457,9 +457,10 @@ bool evict_one_in_place(const at::Tensor& keys, const at::Tensor& values, const 
   constexpr int64_t per_chunk = sizeof(Chunk) / sizeof(scalar_t);
   const int64_t key_chunks = shape.key_dim / per_chunk, value_chunks = shape.value_dim / per_chunk;
   const int64_t chunks_per_slot = std::max<int64_t>({key_chunks, value_chunks, 1});
-  const kernels::launch::ShiftTiles tiles =
-      kernels::launch::shift_tiles(shape.out_len(), chunks_per_slot, kShiftTileChunks);
-  if (tiles.tiles == 0) return false;
+  const kernels::launch::SlotTiles tiles =
+      kernels::launch::slot_tiles(shape.out_len(), chunks_per_slot, kShiftTileChunks);
+  // Every part of slot j would read its sum and count for the merge while the first part overwrites them.
+  if (tiles.chunk_tiles > 1) return false;
   const int64_t middle_len = shape.middle_end() - shape.middle_begin();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const kernels::launch::RowPieces pieces =

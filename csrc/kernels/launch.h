@@ -56,19 +56,22 @@ inline RowPieces row_pieces(int64_t rows, int64_t len, int64_t sms, int64_t min_
   return {std::max<int64_t>(1, ceil_div(len, length)), length};
 }
 
-// weightedkv_evict's decoding step (one eviction) shifts the slots after the evicted one left by one, in place. The
-// out_len = T - 1 slots it writes are cut into tiles of whole slots, one block each, which holds all that its tile reads
-// (at most max_items chunks of keys and values) in registers before it writes any of it. A slot wider than max_items
-// chunks fits no tile: tiles = 0, and the op takes its out-of-place path.
-struct ShiftTiles {
+// The in-place shifts of a decoding step (weightedkv_evict, keepkv_decode_step) move a row's slots left past the
+// evicted ones. The out_len slots they write are cut into tiles, one block each, which holds all that its tile reads
+// (at most max_chunks chunks of 16 bytes or elements) in registers before it writes any of it: tiles of whole slots,
+// and of parts of a slot only where one slot is wider than max_chunks.
+struct SlotTiles {
   int64_t slots_per_tile;
-  int64_t tiles;  // per row
+  int64_t tiles;            // along a row's slots
+  int64_t chunks_per_tile;  // of a slot
+  int64_t chunk_tiles;      // along a slot: 1 unless chunks_per_slot > max_chunks
 };
 
-inline ShiftTiles shift_tiles(int64_t out_len, int64_t chunks_per_slot, int64_t max_items) {
-  if (chunks_per_slot > max_items || out_len < 1) return {0, 0};
-  const int64_t slots = max_items / std::max<int64_t>(chunks_per_slot, 1);
-  return {slots, ceil_div(out_len, slots)};
+inline SlotTiles slot_tiles(int64_t out_len, int64_t chunks_per_slot, int64_t max_chunks) {
+  const int64_t chunks = std::clamp<int64_t>(chunks_per_slot, 1, max_chunks);
+  const int64_t slots = max_chunks / chunks;
+  return {slots, ceil_div(std::max<int64_t>(out_len, 0), slots), chunks,
+          ceil_div(std::max<int64_t>(chunks_per_slot, 1), chunks)};
 }
 
 // decode_attention (flash-decoding): one block per (batch, kv head, tile of query rows, chunk of slots).

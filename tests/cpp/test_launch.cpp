@@ -77,20 +77,25 @@ TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
   }
 }
 
-// weightedkv_evict's decoding step: the in-place shift in tiles of whole slots that fit a block's registers.
-TEST(ShiftTiles, WholeSlotsCoverTheRow) {
+// The decoding steps' in-place shifts: tiles of whole slots that fit a block's registers, parts of a slot past that.
+TEST(SlotTiles, CoverTheRowAndEachSlot) {
   // bf16, d = 128, 16-byte chunks: 16 chunks a slot, 1024 a block: 64 slots a tile, 16 tiles for 1024 slots.
-  EXPECT_EQ(launch::shift_tiles(1024, 16, 1024).slots_per_tile, 64);
-  EXPECT_EQ(launch::shift_tiles(1024, 16, 1024).tiles, 16);
-  EXPECT_EQ(launch::shift_tiles(1025, 16, 1024).tiles, 17);  // a last tile of one slot
-  EXPECT_EQ(launch::shift_tiles(1, 1024, 1024).slots_per_tile, 1);  // the widest slot that fits
-  EXPECT_EQ(launch::shift_tiles(5, 1025, 1024).tiles, 0);  // wider: no tile (the out-of-place path)
+  EXPECT_EQ(launch::slot_tiles(1024, 16, 1024).slots_per_tile, 64);
+  EXPECT_EQ(launch::slot_tiles(1024, 16, 1024).tiles, 16);
+  EXPECT_EQ(launch::slot_tiles(1024, 16, 1024).chunk_tiles, 1);
+  EXPECT_EQ(launch::slot_tiles(1025, 16, 1024).tiles, 17);  // a last tile of one slot
+  EXPECT_EQ(launch::slot_tiles(7, 1024, 1024).slots_per_tile, 1);  // the widest slot that fits one tile
+  EXPECT_EQ(launch::slot_tiles(7, 1024, 1024).chunk_tiles, 1);
+  EXPECT_EQ(launch::slot_tiles(5, 1025, 1024).chunk_tiles, 2);  // wider: a slot in two parts, one slot a tile
+  EXPECT_EQ(launch::slot_tiles(5, 1025, 1024).tiles, 5);
   for (const int64_t len : {1, 2, 63, 64, 65, 1000, 32767}) {
-    for (const int64_t chunks : {1, 3, 16, 100, 1024}) {
-      const launch::ShiftTiles tiles = launch::shift_tiles(len, chunks, 1024);
-      EXPECT_LE(tiles.slots_per_tile * chunks, 1024);  // a tile's reads fit
+    for (const int64_t chunks : {0, 1, 3, 16, 100, 1024, 1025, 5000}) {
+      const launch::SlotTiles tiles = launch::slot_tiles(len, chunks, 1024);
+      EXPECT_LE(tiles.slots_per_tile * tiles.chunks_per_tile, 1024);  // a tile's reads fit
       EXPECT_GE(tiles.tiles * tiles.slots_per_tile, len) << len << " " << chunks;  // every slot covered
       EXPECT_LT((tiles.tiles - 1) * tiles.slots_per_tile, len);  // no empty tile
+      EXPECT_GE(tiles.chunk_tiles * tiles.chunks_per_tile, chunks);  // every chunk of a slot covered
+      EXPECT_LT((tiles.chunk_tiles - 1) * tiles.chunks_per_tile, std::max<int64_t>(chunks, 1));
     }
   }
 }
