@@ -683,20 +683,22 @@ def test_decode_step_on_cuda_at_a_real_head_size_matches_reference(dtype, new_to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new_tokens", [1, 8])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "paged-view"])
-def test_decode_step_on_cuda_packs_long_rows_as_the_cpu_op(dtype, new_tokens, strided):
-    """Rows of 700 slots at d = 128 evicting E = 1 or 8 slots (the fused kernel's most): the in-place pack spans 11 to
-    88 tiles (16-byte moves, or element moves for a paged view's rows), and every tile after the first evicted slot
-    reads its last sources from the copy of the next tile's first slots. The CUDA op gives the CPU op's cache, which
-    the test above and the fuzz compare with the float64 reference (too slow for rows this long)."""
+@pytest.mark.parametrize("head_dim, old_slots", [(128, 700), (1100, 90)])
+def test_decode_step_on_cuda_packs_long_rows_as_the_cpu_op(dtype, new_tokens, strided, head_dim, old_slots):
+    """Rows evicting E = 1 or 8 slots (the fused kernel's most), packed in place over tiles: at d = 128, 700 slots in
+    11 to 88 tiles (16-byte moves, or element moves for a paged view's rows), every tile after the first evicted slot
+    reading its last sources from the copy of the next tile's first slots; at d = 1100 tiles of 3 slots (float32,
+    16-byte moves) or of one slot in two parts (element moves): fewer slots than E. The CUDA op gives the CPU op's cache, which the test
+    above and the fuzz compare with the float64 reference (too slow for rows this long)."""
     import random
 
     from tests.layouts import in_strided_rows
     from tests.test_fuzz_ops import FUZZ, _keepkv_step_build, _keepkv_step_sizes
 
-    r = random.Random(f"cuda-pack:{new_tokens}")
-    sizes = _keepkv_step_sizes(r, {"B": 2, "H": 2, "Hq": 8, "q": new_tokens, "d": 128, "S": 700})
+    r = random.Random(f"cuda-pack:{new_tokens}:{head_dim}")
+    sizes = _keepkv_step_sizes(r, {"B": 2, "H": 2, "Hq": 8, "q": new_tokens, "d": head_dim, "S": old_slots})
     args = list(_keepkv_step_build(r, sizes, dtype))
-    args[10:13] = [700, 4, 8]  # budget, sinks, recent: E = q
+    args[10:13] = [old_slots, 4, 8]  # budget, sinks, recent: E = q
     expected = ops.keepkv_decode_step(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
     on_cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     if strided:  # keys and values in views over larger buffers

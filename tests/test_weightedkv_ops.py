@@ -296,17 +296,21 @@ def test_decoding_step_over_long_rows(device, dtype, where):
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.bfloat16, 128), (torch.bfloat16, 64),
                                        (torch.float16, 36)])
 @pytest.mark.parametrize("merge_values", [True, False], ids=["merge", "evict-only"])
-def test_cuda_decoding_step_at_every_slot_across_tile_edges(dtype, dim, merge_values):
-    """One eviction in place at each of the slots 4 to 163, one row each. The CUDA shift cuts a row into tiles of 28
-    to 128 slots (as many as a block holds: 16-byte chunks, or elements where a slot is not whole chunks, d = 36 in
-    float16), so the evicted slot and its right neighbour fall on both sides of several tile edges, where a tile reads
-    the next one's first slot from the copy taken before the shift."""
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "paged-view"])
+def test_cuda_decoding_step_at_every_slot_across_tile_edges(dtype, dim, merge_values, strided):
+    """One eviction in place at each of the slots 4 to 163, one row each, in rows of 257 slots (the 256 written are
+    whole tiles). The CUDA shift cuts a row into tiles of 8 to 128 slots (as many as a block holds: 16-byte chunks,
+    or elements where a slot is not whole chunks: d = 36 in float16, or a paged view's rows off alignment), so the
+    evicted slot and its right neighbour fall on both sides of several tile edges, where a tile reads the next one's
+    first slot from the copy taken before the shift."""
     sinks, recent, rows = 4, 8, 160
-    keys, values, sums, counts = make_inputs(1, rows, 300, dtype, "cpu", key_dim=dim, value_dim=dim, seed=21)
+    keys, values, sums, counts = make_inputs(1, rows, 257, dtype, "cpu", key_dim=dim, value_dim=dim, seed=21)
     for row in range(rows):
         sums[0, row, sinks + row] = -counts[0, row, sinks + row]  # mean exactly -1: below every other mean
     expected = reference.weightedkv_evict(keys, values, sums, counts, sinks, recent, 1, merge_values)
-    got = evict_copies(*(t.cuda() for t in (keys, values, sums, counts)), sinks, recent, 1, merge_values)
+    on_cuda = [t.cuda() for t in (keys, values, sums, counts)]
+    got = (ops.weightedkv_evict(*(in_strided_rows(t)[1] for t in on_cuda), sinks, recent, 1, merge_values) if strided
+           else evict_copies(*on_cuda, sinks, recent, 1, merge_values))
     assert_matches(got, expected, dtype)
 
 

@@ -694,7 +694,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t edge_words = evictions * words_per_slot;
   const word_t* key_words = reinterpret_cast<const word_t*>(row_keys);
   const word_t* value_words = reinterpret_cast<const word_t*>(row_values);
-  for (int64_t i = tid; i < (a.tiles - 1) * edge_words; i += kThreads) {
+  // Tiles that end at or before the first evicted slot move nothing (keepkv_pack_kernel): their edges are not read.
+  const int64_t first_edge = evicted_slots[0] / a.slots_per_tile;
+  for (int64_t i = first_edge * edge_words + tid; i < (a.tiles - 1) * edge_words; i += kThreads) {
     const int64_t edge = i / edge_words;
     const int64_t word = (edge + 1) * a.slots_per_tile * words_per_slot + i % edge_words;
     if (word >= slots * words_per_slot) continue;  // the row ends before E slots past the edge
