@@ -69,3 +69,31 @@ def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch)
     assert paged_check({8192: 0.2, 16384: 0.72, 32768: 0.75})["met"] is True
     check = paged_check({16384: 0.72, 32768: 0.69})
     assert check["met"] is False and check["value"] == [0.72, 0.69]
+
+
+def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatch):
+    """Issue 20's "every decode-step op >= 5x" takes each op benchmark's decoding-step rows against plain PyTorch:
+    not its prefill rows, bench_keepkv's former three-op composition or bench_zsmerge's per-head loop."""
+    import json
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    benches = {
+        "keepkv": [{"what": "decode step", "speedup_vs_vectorised": 1.2},
+                   {"what": "keepkv_decode_step", "speedup_vs_vectorised": 6.0}],
+        "zsmerge": [{"what": "decode step", "speedup_vs_vectorised": 8.0, "speedup_vs_loop": 90.0},
+                    {"what": "prefill", "speedup_vs_vectorised": 0.6}],
+        "weightedkv": [{"case": "decode step", "speedup": 5.5}, {"case": "prefill 4k->1k", "speedup": 1600.0}],
+        "kvzap": [{"phase": "prefill", "speedup": 1.1}, {"phase": "decode step", "speedup": 1.9},
+                  {"case": "FLOP ratio", "flop_pct": 0.96}],
+        "scores": [{"q": 1, "speedup": 7.2}, {"q": 16, "speedup": 53.0}],
+    }
+    for bench, rows in benches.items():
+        (tmp_path / f"{bench}.json").write_text(json.dumps({"rows": rows}))
+    check = next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))
+    assert check["value"] == {"scores": 7.2, "keepkv": 6.0, "zsmerge": 8.0, "weightedkv": 5.5, "kvzap": 1.9}
+    assert check["met"] is False
+    benches["kvzap"][1]["speedup"] = 5.0
+    (tmp_path / "kvzap.json").write_text(json.dumps({"rows": benches["kvzap"]}))
+    assert next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))["met"] is True
