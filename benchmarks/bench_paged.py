@@ -24,8 +24,10 @@ Parts (each row of benchmarks/results/paged.json names its part):
   TOVA's in the same round (``vs_tova_paired``, the robust one: the machine's speed drifts over seconds). Target:
   within 1.1x of TOVA.
 * ``kernel`` (GPU): kvcomp::paged_decode_attention at T ≥ 16k against the device's copy bandwidth and against the
-  rectangular kvcomp::decode_attention on the same slots (vLLM / FlashInfer as peers when they import), with
-  max_len given as the cache gives it and without (``paged_host_checked_us``: the host sync of the table check).
+  rectangular kvcomp::decode_attention on the same slots, with max_len given as the cache gives it and without
+  (``paged_host_checked_us``: the host sync of the table check); where FlashInfer imports, its paged decode
+  (one of vLLM's attention backends) over the same keys and values as the peer (``peer`` rows; no log-weights, no
+  probabilities).
 """
 
 from __future__ import annotations
@@ -231,6 +233,53 @@ def shuffled_full_cache(batch: int, kv_heads: int, length: int, head_dim: int, b
             "log_weights": torch.zeros(batch, kv_heads, length, device=device)}
 
 
+def flashinfer_pages(keys: torch.Tensor, values: torch.Tensor, page_size: int,
+                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """The rectangular (B, H, T, d) keys and values in FlashInfer's paged layout (NHD): pages of `page_size` tokens
+    holding every kv head, (num_pages, page_size, H, d), in shuffled order, one page list per sequence (indptr,
+    indices, last_page_len, int32). FlashInfer pages a sequence where we page each (sequence, kv head); the bytes read
+    are the same. T must be a whole number of pages."""
+    batch, kv_heads, length, head_dim = keys.shape
+    if length % page_size:
+        raise ValueError(f"flashinfer_pages: expected T a multiple of page_size = {page_size}, got T = {length}")
+    pages_per_sequence = length // page_size
+    num_pages = batch * pages_per_sequence
+    # order[i]: where logical page i (sequence i // pages_per_sequence) lies.
+    order = torch.randperm(num_pages, generator=generator).to(keys.device)
+
+    def paged(rows: torch.Tensor) -> torch.Tensor:
+        logical = rows.transpose(1, 2).reshape(num_pages, page_size, kv_heads, head_dim)
+        pages = torch.empty_like(logical)
+        pages[order] = logical
+        return pages
+
+    int32 = dict(dtype=torch.int32, device=keys.device)
+    return {"k_cache": paged(keys), "v_cache": paged(values), "indices": order.to(torch.int32),
+            "indptr": torch.arange(batch + 1, **int32) * pages_per_sequence,
+            "last_page_len": torch.full((batch,), page_size, **int32)}
+
+
+def flashinfer_row(query: torch.Tensor, cache: dict, block_size: int, expected: torch.Tensor, copy_gbs: float) -> dict:
+    """FlashInfer's paged decode (BatchDecodeWithPagedKVCacheWrapper, tensor cores) over the same keys and values, its
+    output checked against ours first. It reads no log-weights and writes no probabilities."""
+    import flashinfer
+
+    batch, query_heads, _, head_dim = query.shape
+    pages = flashinfer_pages(cache["keys"], cache["values"], block_size)
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=query.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(pages["indptr"], pages["indices"], pages["last_page_len"], query_heads, cache["keys"].shape[1],
+                 head_dim, block_size, q_data_type=query.dtype, kv_data_type=query.dtype)
+    q = query[:, :, 0].contiguous()
+    kv = (pages["k_cache"], pages["v_cache"])
+    torch.testing.assert_close(wrapper.run(q, kv), expected[:, :, 0], atol=2e-2, rtol=2e-2)
+    seconds = median_seconds(lambda: wrapper.run(q, kv))
+    read = pages["k_cache"].nbytes + pages["v_cache"].nbytes
+    return {"part": "kernel", "peer": "flashinfer", "version": getattr(flashinfer, "__version__", "?"),
+            "T": cache["keys"].shape[2], "batch": batch, "peer_us": round(seconds * 1e6, 1),
+            "peer_gbs": round(read / seconds / 1e9, 1), "fraction_of_copy": round(read / seconds / 1e9 / copy_gbs, 3)}
+
+
 def kernel_rows(lengths=(16384, 32768, 65536), batch: int = 4, kv_heads: int = 8, group: int = 4,
                 head_dim: int = 128, block_size: int = 16) -> list[dict]:
     """GPU only: bytes of keys, values and log-weights read per second, against the device's copy bandwidth."""
@@ -257,12 +306,15 @@ def kernel_rows(lengths=(16384, 32768, 65536), batch: int = 4, kv_heads: int = 8
                      "fraction_of_copy": round(read / paged / 1e9 / copy_gbs, 3),
                      "paged_host_checked_us": round(host_checked * 1e6, 1),
                      "rectangular_decode_attention_us": round(rectangular * 1e6, 1)})
-    for peer in ("vllm", "flashinfer"):
         try:
-            __import__(peer)
-            rows.append({"part": "kernel", "peer": peer, "note": "installed but not wired into this benchmark"})
+            rows.append(flashinfer_row(query, c, block_size, ops.decode_attention(query, c["keys"], c["values"],
+                                                                                  c["log_weights"])[0], copy_gbs))
         except ImportError:
-            rows.append({"part": "kernel", "peer": peer, "note": "not installed"})
+            if length == lengths[0]:
+                rows.append({"part": "kernel", "peer": "flashinfer", "note": "not installed"})
+        except Exception as error:  # a peer that fails (its JIT build, a different output) is reported, not fatal
+            rows.append({"part": "kernel", "peer": "flashinfer", "note": f"failed at T = {length}: "
+                                                                        f"{type(error).__name__}: {error}"[:300]})
     return rows
 
 

@@ -51,8 +51,8 @@ def test_a_prebuilt_extension_that_does_not_load_is_rebuilt(tmp_path, monkeypatc
 
 
 def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch):
-    """Issue 21's GPU target reads bench_paged's kernel rows at T >= 16k (the peers' note rows and shorter caches
-    aside) and is met only when every one of them reaches 70% of the copy bandwidth."""
+    """Issue 21's GPU target reads bench_paged's kernel rows at T >= 16k (the peer's rows and shorter caches aside)
+    and is met only when every one of them reaches 70% of the copy bandwidth."""
     import json
 
     from benchmarks import gpu_check
@@ -61,7 +61,7 @@ def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch)
 
     def paged_check(fractions):
         rows = [{"part": "kernel", "T": length, "fraction_of_copy": f} for length, f in fractions.items()]
-        rows.append({"part": "kernel", "peer": "vllm", "note": "not installed"})
+        rows.append({"part": "kernel", "peer": "flashinfer", "T": 16384, "fraction_of_copy": 0.5})  # a peer's, not ours
         (tmp_path / "paged_kernel_cuda.json").write_text(json.dumps({"rows": rows}))
         return next(c for c in gpu_check.targets({}) if c["target"].startswith("paged decode attention"))
 
@@ -97,3 +97,27 @@ def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatc
     benches["kvzap"][1]["speedup"] = 5.0
     (tmp_path / "kvzap.json").write_text(json.dumps({"rows": benches["kvzap"]}))
     assert next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))["met"] is True
+
+
+def test_flashinfer_pages_hold_each_sequences_tokens_in_its_page_list():
+    """The peer's cache (bench_paged.flashinfer_pages): walking a sequence's page list (indptr, indices) over the
+    shuffled pages gives back its keys and values token by token, every kv head in each token's row; a length that
+    is not whole pages is refused."""
+    import pytest
+    import torch
+
+    from benchmarks.bench_paged import flashinfer_pages
+
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 2, 48, 4, generator=generator), torch.randn(3, 2, 48, 4, generator=generator)
+    pages = flashinfer_pages(keys, values, 16, generator)
+    assert sorted(pages["indices"].tolist()) == list(range(9))
+    assert pages["indices"].tolist() != list(range(9))  # shuffled: a layout error cannot hide behind the identity
+    assert pages["indptr"].tolist() == [0, 3, 6, 9] and pages["last_page_len"].tolist() == [16, 16, 16]
+    for sequence in range(3):
+        page_list = pages["indices"][pages["indptr"][sequence]:pages["indptr"][sequence + 1]].long()
+        for cache, rows in (("k_cache", keys), ("v_cache", values)):
+            tokens = pages[cache][page_list].reshape(48, 2, 4)  # (token, kv head, d)
+            assert torch.equal(tokens, rows[sequence].transpose(0, 1))
+    with pytest.raises(ValueError, match=r"flashinfer_pages: expected T a multiple of page_size = 16, got T = 40"):
+        flashinfer_pages(keys[:, :, :40], values[:, :, :40], 16)
