@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kShiftThreads)
     coefficients = kernels::merge_coefficients(key_of.mean(j), kernels::mean_score(sum_after(j), count_after(j)));
   }
 
-  const int64_t items = (last - first) * rows.chunks_per_slot;  // <= kShiftTileChunks (shift_tiles)
+  const int64_t items = (last - first) * rows.chunks_per_slot;  // <= kShiftTileChunks (slot_tiles)
   Chunk key_reads[kShiftItemsPerThread], value_reads[kShiftItemsPerThread];
   float sum_reads[kShiftItemsPerThread], count_reads[kShiftItemsPerThread];
 #pragma unroll
