@@ -96,7 +96,9 @@ class LayerState:
         Only checked when the cache holds fewer slots than the state (no host sync on the usual path)."""
         if self.value_probe is None or self.log_weights.shape[-1] <= slots_before:
             return
-        if not torch.equal(values[..., :slots_before, 0], self.value_probe[..., :slots_before]):
+        # Tokens appended after the probe (plain, b = 0) have nothing to compare: a cut among them kept the probed ones.
+        probed = min(slots_before, self.value_probe.shape[-1])
+        if not torch.equal(values[..., :probed, 0], self.value_probe[..., :probed]):
             raise RuntimeError(
                 f"{self.owner_name()}: another press rearranged the slots of a layer {self.owner_name()} compressed "
                 f"(e.g. a press after it in a ComposedPress, or a kvpress decoding press): its per-slot state (merge "
