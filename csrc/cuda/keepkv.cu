@@ -759,13 +759,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Whether rows of t (slot-contiguous, at t's batch and head strides) can be moved 16 bytes at a time.
-bool rows_aligned_to_16_bytes(const at::Tensor& t) {
-  const int64_t element = static_cast<int64_t>(t.element_size());
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.size(3) * element) % 16 == 0 &&
-         (t.stride(0) * element) % 16 == 0 && (t.stride(1) * element) % 16 == 0;
-}
-
 // The dynamic shared memory of the fused step: the LSE and group factor of every (g, j), an offset and a fold weight
 // per new token.
 int64_t fused_step_shared_bytes(int64_t group, int64_t new_tokens) {
@@ -784,7 +777,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
   if (rows == 0) return t.outputs();
   const at::Tensor scratch = at::empty({5, rows, slots}, log_ema.options());  // read and written only when evicting
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool wide = rows_aligned_to_16_bytes(keys) && rows_aligned_to_16_bytes(values);
+  const bool wide = rows_in_16_byte_chunks(keys) && rows_in_16_byte_chunks(values);
   const int64_t evictions = slots - kept;
   KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::keepkv_decode_step", [&] {
     const auto launch = [&](auto word_tag) {
@@ -816,10 +809,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
               reinterpret_cast<word_t*>(edge_values.mutable_data_ptr<scalar_t>()), args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (evictions == 0) return;
-      const auto word_rows = [&](const at::Tensor& x) {
-        return kernels::RowStrides{x.stride(0) / per_word, x.stride(1) / per_word, kv_heads};
-      };
-      const PackArgs pack{word_rows(keys), word_rows(values), evictions, kept, words_per_slot,
+      const PackArgs pack{row_strides(keys, per_word), row_strides(values, per_word), evictions, kept, words_per_slot,
                           tiles.slots_per_tile, tiles.tiles, tiles.chunks_per_tile};
       const dim3 grid(grid_dim("kvcomp::keepkv_decode_step", "(row, tile) pairs", rows * tiles.tiles),
                       static_cast<unsigned>(grid_dim("kvcomp::keepkv_decode_step", "parts of a slot", tiles.chunk_tiles,

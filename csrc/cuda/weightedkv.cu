@@ -442,13 +442,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> evicted_copies(
   return {keys_out, values_out, sums_out, counts_out};
 }
 
-// Whether every (batch, kv head) row of t starts on a 16-byte boundary and holds whole 16-byte chunks a slot.
-bool rows_in_16_byte_chunks(const at::Tensor& t) {
-  const int64_t element = t.element_size();
-  return aligned_16(t.const_data_ptr()) && (t.size(3) * element) % 16 == 0 && (t.stride(0) * element) % 16 == 0 &&
-         (t.stride(1) * element) % 16 == 0;
-}
-
 // A decoding step (one eviction) where the rows lie, in two launches (file comment); false, with nothing launched,
 // where a slot is wider than a tile's registers hold.
 template <typename scalar_t, typename Chunk>
@@ -473,15 +466,12 @@ bool evict_one_in_place(const at::Tensor& keys, const at::Tensor& values, const 
   const at::Tensor edge_keys = at::empty({edges, shape.key_dim}, keys.options());
   const at::Tensor edge_values = at::empty({edges, shape.value_dim}, values.options());
   const at::Tensor edge_scores = at::empty({edges, 2}, sums.options());
-  const auto chunk_rows = [&](const at::Tensor& t) {
-    return kernels::RowStrides{t.stride(0) / per_chunk, t.stride(1) / per_chunk, shape.kv_heads};
-  };
   const ShiftRows<Chunk> rows{reinterpret_cast<Chunk*>(keys.mutable_data_ptr<scalar_t>()),
                               reinterpret_cast<Chunk*>(values.mutable_data_ptr<scalar_t>()),
                               sums.mutable_data_ptr<float>(),
                               counts.mutable_data_ptr<float>(),
-                              chunk_rows(keys),
-                              chunk_rows(values),
+                              row_strides(keys, per_chunk),
+                              row_strides(values, per_chunk),
                               row_strides(sums),
                               row_strides(counts),
                               reinterpret_cast<Chunk*>(edge_keys.mutable_data_ptr<scalar_t>()),

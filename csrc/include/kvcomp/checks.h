@@ -91,6 +91,19 @@ inline void check_contiguous_rows(const char* op, const char* name, const at::Te
 // The row strides of a tensor with contiguous rows (has_contiguous_rows), for the kernels.
 inline kernels::RowStrides row_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.size(1)}; }
 
+// Whether the (batch, kv head) rows of t (B, H, T, d), at t's batch and head strides, can be moved 16 bytes at a time:
+// each starts on a 16-byte boundary and each slot is whole 16-byte chunks.
+inline bool rows_in_16_byte_chunks(const at::Tensor& t) {
+  const int64_t element = static_cast<int64_t>(t.element_size());
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.size(3) * element) % 16 == 0 &&
+         (t.stride(0) * element) % 16 == 0 && (t.stride(1) * element) % 16 == 0;
+}
+
+// row_strides(t) in units of `elements` elements (the 16-byte chunks of rows_in_16_byte_chunks).
+inline kernels::RowStrides row_strides(const at::Tensor& t, int64_t elements) {
+  return {t.stride(0) / elements, t.stride(1) / elements, t.size(1)};
+}
+
 // For the (B, H, ...) tensors a kernel only reads row by row through row_strides(): t itself when its rows are
 // contiguous (a paged cache's view is read where it lies), otherwise a contiguous copy.
 inline at::Tensor with_contiguous_rows(const at::Tensor& t) { return has_contiguous_rows(t) ? t : t.contiguous(); }
