@@ -5,11 +5,14 @@
     python -m benchmarks.bench_kvzap --tau    # (d) only: writes benchmarks/results/kvzap_tau.json and kvzap_tau.png
     python -m benchmarks.bench_kvzap --decode # (e) only: writes benchmarks/results/paged_decode_kvzap.json
 
-(a) Scoring + thresholding of one layer, B = 1, float32: ``kvzap_score`` + ``kvzap_threshold`` against the surrogate
-    as an nn.Module (what kvpress's KVzapPress.score runs) followed by the DMS rule in plain PyTorch (DMSPress's
-    ``scores < threshold`` on the tokens that left the window, written into log-weights, held count per head).
-    Prefill of T = 4096 tokens and one decoding step over a 4096-slot cache, for a SmolLM2-135M layer (Dh = 576,
-    H = 3, MLP width 72) and a Llama-3.1-8B / Qwen3-8B layer (Dh = 4096, H = 8, MLP width 512), linear and MLP.
+(a) Scoring + thresholding of one layer, float32, against the surrogate as an nn.Module (what kvpress's
+    KVzapPress.score runs) followed by the DMS rule in plain PyTorch (DMSPress's ``scores < threshold`` on the tokens
+    that left the window, written into log-weights, held count per head). Prefill of T = 4096 tokens at B = 1
+    (``kvzap_score`` + ``kvzap_threshold``), and one decoding step as the rectangular press runs it
+    (``kvzap_decode_step``: the new token scored, the state's scores and positions grown, the token leaving the window
+    decided; plain PyTorch: the module, two ``cat`` and the rule) over caches of (B, T) in DECODE_SHAPES, for a
+    SmolLM2-135M layer (Dh = 576, H = 3, MLP width 72) and a Llama-3.1-8B layer (Dh = 4096, H = 8, MLP width 512),
+    linear and MLP.
 (b) The 30 layers' scoring + thresholding as a share of SmolLM2-135M's own forward over the same 4096 tokens (CPU,
     one thread).
 (c) FLOPs of the surrogate over the FLOPs of the model's linear projections (q, k, v, o, gate, up, down) per token
@@ -42,6 +45,8 @@ from benchmarks.common import configurations, median_seconds, print_table, pyplo
 from tests import reference
 
 LENGTH, WINDOW, THRESHOLD = 4096, 128, 0.0
+# (B, T) of the decoding-step rows: issue 20's B 1-16, T 4k-32k on a GPU.
+DECODE_SHAPES = {"cpu": [(1, 4096)], "cuda": [(1, 4096), (16, 4096), (1, 32768), (16, 32768)]}
 TAUS = (-5.0, -4.0, -3.5, -3.0, -2.5)
 LINEAR_TAUS = (-4.0, -3.5, -3.0)
 TAU_DEPTHS, TAU_CONTEXT_TOKENS = (0.2, 0.5, 0.8), 2000
@@ -87,7 +92,8 @@ def bench_layer(rows, device, threads, model_name, kind):
     hidden_dim = None if kind == "linear" else dim // 8
     weights = surrogate_tensors(dim, heads, hidden_dim, device)
     module = reference.kvzap_surrogate_module(*(w.cpu() for w in weights)).to(device).eval()
-    hidden = torch.randn(1, LENGTH, dim, device=device)
+    # Seeded: the op and the module round differently, and a score within ~1e-6 of τ would be decided differently.
+    hidden = torch.randn(1, LENGTH, dim, generator=torch.Generator().manual_seed(dim)).to(device)
     zeros = torch.zeros(1, heads, LENGTH, device=device)
     positions = torch.arange(LENGTH, device=device).expand(1, heads, LENGTH)
 
@@ -100,31 +106,55 @@ def bench_layer(rows, device, threads, model_name, kind):
             scores = module(hidden).transpose(1, 2)
         return plain_dms_rule(zeros, scores, 0, LENGTH)
 
-    # One decoding step: score the new token and decide the one that leaves the window, over a 4096-slot cache.
-    new_hidden = hidden[:, -1:]
-    old_scores = torch.ops.kvcomp.kvzap_score(hidden[:, :-1], *weights)
-    old_lw, _ = torch.ops.kvcomp.kvzap_threshold(zeros[..., :-1], old_scores, positions[..., :-1], THRESHOLD, WINDOW,
-                                                  0, LENGTH - 1)
+    compare(rows, "prefill", op_prefill, plain_prefill, device=device, threads=threads, model=model_name,
+            surrogate=kind, B=1, T=LENGTH)
+    for batch, length in DECODE_SHAPES[device]:
+        bench_decode_step(rows, device, threads, model_name, kind, weights, module, batch, length)
+
+
+def bench_decode_step(rows, device, threads, model_name, kind, weights, module, batch, length):
+    """One decoding step as the rectangular press runs it (kvzap_decode_step: score the new token, grow the state,
+    decide the token leaving the window) over a state of length - 1 slots, against the same in plain PyTorch."""
+    dim, heads = SHAPES[model_name][:2]
+    generator = torch.Generator().manual_seed(length)
+    new_hidden = torch.randn(batch, 1, dim, generator=generator).to(device)
+    old_scores = (torch.randn(batch, heads, length - 1, generator=generator) - 0.5).to(device)
+    old_positions = torch.arange(length - 1, device=device).expand(batch, heads, length - 1).contiguous()
+    old_lw, _ = torch.ops.kvcomp.kvzap_threshold(torch.zeros(batch, heads, length - 1, device=device), old_scores,
+                                                  old_positions, THRESHOLD, WINDOW, 0, length - 1)
+    surrogate = (*weights, None, None)[:4]
 
     def op_decode():
-        scores = torch.cat([old_scores, torch.ops.kvcomp.kvzap_score(new_hidden, *weights)], -1)
-        lw = torch.nn.functional.pad(old_lw, (0, 1))
-        return torch.ops.kvcomp.kvzap_threshold(lw, scores, positions, THRESHOLD, WINDOW, LENGTH - 1, LENGTH)
+        lw = torch.nn.functional.pad(old_lw, (0, 1))  # the layer's log-weights as the attention read them
+        return torch.ops.kvcomp.kvzap_decode_step(new_hidden, *surrogate, lw, old_scores, old_positions, THRESHOLD,
+                                                  WINDOW, length - 1)
 
     def plain_decode():
         with torch.no_grad():
             scores = torch.cat([old_scores, module(new_hidden).transpose(1, 2)], -1)
-        return plain_dms_rule(torch.nn.functional.pad(old_lw, (0, 1)), scores, LENGTH - 1, LENGTH)
+        positions = torch.cat([old_positions, torch.full_like(old_positions[..., :1], length - 1)], -1)
+        log_weights, held = plain_dms_rule(torch.nn.functional.pad(old_lw, (0, 1)), scores, length - 1, length)
+        return log_weights, scores, positions, held
 
-    for phase, op_fn, plain_fn in (("prefill", op_prefill, plain_prefill), ("decode step", op_decode, plain_decode)):
-        got, expected = op_fn(), plain_fn()
+    def same(got, expected):
+        torch.testing.assert_close(got[1], expected[1])
+        assert all(torch.equal(got[i], expected[i]) for i in (0, 2, 3))
+
+    compare(rows, "decode step", op_decode, plain_decode, same, device=device, threads=threads, model=model_name,
+            surrogate=kind, B=batch, T=length)
+
+
+def compare(rows, phase, op_fn, plain_fn, same=None, **row):
+    got, expected = op_fn(), plain_fn()
+    if same is None:
         torch.testing.assert_close(got[0], expected[0])  # same decisions (random weights: no score sits on τ)
         assert torch.equal(got[1], expected[1])
-        op_s = median_seconds(op_fn, num_threads=threads)
-        plain_s = median_seconds(plain_fn, num_threads=threads)
-        rows.append({"case": "score+threshold", "model": model_name, "surrogate": kind, "phase": phase,
-                     "device": device, "threads": threads, "T": LENGTH, "op_us": round(op_s * 1e6, 1),
-                     "plain_us": round(plain_s * 1e6, 1), "speedup": round(plain_s / op_s, 2)})
+    else:
+        same(got, expected)
+    op_s = median_seconds(op_fn, num_threads=row["threads"])
+    plain_s = median_seconds(plain_fn, num_threads=row["threads"])
+    rows.append({"case": "score+threshold", **row, "phase": phase, "op_us": round(op_s * 1e6, 1),
+                 "plain_us": round(plain_s * 1e6, 1), "speedup": round(plain_s / op_s, 2)})
 
 
 def bench_forward_share(rows, threads):
@@ -173,14 +203,15 @@ def plot(rows):
     labels = [f"{r['model']}\n{r['surrogate']}, {r['phase']}" for r in timed]
     fig, ax = plt.subplots(figsize=(max(8, len(timed) * 1.1), 4.5))
     x = torch.arange(len(timed)).float()
-    ax.bar(x - 0.2, [r["op_us"] for r in timed], 0.4, label="kvzap_score + kvzap_threshold")
+    ax.bar(x - 0.2, [r["op_us"] for r in timed], 0.4,
+           label="kvzap_score + kvzap_threshold (prefill), kvzap_decode_step (decode step)")
     ax.bar(x + 0.2, [r["plain_us"] for r in timed], 0.4, label="nn.Module + plain-PyTorch DMS rule")
     for xi, r in zip(x.tolist(), timed):
         ax.text(xi, max(r["op_us"], r["plain_us"]) * 1.1, f"{r['speedup']}x", ha="center", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("µs (median, CPU, 1 thread, float32)")
     ax.set_xticks(x.tolist(), labels, fontsize=7)
-    ax.set_title(f"KVzap scoring + thresholding of one layer, T = {LENGTH}, window {WINDOW}")
+    ax.set_title(f"KVzap scoring + thresholding of one layer, B = 1, T = {LENGTH}, window {WINDOW}")
     ax.legend(fontsize=8)
     return save_figure(fig, "kvzap")
 
@@ -293,7 +324,7 @@ def main() -> None:
         torch.set_num_threads(1)
         bench_forward_share(rows, 1)
     rows += flop_rows()
-    print_table(rows, ["case", "model", "surrogate", "phase", "device", "threads", "T", "op_us", "plain_us", "speedup",
+    print_table(rows, ["case", "model", "surrogate", "phase", "device", "threads", "B", "T", "op_us", "plain_us", "speedup",
                        "forward_ms", "share_pct", "flop_pct"])
     print("wrote", write_results("kvzap", rows), "and", plot(rows))
 

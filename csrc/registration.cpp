@@ -104,6 +104,14 @@ TORCH_LIBRARY(kvcomp, m) {
   // slots of each row whose log-weight is not -inf).
   m.def("kvzap_threshold(Tensor log_weights, Tensor scores, Tensor positions, float threshold, int window, "
         "int tokens_before, int tokens_after) -> (Tensor, Tensor)");
+  // KVzap's decoding pass on a rectangular cache, as one op: kvzap_score of the q new tokens' attention input hidden
+  // (B, q, Dh), appended to the state's scores and positions (B, H, T) (float32, int64; the new tokens' positions are
+  // tokens_before .. tokens_before + q - 1), then kvzap_threshold over the grown state for the pass tokens_before ->
+  // tokens_before + q. log_weights (B, H, T + q) float32 are the layer's, the new tokens' slots last. -> (log_weights,
+  // scores, positions: (B, H, T + q) each, held (B, H) int64).
+  m.def("kvzap_decode_step(Tensor hidden, Tensor weight1, Tensor bias1, Tensor? weight2, Tensor? bias2, "
+        "Tensor log_weights, Tensor scores, Tensor positions, float threshold, int window, int tokens_before) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   // kvzap_threshold's decoding pass on a paged cache, in place in its per-slot pools: log-weights, scores (N, S)
   // float32 and positions (N, S) int64, read through block_tables (B, H, max_blocks) and lengths (B, H) as in
   // paged_decode_attention (each block owned by one (b, h)). The q new tokens, each (b, h)'s last q slots, get the
@@ -143,7 +151,7 @@ TORCH_LIBRARY(kvcomp, m) {
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
   for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "zsmerge_prefill",
                          "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
-                         "kvzap_score", "kvzap_threshold", "prompt_log_sum_exp", "prompt_scores",
+                         "kvzap_score", "kvzap_threshold", "kvzap_decode_step", "prompt_log_sum_exp", "prompt_scores",
                          "paged_decode_attention", "prompt_attention_with_scores",
                          "prompt_log_unnormalised_scores"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());

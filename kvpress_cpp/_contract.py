@@ -460,6 +460,36 @@ _declare(Contract(
 ))
 
 _declare(Contract(
+    "kvzap_decode_step",
+    # hidden (B, q, Dh) and the surrogate as kvzap_score's; the state of T slots; log-weights of the T + q.
+    [Tensor("hidden", "B q Dh", CACHE_DTYPES), Tensor("weight1", "W Dh", "hidden"), Tensor("bias1", "W", "hidden"),
+     Tensor("weight2", "H W", "hidden", optional=True), Tensor("bias2", "H", "hidden", optional=True),
+     Tensor("log_weights", "B K L", F32), Tensor("scores", "B K T", F32), Tensor("positions", "B K T", I64),
+     Scalar("threshold"), Scalar("window"), Scalar("tokens_before")],
+    rules=[
+        *CONTRACTS["kvzap_score"].rules,
+        Rule(lambda v: v["K"] == (v["W"] if v["weight2"] is None else v["H"]),
+             lambda v: f"expected log_weights.size(1) == {v['W'] if v['weight2'] is None else v['H']} (output heads H "
+             f"of the surrogate), got log_weights of shape {tuple(v['log_weights'].shape)}"),
+        Rule(lambda v: v["L"] >= v["q"],
+             lambda v: f"expected log_weights with a slot for each of the q = {v['q']} new tokens, got log_weights of "
+             f"shape {tuple(v['log_weights'].shape)}"),
+        Rule(lambda v: v["T"] == v["L"] - v["q"],
+             lambda v: f"expected scores.size(2) == {v['L'] - v['q']} (slots of log_weights before the q new tokens), "
+             f"got scores of shape {tuple(v['scores'].shape)}"),
+        Rule(lambda v: not math.isnan(v["threshold"]),
+             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
+        _at_least("window", 0),
+        _at_least("tokens_before", 0),
+        Rule(lambda v: v["tokens_before"] + v["q"] <= INT64_MAX,
+             lambda v: f"expected tokens_before + q to fit in 64 bits, got tokens_before = {v['tokens_before']}, "
+             f"q = {v['q']}"),
+    ],
+    outputs=lambda v: [((v["B"], v["K"], v["L"]), F32), ((v["B"], v["K"], v["L"]), F32),
+                       ((v["B"], v["K"], v["L"]), I64), ((v["B"], v["K"]), I64)],
+))
+
+_declare(Contract(
     "kvzap_paged_step",
     [Tensor("log_weight_blocks", "N S", F32, inplace=True), Tensor("score_blocks", "N S", F32, inplace=True),
      Tensor("position_blocks", "N S", I64, inplace=True), Tensor("block_tables", "B H M", I64),

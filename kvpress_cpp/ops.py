@@ -462,6 +462,47 @@ def kvzap_threshold(
                                             tokens_after)
 
 
+def kvzap_decode_step(
+    hidden: torch.Tensor,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor,
+    weight2: torch.Tensor | None,
+    bias2: torch.Tensor | None,
+    log_weights: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    threshold: float,
+    window: int,
+    tokens_before: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVzap's decoding pass on a rectangular cache as one op: :func:`kvzap_score` of the q new tokens, appended to
+    the state's scores and positions, then :func:`kvzap_threshold` over the grown state for the pass
+    ``tokens_before → tokens_before + q``. Equal to::
+
+        new = kvzap_score(hidden, weight1, bias1, weight2, bias2)
+        scores = torch.cat([scores, new], -1)
+        positions = torch.cat([positions, torch.arange(tokens_before, tokens_before + q).expand(B, H, q)], -1)
+        log_weights, held = kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_before,
+                                            tokens_before + q)
+
+    without the intermediate tensors: on CUDA, for a decoding pass (B·q ≤ 16 tokens, 16-byte aligned rows), two
+    launches for the MLP surrogate (one for the linear) and one for the rest, where that composition takes about ten.
+
+    Args:
+        hidden: (B, q, Dh) the new tokens' attention input; weight1, bias1, weight2, bias2: as in :func:`kvzap_score`.
+        log_weights: (B, H, T + q) float32, the layer's log-weights with the new tokens' slots last (as the attention
+            read them; 0 for a token).
+        scores: (B, H, T) float32, positions: (B, H, T) int64: the state of the T slots before the pass.
+        threshold, window: as in :func:`kvzap_threshold`; tokens_before: the tokens the cache had seen before the pass.
+
+    Returns:
+        (log_weights, scores, positions: (B, H, T + q) each, held (B, H) int64), as :func:`kvzap_threshold` returns
+        them with the grown scores and positions.
+    """
+    return torch.ops.kvcomp.kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, scores, positions,
+                                              threshold, window, tokens_before)
+
+
 def kvzap_paged_step(
     log_weight_blocks: torch.Tensor,
     score_blocks: torch.Tensor,

@@ -576,6 +576,20 @@ def kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_be
     return out, held
 
 
+def kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, scores, positions, threshold, window,
+                      tokens_before):
+    """A decoding pass on a rectangular cache: the new tokens' scores (:func:`kvzap_score`) and positions appended to
+    the state's, then :func:`kvzap_threshold` over the grown state. Returns (log_weights, scores, positions, held)."""
+    batch, heads = log_weights.shape[:2]
+    new_tokens = hidden.shape[1]
+    grown_scores = torch.cat([scores.cpu(), kvzap_score(hidden, weight1, bias1, weight2, bias2)], -1)
+    new_positions = torch.arange(tokens_before, tokens_before + new_tokens).expand(batch, heads, new_tokens)
+    grown_positions = torch.cat([positions.cpu(), new_positions], -1)
+    out, held = kvzap_threshold(log_weights.cpu(), grown_scores, grown_positions, threshold, window, tokens_before,
+                                tokens_before + new_tokens)
+    return out, grown_scores, grown_positions, held
+
+
 def kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tables, lengths, new_scores, threshold,
                      window, tokens_before):
     """The paged decoding pass row by row, on each row's slot list: the new tokens' positions and scores written to its

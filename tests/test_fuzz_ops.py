@@ -445,6 +445,33 @@ def _kvzap_threshold_build(r, s, dtype):
             r.randint(before, s["T"] + 4))
 
 
+def _kvzap_decode_step_sizes(r, o):
+    s = _kvzap_score_sizes(r, o)
+    s["q"], s["T"] = o.get("q", r.randint(1, 3)), o.get("T", r.randint(0, 20))
+    if o.get("L") == 0:
+        s["q"] = s["T"] = 0
+    if o.get("K") == 0:
+        s["H" if s["mlp"] else "W"] = 0
+    return s
+
+
+def _kvzap_decode_step_build(r, s, dtype):
+    """A state of T slots as decoding leaves it (positions 0 .. T - 1 from tokens_before = T, a few slots evicted)
+    and q new tokens. The threshold stays 0.1 away from the new tokens' scores (low precision moves them by up to
+    5e-2), so that a new token leaving the window at once is decided as the reference decides it."""
+    surrogate = _kvzap_score_build(r, {**s, "T": s["q"]}, dtype)
+    heads = s["H"] if s["mlp"] else s["W"]
+    state = (s["B"], heads, s["T"])
+    log_weights = torch.zeros(s["B"], heads, s["T"] + s["q"])
+    log_weights[..., :s["T"]][torch.rand(state, generator=_g(r)) < 0.2] = -math.inf
+    positions = torch.arange(s["T"]).expand(state).contiguous()
+    threshold = r.gauss(0, 1)
+    new_scores = reference.kvzap_score(*surrogate)
+    while bool(((new_scores - threshold).abs() < 0.1).any()):
+        threshold += 0.1
+    return (*surrogate, log_weights, _randn(r, state), positions, threshold, r.randint(0, 8), s["T"])
+
+
 def _kvzap_paged_step_sizes(r, o):
     s = {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("H", 3), ("q", 3), ("S", 4))}
     s["window"], s["tokens_before"] = r.randint(0, 6), r.randint(0, 24)
@@ -552,6 +579,8 @@ FUZZ: dict[str, OpFuzz] = {
                           tolerance=lambda dtype: _low_precision(dtype, 5e-2)),
     "kvzap_threshold": OpFuzz(_kvzap_threshold_sizes, _kvzap_threshold_build, reference.kvzap_threshold,
                               odd_values=_extreme_indices(2)),
+    "kvzap_decode_step": OpFuzz(_kvzap_decode_step_sizes, _kvzap_decode_step_build, reference.kvzap_decode_step,
+                                tolerance=lambda dtype: _low_precision(dtype, 5e-2), odd_values=_extreme_indices(7)),
     "kvzap_paged_step": OpFuzz(_kvzap_paged_step_sizes, _kvzap_paged_step_build, reference.kvzap_paged_step,
                                run=_kvzap_paged_step_run, bad_values=_kvzap_paged_step_bad,
                                odd_values=_extreme_indices(2)),

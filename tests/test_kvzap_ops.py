@@ -1,4 +1,4 @@
-"""The kvzap family (kvcomp::kvzap_score, kvzap_threshold) against the plain-PyTorch references (nn.Linear / nn.GELU
+"""The kvzap family (kvcomp::kvzap_score, kvzap_threshold, kvzap_decode_step) against the plain-PyTorch references (nn.Linear / nn.GELU
 modules, the keep rule slot by slot), the rule's properties (decided once, window never evicted, lower τ keeps
 more), opcheck, torch.compile and bad input."""
 
@@ -207,6 +207,118 @@ def test_threshold_cuda_matches_cpu_at_scale(batch, heads, length):
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected))
 
 
+@CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_dim", [None, 512])
+@pytest.mark.parametrize("batch,length", [(1, 1), (16, 1), (4, 4), (17, 1)])
+def test_score_cuda_decoding_pass_matches_cpu(dtype, hidden_dim, batch, length):
+    """A decoding pass at a Llama-3-8B layer's shape: up to 16 tokens take the small-rows kernels (one warp per
+    output unit), 17 the GEMM path; both against the CPU op and the module."""
+    weights = surrogate(4096, 8, hidden_dim, dtype, "cuda", seed=batch)
+    hidden = hidden_states(batch, length, 4096, dtype, "cuda", seed=length)
+    got = ops.kvzap_score(hidden, *weights).cpu()
+    torch.testing.assert_close(got, ops.kvzap_score(hidden.cpu(), *(w.cpu() for w in weights)),
+                               **SCORE_TOLERANCE[dtype])
+    torch.testing.assert_close(got, reference.kvzap_score(hidden, *weights), **SCORE_TOLERANCE[dtype])
+
+
+@CUDA
+def test_score_cuda_small_rows_unaligned_take_the_gemm_path():
+    """Rows that are not whole 16-byte pieces (Dh = 4099, a hidden view starting one element in) still score."""
+    weights = surrogate(4099, 8, 40, torch.bfloat16, "cuda")
+    hidden = hidden_states(1, 1, 4100, torch.bfloat16, "cuda")[..., 1:]
+    torch.testing.assert_close(ops.kvzap_score(hidden, *weights).cpu(),
+                               reference.kvzap_score(hidden, *weights), **SCORE_TOLERANCE[torch.bfloat16])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kvzap_decode_step
+
+
+def decode_step_inputs(batch, heads, slots, new_tokens, dim, hidden_dim, dtype=torch.float32, device="cpu", seed=0):
+    """The surrogate, the new tokens' hidden states, and a state of `slots` slots as decoding leaves it (increasing
+    positions, some evicted) with the layer's log-weights grown by the new tokens (0)."""
+    weights = surrogate(dim, heads, hidden_dim, dtype, device, seed=seed)
+    hidden = hidden_states(batch, new_tokens, dim, dtype, device, seed=seed + 1)
+    log_weights, scores, positions = threshold_inputs(batch, heads, slots, device, seed=seed)
+    log_weights = torch.nn.functional.pad(log_weights, (0, new_tokens))
+    return (hidden, *weights, *((None, None) if hidden_dim is None else ()), log_weights, scores, positions)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_dim", [None, 24])
+@pytest.mark.parametrize("batch,heads,slots,new_tokens,window", [
+    (1, 3, 300, 1, 128),   # a decoding step: one token leaves the window
+    (2, 2, 40, 3, 1),      # q > window: new tokens are decided in the pass that brings them
+    (3, 1, 0, 2, 0),       # an empty state, window 0
+    (2, 4, 50, 1, 10_000),  # nothing leaves the window
+])
+def test_decode_step_matches_reference(device, dtype, hidden_dim, batch, heads, slots, new_tokens, window):
+    args = decode_step_inputs(batch, heads, slots, new_tokens, 32, hidden_dim, dtype, device, seed=slots)
+    tokens_before = int(args[-1].max()) + 1 if slots else 0
+    # τ where the decided state slots fall on both sides of it, and 0.1 from any new score (low precision moves them)
+    new_scores = reference.kvzap_score(*args[:5])
+    threshold = -4.0
+    while bool(((new_scores - threshold).abs() < 0.1).any()):
+        threshold += 0.1
+    got = ops.kvzap_decode_step(*args, threshold, window, tokens_before)
+    expected = reference.kvzap_decode_step(*args, threshold, window, tokens_before)
+    grown = (batch, heads, slots + new_tokens)
+    assert [t.shape for t in got] == [grown] * 3 + [(batch, heads)]
+    assert [t.dtype for t in got] == [torch.float32, torch.float32, torch.int64, torch.int64]
+    assert all(t.device == args[0].device for t in got)
+    assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[2].cpu(), expected[2])
+    assert torch.equal(got[3].cpu(), expected[3])
+    assert torch.equal(got[1][..., :slots].cpu(), expected[1][..., :slots])
+    torch.testing.assert_close(got[1].cpu(), expected[1], **SCORE_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden_dim", [None, 64])
+def test_decode_step_is_score_cat_threshold(device, hidden_dim):
+    """The op is exactly the composition it replaces in the press (same surrogate kernels, same rule)."""
+    args = decode_step_inputs(2, 8, 700, 1, 256, hidden_dim, torch.bfloat16, device, seed=5)
+    hidden, weights, (log_weights, scores, positions) = args[0], args[1:5], args[5:]
+    before = int(positions.max()) + 1
+    new = ops.kvzap_score(hidden, *weights)
+    grown_scores = torch.cat([scores, new], -1)
+    grown_positions = torch.cat([positions, torch.full_like(positions[..., :1], before)], -1)
+    expected_lw, expected_held = ops.kvzap_threshold(log_weights, grown_scores, grown_positions, -4.0, 128, before,
+                                                     before + 1)
+    got = ops.kvzap_decode_step(*args, -4.0, 128, before)
+    for g, e in zip(got, (expected_lw, grown_scores, grown_positions, expected_held)):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_step_non_contiguous_and_empty(device):
+    args = list(decode_step_inputs(2, 3, 30, 2, 16, 8, device=device))
+    expected = ops.kvzap_decode_step(*args, -4.0, 4, 40)
+    args[0] = torch.stack([args[0], args[0]], -1)[..., 0]  # every other element
+    args[6] = args[6].transpose(0, 1).contiguous().transpose(0, 1)
+    for g, e in zip(ops.kvzap_decode_step(*args, -4.0, 4, 40), expected):
+        assert torch.equal(g, e)
+    empty = decode_step_inputs(0, 3, 0, 1, 16, 8, device=device)
+    assert [t.shape for t in ops.kvzap_decode_step(*empty, -4.0, 4, 0)] == [(0, 3, 1)] * 3 + [(0, 3)]
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_dim", [None, 512])
+@pytest.mark.parametrize("batch", [1, 16, 17])
+def test_decode_step_cuda_matches_cpu(dtype, hidden_dim, batch):
+    """A Llama-3-8B layer's shape over 4k slots: the decided slots and the state as the CPU op gives them, the new
+    scores within the dtype's tolerance (16 tokens take the small-rows kernels, 17 the GEMM path)."""
+    args = decode_step_inputs(batch, 8, 4096, 1, 4096, hidden_dim, dtype, "cpu", seed=batch)
+    before = int(args[-1].max()) + 1
+    got = ops.kvzap_decode_step(*(a.cuda() if a is not None else None for a in args), -4.0, 128, before)
+    expected = ops.kvzap_decode_step(*args, -4.0, 128, before)
+    for index in (0, 2, 3):
+        assert torch.equal(got[index].cpu(), expected[index])
+    torch.testing.assert_close(got[1].cpu(), expected[1], **SCORE_TOLERANCE[dtype])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dispatcher, opcheck, torch.compile
 
@@ -219,6 +331,9 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.kvcomp.kvzap_score.default, (hidden, *surrogate(16, 3, None, dtype, device)))
     log_weights, scores, positions = threshold_inputs(2, 3, 20, device)
     torch.library.opcheck(torch.ops.kvcomp.kvzap_threshold.default, (log_weights, scores, positions, -4.0, 4, 3, 50))
+    for hidden_dim in (None, 8):
+        torch.library.opcheck(torch.ops.kvcomp.kvzap_decode_step.default,
+                              (*decode_step_inputs(2, 3, 20, 2, 16, hidden_dim, device=device), -4.0, 4, 60))
 
 
 def test_compile_fullgraph():
@@ -239,14 +354,14 @@ def test_compile_fullgraph():
 
 
 def test_cpu_kernels_registered():
-    for name in ("kvzap_score", "kvzap_threshold"):
+    for name in ("kvzap_score", "kvzap_threshold", "kvzap_decode_step"):
         assert "CPU: registered" in torch._C._dispatch_dump(f"kvcomp::{name}")
 
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="CPU build of torch: no CUDA kernels expected")
 def test_cuda_kernels_built_with_cuda_torch():
     assert kvpress_cpp.cuda_kernels_built()
-    for name in ("kvzap_score", "kvzap_threshold"):
+    for name in ("kvzap_score", "kvzap_threshold", "kvzap_decode_step"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcomp::{name}", "CUDA")
 
 

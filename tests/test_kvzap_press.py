@@ -60,18 +60,24 @@ def surrogates(llama, tmp_path_factory):
 
 
 class Recorder:
-    """Wraps a KVzapThresholdPress's scorer: every layer's scores as computed, in order."""
+    """Wraps a KVzapThresholdPress's scorer (prefill, paged decoding) and its rectangular decoding step: every layer's
+    scores as computed, in order."""
 
     def __init__(self, press):
         self.scores: dict[int, list[torch.Tensor]] = {}
-        original = press.scorer.layer_scores
+        score, step = press.scorer.layer_scores, press.decode_step
 
-        def recorded(module, hidden_states):
-            scores = original(module, hidden_states)
+        def recorded_score(module, hidden_states):
+            scores = score(module, hidden_states)
             self.scores.setdefault(module.layer_idx, []).append(scores)
             return scores
 
-        press.scorer.layer_scores = recorded
+        def recorded_step(module, hidden_states, log_weights, state):
+            result = step(module, hidden_states, log_weights, state)
+            self.scores.setdefault(module.layer_idx, []).append(result[1][..., -hidden_states.shape[1]:])
+            return result
+
+        press.scorer.layer_scores, press.decode_step = recorded_score, recorded_step
 
     def all_scores(self, layer_idx):
         return torch.cat(self.scores[layer_idx], dim=-1)

@@ -1,6 +1,7 @@
 // CPU kernels of the kvzap family: the surrogate (ATen GEMMs; bias + GELU and bias + float32 as vectorised passes
-// over the GEMM outputs, parallel over rows), the keep rule (one pass per (batch, head) row: decision and count) and
-// its decoding pass on a paged cache (one serial pass over the rows).
+// over the GEMM outputs, parallel over rows), the keep rule (one pass per (batch, head) row: decision and count), its
+// decoding pass on a rectangular cache (the surrogate, then one pass per row that grows the state and decides) and on
+// a paged cache (one serial pass over the rows).
 #include <ATen/Parallel.h>
 #include "cpu/vec.h"
 #include <ATen/ops/empty.h>
@@ -68,6 +69,18 @@ at::Tensor bias_to_float_cpu(const at::Tensor& product, const at::Tensor& bias) 
   return out;
 }
 
+// held[row] = how many of the row's `len` slots decide_slot(row, t) reports held, parallel over the rows.
+template <typename DecideSlot>
+void count_held_per_row(int64_t* held, int64_t rows, int64_t len, const DecideSlot& decide_slot) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      int64_t count = 0;
+      for (int64_t t = 0; t < len; ++t) count += decide_slot(row, t);
+      held[row] = count;
+    }
+  });
+}
+
 at::Tensor kvzap_score_cpu(const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
                            const c10::optional<at::Tensor>& weight2, const c10::optional<at::Tensor>& bias2) {
   const KVzapScoreShape shape = check_kvzap_score(hidden, weight1, bias1, weight2, bias2);
@@ -91,19 +104,45 @@ std::tuple<at::Tensor, at::Tensor> kvzap_threshold_cpu(const at::Tensor& log_wei
   int64_t* held_ptr = held.mutable_data_ptr<int64_t>();
   const z::DecisionRange range = z::decision_range(tokens_before, tokens_after, window);
   const float threshold_f = static_cast<float>(threshold);
-  const int64_t len = shape.len;
-  at::parallel_for(0, shape.rows(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      int64_t count = 0;
-      for (int64_t slot = row * len; slot < (row + 1) * len; ++slot) {
-        const float value = z::thresholded_log_weight(lw_ptr[slot], score_ptr[slot], pos_ptr[slot], range, threshold_f);
-        out_ptr[slot] = value;
-        count += z::is_held(value);
-      }
-      held_ptr[row] = count;
-    }
+  count_held_per_row(held_ptr, shape.rows(), shape.len, [&](int64_t row, int64_t t) {
+    const int64_t slot = row * shape.len + t;
+    out_ptr[slot] = z::thresholded_log_weight(lw_ptr[slot], score_ptr[slot], pos_ptr[slot], range, threshold_f);
+    return z::is_held(out_ptr[slot]);
   });
   return {out, held};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvzap_decode_step_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
+    const c10::optional<at::Tensor>& weight2, const c10::optional<at::Tensor>& bias2, const at::Tensor& log_weights,
+    const at::Tensor& scores, const at::Tensor& positions, double threshold, int64_t window, int64_t tokens_before) {
+  const KVzapDecodeStepShape shape = check_kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, scores,
+                                                             positions, threshold, window, tokens_before);
+  const at::Tensor new_scores =  // (B, H, q), contiguous
+      run_kvzap_surrogate(hidden, weight1, bias1, weight2, bias2, shape.surrogate, bias_gelu_cpu_, bias_to_float_cpu);
+  const at::Tensor log_weights_c = log_weights.contiguous(), scores_c = scores.contiguous();
+  const at::Tensor positions_c = positions.contiguous();
+  at::Tensor log_weights_out = at::empty_like(log_weights_c), scores_out = at::empty_like(log_weights_c);
+  at::Tensor positions_out = at::empty(log_weights_c.sizes(), positions.options());
+  at::Tensor held = at::empty({shape.surrogate.batch, shape.surrogate.heads}, positions.options());
+  const int64_t q = shape.new_tokens();
+  const z::DecisionRange range = z::decision_range(tokens_before, tokens_before + q, window);
+  const float threshold_f = static_cast<float>(threshold);
+  const z::GrowingRows rows{log_weights_c.const_data_ptr<float>(),
+                            scores_c.const_data_ptr<float>(),
+                            positions_c.const_data_ptr<int64_t>(),
+                            new_scores.const_data_ptr<float>(),
+                            q,
+                            log_weights_out.mutable_data_ptr<float>(),
+                            scores_out.mutable_data_ptr<float>(),
+                            positions_out.mutable_data_ptr<int64_t>(),
+                            shape.slots_before,
+                            q,
+                            tokens_before};
+  count_held_per_row(held.mutable_data_ptr<int64_t>(), shape.rows(), rows.slots_after(), [&](int64_t row, int64_t t) {
+    return z::grow_and_decide_slot(rows, row, t, range, threshold_f);
+  });
+  return {log_weights_out, scores_out, positions_out, held};
 }
 
 at::Tensor kvzap_paged_step_cpu(at::Tensor& log_weight_blocks, at::Tensor& score_blocks, at::Tensor& position_blocks,
@@ -136,6 +175,7 @@ at::Tensor kvzap_paged_step_cpu(at::Tensor& log_weight_blocks, at::Tensor& score
 TORCH_LIBRARY_IMPL(kvcomp, CPU, m) {
   m.impl("kvzap_score", &kvzap_score_cpu);
   m.impl("kvzap_threshold", &kvzap_threshold_cpu);
+  m.impl("kvzap_decode_step", &kvzap_decode_step_cpu);
   m.impl("kvzap_paged_step", &kvzap_paged_step_cpu);
 }
 

@@ -1,4 +1,5 @@
-// Device-free math of the kvzap family (kvcomp::kvzap_score, kvzap_threshold, kvzap_paged_step), used by the CPU
+// Device-free math of the kvzap family (kvcomp::kvzap_score, kvzap_threshold, kvzap_decode_step, kvzap_paged_step),
+// used by the CPU
 // loops, the CUDA kernels and GoogleTest.
 #pragma once
 
@@ -54,6 +55,41 @@ KVCOMP_HOST_DEVICE inline float thresholded_log_weight(float log_weight, float s
 
 // A slot counts as held (in the per-row counts the press compacts with) unless its log-weight is -inf.
 KVCOMP_HOST_DEVICE inline bool is_held(float log_weight) { return log_weight != evicted_log_weight(); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// kvzap_decode_step: a decoding pass on a rectangular cache. Each (batch, kv head) row grows from the T slots whose
+// scores and positions the state holds by the pass's q new tokens (their scores from the surrogate, their positions
+// tokens_before .. tokens_before + q - 1), and the keep rule runs over the grown row, as kvzap_threshold over the
+// concatenation would.
+
+struct GrowingRows {
+  const float* log_weights;  // [rows, T + q]: the new tokens' last, as the attention read them
+  const float* scores;       // [rows, T], the state's
+  const int64_t* positions;  // [rows, T], the state's
+  const float* new_scores;   // row r's q new scores from r * new_scores_stride
+  int64_t new_scores_stride;
+  float* log_weights_out;    // [rows, T + q]
+  float* scores_out;         // [rows, T + q]
+  int64_t* positions_out;    // [rows, T + q]
+  int64_t slots_before, new_tokens, tokens_before;
+  KVCOMP_HOST_DEVICE int64_t slots_after() const { return slots_before + new_tokens; }
+};
+
+// Writes slot t of row `row` of the grown state and returns whether it is held. new_scores may alias scores_out's new
+// slots (the CUDA surrogate writes there first, with new_scores_stride = T + q): slot t reads and writes only its own.
+KVCOMP_HOST_DEVICE inline bool grow_and_decide_slot(const GrowingRows& rows, int64_t row, int64_t t,
+                                                    DecisionRange range, float threshold) {
+  const int64_t slot = row * rows.slots_after() + t;
+  const bool in_state = t < rows.slots_before;
+  const float score = in_state ? rows.scores[row * rows.slots_before + t]
+                               : rows.new_scores[row * rows.new_scores_stride + (t - rows.slots_before)];
+  const int64_t position = in_state ? rows.positions[row * rows.slots_before + t]
+                                    : rows.tokens_before + (t - rows.slots_before);
+  rows.scores_out[slot] = score;
+  rows.positions_out[slot] = position;
+  rows.log_weights_out[slot] = thresholded_log_weight(rows.log_weights[slot], score, position, range, threshold);
+  return is_held(rows.log_weights_out[slot]);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // kvzap_paged_step: one decoding pass of one (batch, kv head) row of a paged cache, in its per-slot pools (N, S) read

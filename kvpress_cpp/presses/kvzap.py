@@ -165,12 +165,17 @@ class KVzapPress(_KVzapScorer):
             self._weights[key] = tuple(t.detach().to(device, dtype).contiguous() for t in tensors)
         return self._weights[key]
 
-    def layer_scores(self, module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(B, H, T) float32 scores of the tokens of hidden_states (B, T, Dh) at attention layer `module`, for the kv
-        heads it holds (all of them, or a tensor-parallel rank's own)."""
+    def layer_surrogate(self, module: nn.Module, hidden_states: torch.Tensor) -> tuple:
+        """(weight1, bias1, weight2, bias2) of attention layer `module`'s surrogate (weight2 = bias2 = None for a linear
+        one) on hidden_states' device and dtype, for the kv heads it holds (all of them, or a tensor-parallel rank's
+        own)."""
         weights = self.layer_weights(module.layer_idx, hidden_states.device, hidden_states.dtype,
                                      kv_head_shard(module))
-        return ops.kvzap_score(hidden_states, *weights)
+        return (*weights, None, None)[:4]
+
+    def layer_scores(self, module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, H, T) float32 scores of the tokens of hidden_states (B, T, Dh) at attention layer `module`."""
+        return ops.kvzap_score(hidden_states, *self.layer_surrogate(module, hidden_states))
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
         return self.layer_scores(module, hidden_states)
@@ -284,16 +289,19 @@ class KVzapThresholdPress(KVCompDecodingPress):
         self._held_to_gather.add(layer_idx)
         return True
 
+    def decode_step(self, module, hidden_states, log_weights, state):
+        """The scores of the q new tokens of hidden_states and the keep rule over the state they grow
+        (``ops.kvzap_decode_step``): (log_weights, scores, positions) of the T + q slots, held (B, H)."""
+        return ops.kvzap_decode_step(hidden_states, *self.scorer.layer_surrogate(module, hidden_states), log_weights,
+                                     state.per_slot["scores"], state.per_slot["positions"], self.threshold,
+                                     self.sliding_window, state.counters["tokens"])
+
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
-        batch, heads, length = keys.shape[:3]
-        log_weights = state.align(length - new_tokens, new_tokens)
+        length = keys.shape[2]
         before = state.counters["tokens"]
-        positions = torch.arange(before, before + new_tokens, device=keys.device).expand(batch, heads, new_tokens)
-        positions = torch.cat([state.per_slot["positions"], positions], dim=-1)
-        scores = torch.cat([state.per_slot["scores"], self.scorer.layer_scores(module, hidden_states)], -1)
-        log_weights, held = ops.kvzap_threshold(log_weights, scores, positions, self.threshold, self.sliding_window,
-                                                before, before + new_tokens)
+        log_weights, scores, positions, held = self.decode_step(
+            module, hidden_states, state.align(length - new_tokens, new_tokens), state)
         # A head holds at most one more slot per new token, so the layer outgrows its longest head by at most the
         # tokens since the last compaction: compacting every compaction_slack tokens keeps that below the slack.
         since_compaction = state.counters.get("since_compaction", 0) + new_tokens

@@ -158,6 +158,45 @@ TEST(KVzapPagedStep, WithoutAWindowTheNewTokensAreDecidedAtOnce) {
   EXPECT_EQ(f.log_weights[f.pool(5)], 0.0f);
 }
 
+TEST(KVzapDecodeStep, GrowsEachRowAndDecidesTheTokenLeavingTheWindow) {
+  // Two rows of T = 3 state slots (positions 4, 6, 7: 5 evicted earlier and compacted away) and q = 2 new tokens
+  // 8, 9 with window 2: the pass 8 -> 10 decides positions 6 and 7. Row 0 scores 6 below τ, row 1 scores 7 below it.
+  const float log_weights[2][5] = {{0, 0, 0, 0, 0}, {-kInf, 0, 0, 0, 0}};
+  const float scores[2][3] = {{1, -9, 1}, {1, 1, -9}};
+  const int64_t positions[2][3] = {{4, 6, 7}, {4, 6, 7}};
+  const float new_scores[2][2] = {{-9, 2}, {3, -9}};  // in the window: kept whatever their scores
+  float log_weights_out[2][5], scores_out[2][5];
+  int64_t positions_out[2][5];
+  const z::GrowingRows rows{&log_weights[0][0], &scores[0][0],      &positions[0][0],     &new_scores[0][0], 2,
+                            &log_weights_out[0][0], &scores_out[0][0], &positions_out[0][0], 3, 2, 8};
+  const z::DecisionRange range = z::decision_range(8, 10, 2);
+  const bool expected_held[2][5] = {{true, false, true, true, true}, {false, true, false, true, true}};
+  const float expected_scores[2][5] = {{1, -9, 1, -9, 2}, {1, 1, -9, 3, -9}};
+  for (int64_t row = 0; row < 2; ++row) {
+    for (int64_t t = 0; t < 5; ++t) {
+      EXPECT_EQ(z::grow_and_decide_slot(rows, row, t, range, -4.0f), expected_held[row][t]) << row << " " << t;
+      EXPECT_EQ(positions_out[row][t], t < 3 ? positions[row][t] : 8 + (t - 3));
+      EXPECT_EQ(scores_out[row][t], expected_scores[row][t]);
+      EXPECT_EQ(log_weights_out[row][t], expected_held[row][t] ? 0.0f : -kInf);
+    }
+  }
+}
+TEST(KVzapDecodeStep, NewScoresMayAliasTheirSlotsOfTheOutput) {
+  // The CUDA surrogate writes the new tokens' scores into scores_out first: new_scores = scores_out + T, stride T + q.
+  const float log_weights[3] = {0, 0, 0};
+  const float scores[2] = {-9, 1};
+  const int64_t positions[2] = {0, 1};
+  float log_weights_out[3], scores_out[3] = {0, 0, -7};
+  int64_t positions_out[3];
+  const z::GrowingRows rows{log_weights, scores, positions, scores_out + 2, 3, log_weights_out, scores_out,
+                            positions_out, 2, 1, 2};
+  const z::DecisionRange range = z::decision_range(2, 3, 0);  // window 0: the new token is decided at once
+  EXPECT_TRUE(z::grow_and_decide_slot(rows, 0, 0, range, -4.0f));  // position 0 was decided before this pass
+  EXPECT_TRUE(z::grow_and_decide_slot(rows, 0, 1, range, -4.0f));
+  EXPECT_FALSE(z::grow_and_decide_slot(rows, 0, 2, range, -4.0f));
+  EXPECT_EQ(scores_out[2], -7.0f);
+  EXPECT_EQ(positions_out[2], 2);
+}
 TEST(KVzapOps, ThresholdThroughTheDispatcher) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("kvcomp::kvzap_threshold", "")
@@ -188,6 +227,28 @@ TEST(KVzapOps, ScoreThroughTheDispatcher) {
   EXPECT_TRUE(at::allclose(got, expected, 1e-5, 1e-5));
   const at::Tensor linear = op.call(hidden, w1, b1, std::nullopt, std::nullopt);
   EXPECT_TRUE(at::allclose(linear, at::linear(hidden, w1, b1).transpose(1, 2), 1e-5, 1e-5));
+}
+
+TEST(KVzapOps, DecodeStepThroughTheDispatcher) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvcomp::kvzap_decode_step", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+              int64_t)>();
+  const at::Tensor hidden = at::randn({2, 1, 16}), w1 = at::randn({3, 16}), b1 = at::randn({3});
+  const at::Tensor scores = at::randn({2, 3, 4}), positions = at::arange(4).expand({2, 3, 4}).contiguous();
+  const auto [log_weights, grown_scores, grown_positions, held] =
+      op.call(hidden, w1, b1, std::nullopt, std::nullopt, at::zeros({2, 3, 5}), scores, positions, 0.0, 4, 4);
+  const at::Tensor new_scores = at::linear(hidden, w1, b1).transpose(1, 2);
+  EXPECT_TRUE(at::equal(grown_scores.slice(2, 0, 4), scores));
+  EXPECT_TRUE(at::allclose(grown_scores.slice(2, 4), new_scores, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(grown_positions.slice(2, 4), at::full({2, 3, 1}, 4, positions.options())));
+  // Window 4, pass 4 -> 5: position 0 leaves the window.
+  const at::Tensor evicted = scores.slice(2, 0, 1) < 0;
+  EXPECT_TRUE(at::equal(log_weights.slice(2, 0, 1) == -kInf, evicted));
+  EXPECT_TRUE(at::equal(held, 5 - evicted.squeeze(2).to(at::kLong)));
 }
 
 }  // namespace

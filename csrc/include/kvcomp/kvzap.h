@@ -21,10 +21,11 @@ struct KVzapScoreShape {
   bool mlp() const { return hidden_dim > 0; }
 };
 
+// `op` names the caller in the errors: kvzap_decode_step checks its surrogate arguments here too.
 inline KVzapScoreShape check_kvzap_score(const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
                                          const c10::optional<at::Tensor>& weight2,
-                                         const c10::optional<at::Tensor>& bias2) {
-  constexpr const char* op = "kvcomp::kvzap_score";
+                                         const c10::optional<at::Tensor>& bias2,
+                                         const char* op = "kvcomp::kvzap_score") {
   check_dim(op, "hidden", hidden, 3, "(B, T, Dh)");
   check_floating(op, "hidden", hidden);
   const bool mlp = weight2.has_value();
@@ -111,6 +112,49 @@ inline KVzapThresholdShape check_kvzap_threshold(const at::Tensor& log_weights, 
   check_at_least(op, "tokens_before", tokens_before, 0);
   TORCH_CHECK(tokens_after >= tokens_before, op, ": expected tokens_after >= tokens_before (", tokens_before,
               "), got tokens_after = ", tokens_after);
+  return shape;
+}
+
+struct KVzapDecodeStepShape {
+  KVzapScoreShape surrogate;  // its len is q, the pass's new tokens
+  int64_t slots_before;       // T: the slots whose scores and positions the state holds
+  int64_t rows() const { return surrogate.batch * surrogate.heads; }
+  int64_t new_tokens() const { return surrogate.len; }
+  int64_t slots_after() const { return slots_before + surrogate.len; }
+};
+
+inline KVzapDecodeStepShape check_kvzap_decode_step(const at::Tensor& hidden, const at::Tensor& weight1,
+                                                    const at::Tensor& bias1, const c10::optional<at::Tensor>& weight2,
+                                                    const c10::optional<at::Tensor>& bias2,
+                                                    const at::Tensor& log_weights, const at::Tensor& scores,
+                                                    const at::Tensor& positions, double threshold, int64_t window,
+                                                    int64_t tokens_before) {
+  constexpr const char* op = "kvcomp::kvzap_decode_step";
+  const KVzapScoreShape surrogate = check_kvzap_score(hidden, weight1, bias1, weight2, bias2, op);
+  check_dim(op, "log_weights", log_weights, 3, "(B, H, T + q)");
+  check_dim(op, "scores", scores, 3, "(B, H, T)");
+  check_dim(op, "positions", positions, 3, "(B, H, T)");
+  check_dtype(op, "log_weights", log_weights, at::kFloat);
+  check_dtype(op, "scores", scores, at::kFloat);
+  check_dtype(op, "positions", positions, at::kLong);
+  check_same_device(op, "log_weights", log_weights, "hidden", hidden);
+  check_same_device(op, "scores", scores, "hidden", hidden);
+  check_same_device(op, "positions", positions, "hidden", hidden);
+  check_size(op, "log_weights", log_weights, 0, surrogate.batch, "batch size B of hidden");
+  check_size(op, "log_weights", log_weights, 1, surrogate.heads, "output heads H of the surrogate");
+  TORCH_CHECK(log_weights.size(2) >= surrogate.len, op, ": expected log_weights with a slot for each of the q = ",
+              surrogate.len, " new tokens, got log_weights of shape ", log_weights.sizes());
+  const KVzapDecodeStepShape shape{surrogate, log_weights.size(2) - surrogate.len};
+  for (int64_t dim = 0; dim < 2; ++dim) {
+    check_size(op, "scores", scores, dim, log_weights.size(dim), "shape of log_weights");
+    check_size(op, "positions", positions, dim, log_weights.size(dim), "shape of log_weights");
+  }
+  check_size(op, "scores", scores, 2, shape.slots_before, "slots of log_weights before the q new tokens");
+  check_size(op, "positions", positions, 2, shape.slots_before, "slots of log_weights before the q new tokens");
+  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
+  check_at_least(op, "window", window, 0);
+  check_at_least(op, "tokens_before", tokens_before, 0);
+  checked_sum(op, {{"tokens_before", tokens_before}, {"q", surrogate.len}});
   return shape;
 }
 
