@@ -228,6 +228,26 @@ def _slots_fit_32_bits(symbol: str) -> Rule:
     return Rule(lambda v: v[symbol] <= INT32_MAX, lambda v: f"expected at most 2^31 - 1 slots, got T = {v[symbol]}")
 
 
+def _keep_rule() -> list:
+    """KVzap's keep-rule scalars (kvzap.h check_keep_rule)."""
+    return [
+        Rule(lambda v: not math.isnan(v["threshold"]),
+             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
+        _at_least("window", 0),
+        _at_least("tokens_before", 0),
+    ]
+
+
+def _kvzap_decoding_pass() -> list:
+    """The keep rule for a pass of q new tokens after tokens_before."""
+    return [
+        *_keep_rule(),
+        Rule(lambda v: v["tokens_before"] + v["q"] <= INT64_MAX,
+             lambda v: f"expected tokens_before + q to fit in 64 bits, got tokens_before = {v['tokens_before']}, "
+             f"q = {v['q']}"),
+    ]
+
+
 def _zsmerge_budget() -> list:
     return [
         _at_least("recent", 1),
@@ -448,10 +468,7 @@ _declare(Contract(
     [Tensor("log_weights", "B H T", F32), Tensor("scores", "B H T", F32), Tensor("positions", "B H T", I64),
      Scalar("threshold"), Scalar("window"), Scalar("tokens_before"), Scalar("tokens_after")],
     rules=[
-        Rule(lambda v: not math.isnan(v["threshold"]),
-             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
-        _at_least("window", 0),
-        _at_least("tokens_before", 0),
+        *_keep_rule(),
         Rule(lambda v: v["tokens_after"] >= v["tokens_before"],
              lambda v: f"expected tokens_after >= tokens_before ({v['tokens_before']}), got tokens_after = "
              f"{v['tokens_after']}"),
@@ -477,13 +494,7 @@ _declare(Contract(
         Rule(lambda v: v["T"] == v["L"] - v["q"],
              lambda v: f"expected scores.size(2) == {v['L'] - v['q']} (slots of log_weights before the q new tokens), "
              f"got scores of shape {tuple(v['scores'].shape)}"),
-        Rule(lambda v: not math.isnan(v["threshold"]),
-             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
-        _at_least("window", 0),
-        _at_least("tokens_before", 0),
-        Rule(lambda v: v["tokens_before"] + v["q"] <= INT64_MAX,
-             lambda v: f"expected tokens_before + q to fit in 64 bits, got tokens_before = {v['tokens_before']}, "
-             f"q = {v['q']}"),
+        *_kvzap_decoding_pass(),
     ],
     outputs=lambda v: [((v["B"], v["K"], v["L"]), F32), ((v["B"], v["K"], v["L"]), F32),
                        ((v["B"], v["K"], v["L"]), I64), ((v["B"], v["K"]), I64)],
@@ -499,13 +510,7 @@ _declare(Contract(
         Rule(lambda v: v["S"] >= 1, lambda v: f"expected a block size (log_weight_blocks.size(1)) >= 1, got {v['S']}"),
         Rule(lambda v: v["q"] >= 1,
              lambda v: f"expected at least one new token, got new_scores of shape {tuple(v['new_scores'].shape)}"),
-        Rule(lambda v: not math.isnan(v["threshold"]),
-             lambda v: f"expected a threshold that is not NaN, got threshold = {v['threshold']}"),
-        _at_least("window", 0),
-        _at_least("tokens_before", 0),
-        Rule(lambda v: v["tokens_before"] + v["q"] <= INT64_MAX,
-             lambda v: f"expected tokens_before + q to fit in 64 bits, got tokens_before = {v['tokens_before']}, "
-             f"q = {v['q']}"),
+        *_kvzap_decoding_pass(),
     ],
     outputs=lambda v: [((v["B"], v["H"]), I64)],
 ))

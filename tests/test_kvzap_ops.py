@@ -223,12 +223,29 @@ def test_score_cuda_decoding_pass_matches_cpu(dtype, hidden_dim, batch, length):
 
 
 @CUDA
+@pytest.mark.parametrize("dtype,dim,hidden_dim", [(torch.float32, 4100, 36), (torch.float16, 264, 40),
+                                                  (torch.bfloat16, 8, 8)])
+def test_score_cuda_small_rows_when_a_row_is_not_a_whole_warp_step(dtype, dim, hidden_dim):
+    """Rows of whole 16-byte pieces but not of whole warp steps (32 pieces): the last step's lanes past the row."""
+    weights = surrogate(dim, 8, hidden_dim, dtype, "cuda")
+    hidden = hidden_states(3, 5, dim, dtype, "cuda")
+    torch.testing.assert_close(ops.kvzap_score(hidden, *weights).cpu(), reference.kvzap_score(hidden, *weights),
+                               **SCORE_TOLERANCE[dtype])
+
+
+@CUDA
 def test_score_cuda_small_rows_unaligned_take_the_gemm_path():
-    """Rows that are not whole 16-byte pieces (Dh = 4099, a hidden view starting one element in) still score."""
+    """Rows that are not whole 16-byte pieces (Dh = 4099), a hidden view starting one element in, and a transposed
+    weight all fall back to the GEMM path and still score."""
     weights = surrogate(4099, 8, 40, torch.bfloat16, "cuda")
     hidden = hidden_states(1, 1, 4100, torch.bfloat16, "cuda")[..., 1:]
     torch.testing.assert_close(ops.kvzap_score(hidden, *weights).cpu(),
                                reference.kvzap_score(hidden, *weights), **SCORE_TOLERANCE[torch.bfloat16])
+    w1, b1, w2, b2 = surrogate(4096, 8, 512, torch.bfloat16, "cuda")
+    w1_transposed = w1.t().contiguous().t()
+    hidden = hidden_states(2, 1, 4096, torch.bfloat16, "cuda")
+    torch.testing.assert_close(ops.kvzap_score(hidden, w1_transposed, b1, w2, b2).cpu(),
+                               reference.kvzap_score(hidden, w1, b1, w2, b2), **SCORE_TOLERANCE[torch.bfloat16])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,6 +270,7 @@ def decode_step_inputs(batch, heads, slots, new_tokens, dim, hidden_dim, dtype=t
     (2, 2, 40, 3, 1),      # q > window: new tokens are decided in the pass that brings them
     (3, 1, 0, 2, 0),       # an empty state, window 0
     (2, 4, 50, 1, 10_000),  # nothing leaves the window
+    (4, 2, 30, 4, 2),      # B * q = 16 tokens, the most the CUDA small-rows kernels take; new tokens decided at once
 ])
 def test_decode_step_matches_reference(device, dtype, hidden_dim, batch, heads, slots, new_tokens, window):
     args = decode_step_inputs(batch, heads, slots, new_tokens, 32, hidden_dim, dtype, device, seed=slots)

@@ -197,6 +197,8 @@ bool fits_small_rows(const at::Tensor& hidden, const at::Tensor& weight1, const 
 void run_small_rows_surrogate(const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
                               const c10::optional<at::Tensor>& weight2, const c10::optional<at::Tensor>& bias2,
                               const KVzapScoreShape& shape, ScoreLayout layout, const char* op) {
+  TORCH_INTERNAL_ASSERT(shape.batch * shape.len >= 1 && shape.batch * shape.len <= kSmallRows, op,
+                        ": the small-rows surrogate takes 1 to ", kSmallRows, " tokens, got ", shape.batch * shape.len);
   const int tokens = static_cast<int>(shape.batch * shape.len);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto blocks = [&](int64_t units) {
@@ -281,8 +283,9 @@ struct ThresholdSlot {
   z::DecisionRange range;
   float threshold;
   __device__ bool operator()(int64_t row, int64_t t) const {
-    const int64_t slot = row * len + t;
-    out[slot] = z::thresholded_log_weight(log_weights[slot], scores[slot], positions[slot], range, threshold);
+    const int64_t slot = row * len + t;  // read-only inputs through the read-only cache (no alias with out)
+    out[slot] = z::thresholded_log_weight(__ldg(log_weights + slot), __ldg(scores + slot), __ldg(positions + slot),
+                                          range, threshold);
     return z::is_held(out[slot]);
   }
 };

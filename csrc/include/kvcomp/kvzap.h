@@ -85,6 +85,29 @@ at::Tensor run_kvzap_surrogate(const at::Tensor& hidden, const at::Tensor& weigh
   return bias_to_float(product.contiguous(), bias.contiguous());
 }
 
+// The per-slot state a keep-rule pass reads: log-weights and scores float32, positions int64, each 3-d, all on the
+// device of `device_name`. A decoding step's log-weights also hold its new tokens (log_weights_layout says so).
+inline void check_slot_state(const char* op, const at::Tensor& log_weights, const char* log_weights_layout,
+                             const at::Tensor& scores, const at::Tensor& positions, const char* state_layout,
+                             const char* device_name, const at::Tensor& device_of) {
+  check_dim(op, "log_weights", log_weights, 3, log_weights_layout);
+  check_dim(op, "scores", scores, 3, state_layout);
+  check_dim(op, "positions", positions, 3, state_layout);
+  check_dtype(op, "log_weights", log_weights, at::kFloat);
+  check_dtype(op, "scores", scores, at::kFloat);
+  check_dtype(op, "positions", positions, at::kLong);
+  check_same_device(op, "log_weights", log_weights, device_name, device_of);
+  check_same_device(op, "scores", scores, device_name, device_of);
+  check_same_device(op, "positions", positions, device_name, device_of);
+}
+
+// The keep rule's scalars: τ not NaN (±inf allowed), window and tokens_before >= 0.
+inline void check_keep_rule(const char* op, double threshold, int64_t window, int64_t tokens_before) {
+  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
+  check_at_least(op, "window", window, 0);
+  check_at_least(op, "tokens_before", tokens_before, 0);
+}
+
 struct KVzapThresholdShape {
   int64_t batch, heads, len;
   int64_t rows() const { return batch * heads; }
@@ -94,22 +117,13 @@ inline KVzapThresholdShape check_kvzap_threshold(const at::Tensor& log_weights, 
                                                  const at::Tensor& positions, double threshold, int64_t window,
                                                  int64_t tokens_before, int64_t tokens_after) {
   constexpr const char* op = "kvcomp::kvzap_threshold";
-  check_dim(op, "log_weights", log_weights, 3, "(B, H, T)");
-  check_dim(op, "scores", scores, 3, "(B, H, T)");
-  check_dim(op, "positions", positions, 3, "(B, H, T)");
-  check_dtype(op, "log_weights", log_weights, at::kFloat);
-  check_dtype(op, "scores", scores, at::kFloat);
-  check_dtype(op, "positions", positions, at::kLong);
-  check_same_device(op, "scores", scores, "log_weights", log_weights);
-  check_same_device(op, "positions", positions, "log_weights", log_weights);
+  check_slot_state(op, log_weights, "(B, H, T)", scores, positions, "(B, H, T)", "log_weights", log_weights);
   const KVzapThresholdShape shape{log_weights.size(0), log_weights.size(1), log_weights.size(2)};
   for (int64_t dim = 0; dim < 3; ++dim) {
     check_size(op, "scores", scores, dim, log_weights.size(dim), "shape of log_weights");
     check_size(op, "positions", positions, dim, log_weights.size(dim), "shape of log_weights");
   }
-  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
-  check_at_least(op, "window", window, 0);
-  check_at_least(op, "tokens_before", tokens_before, 0);
+  check_keep_rule(op, threshold, window, tokens_before);
   TORCH_CHECK(tokens_after >= tokens_before, op, ": expected tokens_after >= tokens_before (", tokens_before,
               "), got tokens_after = ", tokens_after);
   return shape;
@@ -131,15 +145,7 @@ inline KVzapDecodeStepShape check_kvzap_decode_step(const at::Tensor& hidden, co
                                                     int64_t tokens_before) {
   constexpr const char* op = "kvcomp::kvzap_decode_step";
   const KVzapScoreShape surrogate = check_kvzap_score(hidden, weight1, bias1, weight2, bias2, op);
-  check_dim(op, "log_weights", log_weights, 3, "(B, H, T + q)");
-  check_dim(op, "scores", scores, 3, "(B, H, T)");
-  check_dim(op, "positions", positions, 3, "(B, H, T)");
-  check_dtype(op, "log_weights", log_weights, at::kFloat);
-  check_dtype(op, "scores", scores, at::kFloat);
-  check_dtype(op, "positions", positions, at::kLong);
-  check_same_device(op, "log_weights", log_weights, "hidden", hidden);
-  check_same_device(op, "scores", scores, "hidden", hidden);
-  check_same_device(op, "positions", positions, "hidden", hidden);
+  check_slot_state(op, log_weights, "(B, H, T + q)", scores, positions, "(B, H, T)", "hidden", hidden);
   check_size(op, "log_weights", log_weights, 0, surrogate.batch, "batch size B of hidden");
   check_size(op, "log_weights", log_weights, 1, surrogate.heads, "output heads H of the surrogate");
   TORCH_CHECK(log_weights.size(2) >= surrogate.len, op, ": expected log_weights with a slot for each of the q = ",
@@ -151,9 +157,7 @@ inline KVzapDecodeStepShape check_kvzap_decode_step(const at::Tensor& hidden, co
   }
   check_size(op, "scores", scores, 2, shape.slots_before, "slots of log_weights before the q new tokens");
   check_size(op, "positions", positions, 2, shape.slots_before, "slots of log_weights before the q new tokens");
-  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
-  check_at_least(op, "window", window, 0);
-  check_at_least(op, "tokens_before", tokens_before, 0);
+  check_keep_rule(op, threshold, window, tokens_before);
   checked_sum(op, {{"tokens_before", tokens_before}, {"q", surrogate.len}});
   return shape;
 }
@@ -199,9 +203,7 @@ inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_b
               shape.block_size);
   TORCH_CHECK(shape.new_tokens >= 1, op, ": expected at least one new token, got new_scores of shape ",
               new_scores.sizes());
-  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
-  check_at_least(op, "window", window, 0);
-  check_at_least(op, "tokens_before", tokens_before, 0);
+  check_keep_rule(op, threshold, window, tokens_before);
   checked_sum(op, {{"tokens_before", tokens_before}, {"q", shape.new_tokens}});
   check_contiguous(op, "log_weight_blocks", log_weight_blocks);
   check_contiguous(op, "score_blocks", score_blocks);
