@@ -39,6 +39,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from benchmarks.common import RESULTS_DIR, copy_bandwidth_gbs, median_seconds, print_table, pyplot, save_figure, write_results
 
@@ -173,15 +174,16 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 121,
     for length in prompt_lengths:
         ids = torch.tensor([text[:length]])
         runs = []  # (press name, cache name, press, cache, next token, step times)
-        for name, make_press in presses.items():
-            for cache_name, make_cache in caches.items():
-                press, cache = make_press(), make_cache()
-                with torch.no_grad(), press(model):
-                    logits = model(ids, past_key_values=cache).logits
-                runs.append([name, cache_name, press, cache, logits[:, -1:].argmax(-1), []])
+        pairs = [(name, make_press, cache_name, make_cache) for name, make_press in presses.items()
+                 for cache_name, make_cache in caches.items()]
+        for name, make_press, cache_name, make_cache in tqdm(pairs, desc=f"prefill {length}", unit="pair"):
+            press, cache = make_press(), make_cache()
+            with torch.no_grad(), press(model):
+                logits = model(ids, past_key_values=cache).logits
+            runs.append([name, cache_name, press, cache, logits[:, -1:].argmax(-1), []])
         loads = []
         attention_modules = [layer.self_attn for layer in model.model.layers]
-        for _ in range(steps):
+        for _ in tqdm(range(steps), desc=f"decode {length}", unit="round", mininterval=5):
             loads.append(os.getloadavg()[0])
             for run in runs:
                 _, _, press, cache, token, times = run
