@@ -680,6 +680,11 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
 
 def report(out: Path) -> str:
     """One setting's results.csv, plots and table.md (its table and standings)."""
+    return _report(out)[0]
+
+
+def _report(out: Path) -> tuple[str, pd.DataFrame]:
+    """:func:`report`'s table, and the collected frame it was made from."""
     configurations = _configurations(out)
     if left_out := incomplete_batches(configurations):
         print(f"{out}: left out until every method has finished its batch: {', '.join(sorted(left_out))}")
@@ -689,14 +694,18 @@ def report(out: Path) -> str:
     table = (markdown_table(needles) + "\n" + standings(needles) + "\n" if not needles.empty else "") + family_table(df)
     (out / "table.md").write_text(table)
     plots(df, out)
-    return table
+    return table, df
 
 
-def combined_report(settings: dict[str, Path] | None = None, path: Path = DEFAULT_OUT / "report.md") -> str:
+def combined_report(settings: dict[str, Path] | None = None, path: Path = DEFAULT_OUT / "report.md",
+                    collected: dict[str, pd.DataFrame] | None = None) -> str:
     """``report.md``: the settings' tables side by side, the standings and full-cache agreement of each setting, and
-    the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``."""
+    the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``. ``collected``: the frames of some
+    settings already collected (by :func:`report`), which are not read again."""
     settings = settings or {name: folder for name, (folder, _) in SETTINGS.items()}
-    everything = {name: collect(folder) for name, folder in settings.items() if (folder / "configs").is_dir()}
+    collected = collected or {}
+    everything = {name: collected[name] if name in collected else collect(folder) for name, folder in settings.items()
+                  if (folder / "configs").is_dir()}
     frames = {name: ruler_style(df) for name, df in everything.items()}
     parts = ["Settings: " + "; ".join(f"**{name}**: {SETTINGS[name][1]}" for name in frames if name in SETTINGS),
              "", side_by_side(frames)]
@@ -782,10 +791,9 @@ def main() -> None:
             query_aware=args.query_aware, workers=args.workers)
     if args.action in ("report", "all"):
         if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
-            for folder, _ in SETTINGS.values():
-                if (folder / "configs").is_dir():
-                    report(folder)
-            table = combined_report()
+            collected = {name: _report(folder)[1] for name, (folder, _) in SETTINGS.items()
+                         if (folder / "configs").is_dir()}
+            table = combined_report(collected=collected)
         else:
             table = report(args.out)
         print(table)
