@@ -331,12 +331,25 @@ class GVote:
         return {"keys": torch.stack(head["keys"]), "values": torch.stack(head["values"])}
 
 
+def kvzap_surrogate_scores(surrogate: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, q, H) float64 log-scores of KVzap's surrogate on the attention input (B, q, Dh): KVzap-Linear
+    ``x W^T + b``, or KVzap-MLP, two layers with a GELU between them (the exact, erf form) and a hidden width Dh / 8."""
+    def linear(layer, x):
+        return x @ layer.weight.double().T + layer.bias.double()
+
+    if isinstance(surrogate, torch.nn.Linear):
+        return linear(surrogate, hidden.double())
+    first, _, last = surrogate
+    pre = linear(first, hidden.double())
+    return linear(last, 0.5 * pre * (1 + torch.erf(pre / math.sqrt(2))))
+
+
 class KVzap:
-    """KVzap (paper Algorithm 1, DMS-style keep rule): a linear surrogate on the attention input predicts each token's
+    """KVzap (paper Algorithm 1, DMS-style keep rule): a surrogate on the attention input predicts each token's
     log-score per kv head; a token is decided once, when it leaves the window of the last w tokens, and evicted if
     its score is below τ."""
 
-    def __init__(self, surrogates: list[torch.nn.Linear], threshold: float, window: int):
+    def __init__(self, surrogates: list[torch.nn.Module], threshold: float, window: int):
         self.surrogates, self.threshold, self.window = surrogates, threshold, window
         self.heads, self.tokens = {}, 0
 
@@ -348,7 +361,7 @@ class KVzap:
 
     def decode(self, x: LayerInputs) -> None:
         surrogate = self.surrogates[x.layer_idx]
-        scores = (x.hidden.double() @ surrogate.weight.double().T + surrogate.bias.double())  # (B, q, H)
+        scores = kvzap_surrogate_scores(surrogate, x.hidden)  # (B, q, H)
         new_tokens = x.keys.shape[2]
         for (b, h), head in self.heads.items():
             _, keys, values = x.head(b, h)

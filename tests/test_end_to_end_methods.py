@@ -151,10 +151,11 @@ def test_gvote_matches_the_paper(llama, options):
                for head in reference.heads.values()), "GVote evicted nothing: the test would not tell"
 
 
-def test_kvzap_matches_the_paper(llama, tmp_path):
-    directory = write_surrogate(tmp_path / "linear", llama, "linear", scale=4.0)
+@pytest.mark.parametrize("model_type", ["linear", "mlp"])
+def test_kvzap_matches_the_paper(llama, tmp_path, model_type):
+    directory = write_surrogate(tmp_path / model_type, llama, model_type, scale=4.0)
     surrogates = list(KVzapModel.from_pretrained(directory, local_files_only=True).layers)
-    press = KVzapThresholdPress(threshold=0.0, sliding_window=16, model_type="linear", surrogate_dir=directory)
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=16, model_type=model_type, surrogate_dir=directory)
 
     def read(press, layer, state, b, h):
         live = live_slots(layer, state, b, h)
