@@ -120,29 +120,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvzap_decode_step_cpu
                                                              positions, threshold, window, tokens_before);
   const at::Tensor new_scores =  // (B, H, q), contiguous
       run_kvzap_surrogate(hidden, weight1, bias1, weight2, bias2, shape.surrogate, bias_gelu_cpu_, bias_to_float_cpu);
-  const at::Tensor log_weights_c = log_weights.contiguous(), scores_c = scores.contiguous();
-  const at::Tensor positions_c = positions.contiguous();
-  at::Tensor log_weights_out = at::empty_like(log_weights_c), scores_out = at::empty_like(log_weights_c);
-  at::Tensor positions_out = at::empty(log_weights_c.sizes(), positions.options());
+  KVzapDecodeStepTensors state = kvzap_decode_step_tensors(log_weights, scores, positions);
   at::Tensor held = at::empty({shape.surrogate.batch, shape.surrogate.heads}, positions.options());
-  const int64_t q = shape.new_tokens();
-  const z::DecisionRange range = z::decision_range(tokens_before, tokens_before + q, window);
+  const z::GrowingRows rows = state.rows(shape, new_scores.const_data_ptr<float>(), shape.new_tokens(), tokens_before);
+  const z::DecisionRange range = z::decision_range(tokens_before, tokens_before + shape.new_tokens(), window);
   const float threshold_f = static_cast<float>(threshold);
-  const z::GrowingRows rows{log_weights_c.const_data_ptr<float>(),
-                            scores_c.const_data_ptr<float>(),
-                            positions_c.const_data_ptr<int64_t>(),
-                            new_scores.const_data_ptr<float>(),
-                            q,
-                            log_weights_out.mutable_data_ptr<float>(),
-                            scores_out.mutable_data_ptr<float>(),
-                            positions_out.mutable_data_ptr<int64_t>(),
-                            shape.slots_before,
-                            q,
-                            tokens_before};
-  count_held_per_row(held.mutable_data_ptr<int64_t>(), shape.rows(), rows.slots_after(), [&](int64_t row, int64_t t) {
+  count_held_per_row(held.mutable_data_ptr<int64_t>(), shape.rows(), shape.slots_after(), [&](int64_t row, int64_t t) {
     return z::grow_and_decide_slot(rows, row, t, range, threshold_f);
   });
-  return {log_weights_out, scores_out, positions_out, held};
+  return state.outputs(held);
 }
 
 at::Tensor kvzap_paged_step_cpu(at::Tensor& log_weight_blocks, at::Tensor& score_blocks, at::Tensor& position_blocks,

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "kernels/kvzap.h"
 #include "kernels/launch.h"
@@ -180,20 +181,25 @@ __global__ void __launch_bounds__(kSmallRowsWarps * kWarpSize)
   }
 }
 
-// Whether the surrogate on hidden takes the small-rows kernels: a decoding pass's few tokens, and rows of whole
-// 16-byte pieces (hidden contiguous, as the caller passes it).
-bool fits_small_rows(const at::Tensor& hidden, const at::Tensor& weight1, const c10::optional<at::Tensor>& weight2,
-                     const KVzapScoreShape& shape) {
+// The hidden states the small-rows kernels read, where they take the surrogate on `hidden`: a decoding pass's few
+// tokens, and rows of whole 16-byte pieces (hidden made contiguous: a copy of a few tokens at most). Otherwise none:
+// the GEMM path.
+std::optional<at::Tensor> small_rows_hidden(const at::Tensor& hidden, const at::Tensor& weight1,
+                                            const c10::optional<at::Tensor>& weight2, const KVzapScoreShape& shape) {
   const int64_t tokens = shape.batch * shape.len, elements = 16 / static_cast<int64_t>(hidden.element_size());
+  if (tokens < 1 || tokens > kSmallRows) return std::nullopt;
+  const at::Tensor hidden_c = hidden.contiguous();
   const auto aligned = [](const at::Tensor& t) {
     return t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
-  return tokens >= 1 && tokens <= kSmallRows && aligned(hidden) && aligned(weight1) &&
-         (!weight2.has_value() || aligned(*weight2)) && shape.input_dim % elements == 0 &&
-         shape.hidden_dim % elements == 0;
+  if (!aligned(hidden_c) || !aligned(weight1) || (weight2.has_value() && !aligned(*weight2)) ||
+      shape.input_dim % elements != 0 || shape.hidden_dim % elements != 0) {
+    return std::nullopt;
+  }
+  return hidden_c;
 }
 
-// The surrogate of fits_small_rows' calls, its scores written where `layout` says.
+// The surrogate on small_rows_hidden's hidden states, its scores written where `layout` says.
 void run_small_rows_surrogate(const at::Tensor& hidden, const at::Tensor& weight1, const at::Tensor& bias1,
                               const c10::optional<at::Tensor>& weight2, const c10::optional<at::Tensor>& bias2,
                               const KVzapScoreShape& shape, ScoreLayout layout, const char* op) {
@@ -231,15 +237,12 @@ at::Tensor kvzap_score_cuda(const at::Tensor& hidden, const at::Tensor& weight1,
                             const c10::optional<at::Tensor>& weight2, const c10::optional<at::Tensor>& bias2) {
   const KVzapScoreShape shape = check_kvzap_score(hidden, weight1, bias1, weight2, bias2);
   const c10::cuda::OptionalCUDAGuard device_guard(hidden.device());
-  if (shape.batch * shape.len <= kSmallRows) {
-    const at::Tensor hidden_c = hidden.contiguous();
-    if (fits_small_rows(hidden_c, weight1, weight2, shape)) {
-      at::Tensor scores = at::empty({shape.batch, shape.heads, shape.len}, hidden.options().dtype(at::kFloat));
-      run_small_rows_surrogate(hidden_c, weight1, bias1, weight2, bias2, shape,
-                               {scores.mutable_data_ptr<float>(), shape.len, shape.heads, shape.len, 0},
-                               "kvcomp::kvzap_score");
-      return scores;
-    }
+  if (const std::optional<at::Tensor> small = small_rows_hidden(hidden, weight1, weight2, shape)) {
+    at::Tensor scores = at::empty({shape.batch, shape.heads, shape.len}, hidden.options().dtype(at::kFloat));
+    run_small_rows_surrogate(*small, weight1, bias1, weight2, bias2, shape,
+                             {scores.mutable_data_ptr<float>(), shape.len, shape.heads, shape.len, 0},
+                             "kvcomp::kvzap_score");
+    return scores;
   }
   return run_kvzap_surrogate(hidden, weight1, bias1, weight2, bias2, shape, bias_gelu_cuda_, bias_to_float_cuda);
 }
@@ -328,20 +331,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvzap_decode_step_cud
   const KVzapDecodeStepShape shape = check_kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, scores,
                                                              positions, threshold, window, tokens_before);
   const c10::cuda::OptionalCUDAGuard device_guard(hidden.device());
-  const at::Tensor log_weights_c = log_weights.contiguous(), scores_c = scores.contiguous();
-  const at::Tensor positions_c = positions.contiguous();
-  at::Tensor log_weights_out = at::empty_like(log_weights_c), scores_out = at::empty_like(log_weights_c);
-  at::Tensor positions_out = at::empty(log_weights_c.sizes(), positions.options());
+  KVzapDecodeStepTensors state = kvzap_decode_step_tensors(log_weights, scores, positions);
   at::Tensor held = at::zeros({shape.surrogate.batch, shape.surrogate.heads}, positions.options());
   const int64_t q = shape.new_tokens(), after = shape.slots_after();
   // The new tokens' scores: straight into their slots of scores_out, or from the GEMM path's (B, H, q).
   at::Tensor new_scores;
-  const float* new_scores_ptr = scores_out.const_data_ptr<float>() + shape.slots_before;
+  const float* new_scores_ptr = state.scores_out.const_data_ptr<float>() + shape.slots_before;
   int64_t new_scores_stride = after;
-  const at::Tensor hidden_c = shape.surrogate.batch * q <= kSmallRows ? hidden.contiguous() : hidden;
-  if (fits_small_rows(hidden_c, weight1, weight2, shape.surrogate)) {
-    run_small_rows_surrogate(hidden_c, weight1, bias1, weight2, bias2, shape.surrogate,
-                             {scores_out.mutable_data_ptr<float>(), q, shape.surrogate.heads, after,
+  if (const std::optional<at::Tensor> small = small_rows_hidden(hidden, weight1, weight2, shape.surrogate)) {
+    run_small_rows_surrogate(*small, weight1, bias1, weight2, bias2, shape.surrogate,
+                             {state.scores_out.mutable_data_ptr<float>(), q, shape.surrogate.heads, after,
                               shape.slots_before},
                              op);
   } else {
@@ -350,14 +349,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvzap_decode_step_cud
     new_scores_ptr = new_scores.const_data_ptr<float>();
     new_scores_stride = q;
   }
-  const GrowSlot decide_slot{{log_weights_c.const_data_ptr<float>(), scores_c.const_data_ptr<float>(),
-                              positions_c.const_data_ptr<int64_t>(), new_scores_ptr, new_scores_stride,
-                              log_weights_out.mutable_data_ptr<float>(), scores_out.mutable_data_ptr<float>(),
-                              positions_out.mutable_data_ptr<int64_t>(), shape.slots_before, q, tokens_before},
+  const GrowSlot decide_slot{state.rows(shape, new_scores_ptr, new_scores_stride, tokens_before),
                              z::decision_range(tokens_before, tokens_before + q, window),
                              static_cast<float>(threshold)};
   decide_rows(op, decide_slot, held, shape.rows(), after);
-  return {log_weights_out, scores_out, positions_out, held};
+  return state.outputs(held);
 }
 
 __global__ void __launch_bounds__(kThreads)

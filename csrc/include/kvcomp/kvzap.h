@@ -4,13 +4,17 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/Optional.h>
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
+#include "kernels/kvzap.h"
 #include "kvcomp/block_tables.h"
 #include "kvcomp/checks.h"
 
@@ -160,6 +164,37 @@ inline KVzapDecodeStepShape check_kvzap_decode_step(const at::Tensor& hidden, co
   check_keep_rule(op, threshold, window, tokens_before);
   checked_sum(op, {{"tokens_before", tokens_before}, {"q", surrogate.len}});
   return shape;
+}
+
+// kvzap_decode_step's state read contiguous and its grown state allocated, for the CPU and the CUDA kernel alike;
+// each device allocates the held counts its own way (the CUDA blocks add into zeros).
+struct KVzapDecodeStepTensors {
+  at::Tensor log_weights, scores, positions;              // inputs: (B, H, T + q), (B, H, T), (B, H, T)
+  at::Tensor log_weights_out, scores_out, positions_out;  // (B, H, T + q)
+
+  // The kernels' view of them, the new tokens' scores of row r at new_scores + r * new_scores_stride.
+  kernels::kvzap::GrowingRows rows(const KVzapDecodeStepShape& shape, const float* new_scores, int64_t new_scores_stride,
+                                   int64_t tokens_before) {
+    return {log_weights.const_data_ptr<float>(),   scores.const_data_ptr<float>(),
+            positions.const_data_ptr<int64_t>(),   new_scores,
+            new_scores_stride,                     log_weights_out.mutable_data_ptr<float>(),
+            scores_out.mutable_data_ptr<float>(),  positions_out.mutable_data_ptr<int64_t>(),
+            shape.slots_before,                    shape.new_tokens(),
+            tokens_before};
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> outputs(const at::Tensor& held) const {
+    return {log_weights_out, scores_out, positions_out, held};
+  }
+};
+
+inline KVzapDecodeStepTensors kvzap_decode_step_tensors(const at::Tensor& log_weights, const at::Tensor& scores,
+                                                        const at::Tensor& positions) {
+  KVzapDecodeStepTensors t{log_weights.contiguous(), scores.contiguous(), positions.contiguous(), {}, {}, {}};
+  t.log_weights_out = at::empty_like(t.log_weights);
+  t.scores_out = at::empty_like(t.log_weights);
+  t.positions_out = at::empty(t.log_weights.sizes(), positions.options());
+  return t;
 }
 
 struct KVzapPagedStepShape {
