@@ -385,6 +385,17 @@ def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_pat
     assert results.agreement(tmp_path, press, None) == {}
 
 
+def test_answers_without_a_word_agree_only_with_each_other(tmp_path):
+    # the full cache once answered "\n" on a 4k characters example: ROUGE-L alone scored it 0 against itself
+    for name, answers in {"full": ["\n", "Emma", "."], "press": ["\n", "\n", "Emma"]}.items():
+        (tmp_path / name).mkdir()
+        pd.DataFrame({"task": ["characters"] * 3, "index": [0, 1, 2], "predicted_answer": answers}).to_csv(
+            tmp_path / name / "predictions.csv", index=False)
+    full, press = {"run_dir": "full"}, {"run_dir": "press"}
+    assert results.agreement(tmp_path, full, full) == {"characters": 100.0}
+    assert results.agreement(tmp_path, press, full) == pytest.approx({"characters": 100 / 3})  # 100, 0, 0
+
+
 def test_wilson_interval_matches_the_formula_by_hand():
     # 5 of 10, z = 1.96: centre (0.5 + 0.19207) / 1.38415 = 0.5; half-width 1.96 sqrt(0.025 + 0.0096) / 1.38415
     # = 0.26341 → [23.66, 76.34]

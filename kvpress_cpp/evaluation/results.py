@@ -336,12 +336,20 @@ def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
     reference answer (the ZSMerge paper's measure). Empty without a full-cache run."""
     if full is None:
         return {}
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer, tokenizers
 
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    scorer, words = rouge_scorer.RougeScorer(["rougeL"]), tokenizers.DefaultTokenizer()
+
+    def rouge_l(reference: str, prediction: str) -> float:
+        # ROUGE-L is 0 between two answers without a word ("\n", "."), which would count the full cache as disagreeing
+        # with itself; two such answers are the same answer
+        if not words.tokenize(reference) and not words.tokenize(prediction):
+            return 100.0
+        return 100 * scorer.score(reference, prediction)["rougeL"].fmeasure
+
     mine, theirs = _predictions(out, result), _predictions(out, full)
     both = mine.merge(theirs, on=["task", "index"], suffixes=("", "_full"))
-    both["rouge_l"] = [100 * scorer.score(str(ref), str(pred))["rougeL"].fmeasure
+    both["rouge_l"] = [rouge_l(str(ref), str(pred))
                        for ref, pred in zip(both["predicted_answer_full"], both["predicted_answer"])]
     return both.groupby("task")["rouge_l"].mean().to_dict()
 
