@@ -165,13 +165,19 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         return self._width()
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.get_seq_length() + cache_position.shape[0], 0
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        """(kv length, kv offset) of a pass of `query` tokens: transformers 4 passes the pass's cache_position,
+        transformers 5 its length."""
+        return self.get_seq_length() + (query if isinstance(query, int) else query.shape[0]), 0
 
-    def get_max_cache_shape(self) -> int:
-        return -1
+    def get_max_length(self) -> int:
+        return -1  # no maximum: the pool grows
+
+    get_max_cache_shape = get_max_length  # transformers 4's name
 
     def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` slots of the view, or drop the last -`max_length` when it is negative (the
+        meaning transformers 5 gives a negative argument)."""
         if max_length < 0:
             max_length = self.get_seq_length() + max_length
         if self.get_seq_length() > max_length:
