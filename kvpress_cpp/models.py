@@ -10,6 +10,7 @@ is in the cache no network is touched. :func:`load_default_model` loads it with 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -160,7 +161,20 @@ def default_model_dir() -> Path:
             for item in sorted(partial.iterdir(), key=lambda item: item.name == "model.safetensors"):
                 item.replace(target / item.name)
             partial.rmdir()
+        _name_tokenizer_class_neutrally(target)
     return target
+
+
+def _name_tokenizer_class_neutrally(directory: Path) -> None:
+    """Record the saved tokenizer as a ``PreTrainedTokenizerFast``, which every transformers version loads from its
+    tokenizer.json as written. The GGUF loader builds a ``LlamaTokenizer(Fast)``, and transformers 5 rebuilds that
+    class's pre-tokenizer as Llama's instead of SmolLM2's byte-level BPE ("It is a truth" → "It", "is", "at", "r",
+    ...). Also mends a directory written before."""
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") != "PreTrainedTokenizerFast":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_default_tokenizer(config=None) -> PreTrainedTokenizerBase:
