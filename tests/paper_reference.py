@@ -297,7 +297,9 @@ class GVote:
         # The draws are seeded per layer (the press's documented seed + layer index), so both sample the same points.
         generator = torch.Generator().manual_seed(self.seed + x.layer_idx)
         noise = torch.randn(batch, self.samples, x.hidden.shape[-1], generator=generator)
-        cos, sin = rotary_tables(torch.arange(tokens, tokens + self.future), head_dim, config.rope_theta)
+        # transformers 4 keeps θ on the config, transformers 5 in its rope_parameters
+        theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+        cos, sin = rotary_tables(torch.arange(tokens, tokens + self.future), head_dim, theta)
         cos, sin = cos.mean(0), sin.mean(0)
         for b in range(batch):
             body = x.hidden[b, self.sinks:].double()

@@ -16,6 +16,7 @@ from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import LayerState, cache_bytes, compact_to_longest_head, get_state
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress
+from tests import kvpress_hooks
 from tests.generation import TINY_MODELS, greedy, prompt_ids
 from tests.models import make_tiny_llama
 
@@ -73,7 +74,8 @@ def test_press_that_changes_nothing_generates_identical_tokens(make_model, attn_
 def test_press_that_changes_nothing_on_smollm2(default_model):
     model, tokenizer = default_model
     messages = [{"role": "user", "content": "List three colours of the rainbow."}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True).input_ids
     expected, _ = greedy(model, input_ids, max_new_tokens=20)
     got, _ = greedy(model, input_ids, press=KeepEverythingPress(), max_new_tokens=20)
     assert torch.equal(got, expected)
@@ -215,8 +217,9 @@ def test_two_caches_decoded_in_turns_each_match_their_run_alone():
 
 
 def test_pipeline_and_generate_agree_on_a_compressed_context():
-    """kvpress's pipeline answers outside the press context; generate continuing the same compressed cache (with
-    the logical positions) must give the same answer."""
+    """kvpress's pipeline answers outside the press context; greedy decoding continuing the same compressed cache
+    at the logical positions must give the same answer (a loop of forwards: transformers 5's generate no longer
+    takes the positions)."""
     model, tokenizer = make_tiny_llama()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 6
@@ -229,13 +232,15 @@ def test_pipeline_and_generate_agree_on_a_compressed_context():
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         model.model(input_ids=context_ids, past_key_values=cache)
-    all_ids = torch.cat([context_ids, question_ids], dim=1)
-    positions = torch.arange(context_ids.shape[1], all_ids.shape[1])
+    position, ids, generated = context_ids.shape[1], question_ids, []
+    stop = model.generation_config.eos_token_id
     with torch.no_grad():
-        out = model.generate(all_ids, past_key_values=cache, cache_position=positions, max_new_tokens=12,
-                             do_sample=False, attention_mask=torch.ones_like(all_ids))
-    generated = tokenizer.decode(out[0, all_ids.shape[1]:], skip_special_tokens=True)
-    assert answer == generated
+        while len(generated) < 12 and not (generated and generated[-1] in stop):
+            positions = torch.arange(position, position + ids.shape[1]).unsqueeze(0)
+            logits = model(input_ids=ids, past_key_values=cache, position_ids=positions).logits
+            position, ids = position + ids.shape[1], logits[:, -1:].argmax(-1)
+            generated.append(int(ids))
+    assert answer == tokenizer.decode(generated, skip_special_tokens=True)
 
 
 def test_pipeline_reuses_one_compressed_context_for_several_questions():
@@ -277,6 +282,7 @@ def run_with_imports(imports: list[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@kvpress_hooks.mark
 def test_coexists_with_kvpress_attention_patch_in_either_import_order():
     """kvpress's head-wise masking (AdaKV's fake keys) and our log-weights both keep working whichever package
     patched transformers' attention functions first."""

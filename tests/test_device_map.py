@@ -12,7 +12,7 @@ import torch
 from accelerate import dispatch_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
+from tests import kvpress_hooks
 from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, run_case, write_assets
 
 DEVICE_PAIRS = ([("cuda:0", "cuda:1")] if torch.cuda.device_count() >= 2 else []) + \
@@ -26,10 +26,8 @@ def assets(tmp_path_factory):
 
 @pytest.mark.skipif(not DEVICE_PAIRS, reason="needs CUDA (two devices, or one beside the CPU)")
 @pytest.mark.parametrize("devices", DEVICE_PAIRS or [None], ids=lambda pair: "-".join(pair) if pair else "none")
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", kvpress_hooks.cases(CASES, KVPRESS_HOOK_CASES))
 def test_layer_state_stays_on_its_layers_device(assets, devices, case):
-    if case in KVPRESS_HOOK_CASES and (mismatch := kvpress_transformers_mismatch()):
-        pytest.skip(mismatch)
     model_dir, surrogates = assets
     first, second = devices
     device_map = {"model.embed_tokens": first, "model.rotary_emb": first, "model.layers.0": first,

@@ -17,9 +17,12 @@ from transformers import DynamicCache
 
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses import KVzapPress
+from tests import kvpress_hooks
 from tests.models import make_tiny_llama
 from tests.reference import gather_paged
 from tests.test_kvzap_press import write_surrogate
+
+pytestmark = kvpress_hooks.mark
 
 NEW_TOKENS = 8
 LENGTHS = (64, 37, 50)  # the rows' prompt lengths: the first is unpadded, the others left-padded

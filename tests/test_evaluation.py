@@ -23,6 +23,7 @@ from kvpress_cpp.evaluation import launch, results
 from kvpress_cpp.evaluation.registry import METHODS, evaluation_press
 from kvpress_cpp.evaluation.ruler_data import DEPTHS, LENGTH_TOLERANCE, TASKS, _austen_characters, generate, write_dataset
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from tests import kvpress_hooks
 from tests.generation import greedy, prompt_ids
 from tests.models import make_tiny_llama, make_tokenizer
 
@@ -230,6 +231,7 @@ def test_launcher_runs_kvpress_evaluate_on_a_tiny_model(tiny_model_dir, tokenize
     assert "ZSMergePress(budget=0.5" in config and "press_name: zsmerge" in config
 
 
+@kvpress_hooks.mark
 def test_results_runner_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatch):
     """The smoke evaluation: a tiny model, three examples, two methods; a rerun computes nothing, a changed plan
     only what it changed."""
@@ -262,6 +264,7 @@ def test_results_runner_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatc
     assert "| zsmerge (ours) | – | – |" in table
 
 
+@kvpress_hooks.mark
 def test_worker_processes_write_what_one_process_writes(tiny_model_dir, tmp_path):
     """--workers 2: two processes, each with its own model, run the configurations; every JSON's scores, examples
     and measured ratio, and every answer, are those of the same run in this process. A worker count below 1 is

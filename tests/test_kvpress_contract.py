@@ -17,6 +17,7 @@ from transformers import DynamicCache, pipeline
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
                                  ZSMergePress)
+from tests import kvpress_hooks
 from tests.generation import greedy, prompt_ids
 from tests.models import make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
@@ -135,6 +136,7 @@ def test_composed_alone_acts_as_the_press(llama, make_press, name):
     assert composed.compression_ratio > 0
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_kvpress_press_after_ours_is_refused(llama, make_press, name):
     """Knorm after ours would select among our slots and leave our per-slot state describing other slots."""
@@ -144,6 +146,7 @@ def test_kvpress_press_after_ours_is_refused(llama, make_press, name):
                max_new_tokens=2)
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_think_after_ours_prunes_key_channels_of_our_slots(llama, make_press, name):
     """ThinK zeroes key channels without moving slots, so our per-slot state still lines up."""
@@ -161,6 +164,7 @@ def test_think_after_ours_prunes_key_channels_of_our_slots(llama, make_press, na
     assert tokens.shape == (1, 6)
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_ours_after_a_kvpress_press(llama, make_press, name):
     model, tokenizer = llama
@@ -226,6 +230,7 @@ def test_wrappers_of_scorer_presses_refuse_ours(make_press, name, wrapper):
         SCORER_WRAPPERS[wrapper](make_press(name))
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_dms_press_over_ours_fails_naming_it(llama, make_press, name):
     """DMSPress does not check its press up front; it fails on the first forward, naming ours."""
@@ -260,6 +265,7 @@ def pipe_answer(llama, press, questions, **kwargs):
     return out["answer" if isinstance(questions, str) else "answers"], cache
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_decoding_press_with_ours_in_either_phase(llama, make_press, name):
     question = "who is in want of a wife?"
@@ -279,6 +285,7 @@ def test_prefill_decoding_press_with_ours_in_either_phase(llama, make_press, nam
     assert press.compression_ratio > 0
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_decoding_press_refuses_ours_where_it_cannot_act(llama, make_press, name):
     question = "who is in want of a wife?"

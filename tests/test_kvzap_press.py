@@ -16,7 +16,7 @@ from kvpress_cpp.presses import KVzapPress, KVzapThresholdPress
 from kvpress_cpp.presses import kvzap as kvzap_module
 from kvpress_cpp.presses.kvzap import save_surrogate
 from kvpress_cpp.texts import austen_novel
-from tests import reference
+from tests import kvpress_hooks, reference
 from tests.generation import answers_hidden_fact, greedy, prompt_ids
 from tests.models import make_tiny_llama
 
@@ -257,6 +257,7 @@ def test_compression_ratio_is_read_only_and_memory_shrinks(llama, surrogates):
 # inside kvpress
 
 
+@kvpress_hooks.mark
 def test_prefill_evicts_what_kvpress_dms_press_masks(llama, surrogates):
     """At prefill (where compression cannot change the hidden states), our press evicts exactly the positions that
     kvpress's DMSPress over kvpress's KVzapPress masks, and DMSPress over our scorer masks the same ones."""
@@ -278,6 +279,7 @@ def test_prefill_evicts_what_kvpress_dms_press_masks(llama, surrogates):
         assert dms.compression_ratio == pytest.approx(ours.compression_ratio)
 
 
+@kvpress_hooks.mark
 def test_dms_and_adakv_accept_our_scorer_under_generate(llama, surrogates):
     model, tokenizer = llama
     ids = prompt_ids(tokenizer, 120)

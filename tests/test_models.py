@@ -12,6 +12,7 @@ import torch
 
 from kvpress_cpp import models
 from kvpress_cpp._cache import AssetError, sha256_of
+from tests import kvpress_hooks
 from tests.models import (
     ENGLISH_PROSE,
     IM_END,
@@ -120,6 +121,7 @@ def test_tiny_model_eager_and_sdpa_agree(arch):
         assert entropy < 0.8 * uniform_entropy
 
 
+@kvpress_hooks.mark
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_model_runs_in_kvpress_pipeline(arch, request):
     import kvpress
@@ -285,7 +287,8 @@ def test_default_model_perplexity_on_austen(default_model):
 def test_default_model_answers_through_chat_template(default_model):
     model, tokenizer = default_model
     messages = [{"role": "user", "content": "Repeat this number exactly: 4096."}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True).input_ids
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
     assert "4096" in answer

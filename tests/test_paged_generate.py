@@ -16,6 +16,7 @@ from kvpress_cpp.cache import cache_bytes, get_state
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
                                  ZSMergePress)
+from tests import kvpress_hooks
 from tests.generation import TINY_MODELS, prompt_ids
 from tests.models import make_tiny_llama
 from tests.test_kvzap_press import write_surrogate
@@ -40,6 +41,7 @@ PRESSES = {
     "dms-kvzap": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=8, decoding=True),
 }
 HEAD_WISE_MASKING = ("adakv-snapkv", "dms-kvzap")
+KVPRESS_PRESSES = ("snapkv", *HEAD_WISE_MASKING)
 
 
 def greedy(model, input_ids, cache, press=None, max_new_tokens=12, **kwargs):
@@ -50,7 +52,7 @@ def greedy(model, input_ids, cache, press=None, max_new_tokens=12, **kwargs):
 
 
 @pytest.mark.parametrize("make_model,attn", TINY_MODELS)
-@pytest.mark.parametrize("name", list(PRESSES))
+@pytest.mark.parametrize("name", kvpress_hooks.cases(PRESSES, KVPRESS_PRESSES))
 def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate_dir):
     if name in HEAD_WISE_MASKING and attn == "eager":
         pytest.skip("kvpress's head-wise presses refuse eager attention")
@@ -67,7 +69,7 @@ def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate
     assert paged_cache.bytes_held() <= cache_bytes(rectangular_cache) * 1.1 + 4096
 
 
-@pytest.mark.parametrize("name", HEAD_WISE_MASKING + ("kvzap", "gvote"))
+@pytest.mark.parametrize("name", kvpress_hooks.cases(HEAD_WISE_MASKING + ("kvzap", "gvote"), KVPRESS_PRESSES))
 def test_head_wise_presses_free_memory(name, surrogate_dir):
     """The slots each head drops are gone from the paged cache: it holds its kept slots, within a block per head
     (plus the slots' log-weights and positions), where the rectangular cache holds at least its longest head."""
@@ -86,6 +88,7 @@ def test_head_wise_presses_free_memory(name, surrogate_dir):
     assert cache.bytes_held() < 0.9 * full
 
 
+@kvpress_hooks.mark
 def test_pipeline_answers_several_questions_on_one_paged_context():
     model, tokenizer = make_tiny_llama()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
@@ -132,7 +135,7 @@ PRESSES_ON_SMOLLM2 = {
 }
 
 
-@pytest.mark.parametrize("name", list(PRESSES_ON_SMOLLM2))
+@pytest.mark.parametrize("name", kvpress_hooks.cases(PRESSES_ON_SMOLLM2, KVPRESS_PRESSES))
 def test_smollm2_generate_equals_the_rectangular_cache(default_model, name):
     model, tokenizer = default_model
     ids = prompt_ids(tokenizer, 400)

@@ -49,13 +49,21 @@ def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn
 
 @pytest.mark.parametrize("eviction_order", ["authors", "paper"])
 def test_streaming_prefill_keeps_the_invariants_while_the_prompt_streams_in(eviction_order):
-    """prefill_chunk_size: generate feeds the 95 first prompt tokens in 12 chunks of ≤ 8 (the first one is the
-    prefill), so the press compresses 11 chunk passes, then the last prompt token and 3 generated ones; the budget
-    and Σ w = tokens seen hold after each, and generate's configuration is restored afterwards."""
+    """prefill_chunk_size: generate feeds the prompt in chunks of ≤ 8 (the first one is the prefill; transformers 4
+    keeps the last prompt token for the first decoding pass, transformers 5 does not), then 3 generated tokens; the
+    press compresses every pass after the first, the budget and Σ w = tokens seen hold after each, and generate's
+    configuration is restored afterwards."""
     model, tokenizer = make_tiny_llama()
     press = CheckedZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order, prefill_chunk_size=8)
-    _, cache = greedy(model, prompt_ids(tokenizer, 96), press=press, max_new_tokens=4)
-    assert press.steps_checked == (11 + 1 + 3) * model.config.num_hidden_layers
+    passes = []  # the tokens of each forward
+    hook = model.model.register_forward_pre_hook(lambda _, args, kwargs: passes.append(kwargs["input_ids"].shape[1]),
+                                                 with_kwargs=True)
+    try:
+        _, cache = greedy(model, prompt_ids(tokenizer, 96), press=press, max_new_tokens=4)
+    finally:
+        hook.remove()
+    assert sum(passes) == 96 + 3 and max(passes) <= 8 and passes[-3:] == [1, 1, 1], passes
+    assert press.steps_checked == (len(passes) - 1) * model.config.num_hidden_layers
     assert model.generation_config.prefill_chunk_size is None
     assert all(layer.keys.shape[-2] == 24 for layer in cache.layers)
 

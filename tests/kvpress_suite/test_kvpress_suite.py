@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from kvpress_cpp.evaluation.launch import kvpress_source_dir
+from tests import kvpress_hooks
 
 HERE = Path(__file__).resolve().parent
 OUR_PRESSES = ["ZSMergePress", "WeightedKVPress", "KeepKVPress", "GVotePress", "TestKVzapThresholdPress",
@@ -25,6 +26,7 @@ def run_kvpress_suite(report: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=source, env=env, capture_output=True, text=True, timeout=1800)
 
 
+@kvpress_hooks.mark
 def test_kvpress_suite_passes_with_our_presses(tmp_path):
     report = tmp_path / "kvpress-suite.xml"
     result = run_kvpress_suite(report)
