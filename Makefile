@@ -1,6 +1,7 @@
 # The two commands of the README, and the steps they are made of. Each sets up what it needs on a fresh machine.
 #   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
-#   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest
+#   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest (and again
+#               under transformers 5)
 #   make eval   the evaluation results run (resumable), then its CSV, plots and README table (see README: Evaluation)
 #   make gpu-check   on a machine with a GPU and no network: build for it (or use make gpu-prebuild's), CUDA tests, compute-sanitizer, op and
 #               decode benchmarks, results in benchmarks/results/gpu/ (see benchmarks/gpu_check.py)
@@ -16,12 +17,12 @@ export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test build cpp-test py-test system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
+.PHONY: demo test build cpp-test py-test py-test-transformers5 system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
 
 demo: build
 	$(PYTHON) examples/demo.py
 
-test: build cpp-test py-test
+test: build cpp-test py-test py-test-transformers5
 
 # EVAL_ARGS: e.g. --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 --lengths 4096 16384 --examples 20
 # --out results/llama (a hub model also needs `make eval HF_HUB_OFFLINE=0 ...`). One CPU thread: CPU time is what
@@ -63,6 +64,22 @@ cpp-test: build system-deps
 py-test: build
 	$(PYTHON) -m pytest tests -q
 
+# The suite again under transformers 5 (requirements-transformers5.txt): a venv holding only those pins, which sees
+# .venv's packages and built extension behind them (a .pth that adds .venv's site-packages), on two pytest workers.
+TF5_VENV := .venv-transformers5
+TF5_PYTHON := $(TF5_VENV)/bin/python
+$(TF5_VENV)/.installed: requirements-transformers5.txt $(VENV)/.installed
+	test -x $(TF5_PYTHON) || python3 -m venv $(TF5_VENV)
+	echo "import site; site.addsitedir('$$($(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+	  > "$$($(TF5_PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/kvpress_cpp_base.pth"
+	set -o pipefail; $(TF5_PYTHON) -m pip install --quiet -r requirements-transformers5.txt 2>&1 \
+	  | { grep -v "kvpress 0.5.5 requires transformers\|dependency resolver\|dependency conflicts" || true; }
+	$(TF5_PYTHON) -c "import transformers, torch, kvpress; assert transformers.__version__.startswith('5.'), transformers.__version__"
+	touch $@
+
+py-test-transformers5: build $(TF5_VENV)/.installed
+	$(TF5_PYTHON) -m pytest tests -q -n 2 -p no:cacheprovider
+
 # gpu-check uses the GPU machine's own Python (GPU_PYTHON, with torch, transformers and nvcc there; our pins are not
 # installable without network) and installs the wheels of .whl/ beside it, for what it lacks: kvpress and the packages
 # kvpress imports. `make gpu-wheels` fetches them (on a machine with network); carry .whl/ to the GPU machine.
@@ -99,4 +116,4 @@ gpu-wheels:
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf build $(VENV) *.egg-info kvpress_cpp/*.so
+	rm -rf build $(VENV) $(TF5_VENV) *.egg-info kvpress_cpp/*.so
