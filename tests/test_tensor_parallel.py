@@ -16,7 +16,6 @@ comparison by adding it there with its per-head slack (a paged cache may hold up
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,11 +58,12 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module", params=list(CACHES))
 def sharded(request, assets, tmp_path_factory):
     """Each rank's results ([rank 0, rank 1]) of one torchrun launch running every case, and the cache kind."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    assert torchrun is not None, "torchrun (from torch) is not on PATH"
     model_dir, surrogates, uneven = assets
     out = tmp_path_factory.mktemp(f"ranks_{request.param}")
-    command = [torchrun, "--standalone", f"--nproc-per-node={RANKS}", str(Path(__file__).with_name("tp_worker.py")),
+    # torchrun's module, run by this interpreter: its script need not be on PATH or beside it (a venv layered on
+    # another, as make test's transformers 5 run, has it only in the base venv).
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    command = [*torchrun, "--standalone", f"--nproc-per-node={RANKS}", str(Path(__file__).with_name("tp_worker.py")),
                str(model_dir), str(out), "--surrogates", str(surrogates), "--uneven-model", str(uneven),
                "--cache", request.param, "--cases", *RUN_CASES]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
