@@ -341,11 +341,12 @@ def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
     scorer, words = rouge_scorer.RougeScorer(["rougeL"]), tokenizers.DefaultTokenizer()
 
     def rouge_l(reference: str, prediction: str) -> float:
+        score = 100 * scorer.score(reference, prediction)["rougeL"].fmeasure
         # ROUGE-L is 0 between two answers without a word ("\n", "."), which would count the full cache as disagreeing
-        # with itself; two such answers are the same answer
-        if not words.tokenize(reference) and not words.tokenize(prediction):
+        # with itself; two such answers are the same answer (tokenised again only for the pairs that score 0)
+        if score == 0 and not words.tokenize(reference) and not words.tokenize(prediction):
             return 100.0
-        return 100 * scorer.score(reference, prediction)["rougeL"].fmeasure
+        return score
 
     mine, theirs = _predictions(out, result), _predictions(out, full)
     both = mine.merge(theirs, on=["task", "index"], suffixes=("", "_full"))
