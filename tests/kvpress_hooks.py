@@ -16,3 +16,11 @@ mark = pytest.mark.kvpress_hooks
 def cases(names, hook_names) -> list:
     """`names` as parameters, those in `hook_names` marked as running kvpress's hooks."""
     return [pytest.param(name, marks=mark) if name in hook_names else name for name in names]
+
+
+def runnable(names, hook_names) -> list:
+    """The `names` that can run here: all, or those outside `hook_names` where the marked tests skip (for work a
+    fixture does for every case at once, such as one torchrun launch)."""
+    from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
+
+    return [name for name in names if name not in hook_names or not kvpress_transformers_mismatch()]

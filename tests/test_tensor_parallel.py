@@ -24,7 +24,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
 from tests import kvpress_hooks
 from tests.models import make_tiny_llama
 from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_assets
@@ -33,7 +32,7 @@ RANKS = 2
 RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp", "kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms"]
 #: The cases the launches run: kvpress's hooks fail (and would take every case of a launch down) where the
 #: installed transformers is outside kvpress's range; their tests skip there.
-RUN_CASES = [case for case in CASES if case not in KVPRESS_HOOK_CASES or not kvpress_transformers_mismatch()]
+RUN_CASES = kvpress_hooks.runnable(CASES, KVPRESS_HOOK_CASES)
 #: cache kind → bytes a rank may hold beyond 1/N of the single-process cache, per (layer, kv head).
 #: A paged rank may hold one partly filled block more per head: 16 slots of keys and values (head_dim 16, float32)
 #: plus at most 8 float32 / int64 per-slot state entries.
