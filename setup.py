@@ -17,6 +17,26 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 ROOT = Path(__file__).parent
 CSRC = ROOT / "csrc"
 
+# What `pip install --no-build-isolation .` pulls in: ranges, not pins (requirements.txt pins what the tests ran,
+# and tests/test_packaging.py checks those pins fall inside these ranges). torch is whichever build the user has
+# (the extension compiles against it); kvpress bounds transformers (0.5.5: < 5.3).
+INSTALL_REQUIRES = [
+    "torch>=2.11",
+    "transformers>=4.56",
+    "kvpress>=0.5.5",
+    "gguf>=0.17",  # the embedded SmolLM2 is a GGUF file
+    "safetensors>=0.4",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",  # the plots of train_kvzap and the benchmarks
+    "packaging>=23",
+]
+EXTRAS_REQUIRE = {
+    # kvpress_cpp.evaluation: kvpress's evaluation script's own imports, and our report's.
+    "evaluation": ["pandas>=2", "pyyaml>=6", "rouge-score>=0.1.2", "datasets>=2.19",
+                   "fire>=0.6", "rouge>=1.0", "nltk>=3.8", "jieba>=0.42", "fuzzywuzzy>=0.18", "bert-score>=0.3.13"],
+    "test": ["pytest>=8", "pytest-xdist>=3.5"],
+}
+
 
 def build_cuda() -> bool:
     if os.environ.get("KVCOMP_FORCE_CPU", "0") == "1":
@@ -66,6 +86,8 @@ setup(
     package_data={"kvpress_cpp": ["surrogates/**/*", "evaluation/*.yaml"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
     python_requires=">=3.10",
 )

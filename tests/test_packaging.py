@@ -1,0 +1,95 @@
+"""What `pip install .` declares against what the code imports and what the tests ran.
+
+setup.py's INSTALL_REQUIRES and EXTRAS_REQUIRE are read from its source (running setup.py would build). A user who
+installs the package gets every distribution the package imports; the pins of requirements.txt, which the tests run
+under, fall inside the declared ranges.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvpress_cpp"
+
+
+def declared() -> tuple[list[Requirement], dict[str, list[Requirement]]]:
+    """(INSTALL_REQUIRES, EXTRAS_REQUIRE) of setup.py, as requirements."""
+    values = {}
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("INSTALL_REQUIRES", "EXTRAS_REQUIRE"):
+                values[node.targets[0].id] = ast.literal_eval(node.value)
+    install = [Requirement(text) for text in values["INSTALL_REQUIRES"]]
+    extras = {extra: [Requirement(text) for text in texts] for extra, texts in values["EXTRAS_REQUIRE"].items()}
+    return install, extras
+
+
+def pins() -> dict[str, str]:
+    """Distribution (canonical name) -> version pinned in requirements.txt."""
+    pinned = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pinned[canonicalize_name(name)] = version
+    return pinned
+
+
+def third_party_imports(files: list[Path]) -> set[str]:
+    """Top-level modules imported anywhere in `files` (lazily inside functions too) that are neither the standard
+    library nor this package."""
+    modules = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    return {m for m in modules if m not in sys.stdlib_module_names and m not in ("kvpress_cpp", "__future__")}
+
+
+def distributions_of(modules: set[str]) -> dict[str, set[str]]:
+    """Module -> canonical names of the installed distributions that provide it."""
+    providers = importlib.metadata.packages_distributions()
+    return {module: {canonicalize_name(d) for d in providers.get(module, [])} for module in modules}
+
+
+def names(requirements: list[Requirement]) -> set[str]:
+    return {canonicalize_name(r.name) for r in requirements}
+
+
+@pytest.mark.parametrize("part", ["library", "evaluation"])
+def test_every_imported_distribution_is_declared(part):
+    install, extras = declared()
+    library = [p for p in PACKAGE.rglob("*.py") if "evaluation" not in p.relative_to(PACKAGE).parts]
+    files = library if part == "library" else sorted((PACKAGE / "evaluation").rglob("*.py"))
+    allowed = names(install) | (names(extras["evaluation"]) if part == "evaluation" else set())
+    undeclared = {module: providers for module, providers in distributions_of(third_party_imports(files)).items()
+                  if not providers & allowed}
+    assert not undeclared, f"kvpress_cpp ({part}) imports modules no declared requirement provides: {undeclared}"
+
+
+def test_pins_fall_inside_the_declared_ranges():
+    install, extras = declared()
+    pinned = pins()
+    outside = [f"{r} (pinned {pinned[canonicalize_name(r.name)]})"
+               for r in install + [r for group in extras.values() for r in group]
+               if canonicalize_name(r.name) in pinned and pinned[canonicalize_name(r.name)] not in r.specifier]
+    assert not outside, f"requirements.txt pins versions setup.py excludes: {outside}"
+
+
+def test_installed_versions_satisfy_install_requires():
+    """The environment the tests run in is one a user's `pip install .` could have produced (torch's local
+    version, e.g. +cu130, is ignored by the specifier as pip ignores it)."""
+    install, _ = declared()
+    unmet = [f"{r} (installed {importlib.metadata.version(r.name)})" for r in install
+             if not r.specifier.contains(importlib.metadata.version(r.name).split("+")[0], prereleases=True)]
+    assert not unmet, f"installed versions outside setup.py's ranges: {unmet}"
