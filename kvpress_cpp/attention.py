@@ -39,10 +39,12 @@ from kvpress_cpp.cache import state_for_attention
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
-           "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities"]
+           "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities",
+           "active_presses", "mark_press_active", "patch_loaded_eager_attention"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
+_ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -80,6 +82,37 @@ def request_prefill_scores(module: torch.nn.Module, weights: tuple[float, float]
     ``(decay, input_scale)`` (see :func:`take_prefill_attention`); None: keep nothing."""
     module._kvcomp_prompt_score_weights = weights
     module._kvcomp_prefill_attention = None
+
+
+def active_presses(module: torch.nn.Module) -> list[str]:
+    """The kvpress_cpp presses whose context is open on `module`, innermost last."""
+    return list(module.__dict__.get(_ACTIVE_PRESSES_ATTR, ()))
+
+
+def mark_press_active(module: torch.nn.Module, name: str, active: bool) -> None:
+    """Record that press `name` hooks `module` (active) or no longer does: the attention path then refuses the
+    attention variants it cannot apply (:func:`_refuse_unsupported_variant`) from the prompt pass on."""
+    names = module.__dict__.setdefault(_ACTIVE_PRESSES_ATTR, [])
+    names.append(name) if active else names.remove(name)
+
+
+# Keyword arguments with which a model's attention function applies something the attention over a compressed or
+# paged layer (decode_attention, paged_decode_attention) does not: a sliding window, soft-capped logits, gpt-oss's
+# per-head sink logits. The prompt pass would run them, and every later pass would silently drop them.
+_UNSUPPORTED_VARIANTS = ("sliding_window", "softcap", "s_aux")
+
+
+def _refuse_unsupported_variant(module: torch.nn.Module, kwargs: dict, user: str) -> None:
+    for name in _UNSUPPORTED_VARIANTS:
+        value = kwargs.get(name)
+        if value is not None:
+            shown = f"a {name} tensor" if isinstance(value, torch.Tensor) else f"{name}={value!r}"
+            raise ValueError(
+                f"{user}: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) runs its attention with "
+                f"{shown}, which kvpress_cpp's attention over a compressed or paged cache does not apply (it attends "
+                f"to every slot held with plain logits), so the model's outputs would silently change. Sliding-window, "
+                f"soft-capped and sink-logit attention layers are not supported (a model whose prompts and answers fit "
+                f"in its window runs the same attention without one when loaded with `sliding_window=None`)")
 
 
 def count_hook_without_probabilities(module: torch.nn.Module, change: int) -> None:
@@ -126,8 +159,7 @@ def _prompt_attention_keeping_scores(module, query, key, value, kwargs):
     workspace limit, ATen's flash kernel (which sdpa dispatches to there), whose log-sum-exp comes beside the output.
     On CUDA: :func:`_cuda_prompt_attention_keeping_log_sum_exp`. All GQA without repeated keys. None: nothing kept,
     the layer's own attention function runs."""
-    scaling = kwargs.get("scaling")
-    scaling = module.scaling if scaling is None else scaling
+    scaling = _scaling(module, kwargs)
     if query.device.type == "cuda":
         return _cuda_prompt_attention_keeping_log_sum_exp(module, query, key, value, scaling)
     weights = module._kvcomp_prompt_score_weights
@@ -167,21 +199,31 @@ def _cuda_prompt_attention_keeping_log_sum_exp(module, query, key, value, scalin
     return output.transpose(1, 2).contiguous(), None
 
 
+def _scaling(module: torch.nn.Module, kwargs: dict) -> float:
+    """The attention scale of this call: the kwarg where the model passes one, else the module's. Read only on our
+    paths: attention modules of other models (GPT-2, CLIP, ...) run through the same registry without a `scaling`."""
+    scaling = kwargs.get("scaling")
+    return module.scaling if scaling is None else scaling
+
+
 def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False):
     if getattr(attention_fn, _WRAPPED_ATTR, False):
         return attention_fn
 
     @functools.wraps(attention_fn)
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        scaling = kwargs.get("scaling")
-        scaling = module.scaling if scaling is None else scaling
         paged_layer = paged_layer_of(key)
+        presses = module.__dict__.get(_ACTIVE_PRESSES_ATTR)
+        if presses or paged_layer is not None:
+            _refuse_unsupported_variant(module, kwargs, presses[-1] if presses else "PagedKVCache")
         if paged_layer is not None:
             prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
             if prompt_states is None:
-                return _paged_attention(paged_layer, module, query, scaling)
+                return _paged_attention(paged_layer, module, query, _scaling(module, kwargs))
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
+        if log_weights is not None and not presses:  # a compressed context answered outside its press's context
+            _refuse_unsupported_variant(module, kwargs, "kvpress_cpp")
         if log_weights is None:
             # kvpress's own wrapper, when it wraps this one, passes dropout positionally (as its 6th argument).
             if (keeps_prompt_scores and len(args) <= 1
@@ -191,7 +233,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False):
                 if kept is not None:
                     return kept
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
-        output, probs = ops.decode_attention(query, key, value, log_weights, scaling)
+        output, probs = ops.decode_attention(query, key, value, log_weights, _scaling(module, kwargs))
         _hand_decode_query(module, query)  # for the press's hook (take_decode_query): no second projection
         return output.transpose(1, 2).contiguous(), probs
 
@@ -231,13 +273,26 @@ def patch_attention_functions() -> None:
         ALL_ATTENTION_FUNCTIONS[name] = _honour_log_weights(attention_fn, keeps_prompt_scores=name == "sdpa")
 
 
+def _wrap_eager_attention(model_file) -> None:
+    # Read from the module's own dict: transformers' lazy package modules import on attribute access.
+    eager = getattr(model_file, "__dict__", {}).get("eager_attention_forward")
+    if eager is not None:
+        model_file.eager_attention_forward = _honour_log_weights(eager)
+
+
 def patch_eager_attention(model: torch.nn.Module) -> None:
     """Wrap the eager attention function of every model file `model` uses. Idempotent."""
     for module in model.modules():
-        model_file = sys.modules.get(type(module).__module__)
-        eager = getattr(model_file, "eager_attention_forward", None)
-        if eager is not None:
-            model_file.eager_attention_forward = _honour_log_weights(eager)
+        _wrap_eager_attention(sys.modules.get(type(module).__module__))
+
+
+def patch_loaded_eager_attention() -> None:
+    """Wrap the eager attention function of every transformers model file imported so far. A PagedKVCache calls it
+    when its layers first receive keys (the model's file is imported by then), so eager attention reads paged layers
+    without a press's ``with press(model):`` having patched the model."""
+    for name, model_file in list(sys.modules.items()):
+        if name.startswith("transformers.models.") and model_file is not None:
+            _wrap_eager_attention(model_file)
 
 
 patch_attention_functions()

@@ -13,14 +13,15 @@ shrinks for real, where kvpress only masks evicted keys.
 
 from __future__ import annotations
 
+import types
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["LayerState", "get_state", "set_state", "attach", "state_for_attention", "compact_to_longest_head",
-           "cache_bytes"]
+__all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
+           "compact_to_longest_head", "cache_bytes"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -83,6 +84,20 @@ class LayerState:
         return (aligned is not None and aligned[:2] == (slots_before, new_tokens) and len(aligned) == 2 + len(tensors)
                 and all((ref() if ref is not None else None) is t for ref, t in zip(aligned[2:], tensors)))
 
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Follow beam search's reordering of the batch rows (``Cache.reorder_cache``): every per-slot tensor, and
+        every counter with a batch dimension, takes the rows `beam_idx` names."""
+        def rows(tensor):
+            return tensor.index_select(0, beam_idx.to(tensor.device))
+
+        self.log_weights = rows(self.log_weights)
+        self.per_slot = {name: rows(tensor) for name, tensor in self.per_slot.items()}
+        self.counters = {name: rows(value) if isinstance(value, torch.Tensor) and value.dim() else value
+                         for name, value in self.counters.items()}
+        if self.value_probe is not None:
+            self.value_probe = rows(self.value_probe)
+        self._aligned = None
+
     def nbytes(self) -> int:
         probe = self.value_probe.nbytes if self.value_probe is not None else 0
         return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values()) + probe
@@ -106,11 +121,12 @@ class LayerState:
             )
 
 
-def _check_layer(layer) -> None:
+def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:
+    """Raise unless `layer` can hold a press's per-slot state (a DynamicCache's layer, or a PagedKVCache's)."""
     if not isinstance(layer, DynamicLayer) and not getattr(layer, "holds_kvcomp_state", False):
         raise TypeError(
-            f"kvpress_cpp presses need a DynamicCache or a PagedKVCache, got a {type(layer).__name__} "
-            f"layer: quantized, static, offloaded and sliding-window caches are not supported"
+            f"{user}: needs a DynamicCache or a PagedKVCache, got a {type(layer).__name__} layer: quantized, static, "
+            f"offloaded and sliding-window caches are not supported"
         )
 
 
@@ -119,8 +135,18 @@ def get_state(layer) -> LayerState | None:
 
 
 def set_state(layer, state: LayerState | None) -> None:
-    _check_layer(layer)
+    check_cache_layer(layer)
     setattr(layer, _STATE_ATTR, state)
+    if isinstance(layer, DynamicLayer) and "reorder_cache" not in layer.__dict__:
+        layer.reorder_cache = types.MethodType(_reorder_with_state, layer)
+
+
+def _reorder_with_state(layer: DynamicLayer, beam_idx: torch.LongTensor) -> None:
+    """DynamicLayer.reorder_cache, which beam search calls, moving the layer's state with its keys and values."""
+    DynamicLayer.reorder_cache(layer, beam_idx)
+    state = get_state(layer)
+    if state is not None:
+        state.reorder(beam_idx)
 
 
 def attach(module: torch.nn.Module, layer) -> None:

@@ -97,6 +97,9 @@ class PagedLayer(CacheLayerMixin):
     # transformers' layer interface
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None):
+        from kvpress_cpp.attention import patch_loaded_eager_attention  # (it imports this module)
+
+        patch_loaded_eager_attention()  # eager attention must read this layer through its block tables
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads = key_states.shape[:2]
         value_dim = (value_states if value_states is not None else key_states).shape[-1]
@@ -887,8 +890,8 @@ class PagedKVCache(Cache):
     or kvpress's pipeline (``pipe(context, question=..., press=press, cache=PagedKVCache())``).
 
     The attention over it runs through :mod:`kvpress_cpp.attention`, which wraps transformers' sdpa and flash
-    attention when kvpress_cpp is imported; a model running eager attention needs
-    ``kvpress_cpp.attention.patch_eager_attention(model)`` once (a kvpress_cpp press's ``with press(model):`` does it).
+    attention when kvpress_cpp is imported, and the eager attention of the model files imported when a layer first
+    receives keys.
 
     Args:
         block_size: slots per block (≥ 1; 16 as vLLM).

@@ -72,8 +72,12 @@ def test_memory_ratio_is_what_the_compacted_cache_frees():
     assert press.memory_compression_ratio < press.compression_ratio
 
 
-@pytest.mark.parametrize("kwargs,message", [({"nucleus_p": 0}, "nucleus_p must be in"), ({"num_samples": 0}, "num_samples"),
+@pytest.mark.parametrize("kwargs,message", [({"nucleus_p": 0}, r"nucleus_p must be a number in \(0, 1\], got 0"),
+                                            ({"num_samples": 0}, "num_samples"),
+                                            ({"num_samples": 2.5}, "num_samples must be an int ≥ 1, got 2.5"),
                                             ({"sinks": -1}, "sinks must be"), ({"recent": -1}, "recent must be"),
+                                            ({"seed": float("nan")}, "seed must be an int ≥ 0, got nan"),
+                                            ({"keep_sinks": "yes"}, "keep_sinks must be True or False"),
                                             ({"budget_queries": 0}, "budget_queries must be")])
 def test_bad_hyperparameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -167,10 +167,10 @@ def test_budget_without_room_for_heavy_hitters_is_refused():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
-    ({"budget": True}, "budget must be a token count"), ({"sinks": -1}, "sinks must be ≥ 0"),
+    ({"budget": True}, "budget must be a token count"), ({"sinks": -1}, "sinks must be an int ≥ 0"),
     ({"recent": 0}, "recent must be a token count ≥ 1"), ({"recent": 1.0}, r"fraction of the budget in \(0, 1\)"),
-    ({"similarity_threshold": 1.5}, r"similarity_threshold must be in \[-1, 1\]"),
-    ({"ema_decay": 1.0}, r"ema_decay \(β\) must be in \(0, 1\)"), ({"ema_decay": 0.0}, r"ema_decay \(β\)"),
+    ({"similarity_threshold": 1.5}, r"similarity_threshold must be a number in \[-1, 1\]"),
+    ({"ema_decay": 1.0}, r"ema_decay \(β\) must be a number in \(0, 1\)"), ({"ema_decay": 0.0}, r"ema_decay \(β\)"),
     ({"scorer": "knorm"}, "scorer must be a kvpress ScorerPress"), ({"layer_budgets": "linear"}, "layer_budgets must"),
     ({"merge_first": True, "scorer": KnormPress()}, "merge_first .* cannot be combined with a scorer"),
 ])

@@ -233,9 +233,10 @@ def test_wrappers_of_scorer_presses_refuse_ours(make_press, name, wrapper):
 @kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
 def test_dms_press_over_ours_fails_naming_it(llama, make_press, name):
-    """DMSPress does not check its press up front; it fails on the first forward, naming ours."""
+    """DMSPress does not check its press up front; it calls our `score` at the first forward, which refuses, naming
+    ours."""
     model, tokenizer = llama
-    with pytest.raises(AttributeError, match=f"'{name}' object has no attribute 'score'"):
+    with pytest.raises(ValueError, match=f"{name}: is not a kvpress ScorerPress"):
         greedy(model, prompt_ids(tokenizer, 48), press=DMSPress(make_press(name), threshold=0.0), max_new_tokens=1)
 
 

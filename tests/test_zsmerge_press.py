@@ -97,7 +97,8 @@ def test_budget_above_sequence_changes_nothing(make_model, attn_implementation):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"budget": 0}, "budget must be a token count"), ({"budget": 1.5}, "budget must be a token count"),
-    ({"decay": 1.2}, r"decay \(λ\) must be in \[0, 1\]"), ({"alpha": -0.1}, r"alpha must be in \[0, 1\]"),
+    ({"decay": 1.2}, r"decay \(λ\) must be a number in \(0, 1\], got 1.2"),
+    ({"decay": 0.0}, r"decay \(λ\) must be a number in \(0, 1\]"), ({"alpha": -0.1}, r"alpha must be a number in \[0, 1\]"),
     ({"prefill_merge": "mean"}, "prefill_merge must be"), ({"residual_slots": -1}, "residual_slots must be"),
     ({"eviction_order": "code"}, "eviction_order must be .authors. or .paper."),
     ({"budget": 0.5, "prefill_chunk_size": 8}, "prefill_chunk_size needs a budget in tokens"),

@@ -29,6 +29,9 @@ pipeline can reuse one compressed context for several questions.
 
 from __future__ import annotations
 
+import copy
+import numbers
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,12 +45,40 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import (count_hook_without_probabilities, padding_log_weights, patch_eager_attention,
-                                   request_prefill_scores, take_prefill_attention)
-from kvpress_cpp.cache import LayerState, attach, get_state, set_state
+from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
+                                   padding_log_weights, patch_eager_attention, request_prefill_scores,
+                                   take_prefill_attention)
+from kvpress_cpp.cache import LayerState, attach, check_cache_layer, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 
-__all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "score_prompt"]
+__all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "score_prompt", "require_bool",
+           "require_int", "require_real"]
+
+
+# The positions a cache holds (one past the last token fed), counted by KVCompPress._check_resumed_positions.
+_POSITIONS_ATTR = "_kvcomp_positions"
+
+
+# Constructor checks shared by the presses: a value of the wrong type or out of range is refused where it is given,
+# with the press and the parameter named, not later inside an op (or, for NaN, never).
+def require_int(press: str, name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{press}: {name} must be an int ≥ {minimum}, got {value!r}")
+
+
+def require_real(press: str, name: str, value, interval: str) -> None:
+    """`interval` as written in the message, e.g. "(0, 1]": its brackets say which ends are allowed."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    inside = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and (value >= low if interval[0] == "[" else value > low)
+              and (value <= high if interval[-1] == "]" else value < high))
+    if not inside:  # NaN compares false: refused too
+        raise ValueError(f"{press}: {name} must be a number in {interval}, got {value!r}")
+
+
+def require_bool(press: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{press}: {name} must be True or False, got {value!r}")
 
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -89,6 +120,12 @@ class RowStates(LayerState):
         if self.log_weights.shape[-1] > slots_before:
             raise ValueError("kvpress_cpp: a padded batch's compressed cache was cut; its rows cannot follow the cut")
         return super().align(slots_before, new_tokens)
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        super().reorder(beam_idx)
+        order = beam_idx.tolist()
+        self.rows = [copy.deepcopy(self.rows[r]) if order.count(r) > 1 else self.rows[r] for r in order]
+        self.padding = [self.padding[r] for r in order]
 
     def nbytes(self) -> int:
         return super().nbytes() + sum(row.nbytes() for row in self.rows)
@@ -143,6 +180,11 @@ class KVCompPress(BasePress):
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
+    # Whether a forward without a cache was reported in the current context (once per `with press(model):`).
+    _warned_without_cache: bool = field(default=False, init=False, repr=False, compare=False)
+    # The layers compressed since the press's own context opened (None outside it, e.g. inside kvpress's
+    # PrefillDecodingPress, whose decoding context asks the question over what the prefill context compressed).
+    _compressed_in_context: set | None = field(default=None, init=False, repr=False, compare=False)
 
     def prompt_score_weights(self, module: nn.Module) -> tuple[float, float] | None:
         """(decay, input_scale) of the score_prompt call compress_prefill makes on `module`, or None if it makes
@@ -214,6 +256,13 @@ class KVCompPress(BasePress):
                          f"forward hook; a wrapper that calls compress() directly cannot hold it (use it alone, in a "
                          f"ComposedPress or as a PrefillDecodingPress's prefilling_press)")
 
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        """kvpress's scorer entry point, which wrappers that rank tokens (DMSPress, ...) call on their inner press:
+        ours rank and compress in their own hook, so they refuse instead of failing on a missing method."""
+        raise ValueError(f"{type(self).__name__}: is not a kvpress ScorerPress (it compresses through its own forward "
+                         f"hook, keeping a per-slot state); wrappers that score tokens (DMSPress, AdaKVPress, ...) take "
+                         f"a scorer such as kvpress_cpp's KVzapPress or kvpress's SnapKVPress")
+
     def _compress_prompt(self, module, hidden_states, keys, values, attentions, kwargs):
         """compress_prefill with the prompt's log-weights: 0, or -inf where transformers' mask marks padding; left-
         padded batches row by row unless the press handles padding itself."""
@@ -267,14 +316,28 @@ class KVCompPress(BasePress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
-        if cache is None:
-            return output
         name, layer_idx = type(self).__name__, module.layer_idx
+        if cache is None:
+            if not self._warned_without_cache:
+                warnings.warn(f"{name}: the model ran without a KV cache (use_cache=False): nothing to compress, "
+                              f"the press did nothing", stacklevel=2)
+                self._warned_without_cache = True
+            return output
         layer = cache.layers[layer_idx]
+        check_cache_layer(layer, name)
         hidden_states = kwargs["hidden_states"]
+        if hidden_states.requires_grad:
+            raise RuntimeError(f"{name}: compresses the cache in place, outside autograd; run the model under "
+                               f"torch.no_grad() or torch.inference_mode() (generate does)")
         new_tokens = hidden_states.shape[1]
         state = get_state(layer)
         if state is not None and not isinstance(self, KVCompDecodingPress) and state.owner_type is type(self):
+            if new_tokens > 1 and self._compressed_in_context is not None and layer_idx in self._compressed_in_context:
+                raise ValueError(
+                    f"{name}: a pass of {new_tokens} tokens over layer {layer_idx}, which {name} compressed at an "
+                    f"earlier pass in the same context: {name} compresses a prompt once, whole, and would leave these "
+                    f"tokens uncompressed. Give the prompt in one pass (no generate(prefill_chunk_size=...)); kvpress's "
+                    f"pipeline asks its questions after the press's context, which is supported")
             return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         keys, values = layer.keys, layer.values
         attentions = output[1] if len(output) > 1 else None
@@ -287,7 +350,7 @@ class KVCompPress(BasePress):
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
             owner = state.owner() if state.owner is not None else None
-            if state.owner_type is not type(self) or owner not in (None, self):
+            if state.owner_type is not type(self) or (owner is not None and owner is not self):
                 raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
                                  f"presses cannot compress one cache (compose {name} with kvpress presses only)")
             if isinstance(state, RowStates):
@@ -297,6 +360,8 @@ class KVCompPress(BasePress):
             if result is not None:
                 self._count_later_tokens(layer_idx, keys.shape[0] * new_tokens)
         if result is not None:
+            if self._compressed_in_context is not None:
+                self._compressed_in_context.add(layer_idx)
             layer.keys, layer.values, state = result
             state.owner, state.owner_type = weakref.ref(self), type(self)
             if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
@@ -337,19 +402,68 @@ class KVCompPress(BasePress):
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
         return None
 
+    def _check_resumed_positions(self, base_model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder stack: refuse a pass that feeds again tokens a compressed cache already
+        holds. `generate` resumes a cache from ``get_seq_length()``, which counts a compressed layer's slots, not the
+        tokens it stands for, so a second ``generate`` call on the same cache (a chat's next turn) would re-feed the
+        tokens between the two. The positions processed are counted on the cache as a Python int; only passes of
+        several tokens read their positions (one host sync, at prefill scale), so a decoding step waits on nothing."""
+        cache = kwargs.get("past_key_values")
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        if cache is None or inputs is None or not hasattr(cache, "layers"):
+            return
+        new_tokens, slots = inputs.shape[1], cache.get_seq_length()
+        processed = getattr(cache, _POSITIONS_ATTR, 0) if slots else 0
+        if new_tokens == 1:
+            setattr(cache, _POSITIONS_ATTR, processed + 1)
+            return
+        positions = kwargs.get("position_ids")
+        positions = positions if positions is not None else kwargs.get("cache_position")
+        if positions is None:  # the model counts from get_seq_length()
+            first, after = slots, slots + new_tokens
+        else:
+            positions = positions.reshape(-1, positions.shape[-1])
+            first, after = int(positions[:, 0].max()), int(positions[:, -1].max()) + 1
+        if slots and first < processed and get_state(cache.layers[0]) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: this pass feeds {new_tokens} tokens from position {first}, but the cache "
+                f"already holds the tokens up to position {processed - 1}, compressed to {slots} slots. `generate` "
+                f"resumes a cache from get_seq_length(), which counts a compressed cache's slots, not its tokens, so a "
+                f"second generate call on it feeds {processed - first} tokens again. Continue a compressed cache with "
+                f"forwards of the new tokens only, at positions {processed} on (position_ids), or use kvpress's "
+                f"pipeline for several questions on one context")
+        setattr(cache, _POSITIONS_ATTR, after)
+
     @contextmanager
     def __call__(self, model):
+        name = type(self).__name__
         attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        if not attention_modules or not isinstance(getattr(model, "model", None), nn.Module):
+            raise ValueError(f"{name}: kvpress's hooks take a causal language model whose `model` holds the decoder "
+                             f"layers and whose attention modules have `layer_idx` and `scaling` (LlamaForCausalLM, "
+                             f"Mistral, Qwen2/3, Phi-3, Gemma); got {type(model).__name__}")
+        already = active_presses(attention_modules[0])
+        if already:
+            raise ValueError(f"{name}: {already[-1]} is already active on this {type(model).__name__}; two kvpress_cpp "
+                             f"presses cannot compress one cache (nest or compose {name} with kvpress presses only)")
+        self._warned_without_cache, self._compressed_in_context = False, set()
         for module in attention_modules:
             request_prefill_scores(module, self.prompt_score_weights(module))
+            mark_press_active(module, name, True)
             if not self.reads_decode_probabilities:
                 count_hook_without_probabilities(module, +1)
+        positions_hook = model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True)
         try:
             with super().__call__(model):
                 yield
         finally:
+            self._compressed_in_context = None
+            positions_hook.remove()
             for module in attention_modules:
                 request_prefill_scores(module, None)
+                mark_press_active(module, name, False)
                 if not self.reads_decode_probabilities:
                     count_hook_without_probabilities(module, -1)
 

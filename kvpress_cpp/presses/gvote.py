@@ -15,7 +15,7 @@ layer holds its longest head).
 Two options are not in the paper (deviations, off by default): ``recent`` keeps the last tokens of every head, and
 ``budget_queries`` takes each head's budget from the mean attention of the last w prompt queries instead of the
 last one. On a small model the paper's form can drop the question's own tokens in some heads and give a head a
-budget of a few tokens (README, "GVote").
+budget of a few tokens (README, "Faithfulness to the papers").
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import prerope_query_states
-from kvpress_cpp.presses.base import KVCompPress, query_states
+from kvpress_cpp.presses.base import KVCompPress, query_states, require_bool, require_int, require_real
 
 __all__ = ["GVotePress"]
 
@@ -42,7 +42,7 @@ class GVotePress(KVCompPress):
         future_positions: n_f positions after the prompt whose rotary tables are averaged (512).
         sinks: n_s, leading tokens left out of the hidden-state statistics (paper step 2; it gives no value: 4).
         keep_sinks: also keep those n_s tokens in every head (methods.md's form; the paper, and the default, keep the
-            union alone: the demo's needle benchmark measured no difference, README "GVote").
+            union alone: the demo's needle benchmark measured no difference, README "Faithfulness to the papers").
         recent: deviation from the paper: the last tokens of the prompt, always kept (0: none).
         budget_queries: deviation from the paper: w, each head's budget is the top-p size of the mean attention of
             the last w prompt queries (1: the last query alone, the paper).
@@ -66,15 +66,12 @@ class GVotePress(KVCompPress):
     compresses_compressed_prompt = True
 
     def __post_init__(self):
-        if not 0 < self.nucleus_p <= 1:
-            raise ValueError(f"GVotePress: nucleus_p must be in (0, 1], got {self.nucleus_p}")
+        require_real("GVotePress", "nucleus_p", self.nucleus_p, "(0, 1]")
         for name in ("num_samples", "future_positions", "chunk_size", "budget_queries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GVotePress: {name} must be ≥ 1, got {getattr(self, name)}")
-        if self.sinks < 0:
-            raise ValueError(f"GVotePress: sinks must be ≥ 0, got {self.sinks}")
-        if self.recent < 0:
-            raise ValueError(f"GVotePress: recent must be ≥ 0, got {self.recent}")
+            require_int("GVotePress", name, getattr(self, name), 1)
+        for name in ("sinks", "recent", "seed"):
+            require_int("GVotePress", name, getattr(self, name), 0)
+        require_bool("GVotePress", "keep_sinks", self.keep_sinks)
 
     @property
     def memory_compression_ratio(self) -> float:
@@ -108,7 +105,8 @@ class GVotePress(KVCompPress):
 
     def _sample_future_queries(self, module, hidden_states) -> torch.Tensor:
         """Steps 2-3: (B, Hq, S, d) queries of Gaussian samples of the attention input, with averaged RoPE."""
-        body = hidden_states[:, self.sinks:].float()
+        # A prompt no longer than the sinks leaves its last token for the statistics (its spread is then 0).
+        body = hidden_states[:, min(self.sinks, hidden_states.shape[1] - 1):].float()
         mean, std = body.mean(1, keepdim=True), body.var(1, unbiased=False, keepdim=True).sqrt()
         # Drawn on the CPU whatever the layer's device: CPU and CUDA generators give different streams from one seed,
         # and the same samples keep the same cache on any device (a device_map may put this layer on either).

@@ -21,7 +21,7 @@ from kvpress.presses.scorer_press import ScorerPress
 from kvpress_cpp import ops
 from kvpress_cpp.attention import take_decode_query, take_prefill_attention
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
-from kvpress_cpp.presses.base import KVCompDecodingPress, query_states
+from kvpress_cpp.presses.base import KVCompDecodingPress, query_states, require_bool, require_int, require_real
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["KeepKVPress"]
@@ -66,16 +66,15 @@ class KeepKVPress(KVCompDecodingPress):
                 isinstance(self.budget, float) and 0 < self.budget <= 1)):
             raise ValueError(f"KeepKVPress: budget must be a token count ≥ 1 or a fraction in (0, 1], "
                              f"got {self.budget!r}")
-        if self.sinks < 0:
-            raise ValueError(f"KeepKVPress: sinks must be ≥ 0, got {self.sinks}")
+        require_int("KeepKVPress", "sinks", self.sinks, 0)
         if isinstance(self.recent, bool) or not ((isinstance(self.recent, int) and self.recent >= 1) or (
                 isinstance(self.recent, float) and 0 < self.recent < 1)):
             raise ValueError(f"KeepKVPress: recent must be a token count ≥ 1 or a fraction of the budget in (0, 1), "
                              f"got {self.recent!r}")
-        if not -1 <= self.similarity_threshold <= 1:
-            raise ValueError(f"KeepKVPress: similarity_threshold must be in [-1, 1], got {self.similarity_threshold}")
-        if not 0 < self.ema_decay < 1:
-            raise ValueError(f"KeepKVPress: ema_decay (β) must be in (0, 1), got {self.ema_decay}")
+        require_real("KeepKVPress", "similarity_threshold", self.similarity_threshold, "[-1, 1]")
+        require_real("KeepKVPress", "ema_decay (β)", self.ema_decay, "(0, 1)")
+        require_bool("KeepKVPress", "convex", self.convex)
+        require_bool("KeepKVPress", "merge_first", self.merge_first)
         if self.scorer is not None and not isinstance(self.scorer, ScorerPress):
             raise ValueError(f"KeepKVPress: scorer must be a kvpress ScorerPress, got {type(self.scorer).__name__}")
         if self.layer_budgets not in ("uniform", "pyramid"):

@@ -32,7 +32,7 @@ from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import kv_head_shard
 from kvpress_cpp.paged_cache import PagedLayer
-from kvpress_cpp.presses.base import KVCompDecodingPress
+from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
            "SURROGATES_DIR", "DEFAULT_THRESHOLD"]
@@ -220,12 +220,9 @@ class KVzapThresholdPress(KVCompDecodingPress):
     reads_decode_probabilities = False
 
     def __post_init__(self):
-        if self.sliding_window < 0:
-            raise ValueError(f"KVzapThresholdPress: sliding_window must be ≥ 0, got {self.sliding_window}")
-        if self.compaction_slack < 1:
-            raise ValueError(f"KVzapThresholdPress: compaction_slack must be ≥ 1, got {self.compaction_slack}")
-        if self.threshold != self.threshold:
-            raise ValueError("KVzapThresholdPress: threshold must not be NaN")
+        require_int("KVzapThresholdPress", "sliding_window", self.sliding_window, 0)
+        require_int("KVzapThresholdPress", "compaction_slack", self.compaction_slack, 1)
+        require_real("KVzapThresholdPress", "threshold (τ)", self.threshold, "[-inf, inf]")
         self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)
 
     def post_init_from_model(self, model):

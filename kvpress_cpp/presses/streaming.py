@@ -34,10 +34,16 @@ class StreamingPrefill:
 
     @contextmanager
     def __call__(self, model):
-        config = model.generation_config
+        if self.prefill_chunk_size is None:
+            with super().__call__(model):
+                yield
+            return
+        config = getattr(model, "generation_config", None)
+        if config is None:
+            raise ValueError(f"{type(self).__name__}: prefill_chunk_size streams the prompt through `generate`, which "
+                             f"{type(model).__name__} does not have (use a *ForCausalLM model)")
         before = config.prefill_chunk_size
-        if self.prefill_chunk_size is not None:
-            config.prefill_chunk_size = self.prefill_chunk_size
+        config.prefill_chunk_size = self.prefill_chunk_size
         try:
             with super().__call__(model):
                 yield

@@ -16,7 +16,7 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.distributed import query_group_size
-from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
+from kvpress_cpp.presses.base import KVCompDecodingPress, require_bool, require_int, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["WeightedKVPress"]
@@ -52,10 +52,10 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
                 isinstance(self.cache_size, float) and 0 < self.cache_size <= 1)):
             raise ValueError(f"WeightedKVPress: cache_size must be a token count ≥ 1 or a fraction in (0, 1], "
                              f"got {self.cache_size!r}")
-        if self.sinks < 0:
-            raise ValueError(f"WeightedKVPress: sinks must be ≥ 0, got {self.sinks}")
-        if self.recent is not None and self.recent < 1:
-            raise ValueError(f"WeightedKVPress: recent must be ≥ 1, got {self.recent}")
+        require_int("WeightedKVPress", "sinks", self.sinks, 0)
+        if self.recent is not None:
+            require_int("WeightedKVPress", "recent", self.recent, 1)
+        require_bool("WeightedKVPress", "evict_only", self.evict_only)
         self.check_prefill_chunk_size(self.cache_size)
 
     def regions(self, prompt_length: int) -> tuple[int, int, int]:

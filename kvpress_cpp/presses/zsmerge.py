@@ -15,7 +15,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
-from kvpress_cpp.presses.base import KVCompDecodingPress, score_prompt
+from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["ZSMergePress"]
@@ -60,14 +60,10 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
             (isinstance(self.budget, int) and self.budget >= 1) or (isinstance(self.budget, float) and 0 < self.budget <= 1)
         ):
             raise ValueError(f"ZSMergePress: budget must be a token count ≥ 1 or a fraction in (0, 1], got {self.budget!r}")
-        if not 0 < self.recent_fraction < 1:
-            raise ValueError(f"ZSMergePress: recent_fraction must be in (0, 1), got {self.recent_fraction}")
-        if self.residual_slots < 0:
-            raise ValueError(f"ZSMergePress: residual_slots must be ≥ 0, got {self.residual_slots}")
-        if not 0 <= self.decay <= 1:
-            raise ValueError(f"ZSMergePress: decay (λ) must be in [0, 1], got {self.decay}")
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"ZSMergePress: alpha must be in [0, 1], got {self.alpha}")
+        require_real("ZSMergePress", "recent_fraction", self.recent_fraction, "(0, 1)")
+        require_int("ZSMergePress", "residual_slots", self.residual_slots, 0)
+        require_real("ZSMergePress", "decay (λ)", self.decay, "(0, 1]")  # λ = 0 would weigh no query at all
+        require_real("ZSMergePress", "alpha", self.alpha, "[0, 1]")
         if self.prefill_merge not in ("contiguous", "similarity"):
             raise ValueError(f"ZSMergePress: prefill_merge must be 'contiguous' or 'similarity', got {self.prefill_merge!r}")
         if self.eviction_order not in ("authors", "paper"):

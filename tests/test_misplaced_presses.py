@@ -1,0 +1,250 @@
+"""Presses placed where they cannot act, or given what they cannot take, say so: by name, with the value, before
+anything is computed wrongly. And the places that look unusual but are supported (beam search, a model the press
+does not touch) give the results a reference gives.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache, StaticCache
+
+import kvpress_cpp.presses  # noqa: F401  (wraps transformers' attention functions, as any use of a press does)
+from kvpress_cpp.cache import get_state
+from kvpress_cpp.paged_cache import PagedKVCache
+from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from tests.models import make_tiny_llama
+from tests.test_kvzap_press import write_surrogate
+
+PROMPT = 40
+
+
+def tiny(architecture: str, **config):
+    """A 2-layer random model of `architecture` (Mistral, Gemma2, ...), GQA 4 / 2 heads."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{architecture}Config")(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, pad_token_id=0, **config)
+    return getattr(transformers, f"{architecture}ForCausalLM")(config).eval()
+
+
+def prompt(seed: int = 1, length: int = PROMPT) -> torch.Tensor:
+    return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_tiny_llama(query_offset=0.0)[0]
+
+
+def test_importing_the_presses_leaves_other_models_alone():
+    """The attention registry is wrapped for every model; GPT-2's attention has no `scaling` and must run as
+    transformers runs it: its sdpa logits equal its eager logits (the same weights)."""
+    def gpt2(attention: str):
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, attn_pdrop=0.0,
+                                         attn_implementation=attention)
+        return transformers.GPT2LMHeadModel(config).eval()
+
+    sdpa, eager = gpt2("sdpa"), gpt2("eager")
+    eager.load_state_dict(sdpa.state_dict())
+    ids = prompt(length=10) % 256
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(ids).logits, eager(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("press", [ZSMergePress(budget=10_000), GVotePress()], ids=["ZSMerge", "GVote"])
+def test_sliding_window_layers_are_refused(press):
+    model = tiny("Mistral", sliding_window=16)
+    with pytest.raises(ValueError, match=rf"{type(press).__name__}: layer 0 \(MistralAttention\) runs its attention "
+                                         r"with sliding_window=16"), torch.no_grad(), press(model):
+        model.generate(prompt(), max_new_tokens=2, past_key_values=DynamicCache())
+
+
+def test_paged_cache_refuses_a_sliding_window_layer_without_a_press():
+    model = tiny("Mistral", sliding_window=16)
+    with pytest.raises(ValueError, match=r"PagedKVCache: layer 0 .* sliding_window=16"), torch.no_grad():
+        model.generate(prompt(), max_new_tokens=2, past_key_values=PagedKVCache())
+
+
+def test_the_same_architecture_without_a_window_runs_unchanged():
+    """Not refused for being Mistral: with no window, a press that keeps every token gives the model's logits."""
+    model = tiny("Mistral", sliding_window=None)
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        plain = torch.stack(model.generate(prompt(), past_key_values=DynamicCache(), **kwargs).scores)
+        with ZSMergePress(budget=10_000)(model):
+            pressed = torch.stack(model.generate(prompt(), past_key_values=DynamicCache(), **kwargs).scores)
+    torch.testing.assert_close(pressed, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_soft_capped_attention_is_refused():
+    model = tiny("Gemma2", head_dim=16, layer_types=["full_attention"] * 2, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"KeepKVPress: layer 0 \(Gemma2Attention\) runs its attention with "
+                                         r"softcap=50.0"), torch.no_grad(), KeepKVPress(budget=24, recent=8)(model):
+        model.generate(prompt(), max_new_tokens=2, past_key_values=DynamicCache())
+
+
+BEAM_PRESSES = {
+    "ZSMerge": lambda path, model: ZSMergePress(budget=16),
+    "WeightedKV": lambda path, model: WeightedKVPress(cache_size=24, recent=8),
+    "KeepKV": lambda path, model: KeepKVPress(budget=24, recent=8),
+    "KVzap": lambda path, model: KVzapThresholdPress(sliding_window=4, threshold=0.0, compaction_slack=1,
+                                                     surrogate_dir=write_surrogate(path, model, "mlp", scale=3.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BEAM_PRESSES))
+@pytest.mark.parametrize("order", [[1, 0], [1, 1]])
+def test_beam_search_reorder_moves_the_press_state(llama, name, order, tmp_path):
+    """Beam search calls Cache.reorder_cache after every step. Prefilling rows (a, b) and reordering them to `order`
+    must leave the cache that prefilling the rows in that order leaves: the next step's logits and its keys are equal
+    (a state left behind would bias the rows with each other's merge weights)."""
+    rows, first_steps = [prompt(1), prompt(2)], [[5], [7]]
+
+    def steps(cache: DynamicCache, tokens: list[list[int]], position: int):
+        """One decoding step at its logical position (a compressed layer's length is not its position)."""
+        return llama(torch.tensor(tokens), past_key_values=cache, position_ids=torch.tensor([[position]] * 2)).logits
+
+    with torch.no_grad(), BEAM_PRESSES[name](tmp_path, llama)(llama):
+        reordered = DynamicCache()
+        llama(torch.cat(rows), past_key_values=reordered)
+        steps(reordered, first_steps, PROMPT)
+        reordered.reorder_cache(torch.tensor(order))
+        got = steps(reordered, [[9], [9]], PROMPT + 1)
+        steps(reordered, [[11], [11]], PROMPT + 2)
+        # The reference: the rows prefilled in the new order, each with the step it took before the reorder.
+        reference = DynamicCache()
+        llama(torch.cat([rows[i] for i in order]), past_key_values=reference)
+        steps(reference, [first_steps[i] for i in order], PROMPT)
+        want = steps(reference, [[9], [9]], PROMPT + 1)
+        steps(reference, [[11], [11]], PROMPT + 2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer, reference_layer in zip(reordered.layers, reference.layers, strict=True):
+        # Each (row, head)'s held slots in order: a duplicated row may sit in a layer as wide as its longest row was.
+        def held(cache_layer):
+            real = get_state(cache_layer).log_weights.isfinite()
+            return [cache_layer.keys[b, h][real[b, h]] for b in range(2) for h in range(real.shape[1])]
+
+        for got_keys, want_keys in zip(held(layer), held(reference_layer), strict=True):
+            torch.testing.assert_close(got_keys, want_keys)
+
+
+def test_beam_search_runs_under_a_press(llama):
+    with torch.no_grad(), KeepKVPress(budget=24, recent=8)(llama):
+        out = llama.generate(prompt(), num_beams=2, max_new_tokens=4, do_sample=False,
+                             past_key_values=DynamicCache())
+    assert out.shape == (1, PROMPT + 4)
+
+
+def test_a_second_generate_on_a_compressed_cache_is_refused(llama):
+    """generate resumes from get_seq_length(), the slots a compressed layer holds: the next turn of a chat would feed
+    the tokens between the slots and the tokens seen again."""
+    cache = DynamicCache()
+    press = ZSMergePress(budget=16)
+    with torch.no_grad(), press(llama):
+        first = llama.generate(prompt(), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    second_turn = torch.cat([first, prompt(3, 5)], dim=1)
+    with pytest.raises(ValueError, match=r"ZSMergePress: this pass feeds 32 tokens from position 16, but the cache "
+                                         r"already holds the tokens up to position 41, compressed to 16 slots"), \
+            torch.no_grad(), press(llama):
+        llama.generate(second_turn, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    # What the message advises runs: the new tokens only, at the positions after the ones held.
+    with torch.no_grad(), press(llama):
+        llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(42, 47).unsqueeze(0))
+
+
+def test_a_press_without_a_cache_says_it_did_nothing(llama):
+    press = ZSMergePress(budget=8)
+    with pytest.warns(UserWarning, match=r"ZSMergePress: the model ran without a KV cache"), torch.no_grad(), \
+            press(llama):
+        llama.generate(prompt(), use_cache=False, max_new_tokens=2, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), press(llama):
+        warnings.simplefilter("always")
+        llama(prompt(), use_cache=False)
+        llama(prompt(), use_cache=False)
+    assert [str(w.message)[:40] for w in caught] == ["ZSMergePress: the model ran without a KV"]  # once a context
+
+
+def test_a_prefill_press_refuses_a_chunked_prompt(llama):
+    with pytest.raises(ValueError, match=r"GVotePress: a pass of 16 tokens over layer 0, which GVotePress compressed"), \
+            torch.no_grad(), GVotePress()(llama):
+        llama.generate(prompt(length=48), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache())
+
+
+def test_a_static_cache_is_refused_by_the_press(llama):
+    cache = StaticCache(config=llama.config, max_cache_len=64)
+    with pytest.raises(TypeError, match=r"ZSMergePress: needs a DynamicCache or a PagedKVCache, got a StaticLayer"), \
+            torch.no_grad(), ZSMergePress(budget=16)(llama):
+        llama.generate(prompt(), past_key_values=cache, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("same_object", [True, False])
+def test_two_of_our_presses_on_one_model_are_refused(llama, same_object):
+    first = ZSMergePress(budget=16)
+    second = first if same_object else ZSMergePress(budget=16)
+    with pytest.raises(ValueError, match=r"ZSMergePress: ZSMergePress is already active on this LlamaForCausalLM"):
+        with first(llama), second(llama):
+            pass
+    with torch.no_grad(), first(llama):  # the refused context left nothing behind
+        llama(prompt(), past_key_values=DynamicCache())
+
+
+def test_models_kvpress_cannot_hook_are_refused(llama):
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256))
+    for model in (llama.model, gpt2):
+        with pytest.raises(ValueError, match=rf"ZSMergePress: kvpress's hooks take a causal language model .* got "
+                                             rf"{type(model).__name__}"):
+            with ZSMergePress(budget=16)(model):
+                pass
+
+
+def test_a_forward_with_gradients_is_refused(llama):
+    with pytest.raises(RuntimeError, match=r"WeightedKVPress: compresses the cache in place, outside autograd"), \
+            WeightedKVPress(cache_size=24, recent=8)(llama):
+        llama(prompt(), past_key_values=DynamicCache())
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: ZSMergePress(decay=0.0), r"ZSMergePress: decay \(λ\) must be a number in \(0, 1\], got 0.0"),
+    (lambda: ZSMergePress(residual_slots=1.5), "ZSMergePress: residual_slots must be an int ≥ 0, got 1.5"),
+    (lambda: WeightedKVPress(sinks=float("nan")), "WeightedKVPress: sinks must be an int ≥ 0, got nan"),
+    (lambda: WeightedKVPress(evict_only="no"), "WeightedKVPress: evict_only must be True or False, got 'no'"),
+    (lambda: KeepKVPress(sinks=2.5), "KeepKVPress: sinks must be an int ≥ 0, got 2.5"),
+    (lambda: KeepKVPress(convex="yes"), "KeepKVPress: convex must be True or False, got 'yes'"),
+    (lambda: KVzapThresholdPress(threshold="-3"), r"KVzapThresholdPress: threshold \(τ\) must be a number"),
+    (lambda: KVzapThresholdPress(compaction_slack=float("nan")), "compaction_slack must be an int ≥ 1, got nan"),
+    (lambda: KVzapThresholdPress(sliding_window=1.5), "sliding_window must be an int ≥ 0, got 1.5"),
+])
+def test_parameters_of_the_wrong_type_are_refused_where_given(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_gvote_on_a_prompt_no_longer_than_its_sinks(llama):
+    """The statistics of the sampled queries leave the sinks out; a prompt of 4 tokens with 100 sinks keeps its last
+    token for them instead of averaging nothing (NaN samples)."""
+    cache = DynamicCache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on a variance over no tokens
+        with torch.no_grad(), GVotePress(sinks=100)(llama):
+            logits = llama(prompt(length=4), past_key_values=cache).logits
+            logits = llama(torch.tensor([[5]]), past_key_values=cache).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_a_paged_cache_on_an_eager_model_without_a_press(monkeypatch):
+    """The cache wraps the eager attention of the loaded model files itself: the greedy tokens equal the model's on
+    a DynamicCache (no press, nothing compressed)."""
+    model = tiny("Llama", attn_implementation="eager")
+    model_file = sys.modules[type(model).__module__]  # as no press has wrapped it (earlier tests may have)
+    monkeypatch.setattr(model_file, "eager_attention_forward", inspect.unwrap(model_file.eager_attention_forward))
+    with torch.no_grad():
+        want = model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=DynamicCache())
+        got = model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=PagedKVCache())
+    assert torch.equal(got, want)
+
