@@ -169,12 +169,13 @@ def _name_tokenizer_class_neutrally(directory: Path) -> None:
     """Record the saved tokenizer as a ``PreTrainedTokenizerFast``, which every transformers version loads from its
     tokenizer.json as written. The GGUF loader builds a ``LlamaTokenizer(Fast)``, and transformers 5 rebuilds that
     class's pre-tokenizer as Llama's instead of SmolLM2's byte-level BPE ("It is a truth" → "It", "is", "at", "r",
-    ...). Also mends a directory written before."""
+    ...). That class returns token_type_ids unless told its model's inputs, which `generate(**inputs)` refuses for a
+    Llama, so they are recorded too. Also mends a directory written before."""
     path = directory / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    if config.get("tokenizer_class") != "PreTrainedTokenizerFast":
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    neutral = {"tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"]}
+    if any(config.get(key) != value for key, value in neutral.items()):
+        path.write_text(json.dumps({**config, **neutral}, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_default_tokenizer(config=None) -> PreTrainedTokenizerBase:

@@ -310,3 +310,6 @@ def test_default_model_dir_holds_the_same_model(default_model):
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, model(ids).logits)
     assert str(exported.config.name_or_path).split("/")[-1] == models.DEFAULT_MODEL_NAME
+    # What examples/tensor_parallel.py does: the tokenizer's whole output straight into generate.
+    inputs = exported_tokenizer(text, return_tensors="pt")
+    assert exported.generate(**inputs, max_new_tokens=1, do_sample=False).shape[1] == ids.shape[1] + 1
