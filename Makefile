@@ -2,7 +2,7 @@
 #   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
 #   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest (and again
 #               under transformers 5)
-#   make eval   the evaluation results run (resumable), then its CSV, plots and README table (see README: Evaluation)
+#   make eval   the evaluation results run (resumable), then its CSV, plots and report (docs/evaluation.md)
 #   make gpu-check   on a machine with a GPU and no network: build for it (or use make gpu-prebuild's), CUDA tests, compute-sanitizer, op and
 #               decode benchmarks, results in benchmarks/results/gpu/ (see benchmarks/gpu_check.py)
 SHELL := /bin/bash
@@ -31,10 +31,10 @@ test: build cpp-test py-test py-test-transformers5
 EVAL_ARGS ?=
 EVAL_WORKERS ?= 1
 eval: build
-	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 --workers $(EVAL_WORKERS) $(or $(EVAL_ARGS),--readme README.md)
+	OMP_NUM_THREADS=1 $(PYTHON) -m kvpress_cpp.evaluation.results all --threads 1 --workers $(EVAL_WORKERS) $(or $(EVAL_ARGS),--document docs/evaluation.md)
 
 eval-report: build
-	$(PYTHON) -m kvpress_cpp.evaluation.results report $(or $(EVAL_ARGS),--readme README.md)
+	$(PYTHON) -m kvpress_cpp.evaluation.results report $(or $(EVAL_ARGS),--document docs/evaluation.md)
 
 # The smoke evaluation (also part of `make test`): a tiny model through kvpress's evaluate.py and the results runner.
 eval-smoke: build

@@ -421,21 +421,21 @@ def test_table_cells_show_the_score_and_its_interval():
     assert "| no press | 100 [72-100] (100% KV) |" in table and "10 examples per configuration" in table
 
 
-def test_update_readme_replaces_only_the_marked_table(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n{results.README_BEGIN}\nold | table\n{results.README_END}\nafter\n")
-    assert results.update_readme(readme, "| new |\n")
-    assert readme.read_text() == f"# x\n\nbefore\n{results.README_BEGIN}\n| new |\n{results.README_END}\nafter\n"
+def test_update_document_replaces_only_the_marked_table(tmp_path):
+    document = tmp_path / "evaluation.md"
+    document.write_text(f"# x\n\nbefore\n{results.TABLE_BEGIN}\nold | table\n{results.TABLE_END}\nafter\n")
+    assert results.update_document(document, "| new |\n")
+    assert document.read_text() == f"# x\n\nbefore\n{results.TABLE_BEGIN}\n| new |\n{results.TABLE_END}\nafter\n"
     (tmp_path / "other.md").write_text("no markers")
-    assert not results.update_readme(tmp_path / "other.md", "| new |")
+    assert not results.update_document(tmp_path / "other.md", "| new |")
 
 
-def test_readme_table_is_the_one_the_run_wrote():
+def test_documented_report_is_the_one_the_run_wrote():
     table = REPO / "benchmarks" / "results" / "evaluation" / "report.md"
     if not table.is_file():
         pytest.skip("no results run committed yet")
-    readme = (REPO / "README.md").read_text()
-    marked = readme.split(results.README_BEGIN, 1)[1].split(results.README_END, 1)[0]
+    document = (REPO / "docs" / "evaluation.md").read_text()
+    marked = document.split(results.TABLE_BEGIN, 1)[1].split(results.TABLE_END, 1)[0]
     assert marked.strip() == table.read_text().strip()
 
 

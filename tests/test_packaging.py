@@ -93,3 +93,43 @@ def test_installed_versions_satisfy_install_requires():
     unmet = [f"{r} (installed {importlib.metadata.version(r.name)})" for r in install
              if not r.specifier.contains(importlib.metadata.version(r.name).split("+")[0], prereleases=True)]
     assert not unmet, f"installed versions outside setup.py's ranges: {unmet}"
+
+
+def test_readme_press_signatures_are_the_constructors():
+    """The Presses table shows each press's constructor with its defaults: the same parameters, in the same order,
+    with the same defaults as the class (a parameter the table omits or names wrongly fails here)."""
+    import inspect
+    import re
+
+    import kvpress_cpp.presses as presses
+
+    rows = re.findall(r"^\| `(\w+Press)\((.*?)\)` \|", (ROOT / "README.md").read_text(), flags=re.MULTILINE)
+    assert {name for name, _ in rows} == set(presses.__all__) - {"KVCompPress", "KVCompDecodingPress"}
+    for name, arguments in rows:
+        documented = [(key.strip(), ast.literal_eval(default))
+                      for key, default in (part.split("=", 1) for part in arguments.split(","))]
+        actual = [(parameter.name, parameter.default)
+                  for parameter in inspect.signature(getattr(presses, name)).parameters.values()]
+        assert documented == actual, f"README's {name} differs from the constructor"
+
+
+def test_readme_ops_table_lists_every_op_with_its_signature():
+    """The Ops table has a row for every op kvpress_cpp.ops wraps, with the wrapper's parameters and defaults."""
+    import inspect
+    import re
+
+    import torch
+
+    from kvpress_cpp import ops
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Ops"):text.index("## Architecture")]
+    rows = dict(re.findall(r"^\| `(\w+)\((.*?)\)` \|", table, flags=re.MULTILINE))
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcomp::")}
+    assert set(rows) == registered
+    for name, arguments in rows.items():
+        documented = [(part.split("=")[0].strip(), ast.literal_eval(part.split("=")[1]) if "=" in part else
+                       inspect.Parameter.empty) for part in arguments.split(",")]
+        actual = [(parameter.name, parameter.default)
+                  for parameter in inspect.signature(getattr(ops, name)).parameters.values()]
+        assert documented == actual, f"README's {name} differs from kvpress_cpp.ops.{name}"

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     elif dataset in registry.DATASET_REGISTRY and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(
             registry.DATASET_REGISTRY[dataset]).is_dir():
         raise SystemExit(f"{dataset}: no local copy at {local_data / registry.DATASET_REGISTRY[dataset]} and "
-                         f"HF_HUB_OFFLINE=1 (see the README's Evaluation section for the expected layout)")
+                         f"HF_HUB_OFFLINE=1 (docs/evaluation.md gives the expected layout)")
     forwarded = [f"--config_file={ours.config_file}"] + rest
     for key in ("model", "dataset", "data_dir"):
         if getattr(ours, key) is not None:

@@ -54,7 +54,7 @@ METHODS: dict[str, Method] = {
     "keepkv": Method(KeepKVPress, budget="budget"),
     "weightedkv": Method(WeightedKVPress, budget="cache_size"),
     "gvote": Method(GVotePress, budget=None),
-    # KVzap's budget is its threshold τ (the press default, -7 for SmolLM2); the ratio it reaches is measured.
+    # KVzap's budget is its threshold τ (the press default, -3.5); the ratio it reaches is measured.
     "kvzap_linear": Method(lambda: KVzapThresholdPress(model_type="linear"), budget=None),
     "kvzap_mlp": Method(lambda: KVzapThresholdPress(model_type="mlp"), budget=None),
 }

@@ -1,7 +1,7 @@
 """The results run: methods × KV budgets × context lengths on the generated RULER-style tasks, each configuration
 one run of kvpress's evaluate.py (through :mod:`kvpress_cpp.evaluation.launch`, in this process, or in ``--workers``
 processes, so that the model loads once per process), then a CSV, one accuracy-versus-budget plot per task family
-and the README's markdown table.
+and the markdown report (docs/evaluation.md holds the committed one).
 
     python -m kvpress_cpp.evaluation.results run       # resumable: finished configurations are skipped
     python -m kvpress_cpp.evaluation.results run --threads 1 --workers 8   # 8 processes, one thread and model each
@@ -74,7 +74,7 @@ KVPRESS_METHODS = {
 #: kvpress's decoding presses: their budget is a token count (target_size), not compression_ratio.
 DECODING_KVPRESS = {"cam_tova"}
 RATIOS = (0.9, 0.75, 0.5)  # KV budgets 10 %, 25 %, 50 %
-#: Examples per task, per length, of the results run (see the README for why so few).
+#: Examples per task, per length, of the results run (docs/evaluation.md says why so few).
 DEFAULT_EXAMPLES = {
     2048: {"niah_single_1": 1, "niah_multikey_1": 1, "vt": 1, **{f"niah_depth_{d}": 1 for d in (0, 50, 100)}},
     4096: {"niah_depth_50": 1},
@@ -732,18 +732,18 @@ def combined_report(settings: dict[str, Path] | None = None, path: Path = DEFAUL
     return text
 
 
-README_BEGIN, README_END = "<!-- evaluation-table: written by kvpress_cpp.evaluation.results report -->", \
+TABLE_BEGIN, TABLE_END = "<!-- evaluation-table: written by kvpress_cpp.evaluation.results report -->", \
     "<!-- /evaluation-table -->"
 
 
-def update_readme(readme: Path, table: str) -> bool:
-    """Put ``table`` between the README's evaluation-table markers; False when the markers are missing."""
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
+def update_document(document: Path, table: str) -> bool:
+    """Put ``table`` between the markdown document's evaluation-table markers; False when the markers are missing."""
+    text = document.read_text()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
         return False
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_BEGIN}\n{table.strip()}\n{README_END}{tail}")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    document.write_text(f"{head}{TABLE_BEGIN}\n{table.strip()}\n{TABLE_END}{tail}")
     return True
 
 
@@ -773,8 +773,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="processes running configurations side by side, each loading the model once")
     parser.add_argument("--local_data", type=Path, default=None)
-    parser.add_argument("--readme", type=Path, default=None,
-                        help="also write the table into this README (between its evaluation-table markers)")
+    parser.add_argument("--document", type=Path, default=None,
+                        help="also write the report into this markdown file, between its evaluation-table markers "
+                             "(make eval: docs/evaluation.md)")
     args = parser.parse_args()
     args.out = args.out or (QUESTION_AWARE_OUT if args.query_aware else DEFAULT_OUT)
     if args.families and not args.examples:
@@ -806,8 +807,8 @@ def main() -> None:
         else:
             table = report(args.out)
         print(table)
-        if args.readme is not None and not update_readme(args.readme, table):
-            raise SystemExit(f"{args.readme} has no {README_BEGIN} ... {README_END} markers")
+        if args.document is not None and not update_document(args.document, table):
+            raise SystemExit(f"{args.document} has no {TABLE_BEGIN} ... {TABLE_END} markers")
 
 
 if __name__ == "__main__":
