@@ -71,15 +71,48 @@ def test_paged_cache_refuses_a_sliding_window_layer_without_a_press():
         model.generate(prompt(), max_new_tokens=2, past_key_values=PagedKVCache())
 
 
-def test_the_same_architecture_without_a_window_runs_unchanged():
-    """Not refused for being Mistral: with no window, a press that keeps every token gives the model's logits."""
-    model = tiny("Mistral", sliding_window=None)
+@pytest.mark.parametrize("window", [None, 4096])
+def test_a_window_the_sequence_never_reaches_runs_unchanged(window):
+    """Not refused for being Mistral: with no window, or one longer than the sequence (Mistral's default 4096 on a
+    short prompt), a press that keeps every token gives the model's logits, on either cache."""
+    model = tiny("Mistral", sliding_window=window)
     kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         plain = torch.stack(model.generate(prompt(), past_key_values=DynamicCache(), **kwargs).scores)
+        paged = torch.stack(model.generate(prompt(), past_key_values=PagedKVCache(), **kwargs).scores)
         with ZSMergePress(budget=10_000)(model):
             pressed = torch.stack(model.generate(prompt(), past_key_values=DynamicCache(), **kwargs).scores)
     torch.testing.assert_close(pressed, plain, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(paged, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_the_decoding_outgrows_is_refused():
+    """A 40-token prompt fits a window of 42; the third generated token takes the sequence past it."""
+    model = tiny("Mistral", sliding_window=42)
+    with pytest.raises(ValueError, match=r"sliding_window=42 over 43 tokens"), torch.no_grad(), \
+            ZSMergePress(budget=16)(model):
+        model.generate(prompt(), max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+
+
+def test_gemma3_sliding_layers_kvpress_leaves_alone_are_not_refused():
+    """kvpress hooks only Gemma 3's full-attention layers; its sliding layers keep every token, under the model's own
+    window. A press that keeps every token gives the model's tokens."""
+    text = transformers.Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=300, sliding_window=16, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4, image_token_index=299,
+        boi_token_index=297, eoi_token_index=298)).eval()
+    ids = prompt(length=60) % 290
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+        with ZSMergePress(budget=10_000)(model):
+            pressed = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+    assert torch.equal(pressed, plain)
 
 
 def test_soft_capped_attention_is_refused():
@@ -170,10 +203,22 @@ def test_a_press_without_a_cache_says_it_did_nothing(llama):
     assert [str(w.message)[:40] for w in caught] == ["ZSMergePress: the model ran without a KV"]  # once a context
 
 
-def test_a_prefill_press_refuses_a_chunked_prompt(llama):
-    with pytest.raises(ValueError, match=r"GVotePress: a pass of 16 tokens over layer 0, which GVotePress compressed"), \
+def test_a_prefill_press_says_a_chunked_prompt_stays_partly_uncompressed(llama):
+    with pytest.warns(UserWarning, match=r"GVotePress: a pass of 16 tokens over layers GVotePress compressed earlier"), \
             torch.no_grad(), GVotePress()(llama):
         llama.generate(prompt(length=48), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache())
+
+
+def test_speculative_decoding_rolls_back_the_position_count(llama):
+    """Prompt-lookup decoding crops rejected draft tokens and feeds several tokens at once: the positions the cache
+    stands for follow the crop, so nothing is refused, and a press that keeps every token gives the plain tokens."""
+    ids = torch.cat([prompt(), prompt()], dim=1)  # a repeated prompt, so the lookup proposes drafts
+    kwargs = dict(max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
+    with torch.no_grad():
+        plain = llama.generate(ids, past_key_values=DynamicCache(), **kwargs)
+        with ZSMergePress(budget=1000)(llama):
+            pressed = llama.generate(ids, past_key_values=DynamicCache(), **kwargs)
+    assert torch.equal(pressed, plain)
 
 
 def test_a_static_cache_is_refused_by_the_press(llama):

@@ -773,7 +773,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="processes running configurations side by side, each loading the model once")
     parser.add_argument("--local_data", type=Path, default=None)
-    parser.add_argument("--document", type=Path, default=None,
+    parser.add_argument("--document", "--readme", type=Path, default=None,
                         help="also write the report into this markdown file, between its evaluation-table markers "
                              "(make eval: docs/evaluation.md)")
     args = parser.parse_args()

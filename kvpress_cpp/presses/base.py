@@ -47,7 +47,7 @@ from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
                                    padding_log_weights, patch_eager_attention, request_prefill_scores,
-                                   take_prefill_attention)
+                                   set_positions_end, take_prefill_attention)
 from kvpress_cpp.cache import LayerState, attach, check_cache_layer, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 
@@ -55,15 +55,16 @@ __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "s
            "require_int", "require_real"]
 
 
-# The positions a cache holds (one past the last token fed), counted by KVCompPress._check_resumed_positions.
-_POSITIONS_ATTR = "_kvcomp_positions"
+# The positions a cache holds (one past the last token fed) and its slots after the last pass, kept on the cache by
+# KVCompPress._check_resumed_positions and _record_slots.
+_POSITIONS_ATTR, _SLOTS_ATTR = "_kvcomp_positions", "_kvcomp_slots"
 
 
 # Constructor checks shared by the presses: a value of the wrong type or out of range is refused where it is given,
 # with the press and the parameter named, not later inside an op (or, for NaN, never).
-def require_int(press: str, name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{press}: {name} must be an int ≥ {minimum}, got {value!r}")
+def require_int(press: str, name: str, value, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
+        raise ValueError(f"{press}: {name} must be an int{'' if minimum is None else f' ≥ {minimum}'}, got {value!r}")
 
 
 def require_real(press: str, name: str, value, interval: str) -> None:
@@ -185,6 +186,8 @@ class KVCompPress(BasePress):
     # The layers compressed since the press's own context opened (None outside it, e.g. inside kvpress's
     # PrefillDecodingPress, whose decoding context asks the question over what the prefill context compressed).
     _compressed_in_context: set | None = field(default=None, init=False, repr=False, compare=False)
+    # The attention modules kvpress hooked for the press's open context.
+    _hooked_modules: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def prompt_score_weights(self, module: nn.Module) -> tuple[float, float] | None:
         """(decay, input_scale) of the score_prompt call compress_prefill makes on `module`, or None if it makes
@@ -333,11 +336,11 @@ class KVCompPress(BasePress):
         state = get_state(layer)
         if state is not None and not isinstance(self, KVCompDecodingPress) and state.owner_type is type(self):
             if new_tokens > 1 and self._compressed_in_context is not None and layer_idx in self._compressed_in_context:
-                raise ValueError(
-                    f"{name}: a pass of {new_tokens} tokens over layer {layer_idx}, which {name} compressed at an "
-                    f"earlier pass in the same context: {name} compresses a prompt once, whole, and would leave these "
-                    f"tokens uncompressed. Give the prompt in one pass (no generate(prefill_chunk_size=...)); kvpress's "
-                    f"pipeline asks its questions after the press's context, which is supported")
+                if layer_idx == min(self._compressed_in_context):  # once a pass
+                    warnings.warn(
+                        f"{name}: a pass of {new_tokens} tokens over layers {name} compressed earlier in the same "
+                        f"context: {name} compresses a prompt once, whole, so these tokens stay uncompressed (as "
+                        f"generate(prefill_chunk_size=...) leaves every chunk after the first)", stacklevel=2)
             return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         keys, values = layer.keys, layer.values
         attentions = output[1] if len(output) > 1 else None
@@ -403,11 +406,14 @@ class KVCompPress(BasePress):
         return None
 
     def _check_resumed_positions(self, base_model: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the decoder stack: refuse a pass that feeds again tokens a compressed cache already
-        holds. `generate` resumes a cache from ``get_seq_length()``, which counts a compressed layer's slots, not the
-        tokens it stands for, so a second ``generate`` call on the same cache (a chat's next turn) would re-feed the
-        tokens between the two. The positions processed are counted on the cache as a Python int; only passes of
-        several tokens read their positions (one host sync, at prefill scale), so a decoding step waits on nothing."""
+        """Forward pre-hook of the decoder stack: count the positions the cache stands for, tell the hooked attention
+        modules (a sliding window is compared with them), and refuse a pass that feeds again tokens a compressed
+        cache already holds. `generate` resumes a cache from ``get_seq_length()``, which counts a compressed layer's
+        slots, not the tokens it stands for, so a second ``generate`` call on the same cache (a chat's next turn)
+        would re-feed the tokens between the two. The count is a Python int on the cache; a cut from the right
+        (speculative decoding's rollback, kvpress's pipeline dropping an answer) lowers it by the slots cut. Only
+        passes of several tokens over a filled cache read their positions (a host sync at prefill scale), so a
+        decoding step waits on nothing."""
         cache = kwargs.get("past_key_values")
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
@@ -416,25 +422,35 @@ class KVCompPress(BasePress):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
         processed = getattr(cache, _POSITIONS_ATTR, 0) if slots else 0
-        if new_tokens == 1:
-            setattr(cache, _POSITIONS_ATTR, processed + 1)
-            return
-        positions = kwargs.get("position_ids")
-        positions = positions if positions is not None else kwargs.get("cache_position")
-        if positions is None:  # the model counts from get_seq_length()
-            first, after = slots, slots + new_tokens
+        processed -= max(getattr(cache, _SLOTS_ATTR, slots) - slots, 0)
+        if new_tokens == 1 or not slots:
+            after = processed + new_tokens
         else:
-            positions = positions.reshape(-1, positions.shape[-1])
-            first, after = int(positions[:, 0].max()), int(positions[:, -1].max()) + 1
-        if slots and first < processed and get_state(cache.layers[0]) is not None:
-            raise ValueError(
-                f"{type(self).__name__}: this pass feeds {new_tokens} tokens from position {first}, but the cache "
-                f"already holds the tokens up to position {processed - 1}, compressed to {slots} slots. `generate` "
-                f"resumes a cache from get_seq_length(), which counts a compressed cache's slots, not its tokens, so a "
-                f"second generate call on it feeds {processed - first} tokens again. Continue a compressed cache with "
-                f"forwards of the new tokens only, at positions {processed} on (position_ids), or use kvpress's "
-                f"pipeline for several questions on one context")
+            positions = kwargs.get("position_ids")
+            positions = positions if positions is not None else kwargs.get("cache_position")
+            if positions is None:  # the model counts from get_seq_length()
+                first, after = slots, slots + new_tokens
+            else:
+                positions = positions.reshape(-1, positions.shape[-1])
+                first, after = int(positions[:, 0].max()), int(positions[:, -1].max()) + 1
+            if first < processed and get_state(cache.layers[0]) is not None:
+                raise ValueError(
+                    f"{type(self).__name__}: this pass feeds {new_tokens} tokens from position {first}, but the cache "
+                    f"already holds the tokens up to position {processed - 1}, compressed to {slots} slots. "
+                    f"`generate` resumes a cache from get_seq_length(), which counts a compressed cache's slots, not "
+                    f"its tokens, so a second generate call on it feeds {processed - first} tokens again. Continue a "
+                    f"compressed cache with forwards of the new tokens only, at positions {processed} on "
+                    f"(position_ids), or use kvpress's pipeline for several questions on one context")
         setattr(cache, _POSITIONS_ATTR, after)
+        for module in self._hooked_modules:
+            set_positions_end(module, after)
+
+    @staticmethod
+    def _record_slots(base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """Forward hook of the decoder stack: the slots the cache holds after the pass, to recognise a later cut."""
+        cache = kwargs.get("past_key_values")
+        if cache is not None and hasattr(cache, "layers"):
+            setattr(cache, _SLOTS_ATTR, cache.get_seq_length())
 
     @contextmanager
     def __call__(self, model):
@@ -444,26 +460,36 @@ class KVCompPress(BasePress):
             raise ValueError(f"{name}: kvpress's hooks take a causal language model whose `model` holds the decoder "
                              f"layers and whose attention modules have `layer_idx` and `scaling` (LlamaForCausalLM, "
                              f"Mistral, Qwen2/3, Phi-3, Gemma); got {type(model).__name__}")
-        already = active_presses(attention_modules[0])
+        already = next((press for module in attention_modules for press in active_presses(module)), None)
         if already:
-            raise ValueError(f"{name}: {already[-1]} is already active on this {type(model).__name__}; two kvpress_cpp "
+            raise ValueError(f"{name}: {already} is already active on this {type(model).__name__}; two kvpress_cpp "
                              f"presses cannot compress one cache (nest or compose {name} with kvpress presses only)")
         self._warned_without_cache, self._compressed_in_context = False, set()
         for module in attention_modules:
             request_prefill_scores(module, self.prompt_score_weights(module))
-            mark_press_active(module, name, True)
             if not self.reads_decode_probabilities:
                 count_hook_without_probabilities(module, +1)
-        positions_hook = model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True)
+        hooks = [model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True),
+                 model.model.register_forward_hook(self._record_slots, with_kwargs=True)]
         try:
             with super().__call__(model):
-                yield
+                # The modules kvpress hooked (not Gemma 3's sliding layers, for one) are the ones the press acts on.
+                self._hooked_modules = [module for module in attention_modules if any(
+                    getattr(hook, "__self__", None) is self for hook in module._forward_hooks.values())]
+                for module in self._hooked_modules:
+                    mark_press_active(module, name, True)
+                try:
+                    yield
+                finally:
+                    for module in self._hooked_modules:
+                        mark_press_active(module, name, False)
+                    self._hooked_modules = []
         finally:
             self._compressed_in_context = None
-            positions_hook.remove()
+            for hook in hooks:
+                hook.remove()
             for module in attention_modules:
                 request_prefill_scores(module, None)
-                mark_press_active(module, name, False)
                 if not self.reads_decode_probabilities:
                     count_hook_without_probabilities(module, -1)
 

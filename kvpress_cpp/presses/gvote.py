@@ -69,8 +69,9 @@ class GVotePress(KVCompPress):
         require_real("GVotePress", "nucleus_p", self.nucleus_p, "(0, 1]")
         for name in ("num_samples", "future_positions", "chunk_size", "budget_queries"):
             require_int("GVotePress", name, getattr(self, name), 1)
-        for name in ("sinks", "recent", "seed"):
+        for name in ("sinks", "recent"):
             require_int("GVotePress", name, getattr(self, name), 0)
+        require_int("GVotePress", "seed", self.seed)
         require_bool("GVotePress", "keep_sinks", self.keep_sinks)
 
     @property
