@@ -191,6 +191,20 @@ def test_a_second_generate_on_a_compressed_cache_is_refused(llama):
         llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(42, 47).unsqueeze(0))
 
 
+def test_an_emptied_cache_counts_its_positions_from_zero(llama):
+    """A cache cut to nothing and prefilled again stands for the new prompt's positions only, not fewer: the second
+    generate on it is refused with the new prompt's count (the slots cut are not taken off an emptied cache)."""
+    cache = DynamicCache()
+    with torch.no_grad(), ZSMergePress(budget=16)(llama):
+        llama.generate(prompt(), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        for layer in cache.layers:  # cut to nothing, as kvpress's pipeline cuts (crop(0) differs between versions)
+            layer.keys, layer.values = layer.keys[..., :0, :], layer.values[..., :0, :]
+        llama.generate(prompt(4), past_key_values=cache, max_new_tokens=1, do_sample=False)
+        with pytest.raises(ValueError, match=r"already holds the tokens up to position 39, compressed to 16 slots"):
+            llama.generate(torch.cat([prompt(4), prompt(5, 5)], dim=1), past_key_values=cache, max_new_tokens=1,
+                           do_sample=False)
+
+
 def test_a_press_without_a_cache_says_it_did_nothing(llama):
     press = ZSMergePress(budget=8)
     with pytest.warns(UserWarning, match=r"ZSMergePress: the model ran without a KV cache"), torch.no_grad(), \

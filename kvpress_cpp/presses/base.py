@@ -421,8 +421,8 @@ class KVCompPress(BasePress):
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
-        processed = getattr(cache, _POSITIONS_ATTR, 0) if slots else 0
-        processed -= max(getattr(cache, _SLOTS_ATTR, slots) - slots, 0)
+        cut = max(getattr(cache, _SLOTS_ATTR, slots) - slots, 0)
+        processed = getattr(cache, _POSITIONS_ATTR, 0) - cut if slots else 0
         if new_tokens == 1 or not slots:
             after = processed + new_tokens
         else:
