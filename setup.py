@@ -26,6 +26,7 @@ INSTALL_REQUIRES = [
     "kvpress>=0.5.5",
     "gguf>=0.17",  # the embedded SmolLM2 is a GGUF file
     "safetensors>=0.4",
+    "tokenizers>=0.22",  # the default model's tokenizer, rebuilt where transformers' GGUF loader adds tokens to it
     "tqdm>=4.66",
     "matplotlib>=3.8",  # the plots of train_kvzap and the benchmarks
     "packaging>=23",

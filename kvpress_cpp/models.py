@@ -188,7 +188,26 @@ def load_default_tokenizer(config=None) -> PreTrainedTokenizerBase:
     if config is None:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     _fix_gguf_tokenizer(tokenizer, config)
+    if len(tokenizer) > config.vocab_size:
+        tokenizer = _without_tokens_beyond(tokenizer, config.vocab_size)
     return tokenizer
+
+
+def _without_tokens_beyond(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> PreTrainedTokenizerBase:
+    """The same tokenizer as a ``PreTrainedTokenizerFast`` without the added tokens whose ids the model has no
+    embedding for. transformers 5.0-5.2 load this GGUF's tokenizer as a ``CodeLlamaTokenizer``, which adds five
+    infilling tokens (ids 49152-49156, past SmolLM2's 49152-row embedding) and rewrites any text containing
+    "<FILL_ME>" into an infilling prompt of them: an IndexError in the model's embedding."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["added_tokens"] = [token for token in spec["added_tokens"] if token["id"] < vocab_size]
+    special = {name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   chat_template=tokenizer.chat_template,
+                                   model_max_length=tokenizer.model_max_length,
+                                   model_input_names=["input_ids", "attention_mask"], **special)
 
 
 def _fix_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, config) -> None:
