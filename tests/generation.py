@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 from tests.models import make_tiny_llama, make_tiny_qwen3
 
@@ -18,6 +19,12 @@ TINY_MODELS = [
     pytest.param(make_tiny_qwen3, "sdpa", id="qwen3-sdpa"),
     pytest.param(make_tiny_qwen3, "eager", id="qwen3-eager"),
 ]
+
+
+#: Tests of generate(prefill_chunk_size=...) run where transformers' chunked prefill gives each chunk its positions
+#: (tests/test_zsmerge_press.py checks the flag, and the refusal, where it does not).
+needs_chunked_prefill = pytest.mark.skipif(CHUNKED_PREFILL_REPEATS_LAST_POSITIONS, reason=(
+    "this transformers' chunked prefill gives every chunk the last chunk's positions"))
 
 
 def prompt_ids(tokenizer, length: int, batch: int = 1) -> torch.Tensor:

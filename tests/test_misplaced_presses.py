@@ -18,6 +18,7 @@ import kvpress_cpp.presses  # noqa: F401  (wraps transformers' attention functio
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from tests.generation import needs_chunked_prefill
 from tests.models import make_tiny_llama
 from tests.test_kvzap_press import write_surrogate
 
@@ -217,6 +218,7 @@ def test_a_press_without_a_cache_says_it_did_nothing(llama):
     assert [str(w.message)[:40] for w in caught] == ["ZSMergePress: the model ran without a KV"]  # once a context
 
 
+@needs_chunked_prefill
 def test_a_prefill_press_says_a_chunked_prompt_stays_partly_uncompressed(llama):
     with pytest.warns(UserWarning, match=r"GVotePress: a pass of 16 tokens over layers GVotePress compressed earlier"), \
             torch.no_grad(), GVotePress()(llama):

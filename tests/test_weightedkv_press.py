@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
-from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, prompt_ids
+from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, needs_chunked_prefill, prompt_ids
 from tests.models import make_tiny_llama
 
 
@@ -59,6 +59,7 @@ def test_cache_size_above_sequence_changes_nothing(make_model, attn_implementati
     assert torch.equal(got, expected)
 
 
+@needs_chunked_prefill
 def test_streaming_prefill_of_one_token_is_the_token_by_token_stream():
     """prefill_chunk_size=1 streams the prompt through generate one token per forward (the paper's setting), compressing
     at every token: the cache equals feeding the prompt by hand one token per forward under the press, and

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
+from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 from kvpress_cpp.presses.zsmerge import ZSMergePress
-from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, prompt_ids
+from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, needs_chunked_prefill, prompt_ids
 from tests.models import make_tiny_llama
 
 
@@ -47,6 +49,22 @@ def test_budget_and_merge_count_invariants_over_long_generation(make_model, attn
         assert bool((get_state(layer).per_slot["counts"][..., :2] > 1).all()), "the residual slots never merged"
 
 
+def test_streaming_prefill_is_refused_where_transformers_repeats_positions():
+    """CHUNKED_PREFILL_REPEATS_LAST_POSITIONS says what the installed transformers does: its chunked prefill, without a
+    press, gives other logits than one forward of the whole prompt exactly where it is set; there the streaming
+    prefill is refused with the version named."""
+    model, tokenizer = make_tiny_llama()
+    input_ids = prompt_ids(tokenizer, 48)
+    logits = [model.generate(input_ids, prefill_chunk_size=chunk, max_new_tokens=1, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, past_key_values=DynamicCache()).logits[0]
+              for chunk in (None, 8)]
+    assert (not torch.allclose(logits[0], logits[1], atol=1e-4)) == CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
+    if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
+        with pytest.raises(ValueError, match=r"ZSMergePress: prefill_chunk_size .* transformers 5\.2"):
+            greedy(model, input_ids, press=ZSMergePress(budget=24, prefill_chunk_size=8), max_new_tokens=1)
+
+
+@needs_chunked_prefill
 @pytest.mark.parametrize("eviction_order", ["authors", "paper"])
 def test_streaming_prefill_keeps_the_invariants_while_the_prompt_streams_in(eviction_order):
     """prefill_chunk_size: generate feeds the prompt in chunks of ≤ 8 (the first one is the prefill; transformers 4

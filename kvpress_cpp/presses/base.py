@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import transformers
 from kvpress.presses.base_press import BasePress
 from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
 from torch import nn
@@ -50,6 +51,7 @@ from kvpress_cpp.attention import (active_presses, count_hook_without_probabilit
                                    set_positions_end, take_prefill_attention)
 from kvpress_cpp.cache import LayerState, attach, check_cache_layer, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
+from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
 __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "score_prompt", "require_bool",
            "require_int", "require_real"]
@@ -440,7 +442,10 @@ class KVCompPress(BasePress):
                     f"`generate` resumes a cache from get_seq_length(), which counts a compressed cache's slots, not "
                     f"its tokens, so a second generate call on it feeds {processed - first} tokens again. Continue a "
                     f"compressed cache with forwards of the new tokens only, at positions {processed} on "
-                    f"(position_ids), or use kvpress's pipeline for several questions on one context")
+                    f"(position_ids), or use kvpress's pipeline for several questions on one context"
+                    + (f". In transformers {transformers.__version__}, generate(prefill_chunk_size=...) does this too: "
+                       f"it gives every chunk the positions of the prompt's last chunk"
+                       if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS else ""))
         setattr(cache, _POSITIONS_ATTR, after)
         for module in self._hooked_modules:
             set_positions_end(module, after)

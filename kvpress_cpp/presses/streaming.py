@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-__all__ = ["StreamingPrefill"]
+import transformers
+from packaging.version import Version
+
+__all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS"]
+
+#: transformers 5.2.0's chunked prefill gives every chunk the position ids of the prompt's last chunk (its generate
+#: computes them once from the whole attention mask): logits off by 5.1 on a tiny Llama, with or without a press.
+#: 5.1 and 5.3 give each chunk its own positions.
+CHUNKED_PREFILL_REPEATS_LAST_POSITIONS = Version(transformers.__version__).release[:2] == (5, 2)
 
 
 class StreamingPrefill:
@@ -38,6 +46,11 @@ class StreamingPrefill:
             with super().__call__(model):
                 yield
             return
+        if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
+            raise ValueError(f"{type(self).__name__}: prefill_chunk_size streams the prompt through generate's chunked "
+                             f"prefill, which in transformers {transformers.__version__} gives every chunk the "
+                             f"positions of the prompt's last chunk; use prefill_chunk_size=None, or transformers "
+                             f"5.1 or 4.57 (kvpress 0.5.5 allows 4.56 to 5.2)")
         config = getattr(model, "generation_config", None)
         if config is None:
             raise ValueError(f"{type(self).__name__}: prefill_chunk_size streams the prompt through `generate`, which "
