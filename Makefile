@@ -1,7 +1,7 @@
 # The two commands of the README, and the steps they are made of. Each sets up what it needs on a fresh machine.
 #   make demo   hide a fact in Austen, ask the embedded SmolLM2 for it, with and without our presses
 #   make test   install pinned deps, build (CPU + CUDA kernels), run GoogleTest via ctest, then pytest (and again
-#               under transformers 5)
+#               under transformers 5.2 and 5.17)
 #   make eval   the evaluation results run (resumable), then its CSV, plots and report (docs/evaluation.md)
 #   make gpu-check   on a machine with a GPU and no network: build for it (or use make gpu-prebuild's), CUDA tests, compute-sanitizer, op and
 #               decode benchmarks, results in benchmarks/results/gpu/ (see benchmarks/gpu_check.py)
@@ -17,7 +17,7 @@ export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test build cpp-test py-test py-test-transformers5 system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
+.PHONY: demo test build cpp-test py-test py-test-transformers5 $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS)) system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
 
 demo: build
 	$(PYTHON) examples/demo.py
@@ -64,21 +64,27 @@ cpp-test: build system-deps
 py-test: build
 	$(PYTHON) -m pytest tests -q
 
-# The suite again under transformers 5 (requirements-transformers5.txt): a venv holding only those pins, which sees
-# .venv's packages and built extension behind them (a .pth that adds .venv's site-packages), on two pytest workers.
-TF5_VENV := .venv-transformers5
-TF5_PYTHON := $(TF5_VENV)/bin/python
-$(TF5_VENV)/.installed: requirements-transformers5.txt $(VENV)/.installed
-	test -x $(TF5_PYTHON) || python3 -m venv $(TF5_VENV)
-	echo "import site; site.addsitedir('$$($(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
-	  > "$$($(TF5_PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/kvpress_cpp_base.pth"
-	set -o pipefail; $(TF5_PYTHON) -m pip install --quiet -r requirements-transformers5.txt 2>&1 \
+# The suite again under transformers 5: 5.2 (the newest kvpress 0.5.5 allows, what a `pip install` resolves) and 5.17
+# (the offline GPU machine's). Each runs in a venv holding only the pins of requirements-transformers<version>.txt,
+# which sees .venv's packages and built extension behind them (a .pth that adds .venv's site-packages), on two pytest
+# workers of one thread each (two workers of two threads on two cores run 1.6x slower than one process).
+TRANSFORMERS5_VERSIONS := 5.2 5.17
+define transformers5_run
+.venv-transformers$(1)/.installed: requirements-transformers$(1).txt $$(VENV)/.installed
+	test -x .venv-transformers$(1)/bin/python || python3 -m venv .venv-transformers$(1)
+	echo "import site; site.addsitedir('$$$$($$(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+	  > "$$$$(.venv-transformers$(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/kvpress_cpp_base.pth"
+	set -o pipefail; .venv-transformers$(1)/bin/python -m pip install --quiet -r requirements-transformers$(1).txt 2>&1 \
 	  | { grep -v "kvpress 0.5.5 requires transformers\|dependency resolver\|dependency conflicts" || true; }
-	$(TF5_PYTHON) -c "import transformers, torch, kvpress; assert transformers.__version__.startswith('5.'), transformers.__version__"
-	touch $@
+	.venv-transformers$(1)/bin/python -c "import transformers, torch, kvpress; \
+	  assert transformers.__version__.startswith('$(1).'), transformers.__version__"
+	touch $$@
 
-py-test-transformers5: build $(TF5_VENV)/.installed
-	$(TF5_PYTHON) -m pytest tests -q -n 2 -p no:cacheprovider
+py-test-transformers$(1): build .venv-transformers$(1)/.installed
+	OMP_NUM_THREADS=1 .venv-transformers$(1)/bin/python -m pytest tests -q -n 2 -p no:cacheprovider
+endef
+$(foreach version,$(TRANSFORMERS5_VERSIONS),$(eval $(call transformers5_run,$(version))))
+py-test-transformers5: $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS))
 
 # gpu-check uses the GPU machine's own Python (GPU_PYTHON, with torch, transformers and nvcc there; our pins are not
 # installable without network) and installs the wheels of .whl/ beside it, for what it lacks: kvpress and the packages
@@ -116,4 +122,4 @@ gpu-wheels:
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf build $(VENV) $(TF5_VENV) *.egg-info kvpress_cpp/*.so
+	rm -rf build $(VENV) $(addprefix .venv-transformers,$(TRANSFORMERS5_VERSIONS)) *.egg-info kvpress_cpp/*.so
