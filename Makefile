@@ -16,6 +16,8 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
+# The transformers 5 versions the suite runs under again (py-test-transformers5, below).
+TRANSFORMERS5_VERSIONS := 5.2 5.17
 
 .PHONY: demo test build cpp-test py-test py-test-transformers5 $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS)) system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
 
@@ -68,7 +70,6 @@ py-test: build
 # (the offline GPU machine's). Each runs in a venv holding only the pins of requirements-transformers<version>.txt,
 # which sees .venv's packages and built extension behind them (a .pth that adds .venv's site-packages), on two pytest
 # workers of one thread each (two workers of two threads on two cores run 1.6x slower than one process).
-TRANSFORMERS5_VERSIONS := 5.2 5.17
 define transformers5_run
 .venv-transformers$(1)/.installed: requirements-transformers$(1).txt $$(VENV)/.installed
 	test -x .venv-transformers$(1)/bin/python || python3 -m venv .venv-transformers$(1)
