@@ -26,6 +26,9 @@ from torch import nn
 __all__ = ["kv_head_shard", "gather_kv_heads", "query_group_size", "prerope_query_states", "check_tensor_parallel"]
 
 
+#: An attention layer's key projection: separate, or packed with the queries and values (Phi-3).
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj")
+
 #: attention layer → its model's tensor-parallel mesh, noted by :func:`check_tensor_parallel` for the transformers
 #: versions whose sharded weights are plain local tensors.
 _LAYER_MESHES: WeakKeyDictionary = WeakKeyDictionary()
@@ -40,7 +43,7 @@ def _tensor_parallel_mesh(module: nn.Module):
     # nn.Module.__getattr__ costs 1 µs a lookup and 2-3 µs a missing name (a raised AttributeError), twice per layer
     # and decoding step.
     submodules = getattr(module, "_modules", None)
-    for name in ("k_proj", "qkv_proj"):
+    for name in _KEY_PROJECTIONS:
         projection = submodules.get(name) if submodules is not None else getattr(module, name, None)
         if projection is None:
             continue
@@ -116,5 +119,5 @@ def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | 
     mesh = getattr(model, "_device_mesh", None)
     if mesh is not None:
         for module in model.modules():
-            if "k_proj" in module._modules or "qkv_proj" in module._modules:
+            if any(name in module._modules for name in _KEY_PROJECTIONS):
                 _LAYER_MESHES[module] = mesh

