@@ -342,14 +342,17 @@ def test_padded_batch_rows_equal_their_runs_alone(request, make_press, name, mod
     assert torch.equal(together, alone)
 
 
-def test_right_padding_and_empty_rows_are_refused(llama):
+@pytest.mark.parametrize("name", NAMES)
+def test_right_padding_and_empty_rows_are_refused(llama, make_press, name):
+    """Right padding would put a row's recent window (which every press protects) on padding; KVzap, which takes
+    padding slots in its batch, refuses it as the presses that compress row by row do."""
     model, tokenizer = llama
     ids = prompt_ids(tokenizer, 40, batch=2)
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
-    with pytest.raises(ValueError, match="ZSMergePress: only left padding is supported"):
-        greedy(model, ids, press=ZSMergePress(budget=BUDGET), max_new_tokens=2, attention_mask=mask)
+    with pytest.raises(ValueError, match=f"{name}: only left padding is supported"):
+        greedy(model, ids, press=make_press(name), max_new_tokens=2, attention_mask=mask)
     mask[1] = 0
-    with pytest.raises(ValueError, match=r"ZSMergePress: batch rows \[1\] hold padding only"):
-        with torch.no_grad(), ZSMergePress(budget=BUDGET)(model):
+    with pytest.raises(ValueError, match=rf"{name}: batch rows \[1\] hold padding only"):
+        with torch.no_grad(), make_press(name)(model):
             model(ids, attention_mask=mask, past_key_values=DynamicCache())

@@ -285,14 +285,17 @@ class KVCompPress(BasePress):
         is_real = torch.isfinite(log_weights[:, 0])
         padding = (~is_real).sum(-1)
         self._slots_seen[layer_idx] = [is_real.sum(), 0]
-        if self.handles_padding or not bool(padding.any()):
+        if not bool(padding.any()):
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         if not bool(is_real.any(-1).all()):
             raise ValueError(f"{name}: batch rows {(~is_real.any(-1)).nonzero().flatten().tolist()} hold padding only "
                              f"(an empty prompt)")
         if not bool((is_real.int().argmax(-1) == padding).all()):
+            # Right padding would also shift each row's recent window (the slots every press protects) onto padding.
             raise ValueError(f"{name}: only left padding is supported (tokenizer padding_side='left'), as "
                              f"`generate` expects of decoder-only models")
+        if self.handles_padding:
+            return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         results = []
         for row, pad in enumerate(padding.tolist()):
             row_keys, row_values = keys[row:row + 1, :, pad:].contiguous(), values[row:row + 1, :, pad:].contiguous()
