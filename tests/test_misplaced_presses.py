@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import DynamicCache, StaticCache
 
+import kvpress_cpp.attention
 import kvpress_cpp.presses  # noqa: F401  (wraps transformers' attention functions, as any use of a press does)
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.paged_cache import PagedKVCache
@@ -192,6 +193,64 @@ def test_a_second_generate_on_a_compressed_cache_is_refused(llama):
         llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(42, 47).unsqueeze(0))
 
 
+PREFILL_ONLY = {"GVote": lambda path, model: GVotePress(nucleus_p=0.5)}
+POSITION_PRESSES = {**BEAM_PRESSES, **PREFILL_ONLY}
+
+
+@pytest.mark.filterwarnings("ignore:GVotePress. a pass of 2 tokens")
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("name", sorted(POSITION_PRESSES))
+def test_passes_without_positions_continue_after_the_tokens_held(llama, name, cache_type, tmp_path):
+    """A hand-written loop that passes no positions (``model(token, past_key_values=cache)``) is placed after the
+    tokens the compressed cache stands for, as over an uncompressed cache, not at its slot count: every pass, one
+    token or several, gives the logits of the same pass at its logical positions; tokens fed between two contexts
+    of a press that compresses the prompt only (at their positions) count too."""
+    press = POSITION_PRESSES[name](tmp_path, llama)
+    passes = [[5], [7], [9, 11], [13]]
+
+    def run(with_positions: bool) -> list[torch.Tensor]:
+        cache, logits, position = cache_type(), [], PROMPT
+
+        def forward(tokens: list[int], given: bool):
+            nonlocal position
+            positions = torch.arange(position, position + len(tokens)).unsqueeze(0) if given else None
+            logits.append(llama(torch.tensor([tokens]), past_key_values=cache, position_ids=positions).logits)
+            position += len(tokens)
+
+        with torch.no_grad():
+            with press(llama):
+                llama(prompt(), past_key_values=cache)
+                for tokens in passes:
+                    forward(tokens, with_positions)
+                assert cache.get_seq_length() < position, "the press must have compressed the cache for this test"
+            if name in PREFILL_ONLY:
+                forward([17, 19], True)  # outside the press's context the model is on its own: positions given
+                with press(llama):
+                    for tokens in passes:
+                        forward(tokens, with_positions)
+        return logits
+
+    for got, want in zip(run(with_positions=False), run(with_positions=True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("name", sorted(BEAM_PRESSES))
+def test_a_decoding_press_refuses_tokens_fed_outside_its_context(llama, name, cache_type, tmp_path):
+    """A press that compresses while decoding keeps scores for every slot; tokens fed while its context was closed
+    have none, so its next pass is refused by name instead of failing inside an op."""
+    press = BEAM_PRESSES[name](tmp_path, llama)
+    cache = cache_type()
+    with torch.no_grad():
+        with press(llama):
+            llama(prompt(), past_key_values=cache)
+        llama(torch.tensor([[5, 7]]), past_key_values=cache, position_ids=torch.tensor([[PROMPT, PROMPT + 1]]))
+        with pytest.raises(ValueError, match=rf"{press.__class__.__name__}: layer 0 holds \d+ slots before this pass, "
+                                             rf"but .* covers \d+: tokens were fed over the cache while"), \
+                press(llama):
+            llama(torch.tensor([[9]]), past_key_values=cache, position_ids=torch.tensor([[PROMPT + 2]]))
+
+
 def test_an_emptied_cache_counts_its_positions_from_zero(llama):
     """A cache cut to nothing and prefilled again stands for the new prompt's positions only, not fewer: the second
     generate on it is refused with the new prompt's count (the slots cut are not taken off an emptied cache)."""
@@ -304,6 +363,7 @@ def test_a_paged_cache_on_an_eager_model_without_a_press(monkeypatch):
     model = tiny("Llama", attn_implementation="eager")
     model_file = sys.modules[type(model).__module__]  # as no press has wrapped it (earlier tests may have)
     monkeypatch.setattr(model_file, "eager_attention_forward", inspect.unwrap(model_file.eager_attention_forward))
+    monkeypatch.setattr(kvpress_cpp.attention, "_modules_scanned", 0)  # as in a process where no cache scanned yet
     with torch.no_grad():
         want = model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=DynamicCache())
         got = model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=PagedKVCache())

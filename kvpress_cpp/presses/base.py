@@ -361,6 +361,7 @@ class KVCompPress(BasePress):
             if state.owner_type is not type(self) or (owner is not None and owner is not self):
                 raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
                                  f"presses cannot compress one cache (compose {name} with kvpress presses only)")
+            self._check_state_covers_held_slots(layer_idx, state, keys.shape[-2] - new_tokens)
             if isinstance(state, RowStates):
                 result = self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs)
             else:
@@ -379,6 +380,20 @@ class KVCompPress(BasePress):
             self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
             self._held_to_gather.add(layer_idx)
         return self._after_layer(module, output)
+
+    def _check_state_covers_held_slots(self, layer_idx: int, state: LayerState, slots_before: int) -> None:
+        """Raise if the layer holds slots the press's per-slot state (scores, merge counts) does not cover: tokens a
+        pass appended while the press's context was closed, which it has no scores for."""
+        rows = zip(state.rows, state.padding) if isinstance(state, RowStates) else [(state, 0)]
+        for row, padding in rows:
+            covered = {tensor.shape[-1] for tensor in row.per_slot.values()}
+            if covered and covered != {slots_before - padding}:
+                name = type(self).__name__
+                raise ValueError(
+                    f"{name}: layer {layer_idx} holds {slots_before - padding} slots before this pass, but {name}'s "
+                    f"per-slot state ({', '.join(row.per_slot)}) covers {max(covered)}: tokens were fed over the cache "
+                    f"while {name}'s context was closed, and it has no scores for them. Run every pass over a cache "
+                    f"{name} compresses while decoding inside `with press(model):`")
 
     def _after_layer(self, module: nn.Module, output):
         """The end of every forward hook: after the last layer, the held counts of a tensor-parallel model's layers
@@ -410,15 +425,21 @@ class KVCompPress(BasePress):
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
         return None
 
-    def _check_resumed_positions(self, base_model: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _check_resumed_positions(self, base_model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         """Forward pre-hook of the decoder stack: count the positions the cache stands for, tell the hooked attention
         modules (a sliding window is compared with them), and refuse a pass that feeds again tokens a compressed
         cache already holds. `generate` resumes a cache from ``get_seq_length()``, which counts a compressed layer's
         slots, not the tokens it stands for, so a second ``generate`` call on the same cache (a chat's next turn)
         would re-feed the tokens between the two. The count is a Python int on the cache; a cut from the right
-        (speculative decoding's rollback, kvpress's pipeline dropping an answer) lowers it by the slots cut. Only
+        (speculative decoding's rollback, kvpress's pipeline dropping an answer) lowers it by the slots cut, and
+        tokens appended outside the press's context raise it by the slots they added. Only
         passes of several tokens over a filled cache read their positions (a host sync at prefill scale), so a
-        decoding step waits on nothing."""
+        decoding step waits on nothing.
+
+        A pass given no positions at all (a hand-written ``model(token, past_key_values=cache)`` loop) would be
+        placed by the model at ``get_seq_length()``, the slots, so a compressed cache would rotate every new token
+        to a wrong position: it gets the positions that follow the tokens the cache stands for instead, as an
+        uncompressed cache would give it (returned as the pass's kwargs)."""
         cache = kwargs.get("past_key_values")
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
@@ -426,14 +447,19 @@ class KVCompPress(BasePress):
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
-        cut = max(getattr(cache, _SLOTS_ATTR, slots) - slots, 0)
-        processed = getattr(cache, _POSITIONS_ATTR, 0) - cut if slots else 0
-        if new_tokens == 1 or not slots:
+        # Slots cut from the right since the last pass in the context were tokens, and so are slots appended by passes
+        # outside it (one per token: no press of ours compressed them).
+        processed = getattr(cache, _POSITIONS_ATTR, 0) + slots - getattr(cache, _SLOTS_ATTR, slots) if slots else 0
+        placed = None
+        if processed > slots and kwargs.get("position_ids") is None and kwargs.get("cache_position") is None:
+            positions = torch.arange(processed, processed + new_tokens, device=inputs.device).unsqueeze(0)
+            placed = args, {**kwargs, "position_ids": positions}
+        if new_tokens == 1 or not slots or placed is not None:
             after = processed + new_tokens
         else:
             positions = kwargs.get("position_ids")
             positions = positions if positions is not None else kwargs.get("cache_position")
-            if positions is None:  # the model counts from get_seq_length()
+            if positions is None:  # the model counts from get_seq_length(), here the tokens held
                 first, after = slots, slots + new_tokens
             else:
                 positions = positions.reshape(-1, positions.shape[-1])
@@ -452,6 +478,7 @@ class KVCompPress(BasePress):
         setattr(cache, _POSITIONS_ATTR, after)
         for module in self._hooked_modules:
             set_positions_end(module, after)
+        return placed
 
     @staticmethod
     def _record_slots(base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
