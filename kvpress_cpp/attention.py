@@ -22,7 +22,9 @@ gets them without a second pass over the keys. Forwards over layers without stat
 
 transformers dispatches sdpa / flash attention through ``ALL_ATTENTION_FUNCTIONS`` and eager attention through the
 module-level ``eager_attention_forward`` of each model file: both are wrapped, once. kvpress wraps the same registry
-for its head-wise masking; the two wrappers compose in either import order.
+for its head-wise masking when it is imported; this module imports it first, so that its own wrapper is always the
+outer one whatever the user imports first: a paged layer's pools must reach the paged path, never kvpress's masking,
+which writes its masked slots into the keys it is handed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 import sys
 from typing import NamedTuple
 
+import kvpress  # noqa: F401  (wraps ALL_ATTENTION_FUNCTIONS at import: before this module does, see above)
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

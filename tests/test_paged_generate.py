@@ -4,7 +4,10 @@ one paged context; padded batches; and the memory held is each head's own slots.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +70,33 @@ def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate
     got = greedy(model, ids, paged_cache, PRESSES[name](surrogate_dir))
     assert torch.equal(got, expected)
     assert paged_cache.bytes_held() <= cache_bytes(rectangular_cache) * 1.1 + 4096
+
+
+@kvpress_hooks.mark
+def test_kvpress_imported_after_us_leaves_the_paged_path_outermost():
+    """A user who imports kvpress_cpp before kvpress (a fresh process): kvpress's masking wrapper must not end up
+    around ours, where it wrote the masked slots an earlier generate left on the modules into a paged layer's key
+    pool (a shape error at the next paged prefill). AdaKV on the rectangular cache, then on the paged one."""
+    code = """
+import kvpress_cpp.attention  # first, before anything imports kvpress
+import torch
+from kvpress import AdaKVPress, SnapKVPress
+from transformers import DynamicCache
+from kvpress_cpp.paged_cache import PagedKVCache
+from tests.generation import prompt_ids
+from tests.models import make_tiny_llama
+from tests.test_paged_generate import greedy
+
+model, tokenizer = make_tiny_llama()
+model.set_attn_implementation("sdpa")
+ids = prompt_ids(tokenizer, 96)
+expected = greedy(model, ids, DynamicCache(), AdaKVPress(SnapKVPress(compression_ratio=0.6)))
+got = greedy(model, ids, PagedKVCache(block_size=4), AdaKVPress(SnapKVPress(compression_ratio=0.6)))
+assert torch.equal(got, expected), (got, expected)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", kvpress_hooks.cases(HEAD_WISE_MASKING + ("kvzap", "gvote"), KVPRESS_PRESSES))
