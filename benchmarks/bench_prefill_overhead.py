@@ -55,7 +55,7 @@ from kvpress_cpp import ops
 from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.presses.keepkv import KeepKVPress
-from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD, KVzapThresholdPress
+from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD, KVzapThresholdPress, default_surrogate_dir
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests import reference
@@ -381,7 +381,8 @@ def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", default=["presses", "op", "keepkv_op"],
                         choices=["presses", "op", "keepkv_op"])
-    parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
+    parser.add_argument("--presses", nargs="+", default=None, choices=list(PRESSES),
+                        help="default: all (KVzap only where the model has packaged surrogates)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per prompt length; the median time is kept")
     parser.add_argument("--op-lengths", type=int, nargs="+", default=None)
     parser.add_argument("--name", default=None,
@@ -409,7 +410,14 @@ def main() -> None:
     if "presses" in args.parts:
         model, tokenizer = build_model(args.model, args.device, dtype)
         lengths = args.lengths or {"smollm2": [1024, 2048, 4096, 8192]}.get(args.model, MODELS[args.model][1])
-        presses = args.presses
+        presses = args.presses or list(PRESSES)
+        kvzap = next(method for method in PRESSES if method.startswith("KVzap"))
+        surrogate = default_surrogate_dir(model, KVzapThresholdPress.model_type)
+        if args.presses is None and not (surrogate / "config.json").is_file():  # a random model has none
+            presses.remove(kvzap)
+            why = f"no packaged KVzap surrogate for {args.model} (expected in {surrogate})"
+            rows.append({"part": "left_out", "press": kvzap, "why": why})
+            print(f"left out {kvzap}: {why}", flush=True)
         if mismatch := kvpress_transformers_mismatch():  # kvpress's own presses run its forward hook
             left_out = [method for method in presses if method.endswith("(kvpress)")]
             presses = [method for method in presses if method not in left_out]

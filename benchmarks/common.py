@@ -42,7 +42,13 @@ def configurations() -> list[tuple[str, int]]:
     cpu = [("cpu", 1)] + ([("cpu", torch.get_num_threads())] if torch.get_num_threads() > 1 else [])
     found = cpu + ([("cuda", torch.get_num_threads())] if torch.cuda.is_available() else [])
     wanted = os.environ.get("KVCOMP_BENCH_DEVICES")
-    return [c for c in found if c[0] in wanted.split(",")] if wanted else found
+    if not wanted:
+        return found
+    kept = [c for c in found if c[0] in wanted.split(",")]
+    if not kept:  # else the benchmark would measure nothing and write an empty result file over the last one
+        raise RuntimeError(f"KVCOMP_BENCH_DEVICES={wanted}: no such device here "
+                           f"(torch sees {', '.join(sorted({device for device, _ in found}))})")
+    return kept
 
 
 def environment() -> dict:

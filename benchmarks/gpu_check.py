@@ -265,9 +265,15 @@ DECODE_STEP_ROWS = {
 }
 
 
+# When this check's summary was begun (its first invocation on this machine; later invocations add stages to it):
+# result files older than that are an earlier run's (the committed ones of a fresh clone), which targets() ignores.
+RUN_STARTED = 0.0
+
+
 def load_rows(name: str) -> list[dict]:
     path = OUT / f"{name}.json"
-    return json.loads(path.read_text())["rows"] if path.exists() else []
+    fresh = path.exists() and path.stat().st_mtime >= RUN_STARTED
+    return json.loads(path.read_text())["rows"] if fresh else []
 
 
 def targets(stages: dict) -> list[dict]:
@@ -360,7 +366,10 @@ def main() -> None:
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     summary_path = OUT / "summary.json"
-    stages = json.loads(summary_path.read_text())["stages"] if summary_path.exists() else {}
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    stages = summary.get("stages", {})
+    global RUN_STARTED
+    RUN_STARTED = summary.get("started", time.time())
     for name in args.stages:
         started = time.perf_counter()
         try:
@@ -371,7 +380,8 @@ def main() -> None:
             stages[name] = {"ok": False, "tail": f"{type(error).__name__}: {error}"}
         stages[name]["seconds"] = round(time.perf_counter() - started, 1)
         checks = targets(stages)
-        summary_path.write_text(json.dumps({"stages": stages, "targets": checks}, indent=2) + "\n")
+        summary_path.write_text(json.dumps({"started": RUN_STARTED, "stages": stages, "targets": checks},
+                                           indent=2) + "\n")
         (OUT / "summary.md").write_text(markdown(stages, checks))
     print((OUT / "summary.md").read_text())
     sys.exit(0 if all(stages[name].get("ok") for name in args.stages) else 1)

@@ -1,5 +1,8 @@
 """make gpu-check reads compute-sanitizer's own summaries (the lines below are copied from its logs on an H100)."""
 
+import pytest
+import torch
+
 from benchmarks.gpu_check import sanitizer_errors
 
 
@@ -99,12 +102,55 @@ def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatc
     assert next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))["met"] is True
 
 
+def test_targets_read_only_the_results_this_check_wrote(tmp_path, monkeypatch):
+    """A fresh clone holds the last session's committed result files in the output folder: the summary must not
+    report their figures as measured now. A file written since the check began counts; so do the files an earlier
+    invocation of the same check wrote (it keeps its start in summary.json and adds stages)."""
+    import json
+    import os
+    import sys
+    import time
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    rows = {"rows": [{"part": "kernel", "T": 16384, "fraction_of_copy": 0.8}]}
+    committed = tmp_path / "paged_kernel_cuda.json"
+    committed.write_text(json.dumps(rows))
+    os.utime(committed, (time.time() - 3600,) * 2)  # the clone's files predate the check
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--stages", "environment"])
+    monkeypatch.setattr(gpu_check, "stage_environment", lambda timeout: {"ok": True})
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+
+    def paged_met() -> bool | None:
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        return next(c for c in summary["targets"] if c["target"].startswith("paged decode attention"))["met"]
+
+    assert paged_met() is None
+    committed.write_text(json.dumps(rows))  # written by a stage after the check began
+    with pytest.raises(SystemExit):
+        gpu_check.main()  # a second invocation: the summary's start stays the first one's
+    assert paged_met() is True
+
+
+def test_a_benchmark_asked_for_a_device_it_lacks_fails(monkeypatch):
+    """KVCOMP_BENCH_DEVICES=cuda on a machine where torch sees no GPU: the op benchmarks must fail (gpu-check then
+    reports the stage FAILED), not measure nothing and write an empty result file over the last one."""
+    from benchmarks.common import configurations
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("KVCOMP_BENCH_DEVICES", "cuda")
+    with pytest.raises(RuntimeError, match=r"KVCOMP_BENCH_DEVICES=cuda: no such device here \(torch sees cpu\)"):
+        configurations()
+    monkeypatch.setenv("KVCOMP_BENCH_DEVICES", "cpu")
+    assert configurations() and all(device == "cpu" for device, _ in configurations())
+
+
 def test_flashinfer_pages_hold_each_sequences_tokens_in_its_page_list():
     """The peer's cache (bench_paged.flashinfer_pages): walking a sequence's page list (indptr, indices) over the
     shuffled pages gives back its keys and values token by token, every kv head in each token's row; a length that
     is not whole pages is refused."""
-    import pytest
-    import torch
 
     from benchmarks.bench_paged import flashinfer_pages
 
