@@ -32,8 +32,8 @@ Random surrogate weights: the timings do not depend on trained values.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -301,13 +301,20 @@ def decode_rows(prompt_lengths=(2048, 4096)) -> list[dict]:
 
 
 def main() -> None:
-    if "--decode" in sys.argv:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    part = parser.add_mutually_exclusive_group()
+    part.add_argument("--quick", action="store_true", help="(a) only, no SmolLM2 forward")
+    part.add_argument("--tau", action="store_true", help="(d) only: the τ sweep (kvzap_tau.json)")
+    part.add_argument("--decode", action="store_true", help="(e) only: the decode step (paged_decode_kvzap.json)")
+    args = parser.parse_args()
+    if args.decode:
         rows = decode_rows()
         print_table(rows, list(rows[0]))
         print("wrote", write_results("paged_decode_kvzap", rows))
         return
-    quick = "--quick" in sys.argv
-    if "--tau" in sys.argv:
+    quick = args.quick
+    if args.tau:
         rows = tau_sweep()
         print_table(rows, ["surrogate", "tau", "kept", "answered", "examples"])
         print("wrote", write_results("kvzap_tau", rows), "and", plot_tau(rows))

@@ -10,7 +10,8 @@ neighbour). Reported after the prefill and after the answer, with the question's
 
     python -m benchmarks.bench_needle_digits --examples 1:3 --presses zsmerge weightedkv keepkv streaming --detail
 
-``--examples b:r`` names row r of batch b of the evaluation data (``2048-niah<b>``); ``--detail`` prints the per
+``--examples b:r`` names row r of batch b of the evaluation data (``2048-niah<b>``, generated here as the
+documented question-aware run generates it: ``--examples 4`` per batch, data seed 0); ``--detail`` prints the per
 layer / kv head map (x: digit held plain).
 """
 
@@ -26,8 +27,11 @@ from transformers import DynamicCache
 from benchmarks.common import write_results
 from kvpress_cpp.evaluation import launch
 from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME, kvpress_pipeline
+from kvpress_cpp.evaluation.results import Config, family_examples, prepare_data
 from kvpress_cpp.presses import KeepKVPress, WeightedKVPress, ZSMergePress
 
+# The question-aware needle run of docs/evaluation.md: 2048 tokens, 4 examples per batch, the results run's data seed.
+LENGTH, EXAMPLES_PER_BATCH, DATA_SEED = 2048, 4, 0
 PRESSES = {
     "zsmerge": lambda kept: ZSMergePress(budget=kept),
     "weightedkv": lambda kept: WeightedKVPress(cache_size=kept),
@@ -64,11 +68,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     pipe = kvpress_pipeline("kv-press-text-generation", DEFAULT_MODEL_NAME)
     model, tokenizer = pipe.model, pipe.tokenizer
-    root = launch.generated_root(launch.cache_dir("evaluation-data"), DEFAULT_MODEL_NAME)
+    examples = [tuple(map(int, example.split(":"))) for example in args.examples]
+    batches = [Config("no_press", 0.0, LENGTH, "niah", batch) for batch in sorted({batch for batch, _ in examples})]
+    files = prepare_data(launch.cache_dir("evaluation-data"), DEFAULT_MODEL_NAME,
+                         family_examples(batches, EXAMPLES_PER_BATCH), DATA_SEED)
     rows = []
-    for example in args.examples:
-        batch, row = map(int, example.split(":"))
-        data = pd.read_parquet(root / f"2048-niah{batch}" / "test.parquet").iloc[row]
+    for example, (batch, row) in zip(args.examples, examples, strict=True):
+        data = pd.read_parquet(files[f"{LENGTH}-niah{batch}"]).iloc[row]
         inputs = pipe.preprocess(data.context + data.question, [""], data.answer_prefix, max_context_length=10 ** 9)
         context, question = inputs["context_ids"], inputs["questions_ids"][0]
         answer = list(data.answer)[0]
