@@ -198,7 +198,7 @@ POSITION_PRESSES = {**BEAM_PRESSES, **PREFILL_ONLY}
 
 
 @pytest.mark.filterwarnings("ignore:GVotePress. a pass of 2 tokens")
-@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache, None])
 @pytest.mark.parametrize("name", sorted(POSITION_PRESSES))
 def test_passes_without_positions_continue_after_the_tokens_held(llama, name, cache_type, tmp_path):
     """A hand-written loop that passes no positions (``model(token, past_key_values=cache)``) is placed after the
@@ -209,7 +209,7 @@ def test_passes_without_positions_continue_after_the_tokens_held(llama, name, ca
     passes = [[5], [7], [9, 11], [13]]
 
     def run(with_positions: bool) -> list[torch.Tensor]:
-        cache, logits, position = cache_type(), [], PROMPT
+        cache, logits, position = cache_type() if cache_type else None, [], PROMPT
 
         def forward(tokens: list[int], given: bool):
             nonlocal position
@@ -219,7 +219,10 @@ def test_passes_without_positions_continue_after_the_tokens_held(llama, name, ca
 
         with torch.no_grad():
             with press(llama):
-                llama(prompt(), past_key_values=cache)
+                if cache_type is None:  # the model makes the cache at the first forward (use_cache=True)
+                    cache = llama(prompt(), use_cache=True).past_key_values
+                else:
+                    llama(prompt(), past_key_values=cache)
                 for tokens in passes:
                     forward(tokens, with_positions)
                 assert cache.get_seq_length() < position, "the press must have compressed the cache for this test"

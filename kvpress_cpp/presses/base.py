@@ -62,6 +62,12 @@ __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "s
 _POSITIONS_ATTR, _SLOTS_ATTR = "_kvcomp_positions", "_kvcomp_slots"
 
 
+def _pass_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The token ids (B, q) or embeddings (B, q, D) of a decoder-stack forward."""
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    return inputs if inputs is not None or not args else args[0]
+
+
 # Constructor checks shared by the presses: a value of the wrong type or out of range is refused where it is given,
 # with the press and the parameter named, not later inside an op (or, for NaN, never).
 def require_int(press: str, name: str, value, minimum: int | None = None) -> None:
@@ -440,10 +446,7 @@ class KVCompPress(BasePress):
         placed by the model at ``get_seq_length()``, the slots, so a compressed cache would rotate every new token
         to a wrong position: it gets the positions that follow the tokens the cache stands for instead, as an
         uncompressed cache would give it (returned as the pass's kwargs)."""
-        cache = kwargs.get("past_key_values")
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        if inputs is None and args:
-            inputs = args[0]
+        cache, inputs = kwargs.get("past_key_values"), _pass_inputs(args, kwargs)
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
@@ -482,8 +485,15 @@ class KVCompPress(BasePress):
 
     @staticmethod
     def _record_slots(base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        """Forward hook of the decoder stack: the slots the cache holds after the pass, to recognise a later cut."""
+        """Forward hook of the decoder stack: the slots the cache holds after the pass, to recognise a later cut. A
+        cache the model created in this pass (``past_key_values=None``, ``use_cache=True``: a hand-written loop's
+        first forward) starts its position count here, with the pass's tokens."""
         cache = kwargs.get("past_key_values")
+        if cache is None:
+            cache = getattr(output, "past_key_values", None)
+            inputs = _pass_inputs(args, kwargs)
+            if cache is not None and inputs is not None and not hasattr(cache, _POSITIONS_ATTR):
+                setattr(cache, _POSITIONS_ATTR, inputs.shape[1])
         if cache is not None and hasattr(cache, "layers"):
             setattr(cache, _SLOTS_ATTR, cache.get_seq_length())
 
