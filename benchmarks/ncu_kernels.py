@@ -23,6 +23,7 @@ import argparse
 import csv
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,11 +155,14 @@ def markdown(launches: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", action="store_true", help="only launch the kernels (what ncu runs)")
-    parser.add_argument("--ncu", default="ncu")
+    parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line tool (default: ncu on PATH)")
     args = parser.parse_args()
     if args.workload:
         workload()
         return
+    if shutil.which(args.ncu) is None:
+        sys.exit(f"ncu_kernels: --ncu {args.ncu!r} is not an executable on this machine (Nsight Compute's ncu ships "
+                 "with the CUDA toolkit: pass its path, e.g. --ncu /usr/local/cuda/bin/ncu)")
     command = [args.ncu, "--profile-from-start", "off", "--csv", "--page", "details",
                *[f"--section={section}" for section in SECTIONS], sys.executable, "-m", "benchmarks.ncu_kernels",
                "--workload"]

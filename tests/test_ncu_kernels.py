@@ -7,7 +7,7 @@ import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 
-from benchmarks.ncu_kernels import launches, markdown, parse_details, short_name
+from benchmarks.ncu_kernels import launches, main, markdown, parse_details, short_name
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type",'
@@ -63,6 +63,13 @@ def test_kernel_names_are_shortened_past_namespaces_and_parameters():
 def test_output_without_a_table_is_an_error():
     with pytest.raises(ValueError, match="no ncu CSV table"):
         parse_details("==ERROR== the application returned an error code (1)\n")
+
+
+def test_an_ncu_that_is_not_there_is_named_before_anything_runs(monkeypatch, tmp_path):
+    missing = str(tmp_path / "no-ncu")
+    monkeypatch.setattr("sys.argv", ["ncu_kernels", "--ncu", missing])
+    with pytest.raises(SystemExit, match=f"ncu_kernels: --ncu '{missing}' is not an executable"):
+        main()
 
 
 def test_the_profiled_paged_cache_holds_the_same_slots_as_the_rectangular_one():
