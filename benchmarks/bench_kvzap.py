@@ -27,7 +27,8 @@ Random surrogate weights: the timings do not depend on trained values.
 (e) KVzap's decode step on SmolLM2 (CPU, one thread, 2k and 4k prompts), on the rectangular and the paged cache,
     against kvpress's TOVA (prefill only, rectangular): at 25% kept (bench_paged's reference) and at the slots KVzap
     keeps of that prompt (its compression_ratio after a prefill), the issue's "same number of slots". The rows are
-    bench_paged's decode part (pairs decoded in turns, median of 23 steps, load average recorded).
+    bench_paged's decode part (pairs decoded in turns, median step, load average recorded); --decode-lengths and
+    --steps as in bench_paged.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+from benchmarks import bench_paged
 from benchmarks.common import configurations, median_seconds, print_table, pyplot, save_figure, write_results
 from tests import reference
 
@@ -273,11 +275,10 @@ def plot_tau(rows):
     return save_figure(fig, "kvzap_tau")
 
 
-def decode_rows(prompt_lengths=(2048, 4096)) -> list[dict]:
+def decode_rows(prompt_lengths=(2048, 4096), steps: int = 121) -> list[dict]:
     from kvpress import TOVAPress
     from transformers import DynamicCache
 
-    from benchmarks import bench_paged
     from kvpress_cpp.models import load_default_model
     from kvpress_cpp.presses import KVzapThresholdPress
     from kvpress_cpp.texts import austen_novel
@@ -295,7 +296,7 @@ def decode_rows(prompt_lengths=(2048, 4096)) -> list[dict]:
         presses = {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
                    same_slots: lambda: TOVAPress(compression_ratio=removed),
                    f"KVzap-MLP τ={press.threshold:g}": KVzapThresholdPress}
-        rows += bench_paged.decode_rows(model, tokenizer, (length,), presses=presses,
+        rows += bench_paged.decode_rows(model, tokenizer, (length,), steps, presses=presses,
                                         references={"vs_tova": "TOVA (prefill only)", "vs_tova_same_slots": same_slots})
     return rows
 
@@ -307,9 +308,10 @@ def main() -> None:
     part.add_argument("--quick", action="store_true", help="(a) only, no SmolLM2 forward")
     part.add_argument("--tau", action="store_true", help="(d) only: the τ sweep (kvzap_tau.json)")
     part.add_argument("--decode", action="store_true", help="(e) only: the decode step (paged_decode_kvzap.json)")
-    args = parser.parse_args()
+    bench_paged.add_decode_size_arguments(parser)
+    args = bench_paged.check_decode_sizes(parser, parser.parse_args())
     if args.decode:
-        rows = decode_rows()
+        rows = decode_rows(args.decode_lengths, args.steps)
         print_table(rows, list(rows[0]))
         print("wrote", write_results("paged_decode_kvzap", rows))
         return

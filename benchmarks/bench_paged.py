@@ -33,6 +33,7 @@ Parts (each row of benchmarks/results/paged.json names its part):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -172,6 +173,9 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 121,
     caches = {"rectangular": DynamicCache, "paged": PagedKVCache}
     rows = []
     for length in prompt_lengths:
+        if length > len(text):
+            raise ValueError(f"bench_paged: a decode prompt of {length} tokens is longer than the text it is cut "
+                             f"from ({len(text)} tokens)")
         ids = torch.tensor([text[:length]])
         runs = []  # (press name, cache name, press, cache, next token, step times)
         pairs = [(name, make_press, cache_name, make_cache) for name, make_press in presses.items()
@@ -348,14 +352,29 @@ def plot(rows: list[dict]) -> None:
     save_figure(fig, NAME)
 
 
+def add_decode_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decode part's sizes as options (here and in bench_kvzap --decode): smaller ones give a quick look."""
+    parser.add_argument("--decode-lengths", nargs="+", type=int, default=[2048, 4096], metavar="TOKENS",
+                        help="decode: the prompt lengths (default: 2048 4096)")
+    parser.add_argument("--steps", type=int, default=121, help="decode: decoding rounds per prompt (default: 121)")
+
+
+def check_decode_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if args.steps < 2 or min(args.decode_lengths) < 1:
+        parser.error(f"--steps must be ≥ 2 (the first step is not timed) and --decode-lengths ≥ 1, got {args.steps} "
+                     f"and {args.decode_lengths}")
+    return args
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["memory", "batch", "decode"],
                         choices=["memory", "batch", "decode", "kernel"])
-    parser.add_argument("--name", default=NAME)
+    parser.add_argument("--name", default=NAME, help="results/<NAME>.json (another name keeps the committed results)")
+    add_decode_size_arguments(parser)
     parser.add_argument("--merge", nargs="+", metavar="NAME",
                         help="only merge the rows of earlier runs (results/NAME.json) into results/<--name>.json")
-    args = parser.parse_args()
+    args = check_decode_sizes(parser, parser.parse_args())
     if args.merge:
         rows = [row for name in args.merge for row in json.loads((RESULTS_DIR / f"{name}.json").read_text())["rows"]]
         print("wrote", write_results(args.name, rows))
@@ -367,7 +386,8 @@ def main():
 
         torch.set_num_threads(1)
         model, tokenizer = load_default_model()
-        for part, fn in (("memory", memory_rows), ("batch", batch_rows), ("decode", decode_rows)):
+        decode = functools.partial(decode_rows, prompt_lengths=args.decode_lengths, steps=args.steps)
+        for part, fn in (("memory", memory_rows), ("batch", batch_rows), ("decode", decode)):
             if part in args.parts:
                 rows += fn(model, tokenizer)
                 print_table([r for r in rows if r["part"] == part], list(rows[-1]))
