@@ -317,6 +317,23 @@ def test_two_of_our_presses_on_one_model_are_refused(llama, same_object):
         llama(prompt(), past_key_values=DynamicCache())
 
 
+def test_one_press_object_on_two_models_at_once_is_refused():
+    """A press object's open context lives on the press (the modules it marked active, the layers it compressed, the
+    surrogate KVzap loaded for its model): entering it on a second model while it is active on a first must be refused,
+    and must leave both models as they were: any press can then be entered on either (before the refusal, the inner
+    context's exit cleared the outer model's marks' bookkeeping and left that model refusing every press for good)."""
+    first, other = make_tiny_llama()[0], make_tiny_llama(seed=1)[0]  # not the module's model: a failure leaks marks
+    press = ZSMergePress(budget=16)
+    with pytest.raises(ValueError, match=r"ZSMergePress: this press object is already active on another model"):
+        with press(first), press(other):
+            pass
+    for model in (first, other):
+        assert all(not kvpress_cpp.attention.active_presses(module) for module in model.modules())
+        for fresh in (press, ZSMergePress(budget=16)):
+            with torch.no_grad(), fresh(model):
+                model.generate(prompt(), past_key_values=DynamicCache(), max_new_tokens=2, do_sample=False)
+
+
 def test_models_kvpress_cannot_hook_are_refused(llama):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256))
     for model in (llama.model, gpt2):

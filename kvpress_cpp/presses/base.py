@@ -509,6 +509,13 @@ class KVCompPress(BasePress):
         if already:
             raise ValueError(f"{name}: {already} is already active on this {type(model).__name__}; two kvpress_cpp "
                              f"presses cannot compress one cache (nest or compose {name} with kvpress presses only)")
+        if self._compressed_in_context is not None:
+            # The open context's state lives on the press (the modules it marked active, the layers it compressed,
+            # KVzap's surrogate loaded for its model): a second model would take it over, and closing either context
+            # would leave the other model's modules marked active for good.
+            raise ValueError(f"{name}: this press object is already active on another model (a `with press(model):` "
+                             f"is open); one press object compresses one model at a time: create one {name} per "
+                             f"model")
         self._warned_without_cache, self._compressed_in_context = False, set()
         for module in attention_modules:
             request_prefill_scores(module, self.prompt_score_weights(module))
