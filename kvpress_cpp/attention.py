@@ -233,7 +233,9 @@ def _tokens_held(module: torch.nn.Module, presses, paged_layer: PagedLayer | Non
     return paged_layer.get_seq_length() if paged_layer is not None else key.shape[-2]
 
 
-def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False):
+def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns_weights: bool = False):
+    """`returns_weights`: the function always returns the attention probabilities (eager attention, whose are what
+    output_attentions=True reports), so a paged pass returns them too."""
     if getattr(attention_fn, _WRAPPED_ATTR, False):
         return attention_fn
 
@@ -247,7 +249,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False):
         if paged_layer is not None:
             prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
             if prompt_states is None:
-                return _paged_attention(paged_layer, module, query, _scaling(module, kwargs))
+                return _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
@@ -285,10 +287,12 @@ def _enter_paged_pass(layer: PagedLayer, module: torch.nn.Module,
     return prompt_states
 
 
-def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor, scaling: float):
+def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Tensor, scaling: float,
+                     returns_weights: bool = False):
     """Attention of a later pass over a paged layer (``kvcomp::paged_decode_attention``), with probabilities over the
-    view's columns when a hook that reads them is attached."""
-    wants_probs = len(module._forward_hooks) > getattr(module, "_kvcomp_hooks_without_probs", 0)
+    view's columns when a hook that reads them is attached or the attention function replaced returns them (eager:
+    transformers 4.57 records output_attentions by wrapping the module's forward, not by a hook)."""
+    wants_probs = returns_weights or len(module._forward_hooks) > getattr(module, "_kvcomp_hooks_without_probs", 0)
     output, probs = ops.paged_decode_attention(query, *layer.attention_inputs(), scaling, wants_probs,
                                                max_len=layer.longest_length() or None)
     _hand_decode_query(module, query if wants_probs else None)
@@ -305,7 +309,7 @@ def _wrap_eager_attention(model_file) -> None:
     # Read from the module's own dict: transformers' lazy package modules import on attribute access.
     eager = getattr(model_file, "__dict__", {}).get("eager_attention_forward")
     if eager is not None:
-        model_file.eager_attention_forward = _honour_log_weights(eager)
+        model_file.eager_attention_forward = _honour_log_weights(eager, returns_weights=True)
 
 
 def patch_eager_attention(model: torch.nn.Module) -> None:

@@ -244,3 +244,24 @@ def test_decoding_presses_hold_the_rectangular_cache_slots(name, block_size, sur
                     # The paged attention op and sdpa round differently: later layers' keys differ in the last bits.
                     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4,
                                                msg=lambda m: f"step {step} layer {layer} head {head} {part}: {m}")
+
+
+def test_output_attentions_of_an_eager_model_on_a_paged_cache():
+    """output_attentions=True on an eager model reports every step's attention probabilities: a PagedKVCache (no
+    press, nothing compressed) reports those a DynamicCache reports. Under transformers 4.57, which records them by
+    wrapping the attention module's forward rather than by a hook, the paged decoding steps reported none."""
+    model, tokenizer = make_tiny_llama("eager")
+    ids = prompt_ids(tokenizer, 24)
+
+    def attentions(cache):
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                 return_dict_in_generate=True, output_attentions=True)
+        return out.attentions
+
+    want, got = attentions(DynamicCache()), attentions(PagedKVCache())
+    assert len(got) == len(want) == 3
+    for got_step, want_step in zip(got, want, strict=True):
+        assert got_step is not None and len(got_step) == len(want_step) == model.config.num_hidden_layers
+        for got_layer, want_layer in zip(got_step, want_step, strict=True):
+            torch.testing.assert_close(got_layer, want_layer, atol=1e-5, rtol=1e-5)
