@@ -145,7 +145,17 @@ class Contract:
             else:  # a symbolic condition under torch.compile
                 torch._check(holds, lambda: f"{self.qualified}: {rule.says(env)}")
         self._check_inplace([(a, values[a.name]) for a in tensors if a.inplace])
+        self._check_inputs_apart([(a, values[a.name]) for a in tensors if a.inplace],
+                                 [(a, values[a.name]) for a in tensors if not a.inplace])
         return env
+
+    def _check_inputs_apart(self, updated: list, read: list) -> None:
+        """checks.h check_inputs_apart: no argument the op only reads shares memory with one it updates in place."""
+        for arg, t in read:
+            for target_arg, target in updated:
+                if _overlap(t, target):
+                    self.fail(f"expected {arg.name} and {target_arg.name} to be separate memory ({target_arg.name} is "
+                              "updated in place), got overlapping tensors")
 
     def _check_inplace(self, tensors: list) -> None:
         for i, (arg, t) in enumerate(tensors):

@@ -163,6 +163,20 @@ inline void check_inplace_arguments(const char* op,
   }
 }
 
+// The arguments an op only reads, against those it updates in place: none may share memory with one (a read after
+// the kernel's own writes would see them: a length or a block index read back after a position was written over it
+// leaves the range validated before the kernel, and reads or writes wild memory).
+inline void check_inputs_apart(const char* op,
+                               std::initializer_list<std::pair<const char*, const at::Tensor*>> updated,
+                               std::initializer_list<std::pair<const char*, const at::Tensor*>> read) {
+  for (const auto& input : read) {
+    for (const auto& target : updated) {
+      TORCH_CHECK(!may_overlap(*input.second, *target.second), op, ": expected ", input.first, " and ", target.first,
+                  " to be separate memory (", target.first, " is updated in place), got overlapping tensors");
+    }
+  }
+}
+
 // A CUDA grid dimension: x holds up to 2^31 - 1 blocks, y and z up to 65535. Checked rather than cast blindly, so a
 // huge batch is an error naming the op, not a launch of a wrapped-around grid.
 inline unsigned grid_dim(const char* op, const char* what, int64_t blocks,

@@ -133,6 +133,9 @@ inline KeepKVStepShape check_keepkv_decode_step(const at::Tensor& keys, const at
               ": expected budget > sinks + recent (a heavy hitter to evict), got budget = ", budget, ", sinks = ",
               sinks, ", recent = ", recent);
   check_range(op, "threshold", threshold, -1.0, 1.0);
+  check_inputs_apart(op, {{"keys", &keys}, {"values", &values}},
+                     {{"queries", &queries}, {"probabilities", &probabilities}, {"log_weights", &log_weights},
+                      {"log_ema", &log_ema}, {"age", &age}, {"votes", &votes}});
   return {{keys.size(0), kv_heads, keys.size(2), keys.size(3)}, query_heads / kv_heads, new_tokens,
           std::min(keys.size(2), budget)};
 }

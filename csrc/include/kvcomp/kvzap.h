@@ -245,6 +245,9 @@ inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_b
   check_contiguous(op, "position_blocks", position_blocks);
   check_inplace_arguments(op, {{"log_weight_blocks", &log_weight_blocks}, {"score_blocks", &score_blocks},
                                {"position_blocks", &position_blocks}});
+  check_inputs_apart(op, {{"log_weight_blocks", &log_weight_blocks}, {"score_blocks", &score_blocks},
+                          {"position_blocks", &position_blocks}},
+                     {{"block_tables", &block_tables}, {"lengths", &lengths}, {"new_scores", &new_scores}});
   check_block_table_contents(op, block_tables, lengths, log_weight_blocks.size(0), shape.block_size, shape.new_tokens,
                              "the q new tokens to max_blocks * block size");
   return shape;
