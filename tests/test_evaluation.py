@@ -388,6 +388,26 @@ def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_pat
     assert results.agreement(tmp_path, press, None) == {}
 
 
+def test_agreement_counts_only_the_examples_that_have_a_full_cache_answer(tmp_path):
+    """A press's batch whose full-cache run is not counted (its batch is left out until GVote finishes it) has no
+    reference: it must not count as disagreeing. Every answer here is the full cache's: agreement 100, not 50."""
+    def config(method, ratio, batch):
+        key = f"2048__{method}__{ratio:.2f}__niah{batch}"
+        (tmp_path / key).mkdir()
+        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [2 * batch, 2 * batch + 1],
+                      "predicted_answer": ["1234567."] * 2}).to_csv(tmp_path / key / "predictions.csv", index=False)
+        return key, {"method": method, "label": method, "requested_ratio": ratio, "compression_ratio": ratio,
+                     "budget": 1 - ratio, "length": 2048, "model": "m", "query_aware": False, "family": "niah",
+                     "scores": {"niah_single_1": 100.0}, "examples": {"niah_single_1": 2}, "cpu_s": 1.0,
+                     "fingerprint": f"data{batch}", "run_dir": key}
+
+    configurations = dict([config("no_press", 0.0, 0), config("no_press", 0.0, 1), config("gvote", 0.0, 0),
+                           config("streaming_llm", 0.75, 0), config("streaming_llm", 0.75, 1)])
+    df = results.collect(tmp_path, configurations).set_index("method")
+    assert df.loc["streaming_llm", "n"] == 4
+    assert df.loc["streaming_llm", "agreement"] == 100.0
+
+
 def test_answers_without_a_word_agree_only_with_each_other(tmp_path):
     # the full cache once answered "\n" on a 4k characters example: ROUGE-L alone scored it 0 against itself
     for name, answers in {"full": ["\n", "Emma", "."], "press": ["\n", "\n", "Emma"]}.items():

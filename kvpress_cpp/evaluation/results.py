@@ -334,6 +334,12 @@ def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
     """Task → mean ROUGE-L F1 (0-100) of this configuration's answers against the full cache's (no_press on the same
     data, ``full``) on the same examples: how much of the uncompressed answer survives compression, whatever the
     reference answer (the ZSMerge paper's measure). Empty without a full-cache run."""
+    return {task: total / count for task, (total, count) in _agreement_sums(out, result, full).items()}
+
+
+def _agreement_sums(out: Path, result: dict, full: dict | None) -> dict[str, tuple[float, int]]:
+    """Task → (sum of the ROUGE-L F1 scores, number of examples compared) of :func:`agreement`: the examples that
+    have a full-cache answer, which is what a mean over several configurations must divide by."""
     if full is None:
         return {}
     from rouge_score import rouge_scorer, tokenizers
@@ -352,7 +358,7 @@ def agreement(out: Path, result: dict, full: dict | None) -> dict[str, float]:
     both = mine.merge(theirs, on=["task", "index"], suffixes=("", "_full"))
     both["rouge_l"] = [rouge_l(str(ref), str(pred))
                        for ref, pred in zip(both["predicted_answer_full"], both["predicted_answer"])]
-    return both.groupby("task")["rouge_l"].mean().to_dict()
+    return {task: (float(part.sum()), len(part)) for task, part in both.groupby("task")["rouge_l"]}
 
 
 def _configurations(out: Path) -> dict[str, dict]:
@@ -392,7 +398,7 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     by_family = {(r["method"], r["requested_ratio"], r["length"], r["family"]) for r in results_ if r.get("family")}
     raw = []
     for r in results_:
-        rouge = agreement(out, r, full.get(r["fingerprint"]))
+        rouge = _agreement_sums(out, r, full.get(r["fingerprint"]))
         for task, score in r["scores"].items():
             if not r.get("family") and (r["method"], r["requested_ratio"], r["length"], family(task)) in by_family:
                 continue
@@ -401,7 +407,10 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
                         "requested_ratio": r["requested_ratio"], "family": family(task), "model": r["model"],
                         "query_aware": bool(r.get("query_aware", False)), "n": n, "points": score * n,
                         "budget_n": r["budget"] * n, "ratio_n": r["compression_ratio"] * n,
-                        "agreement_n": rouge.get(task, math.nan) * n, "cpu_s": r["cpu_s"] * n / sum(r["examples"].values())})
+                        # summed over the examples compared with the full cache only: a configuration whose
+                        # full-cache run is missing (left out, failed) must not count its examples as disagreeing
+                        "agreement_sum": rouge.get(task, (0.0, 0))[0], "agreement_count": rouge.get(task, (0.0, 0))[1],
+                        "cpu_s": r["cpu_s"] * n / sum(r["examples"].values())})
     if not raw:
         return pd.DataFrame()
     keys = ["method", "label", "length", "requested_ratio", "family", "model", "query_aware"]
@@ -409,7 +418,8 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     df["score"] = (df.pop("points") / df["n"]).round(2)
     df["budget"] = (df.pop("budget_n") / df["n"]).round(4)
     df["compression_ratio"] = (df.pop("ratio_n") / df["n"]).round(4)
-    df["agreement"] = (df.pop("agreement_n") / df["n"]).round(1)
+    compared = df.pop("agreement_count")
+    df["agreement"] = (df.pop("agreement_sum") / compared.where(compared > 0)).round(1)
     df["cpu_s"] = df["cpu_s"].round(1)
     bounds = [wilson(score, n) for score, n in zip(df["score"], df["n"])]
     df["lo"], df["hi"] = [round(b[0], 1) for b in bounds], [round(b[1], 1) for b in bounds]
