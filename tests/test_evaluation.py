@@ -490,6 +490,15 @@ def test_a_method_choosing_its_ratio_pools_its_families_into_one_cell():
     assert results.markdown_table(pd.DataFrame(rows)).count(f"| 92 [{lo:.0f}-{hi:.0f}] at 37% KV (its choice) |") == 1
 
 
+def test_agreement_table_pools_the_families_of_a_method_choosing_its_ratio():
+    """KVzap measures a different budget on each family: its agreement cell is the mean over both families (n-weighted:
+    (90 * 20 + 100 * 4) / 24 = 91.7 at (0.35 * 20 + 0.40 * 4) / 24 = 35.8% KV), not one family's."""
+    rows = [{"method": "kvzap_mlp", "requested_ratio": 0.0, "budget": b, "family": f, "n": n, "agreement": a,
+             "length": 2048} for f, b, n, a in [("niah", 0.35, 20, 90.0), ("niah_depth", 0.40, 4, 100.0)]]
+    table = results.agreement_table(pd.DataFrame(rows))
+    assert "| kvzap_mlp (ours) | 92 at 36% KV | – | – |" in table
+
+
 def test_real_text_families_get_their_own_table_and_stay_out_of_the_pooled_one():
     rows = [{"method": m, "label": results.label(m), "length": 2048, "requested_ratio": q, "compression_ratio": q,
              "budget": 1 - q, "family": fam, "score": s, "n": 10, "agreement": a, "cpu_s": 1.0, "model": "m",

@@ -545,11 +545,14 @@ def agreement_table(df: pd.DataFrame) -> str:
     """Per length: mean ROUGE-L F1 (0-100) of each method's answers against the full cache's, per KV budget."""
     lines = []
     for length, part in df.groupby("length"):
-        part = part.assign(weighted=part["agreement"] * part["n"]).dropna(subset=["agreement"])
+        part = part.assign(weighted=part["agreement"] * part["n"],
+                           budget_n=part["budget"] * part["n"]).dropna(subset=["agreement"])
         if part.empty:
             continue
-        avg = part.groupby(["method", "requested_ratio", "budget"])[["weighted", "n"]].sum().reset_index()
+        # per (method, ratio) over every family: a method choosing its ratio measures a different budget per family
+        avg = part.groupby(["method", "requested_ratio"])[["weighted", "budget_n", "n"]].sum().reset_index()
         avg["agreement"] = avg["weighted"] / avg["n"]
+        avg["budget"] = avg.pop("budget_n") / avg["n"]
         lines += [f"**{length} tokens**: agreement with the full cache's answer (ROUGE-L F1, 0-100, mean over "
                   f"{', '.join(f for f in FAMILIES if f in set(part['family']))})", "",
                   "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
