@@ -527,3 +527,28 @@ def test_a_real_text_family_is_plotted_at_its_own_lengths_only(tmp_path):
     width = {name: matplotlib.image.imread(path).shape[1] for name, path in paths.items()}
     assert set(width) == {"accuracy_niah.png", "accuracy_facts.png"}
     assert width["accuracy_niah.png"] == 2 * width["accuracy_facts.png"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "zsmergee"], "unknown ['zsmergee']"),
+    (["--ratios", "1.5"], "got [1.5]"),
+    (["--ratios", "0"], "got [0.0]"),
+])
+def test_the_runner_refuses_a_bad_method_or_ratio_before_running_anything(argv, message, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A typo in a method name, or a budget given where a compression ratio is meant, used to cost the data
+    preparation, then a traceback per configuration (and a result at budget -50% for kvpress's presses), then exit 0."""
+    monkeypatch.setattr(results, "run", lambda *a, **k: pytest.fail("ran configurations"))
+    monkeypatch.setattr(sys, "argv", ["results", "run", "--out", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_runner_exits_nonzero_when_a_configuration_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "run", lambda configs, *a, **k: [])  # every configuration failed
+    monkeypatch.setattr(sys, "argv", ["results", "run", "--out", str(tmp_path), "--methods", "no_press", "snapkv",
+                                      "--ratios", "0.75", "--lengths", "2048"])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    assert "2 of 2 configurations failed" in str(exit_.value.code)

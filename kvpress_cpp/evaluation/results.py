@@ -760,6 +760,12 @@ def update_document(document: Path, table: str) -> bool:
     return True
 
 
+def _known_methods() -> set[str]:
+    """The method names evaluate.py accepts: ours and every name of kvpress's PRESS_REGISTRY."""
+    _, registry = launch._import_evaluation(launch.evaluation_dir())
+    return set(registry.PRESS_REGISTRY) | set(METHODS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["run", "report", "all"], nargs="?", default="all")
@@ -795,6 +801,12 @@ def main() -> None:
         parser.error("--families needs --examples (examples per family)")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    if bad := [r for r in args.ratios if not 0 < r < 1]:
+        parser.error(f"--ratios are kvpress's compression ratios, the fraction of the context removed, in (0, 1) "
+                     f"(0.75 keeps 25%): got {bad}")
+    if args.action in ("run", "all") and (unknown := [m for m in args.methods if m not in _known_methods()]):
+        parser.error(f"--methods: unknown {unknown}; ours: {', '.join(METHODS)}; kvpress's: any name of its "
+                     f"PRESS_REGISTRY, e.g. {', '.join(['no_press', *KVPRESS_METHODS])}")
     if args.threads or args.workers > 1:
         import torch
 
@@ -810,8 +822,9 @@ def main() -> None:
             examples = {str(n): {t: args.examples for t in default_tasks()} for n in args.lengths}
         else:
             examples = {str(n): DEFAULT_EXAMPLES.get(n, DEFAULT_EXAMPLES[max(DEFAULT_EXAMPLES)]) for n in args.lengths}
-        run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
-            query_aware=args.query_aware, workers=args.workers)
+        written = run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
+                      query_aware=args.query_aware, workers=args.workers)
+        failed = len(configs) - len(written)
     if args.action in ("report", "all"):
         if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
             collected = {name: _report(folder)[1] for name, (folder, _) in SETTINGS.items()
@@ -822,6 +835,8 @@ def main() -> None:
         print(table)
         if args.document is not None and not update_document(args.document, table):
             raise SystemExit(f"{args.document} has no {TABLE_BEGIN} ... {TABLE_END} markers")
+    if args.action in ("run", "all") and failed:
+        raise SystemExit(f"{failed} of {len(configs)} configurations failed (tracebacks above); rerun to retry them")
 
 
 if __name__ == "__main__":
