@@ -552,3 +552,19 @@ def test_the_runner_exits_nonzero_when_a_configuration_failed(tmp_path, monkeypa
     with pytest.raises(SystemExit) as exit_:
         results.main()
     assert "2 of 2 configurations failed" in str(exit_.value.code)
+
+
+def test_a_ratio_outside_the_default_three_gets_its_own_column():
+    """--ratios 0.8 (20% kept) is accepted by the runner: its results must show in the tables, not as dashes."""
+    rows = [{"method": m, "label": results.label(m), "length": 2048, "requested_ratio": q, "compression_ratio": q,
+             "budget": 1 - q, "family": "niah", "score": s, "n": 10, "agreement": a, "cpu_s": 1.0, "model": "m",
+             "query_aware": False}
+            for m, q, s, a in [("no_press", 0.0, 100.0, 100.0), ("streaming_llm", 0.8, 50.0, 40.0),
+                               ("zsmerge", 0.8, 0.0, 10.0)]]
+    df = pd.DataFrame(rows)
+    table = results.markdown_table(df)
+    assert "| method | 10% KV | 20% KV | 25% KV | 50% KV |" in table
+    assert "| StreamingLLM | – | 50 [24-76] | – | – |" in table
+    assert "| StreamingLLM | – | 40 | – | – |" in results.agreement_table(df)
+    assert "2048 tokens, 20% KV: best kvpress press StreamingLLM 50.0" in results.standings(df)
+    assert "| StreamingLLM | – | 50 [24-76] | – | – |" in results.side_by_side({"query-agnostic": df})

@@ -466,8 +466,21 @@ def cell(row) -> str:
     return f"{row['score']:.0f} [{row['lo']:.0f}-{row['hi']:.0f}]"
 
 
-def _method_cells(avg: pd.DataFrame, method: str) -> list[str]:
-    """The 10% / 25% / 50% KV cells of ``method`` in a pooled table (measured-ratio methods: one cell at their ratio)."""
+def table_ratios(*frames: pd.DataFrame) -> tuple[float, ...]:
+    """The compression ratios the tables have a column for: :data:`RATIOS`, and any other ratio run (``--ratios``),
+    smallest budget first; a ratio missing from the columns would leave its results out of every table."""
+    run = {round(float(q), 6) for df in frames if not df.empty for q in df["requested_ratio"] if q > 0}
+    return tuple(sorted(run | set(RATIOS), reverse=True))
+
+
+def _budget_header(ratios: tuple[float, ...]) -> str:
+    return " | ".join(f"{100 * (1 - q):.0f}% KV" for q in ratios)
+
+
+def _method_cells(avg: pd.DataFrame, method: str, ratios: tuple[float, ...] = RATIOS) -> list[str]:
+    """The cells of ``method`` in a pooled table, one per KV budget of ``ratios`` (measured-ratio methods: one cell at
+    their ratio)."""
+    RATIOS = ratios  # noqa: N806 (the columns of this table)
     rows = avg[avg["method"] == method]
     if rows.empty:
         return ["–"] * len(RATIOS)
@@ -500,12 +513,13 @@ def markdown_table(df: pd.DataFrame) -> str:
     for length, whole in df.groupby("length"):
         part = informative(whole)
         avg = pooled(part)
+        ratios = table_ratios(df)
         lines += [f"**{length} tokens** (score 0-100 [Wilson 95% interval] over the examples of "
                   f"{_describe(whole, part, avg)})", "",
-                  "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
+                  f"| method | {_budget_header(ratios)} |", "|---" * (len(ratios) + 1) + "|"]
         for method in _ordered_methods(part):
             lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | "
-                         + " | ".join(_method_cells(avg, method)) + " |")
+                         + " | ".join(_method_cells(avg, method, ratios)) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -521,6 +535,7 @@ SETTINGS = {
 def side_by_side(frames: dict[str, pd.DataFrame]) -> str:
     """Per length: a row per method, the 10/25/50% KV cells of every setting next to each other."""
     frames = {name: df for name, df in frames.items() if not df.empty}
+    ratios = table_ratios(*frames.values())
     lines = []
     for length in sorted(set().union(*(set(df["length"]) for df in frames.values()))):
         pooled_ = {}
@@ -531,11 +546,12 @@ def side_by_side(frames: dict[str, pd.DataFrame]) -> str:
                 pooled_[name] = pooled(part)
                 lines.append(f"- {length} tokens, {name}: {_describe(whole, part, pooled_[name])}")
         methods = _ordered_methods(pd.concat(pooled_.values()))
-        head = [f"{name} {100 * (1 - r):.0f}%" for name in pooled_ for r in RATIOS]
-        lines += ["", f"**{length} tokens**: score 0-100 [Wilson 95% interval] at 10 / 25 / 50% KV kept", "",
+        head = [f"{name} {100 * (1 - r):.0f}%" for name in pooled_ for r in ratios]
+        kept = " / ".join(f"{100 * (1 - q):.0f}" for q in ratios)
+        lines += ["", f"**{length} tokens**: score 0-100 [Wilson 95% interval] at {kept}% KV kept", "",
                   "| method | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
         for method in methods:
-            cells = [c for avg in pooled_.values() for c in _method_cells(avg, method)]
+            cells = [c for avg in pooled_.values() for c in _method_cells(avg, method, ratios)]
             lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -543,7 +559,7 @@ def side_by_side(frames: dict[str, pd.DataFrame]) -> str:
 
 def agreement_table(df: pd.DataFrame) -> str:
     """Per length: mean ROUGE-L F1 (0-100) of each method's answers against the full cache's, per KV budget."""
-    lines = []
+    lines, RATIOS = [], table_ratios(df)  # noqa: N806 (the columns of this table)
     for length, part in df.groupby("length"):
         part = part.assign(weighted=part["agreement"] * part["n"],
                            budget_n=part["budget"] * part["n"]).dropna(subset=["agreement"])
@@ -555,7 +571,7 @@ def agreement_table(df: pd.DataFrame) -> str:
         avg["budget"] = avg.pop("budget_n") / avg["n"]
         lines += [f"**{length} tokens**: agreement with the full cache's answer (ROUGE-L F1, 0-100, mean over "
                   f"{', '.join(f for f in FAMILIES if f in set(part['family']))})", "",
-                  "| method | 10% KV | 25% KV | 50% KV |", "|---|---|---|---|"]
+                  f"| method | {_budget_header(RATIOS)} |", "|---" * (len(RATIOS) + 1) + "|"]
         for method in [m for m in _ordered_methods(avg) if m != "no_press"]:
             rows = avg[avg["method"] == method]
             if method in METHODS and METHODS[method].measured:
@@ -627,7 +643,7 @@ def standings(df: pd.DataFrame) -> str:
     families' examples, as in the table)."""
     avg = pd.concat([pooled(informative(part)).assign(length=length) for length, part in df.groupby("length")])
     theirs = avg[avg["method"].isin(list(KVPRESS_METHODS))]
-    lines = []
+    lines, RATIOS = [], table_ratios(df)  # noqa: N806 (the budgets compared)
     for length in sorted(avg["length"].unique()):
         for ratio in RATIOS:
             pool = theirs[(theirs["length"] == length) & ((theirs["requested_ratio"] - ratio).abs() < 1e-6)]
