@@ -568,3 +568,11 @@ def test_a_ratio_outside_the_default_three_gets_its_own_column():
     assert "| StreamingLLM | – | 40 | – | – |" in results.agreement_table(df)
     assert "2048 tokens, 20% KV: best kvpress press StreamingLLM 50.0" in results.standings(df)
     assert "| StreamingLLM | – | 50 [24-76] | – | – |" in results.side_by_side({"query-agnostic": df})
+
+
+def test_report_on_a_folder_without_results_says_so(tmp_path, monkeypatch):
+    """A mistyped --out (or a run whose configurations all failed) ended in KeyError: 'family' from pandas."""
+    monkeypatch.setattr(sys, "argv", ["results", "report", "--out", str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    assert "no results to report" in str(exit_.value.code)

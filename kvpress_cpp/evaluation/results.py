@@ -724,6 +724,8 @@ def report(out: Path) -> str:
 def _report(out: Path) -> tuple[str, pd.DataFrame]:
     """:func:`report`'s table, and the collected frame it was made from."""
     configurations = _configurations(out)
+    if not configurations:
+        raise SystemExit(f"{out}: no results to report (no {out / 'configs'}/*.json; `run` writes them)")
     if left_out := incomplete_batches(configurations):
         print(f"{out}: left out until every method has finished its batch: {', '.join(sorted(left_out))}")
     df = collect(out, configurations)
