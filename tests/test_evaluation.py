@@ -576,3 +576,28 @@ def test_report_on_a_folder_without_results_says_so(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         results.main()
     assert "no results to report" in str(exit_.value.code)
+
+
+def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypatch):
+    """The results runner's data folders are named <length>-<family><batch> (Config.data_dir); rerunning one of its
+    configurations through the launcher failed with int('2048-niah0') before looking for the folder."""
+    folder = launch.generated_root(tmp_path, "some-model") / "2048-niah0"
+    folder.mkdir(parents=True)
+    calls = []
+
+    class Evaluate:
+        CliEntryPoint = object
+
+        @staticmethod
+        def Fire(entry):  # noqa: N802 (fire.Fire's name)
+            calls.append(list(sys.argv))
+
+    monkeypatch.setattr(launch, "load_evaluation",
+                        lambda *a: (Evaluate, type("R", (), {"DATASET_REGISTRY": {}})))
+    monkeypatch.setattr(launch, "evaluation_dir", lambda: tmp_path)
+    launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
+                 "--data_dir", "2048-niah0", "--press_name", "zsmerge"])
+    assert "--data_dir=2048-niah0" in calls[0]
+    with pytest.raises(SystemExit, match="2048-niah9"):
+        launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
+                     "--data_dir", "2048-niah9", "--press_name", "zsmerge"])

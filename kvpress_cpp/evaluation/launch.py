@@ -185,7 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     dataset, data_dir = ours.dataset or defaults.get("dataset"), ours.data_dir or defaults.get("data_dir")
     local_data = Path(ours.local_data) if ours.local_data else cache_dir("datasets")
     evaluate, registry = load_evaluation(local_data, model)
-    if dataset == GENERATED_DATASET and data_dir is not None:
+    if dataset == GENERATED_DATASET and data_dir is not None and not (
+            generated_root(local_data, model) / str(data_dir)).is_dir():
+        if not str(data_dir).isdigit():  # e.g. the results runner's "2048-niah0", which only the runner generates
+            raise SystemExit(f"{GENERATED_DATASET}: no {generated_root(local_data, model) / str(data_dir)}; a "
+                             f"--data_dir that is not a length is written by kvpress_cpp.evaluation.results")
         ensure_generated(local_data, model, int(data_dir))
     elif dataset in registry.DATASET_REGISTRY and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(
             registry.DATASET_REGISTRY[dataset]).is_dir():
