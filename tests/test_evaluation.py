@@ -601,3 +601,13 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="2048-niah9"):
         launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
                      "--data_dir", "2048-niah9", "--press_name", "zsmerge"])
+
+
+def test_launcher_help_describes_the_arguments_without_generating_data(monkeypatch, capsys):
+    """--help used to load kvpress's evaluation, generate the default 2048-token data, then fail with
+    "EvaluationConfig.__init__() got an unexpected keyword argument 'help'"."""
+    monkeypatch.setattr(launch, "load_evaluation", lambda *a: pytest.fail("loaded the evaluation"))
+    monkeypatch.setattr(launch, "ensure_generated", lambda *a, **k: pytest.fail("generated data"))
+    launch.main(["--help"])
+    printed = capsys.readouterr().out
+    assert "--local_data" in printed and "press_name:" in printed and "compression_ratio:" in printed

@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # evaluate.py's Fire passes help=True on to EvaluationConfig, which refuses it
+        print(__doc__)
+        print("evaluate.py's arguments (--name value), with this package's defaults from", CONFIG_FILE, ":\n")
+        print(CONFIG_FILE.read_text())
+        return
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--local_data", default=None, help="root of local dataset copies (default: "
                         "$KVPRESS_CPP_CACHE/datasets)")
