@@ -611,3 +611,17 @@ def test_launcher_help_describes_the_arguments_without_generating_data(monkeypat
     launch.main(["--help"])
     printed = capsys.readouterr().out
     assert "--local_data" in printed and "press_name:" in printed and "compression_ratio:" in printed
+
+
+def test_the_versions_written_into_the_data_fingerprint_are_pinned():
+    """The fingerprint that marks a committed configuration as done hashes the data's parquet bytes, and those bytes
+    hold the writer's versions: a pandas or pyarrow other than the one the committed results were made with makes
+    every one of them stale (`make eval` reruns hours of configurations)."""
+    from importlib.metadata import version
+
+    data = results._parquet_bytes(pd.DataFrame({"a": [1]}))
+    pins = dict(line.split("==") for line in (REPO / "requirements.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    for package in ("pandas", "pyarrow"):
+        assert version(package).encode() in data, package  # the version is in the bytes hashed...
+        assert pins.get(package) == version(package), package  # ...so it is pinned
