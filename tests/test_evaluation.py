@@ -533,6 +533,8 @@ def test_a_real_text_family_is_plotted_at_its_own_lengths_only(tmp_path):
     (["--methods", "zsmergee"], "unknown ['zsmergee']"),
     (["--ratios", "1.5"], "got [1.5]"),
     (["--ratios", "0"], "got [0.0]"),
+    # 0.875 would be filed as 0.88: the second ratio found the first one's JSON and counted as done
+    (["--ratios", "0.875", "0.88"], "differ at two decimals"),
 ])
 def test_the_runner_refuses_a_bad_method_or_ratio_before_running_anything(argv, message, tmp_path, monkeypatch,
                                                                           capsys):

@@ -822,6 +822,9 @@ def main() -> None:
     if bad := [r for r in args.ratios if not 0 < r < 1]:
         parser.error(f"--ratios are kvpress's compression ratios, the fraction of the context removed, in (0, 1) "
                      f"(0.75 keeps 25%): got {bad}")
+    if len({f"{r:.2f}" for r in args.ratios}) < len(args.ratios):  # Config.key and evaluate.py's folders use :.2f
+        parser.error(f"--ratios must differ at two decimals (results are filed under the ratio to two decimals, as "
+                     f"evaluate.py files them): got {args.ratios}")
     if args.action in ("run", "all") and (unknown := [m for m in args.methods if m not in _known_methods()]):
         parser.error(f"--methods: unknown {unknown}; ours: {', '.join(METHODS)}; kvpress's: any name of its "
                      f"PRESS_REGISTRY, e.g. {', '.join(['no_press', *KVPRESS_METHODS])}")
