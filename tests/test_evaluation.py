@@ -627,3 +627,12 @@ def test_the_versions_written_into_the_data_fingerprint_are_pinned():
     for package in ("pandas", "pyarrow"):
         assert version(package).encode() in data, package  # the version is in the bytes hashed...
         assert pins.get(package) == version(package), package  # ...so it is pinned
+
+
+def test_runner_help_says_what_a_ratio_is(monkeypatch, capsys):
+    """--ratios is kvpress's compression ratio (removed), the tables' columns are budgets (kept): --help said neither."""
+    monkeypatch.setattr(sys, "argv", ["results", "--help"])
+    with pytest.raises(SystemExit):
+        results.main()
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "fraction of the context removed" in printed and "1 - ratio" in printed and "PRESS_REGISTRY" in printed

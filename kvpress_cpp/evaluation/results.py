@@ -787,12 +787,19 @@ def _known_methods() -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["run", "report", "all"], nargs="?", default="all")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default: {DEFAULT_OUT.relative_to(REPO)}, or its question_aware/ with "
+                             "--query-aware)")
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--device", default=None, help="cpu, cuda:0, ... (default: auto, as evaluate.py)")
-    parser.add_argument("--methods", nargs="+", default=["no_press", *KVPRESS_METHODS, *METHODS])
-    parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
-    parser.add_argument("--lengths", type=int, nargs="+", default=sorted(DEFAULT_EXAMPLES))
+    parser.add_argument("--methods", nargs="+", default=["no_press", *KVPRESS_METHODS, *METHODS],
+                        help="ours (" + ", ".join(METHODS) + ") or any name of kvpress's PRESS_REGISTRY (default: ours, "
+                             "no_press and " + ", ".join(KVPRESS_METHODS) + ")")
+    parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS),
+                        help="kvpress compression ratios: the fraction of the context removed, in (0, 1); the KV "
+                             "budget kept is 1 - ratio (default: 0.9 0.75 0.5, i.e. 10/25/50%% kept)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=sorted(DEFAULT_EXAMPLES),
+                        help="context lengths in tokens of the model's tokenizer (default: 2048 4096)")
     parser.add_argument("--examples", type=int, default=None,
                         help="examples per task at every length (default: the plan in DEFAULT_EXAMPLES); with "
                              "--families: examples per family and batch, split over its tasks")
