@@ -352,8 +352,9 @@ def test_a_batch_counts_once_every_method_has_finished_it(tmp_path, capsys):
                   "family": "facts", "scores": {"facts": score}, "examples": {"facts": 4}, "run_dir": key}
         (tmp_path / "configs" / f"{key}.json").write_text(json.dumps(result))
         (tmp_path / key).mkdir()
-        pd.DataFrame({"task": ["facts"] * 4, "index": range(4), "predicted_answer": ["Bath"] * 4}).to_csv(
-            tmp_path / key / "predictions.csv", index=False)
+        # batch b of 4 examples holds indices 4b..4b+3, as family_examples gives them
+        pd.DataFrame({"task": ["facts"] * 4, "index": range(4 * batch, 4 * batch + 4),
+                      "predicted_answer": ["Bath"] * 4}).to_csv(tmp_path / key / "predictions.csv", index=False)
         return key
 
     for batch in (0, 1):
@@ -636,3 +637,24 @@ def test_runner_help_says_what_a_ratio_is(monkeypatch, capsys):
         results.main()
     printed = " ".join(capsys.readouterr().out.split())
     assert "fraction of the context removed" in printed and "1 - ratio" in printed and "PRESS_REGISTRY" in printed
+
+
+def test_batches_written_with_another_examples_count_are_refused_not_counted_twice(tmp_path):
+    """--families niah --examples 2 --batches 5 gives batch b index b of each task; a rerun with --examples 4 --batches 1
+    rewrites batch 0 as indices 0-1, and the first run's batch 1 (index 1) stays: index 1 was pooled twice."""
+    old = results.family_examples(results.plan(["snapkv"], [0.75], [2048], ["niah"], 5), 2)
+    new = results.family_examples(results.plan(["snapkv"], [0.75], [2048], ["niah"], 1), 4)
+    assert old["2048-niah1"]["niah_single_1"] == range(1, 2) and new["2048-niah0"]["niah_single_1"] == range(0, 2)
+    configurations = {}
+    for batch, indices in [(0, new["2048-niah0"]), (1, old["2048-niah1"])]:
+        key = f"2048__snapkv__0.75__niah{batch}"
+        (tmp_path / key).mkdir()
+        rows = [(task, i) for task, r in indices.items() for i in r]
+        pd.DataFrame({"task": [t for t, _ in rows], "index": [i for _, i in rows], "predicted_answer": ["1"] * len(rows),
+                      }).to_csv(tmp_path / key / "predictions.csv", index=False)
+        configurations[key] = {"method": "snapkv", "label": "SnapKV", "requested_ratio": 0.75, "compression_ratio": 0.75,
+                               "budget": 0.25, "length": 2048, "model": "m", "family": "niah", "cpu_s": 1.0,
+                               "scores": {t: 100.0 for t in indices}, "examples": {t: len(r) for t, r in indices.items()},
+                               "fingerprint": key, "run_dir": key}
+    with pytest.raises(ValueError, match="niah_single_1 #1"):
+        results.collect(tmp_path, configurations)

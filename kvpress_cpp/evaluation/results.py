@@ -383,6 +383,25 @@ def incomplete_batches(configurations: dict[str, dict]) -> list[str]:
             if methods[group][batch] != set().union(*methods[group].values())]
 
 
+def _overlapping_batches(out: Path, configurations: dict[str, dict]) -> list[str]:
+    """The family batches that share an example (task, index) with another batch of the same method, ratio, length
+    and family: batch b of ``--examples k`` holds indices [b k/t, (b+1) k/t) of each of the family's t tasks, so
+    batches written with two values of ``--examples`` overlap."""
+    seen: dict[tuple, str] = {}
+    clashes = []
+    for key, r in sorted(configurations.items()):
+        if not r.get("family") or "run_dir" not in r:
+            continue
+        path = out / r["run_dir"] / "predictions.csv"
+        if not path.is_file():
+            continue
+        cell = (r["method"], r["requested_ratio"], r["length"], r["family"])
+        for task, index in pd.read_csv(path, usecols=["task", "index"]).itertuples(index=False):
+            if (first := seen.setdefault((*cell, task, index), key)) != key:
+                clashes.append(f"{key} and {first} ({task} #{index})")
+    return sorted(set(clashes))
+
+
 def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.DataFrame:
     """One row per (method, ratio, length, task family): the n-weighted mean of kvpress's per-task string_match over
     every configuration JSON (the batches of a family are pooled, those every method has finished:
@@ -391,6 +410,10 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     configurations = _configurations(out) if configurations is None else configurations
     left_out = set(incomplete_batches(configurations))
     results_ = [r for key, r in configurations.items() if key not in left_out]
+    if overlapping := _overlapping_batches(out, {k: r for k, r in configurations.items() if k not in left_out}):
+        raise ValueError(f"{out}: batches of one cell hold the same examples (a family rerun with another --examples "
+                         f"leaves the earlier run's later batches, which would be counted twice): {overlapping}; "
+                         f"delete the stale configs/*.json (the older ones) and report again")
     full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
     # A family run (--families) draws its examples from the same indices as the length's whole-plan run: where both
     # exist for a (method, ratio, length, family), pooling them would count the same examples twice, so the family
