@@ -503,17 +503,16 @@ def _budget_header(ratios: tuple[float, ...]) -> str:
 def _method_cells(avg: pd.DataFrame, method: str, ratios: tuple[float, ...] = RATIOS) -> list[str]:
     """The cells of ``method`` in a pooled table, one per KV budget of ``ratios`` (measured-ratio methods: one cell at
     their ratio)."""
-    RATIOS = ratios  # noqa: N806 (the columns of this table)
     rows = avg[avg["method"] == method]
     if rows.empty:
-        return ["–"] * len(RATIOS)
+        return ["–"] * len(ratios)
     if method == "no_press":
-        return [f"{cell(rows.iloc[0])} (100% KV)"] * len(RATIOS)
+        return [f"{cell(rows.iloc[0])} (100% KV)"] * len(ratios)
     if method in METHODS and METHODS[method].measured:
         r = rows.iloc[0]
-        return [f"{cell(r)} at {100 * r['budget']:.0f}% KV (its choice)"] + ["–"] * (len(RATIOS) - 1)
+        return [f"{cell(r)} at {100 * r['budget']:.0f}% KV (its choice)"] + ["–"] * (len(ratios) - 1)
     cells = []
-    for ratio in RATIOS:
+    for ratio in ratios:
         hit = rows[(rows["requested_ratio"] - ratio).abs() < 1e-6]
         cells.append(cell(hit.iloc[0]) if len(hit) else "–")
     return cells
@@ -582,7 +581,7 @@ def side_by_side(frames: dict[str, pd.DataFrame]) -> str:
 
 def agreement_table(df: pd.DataFrame) -> str:
     """Per length: mean ROUGE-L F1 (0-100) of each method's answers against the full cache's, per KV budget."""
-    lines, RATIOS = [], table_ratios(df)  # noqa: N806 (the columns of this table)
+    lines, ratios = [], table_ratios(df)
     for length, part in df.groupby("length"):
         part = part.assign(weighted=part["agreement"] * part["n"],
                            budget_n=part["budget"] * part["n"]).dropna(subset=["agreement"])
@@ -594,15 +593,15 @@ def agreement_table(df: pd.DataFrame) -> str:
         avg["budget"] = avg.pop("budget_n") / avg["n"]
         lines += [f"**{length} tokens**: agreement with the full cache's answer (ROUGE-L F1, 0-100, mean over "
                   f"{', '.join(f for f in FAMILIES if f in set(part['family']))})", "",
-                  f"| method | {_budget_header(RATIOS)} |", "|---" * (len(RATIOS) + 1) + "|"]
+                  f"| method | {_budget_header(ratios)} |", "|---" * (len(ratios) + 1) + "|"]
         for method in [m for m in _ordered_methods(avg) if m != "no_press"]:
             rows = avg[avg["method"] == method]
             if method in METHODS and METHODS[method].measured:
                 r = rows.iloc[0]
-                cells = [f"{r['agreement']:.0f} at {100 * r['budget']:.0f}% KV"] + ["–"] * (len(RATIOS) - 1)
+                cells = [f"{r['agreement']:.0f} at {100 * r['budget']:.0f}% KV"] + ["–"] * (len(ratios) - 1)
             else:
                 cells = [f"{hit['agreement'].iloc[0]:.0f}" if len(hit := rows[(rows["requested_ratio"] - q).abs()
-                                                                              < 1e-6]) else "–" for q in RATIOS]
+                                                                              < 1e-6]) else "–" for q in ratios]
             lines.append(f"| {label(method)}{' (ours)' if method in METHODS else ''} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -666,9 +665,9 @@ def standings(df: pd.DataFrame) -> str:
     families' examples, as in the table)."""
     avg = pd.concat([pooled(informative(part)).assign(length=length) for length, part in df.groupby("length")])
     theirs = avg[avg["method"].isin(list(KVPRESS_METHODS))]
-    lines, RATIOS = [], table_ratios(df)  # noqa: N806 (the budgets compared)
+    lines, ratios = [], table_ratios(df)  # the budgets compared
     for length in sorted(avg["length"].unique()):
-        for ratio in RATIOS:
+        for ratio in ratios:
             pool = theirs[(theirs["length"] == length) & ((theirs["requested_ratio"] - ratio).abs() < 1e-6)]
             ours = avg[(avg["length"] == length) & avg["method"].isin(list(METHODS))
                        & ((avg["requested_ratio"] - ratio).abs() < 1e-6)]
@@ -683,7 +682,7 @@ def standings(df: pd.DataFrame) -> str:
                          f"ours {cells}")
         for _, r in avg[(avg["length"] == length) & (avg["requested_ratio"] == 0)].iterrows():
             if r["method"] in METHODS and METHODS[r["method"]].measured:
-                near = min(RATIOS, key=lambda q: abs((1 - q) - r["budget"]))
+                near = min(ratios, key=lambda q: abs((1 - q) - r["budget"]))
                 pool = theirs[(theirs["length"] == length) & ((theirs["requested_ratio"] - near).abs() < 1e-6)]
                 if not pool.empty:
                     lines.append(f"- {length} tokens, {r['method']} chose {100 * r['budget']:.0f}% KV: {r['score']:.1f} "
