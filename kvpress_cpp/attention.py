@@ -277,6 +277,7 @@ def _enter_paged_pass(layer: PagedLayer, module: torch.nn.Module,
     prefill evicts its padding (read from transformers' mask, as the rectangular path folds it into b), so a shorter
     prompt of a batch holds only its own blocks."""
     layer.attended_by(module)
+    layer.check_state_in_place()
     prompt_states = layer.take_prompt_states()
     if prompt_states is None:
         return None

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
-           "compact_to_longest_head", "cache_bytes"]
+           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -114,11 +114,16 @@ class LayerState:
         # Tokens appended after the probe (plain, b = 0) have nothing to compare: a cut among them kept the probed ones.
         probed = min(slots_before, self.value_probe.shape[-1])
         if not torch.equal(values[..., :probed, 0], self.value_probe[..., :probed]):
-            raise RuntimeError(
-                f"{self.owner_name()}: another press rearranged the slots of a layer {self.owner_name()} compressed "
-                f"(e.g. a press after it in a ComposedPress, or a kvpress decoding press): its per-slot state (merge "
-                f"weights, evicted slots) no longer lines up with the cache. Place {self.owner_name()} last, or alone"
-            )
+            raise slots_rearranged_error(self.owner_name())
+
+
+def slots_rearranged_error(owner: str) -> RuntimeError:
+    """What a pass over a layer gets when another press moved the slots `owner`'s per-slot state describes (found
+    by the state's value probe on a DynamicLayer, by the write that displaced the state on a paged layer)."""
+    return RuntimeError(
+        f"{owner}: another press rearranged the slots of a layer {owner} compressed (e.g. a press after it in a "
+        f"ComposedPress, or a kvpress decoding press): its per-slot state (merge weights, evicted slots) no longer "
+        f"lines up with the cache. Place {owner} last, or alone")
 
 
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:

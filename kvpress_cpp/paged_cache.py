@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import LayerState
+from kvpress_cpp.cache import LayerState, slots_rearranged_error
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -86,6 +86,9 @@ class PagedLayer(CacheLayerMixin):
         self._prompt_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_keys = self._pending_values = self._pending_state = _UNSET
         self._state_written: LayerState | None = None  # the last state a press wrote, for its own fields
+        # The press whose state a write without one (another press's selection of slots) displaced: the next pass is
+        # refused, as a DynamicLayer's state probe refuses it, where the layer would otherwise go on as plain tokens.
+        self._state_displaced_from: str | None = None
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
@@ -143,6 +146,8 @@ class PagedLayer(CacheLayerMixin):
             if even is False and new_tokens:  # heads of different lengths stay so, each q slots longer
                 self._even, self._widest = False, width + new_tokens
         self._prompt_states = (key_states, value_states) if is_prefill else None
+        if is_prefill:  # a new prompt over an emptied layer: nothing is displaced
+            self._state_displaced_from = None
         if even:  # every head appends at column even[0]
             slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
         else:
@@ -191,7 +196,7 @@ class PagedLayer(CacheLayerMixin):
             self._pending_keys = self._pending_values = self._pending_state = _UNSET
             self._resize(torch.zeros_like(self.lengths))
             self.bases = torch.zeros_like(self.lengths)
-            self.has_state, self.counters = False, {}
+            self.has_state, self.counters, self._state_displaced_from = False, {}, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -700,8 +705,19 @@ class PagedLayer(CacheLayerMixin):
             if view is not None and _is_prefix(keys, view[0]) and _is_prefix(values, view[1]):
                 self._cut(keys.shape[-2])
                 return
+            if self.has_state:
+                self._state_displaced_from = (self._state_written.owner_name() if self._state_written is not None
+                                              else "a kvpress_cpp press")
             state = None
+        else:
+            self._state_displaced_from = None
         self._rewrite(keys, values, state)
+
+    def check_state_in_place(self) -> None:
+        """Raise if another press's write displaced a press's per-slot state (see ``_state_displaced_from``); a pass
+        calls it after its update, which stored every pending write."""
+        if self._state_displaced_from is not None:
+            raise slots_rearranged_error(self._state_displaced_from)
 
     def _cut(self, width: int) -> None:
         """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""

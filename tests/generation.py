@@ -35,9 +35,10 @@ def prompt_ids(tokenizer, length: int, batch: int = 1) -> torch.Tensor:
     return ids.repeat(batch, 1)
 
 
-def greedy(model, input_ids, press=None, max_new_tokens=24, **kwargs):
-    """Exactly max_new_tokens greedy tokens (B, max_new_tokens) and the cache they leave."""
-    cache = DynamicCache()
+def greedy(model, input_ids, press=None, max_new_tokens=24, cache=None, **kwargs):
+    """Exactly max_new_tokens greedy tokens (B, max_new_tokens) and the cache they leave (a new DynamicCache unless
+    `cache` is given)."""
+    cache = cache if cache is not None else DynamicCache()
     with torch.no_grad(), press(model) if press is not None else nullcontext():
         out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, **kwargs)
