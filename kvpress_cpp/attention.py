@@ -38,17 +38,19 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import state_for_attention
+from kvpress_cpp.cache import attached_layer, get_state, state_for_attention
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
            "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities",
-           "active_presses", "mark_press_active", "patch_loaded_eager_attention", "set_positions_end"]
+           "active_presses", "mark_press_active", "patch_loaded_eager_attention", "set_positions_end",
+           "remember_tokens_held", "tokens_fed_again_error"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 _ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 _POSITIONS_END_ATTR = "_kvcomp_positions_end"
+_RESUME_POINT_ATTR = "_kvcomp_resume_point"
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -104,6 +106,43 @@ def set_positions_end(module: torch.nn.Module, end: int) -> None:
     """The tokens the cache stands for once the pass now starting is done (its press counts them): what a sliding
     window is compared with, where a compressed layer's length says nothing of it."""
     module.__dict__[_POSITIONS_END_ATTR] = end
+
+
+def remember_tokens_held(cache, tokens: int) -> None:
+    """When a press's context closes: each layer of `cache` records the tokens the cache stands for and its own slots
+    then, so that a pass outside any press can tell where those tokens end (tokens appended later add to both, a cut
+    from the right takes from both)."""
+    for layer in getattr(cache, "layers", ()):
+        layer.__dict__[_RESUME_POINT_ATTR] = (tokens, layer.get_seq_length())
+
+
+def tokens_fed_again_error(user: str, new_tokens: int, first: int, processed: int, slots: int,
+                           note: str = "") -> ValueError:
+    return ValueError(
+        f"{user}: this pass feeds {new_tokens} tokens from position {first}, but the cache already holds the tokens "
+        f"up to position {processed - 1}, compressed to {slots} slots. `generate` resumes a cache from "
+        f"get_seq_length(), which counts a compressed cache's slots, not its tokens, so a second generate call on it "
+        f"feeds {processed - first} tokens again. Continue a compressed cache with forwards of the new tokens only, "
+        f"at positions {processed} on (position_ids), or use kvpress's pipeline for several questions on one "
+        f"context{note}")
+
+
+def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict, slots_after: int) -> None:
+    """Outside any press, over a layer holding a press's state: raise if a pass of several tokens starts before the
+    tokens the layer stands for (a second ``generate`` on the cache once the press's context closed). One-token passes
+    are not read, so a decoding step waits on nothing."""
+    new_tokens, positions = query.shape[-2], kwargs.get("position_ids")
+    resume_point = layer.__dict__.get(_RESUME_POINT_ATTR) if layer is not None else None
+    if new_tokens == 1 or resume_point is None or positions is None:
+        return
+    tokens, slots_then = resume_point
+    slots = slots_after - new_tokens
+    processed = tokens + slots - slots_then
+    first = int(positions.reshape(-1, positions.shape[-1])[:, 0].max())
+    if first < processed:
+        state = get_state(layer)
+        owner = state.owner_name() if state is not None else "a kvpress_cpp press"
+        raise tokens_fed_again_error(f"{owner} (its context closed)", new_tokens, first, processed, slots)
 
 
 # Keyword arguments with which a model's attention function applies something the attention over a compressed or
@@ -249,11 +288,14 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         if paged_layer is not None:
             prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
             if prompt_states is None:
+                if not presses and paged_layer.has_state:
+                    _refuse_tokens_fed_again(paged_layer, query, kwargs, paged_layer.get_seq_length())
                 return _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
             _refuse_unsupported_variant(module, kwargs, "kvpress_cpp", lambda: key.shape[-2])
+            _refuse_tokens_fed_again(attached_layer(module), query, kwargs, key.shape[-2])
         if log_weights is None:
             # kvpress's own wrapper, when it wraps this one, passes dropout positionally (as its 6th argument).
             if (keeps_prompt_scores and len(args) <= 1

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
-           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error"]
+           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -166,6 +166,12 @@ def attach(module: torch.nn.Module, layer) -> None:
         setattr(module, _LAYER_ATTR, ref)
 
 
+def attached_layer(module: torch.nn.Module):
+    """The cache layer `module` was last attached to (:func:`attach`), None if none or if it is gone."""
+    layer_ref = getattr(module, _LAYER_ATTR, None)
+    return layer_ref() if layer_ref is not None else None
+
+
 def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """The log-weights (B, H, T) the attention over `key` must add, or None when this forward has no state.
 
@@ -173,8 +179,7 @@ def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     returns its own tensor), so another cache on the same model is never biased. A pass with as many queries as
     keys is a new prefill over an emptied cache: the old state is dropped.
     """
-    layer_ref = getattr(module, _LAYER_ATTR, None)
-    layer = layer_ref() if layer_ref is not None else None
+    layer = attached_layer(module)
     if layer is None or getattr(layer, "keys", None) is not key:
         return None
     state = get_state(layer)

@@ -197,6 +197,28 @@ PREFILL_ONLY = {"GVote": lambda path, model: GVotePress(nucleus_p=0.5)}
 POSITION_PRESSES = {**BEAM_PRESSES, **PREFILL_ONLY}
 
 
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("name", sorted(POSITION_PRESSES))
+def test_a_second_generate_after_the_press_context_closed_is_refused(llama, name, cache_type, tmp_path):
+    """The next turn of a chat without the press: no press hook counts positions any more, so generate's re-feeding
+    (it resumes from the slots) went through silently (50 slots where 24 were expected). A pass at the positions
+    after the tokens held still runs, as kvpress's pipeline asks its questions."""
+    press, cache = POSITION_PRESSES[name](tmp_path, llama), cache_type()
+    with torch.no_grad():
+        with press(llama):
+            first = llama.generate(prompt(), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        slots = cache.get_seq_length()
+        assert slots < PROMPT + 2, "the press must have compressed the cache for this test"
+        with pytest.raises(ValueError, match=rf"{type(press).__name__} \(its context closed\): this pass feeds "
+                                             rf"{PROMPT + 3 + 5 - slots} tokens from position {slots}, but the cache "
+                                             rf"already holds the tokens up to position {PROMPT + 1}"):
+            llama.generate(torch.cat([first, prompt(3, 5)], dim=1), past_key_values=cache, max_new_tokens=1,
+                           do_sample=False)
+        cache.layers[0].crop(slots)  # the refused pass appended its tokens to layer 0 before its attention
+        llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(PROMPT + 2, PROMPT + 7).unsqueeze(0))
+        assert cache.get_seq_length() == slots + 5
+
+
 @pytest.mark.filterwarnings("ignore:GVotePress. a pass of 2 tokens")
 @pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache, None])
 @pytest.mark.parametrize("name", sorted(POSITION_PRESSES))

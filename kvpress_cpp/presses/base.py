@@ -47,8 +47,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
-                                   padding_log_weights, patch_eager_attention, request_prefill_scores,
-                                   set_positions_end, take_prefill_attention)
+                                   padding_log_weights, patch_eager_attention, remember_tokens_held,
+                                   request_prefill_scores, set_positions_end, take_prefill_attention,
+                                   tokens_fed_again_error)
 from kvpress_cpp.cache import LayerState, attach, check_cache_layer, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
@@ -194,6 +195,7 @@ class KVCompPress(BasePress):
     # The layers compressed since the press's own context opened (None outside it, e.g. inside kvpress's
     # PrefillDecodingPress, whose decoding context asks the question over what the prefill context compressed).
     _compressed_in_context: set | None = field(default=None, init=False, repr=False, compare=False)
+    _caches_in_context: weakref.WeakSet | None = field(default=None, init=False, repr=False, compare=False)
     # The attention modules kvpress hooked for the press's open context.
     _hooked_modules: list = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -468,26 +470,21 @@ class KVCompPress(BasePress):
                 positions = positions.reshape(-1, positions.shape[-1])
                 first, after = int(positions[:, 0].max()), int(positions[:, -1].max()) + 1
             if first < processed and get_state(cache.layers[0]) is not None:
-                raise ValueError(
-                    f"{type(self).__name__}: this pass feeds {new_tokens} tokens from position {first}, but the cache "
-                    f"already holds the tokens up to position {processed - 1}, compressed to {slots} slots. "
-                    f"`generate` resumes a cache from get_seq_length(), which counts a compressed cache's slots, not "
-                    f"its tokens, so a second generate call on it feeds {processed - first} tokens again. Continue a "
-                    f"compressed cache with forwards of the new tokens only, at positions {processed} on "
-                    f"(position_ids), or use kvpress's pipeline for several questions on one context"
-                    + (f". In transformers {transformers.__version__}, generate(prefill_chunk_size=...) does this too: "
-                       f"it gives every chunk the positions of the prompt's last chunk"
-                       if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS else ""))
+                raise tokens_fed_again_error(
+                    type(self).__name__, new_tokens, first, processed, slots,
+                    note=(f". In transformers {transformers.__version__}, generate(prefill_chunk_size=...) does this "
+                          f"too: it gives every chunk the positions of the prompt's last chunk"
+                          if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS else ""))
         setattr(cache, _POSITIONS_ATTR, after)
         for module in self._hooked_modules:
             set_positions_end(module, after)
         return placed
 
-    @staticmethod
-    def _record_slots(base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def _record_slots(self, base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """Forward hook of the decoder stack: the slots the cache holds after the pass, to recognise a later cut. A
         cache the model created in this pass (``past_key_values=None``, ``use_cache=True``: a hand-written loop's
-        first forward) starts its position count here, with the pass's tokens."""
+        first forward) starts its position count here, with the pass's tokens. The caches are remembered until the
+        context closes, which records where their tokens end for passes outside it."""
         cache = kwargs.get("past_key_values")
         if cache is None:
             cache = getattr(output, "past_key_values", None)
@@ -496,6 +493,7 @@ class KVCompPress(BasePress):
                 setattr(cache, _POSITIONS_ATTR, inputs.shape[1])
         if cache is not None and hasattr(cache, "layers"):
             setattr(cache, _SLOTS_ATTR, cache.get_seq_length())
+            self._caches_in_context.add(cache)
 
     @contextmanager
     def __call__(self, model):
@@ -517,6 +515,7 @@ class KVCompPress(BasePress):
                              f"is open); one press object compresses one model at a time: create one {name} per "
                              f"model")
         self._warned_without_cache, self._compressed_in_context = False, set()
+        self._caches_in_context = weakref.WeakSet()
         for module in attention_modules:
             request_prefill_scores(module, self.prompt_score_weights(module))
             if not self.reads_decode_probabilities:
@@ -537,7 +536,10 @@ class KVCompPress(BasePress):
                         mark_press_active(module, name, False)
                     self._hooked_modules = []
         finally:
-            self._compressed_in_context = None
+            for cache in self._caches_in_context:
+                if hasattr(cache, _POSITIONS_ATTR):
+                    remember_tokens_held(cache, getattr(cache, _POSITIONS_ATTR))
+            self._compressed_in_context, self._caches_in_context = None, None
             for hook in hooks:
                 hook.remove()
             for module in attention_modules:
