@@ -595,8 +595,8 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
         def Fire(entry):  # noqa: N802 (fire.Fire's name)
             calls.append(list(sys.argv))
 
-    monkeypatch.setattr(launch, "load_evaluation",
-                        lambda *a: (Evaluate, type("R", (), {"DATASET_REGISTRY": {}})))
+    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent), "ruler": "simonjegou/ruler"}})
+    monkeypatch.setattr(launch, "load_evaluation", lambda *a: (Evaluate, registry))
     monkeypatch.setattr(launch, "evaluation_dir", lambda: tmp_path)
     launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
                  "--data_dir", "2048-niah0", "--press_name", "zsmerge"])
@@ -604,6 +604,11 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="2048-niah9"):
         launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
                      "--data_dir", "2048-niah9", "--press_name", "zsmerge"])
+    # An unknown dataset is named with those evaluate.py knows, where evaluate.py stopped on a bare assert.
+    with pytest.raises(SystemExit, match="--dataset 'rular' is not one evaluate.py knows: kvcomp_ruler, ruler"):
+        launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "rular",
+                     "--press_name", "zsmerge"])
+    assert len(calls) == 1
 
 
 def test_launcher_help_describes_the_arguments_without_generating_data(monkeypatch, capsys):

@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     dataset, data_dir = ours.dataset or defaults.get("dataset"), ours.data_dir or defaults.get("data_dir")
     local_data = Path(ours.local_data) if ours.local_data else cache_dir("datasets")
     evaluate, registry = load_evaluation(local_data, model)
+    if dataset not in registry.DATASET_REGISTRY:  # evaluate.py would stop on a bare assert
+        raise SystemExit(f"--dataset {dataset!r} is not one evaluate.py knows: "
+                         f"{', '.join(sorted(registry.DATASET_REGISTRY))}")
     if dataset == GENERATED_DATASET and data_dir is not None and not (
             generated_root(local_data, model) / str(data_dir)).is_dir():
         if not str(data_dir).isdigit():  # e.g. the results runner's "2048-niah0", which only the runner generates
