@@ -328,6 +328,20 @@ def test_a_static_cache_is_refused_by_the_press(llama):
         llama.generate(prompt(), past_key_values=cache, max_new_tokens=2)
 
 
+def test_the_static_cache_generate_keeps_on_the_model_still_works_after_the_refusal():
+    """generate(cache_implementation="static") keeps its cache on the model for the next call; refused after layer 0
+    had written into it, the half-written cache broke every later static generate of the model, press or not
+    (transformers 4.57 and 5.2: 'StaticLayer' object has no attribute 'max_batch_size')."""
+    model = make_tiny_llama(query_offset=0.0)[0]
+    with pytest.raises(TypeError, match=r"ZSMergePress: needs a DynamicCache or a PagedKVCache, got a Static"), \
+            torch.no_grad(), ZSMergePress(budget=16)(model):
+        model.generate(prompt(), cache_implementation="static", max_new_tokens=2, do_sample=False)
+    with torch.no_grad():
+        static = model.generate(prompt(), cache_implementation="static", max_new_tokens=4, do_sample=False)
+        dynamic = model.generate(prompt(), past_key_values=DynamicCache(), max_new_tokens=4, do_sample=False)
+    assert torch.equal(static, dynamic)
+
+
 @pytest.mark.parametrize("same_object", [True, False])
 def test_two_of_our_presses_on_one_model_are_refused(llama, same_object):
     first = ZSMergePress(budget=16)

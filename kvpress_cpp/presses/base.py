@@ -531,6 +531,9 @@ class KVCompPress(BasePress):
                     mark_press_active(module, name, True)
                 try:
                     yield
+                except BaseException:
+                    _forget_unwritten_generation_cache(model)
+                    raise
                 finally:
                     for module in self._hooked_modules:
                         mark_press_active(module, name, False)
@@ -546,6 +549,17 @@ class KVCompPress(BasePress):
                 request_prefill_scores(module, None)
                 if not self.reads_decode_probabilities:
                     count_hook_without_probabilities(module, -1)
+
+
+def _forget_unwritten_generation_cache(model: nn.Module) -> None:
+    """After a refusal inside a press's context: transformers (4.57 to 5.2) keeps generate's static cache on the
+    model (``model._cache``) for the next call, and one with a layer never written (the refused pass stopped before
+    it) fails the model's next static generate inside transformers, press or not ('StaticLayer' object has no
+    attribute 'max_batch_size'). Dropped, generate makes a new one."""
+    cache = model.__dict__.get("_cache")
+    if cache is not None and any(getattr(layer, "is_initialized", True) is False
+                                 for layer in getattr(cache, "layers", ())):
+        del model._cache
 
 
 @dataclass
