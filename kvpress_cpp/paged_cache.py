@@ -48,6 +48,21 @@ _LOG_WEIGHTS, _POSITIONS = "log_weights", "token_positions"
 _LAYERS_BY_POOL: "weakref.WeakValueDictionary[int, PagedLayer]" = weakref.WeakValueDictionary()
 
 
+def _crop_zero_removes_nothing() -> bool:
+    """Whether the installed transformers reads ``crop(0)`` as "remove no token" (5.17 on: a non-positive argument
+    counts the tokens to remove, and assisted generation calls crop(0) after a round with nothing rejected), rather
+    than "keep no token" (4.x, 5.2). Read from its own DynamicLayer, once."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    layer.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
+    layer.crop(0)
+    return layer.get_seq_length() == 1
+
+
+_CROP_ZERO_REMOVES_NOTHING = _crop_zero_removes_nothing()
+
+
 def paged_layer_of(key: torch.Tensor) -> PagedLayer | None:
     """The paged layer whose ``update`` returned `key` (its key pool), or None for any other tensor."""
     layer = _LAYERS_BY_POOL.get(id(key))
@@ -185,7 +200,9 @@ class PagedLayer(CacheLayerMixin):
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` slots of the view, or drop the last -`max_length` when it is negative (the
-        meaning transformers 5 gives a negative argument)."""
+        meaning transformers 5 gives a negative argument); 0 drops nothing where transformers reads it so (5.17 on)."""
+        if max_length == 0 and _CROP_ZERO_REMOVES_NOTHING:
+            return
         if max_length < 0:
             max_length = self.get_seq_length() + max_length
         if self.get_seq_length() > max_length:

@@ -271,3 +271,32 @@ def test_output_attentions_of_an_eager_model_on_a_paged_cache():
         assert got_step is not None and len(got_step) == len(want_step) == model.config.num_hidden_layers
         for got_layer, want_layer in zip(got_step, want_step, strict=True):
             torch.testing.assert_close(got_layer, want_layer, atol=1e-5, rtol=1e-5)
+
+
+def test_crop_reads_zero_as_transformers_dynamic_layer_does():
+    """crop(0) means what the installed transformers' DynamicLayer makes of it: "keep none" in 4.x and 5.2, "remove
+    none" from 5.17 on, where assisted generation calls crop(0) after a round that rejected no candidate; the paged
+    cache emptied itself there and prompt-lookup decoding went on over nothing (other tokens than a DynamicCache's)."""
+    from transformers.cache_utils import DynamicLayer
+
+    keys = torch.randn(1, 2, 5, 8)
+    dynamic = DynamicLayer()
+    dynamic.update(keys, keys)
+    cache = PagedKVCache()
+    cache.update(keys, keys, 0)
+    dynamic.crop(0)
+    cache.layers[0].crop(0)
+    assert cache.get_seq_length(0) == dynamic.get_seq_length()
+
+
+def test_prompt_lookup_decoding_on_a_paged_cache_gives_the_dynamic_caches_tokens():
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 24)
+    ids = torch.cat([ids, ids[:, :10]], dim=1)  # a repeat, so that prompt lookup proposes (and keeps) candidates
+
+    def tokens(cache):
+        with torch.no_grad():
+            return model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                  prompt_lookup_num_tokens=3)
+
+    torch.testing.assert_close(tokens(PagedKVCache()), tokens(DynamicCache()), rtol=0, atol=0)
