@@ -38,7 +38,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import attached_layer, get_state, state_for_attention
+from kvpress_cpp.cache import RESUME_POINT_ATTR, attached_layer, get_state, state_for_attention
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
@@ -50,7 +50,7 @@ _WRAPPED_ATTR = "_kvcomp_wrapped"
 _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 _ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 _POSITIONS_END_ATTR = "_kvcomp_positions_end"
-_RESUME_POINT_ATTR = "_kvcomp_resume_point"
+_RESUME_POINT_ATTR = RESUME_POINT_ATTR
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,

@@ -21,10 +21,12 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
-           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer"]
+           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "forget_tokens_held"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
+# Where a press's context closed on a layer (attention.remember_tokens_held): (tokens the cache stood for, its slots).
+RESUME_POINT_ATTR = "_kvcomp_resume_point"
 
 
 @dataclass
@@ -166,6 +168,12 @@ def attach(module: torch.nn.Module, layer) -> None:
         setattr(module, _LAYER_ATTR, ref)
 
 
+def forget_tokens_held(layer) -> None:
+    """Drop the tokens a closed press context recorded on `layer`: a new prompt over the emptied layer starts its
+    own count (a resume point left there would refuse the new prompt's continuation as a re-feed)."""
+    layer.__dict__.pop(RESUME_POINT_ATTR, None)
+
+
 def attached_layer(module: torch.nn.Module):
     """The cache layer `module` was last attached to (:func:`attach`), None if none or if it is gone."""
     layer_ref = getattr(module, _LAYER_ATTR, None)
@@ -188,6 +196,7 @@ def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     new_tokens, total = query.shape[-2], key.shape[-2]
     if new_tokens == total:
         set_state(layer, None)
+        forget_tokens_held(layer)
         return None
     state.check_slots(layer.values, total - new_tokens)
     return state.align(total - new_tokens, new_tokens)

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import LayerState, slots_rearranged_error
+from kvpress_cpp.cache import LayerState, forget_tokens_held, slots_rearranged_error
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -161,8 +161,10 @@ class PagedLayer(CacheLayerMixin):
             if even is False and new_tokens:  # heads of different lengths stay so, each q slots longer
                 self._even, self._widest = False, width + new_tokens
         self._prompt_states = (key_states, value_states) if is_prefill else None
-        if is_prefill:  # a new prompt over an emptied layer: nothing is displaced
-            self._state_displaced_from = None
+        if is_prefill:  # a new prompt over an emptied layer: no state of the old one is left, nor displaced (as
+            # state_for_attention drops a DynamicLayer's), and the old one's token count is no longer this one's
+            self.has_state, self.counters, self._state_displaced_from = False, {}, None
+            forget_tokens_held(self)
         if even:  # every head appends at column even[0]
             slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
         else:

@@ -6,6 +6,7 @@ does not touch) give the results a reference gives.
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 import sys
 import warnings
 
@@ -217,6 +218,38 @@ def test_a_second_generate_after_the_press_context_closed_is_refused(llama, name
         cache.layers[0].crop(slots)  # the refused pass appended its tokens to layer 0 before its attention
         llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(PROMPT + 2, PROMPT + 7).unsqueeze(0))
         assert cache.get_seq_length() == slots + 5
+
+
+@pytest.mark.parametrize("refill", ["plain", "same press", "composed"])
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("name", sorted(POSITION_PRESSES))
+def test_a_cache_emptied_and_refilled_acts_as_a_new_one(llama, name, cache_type, refill, tmp_path):
+    """Cut to nothing, then a new prompt: the cache must hold what a new cache holds after the same prompt, and take the
+    prompt's continuation. The paged cache kept the old prompt's state (a press then read the new prompt as a decoding
+    pass: ZSMerge failed in update_scores, GVote kept every token), and the tokens counted when the old press's
+    context closed refused the new prompt's continuation as a re-feed."""
+    from kvpress import ComposedPress
+
+    def run(cache, press):
+        ctx = {"plain": nullcontext(), "same press": press(llama), "composed": ComposedPress([press])(llama)}[refill]
+        with torch.no_grad():
+            with ctx:
+                llama(prompt(2, 30), past_key_values=cache)
+            slots = cache.get_seq_length()
+            logits = llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(30, 35).unsqueeze(0)).logits
+        return slots, logits
+
+    press, cache = POSITION_PRESSES[name](tmp_path, llama), cache_type()
+    with torch.no_grad(), press(llama):
+        llama(prompt(), past_key_values=cache)
+    assert cache.get_seq_length() < PROMPT, "the press must have compressed the cache for this test"
+    for layer in cache.layers:  # cut to nothing (crop(0) removes nothing from transformers 5.17 on)
+        layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+    assert cache.get_seq_length() == 0
+    slots, logits = run(cache, press)
+    want_slots, want_logits = run(cache_type(), POSITION_PRESSES[name](tmp_path / "fresh", llama))
+    assert slots == want_slots
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:GVotePress. a pass of 2 tokens")

@@ -50,7 +50,7 @@ from kvpress_cpp.attention import (active_presses, count_hook_without_probabilit
                                    padding_log_weights, patch_eager_attention, remember_tokens_held,
                                    request_prefill_scores, set_positions_end, take_prefill_attention,
                                    tokens_fed_again_error)
-from kvpress_cpp.cache import LayerState, attach, check_cache_layer, get_state, set_state
+from kvpress_cpp.cache import LayerState, attach, check_cache_layer, forget_tokens_held, get_state, set_state
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
@@ -363,6 +363,7 @@ class KVCompPress(BasePress):
                     f"{name}: layer {layer_idx} already held {keys.shape[-2] - new_tokens} tokens that {name} did not "
                     f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
                     f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
+            forget_tokens_held(layer)  # a prompt compressed afresh: an earlier context's count is not its own
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
             owner = state.owner() if state.owner is not None else None
