@@ -38,19 +38,18 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import RESUME_POINT_ATTR, attached_layer, get_state, state_for_attention
+from kvpress_cpp.cache import attached_layer, get_state, state_for_attention, tokens_held_at_close
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
            "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities",
            "active_presses", "mark_press_active", "patch_loaded_eager_attention", "set_positions_end",
-           "remember_tokens_held", "tokens_fed_again_error"]
+           "tokens_fed_again_error"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 _ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 _POSITIONS_END_ATTR = "_kvcomp_positions_end"
-_RESUME_POINT_ATTR = RESUME_POINT_ATTR
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -108,14 +107,6 @@ def set_positions_end(module: torch.nn.Module, end: int) -> None:
     module.__dict__[_POSITIONS_END_ATTR] = end
 
 
-def remember_tokens_held(cache, tokens: int) -> None:
-    """When a press's context closes: each layer of `cache` records the tokens the cache stands for and its own slots
-    then, so that a pass outside any press can tell where those tokens end (tokens appended later add to both, a cut
-    from the right takes from both)."""
-    for layer in getattr(cache, "layers", ()):
-        layer.__dict__[_RESUME_POINT_ATTR] = (tokens, layer.get_seq_length())
-
-
 def tokens_fed_again_error(user: str, new_tokens: int, first: int, processed: int, slots: int,
                            note: str = "") -> ValueError:
     return ValueError(
@@ -132,7 +123,7 @@ def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict, slots_aft
     tokens the layer stands for (a second ``generate`` on the cache once the press's context closed). One-token passes
     are not read, so a decoding step waits on nothing."""
     new_tokens, positions = query.shape[-2], kwargs.get("position_ids")
-    resume_point = layer.__dict__.get(_RESUME_POINT_ATTR) if layer is not None else None
+    resume_point = tokens_held_at_close(layer) if layer is not None else None
     if new_tokens == 1 or resume_point is None or positions is None:
         return
     tokens, slots_then = resume_point

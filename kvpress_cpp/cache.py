@@ -21,12 +21,13 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
-           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "forget_tokens_held"]
+           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "remember_tokens_held",
+           "tokens_held_at_close", "forget_tokens_held"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
-# Where a press's context closed on a layer (attention.remember_tokens_held): (tokens the cache stood for, its slots).
-RESUME_POINT_ATTR = "_kvcomp_resume_point"
+# Where a press's context closed on a layer (remember_tokens_held): (tokens the cache stood for, its slots).
+_RESUME_POINT_ATTR = "_kvcomp_resume_point"
 
 
 @dataclass
@@ -168,10 +169,23 @@ def attach(module: torch.nn.Module, layer) -> None:
         setattr(module, _LAYER_ATTR, ref)
 
 
+def remember_tokens_held(cache, tokens: int) -> None:
+    """When a press's context closes: each layer of `cache` records the tokens the cache stands for and its own slots
+    then, so that a pass outside any press can tell where those tokens end (tokens appended later add to both, a cut
+    from the right takes from both)."""
+    for layer in getattr(cache, "layers", ()):
+        layer.__dict__[_RESUME_POINT_ATTR] = (tokens, layer.get_seq_length())
+
+
+def tokens_held_at_close(layer) -> tuple[int, int] | None:
+    """(tokens the cache stood for, the layer's slots) when a press's context last closed over it, None if none."""
+    return layer.__dict__.get(_RESUME_POINT_ATTR)
+
+
 def forget_tokens_held(layer) -> None:
     """Drop the tokens a closed press context recorded on `layer`: a new prompt over the emptied layer starts its
     own count (a resume point left there would refuse the new prompt's continuation as a re-feed)."""
-    layer.__dict__.pop(RESUME_POINT_ATTR, None)
+    layer.__dict__.pop(_RESUME_POINT_ATTR, None)
 
 
 def attached_layer(module: torch.nn.Module):

@@ -47,10 +47,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
-                                   padding_log_weights, patch_eager_attention, remember_tokens_held,
-                                   request_prefill_scores, set_positions_end, take_prefill_attention,
-                                   tokens_fed_again_error)
-from kvpress_cpp.cache import LayerState, attach, check_cache_layer, forget_tokens_held, get_state, set_state
+                                   padding_log_weights, patch_eager_attention, request_prefill_scores,
+                                   set_positions_end, take_prefill_attention, tokens_fed_again_error)
+from kvpress_cpp.cache import (LayerState, attach, check_cache_layer, forget_tokens_held, get_state,
+                               remember_tokens_held, set_state)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
