@@ -286,7 +286,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         log_weights = state_for_attention(module, query, key)
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
             _refuse_unsupported_variant(module, kwargs, "kvpress_cpp", lambda: key.shape[-2])
-            _refuse_tokens_fed_again(attached_layer(module), query, kwargs, key.shape[-2])
+            _refuse_tokens_fed_again(attached_layer(module, key), query, kwargs, key.shape[-2])
         if log_weights is None:
             # kvpress's own wrapper, when it wraps this one, passes dropout positionally (as its 6th argument).
             if (keeps_prompt_scores and len(args) <= 1

@@ -160,13 +160,16 @@ def _reorder_with_state(layer: DynamicLayer, beam_idx: torch.LongTensor) -> None
 def attach(module: torch.nn.Module, layer) -> None:
     """Tell the attention path that `module` attends over `layer`, whose state it must honour.
 
-    A weak reference: the cache owns its state, and a dropped cache leaves nothing behind on the model. Every
-    decoding step re-attaches its layer: an unchanged one is recognised without ``nn.Module.__setattr__``
-    (weakref.ref hands back the layer's one reference).
+    Weak references, the latest first: the cache owns its state, and a dropped cache leaves nothing behind on the
+    model. Every layer attached stays known while its cache lives, so a context compressed in one cache is still
+    read with its state after another cache was compressed on the same model. Every decoding step re-attaches its
+    layer: the latest one is recognised without ``nn.Module.__setattr__`` (weakref.ref hands back the layer's one
+    reference).
     """
     ref = weakref.ref(layer)
-    if module.__dict__.get(_LAYER_ATTR) is not ref:
-        setattr(module, _LAYER_ATTR, ref)
+    refs = module.__dict__.get(_LAYER_ATTR, ())
+    if not refs or refs[0] is not ref:
+        setattr(module, _LAYER_ATTR, (ref, *(other for other in refs if other is not ref and other() is not None)))
 
 
 def remember_tokens_held(cache, tokens: int) -> None:
@@ -188,10 +191,14 @@ def forget_tokens_held(layer) -> None:
     layer.__dict__.pop(_RESUME_POINT_ATTR, None)
 
 
-def attached_layer(module: torch.nn.Module):
-    """The cache layer `module` was last attached to (:func:`attach`), None if none or if it is gone."""
-    layer_ref = getattr(module, _LAYER_ATTR, None)
-    return layer_ref() if layer_ref is not None else None
+def attached_layer(module: torch.nn.Module, key: torch.Tensor):
+    """The cache layer attached to `module` (:func:`attach`) whose keys tensor is `key`, None if none (another cache
+    than the ones compressed, or one gone)."""
+    for ref in module.__dict__.get(_LAYER_ATTR, ()):
+        layer = ref()
+        if layer is not None and getattr(layer, "keys", None) is key:
+            return layer
+    return None
 
 
 def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
@@ -201,8 +208,8 @@ def state_for_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     returns its own tensor), so another cache on the same model is never biased. A pass with as many queries as
     keys is a new prefill over an emptied cache: the old state is dropped.
     """
-    layer = attached_layer(module)
-    if layer is None or getattr(layer, "keys", None) is not key:
+    layer = attached_layer(module, key)
+    if layer is None:
         return None
     state = get_state(layer)
     if state is None:

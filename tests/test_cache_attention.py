@@ -181,9 +181,9 @@ def test_state_is_ignored_by_another_cache_and_cleared_on_next_prefill():
 
 
 def test_two_caches_decoded_in_turns_each_match_their_run_alone():
-    """The benchmark's turns (bench_paged.decode_rows): a module attends to the layer last attached to it, so each
-    cache's layers are attached before its step; re-attaching the layer already attached and switching to the other
-    cache's must both leave every step as it is when the cache decodes alone."""
+    """The benchmark's turns (bench_paged.decode_rows): each cache's layers are attached before its step;
+    re-attaching the layer already attached and switching to the other cache's must both leave every step as it is
+    when the cache decodes alone."""
     from kvpress_cpp.cache import attach
     from kvpress_cpp.presses import KeepKVPress
 
@@ -214,6 +214,34 @@ def test_two_caches_decoded_in_turns_each_match_their_run_alone():
     for turn in range(6):
         for run, expected in zip(runs, alone):
             torch.testing.assert_close(step(run), expected[turn], rtol=0, atol=0)
+
+
+def test_a_compressed_context_keeps_its_state_when_another_cache_is_compressed_on_the_model():
+    """Two contexts compressed in two caches of one model, answered outside the press (kvpress's pipeline's way):
+    each question over a context gives the logits it gave before the other cache was compressed. A module used to
+    know only the layer attached last, so the first context lost its merge weights (logits off by up to 1)."""
+    from kvpress_cpp.presses import ZSMergePress
+
+    model, tokenizer = make_tiny_llama()
+    contexts, question = [prompt_ids(tokenizer, 48), prompt_ids(tokenizer, 64)[:, 8:]], prompt_ids(tokenizer, 5)
+
+    def ask(cache, context):
+        positions = torch.arange(context.shape[1], context.shape[1] + question.shape[1]).unsqueeze(0)
+        logits = model(question, past_key_values=cache, position_ids=positions).logits
+        cache.crop(cache.get_seq_length() - question.shape[1])  # back to the context, as the pipeline cuts
+        return logits
+
+    caches, alone = [], []
+    with torch.no_grad():
+        for context in contexts:
+            cache = DynamicCache()
+            with ZSMergePress(budget=16)(model):
+                model(context, past_key_values=cache)
+            assert cache.get_seq_length() < context.shape[1], "the press must have compressed the context"
+            alone.append(ask(cache, context))
+            caches.append(cache)
+        for cache, context, expected in zip(caches, contexts, alone):
+            torch.testing.assert_close(ask(cache, context), expected, rtol=0, atol=0)
 
 
 def test_pipeline_and_generate_agree_on_a_compressed_context():
