@@ -144,9 +144,9 @@ class Contract:
                     self.fail(rule.says(env))
             else:  # a symbolic condition under torch.compile
                 torch._check(holds, lambda: f"{self.qualified}: {rule.says(env)}")
-        self._check_inplace([(a, values[a.name]) for a in tensors if a.inplace])
-        self._check_inputs_apart([(a, values[a.name]) for a in tensors if a.inplace],
-                                 [(a, values[a.name]) for a in tensors if not a.inplace])
+        updated = [(a, values[a.name]) for a in tensors if a.inplace]
+        self._check_inplace(updated)
+        self._check_inputs_apart(updated, [(a, values[a.name]) for a in tensors if not a.inplace])
         return env
 
     def _check_inputs_apart(self, updated: list, read: list) -> None:

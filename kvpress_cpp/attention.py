@@ -118,16 +118,16 @@ def tokens_fed_again_error(user: str, new_tokens: int, first: int, processed: in
         f"context{note}")
 
 
-def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict, slots_after: int) -> None:
-    """Outside any press, over a layer holding a press's state: raise if a pass of several tokens starts before the
-    tokens the layer stands for (a second ``generate`` on the cache once the press's context closed). One-token passes
-    are not read, so a decoding step waits on nothing."""
+def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict) -> None:
+    """Outside any press, over a layer holding a press's state (this pass's tokens appended): raise if a pass of
+    several tokens starts before the tokens the layer stands for (a second ``generate`` on the cache once the press's
+    context closed). One-token passes are not read, so a decoding step waits on nothing and does no more work."""
     new_tokens, positions = query.shape[-2], kwargs.get("position_ids")
     resume_point = tokens_held_at_close(layer) if layer is not None else None
     if new_tokens == 1 or resume_point is None or positions is None:
         return
     tokens, slots_then = resume_point
-    slots = slots_after - new_tokens
+    slots = layer.get_seq_length() - new_tokens
     processed = tokens + slots - slots_then
     first = int(positions.reshape(-1, positions.shape[-1])[:, 0].max())
     if first < processed:
@@ -280,13 +280,13 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
             prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
             if prompt_states is None:
                 if not presses and paged_layer.has_state:
-                    _refuse_tokens_fed_again(paged_layer, query, kwargs, paged_layer.get_seq_length())
+                    _refuse_tokens_fed_again(paged_layer, query, kwargs)
                 return _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
             _refuse_unsupported_variant(module, kwargs, "kvpress_cpp", lambda: key.shape[-2])
-            _refuse_tokens_fed_again(attached_layer(module, key), query, kwargs, key.shape[-2])
+            _refuse_tokens_fed_again(attached_layer(module, key), query, kwargs)
         if log_weights is None:
             # kvpress's own wrapper, when it wraps this one, passes dropout positionally (as its 6th argument).
             if (keeps_prompt_scores and len(args) <= 1
