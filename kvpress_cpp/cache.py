@@ -47,6 +47,10 @@ class LayerState:
     owner: weakref.ref | None = None
     owner_type: type | None = None
     value_probe: torch.Tensor | None = None
+    # Set by the press for a write that holds every slot wherever every slot it was given held one (no log-weight
+    # -inf: a decoding step that merges or evicts to a fixed budget): a paged layer then stores it without reading
+    # the log-weights back to look for slots to drop, a device sync per layer and step.
+    keeps_held_slots: bool = field(default=False, compare=False)
     # The last align call's arguments and the tensors it left, weakly (a paged layer's state views its pools, which
     # must not outlive a trim): (slots_before, new_tokens, log_weights, value_probe, *per_slot tensors).
     _aligned: tuple | None = field(default=None, init=False, repr=False, compare=False)

@@ -104,6 +104,9 @@ class PagedLayer(CacheLayerMixin):
         # The press whose state a write without one (another press's selection of slots) displaced: the next pass is
         # refused, as a DynamicLayer's state probe refuses it, where the layer would otherwise go on as plain tokens.
         self._state_displaced_from: str | None = None
+        # Whether a real slot may hold a log-weight of -inf (a press's dead slot, stored in place rather than dropped):
+        # only where none can is a write that keeps every slot it was given known to hold every slot, unread.
+        self._may_hold_dead_slots = False
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
@@ -164,6 +167,7 @@ class PagedLayer(CacheLayerMixin):
         if is_prefill:  # a new prompt over an emptied layer: no state of the old one is left, nor displaced (as
             # state_for_attention drops a DynamicLayer's), and the old one's token count is no longer this one's
             self.has_state, self.counters, self._state_displaced_from = False, {}, None
+            self._may_hold_dead_slots = False
             forget_tokens_held(self)
         if even:  # every head appends at column even[0]
             slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
@@ -332,6 +336,7 @@ class PagedLayer(CacheLayerMixin):
         its base slots now, as after a write through the view (``kvcomp_state`` covers them)."""
         self.bases = self.lengths.clone()
         self._changed()
+        self._may_hold_dead_slots = True
 
     def drop_dead_slots(self) -> None:
         """Evict the slots whose log-weight is -inf (a press's dead slots) from every head, as a compaction of the
@@ -343,6 +348,7 @@ class PagedLayer(CacheLayerMixin):
         dead = (_gather(self.slot_blocks[_LOG_WEIGHTS], index, real, 0.0) == float("-inf")).cpu()
         if bool(dead.any()):
             self._evict(dead)
+        self._may_hold_dead_slots = False
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory
@@ -762,8 +768,11 @@ class PagedLayer(CacheLayerMixin):
             return
         else:
             log_weights = state.log_weights
-            # A decoding step usually keeps every slot: the minimum (two tensor ops) decides, the mask only if needed.
-            all_kept = not log_weights.numel() or log_weights.min().item() != float("-inf")
+            # A decoding step usually keeps every slot. A press that keeps every slot it is given, over a view with no
+            # -inf (no padding column, no dead slot), needs no look; otherwise the minimum (two tensor ops and a read
+            # back) decides, the mask only if needed.
+            all_kept = (not log_weights.numel() or (state.keeps_held_slots and self._every_slot_held())
+                        or log_weights.min().item() != float("-inf"))
         if all_kept:  # every column kept (presses that keep equal lengths): no selection
             if not self._resize_evenly(width):
                 self._resize(torch.full((batch, heads), width, dtype=torch.long))
@@ -812,6 +821,12 @@ class PagedLayer(CacheLayerMixin):
         self.slot_blocks = pools
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
+        self._may_hold_dead_slots = False  # a slot of -inf was dropped, or (keeps_held_slots) none was given
+
+    def _every_slot_held(self) -> bool:
+        """Whether every column of the view holds a slot with a finite log-weight, known on the host: no head is
+        padded to another's length and no dead slot was stored."""
+        return bool(self._evenness()) and not self._may_hold_dead_slots
 
     def _store_state_in_place(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState) -> bool:
         """Store only the state when a press hands back the view's own keys and values (KVzap between its
@@ -848,6 +863,7 @@ class PagedLayer(CacheLayerMixin):
         self.bases = self.lengths.clone()
         self._changed()
         self.counters = state.counters
+        self._may_hold_dead_slots = True
         return True
 
     def _evict(self, evicted: torch.Tensor) -> None:

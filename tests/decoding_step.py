@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import Cache
 
 from kvpress_cpp.cache import attach, get_state
 from kvpress_cpp.presses.keepkv import KeepKVPress
@@ -45,7 +46,7 @@ def layer_tensors(cache: DynamicCache) -> list[torch.Tensor]:
     return tensors
 
 
-def step(model, token: torch.Tensor, cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+def step(model, token: torch.Tensor, cache: Cache, mask: torch.Tensor) -> torch.Tensor:
     """One forward of `token` over `cache`. The attention layers are pointed at this cache's layers first: they
     honour the state of the cache the press last wrote, and the tests hold several copies."""
     for decoder_layer, cache_layer in zip(model.model.layers, cache.layers, strict=True):
@@ -58,12 +59,13 @@ def visible(model, slots: int) -> torch.Tensor:
     return torch.zeros(2, 1, 1, slots, dtype=model.dtype, device=model.device)
 
 
-def compressed_prompt(model, name: str) -> DynamicCache:
-    """A batch of two random prompts compressed by the press (inside its context), then one decoding step: the
-    cache then holds the press's decoding layout (ZSMerge's regions), the shapes every later step keeps."""
+def compressed_prompt(model, name: str, cache: Cache | None = None) -> Cache:
+    """A batch of two random prompts compressed by the press (inside its context) into `cache` (a new DynamicCache by
+    default), then one decoding step: the cache then holds the press's decoding layout (ZSMerge's regions), the
+    shapes every later step keeps."""
     prompt = torch.randint(2, model.config.vocab_size, (2, PROMPT), device=model.device,
                            generator=torch.Generator(device=model.device).manual_seed(1))
-    cache = DynamicCache()
+    cache = DynamicCache() if cache is None else cache
     model(input_ids=prompt, past_key_values=cache, use_cache=True)
     step(model, prompt[:, -1:], cache, visible(model, PROMPT + 1))
     assert cache.get_seq_length() < PROMPT, f"{name} did not compress the prompt"

@@ -90,7 +90,8 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
     dead = set()  # ids a press marked -inf without moving any slot (kept as dead slots)
     module = AttentionModule()
     for step in range(80):
-        op = rng.choice(["append", "append", "press", "mark", "mark", "cut", "mask", "trim"]) if step else "append"
+        op = (rng.choice(["append", "append", "press", "merge", "mark", "mark", "cut", "mask", "trim"]) if step
+              else "append")
         layer = cache.layers[0] if cache.layers else None
         if op == "append":
             q = rng.randint(1, 7)
@@ -113,6 +114,16 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
                                         {"step": step}))
             model.compact(keep)
             positions, dead = {}, set()  # a press may merge or reorder: positions are forgotten
+        elif op == "merge":  # a merging press's decoding step (keeps_held_slots): it keeps every slot it is given,
+            # so what it writes is -inf only where the view showed padding or a dead slot, which must still be dropped
+            ids = view_ids(layer)
+            held = (ids > 0) & ~torch.isin(ids, torch.tensor(sorted(dead), dtype=torch.long))
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            state = LayerState(torch.zeros(ids.shape).masked_fill(~held, -INF), {"scores": ids.float()}, {"step": step})
+            state.keeps_held_slots = True
+            set_state(layer, state)
+            model.compact(held)
+            positions, dead = {}, set()
         elif op == "mark":  # KVzap between its compactions: the view's own keys and values back, a few slots -inf
             keys, values = layer.keys, layer.values
             ids = view_ids(layer)

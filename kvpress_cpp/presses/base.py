@@ -181,6 +181,9 @@ class KVCompPress(BasePress):
     compresses_compressed_prompt: ClassVar[bool] = False
     #: Whether compress_decoding reads the attention's probabilities (a paged pass computes them only for hooks that do).
     reads_decode_probabilities: ClassVar[bool] = True
+    #: Whether compress_decoding holds every slot it is given (it merges or evicts down to its budget, never marking a
+    #: slot -inf): a paged layer then stores its write without reading the log-weights back.
+    decoding_keeps_every_slot: ClassVar[bool] = False
 
     # Per layer: the tokens seen per kv head (summed over the batch) as [the prompt's (a tensor where counting them on
     # the device would sync), the later passes' (an int: a tensor add per layer and step cost 5 µs)]; the slots held
@@ -357,6 +360,7 @@ class KVCompPress(BasePress):
             return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         keys, values = layer.keys, layer.values
         attentions = output[1] if len(output) > 1 else None
+        keeps_held_slots = False
         if state is None:
             if keys.shape[-2] > new_tokens:
                 raise ValueError(
@@ -375,6 +379,7 @@ class KVCompPress(BasePress):
                 result = self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs)
             else:
                 result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
+                keeps_held_slots = self.decoding_keeps_every_slot
             if result is not None:
                 self._count_later_tokens(layer_idx, keys.shape[0] * new_tokens)
         if result is not None:
@@ -382,6 +387,7 @@ class KVCompPress(BasePress):
                 self._compressed_in_context.add(layer_idx)
             layer.keys, layer.values, state = result
             state.owner, state.owner_type = weakref.ref(self), type(self)
+            state.keeps_held_slots = keeps_held_slots
             if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
                 state.value_probe = layer.values[..., 0].clone()
             set_state(layer, state)

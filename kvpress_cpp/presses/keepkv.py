@@ -50,6 +50,7 @@ class KeepKVPress(KVCompDecodingPress):
     """
 
     budget_field = "budget"  # compression_ratio = 1 - budget (kvpress: fraction removed)
+    decoding_keeps_every_slot = True  # a step merges (or evicts) down to the budget
 
     budget: int | float = 0.25
     sinks: int = 4

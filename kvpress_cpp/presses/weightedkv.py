@@ -37,6 +37,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     """
 
     budget_field = "cache_size"  # compression_ratio = 1 - cache_size (kvpress: fraction removed)
+    decoding_keeps_every_slot = True  # a step merges (or evicts) down to the budget
 
     cache_size: int | float = 0.25
     sinks: int = 4

@@ -42,6 +42,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     """
 
     budget_field = "budget"  # compression_ratio = 1 - budget (kvpress: fraction removed)
+    decoding_keeps_every_slot = True  # a step merges (or evicts) down to the budget
 
     budget: int | float = 0.25
     recent_fraction: float = 0.4
