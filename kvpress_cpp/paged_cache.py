@@ -107,6 +107,9 @@ class PagedLayer(CacheLayerMixin):
         # Whether a real slot may hold a log-weight of -inf (a press's dead slot, stored in place rather than dropped):
         # only where none can is a write that keeps every slot it was given known to hold every slot, unread.
         self._may_hold_dead_slots = False
+        # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
+        # its own slots in the pools learns from it that nothing but appends happened since it last looked.
+        self.rearrangements = 0
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
@@ -168,6 +171,7 @@ class PagedLayer(CacheLayerMixin):
             # state_for_attention drops a DynamicLayer's), and the old one's token count is no longer this one's
             self.has_state, self.counters, self._state_displaced_from = False, {}, None
             self._may_hold_dead_slots = False
+            self.rearrangements += 1
             forget_tokens_held(self)
         if even:  # every head appends at column even[0]
             slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
@@ -337,6 +341,14 @@ class PagedLayer(CacheLayerMixin):
         self.bases = self.lengths.clone()
         self._changed()
         self._may_hold_dead_slots = True
+
+    def last_slots(self, name: str, count: int) -> torch.Tensor | None:
+        """The per-slot pool `name` at each head's last `count` slots, (B, H, count) on the device; None when a head
+        holds fewer (decided on the host)."""
+        if not self.lengths.numel() or count > int(self.lengths.min()):
+            return None
+        slot = self.lengths.unsqueeze(-1) - count + torch.arange(count)
+        return _gather(self.slot_blocks[name], self._flat_slots(slot), None, 0)
 
     def drop_dead_slots(self) -> None:
         """Evict the slots whose log-weight is -inf (a press's dead slots) from every head, as a compaction of the
@@ -753,6 +765,7 @@ class PagedLayer(CacheLayerMixin):
         self._resize(bases + kept_appended)
         self.bases = bases
         self._changed()
+        self.rearrangements += 1
 
     def _rewrite(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState | None) -> None:
         """Store rectangular keys, values (B, H, T, d) and their state: each head keeps its columns whose log-weight
@@ -761,6 +774,7 @@ class PagedLayer(CacheLayerMixin):
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: a press wrote keys of shape {tuple(keys.shape)} to a layer of "
                              f"{tuple(self.lengths.shape)} (batch, kv heads)")
+        self.rearrangements += 1
         if state is None:
             log_weights = torch.zeros(batch, heads, width, device=keys.device)
             all_kept = True
@@ -864,11 +878,13 @@ class PagedLayer(CacheLayerMixin):
         self._changed()
         self.counters = state.counters
         self._may_hold_dead_slots = True
+        self.rearrangements += 1
         return True
 
     def _evict(self, evicted: torch.Tensor) -> None:
         """Remove the slots evicted (B, H, max length) bool of each head, keeping the others in order; the view
         keeps each head's base and appended parts (minus what left them)."""
+        self.rearrangements += 1
         batch, heads = self.lengths.shape
         slot = torch.arange(evicted.shape[-1])
         real = slot < self.lengths.unsqueeze(-1)

@@ -1,6 +1,7 @@
 """KVzapThresholdPress's decoding step on a PagedKVCache, which works in the layer's pools (scores the new token,
 decides the slot leaving the window, drops the dead slots when the rectangular cache compacts) instead of reading and
-writing the layer's view: it must keep what the rectangular cache keeps, slot for slot, and run on its own path."""
+writing the layer's view: it must keep what the rectangular cache keeps, slot for slot, and run on its own path,
+reading nothing back from the device once its rows are found in order."""
 
 from __future__ import annotations
 
@@ -89,3 +90,40 @@ def test_paged_step_on_a_left_padded_batch_generates_the_rectangular_tokens(surr
                                           min_new_tokens=12, do_sample=False))
     assert torch.equal(outputs[1], outputs[0])
     assert True in paths and paths.count(False) > len(model.model.layers)  # more than the prefill took the general path
+
+
+def test_passes_over_rows_found_in_order_read_nothing_back_and_keep_the_same_slots(surrogate_dir):
+    """Once a pass finds every row's last slots in position order, the passes that only append read nothing back
+    from the device (whether the op found its slots); a cut of the cache (``crop``) makes the next pass read again.
+    Every pass keeps the slots of a press that reads at every pass, on a flow with a cut and a two-token pass."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 64)
+    runs = {}
+    for always_read in (False, True):
+        press = KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogate_dir, compaction_slack=3)
+        if always_read:
+            press._rows_known_in_order = lambda *args: False
+        read_rows, passes, reads = press._read_rows, [], []
+        press._read_rows = lambda *args: reads.append(len(passes)) or read_rows(*args)
+        cache = PagedKVCache(block_size=4)
+        with torch.no_grad(), press(model):
+            token = ids
+            for step in range(16):
+                if step == 6:
+                    cache.crop(cache.get_seq_length() - 3)
+                if step == 10:
+                    token = torch.cat([token, token], dim=-1)
+                token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                passes.append([held(layer) for layer in cache.layers])
+        runs[always_read] = passes, reads
+    (passes, reads), (always_passes, always_reads) = runs[False], runs[True]
+    layers = len(model.model.layers)
+    assert always_reads == [step for step in range(1, 16) for _ in range(layers)]  # step 0: the prefill
+    assert reads[:layers] == [1] * layers and not {2, 3, 4, 5} & set(reads)
+    assert 6 in reads  # the pass after the cut
+    for step, (got, want) in enumerate(zip(passes, always_passes)):
+        for layer, (got_heads, want_heads) in enumerate(zip(got, want)):
+            for head, (got_head, want_head) in enumerate(zip(got_heads, want_heads)):
+                for part, a, b in zip(("positions", "scores", "keys"), got_head, want_head):
+                    assert torch.equal(a, b), f"step {step} layer {layer} head {head} {part}"
+

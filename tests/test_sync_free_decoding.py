@@ -194,11 +194,10 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
     assert len(syncs.calls) == 2, syncs.calls
 
 
-# Every decoding press on a DynamicCache, and on a PagedKVCache those that merge down to a fixed budget: they keep every
-# slot they are given, so the layer stores their step without looking for slots to drop. (KVzap's paged step reads
-# back, per layer, whether it found the tokens leaving the window where decoding left them.)
-PAGED = ["KeepKV", "WeightedKV", "ZSMerge"]
-CASES = [(name, DynamicCache) for name in sorted(PRESSES)] + [(name, PagedKVCache) for name in PAGED]
+# Every decoding press on both caches. On a PagedKVCache the presses that merge down to a fixed budget keep every
+# slot they are given, so the layer stores their step without looking for slots to drop; KVzap's step reads back
+# whether it found its slots only until a pass finds every row's last slots in order (the first decoding pass here).
+CASES = [(name, kind) for kind in (DynamicCache, PagedKVCache) for name in sorted(PRESSES)]
 
 
 def record_a_step(model, name: str, cache, tmp_path) -> list[str]:

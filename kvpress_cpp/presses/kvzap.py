@@ -19,6 +19,7 @@ model name ``model.config.name_or_path.split("/")[-1]`` as kvpress names its hub
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -197,7 +198,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
     On a :class:`~kvpress_cpp.paged_cache.PagedLayer` a decoding pass works in the layer's pools and reads no view
     (:meth:`_step_paged_layer`, one ``kvzap_paged_step``): it scores the new tokens, decides only the slots whose
     tokens leave the window, and evicts the slots it marked -inf (dead slots, attended as the rectangular cache attends
-    them) once every ``compaction_slack`` tokens, when the rectangular cache compacts.
+    them) once every ``compaction_slack`` tokens, when the rectangular cache compacts. It reads nothing back either,
+    once a pass has found the layer's rows in order (see :meth:`_step_paged_layer`).
 
     Attributes:
         threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
@@ -213,6 +215,9 @@ class KVzapThresholdPress(KVCompDecodingPress):
     surrogate_dir: str | Path | None = None
     compaction_slack: int = 32
     scorer: KVzapPress = field(init=False, repr=False, compare=False)
+    # Per layer index, the paged layer whose rows a pass last found in position order at their end (the window and the
+    # tokens leaving it), as (weak reference, its rearrangements, its lengths) then: see _step_paged_layer.
+    _rows_in_order_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     #: Padding enters as slots of b = -inf, which the DMS rule never revives, so each row equals its run alone.
     handles_padding = True
@@ -256,7 +261,13 @@ class KVzapThresholdPress(KVCompDecodingPress):
         the tokens leaving the window are decided in theirs. Returns False, with nothing but the new tokens' positions
         and scores written, where those slots do not hold them (a left-padded row's first tokens, a cache cut back by
         kvpress's pipeline) or where the general path must run (a prefill, another press's state, a tensor-parallel
-        layer): the view is then read and written as for a DynamicCache."""
+        layer): the view is then read and written as for a DynamicCache.
+
+        Whether the slots held those tokens is read back from the device only until a pass finds every row's last
+        slots (the window and the tokens leaving it) holding consecutive positions: appending the next tokens keeps
+        them so, and dropping dead slots (decided ones) leaves them be, so the passes that follow over a layer
+        nothing else rearranged (``PagedLayer.rearrangements``, the lengths grown by their own tokens) read nothing.
+        """
         state = layer.written_state()
         owner = state.owner() if state is not None and state.owner is not None else None
         if (state is None or state.owner_type is not type(self) or owner not in (None, self)
@@ -266,12 +277,17 @@ class KVzapThresholdPress(KVCompDecodingPress):
         _, _, log_weight_blocks, block_tables, lengths = layer.attention_inputs()
         counters = layer.counters
         new_tokens, before = hidden_states.shape[1], counters["tokens"]
+        in_order = self._rows_known_in_order(module.layer_idx, layer, new_tokens)
         held_now = ops.kvzap_paged_step(log_weight_blocks, layer.slot_blocks["scores"], layer.slot_blocks["positions"],
                                         block_tables, lengths, self.scorer.layer_scores(module, hidden_states),
                                         self.threshold, self.sliding_window, before)
-        decided = max(0, before + new_tokens - self.sliding_window) - max(0, before - self.sliding_window)
-        if decided and int(held_now.min()) < 0:
-            return False
+        first_decided = max(0, before - self.sliding_window)
+        decided = max(0, before + new_tokens - self.sliding_window) - first_decided
+        if decided and not in_order:
+            held_where_expected, in_order = self._read_rows(layer, held_now, first_decided, before + new_tokens)
+            if not held_where_expected:
+                self._rows_in_order_at.pop(module.layer_idx, None)
+                return False
         # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
         batch = held_now.shape[0]
         layer_idx = module.layer_idx
@@ -282,9 +298,33 @@ class KVzapThresholdPress(KVCompDecodingPress):
         if counters["since_compaction"] >= self.compaction_slack:
             layer.drop_dead_slots()
             counters["since_compaction"] = 0
+        if in_order:
+            self._rows_in_order_at[layer_idx] = (weakref.ref(layer), layer.rearrangements, layer.lengths)
+        else:
+            self._rows_in_order_at.pop(layer_idx, None)
         self._count_later_tokens(layer_idx, batch * new_tokens)
         self._held_to_gather.add(layer_idx)
         return True
+
+    def _rows_known_in_order(self, layer_idx: int, layer: PagedLayer, new_tokens: int) -> bool:
+        """Whether a pass of this press found `layer`'s rows in order at their end, and since then only this pass's
+        `new_tokens` were appended (host integers and the host's lengths: nothing is read back)."""
+        known = self._rows_in_order_at.get(layer_idx)
+        return (known is not None and known[0]() is layer and known[1] == layer.rearrangements
+                and torch.equal(layer.lengths, known[2] + new_tokens))
+
+    @staticmethod
+    def _read_rows(layer: PagedLayer, held_now: torch.Tensor, first: int, end: int) -> tuple[bool, bool]:
+        """(whether every row held the tokens leaving the window where kvzap_paged_step looked for them, whether every
+        row's last slots hold positions first .. end - 1 in order), in one read back from the device."""
+        found = held_now.min() >= 0
+        tail = layer.last_slots("positions", end - first)
+        if tail is None:
+            in_order = torch.zeros((), dtype=torch.bool, device=found.device)
+        else:
+            in_order = (tail == torch.arange(first, end, device=tail.device)).all()
+        held_where_expected, in_order = torch.stack([found, in_order]).tolist()
+        return held_where_expected, in_order
 
     def decode_step(self, module, hidden_states, log_weights, state):
         """The scores of the q new tokens of hidden_states and the keep rule over the state they grow
