@@ -515,7 +515,7 @@ _declare(Contract(
     [Tensor("log_weight_blocks", "N S", F32, inplace=True), Tensor("score_blocks", "N S", F32, inplace=True),
      Tensor("position_blocks", "N S", I64, inplace=True), Tensor("block_tables", "B H M", I64),
      Tensor("lengths", "B H", I64), Tensor("new_scores", "B H q", F32), Scalar("threshold"), Scalar("window"),
-     Scalar("tokens_before")],
+     Scalar("tokens_before"), Scalar("check_tables_on_device", False)],
     rules=[
         Rule(lambda v: v["S"] >= 1, lambda v: f"expected a block size (log_weight_blocks.size(1)) >= 1, got {v['S']}"),
         Rule(lambda v: v["q"] >= 1,

@@ -513,6 +513,7 @@ def kvzap_paged_step(
     threshold: float,
     window: int,
     tokens_before: int,
+    check_tables_on_device: bool = False,
 ) -> torch.Tensor:
     """:func:`kvzap_threshold` for a decoding pass of q new tokens on a paged cache, in place in its per-slot pools,
     without gathering any (batch, kv head) row.
@@ -531,6 +532,10 @@ def kvzap_paged_step(
         lengths: (B, H) int64 slots per (b, h), in [q, max_blocks * S], the new tokens included.
         new_scores: (B, H, q) float32 the new tokens' surrogate scores, q ≥ 1.
         threshold: τ, not NaN. window: w ≥ 0. tokens_before: the tokens seen before this pass, ≥ 0.
+        check_tables_on_device: on a GPU, check the tables' contents (the lengths, the blocks each row's step touches)
+            in the kernel, a bad entry stopping the stream with a device-side assert, rather than before it on the host
+            (one host sync); for tables the caller built itself (:class:`~kvpress_cpp.paged_cache.PagedKVCache`). A CPU
+            call checks them on the host either way (nothing to wait for).
 
     Returns:
         (B, H) int64: per row, how many of the D tokens leaving the window it holds (not -inf) after the keep rule;
@@ -539,7 +544,7 @@ def kvzap_paged_step(
         scores are written.
     """
     return torch.ops.kvcomp.kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tables, lengths,
-                                             new_scores, threshold, window, tokens_before)
+                                             new_scores, threshold, window, tokens_before, check_tables_on_device)
 
 
 def prompt_log_sum_exp(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,

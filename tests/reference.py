@@ -591,7 +591,7 @@ def kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, score
 
 
 def kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tables, lengths, new_scores, threshold,
-                     window, tokens_before):
+                     window, tokens_before, check_tables_on_device=False):
     """The paged decoding pass row by row, on each row's slot list: the new tokens' positions and scores written to its
     last q slots; then, if the row holds the tokens leaving the window at slots length - window - D .. in order, its
     log-weights are :func:`kvzap_threshold` of its gathered row, and held counts its slots of those positions still

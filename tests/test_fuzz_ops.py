@@ -510,7 +510,7 @@ def _kvzap_paged_step_build(r, s, dtype):
             position_blocks[tables.view(-1, max_blocks)[row, t // block_size], t % block_size] = position
     lengths = torch.tensor([len(p) for p in rows], dtype=torch.int64).view(s["B"], s["H"])
     return (log_weight_blocks, _randn(r, (blocks, s["S"])), position_blocks, tables, lengths,
-            _randn(r, (s["B"], s["H"], new_tokens)), r.gauss(0, 1), window, before)
+            _randn(r, (s["B"], s["H"], new_tokens)), r.gauss(0, 1), window, before, False)
 
 
 def _kvzap_paged_step_run(args):

@@ -1,19 +1,29 @@
 """KVzapThresholdPress's decoding step on a PagedKVCache, which works in the layer's pools (scores the new token,
 decides the slot leaving the window, drops the dead slots when the rectangular cache compacts) instead of reading and
 writing the layer's view: it must keep what the rectangular cache keeps, slot for slot, and run on its own path,
-reading nothing back from the device once its rows are found in order."""
+reading nothing back from the device once its rows are found in order (the op checking the tables in its kernel)."""
 
 from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from kvpress_cpp import ops
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses import KVzapThresholdPress
+from tests import reference
 from tests.generation import prompt_ids
 from tests.models import make_tiny_llama
+from tests.test_fuzz_ops import _kvzap_paged_step_bad, _kvzap_paged_step_build, _kvzap_paged_step_sizes
 from tests.test_kvzap_press import write_surrogate
 
 
@@ -127,3 +137,82 @@ def test_passes_over_rows_found_in_order_read_nothing_back_and_keep_the_same_slo
                 for part, a, b in zip(("positions", "scores", "keys"), got_head, want_head):
                     assert torch.equal(a, b), f"step {step} layer {layer} head {head} {part}"
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# The op's check_tables_on_device: the tables a PagedKVCache built, checked in the kernel rather than on the host
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+
+def paged_step_inputs(seed: int, device: str = "cpu") -> tuple:
+    """Valid kvzap_paged_step arguments (some rows as decoding leaves them, some disturbed), as the fuzz test draws."""
+    r = random.Random(seed)
+    args = _kvzap_paged_step_build(r, _kvzap_paged_step_sizes(r, {"B": 2, "H": 3, "q": 2, "S": 4}), torch.float32)
+    return tuple(arg.to(device) if isinstance(arg, torch.Tensor) else arg for arg in args)
+
+
+def run_paged_step(args: tuple, check_tables_on_device: bool = False) -> tuple:
+    """(held, *pools) of kvzap_paged_step over copies of the pools of `args` (paged_step_inputs'), the tables checked
+    where asked."""
+    pools = tuple(t.clone() for t in args[:3])
+    return ops.kvzap_paged_step(*pools, *args[3:9], check_tables_on_device=check_tables_on_device), *pools
+
+
+def test_a_cpu_call_checks_the_tables_on_the_host_either_way():
+    """On a CPU nothing waits, so check_tables_on_device changes nothing: bad tables get the host's error."""
+    args = paged_step_inputs(0)
+    for _, name, bad in _kvzap_paged_step_bad(random.Random(1), args):
+        with pytest.raises(RuntimeError) as on_host:
+            run_paged_step(bad)
+        with pytest.raises(RuntimeError) as flagged:
+            run_paged_step(bad, check_tables_on_device=True)
+        assert str(flagged.value) == str(on_host.value) and "kvcomp::kvzap_paged_step" in str(on_host.value), name
+    for got, want in zip(run_paged_step(args, check_tables_on_device=True), reference.kvzap_paged_step(*args)):
+        assert torch.equal(got, want)
+
+
+@CUDA
+def test_tables_checked_on_the_device_read_nothing_back():
+    """With check_tables_on_device the op syncs nothing and gives the reference's result; without it, it syncs to
+    check the tables (which shows that the sync check sees a sync)."""
+    args = paged_step_inputs(2, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run_paged_step(args, check_tables_on_device=True)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            run_paged_step(args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for got_tensor, want in zip(got, reference.kvzap_paged_step(*(a.cpu() if isinstance(a, torch.Tensor) else a
+                                                                   for a in args))):
+        assert torch.equal(got_tensor.cpu(), want)
+
+
+BAD_TABLE_ON_DEVICE = """
+import torch
+from tests.test_kvzap_paged_step import paged_step_inputs, run_paged_step
+args = list(paged_step_inputs(2, "cuda"))
+tables, lengths, block_size = args[3], args[4], args[0].shape[1]
+{change}
+run_paged_step(tuple(args), check_tables_on_device=True)
+torch.cuda.synchronize()
+"""
+
+
+@CUDA
+@pytest.mark.parametrize("change,says", [
+    ("tables[0, 0, (int(lengths[0, 0]) - 1) // block_size] = args[0].shape[0]",
+     r"block table index out of range: block_tables\[0, \d+\] \(b \* H \+ h, entry\) = \d+ is used but not in \[0, \d+\)"),
+    ("lengths[0, 0] = tables.shape[2] * block_size + 1",
+     r"expected every length in \[q = 2, max_blocks \* block size = \d+\], got lengths\[0\] \(b \* H \+ h\) = \d+"),
+], ids=["block", "length"])
+def test_bad_tables_checked_on_the_device_stop_the_kernel(change, says):
+    """A bad table the host did not read stops the kernel with a device-side assert naming the op and the entry (in
+    a subprocess: the assert leaves its CUDA context unusable)."""
+    done = subprocess.run([sys.executable, "-c", BAD_TABLE_ON_DEVICE.format(change=change)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+                          env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+    assert done.returncode != 0
+    assert "device-side assert" in done.stderr
+    assert re.search("kvcomp::kvzap_paged_step: " + says, done.stdout + done.stderr)

@@ -133,10 +133,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvzap_decode_step_cpu
 
 at::Tensor kvzap_paged_step_cpu(at::Tensor& log_weight_blocks, at::Tensor& score_blocks, at::Tensor& position_blocks,
                                 const at::Tensor& block_tables, const at::Tensor& lengths, const at::Tensor& new_scores,
-                                double threshold, int64_t window, int64_t tokens_before) {
+                                double threshold, int64_t window, int64_t tokens_before, bool check_tables_on_device) {
   const KVzapPagedStepShape shape = check_kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks,
                                                            block_tables, lengths, new_scores, threshold, window,
-                                                           tokens_before);
+                                                           tokens_before, check_tables_on_device);
   at::Tensor held = at::empty({shape.batch, shape.heads}, lengths.options());
   const at::Tensor tables_c = block_tables.contiguous(), lengths_c = lengths.contiguous();
   const at::Tensor new_scores_c = new_scores.contiguous();

@@ -9,7 +9,8 @@
 //     the held ones, and one atomicAdd per block adds them to the row's count (integers: the order does not matter).
 //     Nothing waits on the host: the decoding step is three launches (two for a linear surrogate) and a memset.
 //   kvzap_paged_step: one thread per (batch, head) row (a decoding pass decides about one slot per row); the block
-//     tables' check before it is the one host sync.
+//     tables' check before it is the one host sync, unless the caller asks for it in the kernel (check_tables_on_device:
+//     each thread asserts its row's length and the table entries it reads, nothing waits on the host).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -356,6 +357,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kvzap_decode_step_cud
   return state.outputs(held);
 }
 
+// The row's length in [q, max_blocks * block_size] and every table entry of the slots the step touches in
+// [0, num_blocks), asserted on the device (as PyTorch's index kernels do), where the host checked nothing.
+__device__ bool row_tables_in_range(const z::PagedRow& paged, int64_t row, int64_t max_blocks, int64_t num_blocks,
+                                    int64_t new_tokens, int64_t tokens_before, int64_t window) {
+  const int64_t capacity = max_blocks * paged.block_size;
+  const bool length_in_range = paged.length >= new_tokens && paged.length <= capacity;
+  CUDA_KERNEL_ASSERT_PRINTF(length_in_range,
+                            "kvcomp::kvzap_paged_step: expected every length in [q = %lld, max_blocks * block size = "
+                            "%lld], got lengths[%lld] (b * H + h) = %lld",
+                            static_cast<long long>(new_tokens), static_cast<long long>(capacity),
+                            static_cast<long long>(row), static_cast<long long>(paged.length));
+  if (!length_in_range) return false;
+  const int64_t first = z::first_slot_touched(paged.length, new_tokens, tokens_before, window) / paged.block_size;
+  for (int64_t entry = first; entry <= (paged.length - 1) / paged.block_size; ++entry) {
+    const int64_t block = paged.table[entry];
+    CUDA_KERNEL_ASSERT_PRINTF(block >= 0 && block < num_blocks,
+                              "kvcomp::kvzap_paged_step: block table index out of range: block_tables[%lld, %lld] "
+                              "(b * H + h, entry) = %lld is used but not in [0, %lld)",
+                              static_cast<long long>(row), static_cast<long long>(entry),
+                              static_cast<long long>(block), static_cast<long long>(num_blocks));
+    if (block < 0 || block >= num_blocks) return false;
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads)
     kvzap_paged_step_kernel(float* __restrict__ log_weights,  // [N * S]
                             float* __restrict__ scores,  // [N * S]
@@ -364,11 +390,16 @@ __global__ void __launch_bounds__(kThreads)
                             const int64_t* __restrict__ lengths,  // [B * H]
                             const float* __restrict__ new_scores,  // [B * H, q]
                             int64_t* __restrict__ held,  // [B * H]
-                            int64_t rows, int64_t max_blocks, int64_t block_size, int64_t new_tokens,
-                            int64_t tokens_before, int64_t window, float threshold) {
+                            int64_t rows, int64_t max_blocks, int64_t block_size, int64_t num_blocks,
+                            int64_t new_tokens, int64_t tokens_before, int64_t window, float threshold,
+                            bool check_tables) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (row >= rows) return;
   const z::PagedRow paged{block_tables + row * max_blocks, block_size, lengths[row]};
+  if (check_tables && !row_tables_in_range(paged, row, max_blocks, num_blocks, new_tokens, tokens_before, window)) {
+    held[row] = -1;  // (after a device-side assert, which ends the stream's work)
+    return;
+  }
   held[row] = z::paged_step_row(log_weights, scores, positions, paged, new_scores + row * new_tokens, new_tokens,
                                 tokens_before, window, threshold);
 }
@@ -376,10 +407,10 @@ __global__ void __launch_bounds__(kThreads)
 at::Tensor kvzap_paged_step_cuda(at::Tensor& log_weight_blocks, at::Tensor& score_blocks, at::Tensor& position_blocks,
                                  const at::Tensor& block_tables, const at::Tensor& lengths,
                                  const at::Tensor& new_scores, double threshold, int64_t window,
-                                 int64_t tokens_before) {
+                                 int64_t tokens_before, bool check_tables_on_device) {
   const KVzapPagedStepShape shape = check_kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks,
                                                            block_tables, lengths, new_scores, threshold, window,
-                                                           tokens_before);
+                                                           tokens_before, check_tables_on_device);
   const c10::cuda::OptionalCUDAGuard device_guard(log_weight_blocks.device());
   at::Tensor held = at::empty({shape.batch, shape.heads}, lengths.options());
   if (shape.rows() == 0) return held;
@@ -391,8 +422,8 @@ at::Tensor kvzap_paged_step_cuda(at::Tensor& log_weight_blocks, at::Tensor& scor
       log_weight_blocks.mutable_data_ptr<float>(), score_blocks.mutable_data_ptr<float>(),
       position_blocks.mutable_data_ptr<int64_t>(), tables_c.const_data_ptr<int64_t>(),
       lengths_c.const_data_ptr<int64_t>(), new_scores_c.const_data_ptr<float>(), held.mutable_data_ptr<int64_t>(),
-      shape.rows(), shape.max_blocks, shape.block_size, shape.new_tokens, tokens_before, window,
-      static_cast<float>(threshold));
+      shape.rows(), shape.max_blocks, shape.block_size, log_weight_blocks.size(0), shape.new_tokens, tokens_before,
+      window, static_cast<float>(threshold), check_tables_on_device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return held;
 }

@@ -106,6 +106,15 @@ struct PagedRow {
   KVCOMP_HOST_DEVICE int64_t pool_slot(int64_t slot) const { return kernels::pool_slot(table, slot, block_size); }
 };
 
+// The first of the row's slots paged_step_row touches (it touches every slot from there to the row's last): the q new
+// tokens', and the D leaving the window's from length - window - D on. Requires length >= q.
+KVCOMP_HOST_DEVICE inline int64_t first_slot_touched(int64_t length, int64_t new_tokens, int64_t tokens_before,
+                                                     int64_t window) {
+  const DecisionRange range = decision_range(tokens_before, tokens_before + new_tokens, window);
+  const int64_t deciding = length - window - (range.end - range.begin);  // <= length - q whenever a token is decided
+  return range.end > range.begin && deciding >= 0 ? deciding : length - new_tokens;
+}
+
 // Writes the q new tokens' positions and scores into their slots (the row's last q), then, if the slots of the D
 // tokens leaving the window hold them in order, applies the keep rule to those slots. Returns how many of them are
 // held, or -1 (log-weights untouched) when they are not where the rule expects them. Requires length >= q.

@@ -278,9 +278,10 @@ class KVzapThresholdPress(KVCompDecodingPress):
         counters = layer.counters
         new_tokens, before = hidden_states.shape[1], counters["tokens"]
         in_order = self._rows_known_in_order(module.layer_idx, layer, new_tokens)
+        # The layer built its tables: checked in the kernel, they cost no host sync.
         held_now = ops.kvzap_paged_step(log_weight_blocks, layer.slot_blocks["scores"], layer.slot_blocks["positions"],
                                         block_tables, lengths, self.scorer.layer_scores(module, hidden_states),
-                                        self.threshold, self.sliding_window, before)
+                                        self.threshold, self.sliding_window, before, check_tables_on_device=True)
         first_decided = max(0, before - self.sliding_window)
         decided = max(0, before + new_tokens - self.sliding_window) - first_decided
         if decided and not in_order:

@@ -158,6 +158,18 @@ TEST(KVzapPagedStep, WithoutAWindowTheNewTokensAreDecidedAtOnce) {
   EXPECT_EQ(f.log_weights[f.pool(5)], 0.0f);
 }
 
+TEST(KVzapPagedStep, FirstSlotTouchedIsTheFirstDecidedOrElseTheFirstNewToken) {
+  // The fixtures above: window 3, one new token 9 over 7 slots decides slot 7 - 3 - 1 = 3.
+  EXPECT_EQ(z::first_slot_touched(7, 1, 9, 3), 3);
+  // Nothing decided before the window fills: only the two new tokens' slots.
+  EXPECT_EQ(z::first_slot_touched(2, 2, 0, 3), 0);
+  EXPECT_EQ(z::first_slot_touched(5, 2, 0, 3), 3);
+  // Window 0: the new tokens are the ones decided.
+  EXPECT_EQ(z::first_slot_touched(6, 2, 4, 0), 4);
+  // A row too short to hold the tokens leaving the window (padding before it): only the new token is written.
+  EXPECT_EQ(z::first_slot_touched(3, 1, 9, 3), 2);
+}
+
 TEST(KVzapDecodeStep, GrowsEachRowAndDecidesTheTokenLeavingTheWindow) {
   // Two rows of T = 3 state slots (positions 4, 6, 7: 5 evicted earlier and compacted away) and q = 2 new tokens
   // 8, 9 with window 2: the pass 8 -> 10 decides positions 6 and 7. Row 0 scores 6 below τ, row 1 scores 7 below it.

@@ -203,11 +203,13 @@ struct KVzapPagedStepShape {
 };
 
 // Checks shapes, dtypes, devices and the in-place pools, and the block tables' contents (check_block_table_contents,
-// every length in [q, max_blocks * block_size]: the q new tokens are each row's last slots): one host sync on a GPU.
+// every length in [q, max_blocks * block_size]: the q new tokens are each row's last slots): one host sync on a GPU,
+// unless check_tables_on_device leaves the contents to the kernel there.
 inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_blocks, const at::Tensor& score_blocks,
                                                   const at::Tensor& position_blocks, const at::Tensor& block_tables,
                                                   const at::Tensor& lengths, const at::Tensor& new_scores,
-                                                  double threshold, int64_t window, int64_t tokens_before) {
+                                                  double threshold, int64_t window, int64_t tokens_before,
+                                                  bool check_tables_on_device) {
   constexpr const char* op = "kvcomp::kvzap_paged_step";
   check_dim(op, "log_weight_blocks", log_weight_blocks, 2, "(N, S)");
   check_dim(op, "score_blocks", score_blocks, 2, "(N, S)");
@@ -248,8 +250,10 @@ inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_b
   check_inputs_apart(op, {{"log_weight_blocks", &log_weight_blocks}, {"score_blocks", &score_blocks},
                           {"position_blocks", &position_blocks}},
                      {{"block_tables", &block_tables}, {"lengths", &lengths}, {"new_scores", &new_scores}});
-  check_block_table_contents(op, block_tables, lengths, log_weight_blocks.size(0), shape.block_size, shape.new_tokens,
-                             "the q new tokens to max_blocks * block size");
+  if (!check_tables_on_device || lengths.is_cpu()) {
+    check_block_table_contents(op, block_tables, lengths, log_weight_blocks.size(0), shape.block_size,
+                               shape.new_tokens, "the q new tokens to max_blocks * block size");
+  }
   return shape;
 }
 
