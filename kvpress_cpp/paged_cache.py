@@ -387,7 +387,7 @@ class PagedLayer(CacheLayerMixin):
         used = self.block_tables[in_use]
         self.block_tables[in_use] = torch.arange(used.numel())
         self._forget_region()
-        index = used.to(self.device)
+        index = self._uploaded(used)
         self.key_blocks, self.value_blocks = self.key_blocks[index], self.value_blocks[index]
         self.slot_blocks = {name: pool[index] for name, pool in self.slot_blocks.items()}
         self.free_blocks = []
@@ -403,10 +403,7 @@ class PagedLayer(CacheLayerMixin):
     def attention_inputs(self) -> tuple[torch.Tensor, ...]:
         """(key_blocks, value_blocks, log_weight_blocks, block_tables, lengths) for ``ops.paged_decode_attention``."""
         if self._device_tables is None:
-            # non_blocking: from pageable memory the copy is staged before it returns, without waiting for the device,
-            # so the tables may be edited in place afterwards (not so were they pinned)
-            self._device_tables = (self.block_tables.to(self.device, non_blocking=True),
-                                   self.lengths.to(self.device, non_blocking=True))
+            self._device_tables = (self._uploaded(self.block_tables), self._uploaded(self.lengths))
         return (self.key_blocks, self.value_blocks, self.slot_blocks[_LOG_WEIGHTS], *self._device_tables)
 
     def probs_to_view(self, probs: torch.Tensor) -> torch.Tensor:
@@ -417,7 +414,7 @@ class PagedLayer(CacheLayerMixin):
         columns = self._view_columns()
         batch, heads, width = columns.shape
         padded = torch.nn.functional.pad(probs, (0, 1))  # column -1 reads the extra 0
-        index = torch.where(columns >= 0, columns, probs.shape[-1]).to(probs.device, non_blocking=True)
+        index = self._uploaded(torch.where(columns >= 0, columns, probs.shape[-1]))
         group_rows = probs.shape[1] // heads * probs.shape[2]
         gathered = padded.reshape(batch, heads, group_rows, -1).gather(
             -1, index.unsqueeze(2).expand(batch, heads, group_rows, width))
@@ -582,14 +579,20 @@ class PagedLayer(CacheLayerMixin):
 
     def _flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
-        return self._owned_slot_index().gather(-1, slots.to(self.device))
+        return self._owned_slot_index().gather(-1, self._uploaded(slots))
+
+    def _uploaded(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor of the layer's bookkeeping on the pools' device. non_blocking: from pageable memory the copy is
+        staged before it returns, without waiting for the work queued on the device (a blocking copy waits for all of
+        it), so the host tensor may be edited in place afterwards (not so were it pinned)."""
+        return tensor.to(self.device, non_blocking=True)
 
     def _owned_slot_index(self) -> torch.Tensor:
         """(B, H, entries * S) on the device: the pool index of every slot of every block table entry, kept until the
         tables change (a decoding step that stays within its blocks reuses it). A -1 entry (a slot beyond the head's
         length, read only under a mask) reads block 0."""
         if self._slot_index is None:
-            blocks = self.block_tables.clamp(min=0).to(self.device, non_blocking=True) * self.block_size
+            blocks = self._uploaded(self.block_tables.clamp(min=0)) * self.block_size
             self._slot_index = (blocks.unsqueeze(-1) + torch.arange(self.block_size, device=self.device)).flatten(2)
         return self._slot_index
 
@@ -638,7 +641,7 @@ class PagedLayer(CacheLayerMixin):
     def _pool_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool index (B, H, X) on the device of each head's slots (B, H, X) (block 0 where -1) and where it is real."""
         real = slots >= 0
-        return self._flat_slots(torch.where(real, slots, 0)), real.to(self.device)
+        return self._flat_slots(torch.where(real, slots, 0)), self._uploaded(real)
 
     def _view_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_pool_index` of the view's columns (None for "all real" when no head is padded), kept until the
@@ -810,7 +813,7 @@ class PagedLayer(CacheLayerMixin):
             self.bases = counts.clone()
             self._changed()
             slot = (keep.cumsum(-1) - 1).cpu()
-            flat = self._flat_slots(slot.clamp(min=0))[keep.to(self.device)]
+            flat = self._flat_slots(slot.clamp(min=0))[self._uploaded(keep)]
 
             def store(pool, tensor):
                 pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor[keep].reshape(-1, *pool.shape[2:]))
@@ -892,14 +895,14 @@ class PagedLayer(CacheLayerMixin):
         in_base = slot < self.bases.unsqueeze(-1)
         new_bases = (keep & in_base).sum(-1)
         new_lengths = keep.sum(-1)
-        source = self._flat_slots(torch.where(keep, slot, 0))[keep.to(self.device)]
+        source = self._flat_slots(torch.where(keep, slot, 0))[self._uploaded(keep)]
         saved = [pool.reshape(-1, *pool.shape[2:]).index_select(0, source)
                  for pool in (self.key_blocks, self.value_blocks, *self.slot_blocks.values())]
         self._resize(new_lengths)
         self.bases = new_bases
         self._changed()
         target_slot = (keep.cumsum(-1) - 1).clamp(min=0)
-        target = self._flat_slots(target_slot)[keep.to(self.device)]
+        target = self._flat_slots(target_slot)[self._uploaded(keep)]
         for pool, data in zip((self.key_blocks, self.value_blocks, *self.slot_blocks.values()), saved):
             pool.view(-1, *pool.shape[2:])[target] = data
 

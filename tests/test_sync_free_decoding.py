@@ -5,8 +5,9 @@ A sync in a decoding step costs a round trip per layer and token and rules out c
 (issue 20). On the CPU nothing waits, so the step runs under a dispatch mode that records every ATen operator whose
 CUDA implementation copies a result to the host: ``.item()``, ``int()``/``bool()``/``float()`` of a tensor
 (``_local_scalar_dense``), ``nonzero``, ``torch.where(condition)``, ``torch.equal``, indexing by a boolean mask,
-``unique``, ``repeat_interleave`` without an output size; and the copies to the host no operator shows on a CPU
-(``.tolist()``, ``.cpu()``, ``.numpy()``, ``.to("cpu")``).
+``unique``, ``repeat_interleave`` without an output size; the copies to the host no operator shows on a CPU
+(``.tolist()``, ``.cpu()``, ``.numpy()``, ``.to("cpu")``); and a copy to the device without ``non_blocking=True``,
+which waits for all the work queued there.
 
 Such a call syncs only when it reads a tensor that lives on the device. On a CPU both kinds share one memory, so the
 mode follows where each tensor would live on a GPU: a tensor made with a ``device`` argument, or computed from one
@@ -116,6 +117,8 @@ class RecordSyncs(TorchDispatchMode):
             if not isinstance(result, torch.Tensor):
                 return result
             if to_host or (name == "to" and _device(args, kwargs) is not None and not self.on_device(tensor)):
+                if not to_host and self.recording and not kwargs.get("non_blocking", False):
+                    self.calls.append("Tensor.to(device) without non_blocking")  # a copy that waits for the stream
                 if result is tensor:  # no copy on a CPU: a tensor of its own, so that it can be placed apart
                     result = tensor.clone(memory_format=torch.preserve_format)
                 if to_host:
@@ -173,7 +176,7 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
     with torch.inference_mode(inference_mode), RecordSyncs() as syncs:
         x = torch.arange(6.0, device="cpu")
         x.sum().item(), int(x[0]), bool(x[1] > 0), torch.equal(x, x), x[x > 2], x.nonzero(), x.unique()
-        torch.repeat_interleave(torch.tensor([1, 2]).to(x.device))
+        torch.repeat_interleave(torch.tensor([1, 2]).to(x.device, non_blocking=True))
         y = x.clone()
         y[x > 3] = 0.0
         torch.where(x > 2), torch.nonzero(x, as_tuple=True), x.narrow(0, torch.ones((), dtype=torch.long, device="cpu"), 2)
@@ -191,7 +194,9 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
     with RecordSyncs() as syncs:
         moved = (torch.arange(6) * 2).to(torch.device("cpu"), non_blocking=True)
         int(moved[0]), moved.tolist()
-    assert len(syncs.calls) == 2, syncs.calls
+        torch.arange(6).to(torch.device("cpu"))  # a blocking copy to the device waits for the work queued there
+    assert syncs.calls == ["aten._local_scalar_dense.default", "Tensor.tolist",
+                           "Tensor.to(device) without non_blocking"], syncs.calls
 
 
 # Every decoding press on both caches. On a PagedKVCache the presses that merge down to a fixed budget keep every
