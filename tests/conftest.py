@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -11,13 +12,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never touch a model h
 from tests.models import make_tiny_llama, make_tiny_qwen3  # noqa: E402
 
 
+# The reasons of the skips that leave a test to a machine with a GPU ("no CUDA", "needs two GPUs", ...).
+_NEEDS_A_GPU = re.compile(r"CUDA|GPU")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "kvpress_hooks: runs kvpress's own forward hooks, which need the transformers "
                                        "range kvpress declares (tests/kvpress_hooks.py)")
+    config.addinivalue_line("markers", "cuda: runs only where CUDA is (set on every test skipped without it), so that "
+                                       "`make gpu-check`'s `-k cuda` selects it whatever its name")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k deselects
 def pytest_collection_modifyitems(config, items):
     from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
+
+    for item in items:
+        if any(_NEEDS_A_GPU.search(str(mark.kwargs.get("reason", ""))) for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
 
     mismatch = kvpress_transformers_mismatch()
     if mismatch:

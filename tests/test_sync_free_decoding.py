@@ -221,3 +221,23 @@ def record_a_step(model, name: str, cache, tmp_path) -> list[str]:
 def test_a_decoding_step_waits_on_nothing(model, name, cache_type, tmp_path):
     calls = record_a_step(model, name, cache_type(), tmp_path)
     assert calls == [], f"{name}'s decoding step syncs the host: {calls}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_a_paged_decoding_step_waits_on_nothing_on_cuda(name, tmp_path):
+    """On a GPU, PyTorch's sync debug mode raises at any wait for the device, inside a kvcomp op too (which the
+    recorder above cannot see). A paged step cannot be replayed from a CUDA graph (the cache uploads its tables when
+    they change), so this is its check on the device."""
+    model = make_model("cuda", torch.float32)
+    press = PRESSES[name](model, tmp_path)
+    with torch.inference_mode(), press(model):
+        cache = compressed_prompt(model, name, PagedKVCache())
+        step(model, torch.tensor([[3], [4]], device="cuda"), cache, visible(model, cache.get_seq_length() + 1))
+        token, mask = torch.tensor([[5], [7]], device="cuda"), visible(model, cache.get_seq_length() + 1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(model, token, cache, mask)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
