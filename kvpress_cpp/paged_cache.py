@@ -861,11 +861,15 @@ class PagedLayer(CacheLayerMixin):
                        for name, tensor in state.per_slot.items())):
             return False
         index, real = self._view_layout()
-        dead = log_weights == float("-inf")
-        if real is not None:
-            dead &= real
-        if bool((dead.sum(-1) > 2 * self.block_size).any()):
-            return False
+        # A press that keeps every slot it is given, over a view of held slots only (a merging press's step under its
+        # budget), stores no dead slot: nothing to count, and nothing read back.
+        all_held = state.keeps_held_slots and self._every_slot_held()
+        if not all_held:
+            dead = log_weights == float("-inf")
+            if real is not None:
+                dead &= real
+            if bool((dead.sum(-1) > 2 * self.block_size).any()):
+                return False
         tensors = {**state.per_slot, _LOG_WEIGHTS: log_weights.float()}
         if real is None and self._regular_region() is not None:
             for name, tensor in tensors.items():
@@ -880,7 +884,7 @@ class PagedLayer(CacheLayerMixin):
         self.bases = self.lengths.clone()
         self._changed()
         self.counters = state.counters
-        self._may_hold_dead_slots = True
+        self._may_hold_dead_slots = not all_held
         self.rearrangements += 1
         return True
 

@@ -30,7 +30,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import DynamicCache
 
 from kvpress_cpp.paged_cache import PagedKVCache
-from tests.decoding_step import PRESSES, compressed_prompt, make_model, step, visible
+from kvpress_cpp.presses import KeepKVPress, WeightedKVPress, ZSMergePress
+from tests.decoding_step import PRESSES, PROMPT, compressed_prompt, make_model, step, visible
 
 aten = torch.ops.aten
 # Operators whose CUDA kernels read a device value on the host (to size their output or to answer a Python scalar).
@@ -221,6 +222,31 @@ def record_a_step(model, name: str, cache, tmp_path) -> list[str]:
 def test_a_decoding_step_waits_on_nothing(model, name, cache_type, tmp_path):
     calls = record_a_step(model, name, cache_type(), tmp_path)
     assert calls == [], f"{name}'s decoding step syncs the host: {calls}"
+
+
+# A prompt shorter than the budget: the merging presses' steps append without merging (ZSMerge and WeightedKV hand back
+# the view's own keys and values), on a PagedKVCache as on a DynamicCache without a read back.
+UNDER_BUDGET = {
+    "ZSMerge": lambda: ZSMergePress(budget=200),
+    "WeightedKV": lambda: WeightedKVPress(cache_size=200, recent=8),
+    "KeepKV": lambda: KeepKVPress(budget=200, recent=8),
+}
+UNDER_BUDGET_CASES = [(name, kind) for kind in (DynamicCache, PagedKVCache) for name in sorted(UNDER_BUDGET)]
+
+
+@pytest.mark.parametrize("name,cache_type", UNDER_BUDGET_CASES,
+                         ids=[f"{name}-{kind.__name__}" for name, kind in UNDER_BUDGET_CASES])
+def test_a_step_under_the_budget_waits_on_nothing(model, name, cache_type):
+    press, cache = UNDER_BUDGET[name](), cache_type()
+    prompt = torch.randint(2, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), press(model), RecordSyncs(recording=False) as syncs:
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        for token in ([[3], [4]], [[5], [7]]):
+            slots = cache.get_seq_length()
+            syncs.recording = token == [[5], [7]]  # the second step, over what the first one stored
+            step(model, torch.tensor(token, device=model.device), cache, visible(model, slots + 1))
+    assert cache.get_seq_length() == PROMPT + 2  # nothing merged
+    assert syncs.calls == [], f"{name}'s decoding step under its budget syncs the host: {syncs.calls}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
