@@ -216,3 +216,24 @@ def test_bad_tables_checked_on_the_device_stop_the_kernel(change, says):
     assert done.returncode != 0
     assert "device-side assert" in done.stderr
     assert re.search("kvcomp::kvzap_paged_step: " + says, done.stdout + done.stderr)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_tokens_fed_outside_the_press_are_refused_as_on_the_rectangular_cache(window, surrogate_dir):
+    """Tokens appended while the press's context was closed have no scores in its state: the next pass in the context
+    is refused on both caches. Without a window the paged step decides only the new tokens, which it always finds in
+    their slots, so only the layer's own count of the slots appended since the press's write can tell."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 48)
+    errors = {}
+    for cache in (DynamicCache(), PagedKVCache(block_size=4)):
+        press = KVzapThresholdPress(threshold=0.0, sliding_window=window, surrogate_dir=surrogate_dir)
+        with torch.no_grad():
+            with press(model):
+                token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+                token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)  # outside the press
+            with press(model), pytest.raises(ValueError) as refused:
+                model(token, past_key_values=cache)
+        errors[type(cache).__name__] = str(refused.value)
+    assert errors["PagedKVCache"] == errors["DynamicCache"]

@@ -274,9 +274,16 @@ class KVzapThresholdPress(KVCompDecodingPress):
                 or kv_head_shard(module) is not None or module.layer_idx not in self._slots_held
                 or not {"scores", "positions"} <= set(layer.slot_blocks)):
             return False
+        new_tokens = hidden_states.shape[1]
+        if not torch.equal(layer.lengths - layer.bases, torch.full_like(layer.lengths, new_tokens)):
+            # Slots appended since the press last wrote the layer other than this pass's (tokens fed while its context
+            # was closed, which it has no scores for): the general path refuses them, as on a DynamicCache. (Host
+            # tensors: nothing read back. Without a window only this check sees them: the step then decides just the
+            # new tokens, which it always finds.)
+            return False
         _, _, log_weight_blocks, block_tables, lengths = layer.attention_inputs()
         counters = layer.counters
-        new_tokens, before = hidden_states.shape[1], counters["tokens"]
+        before = counters["tokens"]
         in_order = self._rows_known_in_order(module.layer_idx, layer, new_tokens)
         # The layer built its tables: checked in the kernel, they cost no host sync.
         held_now = ops.kvzap_paged_step(log_weight_blocks, layer.slot_blocks["scores"], layer.slot_blocks["positions"],
