@@ -87,6 +87,9 @@ class RecordSyncs(TorchDispatchMode):
                        for index in indices or ())
         if packet is aten.repeat_interleave and kwargs.get("output_size") is not None:
             return False
+        if packet is aten.copy_:  # into a host tensor from a device one (``host[...] = x``, ``host.copy_(x)``)
+            return (len(args) > 1 and isinstance(args[1], torch.Tensor) and not self.on_device(args[0])
+                    and self.on_device(args[1]))
         return (packet in SYNCING or func in SYNCING_OVERLOADS) and any(self.on_device(tensor) for tensor in inputs)
 
     def _watch(self, name: str, replacement):
@@ -182,7 +185,9 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
         y[x > 3] = 0.0
         torch.where(x > 2), torch.nonzero(x, as_tuple=True), x.narrow(0, torch.ones((), dtype=torch.long, device="cpu"), 2)
         x.tolist(), x.cpu(), x.numpy(), x.to("cpu"), x.to(device="cpu")
-    assert len(syncs.calls) == 17, syncs.calls
+        on_host = torch.zeros(6)
+        on_host.copy_(x), on_host.__setitem__(slice(0, 2), x[:2])
+    assert len(syncs.calls) == 19, syncs.calls
     with torch.inference_mode(inference_mode), RecordSyncs() as syncs:
         x = torch.arange(6.0, device="cpu")
         torch.topk(x, 2), x.masked_fill(x > 2, 0.0), x[torch.tensor([0, 2])], torch.where(x > 1, x, 0.0)
@@ -191,6 +196,7 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
         on_host = torch.arange(6) * 2
         on_host.sum().item(), int(on_host[0]), bool((on_host > 0).all()), on_host.nonzero(), on_host.tolist()
         x[on_host > 4], torch.tensor([1, 2]).tolist(), torch.full((2,), 3).max().item()
+        x.copy_(on_host), on_host.copy_(on_host * 2), on_host.to(x.device).copy_(x)
     assert syncs.calls == []
     with RecordSyncs() as syncs:
         moved = (torch.arange(6) * 2).to(torch.device("cpu"), non_blocking=True)
