@@ -196,7 +196,7 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
         on_host = torch.arange(6) * 2
         on_host.sum().item(), int(on_host[0]), bool((on_host > 0).all()), on_host.nonzero(), on_host.tolist()
         x[on_host > 4], torch.tensor([1, 2]).tolist(), torch.full((2,), 3).max().item()
-        x.copy_(on_host), on_host.copy_(on_host * 2), on_host.to(x.device).copy_(x)
+        x.copy_(on_host), on_host.copy_(on_host * 2), on_host.to(x.device, non_blocking=True).copy_(x)
     assert syncs.calls == []
     with RecordSyncs() as syncs:
         moved = (torch.arange(6) * 2).to(torch.device("cpu"), non_blocking=True)
