@@ -110,6 +110,9 @@ class PagedLayer(CacheLayerMixin):
         # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
+        # The position of the next token appended without a cache_position (a host integer, so that no append reads
+        # the device), None where positions were last given on the device.
+        self._next_position: int | None = 0
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
@@ -181,8 +184,15 @@ class PagedLayer(CacheLayerMixin):
         self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
             0, slots, value_states.reshape(-1, value_states.shape[-1]))
         positions = (cache_kwargs or {}).get("cache_position")
-        if positions is None:
-            positions = torch.arange(new_tokens, device=self.device) + int(self._max_position()) + 1
+        if positions is None:  # (transformers 5.17 passes none) the tokens follow the last one appended
+            if is_prefill:
+                self._next_position = 0
+            elif self._next_position is None:  # positions were given before, on the device: one read
+                self._next_position = int(self.slot_blocks[_POSITIONS].max()) + 1
+            positions = torch.arange(self._next_position, self._next_position + new_tokens, device=self.device)
+            self._next_position += new_tokens
+        else:
+            self._next_position = None  # known on the device only
         # The press's own per-slot pools are left as they are: a press reads a slot's state only once it has
         # written it (get_state covers the columns of its last write).
         self.slot_blocks[_LOG_WEIGHTS].view(-1).index_fill_(0, slots, 0)
@@ -721,9 +731,6 @@ class PagedLayer(CacheLayerMixin):
         if self._view is None:
             self._view = (self._gather_view(self.key_blocks, 0), self._gather_view(self.value_blocks, 0))
         return self._view
-
-    def _max_position(self) -> int:
-        return int(self.slot_blocks[_POSITIONS].max()) if self.blocks_in_use() else -1
 
     # ------------------------------------------------------------------------------------------------------------
     # Writes

@@ -273,3 +273,22 @@ def test_write_of_the_wrong_shape():
     with pytest.raises(ValueError, match=r"PagedKVCache: a press wrote keys of shape \(1, 3, 5, 4\) to a layer of "
                                          r"\(1, 2\)"):
         layer.flush()
+
+
+def test_appends_without_cache_position_follow_the_tokens_appended():
+    """transformers 5.17 gives no cache_position: each token is placed after the last one appended (the positions
+    kvpress's head-wise presses mark), a prompt over an emptied layer from 0 as in a new cache, and a press's rewrite
+    (its slots' positions unknown, -1) does not move that count back."""
+    cache = PagedKVCache(block_size=4)
+    keys = torch.randn(1, 2, 6, 8)
+    cache.update(keys, keys, 0)
+    cache.update(keys[:, :, :2], keys[:, :, :2], 0)
+    layer = cache.layers[0]
+    assert torch.equal(layer._slot_positions(), torch.arange(8).expand(1, 2, 8))
+    layer.keys, layer.values = layer.keys[:, :, :5].clone(), layer.values[:, :, :5].clone()
+    set_state(layer, LayerState(torch.zeros(1, 2, 5)))  # a press merged 8 tokens into 5 slots
+    cache.update(keys[:, :, :1], keys[:, :, :1], 0)
+    assert torch.equal(layer._slot_positions()[..., -1], torch.full((1, 2), 8))
+    layer.reset()
+    cache.update(keys[:, :, :3], keys[:, :, :3], 0)
+    assert torch.equal(layer._slot_positions(), torch.arange(3).expand(1, 2, 3))
