@@ -792,10 +792,9 @@ class PagedLayer(CacheLayerMixin):
             return
         else:
             log_weights = state.log_weights
-            # A decoding step usually keeps every slot. A press that keeps every slot it is given, over a view with no
-            # -inf (no padding column, no dead slot), needs no look; otherwise the minimum (two tensor ops and a read
+            # A decoding step usually keeps every slot: known on the host, or the minimum (two tensor ops and a read
             # back) decides, the mask only if needed.
-            all_kept = (not log_weights.numel() or (state.keeps_held_slots and self._every_slot_held())
+            all_kept = (not log_weights.numel() or self._known_to_hold_every_slot(state)
                         or log_weights.min().item() != float("-inf"))
         if all_kept:  # every column kept (presses that keep equal lengths): no selection
             if not self._resize_evenly(width):
@@ -847,10 +846,11 @@ class PagedLayer(CacheLayerMixin):
         self.counters = state.counters if state is not None else {}
         self._may_hold_dead_slots = False  # a slot of -inf was dropped, or (keeps_held_slots) none was given
 
-    def _every_slot_held(self) -> bool:
-        """Whether every column of the view holds a slot with a finite log-weight, known on the host: no head is
-        padded to another's length and no dead slot was stored."""
-        return bool(self._evenness()) and not self._may_hold_dead_slots
+    def _known_to_hold_every_slot(self, state: LayerState) -> bool:
+        """Whether a write of `state` holds every slot, known on the host: its press keeps every slot it is given
+        (``keeps_held_slots``), and every column of the view it was given held one (no head padded to another's
+        length, no dead slot stored)."""
+        return state.keeps_held_slots and bool(self._evenness()) and not self._may_hold_dead_slots
 
     def _store_state_in_place(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState) -> bool:
         """Store only the state when a press hands back the view's own keys and values (KVzap between its
@@ -870,7 +870,7 @@ class PagedLayer(CacheLayerMixin):
         index, real = self._view_layout()
         # A press that keeps every slot it is given, over a view of held slots only (a merging press's step under its
         # budget), stores no dead slot: nothing to count, and nothing read back.
-        all_held = state.keeps_held_slots and self._every_slot_held()
+        all_held = self._known_to_hold_every_slot(state)
         if not all_held:
             dead = log_weights == float("-inf")
             if real is not None:
@@ -892,7 +892,6 @@ class PagedLayer(CacheLayerMixin):
         self._changed()
         self.counters = state.counters
         self._may_hold_dead_slots = not all_held
-        self.rearrangements += 1
         return True
 
     def _evict(self, evicted: torch.Tensor) -> None:

@@ -216,7 +216,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
     compaction_slack: int = 32
     scorer: KVzapPress = field(init=False, repr=False, compare=False)
     # Per layer index, the paged layer whose rows a pass last found in position order at their end (the window and the
-    # tokens leaving it), as (weak reference, its rearrangements, its lengths) then: see _step_paged_layer.
+    # tokens leaving it), as (weak reference, its rearrangements then): see _step_paged_layer.
     _rows_in_order_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     #: Padding enters as slots of b = -inf, which the DMS rule never revives, so each row equals its run alone.
@@ -266,7 +266,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
         Whether the slots held those tokens is read back from the device only until a pass finds every row's last
         slots (the window and the tokens leaving it) holding consecutive positions: appending the next tokens keeps
         them so, and dropping dead slots (decided ones) leaves them be, so the passes that follow over a layer
-        nothing else rearranged (``PagedLayer.rearrangements``, the lengths grown by their own tokens) read nothing.
+        nothing else rearranged (``PagedLayer.rearrangements``; the slots appended since being the pass's own tokens is
+        checked first) read nothing.
         """
         state = layer.written_state()
         owner = state.owner() if state is not None and state.owner is not None else None
@@ -284,7 +285,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
         _, _, log_weight_blocks, block_tables, lengths = layer.attention_inputs()
         counters = layer.counters
         before = counters["tokens"]
-        in_order = self._rows_known_in_order(module.layer_idx, layer, new_tokens)
+        in_order = self._rows_known_in_order(module.layer_idx, layer)
         # The layer built its tables: checked in the kernel, they cost no host sync.
         held_now = ops.kvzap_paged_step(log_weight_blocks, layer.slot_blocks["scores"], layer.slot_blocks["positions"],
                                         block_tables, lengths, self.scorer.layer_scores(module, hidden_states),
@@ -307,19 +308,19 @@ class KVzapThresholdPress(KVCompDecodingPress):
             layer.drop_dead_slots()
             counters["since_compaction"] = 0
         if in_order:
-            self._rows_in_order_at[layer_idx] = (weakref.ref(layer), layer.rearrangements, layer.lengths)
+            self._rows_in_order_at[layer_idx] = (weakref.ref(layer), layer.rearrangements)
         else:
             self._rows_in_order_at.pop(layer_idx, None)
         self._count_later_tokens(layer_idx, batch * new_tokens)
         self._held_to_gather.add(layer_idx)
         return True
 
-    def _rows_known_in_order(self, layer_idx: int, layer: PagedLayer, new_tokens: int) -> bool:
-        """Whether a pass of this press found `layer`'s rows in order at their end, and since then only this pass's
-        `new_tokens` were appended (host integers and the host's lengths: nothing is read back)."""
+    def _rows_known_in_order(self, layer_idx: int, layer: PagedLayer) -> bool:
+        """Whether a pass of this press found `layer`'s rows in order at their end and nothing rearranged the layer
+        since (host integers: nothing is read back). That only this pass's tokens were appended since is the caller's
+        check (lengths - bases)."""
         known = self._rows_in_order_at.get(layer_idx)
-        return (known is not None and known[0]() is layer and known[1] == layer.rearrangements
-                and torch.equal(layer.lengths, known[2] + new_tokens))
+        return known is not None and known[0]() is layer and known[1] == layer.rearrangements
 
     @staticmethod
     def _read_rows(layer: PagedLayer, held_now: torch.Tensor, first: int, end: int) -> tuple[bool, bool]:
