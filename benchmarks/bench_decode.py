@@ -64,17 +64,18 @@ def build_model(name: str, device: str, dtype: torch.dtype):
     return model.eval(), None
 
 
-def prompt_ids(tokenizer, length: int, vocab_size: int, device: str) -> torch.Tensor:
-    """The first `length` tokens of Austen's novels, or random token ids for a random model."""
+def prompt_ids(tokenizer, length: int, vocab_size: int, device: str, batch: int = 1) -> torch.Tensor:
+    """(batch, length) prompts: consecutive `length`-token passages of Austen's novels from the start, or random token
+    ids for a random model."""
     if tokenizer is None:
         generator = torch.Generator().manual_seed(length)
-        return torch.randint(2, vocab_size, (1, length), generator=generator).to(device)
+        return torch.randint(2, vocab_size, (batch, length), generator=generator).to(device)
     from kvpress_cpp.texts import austen_text
 
-    text = austen_text()[: 8 * length]  # ~4.3 characters per token: enough for `length` tokens
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :length]
-    assert ids.shape[1] == length, f"only {ids.shape[1]} tokens of Austen, wanted {length}"
-    return ids.to(device)
+    text = austen_text()[: 8 * length * batch]  # ~4.3 characters per token: enough for `length` tokens a row
+    ids = tokenizer(text, return_tensors="pt").input_ids[0, : length * batch]
+    assert ids.numel() == length * batch, f"only {ids.numel()} tokens of Austen, wanted {batch} x {length}"
+    return ids.view(batch, length).to(device)
 
 
 class StepRecorder(LogitsProcessor):

@@ -37,11 +37,15 @@ def make_model(device: str, dtype: torch.dtype) -> LlamaForCausalLM:
 
 
 def layer_tensors(cache: DynamicCache) -> list[torch.Tensor]:
-    """Every tensor a decoding step reads or leaves: keys, values, log-weights and per-slot state of each layer."""
+    """Every tensor a decoding step reads or leaves: keys, values and, under a press, log-weights and per-slot state of
+    each layer."""
     tensors = []
     for layer in cache.layers:
+        tensors += [layer.keys, layer.values]
         state = get_state(layer)
-        tensors += [layer.keys, layer.values, state.log_weights, *state.per_slot.values()]
+        if state is None:  # a full cache's layer
+            continue
+        tensors += [state.log_weights, *state.per_slot.values()]
         tensors += [value for value in state.counters.values() if isinstance(value, torch.Tensor)]
     return tensors
 

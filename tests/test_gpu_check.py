@@ -102,6 +102,41 @@ def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatc
     assert next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))["met"] is True
 
 
+def test_replayed_decode_target_compares_each_press_with_the_full_cache(tmp_path, monkeypatch):
+    """Issue 20's 3x at 32k, read from the graphs stage's replayed steps: each press's tokens/s over the full cache's
+    in the same run. A case that ran out of memory gives no figure: met only once every press has one, not met as
+    soon as one falls short; without the full cache's there is no figure at all."""
+    import json
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+
+    def replayed_check(rows):
+        (tmp_path / f"{gpu_check.GRAPHS_NAME}.json").write_text(json.dumps({"rows": rows}))
+        return next(c for c in gpu_check.targets({}) if c["target"].startswith("32k, 10% budget, steps replayed"))
+
+    full = {"prompt": 32768, "batch": 12, "method": "full", "graph_tok_s": 100.0}
+    rows = [full, {"prompt": 32768, "batch": 12, "method": "KeepKV 10%", "graph_tok_s": 310.0},
+            {"prompt": 32768, "batch": 12, "method": "ZSMerge 10%", "error": "out of memory: ..."}]
+    rows.append({"prompt": 32768, "batch": 12, "method": "WeightedKV 10%", "graph_tok_s": 305.0})
+    check = replayed_check(rows)
+    assert check["value"] == {"KeepKV 10%, batch 12": 3.1, "WeightedKV 10%, batch 12": 3.05}
+    assert check["met"] is None  # ZSMerge's case did not run to the end
+    rows[2] = {"prompt": 32768, "batch": 12, "method": "ZSMerge 10%", "graph_tok_s": 330.0}
+    assert replayed_check(rows)["met"] is True
+    rows[3]["graph_tok_s"] = 250.0
+    assert replayed_check(rows)["met"] is False
+    assert replayed_check(rows[1:])["met"] is None
+
+
+@pytest.mark.parametrize("gib,batch", [(139.8, 12), (131.0, 11), (79.6, 6), (24.0, 1)])
+def test_the_replayed_batch_is_what_the_gpu_holds(gib, batch):
+    from benchmarks.gpu_check import replay_batch
+
+    assert replay_batch(int(gib * 2**30)) == batch
+
+
 def test_targets_read_only_the_results_this_check_wrote(tmp_path, monkeypatch):
     """A fresh clone holds the last session's committed result files in the output folder: the summary must not
     report their figures as measured now. A file written since the check began counts; so do the files an earlier

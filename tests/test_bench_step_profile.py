@@ -1,0 +1,56 @@
+"""bench_step_profile's decoding step as it replays it from a CUDA graph, where issue 20's "3x the full cache's tokens/s
+at 32k" is measured: the full cache held with one free slot computes what a DynamicCache's step computes, and no
+case's step waits on the device, which a capture would refuse (checked on the CPU with the sync recorder; the
+replays themselves need a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from benchmarks.bench_decode import PRESSES, build_model, prompt_ids
+from benchmarks.bench_step_profile import PreallocatedLayer, decoding_step
+from tests.test_sync_free_decoding import RecordSyncs
+
+PROMPT = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("random-llama-tiny", "cpu", torch.float32)[0]
+
+
+def prompts(model) -> torch.Tensor:
+    return prompt_ids(None, PROMPT, model.config.vocab_size, "cpu", batch=2)
+
+
+def test_every_step_over_the_preallocated_full_cache_is_a_dynamic_cache_step(model):
+    ids = prompts(model)
+    with decoding_step(model, ids, None, graphs=True) as (step, cache):
+        first, again = step(), step()
+        assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+        assert cache.get_seq_length() == PROMPT
+    with torch.inference_mode():
+        reference = DynamicCache()
+        token = model(ids, past_key_values=reference, use_cache=True).logits[:, -1:].argmax(-1)
+        expected = model(token, past_key_values=reference, use_cache=True).logits
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(again, expected)  # a replay repeats the step at position T, over the same slots
+
+
+def test_the_preallocated_layer_refuses_a_pass_of_several_tokens(model):
+    with decoding_step(model, prompts(model), None, graphs=True) as (step, cache):
+        with pytest.raises(ValueError, match="PreallocatedLayer holds one free slot: a decoding step of 2 tokens"):
+            model(torch.tensor([[3, 4], [5, 6]]), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("method", ["full", *PRESSES])
+def test_the_step_replayed_from_a_graph_waits_on_nothing(model, method):
+    press = None if method == "full" else PRESSES[method](0.25)
+    ids = prompts(model)
+    with RecordSyncs(recording=False) as syncs, decoding_step(model, ids, press, graphs=True) as (step, cache):
+        step()  # the press's decoding layout, the shapes every later step keeps
+        syncs.recording = True
+        step()
+    assert syncs.calls == [], f"{method}'s step syncs the host, which a CUDA graph capture refuses: {syncs.calls}"
