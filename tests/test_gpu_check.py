@@ -130,6 +130,30 @@ def test_replayed_decode_target_compares_each_press_with_the_full_cache(tmp_path
     assert replayed_check(rows[1:])["met"] is None
 
 
+def test_replayed_press_overhead_compares_with_the_full_cache_of_as_many_slots(tmp_path, monkeypatch):
+    """"A merging press adds <= 10% to the decode step", from replayed steps: the press's step at 32k with a 10%
+    budget over the full cache's step at a tenth of 32k, the same slots."""
+    import json
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    row = lambda prompt, method, ms: {"prompt": prompt, "batch": 12, "method": method, "graph_step_ms": ms,  # noqa: E731
+                                      "graph_tok_s": 12e3 / ms}
+    rows = [row(32768, "full", 40.0), row(32768, "KeepKV 10%", 10.5), row(32768, "ZSMerge 10%", 12.0)]
+    (tmp_path / f"{gpu_check.GRAPHS_NAME}.json").write_text(json.dumps({"rows": rows}))
+
+    def overhead_check():
+        return next(c for c in gpu_check.targets({}) if c["target"].startswith("a merging press adds <= 10% to the "
+                                                                                  "decode step replayed"))
+
+    assert overhead_check()["met"] is None  # no full cache at 3276 slots measured
+    rows.append(row(gpu_check.GRAPHS_SAME_SLOTS, "full", 10.0))
+    (tmp_path / f"{gpu_check.GRAPHS_NAME}.json").write_text(json.dumps({"rows": rows}))
+    check = overhead_check()
+    assert check["value"] == {"KeepKV 10%, batch 12": 0.05, "ZSMerge 10%, batch 12": 0.2} and check["met"] is False
+
+
 @pytest.mark.parametrize("gib,batch", [(139.8, 12), (131.0, 11), (79.6, 6), (24.0, 1)])
 def test_the_replayed_batch_is_what_the_gpu_holds(gib, batch):
     from benchmarks.gpu_check import replay_batch
