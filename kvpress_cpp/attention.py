@@ -38,7 +38,8 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import attached_layer, get_state, state_for_attention, tokens_held_at_close
+from kvpress_cpp.cache import (attached_layer, get_state, head_wise_marks_error, state_for_attention,
+                               tokens_held_at_close)
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
@@ -284,6 +285,12 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
                 return _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
+        if log_weights is None and query.shape[-2] == key.shape[-2]:
+            # A prefill: marks an earlier pass left are not this prompt's. kvpress's own wrapper clears them too, but
+            # the kept-scores path and eager attention do not call it, and a press of ours reads them (forward_hook).
+            module.masked_key_indices = None
+        elif log_weights is not None and getattr(module, "masked_key_indices", None) is not None:
+            raise head_wise_marks_error(get_state(attached_layer(module, key)).owner_name())
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
             _refuse_unsupported_variant(module, kwargs, "kvpress_cpp", lambda: key.shape[-2])
             _refuse_tokens_fed_again(attached_layer(module, key), query, kwargs)

@@ -133,6 +133,18 @@ def slots_rearranged_error(owner: str) -> RuntimeError:
         f"lines up with the cache. Place {owner} last, or alone")
 
 
+def head_wise_marks_error(owner: str) -> RuntimeError:
+    """What a pass over a layer `owner` compressed gets when a kvpress head-wise press (DMSPress, DuoAttentionPress,
+    CriticalAdaKVPress, ...) marked slots of it in ``module.masked_key_indices``: kvpress's attention wrapper hides
+    them, but the attention over a per-slot state (and a paged layer, which reads the marks as token positions) does
+    not see them as the slot indices they are, so they would silently do nothing (or evict other slots)."""
+    return RuntimeError(
+        f"{owner}: a kvpress press marked slots of a layer {owner} compressed for head-wise eviction "
+        f"(module.masked_key_indices, e.g. DMSPress, DuoAttentionPress or CriticalAdaKVPress after {owner} in a "
+        f"ComposedPress): the attention over {owner}'s per-slot state cannot honour those marks. Head-wise masking "
+        f"presses cannot be composed with {owner}")
+
+
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:
     """Raise unless `layer` can hold a press's per-slot state (a DynamicCache's layer, or a PagedKVCache's)."""
     if not isinstance(layer, DynamicLayer) and not getattr(layer, "holds_kvcomp_state", False):

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import LayerState, forget_tokens_held, slots_rearranged_error
+from kvpress_cpp.cache import LayerState, forget_tokens_held, head_wise_marks_error, slots_rearranged_error
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -323,6 +323,9 @@ class PagedLayer(CacheLayerMixin):
         marked = getattr(module, "masked_key_indices", None)
         if marked is not None:
             module.masked_key_indices = None
+            owner = self._state_written.owner_type if self.has_state and self._state_written is not None else None
+            if owner is not None:  # a press's slots, which the marks index, not token positions (head_wise_marks_error)
+                raise head_wise_marks_error(owner.__name__)
             self._evict_marked(*marked)
 
     def take_prompt_states(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalKVPress, DecodingPress,
+from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
+                     CriticalKVPress, DecodingPress,
                      DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
                      ScorerPress, ThinKPress)
 from transformers import DynamicCache, pipeline
@@ -184,6 +185,46 @@ def test_ours_after_a_kvpress_press(llama, make_press, name):
     assert all(held < heads * 24 for held in held_slots(cache))
     assert 0 < press.compression_ratio < 1
     assert composed.compression_ratio == pytest.approx(1 - 0.5 * (1 - press.compression_ratio))
+
+
+# kvpress's head-wise presses only mark slots (module.masked_key_indices) for its attention wrapper to hide; a threshold
+# no score reaches marks every token that leaves DMS's window.
+HEAD_WISE_PRESSES = {
+    "DMSPress": lambda: DMSPress(KnormPress(), threshold=1e9, sliding_window_size=4),
+    "CriticalAdaKVPress": lambda: CriticalAdaKVPress(KnormPress(0.5)),
+}
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("cache", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("head_wise", list(HEAD_WISE_PRESSES))
+@pytest.mark.parametrize("ours_first", [True, False], ids=["ours-first", "head-wise-first"])
+@pytest.mark.parametrize("name", NAMES)
+def test_head_wise_press_composed_with_ours_is_refused(llama, make_press, name, ours_first, head_wise, cache):
+    """Our attention over a layer with state never applied the marks (the generation equalled ours alone, while
+    ComposedPress reported the head-wise press's ratio too), and marks made before ours indexed tokens our
+    compression then moved."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    assert not torch.equal(greedy(model, ids, press=HEAD_WISE_PRESSES[head_wise](), max_new_tokens=6)[0],
+                           greedy(model, ids, max_new_tokens=6)[0])  # alone, its marks change the generation
+    presses = [make_press(name), HEAD_WISE_PRESSES[head_wise]()]
+    error = (RuntimeError, f"{name}: a kvpress press marked slots of a layer {name} compressed") if ours_first else (
+        ValueError, f"{name}: layer 0: a kvpress press before {name} marked tokens")
+    with pytest.raises(error[0], match=error[1]):
+        greedy(model, ids, press=ComposedPress(presses if ours_first else presses[::-1]), max_new_tokens=6,
+               cache=cache())
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("name", NAMES)
+def test_marks_left_by_an_earlier_head_wise_run_are_not_taken_for_ours(llama, make_press, name):
+    """kvpress clears a module's marks only at its next prefill; ours must not read an earlier run's as its own."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    expected, _ = greedy(model, ids, press=make_press(name), max_new_tokens=6)
+    greedy(model, ids, press=HEAD_WISE_PRESSES["DMSPress"](), max_new_tokens=6)
+    assert torch.equal(greedy(model, ids, press=make_press(name), max_new_tokens=6)[0], expected)
 
 
 @pytest.mark.parametrize("first, second", [("ZSMergePress", "GVotePress"), ("GVotePress", "KeepKVPress"),

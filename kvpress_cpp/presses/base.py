@@ -342,6 +342,7 @@ class KVCompPress(BasePress):
                               f"the press did nothing", stacklevel=2)
                 self._warned_without_cache = True
             return output
+        self._refuse_head_wise_marks(module)
         layer = cache.layers[layer_idx]
         check_cache_layer(layer, name)
         hidden_states = kwargs["hidden_states"]
@@ -395,6 +396,18 @@ class KVCompPress(BasePress):
             self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
             self._held_to_gather.add(layer_idx)
         return self._after_layer(module, output)
+
+    def _refuse_head_wise_marks(self, module: nn.Module) -> None:
+        """Raise if a kvpress head-wise press before ours in this pass marked tokens (``module.masked_key_indices``;
+        the prefill's attention cleared older marks). Checked before the layer is read: a paged layer evicts the marks
+        as token positions when it is next read, and our compression would move the tokens they index."""
+        if getattr(module, "masked_key_indices", None) is not None:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}: layer {module.layer_idx}: a kvpress press before {name} marked tokens for head-wise eviction "
+                f"(module.masked_key_indices, e.g. DMSPress, DuoAttentionPress or CriticalAdaKVPress in a "
+                f"ComposedPress); {name} compresses the cache into slots of its own, which those marks cannot follow. "
+                f"Head-wise masking presses cannot be composed with {name}")
 
     def _check_state_covers_held_slots(self, layer_idx: int, state: LayerState, slots_before: int) -> None:
         """Raise if the layer holds slots the press's per-slot state (scores, merge counts) does not cover: tokens a

@@ -249,6 +249,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
         return keys, values, state
 
     def forward_hook(self, module, input, kwargs, output):
+        self._refuse_head_wise_marks(module)  # before written_state() reads the layer (and evicts them)
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         layer = cache.layers[module.layer_idx] if cache is not None else None
         if isinstance(layer, PagedLayer) and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
