@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import AdaKVPress, DMSPress
+from kvpress import AdaKVPress, CriticalAdaKVPress, DMSPress, PerLayerCompressionPress
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
 from transformers import DynamicCache, pipeline
@@ -291,6 +291,26 @@ def test_dms_and_adakv_accept_our_scorer_under_generate(llama, surrogates):
         expected, _ = greedy(model, ids, press=make(theirs_scorer), max_new_tokens=12)
         got, _ = greedy(model, ids, press=make(ours_scorer), max_new_tokens=12)
         assert torch.equal(got, expected)
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("wrapper", [
+    pytest.param(lambda s: CriticalAdaKVPress(press=s), id="CriticalAdaKVPress"),
+    pytest.param(lambda s: PerLayerCompressionPress(press=s, compression_ratios=[0.3, 0.7]),
+                 id="PerLayerCompressionPress"),
+])
+def test_wrappers_that_skip_the_scorers_post_init_load_the_surrogate(llama, surrogates, wrapper):
+    """These kvpress wrappers never call their scorer's post_init_from_model, where our scorer loads its surrogate
+    (it raised 'no surrogate loaded' under `with press(model):`): it loads at its first score instead, and scores
+    as kvpress's own KVzapPress holding the same surrogate."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 96)
+    theirs_scorer = kvpress_scorer(model, "linear", surrogates["linear"])
+    ours_scorer = KVzapPress(model_type="linear", surrogate_dir=surrogates["linear"])
+    theirs_scorer.compression_ratio = ours_scorer.compression_ratio = 0.5
+    expected, _ = greedy(model, ids, press=wrapper(theirs_scorer), max_new_tokens=12)
+    got, _ = greedy(model, ids, press=wrapper(ours_scorer), max_new_tokens=12)
+    assert torch.equal(got, expected)
 
 
 def test_pipeline_compresses_prefill_and_decoding(llama, surrogates):

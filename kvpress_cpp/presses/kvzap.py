@@ -170,6 +170,10 @@ class KVzapPress(_KVzapScorer):
         """(weight1, bias1, weight2, bias2) of attention layer `module`'s surrogate (weight2 = bias2 = None for a linear
         one) on hidden_states' device and dtype, for the kv heads it holds (all of them, or a tensor-parallel rank's
         own)."""
+        if getattr(self, "kvzap_model", None) is None:
+            # Some kvpress wrappers (CriticalAdaKVPress, PerLayerCompressionPress) never pass post_init_from_model on
+            # to their scorer; it reads only the model's config, which the attention module shares.
+            self.post_init_from_model(module)
         weights = self.layer_weights(module.layer_idx, hidden_states.device, hidden_states.dtype,
                                      kv_head_shard(module))
         return (*weights, None, None)[:4]
