@@ -1,7 +1,10 @@
-"""kvpress's ``DMSPress`` and ``AdaKVPress`` on our cache, on padded batches and on tensor-parallel ranks.
+"""kvpress's ``DMSPress`` and ``AdaKVPress`` on our cache, on padded batches and on tensor-parallel ranks; kvpress's
+``ComposedPress`` and ``PrefillDecodingPress`` around our presses.
 
 Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
-``AdaKVPress.compress`` and both presses' ``post_init_from_model``; kvpress itself is unchanged.
+``AdaKVPress.compress``, both presses' ``post_init_from_model``, and ``ComposedPress.__call__`` and
+``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
+press(model):`` does, :func:`patch_wrapper_contexts`); kvpress itself is unchanged.
 
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
 head's own queries and keys (:data:`SHARDABLE_SCORERS`): ours read the layer's shard themselves; kvpress's read the
@@ -39,18 +42,19 @@ kvpress.
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
-from kvpress import AdaKVPress, DMSPress, SnapKVPress
+from kvpress import AdaKVPress, ComposedPress, DMSPress, PrefillDecodingPress, SnapKVPress
 from kvpress.presses.base_press import is_prefilling
 
 from kvpress_cpp.attention import padding_log_weights
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
-from kvpress_cpp.presses.base import _row_kwargs
+from kvpress_cpp.presses.base import KVCompPress, _row_kwargs
 from kvpress_cpp.presses.kvzap import KVzapPress
 
-__all__ = ["patch_dms_press", "patch_adakv_press", "SHARDABLE_SCORERS", "kvpress_transformers_mismatch"]
+__all__ = ["patch_dms_press", "patch_adakv_press", "patch_wrapper_contexts", "SHARDABLE_SCORERS",
+           "kvpress_transformers_mismatch"]
 
 #: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
 #: queries and keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
@@ -257,5 +261,47 @@ def patch_adakv_press() -> None:
     AdaKVPress.post_init_from_model = _refusing_unshardable_scorers(AdaKVPress.post_init_from_model)
 
 
+def _ours_inside(wrapper) -> list[KVCompPress]:
+    """The presses of ours a kvpress wrapper runs through its forward hook, nested wrappers included. Our own
+    decoding presses are PrefillDecodingPresses too, with neither field set: they open their context themselves."""
+    if isinstance(wrapper, KVCompPress):
+        return []
+    if isinstance(wrapper, ComposedPress):
+        inner = wrapper.presses
+    elif isinstance(wrapper, PrefillDecodingPress):
+        inner = [wrapper.prefilling_press, wrapper.decoding_press]
+    else:
+        return []
+    return [press for press in inner if isinstance(press, KVCompPress)] + [
+        ours for press in inner if not isinstance(press, KVCompPress) for ours in _ours_inside(press)]
+
+
+def patch_wrapper_contexts() -> None:
+    """Wrap ``ComposedPress.__call__`` and ``PrefillDecodingPress.__call__`` so that they also open the context of each
+    press of ours they hold (:meth:`KVCompPress.context_under`). kvpress's wrappers enter only their own context: ours
+    then never counted the positions its cache stands for, so a hand-written decoding loop placed new tokens at the
+    slot count (rotated as the wrong positions) and a second ``generate`` fed the context again, silently, where the
+    bare press refuses it. Idempotent."""
+    for wrapper in (ComposedPress, PrefillDecodingPress):
+        call = wrapper.__call__
+        if getattr(call, _PATCHED_ATTR, False):
+            continue
+
+        def adapted_call(self, model, call=call):
+            return _with_our_contexts(call, self, model)
+
+        setattr(adapted_call, _PATCHED_ATTR, True)
+        wrapper.__call__ = adapted_call
+
+
+@contextmanager
+def _with_our_contexts(call, wrapper, model):
+    with call(wrapper, model), ExitStack() as contexts:
+        for press in _ours_inside(wrapper):
+            contexts.enter_context(press.context_under(wrapper, model))
+        yield
+
+
 patch_dms_press()
 patch_adakv_press()
+patch_wrapper_contexts()

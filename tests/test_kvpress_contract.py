@@ -138,6 +138,54 @@ def test_composed_alone_acts_as_the_press(llama, make_press, name):
     assert composed.compression_ratio > 0
 
 
+WRAPPERS = {"ComposedPress": lambda press: ComposedPress([press]),
+            "PrefillDecodingPress": lambda press: PrefillDecodingPress(prefilling_press=press),
+            "nested": lambda press: PrefillDecodingPress(prefilling_press=ComposedPress([press]))}
+
+
+def loop_tokens(model, ids, press, explicit_positions: bool) -> torch.Tensor:
+    """Six greedy tokens of a hand-written decoding loop under `press`, each step's position given or left to the
+    model (which counts a compressed cache's slots: the press's context must place the token after its tokens)."""
+    cache, tokens = DynamicCache(), []
+    with torch.no_grad(), press(model):
+        logits = model(ids, past_key_values=cache).logits
+        for step in range(6):
+            tokens.append(logits[:, -1:].argmax(-1))
+            positions = {"position_ids": torch.tensor([[ids.shape[1] + step]])} if explicit_positions else {}
+            logits = model(tokens[-1], past_key_values=cache, **positions).logits
+    return torch.cat(tokens, dim=1)
+
+
+# PrefillDecodingPress's forward hook is kvpress's own (it reads the cache_position transformers 5.17 drops).
+WRAPPER_CASES = kvpress_hooks.cases(list(WRAPPERS), {"PrefillDecodingPress", "nested"})
+
+
+@pytest.mark.parametrize("wrapper", WRAPPER_CASES)
+@pytest.mark.parametrize("name", NAMES)
+def test_a_wrapped_press_places_a_loops_tokens_after_the_tokens_held(llama, make_press, name, wrapper):
+    """kvpress's wrappers enter their own context only: inside one, ours never counted the tokens its cache stands
+    for, and a loop that gives no positions had each new token placed at the compressed cache's slot count."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    placed = loop_tokens(model, ids, WRAPPERS[wrapper](make_press(name)), explicit_positions=False)
+    assert torch.equal(placed, loop_tokens(model, ids, WRAPPERS[wrapper](make_press(name)), explicit_positions=True))
+
+
+@pytest.mark.parametrize("wrapper", WRAPPER_CASES)
+@pytest.mark.parametrize("name", NAMES)
+def test_a_second_generate_through_a_wrapper_is_refused_as_through_the_press(llama, make_press, name, wrapper):
+    """A chat's next turn over a compressed cache feeds the context again (generate resumes from the slot count): the
+    bare press refuses it, and so must the press inside a wrapper, where it went through silently."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    cache = DynamicCache()
+    with torch.no_grad(), WRAPPERS[wrapper](make_press(name))(model), pytest.raises(
+            ValueError, match=f"{name}: this pass feeds .* tokens from position .*, but the cache already holds"):
+        first = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        model.generate(torch.cat([first, ids[:, :5]], dim=1), past_key_values=cache, max_new_tokens=4,
+                       do_sample=False)
+
+
 @kvpress_hooks.mark
 @pytest.mark.parametrize("cache", [DynamicCache, PagedKVCache])
 @pytest.mark.parametrize("name", NAMES)
@@ -231,7 +279,8 @@ def test_marks_left_by_an_earlier_head_wise_run_are_not_taken_for_ours(llama, ma
                                            ("KVzapThresholdPress", "WeightedKVPress")])
 def test_two_of_ours_on_one_cache_are_refused(llama, make_press, first, second):
     model, tokenizer = llama
-    with pytest.raises(ValueError, match=f"{second}: layer 0 holds the state of {first}"):
+    with pytest.raises(ValueError, match=f"{second}: {first} is already active on this LlamaForCausalLM; two "
+                                         f"kvpress_cpp presses cannot compress one cache"):
         greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([make_press(first), make_press(second)]),
                max_new_tokens=2)
 

@@ -33,7 +33,7 @@ import copy
 import numbers
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -517,6 +517,16 @@ class KVCompPress(BasePress):
 
     @contextmanager
     def __call__(self, model):
+        with self.context_under(self, model):
+            yield
+
+    @contextmanager
+    def context_under(self, hooking_press: BasePress, model):
+        """The press's context on `model`, its forward hook run by `hooking_press`: the press itself (``with
+        press(model):``, where kvpress registers the hook here), or a kvpress wrapper holding it (``ComposedPress``,
+        ``PrefillDecodingPress``), whose own context has registered the wrapper's hooks already and opens this one
+        inside it (kvpress_adapters). Either way the press counts the positions its cache stands for, refuses tokens
+        fed again and asks the attention for the prompt's scores."""
         name = type(self).__name__
         attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
         if not attention_modules or not isinstance(getattr(model, "model", None), nn.Module):
@@ -543,10 +553,10 @@ class KVCompPress(BasePress):
         hooks = [model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True),
                  model.model.register_forward_hook(self._record_slots, with_kwargs=True)]
         try:
-            with super().__call__(model):
+            with super().__call__(model) if hooking_press is self else nullcontext():
                 # The modules kvpress hooked (not Gemma 3's sliding layers, for one) are the ones the press acts on.
                 self._hooked_modules = [module for module in attention_modules if any(
-                    getattr(hook, "__self__", None) is self for hook in module._forward_hooks.values())]
+                    getattr(hook, "__self__", None) is hooking_press for hook in module._forward_hooks.values())]
                 for module in self._hooked_modules:
                     mark_press_active(module, name, True)
                 try:
