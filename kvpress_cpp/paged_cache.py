@@ -42,7 +42,22 @@ from kvpress_cpp.cache import LayerState, forget_tokens_held, head_wise_marks_er
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
-_UNSET = object()
+
+class _Unset:
+    """The marker of a part of the view not written since the last flush. Layers test it by identity, so a copy of a
+    layer (copy.deepcopy of a cache, to branch a generation) must keep this very object, not a new one."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "_UNSET"
+
+
+_UNSET = _Unset()
 _LOG_WEIGHTS, _POSITIONS = "log_weights", "token_positions"
 # Layers by the id of the key pool their update returned, for the attention path (weak: a dropped cache leaves nothing).
 _LAYERS_BY_POOL: "weakref.WeakValueDictionary[int, PagedLayer]" = weakref.WeakValueDictionary()

@@ -309,3 +309,37 @@ def test_prompt_lookup_decoding_on_a_paged_cache_gives_the_dynamic_caches_tokens
                                   prompt_lookup_num_tokens=3)
 
     torch.testing.assert_close(tokens(PagedKVCache()), tokens(DynamicCache()), rtol=0, atol=0)
+
+
+def steps(model, token, cache, count=5):
+    """`count` greedy tokens (B, count) fed one by one from `token` (B, 1), as generate's decoding steps."""
+    tokens = []
+    for _ in range(count):
+        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tokens.append(token)
+    return torch.cat(tokens, dim=1)
+
+
+@pytest.mark.parametrize("name", ["none", "zsmerge", "kvzap", "gvote"])
+def test_a_deep_copy_of_a_paged_cache_continues_as_the_original(name, surrogate_dir):
+    """copy.deepcopy of a paged cache (to branch a generation from one prefix) and the original each continue as the
+    DynamicCache does without a copy, under a press too. The copy's layers lost the marker of "nothing written through
+    the view" (a sentinel object, which deepcopy copied into a new one), so every use of the copy read that marker as
+    keys (an AttributeError)."""
+    import copy
+
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 64)
+
+    def prefill(cache):
+        return model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+
+    press = PRESSES[name](surrogate_dir)
+    with torch.no_grad(), press(model) if press is not None else nullcontext():
+        cache = DynamicCache()
+        expected = steps(model, prefill(cache), cache)
+        paged = PagedKVCache(block_size=4)
+        token = prefill(paged)
+        copied = copy.deepcopy(paged)
+        assert torch.equal(steps(model, token, copied), expected)
+        assert torch.equal(steps(model, token, paged), expected)
