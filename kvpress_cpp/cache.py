@@ -16,6 +16,7 @@ from __future__ import annotations
 import types
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -51,6 +52,10 @@ class LayerState:
     # -inf: a decoding step that merges or evicts to a fixed budget): a paged layer then stores it without reading
     # the log-weights back to look for slots to drop, a device sync per layer and step.
     keeps_held_slots: bool = field(default=False, compare=False)
+    # Whether the press lays each head's slots out at the right end of the cache, after -inf padding (a left-padded
+    # batch compressed row by row, which slices each row's slots from its padding on): a paged layer, which stores no
+    # padding, then shows each head's slots at the right of its view.
+    left_padded: ClassVar[bool] = False
     # The last align call's arguments and the tensors it left, weakly (a paged layer's state views its pools, which
     # must not outlive a trim): (slots_before, new_tokens, log_weights, value_probe, *per_slot tensors).
     _aligned: tuple | None = field(default=None, init=False, repr=False, compare=False)

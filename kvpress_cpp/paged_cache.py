@@ -122,6 +122,9 @@ class PagedLayer(CacheLayerMixin):
         # Whether a real slot may hold a log-weight of -inf (a press's dead slot, stored in place rather than dropped):
         # only where none can is a write that keeps every slot it was given known to hold every slot, unread.
         self._may_hold_dead_slots = False
+        # Whether the view shows each head's base slots at its right, after the padding, rather than from column 0:
+        # the layout of a press that left-pads (LayerState.left_padded), as long as its state is the layer's.
+        self._bases_at_right = False
         # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
@@ -188,7 +191,7 @@ class PagedLayer(CacheLayerMixin):
         if is_prefill:  # a new prompt over an emptied layer: no state of the old one is left, nor displaced (as
             # state_for_attention drops a DynamicLayer's), and the old one's token count is no longer this one's
             self.has_state, self.counters, self._state_displaced_from = False, {}, None
-            self._may_hold_dead_slots = False
+            self._may_hold_dead_slots = self._bases_at_right = False
             self.rearrangements += 1
             forget_tokens_held(self)
         if even:  # every head appends at column even[0]
@@ -249,6 +252,7 @@ class PagedLayer(CacheLayerMixin):
             self._resize(torch.zeros_like(self.lengths))
             self.bases = torch.zeros_like(self.lengths)
             self.has_state, self.counters, self._state_displaced_from = False, {}, None
+            self._bases_at_right = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -648,9 +652,9 @@ class PagedLayer(CacheLayerMixin):
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def _view_columns(self) -> torch.Tensor:
-        """(B, H, W) int64: the slot each column of the view shows, -1 for padding. Base slots sit at their own column,
-        the slots appended since at the end. Kept until the layout changes (the attention's probabilities and the view
-        of a step both need it)."""
+        """(B, H, W) int64: the slot each column of the view shows, -1 for padding. Base slots sit at their own column
+        (for a press that left-pads, shifted to end where the longest head's end), the slots appended since at the end.
+        Kept until the layout changes (the attention's probabilities and the view of a step both need it)."""
         if self._columns is None:
             self._columns = self._layout_columns()
         return self._columns
@@ -660,10 +664,13 @@ class PagedLayer(CacheLayerMixin):
         column = torch.arange(width)
         if bool((self.lengths == width).all()):  # no padding (heads of equal length): column t is slot t
             return column.expand(*self.lengths.shape, width)
-        appended = (self.lengths - self.bases).unsqueeze(-1)
+        bases = self.bases.unsqueeze(-1)
+        appended = self.lengths.unsqueeze(-1) - bases
         start = width - appended  # first column of the appended slots
-        slot = torch.where(column < self.bases.unsqueeze(-1), column, self.lengths.unsqueeze(-1) - (width - column))
-        real = (column < self.bases.unsqueeze(-1)) | (column >= start)
+        first = int(self.bases.max()) - bases if self._bases_at_right else torch.zeros_like(bases)  # of the base slots
+        in_base = (column >= first) & (column < first + bases)
+        slot = torch.where(in_base, column - first, self.lengths.unsqueeze(-1) - (width - column))
+        real = in_base | (column >= start)
         return torch.where(real, slot, -1)
 
     def _pool_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -789,7 +796,10 @@ class PagedLayer(CacheLayerMixin):
         appended = self.lengths - self.bases
         start = self._width() - appended
         kept_appended = (width - start).clamp(min=0).minimum(appended)
-        bases = self.bases.clamp(max=width)
+        if self._bases_at_right:  # each head's base ends at the longest one's
+            bases = (self.bases - max(int(self.bases.max()) - width, 0)).clamp(min=0)
+        else:
+            bases = self.bases.clamp(max=width)
         self._resize(bases + kept_appended)
         self.bases = bases
         self._changed()
@@ -863,6 +873,9 @@ class PagedLayer(CacheLayerMixin):
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
         self._may_hold_dead_slots = False  # a slot of -inf was dropped, or (keeps_held_slots) none was given
+        if self._bases_at_right != (state is not None and state.left_padded):
+            self._bases_at_right = not self._bases_at_right
+            self._changed()  # the layout moved
 
     def _known_to_hold_every_slot(self, state: LayerState) -> bool:
         """Whether a write of `state` holds every slot, known on the host: its press keeps every slot it is given
@@ -907,6 +920,7 @@ class PagedLayer(CacheLayerMixin):
                 self.slot_blocks[name].view(-1).index_copy_(0, flat, tensor)
         # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part).
         self.bases = self.lengths.clone()
+        self._bases_at_right = state.left_padded
         self._changed()
         self.counters = state.counters
         self._may_hold_dead_slots = not all_held

@@ -292,3 +292,38 @@ def test_appends_without_cache_position_follow_the_tokens_appended():
     layer.reset()
     cache.update(keys[:, :, :3], keys[:, :, :3], 0)
     assert torch.equal(layer._slot_positions(), torch.arange(3).expand(1, 2, 3))
+
+
+def test_a_left_padded_state_reads_back_as_written():
+    """A press that left-pads (a padded batch compressed row by row: each row's slots at the right, after -inf
+    padding) reads its write back as written, and the tokens appended after it, as a rectangular cache holds them; a
+    cut keeps each head's columns before it. The padding is not stored."""
+
+    class LeftPadded(LayerState):
+        left_padded = True
+
+    cache = PagedKVCache(block_size=2)
+    keys = torch.randn(2, 2, 6, 4)
+    cache.update(keys, -keys, 0)
+    layer = cache.layers[0]
+    log_weights = torch.zeros(2, 2, 6)
+    log_weights[1, :, :4] = -INF  # row 1 keeps its last 2 slots, after 4 of padding
+    written = keys.masked_fill(torch.isinf(log_weights).unsqueeze(-1), 0)
+    layer.keys, layer.values = written.clone(), -written.clone()
+    set_state(layer, LeftPadded(log_weights.clone(), {"scores": torch.arange(24.0).view(2, 2, 6)}))
+    check_allocator(layer)
+    assert layer.lengths.tolist() == [[6, 6], [2, 2]]
+    torch.testing.assert_close(layer.keys, written)
+    state = get_state(layer)
+    torch.testing.assert_close(state.log_weights, log_weights)
+    torch.testing.assert_close(state.per_slot["scores"][~torch.isinf(log_weights)],
+                               torch.arange(24.0).view(2, 2, 6)[~torch.isinf(log_weights)])
+    new = torch.randn(2, 2, 3, 4)
+    cache.update(new, -new, 0)
+    torch.testing.assert_close(layer.keys, torch.cat([written, new], dim=2))
+    torch.testing.assert_close(layer.values, -torch.cat([written, new], dim=2))
+    layer.keys, layer.values = layer.keys[:, :, :5], layer.values[:, :, :5]
+    layer.flush()
+    check_allocator(layer)
+    torch.testing.assert_close(layer.keys, written[:, :, :5])
+    assert layer.lengths.tolist() == [[5, 5], [1, 1]]

@@ -161,6 +161,22 @@ def test_padded_batch(attn):
         assert layer.lengths.tolist() == [[int(n)] * layer.lengths.shape[1] for n in real]
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv"])
+def test_padded_batch_with_a_row_under_the_budget(name, block_size, surrogate_dir):
+    """A left-padded batch under a press that compresses each row alone (RowStates), one row shorter than the budget:
+    every row gets the tokens it gets alone on a DynamicCache. The press lays such a row out after -inf padding, which
+    the paged layer does not store; its view showed the row's slots first and the padding after, so the press's next
+    pass read padding as the row's slots and the short row's tokens went wrong, silently."""
+    model, tokenizer = make_tiny_llama()
+    long, short = prompt_ids(tokenizer, 40), prompt_ids(tokenizer, 10)
+    ids = torch.cat([long, torch.nn.functional.pad(short, (30, 0))])
+    mask = torch.cat([torch.ones_like(long), torch.nn.functional.pad(torch.ones_like(short), (30, 0))])
+    expected = torch.cat([greedy(model, row, DynamicCache(), PRESSES[name](surrogate_dir)) for row in (long, short)])
+    got = greedy(model, ids, PagedKVCache(block_size=block_size), PRESSES[name](surrogate_dir), attention_mask=mask)
+    assert torch.equal(got, expected)
+
+
 PRESSES_ON_SMOLLM2 = {
     "zsmerge": lambda: ZSMergePress(budget=0.25),
     "weightedkv": lambda: WeightedKVPress(cache_size=0.25),

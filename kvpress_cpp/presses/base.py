@@ -125,6 +125,7 @@ class RowStates(LayerState):
 
     rows: list[LayerState] = field(default_factory=list)
     padding: list[int] = field(default_factory=list)
+    left_padded = True
 
     def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
         if self.log_weights.shape[-1] > slots_before:
