@@ -125,6 +125,10 @@ class PagedLayer(CacheLayerMixin):
         # Whether the view shows each head's base slots at its right, after the padding, rather than from column 0:
         # the layout of a press that left-pads (LayerState.left_padded), as long as its state is the layer's.
         self._bases_at_right = False
+        # The padding every row of the prefill had, which it dropped: generate counts it among the tokens held (the
+        # rectangular cache's width), where a second call resumes and what a rejected candidate is cropped to. Until
+        # something rewrites the layer, whose width is then what it wrote.
+        self.padding_dropped = 0
         # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
@@ -192,6 +196,7 @@ class PagedLayer(CacheLayerMixin):
             # state_for_attention drops a DynamicLayer's), and the old one's token count is no longer this one's
             self.has_state, self.counters, self._state_displaced_from = False, {}, None
             self._may_hold_dead_slots = self._bases_at_right = False
+            self.padding_dropped = 0
             self.rearrangements += 1
             forget_tokens_held(self)
         if even:  # every head appends at column even[0]
@@ -243,6 +248,8 @@ class PagedLayer(CacheLayerMixin):
             return
         if max_length < 0:
             max_length = self.get_seq_length() + max_length
+        else:  # counted as generate counts, with the padding the prefill dropped
+            max_length = max(max_length - self.padding_dropped, 0)
         if self.get_seq_length() > max_length:
             self._cut(max_length)
 
@@ -253,6 +260,7 @@ class PagedLayer(CacheLayerMixin):
             self.bases = torch.zeros_like(self.lengths)
             self.has_state, self.counters, self._state_displaced_from = False, {}, None
             self._bases_at_right = False
+            self.padding_dropped = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -456,6 +464,7 @@ class PagedLayer(CacheLayerMixin):
         """Evict the columns of the view whose log-weight (B, H, W) is -inf (the padding of a prefill)."""
         columns = self._view_columns()
         padding = (log_weights.cpu() == float("-inf")) & (columns >= 0)
+        self.padding_dropped = int(padding.sum(-1).min()) if padding.numel() else 0
         if bool(padding.any()):
             evicted = torch.zeros(*self.lengths.shape, self.longest_length(), dtype=torch.bool)
             b, h, c = padding.nonzero(as_tuple=True)
@@ -813,6 +822,7 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"PagedKVCache: a press wrote keys of shape {tuple(keys.shape)} to a layer of "
                              f"{tuple(self.lengths.shape)} (batch, kv heads)")
         self.rearrangements += 1
+        self.padding_dropped = 0
         if state is None:
             log_weights = torch.zeros(batch, heads, width, device=keys.device)
             all_kept = True
@@ -1017,6 +1027,12 @@ class PagedKVCache(Cache):
         PagedLayer(block_size)  # validates block_size before any layer exists
         self.block_size = block_size
         super().__init__(layer_class_to_replicate=lambda: PagedLayer(block_size))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens generate counts as held: the view's width, plus the padding every row of the prefill had (see
+        ``PagedLayer.padding_dropped``), as a DynamicCache's width holds it."""
+        length = super().get_seq_length(layer_idx)
+        return length + self.layers[layer_idx].padding_dropped if layer_idx < len(self.layers) else length
 
     def bytes_held(self) -> int:
         """Bytes of the blocks in use over all layers (keys, values, log-weights, positions, press state)."""

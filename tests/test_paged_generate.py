@@ -177,6 +177,30 @@ def test_padded_batch_with_a_row_under_the_budget(name, block_size, surrogate_di
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("case", ["prompt-lookup", "second-turn"])
+def test_padding_every_row_has_is_counted_as_generate_counts_it(case):
+    """A batch whose every row is left-padded (a batch of one padded to a multiple, say): generate counts the cache's
+    width (get_seq_length) as its tokens, where it resumes a second call and what it crops after rejected
+    prompt-lookup candidates, so the paged cache counts the padding its prefill dropped, as the rectangular cache's
+    width holds it. It did not: the second call re-fed tokens the cache held, at other positions, and the crop kept
+    the rejected candidates, silently."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 24)
+    ids = torch.cat([ids, ids[:, :10]], dim=1)  # a repeat, so that prompt lookup proposes candidates
+    padded = torch.nn.functional.pad(ids, (5, 0))
+    mask = torch.nn.functional.pad(torch.ones_like(ids), (5, 0))
+
+    def tokens(cache):
+        if case == "prompt-lookup":
+            return greedy(model, padded, cache, attention_mask=mask, prompt_lookup_num_tokens=3)
+        first = torch.cat([padded, greedy(model, padded, cache, attention_mask=mask)], dim=1)
+        follow_up = torch.cat([first, prompt_ids(tokenizer, 7)], dim=1)
+        return greedy(model, follow_up, cache, attention_mask=torch.nn.functional.pad(
+            torch.ones_like(follow_up[:, 5:]), (5, 0)))
+
+    assert torch.equal(tokens(PagedKVCache(block_size=4)), tokens(DynamicCache()))
+
+
 PRESSES_ON_SMOLLM2 = {
     "zsmerge": lambda: ZSMergePress(budget=0.25),
     "weightedkv": lambda: WeightedKVPress(cache_size=0.25),
