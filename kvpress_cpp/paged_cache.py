@@ -192,11 +192,9 @@ class PagedLayer(CacheLayerMixin):
             if even is False and new_tokens:  # heads of different lengths stay so, each q slots longer
                 self._even, self._widest = False, width + new_tokens
         self._prompt_states = (key_states, value_states) if is_prefill else None
-        if is_prefill:  # a new prompt over an emptied layer: no state of the old one is left, nor displaced (as
+        if is_prefill:  # a new prompt over an emptied layer: nothing of the old one is left, nor displaced (as
             # state_for_attention drops a DynamicLayer's), and the old one's token count is no longer this one's
-            self.has_state, self.counters, self._state_displaced_from = False, {}, None
-            self._may_hold_dead_slots = self._bases_at_right = False
-            self.padding_dropped = 0
+            self._forget_prompt()
             self.rearrangements += 1
             forget_tokens_held(self)
         if even:  # every head appends at column even[0]
@@ -258,9 +256,14 @@ class PagedLayer(CacheLayerMixin):
             self._pending_keys = self._pending_values = self._pending_state = _UNSET
             self._resize(torch.zeros_like(self.lengths))
             self.bases = torch.zeros_like(self.lengths)
-            self.has_state, self.counters, self._state_displaced_from = False, {}, None
-            self._bases_at_right = False
-            self.padding_dropped = 0
+            self._forget_prompt()
+
+    def _forget_prompt(self) -> None:
+        """What the layer knew of the prompt it held, once emptied: a press's state, its layout and the padding its
+        prefill dropped."""
+        self.has_state, self.counters, self._state_displaced_from = False, {}, None
+        self._may_hold_dead_slots = self._bases_at_right = False
+        self.padding_dropped = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -883,8 +886,9 @@ class PagedLayer(CacheLayerMixin):
         self.has_state = state is not None
         self.counters = state.counters if state is not None else {}
         self._may_hold_dead_slots = False  # a slot of -inf was dropped, or (keeps_held_slots) none was given
-        if self._bases_at_right != (state is not None and state.left_padded):
-            self._bases_at_right = not self._bases_at_right
+        left_padded = state is not None and state.left_padded
+        if self._bases_at_right != left_padded:
+            self._bases_at_right = left_padded
             self._changed()  # the layout moved
 
     def _known_to_hold_every_slot(self, state: LayerState) -> bool:
