@@ -25,7 +25,9 @@ the pools, not a copy. Whatever a press or kvpress writes back through that view
 * other keys and values (a kvpress press's compression): every column, as plain tokens.
 
 kvpress's head-wise presses (AdaKVPress, DMSPress, ...) only mark slots in ``module.masked_key_indices`` for its
-attention patch to hide; on a paged layer those slots are evicted for real, the next time the layer is used.
+attention patch to hide; on a paged layer those slots are evicted for real, the next time the layer is used. The
+rectangular cache keeps a masked slot's column, so the view keeps the columns those evictions empty (as padding between
+each head's base and appended slots): it stays as wide as the tokens the sequence stands for.
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ class PagedLayer(CacheLayerMixin):
         # rectangular cache's width), where a second call resumes and what a rejected candidate is cropped to. Until
         # something rewrites the layer, whose width is then what it wrote.
         self.padding_dropped = 0
+        # The columns of the view that the evictions of kvpress's head-wise marks emptied (no head holds a slot there),
+        # which the view keeps as padding: generate resumes a second call and crops at the view's width, and kvpress's
+        # pipeline cuts each answer at it (keys[:, :, :n]), all counted as the rectangular cache, whose masked slots
+        # keep their columns, counts them. Until something rewrites the layer, whose width is then what it wrote.
+        self.evicted_columns = 0
         # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
@@ -182,7 +189,8 @@ class PagedLayer(CacheLayerMixin):
             self._changed()
             self._even = (even[0] + new_tokens, even[1])
         else:
-            is_prefill = bool((before == 0).all())
+            # (a layer whose every slot the marks evicted still stands for its tokens: not a new prompt)
+            is_prefill = bool((before == 0).all()) and not self.evicted_columns
             after = before + new_tokens
             if bool((after <= self._owned_slots).all()):  # no head needs a new block
                 self.lengths = after
@@ -259,11 +267,11 @@ class PagedLayer(CacheLayerMixin):
             self._forget_prompt()
 
     def _forget_prompt(self) -> None:
-        """What the layer knew of the prompt it held, once emptied: a press's state, its layout and the padding its
-        prefill dropped."""
+        """What the layer knew of the prompt it held, once emptied: a press's state, its layout, the padding its
+        prefill dropped and the columns marks emptied."""
         self.has_state, self.counters, self._state_displaced_from = False, {}, None
         self._may_hold_dead_slots = self._bases_at_right = False
-        self.padding_dropped = 0
+        self.padding_dropped = self.evicted_columns = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -594,12 +602,14 @@ class PagedLayer(CacheLayerMixin):
         self._widest = self._state_index = None
 
     def _evenness(self) -> tuple[int, int] | bool:
-        """(length, base) when every head has the same length and the same base (no padding in the view: column t
-        is slot t), False otherwise; on host integers, kept until the lengths change, so that a decoding step of a
-        press keeping M slots per head decides its path without a tensor op."""
+        """(length, base) when every head has the same length and the same base and the view keeps no column for
+        evicted marks (no padding in the view: column t is slot t), False otherwise; on host integers, kept until the
+        lengths change, so that a decoding step of a press keeping M slots per head decides its path without a tensor
+        op."""
         if self._even is None:
             length, base = self.lengths.flatten()[:1], self.bases.flatten()[:1]
-            same = bool(length.numel()) and bool(((self.lengths == length) & (self.bases == base)).all())
+            same = (bool(length.numel()) and not self.evicted_columns
+                    and bool(((self.lengths == length) & (self.bases == base)).all()))
             self._even = (int(length), int(base)) if same else False
         return self._even
 
@@ -652,7 +662,8 @@ class PagedLayer(CacheLayerMixin):
             elif even:
                 self._widest = even[0]
             else:
-                self._widest = int(self.bases.max()) + int((self.lengths - self.bases).max())
+                self._widest = (int(self.bases.max()) + int((self.lengths - self.bases).max())
+                                + self.evicted_columns)
         return self._widest
 
     def longest_length(self) -> int:
@@ -806,16 +817,34 @@ class PagedLayer(CacheLayerMixin):
     def _cut(self, width: int) -> None:
         """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""
         appended = self.lengths - self.bases
-        start = self._width() - appended
-        kept_appended = (width - start).clamp(min=0).minimum(appended)
+        if self.evicted_columns:
+            kept_appended = self._appended_before(width)
+        else:
+            start = self._width() - appended
+            kept_appended = (width - start).clamp(min=0).minimum(appended)
         if self._bases_at_right:  # each head's base ends at the longest one's
             bases = (self.bases - max(int(self.bases.max()) - width, 0)).clamp(min=0)
         else:
             bases = self.bases.clamp(max=width)
         self._resize(bases + kept_appended)
         self.bases = bases
+        if self.evicted_columns:  # as wide as the rectangular cache cut to `width`
+            self.evicted_columns = width - int(bases.max()) - int(kept_appended.max())
         self._changed()
         self.rearrangements += 1
+
+    def _appended_before(self, width: int) -> torch.Tensor:
+        """(B, H): each head's appended slots that the rectangular cache holds before column `width`, where marks
+        evicted some: a head's appended slots sit at the right of the view, so one that lost a slot among the last
+        columns shows its earlier ones a column further right than the rectangular cache, and its columns no longer
+        tell which tokens a cut removes. Their positions do: the appended tokens follow one another up to the last
+        one held (the marks spare the latest tokens: DMSPress's sliding window, AdaKVPress's prompt-only marks)."""
+        positions = self._slot_positions()
+        slot = torch.arange(positions.shape[-1])
+        appended = (slot >= self.bases.unsqueeze(-1)) & (slot < self.lengths.unsqueeze(-1))
+        last = int(positions.max()) if positions.numel() else -1
+        first_cut = last + 1 - (self._width() - width)
+        return (appended & (positions < first_cut)).sum(-1)
 
     def _rewrite(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState | None) -> None:
         """Store rectangular keys, values (B, H, T, d) and their state: each head keeps its columns whose log-weight
@@ -837,6 +866,7 @@ class PagedLayer(CacheLayerMixin):
             # back) decides, the mask only if needed.
             all_kept = (not log_weights.numel() or self._known_to_hold_every_slot(state)
                         or log_weights.min().item() != float("-inf"))
+        self.evicted_columns = 0  # the layer is as wide as what was written (once all_kept read the view's padding)
         if all_kept:  # every column kept (presses that keep equal lengths): no selection
             if not self._resize_evenly(width):
                 self._resize(torch.full((batch, heads), width, dtype=torch.long))
@@ -932,8 +962,10 @@ class PagedLayer(CacheLayerMixin):
             for name, tensor in tensors.items():
                 tensor = tensor.reshape(-1) if rows is None else tensor.reshape(-1).index_select(0, rows)
                 self.slot_blocks[name].view(-1).index_copy_(0, flat, tensor)
-        # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part).
+        # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part), and
+        # keeps no column for evicted marks (as wide as the press's layout, as after a rewrite).
         self.bases = self.lengths.clone()
+        self.evicted_columns = 0
         self._bases_at_right = state.left_padded
         self._changed()
         self.counters = state.counters
@@ -974,7 +1006,10 @@ class PagedLayer(CacheLayerMixin):
         known = slot_positions >= 0
         evicted = marks.gather(-1, slot_positions.clamp(min=0)) & known
         if bool(evicted.any()):
+            width = self._width()
             self._evict(evicted)
+            self.evicted_columns += width - self._width()
+            self._changed()
 
     def _slot_positions(self) -> torch.Tensor:
         """(B, H, max length) int64 token position of each head's slots in slot order, -1 beyond its length."""
