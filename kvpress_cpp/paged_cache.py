@@ -136,6 +136,10 @@ class PagedLayer(CacheLayerMixin):
         # pipeline cuts each answer at it (keys[:, :, :n]), all counted as the rectangular cache, whose masked slots
         # keep their columns, counts them. Until something rewrites the layer, whose width is then what it wrote.
         self.evicted_columns = 0
+        # Whether marks evicted slots since the layer was last written: a head's appended slots after one it lost sit
+        # further right in the view than their tokens' columns in the rectangular cache, so a cut counts them by
+        # position (_appended_before).
+        self._marks_evicted = False
         # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
@@ -272,6 +276,7 @@ class PagedLayer(CacheLayerMixin):
         self.has_state, self.counters, self._state_displaced_from = False, {}, None
         self._may_hold_dead_slots = self._bases_at_right = False
         self.padding_dropped = self.evicted_columns = 0
+        self._marks_evicted = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -817,7 +822,7 @@ class PagedLayer(CacheLayerMixin):
     def _cut(self, width: int) -> None:
         """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""
         appended = self.lengths - self.bases
-        if self.evicted_columns:
+        if self._marks_evicted:
             kept_appended = self._appended_before(width)
         else:
             start = self._width() - appended
@@ -828,17 +833,17 @@ class PagedLayer(CacheLayerMixin):
             bases = self.bases.clamp(max=width)
         self._resize(bases + kept_appended)
         self.bases = bases
-        if self.evicted_columns:  # as wide as the rectangular cache cut to `width`
+        if self._marks_evicted:  # as wide as the rectangular cache cut to `width`
             self.evicted_columns = width - int(bases.max()) - int(kept_appended.max())
         self._changed()
         self.rearrangements += 1
 
     def _appended_before(self, width: int) -> torch.Tensor:
-        """(B, H): each head's appended slots that the rectangular cache holds before column `width`, where marks
-        evicted some: a head's appended slots sit at the right of the view, so one that lost a slot among the last
-        columns shows its earlier ones a column further right than the rectangular cache, and its columns no longer
-        tell which tokens a cut removes. Their positions do: the appended tokens follow one another up to the last
-        one held (the marks spare the latest tokens: DMSPress's sliding window, AdaKVPress's prompt-only marks)."""
+        """(B, H): each head's appended slots that the rectangular cache holds before column `width`, once marks
+        evicted some: a head's appended slots sit at the right of the view, so one that lost a slot shows its earlier
+        ones a column further right than the rectangular cache, and its columns no longer tell which tokens a cut
+        removes. Their positions do: the appended tokens follow one another up to the last one held (the marks spare
+        the latest tokens: DMSPress's sliding window, AdaKVPress's prompt-only marks). One read of the device."""
         positions = self._slot_positions()
         slot = torch.arange(positions.shape[-1])
         appended = (slot >= self.bases.unsqueeze(-1)) & (slot < self.lengths.unsqueeze(-1))
@@ -866,7 +871,8 @@ class PagedLayer(CacheLayerMixin):
             # back) decides, the mask only if needed.
             all_kept = (not log_weights.numel() or self._known_to_hold_every_slot(state)
                         or log_weights.min().item() != float("-inf"))
-        self.evicted_columns = 0  # the layer is as wide as what was written (once all_kept read the view's padding)
+        # The layer is as wide as what was written, its slots where it wrote them (once all_kept read the view).
+        self.evicted_columns, self._marks_evicted = 0, False
         if all_kept:  # every column kept (presses that keep equal lengths): no selection
             if not self._resize_evenly(width):
                 self._resize(torch.full((batch, heads), width, dtype=torch.long))
@@ -965,7 +971,7 @@ class PagedLayer(CacheLayerMixin):
         # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part), and
         # keeps no column for evicted marks (as wide as the press's layout, as after a rewrite).
         self.bases = self.lengths.clone()
-        self.evicted_columns = 0
+        self.evicted_columns, self._marks_evicted = 0, False
         self._bases_at_right = state.left_padded
         self._changed()
         self.counters = state.counters
@@ -1009,6 +1015,7 @@ class PagedLayer(CacheLayerMixin):
             width = self._width()
             self._evict(evicted)
             self.evicted_columns += width - self._width()
+            self._marks_evicted = True
             self._changed()
 
     def _slot_positions(self) -> torch.Tensor:

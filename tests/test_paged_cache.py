@@ -179,6 +179,29 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             assert bool((state.log_weights[(written_ids > 0) & ~is_dead] == 0).all())
 
 
+@pytest.mark.parametrize("heads,positions,kept", [
+    ([0, 1, 0], [1, 1, 4], [[1, 3, 4], [7, 9, 10]]),  # position 1 of every head (a column no head holds), 4 of head 0
+    ([0], [4], [[1, 2, 3, 4], [7, 8, 9, 10]]),  # a late slot of one head
+])
+def test_a_cut_after_marks_keeps_the_tokens_the_rectangular_cache_keeps(heads, positions, kept):
+    """kvpress's head-wise marks, evicted for real, then kvpress's pipeline cutting an answer (keys[:, :, :n]): the
+    view stays as wide as the rectangular cache, which keeps a masked slot's column, and each head keeps its tokens
+    before column n. A column no head held left the view (the cut at n then kept a token of column n), and a head
+    that lost a late slot showed its earlier ones a column to the right (the cut dropped its token of column n - 1)."""
+    layer = PagedLayer(block_size=4)
+    module = AttentionModule()
+    ids = torch.arange(1, 13).view(1, 2, 6)  # head 0: tokens 1..6, head 1: 7..12, at positions 0..5
+    keys = torch.stack([ids.float(), 2 * ids.float()], -1)
+    layer.update(keys, -keys, {"cache_position": torch.arange(6)})
+    layer.attended_by(module)
+    module.masked_key_indices = (torch.zeros(len(heads), dtype=torch.long), torch.tensor(heads), torch.tensor(positions))
+    assert layer.get_seq_length() == 6
+    layer.keys, layer.values = layer.keys[:, :, :4], layer.values[:, :, :4]
+    check_allocator(layer)  # (stores the pair written)
+    assert layer.get_seq_length() == 4
+    assert head_tokens(view_ids(layer)) == [kept]
+
+
 def test_batch_of_different_lengths_holds_only_its_own_blocks():
     """Left-padded rows evicted at prefill: each (b, h) holds ceil(L_b / S) blocks."""
     layer = PagedLayer(block_size=4)
