@@ -252,9 +252,11 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
     return targets.view({shape.batch, shape.kv_heads, slots});
   }
   const at::Tensor retained = keepkv_partition(keep_rows, /*evicted_first=*/false);
-  // Each key divided by its largest |component| first, so that its float32 squares neither overflow nor underflow.
+  // Each key divided by its largest |component| first, so that its float32 squares neither overflow nor underflow
+  // (keys of no components, d = 0, are zero keys as they are: amax of nothing is an error).
   const at::Tensor keys_raw = keys_c.to(at::kFloat);
-  const at::Tensor keys_f = keys_raw / keys_raw.abs().amax(-1, /*keepdim=*/true).clamp_min(1e-38);
+  const at::Tensor keys_f =
+      head_dim == 0 ? keys_raw : keys_raw / keys_raw.abs().amax(-1, /*keepdim=*/true).clamp_min(1e-38);
   const at::Tensor norm_sq = (keys_f * keys_f).sum(-1, /*keepdim=*/true);
   const at::Tensor normalised = keys_f * at::where(norm_sq.gt(0), at::rsqrt(norm_sq), 0.0);  // zero keys stay 0
   const auto gather_rows = [&](const at::Tensor& index) {

@@ -39,8 +39,10 @@ inline int64_t check_block_table_contents(const char* op, const at::Tensor& bloc
     const at::Tensor blocks_used = (lengths + (block_size - 1)).div(block_size, "floor");
     const at::Tensor used = at::arange(max_blocks, lengths.options()).view({1, 1, -1}) < blocks_used.unsqueeze(-1);
     const at::Tensor out_of_range = used & ((block_tables < 0) | (block_tables >= num_blocks));
+    // No table entries at all (max_blocks = 0): nothing to be out of range, and min() of nothing is an error.
     const at::Tensor first_bad =
-        at::where(out_of_range.flatten(), at::arange(entries, lengths.options()), entries).min();
+        entries == 0 ? at::full({}, entries, lengths.options())
+                     : at::where(out_of_range.flatten(), at::arange(entries, lengths.options()), entries).min();
     const at::Tensor on_host = at::stack({lengths.max(), lengths.min(), first_bad}).cpu();
     std::copy_n(on_host.const_data_ptr<int64_t>(), 3, summary);
   }
