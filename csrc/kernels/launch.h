@@ -114,6 +114,15 @@ inline DecodeSplit tensor_core_decode_split(int64_t pairs, int64_t rows, int64_t
                       /*max_chunk=*/2048, /*min_chunk=*/256);
 }
 
+// Whether a half-precision call with `rows` query rows per (batch, kv head) takes the tensor-core kernel: only where
+// the split-K kernel would split them into several row tiles, reading each key and value once per tile. At the usual
+// decode (q = 1, a group of 4 or fewer: one tile) the split-K kernel was the faster on an H200: the paged op, which
+// runs it through a slot table, took 113.5 / 207 / 399 us where the tensor-core op took 132 / 254 / 494 us on the
+// same keys (B = 4, 8 kv heads, d = 128, bf16, T = 16k / 32k / 64k; benchmarks/results/gpu/summary.md, run 9).
+inline bool tensor_core_decode_pays(int64_t rows, int64_t head_dim) {
+  return decode_split(1, rows, head_dim, 1, 1).num_tiles > 1;
+}
+
 // Threads that share one slot: enough for the head dim at `vec` elements per load, a power of two <= 32.
 inline int decode_lanes(int64_t head_dim, int vec) {
   return std::min(32, next_power_of_two(ceil_div(head_dim, vec)));
