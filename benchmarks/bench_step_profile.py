@@ -17,9 +17,10 @@ that time. A step launched from Python pays the host's time to launch its ~1000 
 step in a CUDA graph and replays it --replays times (``graph_step_ms``), as vLLM and SGLang run their decoding steps,
 leaving the device's own time. Then the full cache is held as a preallocating engine holds it (the prompt and one free
 slot that every step writes, `PreallocatedLayer`) rather than a DynamicCache, whose torch.cat would copy the whole
-cache each step. ``graph_tok_s`` = batch / graph_step_ms is what issue 20's "decode tokens/s at 32k with a 10% budget
->= 3x the full cache's" is read from: a step that only read memory costs (weights + batch x KV) bytes, so the ratio
-is bounded by (16 + 4.3 B) / (16 + 0.43 B) GB on the 8B shape at 32k, 1.24x at B = 1, 3x from B = 11.
+cache each step. ``tok_s`` = batch / best_step_ms, the faster of the launched and the replayed step, is what issue 20's
+"decode tokens/s at 32k with a 10% budget >= 3x the full cache's" is read from (``speedup_vs_full``): a step that only
+read memory costs (weights + batch x KV) bytes, so the ratio is bounded by (16 + 4.3 B) / (16 + 0.43 B) GB on the 8B
+shape at 32k, 1.24x at B = 1, 3x from B = 11.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def profile_case(model, ids, press, device: str, steps: int, top: int, graphs: b
         if graphs:
             row["graph_step_ms"] = round(replayed_step_ms(step, cache, replays), 3)
             row["graph_tok_s"] = round(ids.shape[0] * 1e3 / row["graph_step_ms"], 1)
+        # The case's step at its faster of launched and replayed: what a comparison between cases reads, so that a
+        # replay slower than the launched step (as the full cache's on an H200, 274 against 23 ms at 12 x 32k: the
+        # sdpa kernel a capture ends up with) cannot flatter the presses, whose attention is not sdpa's.
+        row["best_step_ms"] = min(row["step_ms"], row.get("graph_step_ms", row["step_ms"]))
+        row["tok_s"] = round(ids.shape[0] * 1e3 / row["best_step_ms"], 1)
         if top:
             row["top_ops"] = profiled_ops(step, device, top)
     return row
@@ -178,10 +184,10 @@ def main() -> None:
                 print_table(row["top_ops"], ["op", "ms", "calls"])
     for row in rows:
         full = next((r for r in rows if r["prompt"] == row["prompt"] and r["method"] == "full"), {})
-        if "graph_tok_s" in row and "graph_tok_s" in full:
-            row["graph_speedup_vs_full"] = round(row["graph_tok_s"] / full["graph_tok_s"], 2)
-    print_table(rows, ["prompt", "batch", "method", "slots", "kv_bytes", "step_ms", "graph_step_ms", "graph_tok_s",
-                       "graph_speedup_vs_full", "error"])
+        if "tok_s" in row and "tok_s" in full:
+            row["speedup_vs_full"] = round(row["tok_s"] / full["tok_s"], 2)
+    print_table(rows, ["prompt", "batch", "method", "slots", "kv_bytes", "step_ms", "graph_step_ms", "tok_s",
+                       "speedup_vs_full", "error"])
     print("wrote", write_results(args.name, rows))
 
 
