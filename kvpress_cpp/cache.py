@@ -168,6 +168,54 @@ def set_state(layer, state: LayerState | None) -> None:
     setattr(layer, _STATE_ATTR, state)
     if isinstance(layer, DynamicLayer) and "reorder_cache" not in layer.__dict__:
         layer.reorder_cache = types.MethodType(_reorder_with_state, layer)
+    if type(layer).update is DynamicLayer.update and "update" not in layer.__dict__:
+        layer.update = types.MethodType(_update_in_place, layer)
+
+
+def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """DynamicLayer.update for a layer holding a press's state: the new tokens are written after the held slots in
+    place where the allocation behind them has room (:func:`append_slots`), instead of torch.cat copying the whole
+    layer every step. A press keeping M slots leaves M of the M + 1 slots the step before appended, so every later
+    step appends in place: each decoding step then moves the layer's bytes once (the attention's read) rather than
+    three times (cat's read and write too)."""
+    if get_state(layer) is None or not layer.is_initialized:
+        return DynamicLayer.update(layer, key_states, value_states, *args, **kwargs)
+    layer.keys = append_slots(layer.keys, key_states)
+    layer.values = append_slots(layer.values, value_states)
+    return layer.keys, layer.values
+
+
+def append_slots(held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """torch.cat([held, new], dim=-2) for (B, H, n, d) and (B, H, q, d), written in place when `held` is columns
+    [c, c + n) of one contiguous (B, H, C, d) allocation with c + n + q <= C: columns no row of `held` shows, and which
+    only a longer view of the same allocation could (a press's own business: its layer's tensors are its own). The
+    returned tensor is then a view of that allocation; else (no room, another layout, autograd, an inference tensor
+    outside inference mode) the cat's copy."""
+    if _room_after(held, new):
+        grown = held.as_strided((*held.shape[:2], held.shape[2] + new.shape[2], held.shape[3]), held.stride(),
+                                held.storage_offset())
+        grown[:, :, held.shape[2]:].copy_(new)
+        return grown
+    return torch.cat([held, new], dim=-2)
+
+
+def _room_after(held: torch.Tensor, new: torch.Tensor) -> bool:
+    if held.dim() != 4 or new.dim() != 4 or held.shape[:2] != new.shape[:2] or held.shape[3] != new.shape[3]:
+        return False
+    if held.dtype != new.dtype or held.device != new.device or held.requires_grad or held.numel() == 0:
+        return False
+    if held.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    batch, heads, slots, dim = held.shape
+    row = held.stride(1)  # one (b, h)'s allocation: C slots of d
+    if held.stride(3) != 1 or held.stride(2) != dim or row % dim or held.stride(0) != heads * row:
+        return False
+    capacity, first_column = row // dim, held.storage_offset() // dim
+    # The storage is that one allocation, row (0, 0) first: the view's columns start at first_column in every row.
+    allocation = batch * heads * row
+    if held.untyped_storage().nbytes() != allocation * held.element_size() or held.storage_offset() % dim:
+        return False
+    return first_column + slots + new.shape[2] <= capacity
 
 
 def _reorder_with_state(layer: DynamicLayer, beam_idx: torch.LongTensor) -> None:

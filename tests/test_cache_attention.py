@@ -334,3 +334,83 @@ def test_left_padded_batch_matches_no_press(make_model, attn_implementation):
     got, cache = greedy(model, batch.input_ids, press=KeepEverythingPress(), attention_mask=batch.attention_mask)
     assert torch.isinf(get_state(cache.layers[0]).log_weights).any()
     assert torch.equal(got, expected)
+
+
+
+def _allocation(batch=2, heads=3, capacity=10, dim=4):
+    return torch.randn(batch, heads, capacity, dim, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("columns,new_tokens,in_place", [
+    ((0, 7), 3, True),    # room for all three after column 7
+    ((0, 9), 1, True),    # a press's steady state: M of the M + 1 slots held, one appended
+    ((2, 8), 2, True),    # a view from column 2: columns 8 and 9 are still this row's
+    ((2, 9), 2, False),   # column 10 would be the next row's first
+    ((0, 9), 2, False),
+])
+def test_slots_append_in_place_only_into_columns_no_row_holds(columns, new_tokens, in_place):
+    """append_slots is torch.cat([held, new], -2) (the reference), written into the allocation behind `held` only where
+    every row's new columns lie inside that row and after its held ones; nothing else of the allocation changes."""
+    from kvpress_cpp.cache import append_slots
+
+    allocation = _allocation()
+    first, end = columns
+    held = allocation[:, :, first:end]
+    new = torch.randn(2, 3, new_tokens, 4)
+    expected = torch.cat([held, new], dim=-2)
+    before = allocation.clone()
+    grown = append_slots(held, new)
+    torch.testing.assert_close(grown, expected, rtol=0, atol=0)
+    assert (grown.untyped_storage().data_ptr() == allocation.untyped_storage().data_ptr()) is in_place
+    if in_place:
+        torch.testing.assert_close(allocation[:, :, end:end + new_tokens], new, rtol=0, atol=0)
+        before[:, :, end:end + new_tokens] = new
+    torch.testing.assert_close(allocation, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("held", [
+    lambda a: a[1:, :, :5],                         # one batch row of two: the storage holds more than the view
+    lambda a: a[:, 1:, :5],                         # likewise along the heads
+    lambda a: a[:, :, :5].clone(),                  # an exact-size copy: no room
+    lambda a: a[:, :, :5].clone().requires_grad_(),  # autograd's
+])
+def test_slots_append_by_copy_where_the_layout_is_not_one_allocation_with_room(held):
+    from kvpress_cpp.cache import append_slots
+
+    allocation = _allocation()
+    tensor = held(allocation)
+    before = allocation.clone()
+    new = torch.randn(*tensor.shape[:2], 1, 4)
+    grown = append_slots(tensor, new)
+    torch.testing.assert_close(grown, torch.cat([tensor, new], dim=-2), rtol=0, atol=0)
+    assert grown.untyped_storage().data_ptr() != allocation.untyped_storage().data_ptr()
+    torch.testing.assert_close(allocation, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("press", ["ZSMerge", "WeightedKV", "KeepKV"])
+def test_a_press_keeping_m_slots_decodes_without_copying_its_layer(press, monkeypatch):
+    """Each decoding step of a press that keeps M slots appends its token into the slot the press freed, in place:
+    every layer's keys and values stay in one allocation from the second step on (transformers' own update copies the
+    layer with torch.cat every step), and the tokens are those of the copying update (torch.cat forced)."""
+    import kvpress_cpp.cache as cache_module
+    from benchmarks.bench_decode import PRESSES
+
+    model, _ = make_tiny_llama()
+    ids = torch.randint(2, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+
+    def decode():
+        cache, storages, tokens = DynamicCache(), [], []
+        with torch.no_grad(), PRESSES[press](0.25)(model):
+            token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(6):
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                tokens.append(token)
+                storages.append({(layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr())
+                                 for layer in cache.layers})
+        return torch.cat(tokens, 1), storages
+
+    tokens, storages = decode()
+    assert all(step == storages[1] for step in storages[1:]), f"{press} copied its layers in a decoding step"
+    monkeypatch.setattr(cache_module, "_room_after", lambda held, new: False)
+    copied_tokens, _ = decode()
+    assert torch.equal(tokens, copied_tokens)
