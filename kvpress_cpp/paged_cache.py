@@ -275,8 +275,13 @@ class PagedLayer(CacheLayerMixin):
         prefill dropped and the columns marks emptied."""
         self.has_state, self.counters, self._state_displaced_from = False, {}, None
         self._may_hold_dead_slots = self._bases_at_right = False
-        self.padding_dropped = self.evicted_columns = 0
-        self._marks_evicted = False
+        self.padding_dropped = 0
+        self._forget_marks()
+
+    def _forget_marks(self) -> None:
+        """The columns kvpress's marks emptied, and that they evicted at all: the layer is as wide as what was last
+        written, its slots where it wrote them."""
+        self.evicted_columns, self._marks_evicted = 0, False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
@@ -871,8 +876,7 @@ class PagedLayer(CacheLayerMixin):
             # back) decides, the mask only if needed.
             all_kept = (not log_weights.numel() or self._known_to_hold_every_slot(state)
                         or log_weights.min().item() != float("-inf"))
-        # The layer is as wide as what was written, its slots where it wrote them (once all_kept read the view).
-        self.evicted_columns, self._marks_evicted = 0, False
+        self._forget_marks()  # once all_kept read the view the press was given
         if all_kept:  # every column kept (presses that keep equal lengths): no selection
             if not self._resize_evenly(width):
                 self._resize(torch.full((batch, heads), width, dtype=torch.long))
@@ -971,7 +975,7 @@ class PagedLayer(CacheLayerMixin):
         # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part), and
         # keeps no column for evicted marks (as wide as the press's layout, as after a rewrite).
         self.bases = self.lengths.clone()
-        self.evicted_columns, self._marks_evicted = 0, False
+        self._forget_marks()
         self._bases_at_right = state.left_padded
         self._changed()
         self.counters = state.counters

@@ -10,13 +10,13 @@
 //     current one is multiplied; each warp takes 16 slots of a tile: S = Q Kᵀ on tensor cores (mma.cuh; the query
 //     rows padded to 16 with zeros), the online softmax in base 2, O += P V with P split into a high and a low
 //     half-precision part so that the weights keep ~16 bits. The warps' partials are combined at the end.
-//   attend_chunk_kernel (the usual decode, float32, other head dims, unaligned views), one block per (batch, kv-head, tile of query
-//     rows, chunk of up to 256 slots): stages where the chunk's key and value rows are in the cache (CacheView), the
-//     tile's queries (all G * q rows of the group when G * q <= 8) and the chunk's log-weights in shared memory, asks
-//     for the attended slots' value rows in L2, reads the chunk's keys once (kInFlight slots per thread group issued
-//     before the first use) to get every row's logits, writes exp(logit - chunk max) into probs, reads the chunk's
-//     values once the same way to accumulate Σ exp(logit - chunk max) v into a float32 workspace, and stores the
-//     chunk's (max, sum of exp).
+//   attend_chunk_kernel (the usual decode, float32, other head dims, unaligned views), one block per (batch, kv-head,
+//     tile of query rows, chunk of up to 256 slots): stages where the chunk's key and value rows are in the cache
+//     (CacheView), the tile's queries (all G * q rows of the group when G * q <= 8) and the chunk's log-weights in
+//     shared memory, asks for the attended slots' value rows in L2, reads the chunk's keys once (kInFlight slots per
+//     thread group issued before the first use) to get every row's logits, writes exp(logit - chunk max) into probs,
+//     reads the chunk's values once the same way to accumulate Σ exp(logit - chunk max) v into a float32 workspace, and
+//     stores the chunk's (max, sum of exp).
 // Both leave the same thing per (query row, chunk): the partial output Σ exp(logit - m_c) v, the statistics (m_c, Σ
 // exp(logit - m_c)) and, where probs are wanted, exp(logit - m_c) in probs; a slot no row attends (-inf, past the
 // head's length) is never read, so whatever it holds, even NaN, it contributes nothing. (One difference: with q > 1,
