@@ -826,6 +826,8 @@ class PagedLayer(CacheLayerMixin):
 
     def _cut(self, width: int) -> None:
         """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""
+        if self._next_position is not None:  # the tokens counted on the host: the cut ones are no longer held
+            self._next_position -= self._width() - width
         appended = self.lengths - self.bases
         if self._marks_evicted:
             kept_appended = self._appended_before(width)

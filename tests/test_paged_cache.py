@@ -317,6 +317,19 @@ def test_appends_without_cache_position_follow_the_tokens_appended():
     assert torch.equal(layer._slot_positions(), torch.arange(3).expand(1, 2, 3))
 
 
+def test_appends_without_cache_position_after_a_cut_follow_the_tokens_kept():
+    """A cut (prompt lookup's crop, kvpress's pipeline dropping an answer) removes its tokens from the count too: the
+    next token takes the position of the first one cut, as transformers 4's cache_position would give it."""
+    cache = PagedKVCache(block_size=4)
+    keys = torch.randn(1, 2, 9, 8)
+    cache.update(keys[:, :, :6], keys[:, :, :6], 0)
+    cache.update(keys[:, :, 6:9], keys[:, :, 6:9], 0)
+    cache.crop(7)
+    cache.update(keys[:, :, :2], keys[:, :, :2], 0)
+    layer = cache.layers[0]
+    assert torch.equal(layer._slot_positions(), torch.arange(9).expand(1, 2, 9))
+
+
 def test_a_left_padded_state_reads_back_as_written():
     """A press that left-pads (a padded batch compressed row by row: each row's slots at the right, after -inf
     padding) reads its write back as written, and the tokens appended after it, as a rectangular cache holds them; a
