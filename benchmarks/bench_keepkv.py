@@ -2,16 +2,18 @@
 
     python -m benchmarks.bench_keepkv           # writes benchmarks/results/keepkv.json
 
-Step at B=4, Hq=32, H=8, budget 1024, d=128: the cache holds 1024 slots plus the new token (T = 1025).
+Step at Hq=32, H=8, d=128, the cache holding the budget's T - 1 slots plus the new token: B=4, T = 1025 on the CPU;
+on CUDA B in {1, 16} x T in {4096, 32768} (common.DECODE_STEP_GRID), the range of issue 20's ">= 5x" target (gpu_check
+reads it from the keepkv_decode_step rows).
   1. EMA of the scores (eq. 8): update_scores with decay β = 0.9, input_scale (1 - β)/G; ℓ = ln(S / (1 - β^t)).
   2. keep = all slots but the lowest-ℓ one outside 4 sinks and the last 32 (the same plain-PyTorch selection in both
      variants).
-  3. keepkv_match(keys, keep, 0.8): one evicted slot against the 1024 retained ones per row.
+  3. keepkv_match(keys, keep, 0.8): one evicted slot against the T - 1 retained ones per row.
   4. keepkv_zip_merge(keys, values, votes, ℓ, targets).
 "vectorised" runs the same step in plain PyTorch over all heads at once: reference.update_scores, a cosine of the
 evicted key against every slot (normalise, matmul, masked argmax), reference.keepkv_zip_merge_vectorised.
-Second row per dtype, "keepkv_decode_step": the one op the press runs at every decoding step (on CUDA one kernel
-launch), on a layer of the same size after a new token (tests.test_fuzz_ops' generator: probabilities from the
+Second row per dtype and shape, "keepkv_decode_step": the one op the press runs at every decoding step (on CUDA one
+kernel launch), on a layer of the same size after a new token (tests.test_fuzz_ops' generator: probabilities from the
 attention, EMA state, votes), which also recovers the logits from the probabilities and packs the cache in place:
 more work than the three ops above, timed against the same plain-PyTorch step.
 Target (the issue): >= 2x the plain-PyTorch step on CPU; >= 5x on a GPU (issue 20).
@@ -19,30 +21,29 @@ Target (the issue): >= 2x the plain-PyTorch step on CPU; >= 5x on a GPU (issue 2
 
 import random
 
-
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import configurations, median_seconds, print_table, write_results
+from benchmarks.common import DECODE_STEP_GRID, configurations, median_seconds, print_table, write_results
 from tests import reference
 from tests.test_fuzz_ops import _keepkv_step_build
 
 BETA = 0.9
-BATCH, QUERY_HEADS, KV_HEADS, HEAD_DIM = 4, 32, 8, 128
-BUDGET = 1024
+QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DECODE_SHAPES = {"cpu": [(4, 1025)], "cuda": DECODE_STEP_GRID}  # (B, T): T - 1 slots kept, the budget, plus the new one
 SINKS, RECENT = 4, 32
 STEP = 2000  # t of the bias correction 1 / (1 - β^t)
 CASES = [torch.float32, torch.bfloat16]
 
 
-def inputs(dtype, device, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    total = BUDGET + 1
-    keys = torch.randn(BATCH, KV_HEADS, total, HEAD_DIM, generator=generator).to(device, dtype)
-    values = torch.randn(BATCH, KV_HEADS, total, HEAD_DIM, generator=generator).to(device, dtype)
-    scores = torch.rand(BATCH, KV_HEADS, BUDGET, generator=generator).to(device)
-    votes = (1.0 + torch.rand(BATCH, KV_HEADS, total, generator=generator)).to(device)
-    attn = torch.rand(BATCH, QUERY_HEADS, 1, total, generator=generator).softmax(-1).to(device, dtype)
+def inputs(dtype, device, batch, total, seed=0):
+    # Drawn on the device: at 16 x 32k slots a CPU takes seconds per tensor, a good part of the GPU run's time.
+    generator = torch.Generator(device).manual_seed(seed)
+    keys = torch.randn(batch, KV_HEADS, total, HEAD_DIM, generator=generator, device=device).to(dtype)
+    values = torch.randn(batch, KV_HEADS, total, HEAD_DIM, generator=generator, device=device).to(dtype)
+    scores = torch.rand(batch, KV_HEADS, total - 1, generator=generator, device=device)
+    votes = 1.0 + torch.rand(batch, KV_HEADS, total, generator=generator, device=device)
+    attn = torch.rand(batch, QUERY_HEADS, 1, total, generator=generator, device=device).softmax(-1).to(dtype)
     return keys, values, scores, votes, attn
 
 
@@ -82,34 +83,39 @@ def vectorised_step(keys, values, scores, votes, attn):
     return reference.keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, False)
 
 
-def fused_step_inputs(dtype, device) -> list:
-    """keepkv_decode_step's arguments for the bench's layer: T = BUDGET + 1 slots, one new token, one eviction."""
-    sizes = {"B": BATCH, "H": KV_HEADS, "Hq": QUERY_HEADS, "q": 1, "d": HEAD_DIM, "S": BUDGET, "T": BUDGET + 1}
-    args = list(_keepkv_step_build(random.Random(0), sizes, dtype))
-    args[10:15] = [BUDGET, SINKS, RECENT, 0.8, False]  # budget, sinks, recent, threshold, convex
+def fused_step_inputs(dtype, device, batch, total) -> list:
+    """keepkv_decode_step's arguments for the bench's layer: `total` slots, one new token, one eviction."""
+    sizes = {"B": batch, "H": KV_HEADS, "Hq": QUERY_HEADS, "q": 1, "d": HEAD_DIM, "S": total - 1, "T": total}
+    args = list(_keepkv_step_build(random.Random(0), sizes, dtype, device))
+    args[10:15] = [total - 1, SINKS, RECENT, 0.8, False]  # budget, sinks, recent, threshold, convex
     # In place: a repeated call packs the same rows again (a valid cache each time), the same work per call.
-    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    return args
+
+
+def step_rows(device, threads, dtype, batch, total) -> list[dict]:
+    """The three-op step and keepkv_decode_step against the vectorised step, on a cache of `total` slots."""
+    args = inputs(dtype, device, batch, total)
+    for got, expected in zip(op_step(*args), vectorised_step(*args)):  # the two steps agree
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    seconds = {"op": median_seconds(lambda: op_step(*args), num_threads=threads),
+               "vectorised": median_seconds(lambda: vectorised_step(*args), num_threads=threads)}
+    row = {"what": "decode step", "device": device, "threads": threads, "dtype": str(dtype)[6:], "B": batch,
+           "Hq": QUERY_HEADS, "H": KV_HEADS, "T": total, "budget": total - 1, "d": HEAD_DIM, "beta": BETA,
+           "op_us": round(seconds["op"] * 1e6, 1), "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
+           "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1)}
+    fused = fused_step_inputs(dtype, device, batch, total)
+    fused_s = median_seconds(lambda: torch.ops.kvcomp.keepkv_decode_step(*fused), num_threads=threads)
+    return [row, {**row, "what": "keepkv_decode_step", "op_us": round(fused_s * 1e6, 1),
+                  "speedup_vs_vectorised": round(seconds["vectorised"] / fused_s, 1)}]
 
 
 def main() -> None:
     rows = []
     for device, threads in configurations():
         for dtype in CASES:
-            args = inputs(dtype, device)
-            for got, expected in zip(op_step(*args), vectorised_step(*args)):  # the two steps agree
-                torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
-            seconds = {"op": median_seconds(lambda: op_step(*args), num_threads=threads),
-                       "vectorised": median_seconds(lambda: vectorised_step(*args), num_threads=threads)}
-            rows.append({"what": "decode step", "device": device, "threads": threads, "dtype": str(dtype)[6:],
-                         "B": BATCH, "Hq": QUERY_HEADS, "H": KV_HEADS, "budget": BUDGET, "d": HEAD_DIM,
-                         "beta": BETA, "op_us": round(seconds["op"] * 1e6, 1),
-                         "vectorised_us": round(seconds["vectorised"] * 1e6, 1),
-                         "speedup_vs_vectorised": round(seconds["vectorised"] / seconds["op"], 1)})
-            fused = fused_step_inputs(dtype, device)
-            fused_s = median_seconds(lambda: torch.ops.kvcomp.keepkv_decode_step(*fused), num_threads=threads)
-            rows.append({**rows[-1], "what": "keepkv_decode_step", "op_us": round(fused_s * 1e6, 1),
-                         "speedup_vs_vectorised": round(seconds["vectorised"] / fused_s, 1)})
-    print_table(rows, ["what", "device", "threads", "dtype", "budget", "op_us", "vectorised_us",
+            for batch, total in DECODE_SHAPES[device]:
+                rows += step_rows(device, threads, dtype, batch, total)
+    print_table(rows, ["what", "device", "threads", "dtype", "B", "T", "budget", "op_us", "vectorised_us",
                        "speedup_vs_vectorised"])
     print("wrote", write_results("keepkv", rows))
 

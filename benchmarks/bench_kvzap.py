@@ -43,12 +43,13 @@ import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 from benchmarks import bench_paged
-from benchmarks.common import configurations, median_seconds, print_table, pyplot, save_figure, write_results
+from benchmarks.common import (DECODE_STEP_GRID, configurations, median_seconds, print_table, pyplot, save_figure,
+                               write_results)
 from tests import reference
 
 LENGTH, WINDOW, THRESHOLD = 4096, 128, 0.0
 # (B, T) of the decoding-step rows: issue 20's B 1-16, T 4k-32k on a GPU.
-DECODE_SHAPES = {"cpu": [(1, 4096)], "cuda": [(1, 4096), (16, 4096), (1, 32768), (16, 32768)]}
+DECODE_SHAPES = {"cpu": [(1, 4096)], "cuda": DECODE_STEP_GRID}
 TAUS = (-5.0, -4.0, -3.5, -3.0, -2.5)
 LINEAR_TAUS = (-4.0, -3.5, -3.0)
 TAU_DEPTHS, TAU_CONTEXT_TOKENS = (0.2, 0.5, 0.8), 2000

@@ -19,6 +19,11 @@ import torch.utils.benchmark as tbench
 RESULTS_DIR = Path(os.environ.get("KVCOMP_RESULTS_DIR", Path(__file__).resolve().parent / "results")).resolve()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `tests.reference` imports from a checkout
 
+# (B, T) of the decoding-step rows on a GPU, T the slots the step reads (the new token's included): issue 20's target
+# is every decode-step op >= 5x its plain-PyTorch equivalent at B 1-16, T 4k-32k, so each op benchmark times the
+# corners of that range. On the CPU (tests, CI, a 2-core VM) each keeps its own smaller shapes.
+DECODE_STEP_GRID = [(1, 4096), (16, 4096), (1, 32768), (16, 32768)]
+
 
 def median_seconds(fn, min_run_time: float = 0.5, num_threads: int | None = None) -> float:
     """Median wall time of fn() (torch.utils.benchmark synchronises CUDA and runs on CPU alike)."""

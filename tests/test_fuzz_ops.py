@@ -76,12 +76,12 @@ class OpFuzz:
     meta_shapes: bool = True
 
 
-def _g(r: random.Random) -> torch.Generator:
-    return torch.Generator().manual_seed(r.getrandbits(62))
+def _g(r: random.Random, device="cpu") -> torch.Generator:
+    return torch.Generator(device).manual_seed(r.getrandbits(62))
 
 
-def _randn(r, shape, dtype=torch.float32):
-    return torch.randn(shape, generator=_g(r)).to(dtype)
+def _randn(r, shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(shape, generator=_g(r, device), device=device).to(dtype)
 
 
 def _low_precision(dtype, low=2e-2):
@@ -328,28 +328,31 @@ def _keepkv_step_run(args):
     return ops.keepkv_decode_step(args[0].clone(), args[1].clone(), *args[2:])
 
 
-def _keepkv_step_build(r, s, dtype):
+def _keepkv_step_build(r, s, dtype, device="cpu"):
     """A layer after a pass of q new tokens: probabilities are the causal softmax of q·k·scale + b (float64), as the
-    attention gives them; old slots with random EMA, ages >= 1, votes and b (some -inf: slots no query sees)."""
+    attention gives them; old slots with random EMA, ages >= 1, votes and b (some -inf: slots no query sees).
+    `device`: where the tensors are drawn and the softmax computed (bench_keepkv's layers of 16 x 32k slots take a
+    minute on a CPU)."""
     batch, kv_heads, query_heads, new_tokens, slots, head_dim = (s[k] for k in ("B", "H", "Hq", "q", "T", "d"))
     old_slots = s["S"]
-    keys, values = (_randn(r, (batch, kv_heads, slots, head_dim), dtype) for _ in range(2))
-    queries = _randn(r, (batch, query_heads, new_tokens, head_dim), dtype)
-    log_weights = _randn(r, (batch, kv_heads, slots)) * 0.5
-    log_weights[torch.rand(log_weights.shape, generator=_g(r)) < 0.1] = -math.inf
+    keys, values = (_randn(r, (batch, kv_heads, slots, head_dim), dtype, device) for _ in range(2))
+    queries = _randn(r, (batch, query_heads, new_tokens, head_dim), dtype, device)
+    log_weights = _randn(r, (batch, kv_heads, slots), device=device) * 0.5
+    log_weights[torch.rand(log_weights.shape, generator=_g(r, device), device=device) < 0.1] = -math.inf
     log_weights[..., slots - new_tokens:] = 0.0
     scale = max(head_dim, 1) ** -0.5
     if query_heads and kv_heads and query_heads % kv_heads == 0 and slots >= new_tokens >= 1:
         grouped = queries.double().reshape(batch, kv_heads, query_heads // kv_heads, new_tokens, head_dim)
         logits = grouped @ keys.double().unsqueeze(2).transpose(-1, -2) * scale + log_weights.double()[:, :, None, None]
-        hidden = torch.arange(slots) > slots - new_tokens + torch.arange(new_tokens).unsqueeze(-1)
+        position = torch.arange(slots, device=device)
+        hidden = position > slots - new_tokens + position[:new_tokens, None]
         probabilities = logits.masked_fill(hidden, -math.inf).softmax(-1).float().reshape(
             batch, query_heads, new_tokens, slots)
     else:  # shapes the contract rejects: any probabilities of the declared shape
-        probabilities = torch.rand(batch, query_heads, new_tokens, slots, generator=_g(r))
-    log_ema = _randn(r, (batch, kv_heads, old_slots)) - 2.0
-    age = torch.randint(1, 7, (batch, kv_heads, old_slots), generator=_g(r)).float()
-    votes = torch.rand((batch, kv_heads, old_slots), generator=_g(r)) * 3 + 0.5
+        probabilities = torch.rand(batch, query_heads, new_tokens, slots, generator=_g(r, device), device=device)
+    log_ema = _randn(r, (batch, kv_heads, old_slots), device=device) - 2.0
+    age = torch.randint(1, 7, (batch, kv_heads, old_slots), generator=_g(r, device), device=device).float()
+    votes = torch.rand((batch, kv_heads, old_slots), generator=_g(r, device), device=device) * 3 + 0.5
     sinks, recent = r.randint(0, 2), r.randint(1, 3)
     budget = r.randint(sinks + recent + 1, max(sinks + recent + 1, slots + 1))
     return (keys, values, queries, probabilities, log_weights, log_ema, age, votes, scale, r.choice([0.5, 0.9, 0.99]),
