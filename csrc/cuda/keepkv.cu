@@ -50,6 +50,7 @@ constexpr int kPackWordsPerThread = 4;  // keepkv_pack: words of keys and of val
 constexpr int64_t kPackTileWords = kPackWordsPerThread * kThreads;
 constexpr int64_t kMatchChunkElements = 1 << 26;  // similarities per GEMM chunk (256 MiB of float32)
 constexpr int64_t kDirectMinSlotsPerPiece = 512;  // direct path: 64 slots per warp at least
+constexpr int kMatchSlotsInFlight = 4;  // warp_best_retained: slots whose keys a warp loads at once
 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return a > b ? a : b; }
@@ -107,7 +108,11 @@ __device__ float warp_key_scale(const scalar_t* key, int64_t head_dim, int lane)
 // The best retained slot for evicted key key_e among the slots first, first + stride, ... < end that is_retained
 // admits, under MergesFirst, as this warp sees them: every lane returns the same candidate. The loop is warp-uniform
 // (all lanes reach the shuffles). Both the direct match and the fused decoding step call it, so they pick the same
-// targets.
+// targets. A warp takes kMatchSlotsInFlight slots a pass, channel-major and unrolled over the channels, so that the
+// loads of several channels of several keys are in flight together: one slot a pass, channel by channel, waits a
+// memory latency per channel of every slot, which the fused step's one block per row pays for its whole row
+// (keepkv_decode_step took 134 µs for 4 x 8 rows of 1025 slots on an H200, a few GB/s: to be measured again). Each
+// slot's sums are warp_dot_and_norm's, term by term in the same order, so the targets are the same.
 template <typename scalar_t, typename IsRetained>
 __device__ kernels::SlotChoice warp_best_retained(const scalar_t* row_keys, const scalar_t* key_e, int64_t head_dim,
                                                   int lane, int64_t first, int64_t end, int64_t stride,
@@ -117,17 +122,43 @@ __device__ kernels::SlotChoice warp_best_retained(const scalar_t* row_keys, cons
   float ignored, norm_sq_e;
   warp_dot_and_norm(key_e, scale_e, key_e, scale_e, head_dim, lane, ignored, norm_sq_e);
   kernels::SlotChoice warp_best = kernels::MergesFirst::none();
-  for (int64_t r = first; r < end; r += stride) {
-    if (!is_retained(r)) continue;
-    const scalar_t* key_r = row_keys + r * head_dim;
-    float dot, norm_sq_r;
-    warp_dot_and_norm(key_e, scale_e, key_r, 1.0f, head_dim, lane, dot, norm_sq_r);
-    if (!kernels::norm_sq_is_safe(norm_sq_r)) {  // rare (|k| beyond 2^50 or below 2^-50): the CPU's second pass
-      const float scale_r = warp_key_scale(key_r, head_dim, lane);
-      warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot, norm_sq_r);
+  for (int64_t pass = first; pass < end; pass += kMatchSlotsInFlight * stride) {
+    float dot[kMatchSlotsInFlight], norm_sq[kMatchSlotsInFlight];
+    const scalar_t* keys_read[kMatchSlotsInFlight];
+#pragma unroll
+    for (int i = 0; i < kMatchSlotsInFlight; ++i) {
+      dot[i] = norm_sq[i] = 0.0f;
+      // A slot past the end reads the last one again, and is ignored: no branch between the loads, which the
+      // scheduler can then issue together.
+      keys_read[i] = row_keys + min(pass + i * stride, end - 1) * head_dim;
     }
-    const kernels::SlotChoice candidate{kernels::cosine_similarity(dot, norm_sq_e, norm_sq_r), r};
-    if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
+#pragma unroll 4
+    for (int64_t c = lane; c < head_dim; c += kWarpSize) {
+#pragma unroll
+      for (int i = 0; i < kMatchSlotsInFlight; ++i) {
+        const float x = static_cast<float>(keys_read[i][c]);
+        dot[i] += static_cast<float>(key_e[c]) * scale_e * x;
+        norm_sq[i] += x * x;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMatchSlotsInFlight; ++i) {
+      dot[i] = warp_sum(dot[i]);
+      norm_sq[i] = warp_sum(norm_sq[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kMatchSlotsInFlight; ++i) {
+      const int64_t r = pass + i * stride;
+      if (r >= end) break;
+      if (!is_retained(r)) continue;
+      const scalar_t* key_r = row_keys + r * head_dim;
+      if (!kernels::norm_sq_is_safe(norm_sq[i])) {  // rare (|k| beyond 2^50 or below 2^-50): the CPU's second pass
+        const float scale_r = warp_key_scale(key_r, head_dim, lane);
+        warp_dot_and_norm(key_e, scale_e, key_r, scale_r, head_dim, lane, dot[i], norm_sq[i]);
+      }
+      const kernels::SlotChoice candidate{kernels::cosine_similarity(dot[i], norm_sq_e, norm_sq[i]), r};
+      if (kernels::MergesFirst{}(candidate, warp_best)) warp_best = candidate;
+    }
   }
   return warp_best;
 }
