@@ -227,3 +227,23 @@ def test_flashinfer_pages_hold_each_sequences_tokens_in_its_page_list():
             assert torch.equal(tokens, rows[sequence].transpose(0, 1))
     with pytest.raises(ValueError, match=r"flashinfer_pages: expected T a multiple of page_size = 16, got T = 40"):
         flashinfer_pages(keys[:, :, :40], values[:, :, :40], 16)
+
+
+def test_op_benchmarks_share_the_time_the_quick_ones_leave(monkeypatch):
+    """Each op benchmark's limit is an equal share of the stage's time still left: one that takes 1 s of its share
+    leaves the rest to the benchmarks after it, and the last one gets all that remains."""
+    from benchmarks import gpu_check
+
+    clock, limits = [0.0], []
+
+    def run(name, command, timeout, env=None):
+        limits.append(timeout)
+        clock[0] += 1.0
+        return {"ok": True, "rc": 0}
+
+    monkeypatch.setattr(gpu_check, "run", run)
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+    assert gpu_check.stage_ops(90.0)["ok"]
+    count = len(gpu_check.OP_BENCHMARKS)
+    assert limits == pytest.approx([(90.0 - done) / (count - done) for done in range(count)])
+    assert limits[-1] == pytest.approx(90.0 - (count - 1))
