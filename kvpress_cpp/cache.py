@@ -27,6 +27,8 @@ __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach"
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
+# On a layer: the attention module it was attached to (a weak reference, which copy.deepcopy keeps as it is).
+_MODULE_ATTR = "_kvcomp_attention_module"
 # Where a press's context closed on a layer (remember_tokens_held): (tokens the cache stood for, its slots).
 _RESUME_POINT_ATTR = "_kvcomp_resume_point"
 
@@ -180,6 +182,7 @@ def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states
     three times (cat's read and write too)."""
     if get_state(layer) is None or not layer.is_initialized:
         return DynamicLayer.update(layer, key_states, value_states, *args, **kwargs)
+    _attach_again(layer)
     layer.keys = append_slots(layer.keys, key_states)
     layer.values = append_slots(layer.values, value_states)
     return layer.keys, layer.values
@@ -239,6 +242,18 @@ def attach(module: torch.nn.Module, layer) -> None:
     refs = module.__dict__.get(_LAYER_ATTR, ())
     if not refs or refs[0] is not ref:
         setattr(module, _LAYER_ATTR, (ref, *(other for other in refs if other is not ref and other() is not None)))
+        layer.__dict__[_MODULE_ATTR] = weakref.ref(module)
+
+
+def _attach_again(layer) -> None:
+    """Attach a layer holding a state to the module it was attached to, before the attention reads it: a copy of the
+    layer (``copy.deepcopy`` of a prefilled cache, to answer several questions from one compressed prefix, as
+    transformers' docs reuse a prompt cache) carries the state but was never attached itself, so the attention would
+    not find it and attend as if nothing had been compressed."""
+    module_ref = layer.__dict__.get(_MODULE_ATTR)
+    module = module_ref() if module_ref is not None else None
+    if module is not None:
+        attach(module, layer)
 
 
 def remember_tokens_held(cache, tokens: int) -> None:
