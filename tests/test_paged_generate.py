@@ -177,6 +177,22 @@ def test_padded_batch_with_a_row_under_the_budget(name, block_size, surrogate_di
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+def test_a_batch_whose_every_row_is_padded_under_a_press(name, surrogate_dir):
+    """A batch whose every row is left-padded (padded to a multiple, say), under each press: every row gets the
+    tokens it gets alone, on both caches. A paged prefill drops the padding every row has, so the layer held fewer
+    columns than the prompt's tokens: ZSMerge, WeightedKV, KeepKV and KVzap refused it as compressed by a press
+    before them, and GVote compressed the shorter row from the wrong columns, silently."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 96)
+    rows = [ids[:, :96], ids[:, 10:80]]
+    batch = torch.cat([torch.nn.functional.pad(row, (101 - row.shape[1], 0)) for row in rows])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(row), (101 - row.shape[1], 0)) for row in rows])
+    expected = torch.cat([greedy(model, row, DynamicCache(), PRESSES[name](surrogate_dir)) for row in rows])
+    for cache in (DynamicCache(), PagedKVCache(block_size=4)):
+        assert torch.equal(greedy(model, batch, cache, PRESSES[name](surrogate_dir), attention_mask=mask), expected)
+
+
 @pytest.mark.parametrize("case", ["prompt-lookup", "second-turn"])
 def test_padding_every_row_has_is_counted_as_generate_counts_it(case):
     """A batch whose every row is left-padded (a batch of one padded to a multiple, say): generate counts the cache's

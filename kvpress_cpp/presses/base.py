@@ -144,14 +144,26 @@ class RowStates(LayerState):
 
 def _row_kwargs(kwargs: dict, row: int, start: int) -> dict:
     """The attention kwargs of batch row `row` from token `start` on, as if the row ran alone (no mask)."""
-    def rows_of(tensor):
-        return tensor[row:row + 1, start:] if tensor.shape[0] > 1 else tensor[:, start:]
+    return _cut_kwargs(kwargs, slice(row, row + 1), start, attention_mask=None)
+
+
+def _kwargs_from_column(kwargs: dict, start: int) -> dict:
+    """The attention kwargs of every row from token `start` on, the mask's columns before it dropped."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        mask = mask[:, :, start:, start:] if mask.dim() == 4 else mask[:, start:]
+    return _cut_kwargs(kwargs, slice(None), start, attention_mask=mask)
+
+
+def _cut_kwargs(kwargs: dict, rows: slice, start: int, attention_mask: torch.Tensor | None) -> dict:
+    def cut(tensor):
+        return tensor[rows, start:] if tensor.shape[0] > 1 else tensor[:, start:]
 
     cos, sin = kwargs["position_embeddings"]
-    row_kwargs = dict(kwargs, position_embeddings=(rows_of(cos), rows_of(sin)), attention_mask=None)
+    cut_kwargs = dict(kwargs, position_embeddings=(cut(cos), cut(sin)), attention_mask=attention_mask)
     if kwargs.get("position_ids") is not None:
-        row_kwargs["position_ids"] = rows_of(kwargs["position_ids"])
-    return row_kwargs
+        cut_kwargs["position_ids"] = cut(kwargs["position_ids"])
+    return cut_kwargs
 
 
 def _stack_rows(results: list[tuple[torch.Tensor, torch.Tensor, LayerState]]):
@@ -370,6 +382,12 @@ class KVCompPress(BasePress):
                     f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
                     f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
             forget_tokens_held(layer)  # a prompt compressed afresh: an earlier context's count is not its own
+            dropped = getattr(layer, "padding_dropped", 0)
+            if dropped and keys.shape[-2] == new_tokens - dropped:
+                # A paged prefill holds no column that every row pads (a batch padded to a multiple, say): the
+                # prompt is the tokens after those, as the view shows them.
+                hidden_states, kwargs = hidden_states[:, dropped:], _kwargs_from_column(kwargs, dropped)
+                attentions = attentions[..., dropped:, dropped:] if attentions is not None else None
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
             owner = state.owner() if state.owner is not None else None
