@@ -392,6 +392,23 @@ def test_prompt_lookup_decoding_on_a_paged_cache_gives_the_dynamic_caches_tokens
     torch.testing.assert_close(tokens(PagedKVCache()), tokens(DynamicCache()), rtol=0, atol=0)
 
 
+
+@pytest.mark.parametrize("assisted", [dict(prompt_lookup_num_tokens=3), "assistant_model"])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+@pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
+def test_assisted_generation_under_a_press_is_refused_naming_it(make_cache, name, assisted, surrogate_dir):
+    """generate(prompt_lookup_num_tokens=3) or generate(assistant_model=...) under a press: assisted generation rolls
+    rejected candidates back with crop(tokens kept), which a compressed cache, holding fewer slots than tokens, read as
+    nothing to cut. The candidates merged into its slots stayed: KeepKV gave other tokens silently, the other presses
+    failed later with an error about a second generate call. The crop is now refused, naming the press."""
+    model, tokenizer = make_tiny_llama()
+    ids = torch.cat([prompt_ids(tokenizer, 48), prompt_ids(tokenizer, 16)], dim=1)  # a repeat: candidates proposed
+    if assisted == "assistant_model":
+        assisted = dict(assistant_model=make_tiny_llama(seed=1)[0])
+    with torch.no_grad(), PRESSES[name](surrogate_dir)(model), pytest.raises(ValueError, match=(
+            rf"{type(PRESSES[name](surrogate_dir)).__name__}: crop\(64\) asks .* Assisted generation")):
+        model.generate(ids, past_key_values=make_cache(), max_new_tokens=12, do_sample=False, **assisted)
+
 def steps(model, token, cache, count=5):
     """`count` greedy tokens (B, count) fed one by one from `token` (B, 1), as generate's decoding steps."""
     tokens = []

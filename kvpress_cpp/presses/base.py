@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import types
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -61,6 +62,26 @@ __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "s
 # The positions a cache holds (one past the last token fed) and its slots after the last pass, kept on the cache by
 # KVCompPress._check_resumed_positions and _record_slots.
 _POSITIONS_ATTR, _SLOTS_ATTR = "_kvcomp_positions", "_kvcomp_slots"
+
+
+def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
+    """``cache.crop`` on a cache a press of ours compressed: refuse a crop to a token count its compressed layers cannot
+    show. Assisted generation (``prompt_lookup_num_tokens``, ``assistant_model``) rolls rejected candidates back with
+    crop(tokens kept), a count of tokens; a compressed layer holds fewer slots than that, so transformers' crop would
+    cut nothing and the rejected candidates (merged or scored into the slots by the candidate pass) would stay, the
+    next tokens then silently others (KeepKV), or an error about a second generate call (the other presses). A crop
+    below the slots held cuts slots from the right, as before."""
+    slots = cache.get_seq_length()
+    tokens = getattr(cache, _POSITIONS_ATTR, slots) + slots - getattr(cache, _SLOTS_ATTR, slots)
+    state = get_state(cache.layers[0]) if cache.layers else None
+    if state is not None and 0 <= slots <= max_length < tokens:
+        owner = state.owner_name()
+        raise ValueError(
+            f"{owner}: crop({max_length}) asks a cache {owner} compressed to keep {max_length} of the {tokens} tokens "
+            f"it stands for, in {slots} slots: the {tokens - max_length} tokens to drop are merged into (or scored "
+            f"against) the slots it keeps and cannot be taken back. Assisted generation (prompt_lookup_num_tokens, "
+            f"assistant_model) rolls its rejected candidates back this way: generate without it under {owner}")
+    return type(cache).crop(cache, max_length, *args, **kwargs)
 
 
 def _pass_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -533,6 +554,8 @@ class KVCompPress(BasePress):
         if cache is not None and hasattr(cache, "layers"):
             setattr(cache, _SLOTS_ATTR, cache.get_seq_length())
             self._caches_in_context.add(cache)
+            if "crop" not in cache.__dict__:
+                cache.crop = types.MethodType(_crop_counting_tokens, cache)
 
     @contextmanager
     def __call__(self, model):
