@@ -67,21 +67,26 @@ _POSITIONS_ATTR, _SLOTS_ATTR = "_kvcomp_positions", "_kvcomp_slots"
 def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     """``cache.crop`` on a cache a press of ours compressed: refuse a crop to a token count its compressed layers cannot
     show. Assisted generation (``prompt_lookup_num_tokens``, ``assistant_model``) rolls rejected candidates back with
-    crop(tokens kept), a count of tokens; a compressed layer holds fewer slots than that, so transformers' crop would
-    cut nothing and the rejected candidates (merged or scored into the slots by the candidate pass) would stay, the
-    next tokens then silently others (KeepKV), or an error about a second generate call (the other presses). A crop
-    below the slots held cuts slots from the right, as before."""
+    crop(tokens kept) (crop(-tokens rejected) from transformers 5.17 on), a count of tokens; a compressed layer holds
+    fewer slots than that, so transformers' crop cut nothing (or the last slots, not the candidates) and the rejected
+    candidates, merged or scored into the slots by the candidate pass, stayed: the next tokens were silently others
+    (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held cuts
+    slots from the right, as before."""
     slots = cache.get_seq_length()
     tokens = getattr(cache, _POSITIONS_ATTR, slots) + slots - getattr(cache, _SLOTS_ATTR, slots)
     state = get_state(cache.layers[0]) if cache.layers else None
-    if state is not None and 0 <= slots <= max_length < tokens:
+    # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
+    # cutting the last k slots of a compressed layer removes other slots than the candidates the pass merged.
+    dropped = -max_length if max_length < 0 else tokens - max_length
+    if state is not None and slots < tokens and (max_length < 0 or slots <= max_length < tokens):
         owner = state.owner_name()
         raise ValueError(
-            f"{owner}: crop({max_length}) asks a cache {owner} compressed to keep {max_length} of the {tokens} tokens "
-            f"it stands for, in {slots} slots: the {tokens - max_length} tokens to drop are merged into (or scored "
+            f"{owner}: crop({max_length}) asks a cache {owner} compressed to drop {dropped} of the {tokens} tokens "
+            f"it stands for, in {slots} slots: the tokens to drop are merged into (or scored "
             f"against) the slots it keeps and cannot be taken back. Assisted generation (prompt_lookup_num_tokens, "
             f"assistant_model) rolls its rejected candidates back this way: generate without it under {owner}")
     return type(cache).crop(cache, max_length, *args, **kwargs)
+
 
 
 def _pass_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
