@@ -450,3 +450,24 @@ def test_a_deep_copy_of_a_cache_continues_as_the_original(make_cache, name, answ
     assert torch.equal(from_copy, expected)
     assert torch.equal(from_original, expected)
 
+
+
+@pytest.mark.skipif(not hasattr(DynamicCache, "to_legacy_cache"), reason="this transformers has no legacy cache")
+@pytest.mark.parametrize("answered", ["in the context", "after it"])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+def test_a_legacy_cache_of_a_compressed_cache_is_refused_naming_the_press(name, answered, surrogate_dir):
+    """cache.to_legacy_cache() of a compressed DynamicCache, and DynamicCache.from_legacy_cache of it to continue: the
+    tuple cannot hold the press's per-slot state, so the rebuilt cache attended as if nothing had been merged (after
+    the context ZSMerge and KeepKV gave other tokens silently; in it, an error saying the press was not active at the
+    prompt). to_legacy_cache now refuses, naming the press."""
+    model, tokenizer = make_tiny_llama()
+    cache, press = DynamicCache(), PRESSES[name](surrogate_dir)
+    with torch.no_grad():
+        with press(model):
+            model(prompt_ids(tokenizer, 64), past_key_values=cache)
+            if answered == "in the context":
+                with pytest.raises(ValueError, match=rf"{type(press).__name__}: to_legacy_cache\(\) of a cache"):
+                    cache.to_legacy_cache()
+                return
+        with pytest.raises(ValueError, match=rf"{type(press).__name__}: to_legacy_cache\(\) of a cache"):
+            cache.to_legacy_cache()

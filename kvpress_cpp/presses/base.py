@@ -89,6 +89,22 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
 
 
 
+def _legacy_cache_without_state(cache, *args, **kwargs):
+    """``cache.to_legacy_cache`` on a cache a press of ours compressed: refuse it, naming the press. The tuple of
+    (keys, values) has no room for the per-slot state (merge weights, evicted slots), so the cache rebuilt from it
+    (``DynamicCache.from_legacy_cache``) was attended as if nothing had been merged: ZSMerge and KeepKV gave other
+    tokens silently after the context closed."""
+    for layer in cache.layers:
+        state = get_state(layer)
+        if state is not None:
+            owner = state.owner_name()
+            raise ValueError(
+                f"{owner}: to_legacy_cache() of a cache {owner} compressed would drop its per-slot state (merge "
+                f"weights, evicted slots), which a tuple of keys and values cannot hold: the cache rebuilt from it "
+                f"would attend differently. Keep the DynamicCache itself (copy.deepcopy it to branch)")
+    return type(cache).to_legacy_cache(cache, *args, **kwargs)
+
+
 def _pass_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The token ids (B, q) or embeddings (B, q, D) of a decoder-stack forward."""
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
@@ -561,6 +577,8 @@ class KVCompPress(BasePress):
             self._caches_in_context.add(cache)
             if "crop" not in cache.__dict__:
                 cache.crop = types.MethodType(_crop_counting_tokens, cache)
+            if hasattr(cache, "to_legacy_cache") and "to_legacy_cache" not in cache.__dict__:
+                cache.to_legacy_cache = types.MethodType(_legacy_cache_without_state, cache)
 
     @contextmanager
     def __call__(self, model):
