@@ -392,7 +392,6 @@ def test_prompt_lookup_decoding_on_a_paged_cache_gives_the_dynamic_caches_tokens
     torch.testing.assert_close(tokens(PagedKVCache()), tokens(DynamicCache()), rtol=0, atol=0)
 
 
-
 @pytest.mark.parametrize("assisted", [dict(prompt_lookup_num_tokens=3), "assistant_model"])
 @pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
 @pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
@@ -409,6 +408,7 @@ def test_assisted_generation_under_a_press_is_refused_naming_it(make_cache, name
     with torch.no_grad(), PRESSES[name](surrogate_dir)(model), pytest.raises(ValueError, match=(
             rf"{type(PRESSES[name](surrogate_dir)).__name__}: crop\(-?\d+\) asks .* Assisted generation")):
         model.generate(ids, past_key_values=make_cache(), max_new_tokens=12, do_sample=False, **assisted)
+
 
 def steps(model, token, cache, count=5):
     """`count` greedy tokens (B, count) fed one by one from `token` (B, 1), as generate's decoding steps."""
@@ -449,7 +449,6 @@ def test_a_deep_copy_of_a_cache_continues_as_the_original(make_cache, name, answ
     from_copy, from_original = continued(make_cache(), [copy.deepcopy, lambda cache: cache])
     assert torch.equal(from_copy, expected)
     assert torch.equal(from_original, expected)
-
 
 
 @pytest.mark.skipif(not hasattr(DynamicCache, "to_legacy_cache"), reason="this transformers has no legacy cache")

@@ -88,7 +88,6 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     return type(cache).crop(cache, max_length, *args, **kwargs)
 
 
-
 def _legacy_cache_without_state(cache, *args, **kwargs):
     """``cache.to_legacy_cache`` on a cache a press of ours compressed: refuse it, naming the press. The tuple of
     (keys, values) has no room for the per-slot state (merge weights, evicted slots), so the cache rebuilt from it
