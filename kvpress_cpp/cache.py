@@ -13,7 +13,7 @@ shrinks for real, where kvpress only masks evicted keys.
 
 from __future__ import annotations
 
-import types
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
            "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "remember_tokens_held",
-           "tokens_held_at_close", "forget_tokens_held"]
+           "tokens_held_at_close", "forget_tokens_held", "MethodOf"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -169,9 +169,26 @@ def set_state(layer, state: LayerState | None) -> None:
     check_cache_layer(layer)
     setattr(layer, _STATE_ATTR, state)
     if isinstance(layer, DynamicLayer) and "reorder_cache" not in layer.__dict__:
-        layer.reorder_cache = types.MethodType(_reorder_with_state, layer)
+        layer.reorder_cache = MethodOf(_reorder_with_state, layer)
     if type(layer).update is DynamicLayer.update and "update" not in layer.__dict__:
-        layer.update = types.MethodType(_update_in_place, layer)
+        layer.update = MethodOf(_update_in_place, layer)
+
+
+class MethodOf:
+    """`function` bound to `owner` through a weak reference, to stand for one of its methods as an instance
+    attribute. A bound method there (``types.MethodType``) would make a reference cycle (owner -> method -> owner),
+    and a dropped cache's keys and values would then stay in memory until Python's cycle collector ran, not freed
+    when the cache goes (on a GPU, with the next example's cache beside them). ``copy.deepcopy`` of the owner binds
+    the copy's to the owner's copy."""
+
+    def __init__(self, function, owner):
+        self.function, self.owner = function, weakref.ref(owner)
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.owner(), *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return MethodOf(self.function, copy.deepcopy(self.owner(), memo))
 
 
 def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

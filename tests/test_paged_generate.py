@@ -470,3 +470,28 @@ def test_a_legacy_cache_of_a_compressed_cache_is_refused_naming_the_press(name, 
                 return
         with pytest.raises(ValueError, match=rf"{type(press).__name__}: to_legacy_cache\(\) of a cache"):
             cache.to_legacy_cache()
+
+
+@pytest.mark.parametrize("name", ["zsmerge", "keepkv", "gvote"])
+@pytest.mark.parametrize("make_cache", [DynamicCache, PagedKVCache], ids=["dynamic", "paged"])
+def test_a_dropped_compressed_cache_frees_its_layers_at_once(make_cache, name, surrogate_dir):
+    """A cache a press compressed, once dropped, frees its layers (their keys and values) at once, as an uncompressed
+    one does, not when Python's cycle collector next runs: an evaluation loop makes one cache per example, and on a GPU
+    the dropped ones would stay beside the next. The methods our presses put on a layer or a cache (the in-place
+    update, beam search's reorder, the crop and legacy-cache guards) were bound methods, each a reference cycle."""
+    import gc
+    import weakref
+
+    model, tokenizer = make_tiny_llama()
+    cache = make_cache()
+    greedy(model, prompt_ids(tokenizer, 64), cache, PRESSES[name](surrogate_dir), max_new_tokens=4)
+    layers = [weakref.ref(layer) for layer in cache.layers]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del cache
+        assert all(layer() is None for layer in layers)
+    finally:
+        if collecting:
+            gc.enable()
+

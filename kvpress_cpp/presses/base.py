@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-import types
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -50,7 +49,7 @@ from kvpress_cpp import ops
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
                                    padding_log_weights, patch_eager_attention, request_prefill_scores,
                                    set_positions_end, take_prefill_attention, tokens_fed_again_error)
-from kvpress_cpp.cache import (LayerState, attach, check_cache_layer, forget_tokens_held, get_state,
+from kvpress_cpp.cache import (LayerState, MethodOf, attach, check_cache_layer, forget_tokens_held, get_state,
                                remember_tokens_held, set_state)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
@@ -575,9 +574,9 @@ class KVCompPress(BasePress):
             setattr(cache, _SLOTS_ATTR, cache.get_seq_length())
             self._caches_in_context.add(cache)
             if "crop" not in cache.__dict__:
-                cache.crop = types.MethodType(_crop_counting_tokens, cache)
+                cache.crop = MethodOf(_crop_counting_tokens, cache)
             if hasattr(cache, "to_legacy_cache") and "to_legacy_cache" not in cache.__dict__:
-                cache.to_legacy_cache = types.MethodType(_legacy_cache_without_state, cache)
+                cache.to_legacy_cache = MethodOf(_legacy_cache_without_state, cache)
 
     @contextmanager
     def __call__(self, model):
