@@ -297,7 +297,10 @@ def attached_layer(module: torch.nn.Module, key: torch.Tensor):
     than the ones compressed, or one gone)."""
     for ref in module.__dict__.get(_LAYER_ATTR, ()):
         layer = ref()
-        if layer is not None and getattr(layer, "keys", None) is key:
+        # The keys a DynamicLayer holds, read without a property: a PagedLayer's builds its view, storing what was
+        # written through it and taking the module's kvpress marks, which belong to the pass of another cache
+        # (the attention path finds a paged layer by its pool instead).
+        if layer is not None and layer.__dict__.get("keys") is key:
             return layer
     return None
 

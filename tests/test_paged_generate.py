@@ -495,3 +495,19 @@ def test_a_dropped_compressed_cache_frees_its_layers_at_once(make_cache, name, s
         if collecting:
             gc.enable()
 
+
+
+def test_a_paged_cache_kept_from_an_earlier_press_leaves_a_later_passs_marks_alone(surrogate_dir):
+    """A paged cache GVote compressed, still held (a user keeping an earlier answer's cache), then kvpress's AdaKV on
+    another paged cache of the same model: the attention looked for the layer of its keys among every layer attached
+    to the module, reading each one's keys, and the held paged layer's view took the module's marks, which were the
+    new pass's: a refusal naming GVote (or, for a layer without a press's state, AdaKV doing nothing)."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 96)
+    held = PagedKVCache(block_size=4)
+    greedy(model, ids, held, PRESSES["gvote"](surrogate_dir))
+    # AdaKV on a rectangular cache leaves its marks on the modules (kvpress's wrapper hides them at every pass)
+    expected = greedy(model, ids, DynamicCache(), PRESSES["adakv-snapkv"](surrogate_dir))
+    got = greedy(model, ids, PagedKVCache(block_size=4), PRESSES["adakv-snapkv"](surrogate_dir))
+    assert torch.equal(got, expected)
+    assert held.get_seq_length() > 0
