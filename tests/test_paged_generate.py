@@ -497,6 +497,7 @@ def test_a_dropped_compressed_cache_frees_its_layers_at_once(make_cache, name, s
 
 
 
+@kvpress_hooks.mark
 def test_a_paged_cache_kept_from_an_earlier_press_leaves_a_later_passs_marks_alone(surrogate_dir):
     """A paged cache GVote compressed, still held (a user keeping an earlier answer's cache), then kvpress's AdaKV on
     another paged cache of the same model: the attention looked for the layer of its keys among every layer attached
