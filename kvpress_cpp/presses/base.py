@@ -63,6 +63,13 @@ __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "s
 _POSITIONS_ATTR, _SLOTS_ATTR = "_kvcomp_positions", "_kvcomp_slots"
 
 
+def _tokens_stood_for(cache, slots: int) -> int:
+    """The tokens `cache`, now holding `slots` slots, stands for: the count at its last pass in a press's context,
+    less the slots cut from the right since (they were tokens), plus those appended by passes outside it (one per
+    token: no press of ours compressed them)."""
+    return getattr(cache, _POSITIONS_ATTR, 0) + slots - getattr(cache, _SLOTS_ATTR, slots)
+
+
 def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     """``cache.crop`` on a cache a press of ours compressed: refuse a crop to a token count its compressed layers cannot
     show. Assisted generation (``prompt_lookup_num_tokens``, ``assistant_model``) rolls rejected candidates back with
@@ -72,7 +79,7 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held cuts
     slots from the right, as before."""
     slots = cache.get_seq_length()
-    tokens = getattr(cache, _POSITIONS_ATTR, slots) + slots - getattr(cache, _SLOTS_ATTR, slots)
+    tokens = _tokens_stood_for(cache, slots)
     state = get_state(cache.layers[0]) if cache.layers else None
     # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
     # cutting the last k slots of a compressed layer removes other slots than the candidates the pass merged.
@@ -531,9 +538,7 @@ class KVCompPress(BasePress):
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
-        # Slots cut from the right since the last pass in the context were tokens, and so are slots appended by passes
-        # outside it (one per token: no press of ours compressed them).
-        processed = getattr(cache, _POSITIONS_ATTR, 0) + slots - getattr(cache, _SLOTS_ATTR, slots) if slots else 0
+        processed = _tokens_stood_for(cache, slots) if slots else 0
         placed = None
         if processed > slots and kwargs.get("position_ids") is None and kwargs.get("cache_position") is None:
             positions = torch.arange(processed, processed + new_tokens, device=inputs.device).unsqueeze(0)
