@@ -98,18 +98,20 @@ class LayerState:
         return (aligned is not None and aligned[:2] == (slots_before, new_tokens) and len(aligned) == 2 + len(tensors)
                 and all((ref() if ref is not None else None) is t for ref, t in zip(aligned[2:], tensors)))
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        """Follow beam search's reordering of the batch rows (``Cache.reorder_cache``): every per-slot tensor, and
-        every counter with a batch dimension, takes the rows `beam_idx` names."""
-        def rows(tensor):
-            return tensor.index_select(0, beam_idx.to(tensor.device))
+    def take_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` names, in its order (repeats allowed), as the layer's keys and values just did:
+        beam search's ``reorder_cache``, ``batch_repeat_interleave`` (n samples from one compressed prompt) and
+        ``batch_select_indices`` are each this. Every per-slot tensor, and every counter with a batch dimension,
+        follows."""
+        def taken(tensor):
+            return tensor.index_select(0, rows.to(tensor.device))
 
-        self.log_weights = rows(self.log_weights)
-        self.per_slot = {name: rows(tensor) for name, tensor in self.per_slot.items()}
-        self.counters = {name: rows(value) if isinstance(value, torch.Tensor) and value.dim() else value
+        self.log_weights = taken(self.log_weights)
+        self.per_slot = {name: taken(tensor) for name, tensor in self.per_slot.items()}
+        self.counters = {name: taken(value) if isinstance(value, torch.Tensor) and value.dim() else value
                          for name, value in self.counters.items()}
         if self.value_probe is not None:
-            self.value_probe = rows(self.value_probe)
+            self.value_probe = taken(self.value_probe)
         self._aligned = None
 
     def nbytes(self) -> int:
@@ -168,8 +170,10 @@ def get_state(layer) -> LayerState | None:
 def set_state(layer, state: LayerState | None) -> None:
     check_cache_layer(layer)
     setattr(layer, _STATE_ATTR, state)
-    if isinstance(layer, DynamicLayer) and "reorder_cache" not in layer.__dict__:
-        layer.reorder_cache = MethodOf(_reorder_with_state, layer)
+    if isinstance(layer, DynamicLayer):
+        for name, method in _BATCH_METHODS.items():
+            if name not in layer.__dict__:
+                setattr(layer, name, MethodOf(method, layer))
     if type(layer).update is DynamicLayer.update and "update" not in layer.__dict__:
         layer.update = MethodOf(_update_in_place, layer)
 
@@ -238,12 +242,26 @@ def _room_after(held: torch.Tensor, new: torch.Tensor) -> bool:
     return first_column + slots + new.shape[2] <= capacity
 
 
-def _reorder_with_state(layer: DynamicLayer, beam_idx: torch.LongTensor) -> None:
-    """DynamicLayer.reorder_cache, which beam search calls, moving the layer's state with its keys and values."""
-    DynamicLayer.reorder_cache(layer, beam_idx)
-    state = get_state(layer)
-    if state is not None:
-        state.reorder(beam_idx)
+def _with_state_rows(layer_method, rows_kept):
+    """`layer_method`, a DynamicLayer method that rearranges the batch, followed on the layer's state: `rows_kept`
+    (batch size, the method's argument) names the rows the method keeps, in order."""
+    def method(layer: DynamicLayer, argument) -> None:
+        state = get_state(layer)
+        rows = rows_kept(state.log_weights.shape[0], argument) if state is not None else None
+        layer_method(layer, argument)
+        if state is not None:
+            state.take_rows(rows)
+    return method
+
+
+# The DynamicLayer methods that rearrange the batch rows, as a layer holding a state answers them.
+_BATCH_METHODS = {
+    "reorder_cache": _with_state_rows(DynamicLayer.reorder_cache, lambda batch, beam_idx: beam_idx),
+    "batch_repeat_interleave": _with_state_rows(DynamicLayer.batch_repeat_interleave,
+                                                lambda batch, repeats: torch.arange(batch).repeat_interleave(repeats)),
+    "batch_select_indices": _with_state_rows(DynamicLayer.batch_select_indices,
+                                             lambda batch, indices: torch.arange(batch)[indices]),
+}
 
 
 def attach(module: torch.nn.Module, layer) -> None:

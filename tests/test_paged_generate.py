@@ -451,6 +451,53 @@ def test_a_deep_copy_of_a_cache_continues_as_the_original(make_cache, name, answ
     assert torch.equal(from_original, expected)
 
 
+@pytest.mark.parametrize("answered", ["in the context", "after it"])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+def test_repeating_or_selecting_batch_rows_carries_the_press_state(name, answered, surrogate_dir):
+    """cache.batch_repeat_interleave(n) of a compressed DynamicCache (n samples from one compressed prompt) and
+    cache.batch_select_indices (keeping some rows of a batch) rearranged the keys and values but not the press's
+    per-slot state: the next attention failed on log-weights of the old batch size. Each row now continues as the row
+    it came from would have. (GVote draws its samples per batch row, so a repeated row is compared with its source,
+    not with a batch of copies prefilled together.)"""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 64)
+    batch = torch.cat([ids, ids.roll(3, dims=-1)])
+
+    def continued(prompt, rearrange=lambda cache, token: token):
+        press, cache = PRESSES[name](surrogate_dir), DynamicCache()
+        with torch.no_grad():
+            with press(model):
+                token = rearrange(cache, model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1))
+                if answered == "in the context":
+                    return steps(model, token, cache)
+            return steps(model, token, cache)
+
+    def repeat_twice(cache, token):
+        cache.batch_repeat_interleave(2)
+        return token.repeat_interleave(2, dim=0)
+
+    def keep_the_second(cache, token):
+        cache.batch_select_indices(torch.tensor([1]))
+        return token[1:]
+
+    assert torch.equal(continued(ids, repeat_twice), continued(ids).repeat_interleave(2, dim=0))
+    assert torch.equal(continued(batch, keep_the_second), continued(batch)[1:])
+
+
+@pytest.mark.parametrize("rearrange", [lambda cache: cache.batch_repeat_interleave(2),
+                                       lambda cache: cache.batch_select_indices(torch.tensor([0])),
+                                       lambda cache: cache.reorder_cache(torch.tensor([0]))],
+                         ids=["batch_repeat_interleave", "batch_select_indices", "reorder_cache"])
+def test_a_paged_cache_refuses_to_rearrange_its_batch_by_name(rearrange):
+    model, tokenizer = make_tiny_llama()
+    cache = PagedKVCache(block_size=4)
+    with torch.no_grad():
+        model(prompt_ids(tokenizer, 16), past_key_values=cache)
+    with pytest.raises(NotImplementedError, match=r"PagedKVCache: .*(batch_repeat_interleave|batch_select_indices|"
+                                                  r"reorder_cache).* not supported"):
+        rearrange(cache)
+
+
 @pytest.mark.skipif(not hasattr(DynamicCache, "to_legacy_cache"), reason="this transformers has no legacy cache")
 @pytest.mark.parametrize("answered", ["in the context", "after it"])
 @pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])

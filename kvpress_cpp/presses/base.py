@@ -179,9 +179,9 @@ class RowStates(LayerState):
             raise ValueError("kvpress_cpp: a padded batch's compressed cache was cut; its rows cannot follow the cut")
         return super().align(slots_before, new_tokens)
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        super().reorder(beam_idx)
-        order = beam_idx.tolist()
+    def take_rows(self, rows: torch.Tensor) -> None:
+        super().take_rows(rows)
+        order = rows.tolist()
         self.rows = [copy.deepcopy(self.rows[r]) if order.count(r) > 1 else self.rows[r] for r in order]
         self.padding = [self.padding[r] for r in order]
 
