@@ -14,6 +14,7 @@ shrinks for real, where kvpress only masks evicted keys.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -23,14 +24,30 @@ from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
            "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "remember_tokens_held",
-           "tokens_held_at_close", "forget_tokens_held", "MethodOf"]
+           "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
-# On a layer: the attention module it was attached to (a weak reference, which copy.deepcopy keeps as it is).
-_MODULE_ATTR = "_kvcomp_attention_module"
 # Where a press's context closed on a layer (remember_tokens_held): (tokens the cache stood for, its slots).
 _RESUME_POINT_ATTR = "_kvcomp_resume_point"
+
+
+class UnsavedRef(weakref.ref):
+    """A weak reference that ``copy.deepcopy`` keeps as it is and that pickling (``torch.save`` of a cache) saves as
+    None: what it points to (the press that wrote a state, the attention module reading a layer, a tensor a state
+    left) belongs to this process's model, not to the cache saved."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return _loaded_as_none, ()
+
+
+def _loaded_as_none() -> None:
+    return None
 
 
 @dataclass
@@ -47,7 +64,7 @@ class LayerState:
     log_weights: torch.Tensor
     per_slot: dict[str, torch.Tensor] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
-    owner: weakref.ref | None = None
+    owner: UnsavedRef | None = None
     owner_type: type | None = None
     value_probe: torch.Tensor | None = None
     # Set by the press for a write that holds every slot wherever every slot it was given held one (no log-weight
@@ -90,7 +107,7 @@ class LayerState:
         return self.log_weights, self.value_probe, *self.per_slot.values()
 
     def _alignment(self, slots_before: int, new_tokens: int) -> tuple:
-        return slots_before, new_tokens, *(weakref.ref(t) if t is not None else None for t in self._tensors())
+        return slots_before, new_tokens, *(UnsavedRef(t) if t is not None else None for t in self._tensors())
 
     def _is_aligned(self, slots_before: int, new_tokens: int) -> bool:
         """Whether the last align call had these arguments and left the tensors the state holds now."""
@@ -192,7 +209,22 @@ class MethodOf:
         return self.function(self.owner(), *args, **kwargs)
 
     def __deepcopy__(self, memo):
-        return MethodOf(self.function, copy.deepcopy(self.owner(), memo))
+        return _method_of_copy(self.function, copy.deepcopy(self.owner(), memo))
+
+    def __reduce__(self):
+        return _method_of_copy, (self.function, self.owner())
+
+
+# Copies of layers holding a state (copy.deepcopy, torch.load), until the attention first reads one: never attached to
+# a module, they would be attended as if nothing had been compressed (attached_layer finds them here).
+_COPIES_NOT_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _method_of_copy(function, owner) -> MethodOf:
+    """A MethodOf bound to `owner`, a copy of the original's owner (a cache or a layer)."""
+    if isinstance(owner, DynamicLayer):
+        _COPIES_NOT_ATTACHED.add(owner)
+    return MethodOf(function, owner)
 
 
 def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -203,7 +235,6 @@ def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states
     three times (cat's read and write too)."""
     if get_state(layer) is None or not layer.is_initialized:
         return DynamicLayer.update(layer, key_states, value_states, *args, **kwargs)
-    _attach_again(layer)
     layer.keys = append_slots(layer.keys, key_states)
     layer.values = append_slots(layer.values, value_states)
     return layer.keys, layer.values
@@ -242,25 +273,35 @@ def _room_after(held: torch.Tensor, new: torch.Tensor) -> bool:
     return first_column + slots + new.shape[2] <= capacity
 
 
-def _with_state_rows(layer_method, rows_kept):
+def _with_state_rows(layer_method, rows_kept, layer: DynamicLayer, argument) -> None:
     """`layer_method`, a DynamicLayer method that rearranges the batch, followed on the layer's state: `rows_kept`
     (batch size, the method's argument) names the rows the method keeps, in order."""
-    def method(layer: DynamicLayer, argument) -> None:
-        state = get_state(layer)
-        rows = rows_kept(state.log_weights.shape[0], argument) if state is not None else None
-        layer_method(layer, argument)
-        if state is not None:
-            state.take_rows(rows)
-    return method
+    state = get_state(layer)
+    rows = rows_kept(state.log_weights.shape[0], argument) if state is not None else None
+    layer_method(layer, argument)
+    if state is not None:
+        state.take_rows(rows)
 
 
-# The DynamicLayer methods that rearrange the batch rows, as a layer holding a state answers them.
+def _beam_rows(batch: int, beam_idx: torch.Tensor) -> torch.Tensor:
+    return beam_idx
+
+
+def _repeated_rows(batch: int, repeats: int) -> torch.Tensor:
+    return torch.arange(batch).repeat_interleave(repeats)
+
+
+def _selected_rows(batch: int, indices) -> torch.Tensor:
+    return torch.arange(batch)[indices]
+
+
+# The DynamicLayer methods that rearrange the batch rows, as a layer holding a state answers them (module-level
+# functions, so that a cache holding them can be saved).
 _BATCH_METHODS = {
-    "reorder_cache": _with_state_rows(DynamicLayer.reorder_cache, lambda batch, beam_idx: beam_idx),
-    "batch_repeat_interleave": _with_state_rows(DynamicLayer.batch_repeat_interleave,
-                                                lambda batch, repeats: torch.arange(batch).repeat_interleave(repeats)),
-    "batch_select_indices": _with_state_rows(DynamicLayer.batch_select_indices,
-                                             lambda batch, indices: torch.arange(batch)[indices]),
+    "reorder_cache": functools.partial(_with_state_rows, DynamicLayer.reorder_cache, _beam_rows),
+    "batch_repeat_interleave": functools.partial(_with_state_rows, DynamicLayer.batch_repeat_interleave,
+                                                 _repeated_rows),
+    "batch_select_indices": functools.partial(_with_state_rows, DynamicLayer.batch_select_indices, _selected_rows),
 }
 
 
@@ -277,18 +318,6 @@ def attach(module: torch.nn.Module, layer) -> None:
     refs = module.__dict__.get(_LAYER_ATTR, ())
     if not refs or refs[0] is not ref:
         setattr(module, _LAYER_ATTR, (ref, *(other for other in refs if other is not ref and other() is not None)))
-        layer.__dict__[_MODULE_ATTR] = weakref.ref(module)
-
-
-def _attach_again(layer) -> None:
-    """Attach a layer holding a state to the module it was attached to, before the attention reads it: a copy of the
-    layer (``copy.deepcopy`` of a prefilled cache, to answer several questions from one compressed prefix, as
-    transformers' docs reuse a prompt cache) carries the state but was never attached itself, so the attention would
-    not find it and attend as if nothing had been compressed."""
-    module_ref = layer.__dict__.get(_MODULE_ATTR)
-    module = module_ref() if module_ref is not None else None
-    if module is not None:
-        attach(module, layer)
 
 
 def remember_tokens_held(cache, tokens: int) -> None:
@@ -312,13 +341,20 @@ def forget_tokens_held(layer) -> None:
 
 def attached_layer(module: torch.nn.Module, key: torch.Tensor):
     """The cache layer attached to `module` (:func:`attach`) whose keys tensor is `key`, None if none (another cache
-    than the ones compressed, or one gone)."""
+    than the ones compressed, or one gone). A copy of a compressed layer (``copy.deepcopy`` of a prefilled cache, to
+    answer several questions from one compressed prefix; ``torch.load`` of a saved one) is attached here, the first
+    time the attention reads it."""
     for ref in module.__dict__.get(_LAYER_ATTR, ()):
         layer = ref()
         # The keys a DynamicLayer holds, read without a property: a PagedLayer's builds its view, storing what was
         # written through it and taking the module's kvpress marks, which belong to the pass of another cache
         # (the attention path finds a paged layer by its pool instead).
         if layer is not None and layer.__dict__.get("keys") is key:
+            return layer
+    for layer in list(_COPIES_NOT_ATTACHED):
+        if layer.__dict__.get("keys") is key:
+            _COPIES_NOT_ATTACHED.discard(layer)
+            attach(module, layer)
             return layer
     return None
 

@@ -32,6 +32,7 @@ each head's base and appended slots): it stays as wide as the tokens the sequenc
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any
@@ -40,7 +41,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import LayerState, forget_tokens_held, head_wise_marks_error, slots_rearranged_error
+from kvpress_cpp.cache import (LayerState, UnsavedRef, forget_tokens_held, head_wise_marks_error,
+                               slots_rearranged_error)
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -385,7 +387,7 @@ class PagedLayer(CacheLayerMixin):
 
     def attended_by(self, module: torch.nn.Module) -> None:
         """Remember the attention module that reads this layer, for its ``masked_key_indices``."""
-        self._module = weakref.ref(module)
+        self._module = UnsavedRef(module)
 
     # ------------------------------------------------------------------------------------------------------------
     # A press that steps the layer in its pools, reading no view (KVzap while decoding)
@@ -1078,7 +1080,7 @@ class PagedKVCache(Cache):
 
         PagedLayer(block_size)  # validates block_size before any layer exists
         self.block_size = block_size
-        super().__init__(layer_class_to_replicate=lambda: PagedLayer(block_size))
+        super().__init__(layer_class_to_replicate=functools.partial(PagedLayer, block_size))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens generate counts as held: the view's width, plus the padding every row of the prefill had (see

@@ -422,14 +422,24 @@ def steps(model, token, cache, count=5):
 @pytest.mark.parametrize("answered", ["in the context", "after it"])
 @pytest.mark.parametrize("name", ["none", "zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
 @pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
-def test_a_deep_copy_of_a_cache_continues_as_the_original(make_cache, name, answered, surrogate_dir):
+@pytest.mark.parametrize("copy_of", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, answered, surrogate_dir):
     """copy.deepcopy of a compressed cache (to answer several questions from one prefix, as transformers' docs reuse
-    a prompt cache) and the original each continue as a DynamicCache does without a copy, in the press's context or
-    after it closed. A paged copy's layers lost the marker of "nothing written through the view" (a sentinel object,
-    which deepcopy copied into a new one: an AttributeError); a DynamicCache's copied layers were never attached to
-    the attention modules, so the attention ignored their state (ZSMerge and KeepKV gave other tokens after the
-    context, and failed in it)."""
+    a prompt cache), or torch.save and torch.load of it (a compressed context kept on disk), and the original each
+    continue as a DynamicCache does without a copy, in the press's context or after it closed. A paged copy's layers
+    lost the marker of "nothing written through the view" (a sentinel object, which deepcopy copied into a new one:
+    an AttributeError); a DynamicCache's copied layers were never attached to the attention modules, so the attention
+    ignored their state (ZSMerge and KeepKV gave other tokens after the context, and failed in it). Saving any
+    compressed cache, and a PagedKVCache without a press, failed on the weak references it held (to the press, the
+    attention modules)."""
     import copy
+    import io
+
+    def saved_and_loaded(cache):
+        file = io.BytesIO()
+        torch.save(cache, file)
+        file.seek(0)
+        return torch.load(file, weights_only=False)
 
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 64)
@@ -446,7 +456,8 @@ def test_a_deep_copy_of_a_cache_continues_as_the_original(make_cache, name, answ
             return [steps(model, token, branch(cache)) for branch in branches]
 
     [expected] = continued(DynamicCache(), [lambda cache: cache])
-    from_copy, from_original = continued(make_cache(), [copy.deepcopy, lambda cache: cache])
+    copied = copy.deepcopy if copy_of == "deepcopy" else saved_and_loaded
+    from_copy, from_original = continued(make_cache(), [copied, lambda cache: cache])
     assert torch.equal(from_copy, expected)
     assert torch.equal(from_original, expected)
 

@@ -49,8 +49,8 @@ from kvpress_cpp import ops
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
                                    padding_log_weights, patch_eager_attention, request_prefill_scores,
                                    set_positions_end, take_prefill_attention, tokens_fed_again_error)
-from kvpress_cpp.cache import (LayerState, MethodOf, attach, check_cache_layer, forget_tokens_held, get_state,
-                               remember_tokens_held, set_state)
+from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
+                               get_state, remember_tokens_held, set_state)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
@@ -453,7 +453,7 @@ class KVCompPress(BasePress):
             if self._compressed_in_context is not None:
                 self._compressed_in_context.add(layer_idx)
             layer.keys, layer.values, state = result
-            state.owner, state.owner_type = weakref.ref(self), type(self)
+            state.owner, state.owner_type = UnsavedRef(self), type(self)
             state.keeps_held_slots = keeps_held_slots
             if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
                 state.value_probe = layer.values[..., 0].clone()
