@@ -4,7 +4,9 @@ kvpress_cpp's ops or presses), for the end-to-end tests (tests/test_end_to_end_m
 Each reference follows one attention layer: it is fed, at every forward, the layer's new queries (post-RoPE), keys,
 values and attention input as the model computed them, keeps its own cache per (batch, kv head) in float64 with
 Python-level loops, and exposes that cache in the slot layout the method describes. It computes every attention
-probability, score, choice and merge itself.
+probability, score, choice and merge itself, in float64; a key or value it computes (a merge) is rounded to the
+model's dtype once computed (:func:`stored`), as the cache stores it, so a float16 / bfloat16 model's reference holds
+what that cache can hold.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def probabilities(queries: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
     return logits.masked_fill(hidden, float("-inf")).softmax(-1)
 
 
+def stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A key or value computed in float64 as a cache of `dtype` (the model's) holds it: rounded once to that dtype."""
+    return tensor.to(dtype).double()
+
+
 def first_argmin(values: list[float]) -> int:
     return min(range(len(values)), key=lambda i: (values[i], i))
 
@@ -81,8 +88,8 @@ class ZSMerge:
                 size = len(merged) // self.residual + (group < len(merged) % self.residual)
                 groups.append(merged[start:start + size])
                 start += size
-            slots = [dict(key=keys[g].mean(0), value=values[g].mean(0), count=float(len(g)),
-                          score=max(score[i] for i in g)) for g in groups]
+            slots = [dict(key=stored(keys[g].mean(0), x.keys.dtype), value=stored(values[g].mean(0), x.keys.dtype),
+                          count=float(len(g)), score=max(score[i] for i in g)) for g in groups]
             slots += [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
                       for i in context + list(range(tokens - self.recent, tokens))]
             self.heads[b, h] = {"slots": slots, "ring": 0}
@@ -109,8 +116,10 @@ class ZSMerge:
                 target = max(range(self.residual), key=lambda j: (float(slots[j]["key"] @ victim["key"]), -j))
                 into = slots[target]
                 total = victim["count"] + into["count"]
-                into["key"] = (victim["count"] * victim["key"] + into["count"] * into["key"]) / total
-                into["value"] = (victim["count"] * victim["value"] + into["count"] * into["value"]) / total
+                into["key"] = stored((victim["count"] * victim["key"] + into["count"] * into["key"]) / total,
+                                     x.keys.dtype)
+                into["value"] = stored((victim["count"] * victim["value"] + into["count"] * into["value"]) / total,
+                                       x.keys.dtype)
                 into["count"], into["score"] = total, max(victim["score"], into["score"])
             if evicted != leaving:
                 slots[evicted] = slots[leaving]
@@ -142,7 +151,7 @@ class WeightedKV:
             tokens = keys.shape[0]
             attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale).mean(0)
             head = {"keys": list(keys), "values": list(values), "sums": attention.sum(0).tolist(),
-                    "counts": [float(tokens - i) for i in range(tokens)]}
+                    "counts": [float(tokens - i) for i in range(tokens)], "dtype": x.values.dtype}
             while len(head["keys"]) > self.size:
                 self.evict(head)
             self.heads[b, h] = head
@@ -165,7 +174,8 @@ class WeightedKV:
         middle = range(self.sinks, len(mean) - self.recent)
         j = middle[first_argmin([mean[i] for i in middle])]
         values = head["values"]
-        values[j + 1] = (mean[j] * values[j] + mean[j + 1] * values[j + 1]) / (mean[j] + mean[j + 1])
+        values[j + 1] = stored((mean[j] * values[j] + mean[j + 1] * values[j + 1]) / (mean[j] + mean[j + 1]),
+                               head["dtype"])
         for name in ("keys", "values", "sums", "counts"):
             del head[name][j]
 
@@ -192,7 +202,7 @@ class KeepKV:
         for b, h, queries, keys, values in x.every_head():
             tokens = keys.shape[0]
             head = {"keys": list(keys), "values": list(values), "votes": [1.0] * tokens,
-                    "ema": [0.0] * tokens, "age": [0] * tokens}
+                    "ema": [0.0] * tokens, "age": [0] * tokens, "dtype": x.keys.dtype}
             steps = min(self.recent, tokens)
             for j in range(tokens - steps, tokens):  # the last R prompt queries, in order
                 self.observe(head, queries[:, j] @ keys[:j + 1].T * x.scale)
@@ -248,8 +258,8 @@ class KeepKV:
         w = p * s
         numerator, denominator = (w.sum() / p.sum()).log(), (w * s.log()).sum()
         convex = bool(denominator.abs() <= 1e-3 * w.sum() * s.log().abs().max() or numerator * denominator < 0)
-        head["keys"][c] = (w @ keys) / w.sum() if convex else (w @ keys) * numerator / denominator
-        head["values"][c] = (w @ values) / w.sum()
+        key = (w @ keys) / w.sum() if convex else (w @ keys) * numerator / denominator
+        head["keys"][c], head["values"][c] = stored(key, head["dtype"]), stored((w @ values) / w.sum(), head["dtype"])
         head["votes"][c] = float(p.sum())
         head["age"][c] = max(head["age"][i] for i in members)
         head["ema"][c] = float((p @ s) / p.sum()) * (1 - self.beta ** head["age"][c])

@@ -6,9 +6,15 @@ counts, scores) equals the reference's.
 The reference is fed what the model computed at that forward (the layer's attention input, queries, new keys and
 values), which depends on the press's cache at the layers and steps before: a wrong cache anywhere shows up as a
 difference at that very forward, and is then carried into the reference's own state.
+
+The merging presses also run in a bfloat16 and a float16 model, where a merged key or value is rounded to the model's
+dtype: the press merges in float32 and rounds once, the reference in float64 and rounds once, so the two agree within
+one unit in the last place of that dtype; the log-weights, counts and scores stay float32 at float32's tolerance.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -28,6 +34,17 @@ from tests.test_kvzap_press import write_surrogate
 
 PROMPT_TOKENS = 48
 NEW_TOKENS = 10
+#: The model dtypes of the merging presses' tests: float32, and the half precisions models run in on GPUs.
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16"),
+          pytest.param(torch.float16, id="float16")]
+
+
+def tolerance(name: str, dtype: torch.dtype) -> dict:
+    """float32's tolerance, or for the keys and values of a float16 / bfloat16 cache one unit in the last place of
+    that dtype: the press's float32 merge and the reference's float64 one may round to either side of a boundary."""
+    if name in ("keys", "values") and dtype != torch.float32:
+        return dict(rtol=torch.finfo(dtype).eps, atol=2e-5)
+    return dict(rtol=2e-4, atol=2e-5)
 
 
 def layer_inputs(module, kwargs, layer) -> paper_reference.LayerInputs:
@@ -69,7 +86,8 @@ def run_in_lock_step(model, press, make_reference, read_press_cache, batch: int 
                 got = read_press_cache(press, layer, state, b, h)
                 step = len(compared) // len(model.model.layers)
                 for name, value in expected.items():
-                    torch.testing.assert_close(got[name].double(), value, rtol=2e-4, atol=2e-5, msg=lambda m: (
+                    torch.testing.assert_close(got[name].double(), value, **tolerance(name, layer.keys.dtype),
+                                               msg=lambda m: (
                         f"{name} at forward {step}, layer {module.layer_idx}, batch {b}, kv head {h}: {m}"))
         compared.append(module.layer_idx)
 
@@ -95,6 +113,18 @@ def llama():
     return model
 
 
+@pytest.fixture(scope="module")
+def llama_in(llama):
+    """The tiny Llama converted to a dtype, one copy per dtype."""
+    copies = {torch.float32: llama}
+
+    def converted(dtype: torch.dtype):
+        if dtype not in copies:
+            copies[dtype] = copy.deepcopy(llama).to(dtype)
+        return copies[dtype]
+    return converted
+
+
 def dense_slots(layer, state, b, h, names) -> dict[str, torch.Tensor]:
     """keys, values and log-weights of a press that keeps every slot of the layer, plus per-slot state."""
     out = {"keys": layer.keys[b, h], "values": layer.values[b, h], "log_weights": state.log_weights[b, h]}
@@ -102,28 +132,31 @@ def dense_slots(layer, state, b, h, names) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("eviction_order", ["authors", "paper"])
-def test_zsmerge_matches_the_paper(llama, eviction_order):
+def test_zsmerge_matches_the_paper(llama_in, eviction_order, dtype):
     press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order)
 
     def read(press, layer, state, b, h):
         return dense_slots(layer, state, b, h, {"counts": state.per_slot["counts"],
                                                 "scores": state.per_slot["scores"]})
 
-    references = run_in_lock_step(llama, press, lambda: paper_reference.ZSMerge(
+    references = run_in_lock_step(llama_in(dtype), press, lambda: paper_reference.ZSMerge(
         24, residual=2, paper_order=eviction_order == "paper"), read)
     if eviction_order == "paper":  # the run exercised the difference: the leaving token was evicted at least once
         assert sum(reference.leaving_evicted for reference in references.values()) > 0
 
 
-def test_weightedkv_matches_the_paper(llama):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weightedkv_matches_the_paper(llama_in, dtype):
     def read(press, layer, state, b, h):
         return dense_slots(layer, state, b, h, {"counts": state.per_slot["counts"], "scores": state.per_slot["sums"]})
 
-    run_in_lock_step(llama, WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24), read)
+    run_in_lock_step(llama_in(dtype), WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24), read)
 
 
-def test_keepkv_matches_the_paper(llama):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keepkv_matches_the_paper(llama_in, dtype):
     # A low similarity threshold so that a random tiny model merges (its keys are far less alike than a real one's).
     press = KeepKVPress(budget=24, recent=8, similarity_threshold=0.3)
 
@@ -131,7 +164,8 @@ def test_keepkv_matches_the_paper(llama):
         return dense_slots(layer, state, b, h, {"counts": state.per_slot["votes"],
                                                 "scores": press.log_estimate(state)})
 
-    references = run_in_lock_step(llama, press, lambda: paper_reference.KeepKV(24, recent=8, threshold=0.3), read)
+    references = run_in_lock_step(llama_in(dtype), press, lambda: paper_reference.KeepKV(24, recent=8, threshold=0.3),
+                                  read)
     assert any(max(head["votes"]) > 1 for reference in references.values() for head in reference.heads.values())
 
 
