@@ -1,6 +1,7 @@
 """PagedKVCache in what users run: greedy ``generate`` gives the rectangular cache's tokens for every press (ours and
-kvpress's, head-wise ones included) on the tiny models and SmolLM2; kvpress's pipeline answers several questions on
-one paged context; padded batches; and the memory held is each head's own slots."""
+kvpress's, head-wise ones included) on the tiny models and SmolLM2, ours in float16 and bfloat16 models too; kvpress's
+pipeline answers several questions on one paged context; padded batches; and the memory held is each head's own
+slots."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.attention import patch_eager_attention
 from kvpress_cpp.cache import cache_bytes, get_state
-from kvpress_cpp.paged_cache import PagedKVCache
+from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer
 from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
                                  ZSMergePress)
 from tests import kvpress_hooks
@@ -70,6 +71,31 @@ def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate
     got = greedy(model, ids, paged_cache, PRESSES[name](surrogate_dir))
     assert torch.equal(got, expected)
     assert paged_cache.bytes_held() <= cache_bytes(rectangular_cache) * 1.1 + 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+def test_generate_in_half_precision(name, dtype, surrogate_dir):
+    """Each of our presses in a bfloat16 / float16 model (as users run them on GPUs): both caches hold keys and
+    values in the model's dtype (a float32 copy would double the memory), finite, the press's per-slot state stays
+    float32, and the paged cache gives the rectangular cache's tokens."""
+    model, tokenizer = make_tiny_llama()
+    model.to(dtype)
+    ids = prompt_ids(tokenizer, 96)
+    rectangular_cache, paged_cache = DynamicCache(), PagedKVCache(block_size=4)
+    expected = greedy(model, ids, rectangular_cache, PRESSES[name](surrogate_dir))
+    got = greedy(model, ids, paged_cache, PRESSES[name](surrogate_dir))
+    assert torch.equal(got, expected)
+    for cache in (rectangular_cache, paged_cache):
+        for layer in cache.layers:
+            if isinstance(layer, PagedLayer):
+                layer.flush()
+                assert (layer.key_blocks.dtype, layer.value_blocks.dtype) == (dtype, dtype)
+            assert (layer.keys.dtype, layer.values.dtype) == (dtype, dtype)
+            assert bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all())
+            state = get_state(layer)
+            assert state is not None and state.log_weights.dtype == torch.float32
+            assert all(t.dtype == torch.float32 for t in state.per_slot.values() if t.is_floating_point())
 
 
 @kvpress_hooks.mark
