@@ -41,8 +41,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import (LayerState, UnsavedRef, forget_tokens_held, head_wise_marks_error,
-                               slots_rearranged_error)
+from kvpress_cpp.cache import (LayerState, UnsavedRef, _beam_rows, _repeated_rows, _selected_rows, forget_tokens_held,
+                               head_wise_marks_error, slots_rearranged_error)
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -136,7 +136,9 @@ class PagedLayer(CacheLayerMixin):
         # The columns of the view that the evictions of kvpress's head-wise marks emptied (no head holds a slot there),
         # which the view keeps as padding: generate resumes a second call and crops at the view's width, and kvpress's
         # pipeline cuts each answer at it (keys[:, :, :n]), all counted as the rectangular cache, whose masked slots
-        # keep their columns, counts them. Until something rewrites the layer, whose width is then what it wrote.
+        # keep their columns, counts them. Until something rewrites the layer, whose width is then what it wrote. So
+        # are the columns only the rows a batch rearrangement dropped held (_take_rows), which the rectangular cache
+        # keeps too, and which a press's state covers (part of the base, at its left for a press that left-pads).
         self.evicted_columns = 0
         # Whether marks evicted slots since the layer was last written: a head's appended slots after one it lost sit
         # further right in the view than their tokens' columns in the rectangular cache, so a cut counts them by
@@ -285,14 +287,19 @@ class PagedLayer(CacheLayerMixin):
         written, its slots where it wrote them."""
         self.evicted_columns, self._marks_evicted = 0, False
 
+    # Beam search's reorder (every step), n samples from one compressed prompt, and keeping some rows of a batch:
+    # each keeps batch rows in a given order, as on a DynamicLayer holding a press's state (kvpress_cpp.cache).
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("PagedKVCache: beam search (reorder_cache) is not supported")
+        if self.is_initialized:
+            self._take_rows(_beam_rows(self.lengths.shape[0], beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("PagedKVCache: batch_repeat_interleave is not supported")
+        if self.is_initialized:
+            self._take_rows(_repeated_rows(self.lengths.shape[0], repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("PagedKVCache: batch_select_indices is not supported")
+        if self.is_initialized:
+            self._take_rows(_selected_rows(self.lengths.shape[0], indices))
 
     def offload(self):
         raise NotImplementedError("PagedKVCache: offloading is not supported")
@@ -343,7 +350,8 @@ class PagedLayer(CacheLayerMixin):
         if not self.has_state:
             return None
         even = self._evenness()
-        width = even[1] if even else int(self.bases.max())
+        # The base part, with the columns only rows a rearrangement dropped held (marks evict nothing under a state).
+        width = even[1] if even else int(self.bases.max()) + self.evicted_columns
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
         log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width)
@@ -423,6 +431,9 @@ class PagedLayer(CacheLayerMixin):
         dead = (_gather(self.slot_blocks[_LOG_WEIGHTS], index, real, 0.0) == float("-inf")).cpu()
         if bool(dead.any()):
             self._evict(dead)
+        if self.evicted_columns:  # the compaction drops the columns no head holds (of rows a rearrangement dropped)
+            self.evicted_columns = 0
+            self._changed()
         self._may_hold_dead_slots = False
 
     # ------------------------------------------------------------------------------------------------------------
@@ -603,6 +614,56 @@ class PagedLayer(CacheLayerMixin):
         self.free_blocks = [block for block in self.free_blocks if block in free]
         return blocks
 
+    def _take_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` (B',) names, in its order, repeats allowed. A row kept once keeps its blocks;
+        every further copy of a row gets blocks of its own, copied, since a later eviction or merge in one copy must
+        not touch the other's slots; the blocks of the rows not kept go back to the free list. The press's state
+        follows: its per-slot pools with the blocks, its counters with a batch dimension and a padded batch's rows
+        (LayerState.take_rows). The view stays as wide as before, as the rectangular cache keeps its columns: those
+        only the dropped rows held are kept empty (``evicted_columns``)."""
+        self.flush()  # what was written through the view, and kvpress's marks, name the rows as they were
+        rows = rows.to("cpu", torch.long).reshape(-1)
+        order = rows.tolist()
+        batch = self.lengths.shape[0]
+        if any(not 0 <= row < batch for row in order):  # refused before any block changes hands
+            raise IndexError(f"PagedKVCache: batch rows {order} asked of a batch of {batch}")
+        if order == list(range(batch)):  # beam search keeping every beam where it is
+            return
+        width = self._width()
+        seen, copies = set(), []
+        for row in order:
+            copies.append(row in seen)
+            seen.add(row)
+        dropped = torch.ones(batch, dtype=torch.bool)
+        dropped[rows] = False
+        released = self.block_tables[dropped]
+        self.free_blocks.extend(released[released >= 0].tolist()[::-1])  # lowest ids last, as _grow
+        self.block_tables = self.block_tables.index_select(0, rows)
+        copied = (self.block_tables >= 0) & torch.tensor(copies, dtype=torch.bool).view(-1, 1, 1)
+        count = int(copied.sum())
+        if count:
+            sources = self.block_tables[copied]
+            if count > len(self.free_blocks):
+                self._grow(count - len(self.free_blocks))
+            # Every copy's head takes all its blocks afresh (as a prefill's do): a run where the free list ends in one.
+            self.block_tables[copied] = self._take(copied, fresh_heads=True)
+            source, target = self._uploaded(sources), self._uploaded(self.block_tables[copied])
+            for pool in (self.key_blocks, self.value_blocks, *self.slot_blocks.values()):
+                pool.index_copy_(0, target, pool.index_select(0, source))
+        self.lengths, self.bases = self.lengths.index_select(0, rows), self.bases.index_select(0, rows)
+        self._owned_slots = self._owned_slots.index_select(0, rows)
+        self._even_lengths.clear()  # of the old batch size
+        self._forget_region()
+        self._changed()
+        self.rearrangements += 1
+        self.evicted_columns += width - self._width()
+        self._changed()
+        if self.has_state:
+            state = self._state_written
+            state.counters = self.counters
+            state.take_rows(rows)
+            self.counters = state.counters
+
     def _forget_region(self) -> None:
         """Forget what was derived from the block tables (their layout changed)."""
         self._slot_index = self._region = self._even_blocks = None
@@ -702,7 +763,9 @@ class PagedLayer(CacheLayerMixin):
         bases = self.bases.unsqueeze(-1)
         appended = self.lengths.unsqueeze(-1) - bases
         start = width - appended  # first column of the appended slots
-        first = int(self.bases.max()) - bases if self._bases_at_right else torch.zeros_like(bases)  # of the base slots
+        # The first column of each head's base slots; a press that left-pads has the empty columns before them.
+        first = (int(self.bases.max()) + self.evicted_columns - bases if self._bases_at_right
+                 else torch.zeros_like(bases))
         in_base = (column >= first) & (column < first + bases)
         slot = torch.where(in_base, column - first, self.lengths.unsqueeze(-1) - (width - column))
         real = in_base | (column >= start)
@@ -836,13 +899,13 @@ class PagedLayer(CacheLayerMixin):
         else:
             start = self._width() - appended
             kept_appended = (width - start).clamp(min=0).minimum(appended)
-        if self._bases_at_right:  # each head's base ends at the longest one's
-            bases = (self.bases - max(int(self.bases.max()) - width, 0)).clamp(min=0)
+        if self._bases_at_right:  # each head's base ends where the longest one's does
+            bases = (self.bases - max(int(self.bases.max()) + self.evicted_columns - width, 0)).clamp(min=0)
         else:
             bases = self.bases.clamp(max=width)
         self._resize(bases + kept_appended)
         self.bases = bases
-        if self._marks_evicted:  # as wide as the rectangular cache cut to `width`
+        if self._marks_evicted or self.evicted_columns:  # as wide as the rectangular cache cut to `width`
             self.evicted_columns = width - int(bases.max()) - int(kept_appended.max())
         self._changed()
         self.rearrangements += 1
@@ -977,9 +1040,11 @@ class PagedLayer(CacheLayerMixin):
                 tensor = tensor.reshape(-1) if rows is None else tensor.reshape(-1).index_select(0, rows)
                 self.slot_blocks[name].view(-1).index_copy_(0, flat, tensor)
         # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part), and
-        # keeps no column for evicted marks (as wide as the press's layout, as after a rewrite).
+        # keeps no column for evicted marks (as wide as the press's layout, as after a rewrite). The columns of rows a
+        # batch rearrangement dropped stay: the press wrote them back, as the rectangular cache keeps them.
         self.bases = self.lengths.clone()
-        self._forget_marks()
+        if self._marks_evicted:
+            self._forget_marks()
         self._bases_at_right = state.left_padded
         self._changed()
         self.counters = state.counters

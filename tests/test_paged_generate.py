@@ -24,6 +24,7 @@ from tests import kvpress_hooks
 from tests.generation import TINY_MODELS, prompt_ids
 from tests.models import make_tiny_llama
 from tests.test_kvzap_press import write_surrogate
+from tests.test_paged_cache import check_allocator
 
 
 @pytest.fixture(scope="module")
@@ -490,18 +491,20 @@ def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, 
 
 @pytest.mark.parametrize("answered", ["in the context", "after it"])
 @pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
-def test_repeating_or_selecting_batch_rows_carries_the_press_state(name, answered, surrogate_dir):
+@pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
+def test_repeating_or_selecting_batch_rows_carries_the_press_state(make_cache, name, answered, surrogate_dir):
     """cache.batch_repeat_interleave(n) of a compressed DynamicCache (n samples from one compressed prompt) and
     cache.batch_select_indices (keeping some rows of a batch) rearranged the keys and values but not the press's
-    per-slot state: the next attention failed on log-weights of the old batch size. Each row now continues as the row
-    it came from would have. (GVote draws its samples per batch row, so a repeated row is compared with its source,
-    not with a batch of copies prefilled together.)"""
+    per-slot state: the next attention failed on log-weights of the old batch size. A PagedKVCache refused both. Each
+    row now continues as the row it came from would have, on either cache, as it does on a DynamicCache. (GVote draws
+    its samples per batch row, so a repeated row is compared with its source, not with a batch of copies prefilled
+    together.)"""
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 64)
     batch = torch.cat([ids, ids.roll(3, dims=-1)])
 
-    def continued(prompt, rearrange=lambda cache, token: token):
-        press, cache = PRESSES[name](surrogate_dir), DynamicCache()
+    def continued(prompt, rearrange=lambda cache, token: token, cache_type=make_cache):
+        press, cache = PRESSES[name](surrogate_dir), cache_type()
         with torch.no_grad():
             with press(model):
                 token = rearrange(cache, model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1))
@@ -517,22 +520,84 @@ def test_repeating_or_selecting_batch_rows_carries_the_press_state(name, answere
         cache.batch_select_indices(torch.tensor([1]))
         return token[1:]
 
-    assert torch.equal(continued(ids, repeat_twice), continued(ids).repeat_interleave(2, dim=0))
-    assert torch.equal(continued(batch, keep_the_second), continued(batch)[1:])
+    repeated, selected = continued(ids, repeat_twice), continued(batch, keep_the_second)
+    for reference_cache in {make_cache, DynamicCache}:  # the same cache's run, and the rectangular cache's
+        assert torch.equal(repeated, continued(ids, cache_type=reference_cache).repeat_interleave(2, dim=0))
+        assert torch.equal(selected, continued(batch, cache_type=reference_cache)[1:])
 
 
-@pytest.mark.parametrize("rearrange", [lambda cache: cache.batch_repeat_interleave(2),
-                                       lambda cache: cache.batch_select_indices(torch.tensor([0])),
-                                       lambda cache: cache.reorder_cache(torch.tensor([0]))],
-                         ids=["batch_repeat_interleave", "batch_select_indices", "reorder_cache"])
-def test_a_paged_cache_refuses_to_rearrange_its_batch_by_name(rearrange):
+@pytest.mark.parametrize("beams", [2, 3])
+@pytest.mark.parametrize("name", ["none", "zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+def test_beam_search_on_a_paged_cache_gives_the_dynamic_caches_tokens(name, beams, surrogate_dir):
+    """Beam search reorders the cache's rows after every step (reorder_cache), repeating some beams and dropping
+    others: on a PagedKVCache, without a press and under each of ours, it gives the DynamicCache's tokens. The paged
+    cache refused it."""
     model, tokenizer = make_tiny_llama()
-    cache = PagedKVCache(block_size=4)
-    with torch.no_grad():
-        model(prompt_ids(tokenizer, 16), past_key_values=cache)
-    with pytest.raises(NotImplementedError, match=r"PagedKVCache: .*(batch_repeat_interleave|batch_select_indices|"
-                                                  r"reorder_cache).* not supported"):
-        rearrange(cache)
+    ids = prompt_ids(tokenizer, 64)
+
+    def beam_search(cache):
+        press = PRESSES[name](surrogate_dir)
+        with torch.no_grad(), press(model) if press is not None else nullcontext():
+            return model.generate(ids, num_beams=beams, do_sample=False, max_new_tokens=8, past_key_values=cache)
+
+    assert torch.equal(beam_search(PagedKVCache(block_size=4)), beam_search(DynamicCache()))
+
+
+# KVzap compacting its layers at every step: the rectangular cache then drops the columns only a dropped row held.
+COMPACTING = {"kvzap-compacting": lambda d: KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=d,
+                                                                compaction_slack=1)}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["two-prompts", "left-padded"])
+@pytest.mark.parametrize("name", ["none", "zsmerge", "weightedkv", "keepkv", "kvzap", "gvote", *COMPACTING])
+def test_rearranged_rows_of_a_paged_cache_hold_blocks_of_their_own(name, padded, surrogate_dir):
+    """A batch of two prompts (of different lengths, left-padded: a press then compresses each row alone), its rows
+    repeated, reordered with a row repeated and one dropped (beam search's reorder_cache([1, 1]), say) and selected,
+    with decoding steps between that feed every row its own tokens. After each rearrangement the paged cache holds,
+    row by row and head by head, the slots the DynamicCache holds, in a view as wide as that cache (generate counts
+    the tokens held by it, and a row dropped may have held the longest head), no block is owned twice or lost and the
+    dropped rows' blocks are free; every step's logits are the DynamicCache's. A repeated row's copies share no
+    block: the merge or eviction one copy's step makes leaves the other's slots alone."""
+    if padded and name == "none":
+        pytest.skip("without a press the steps after a padded prefill need the attention mask")
+    model, tokenizer = make_tiny_llama()
+    long = prompt_ids(tokenizer, 48)
+    short = long.roll(5, dims=-1)[:, :12 if padded else 48]
+    prompts = torch.cat([long, torch.nn.functional.pad(short, (long.shape[1] - short.shape[1], 0))])
+    mask = torch.cat([torch.ones_like(long), torch.nn.functional.pad(torch.ones_like(short),
+                                                                     (long.shape[1] - short.shape[1], 0))])
+    rearrangements = [lambda cache: cache.batch_repeat_interleave(2),  # 2 -> 4 rows: 0, 0, 1, 1
+                      lambda cache: cache.reorder_cache(torch.tensor([3, 1, 1, 2])),
+                      lambda cache: cache.batch_select_indices(torch.tensor([2, 3])),
+                      lambda cache: cache.reorder_cache(torch.tensor([1, 1]))]  # only the second prompt's rows left
+    caches = {"dynamic": DynamicCache(), "paged": PagedKVCache(block_size=4)}
+    logits, held, widths = {}, {}, {}
+    for cache_name, cache in caches.items():
+        press = {**PRESSES, **COMPACTING}[name](surrogate_dir)
+        with torch.no_grad(), press(model) if press is not None else nullcontext():
+            logits[cache_name] = [model(prompts, attention_mask=mask, past_key_values=cache).logits[:, -1]]
+            for step, rearrange in enumerate(rearrangements):
+                rearrange(cache)
+                if cache_name == "paged":
+                    for layer in cache.layers:
+                        check_allocator(layer)
+                held.setdefault(cache_name, []).append([held_slots(layer) for layer in cache.layers])
+                widths.setdefault(cache_name, []).append(cache.get_seq_length())
+                rows = cache.layers[0].keys.shape[0]
+                for offset in range(2):  # each row its own token
+                    tokens = (torch.arange(rows) * 37 + 11 * (2 * step + offset)) % 400 + 3
+                    logits[cache_name].append(model(tokens.view(-1, 1), past_key_values=cache).logits[:, -1])
+                    widths[cache_name].append(cache.get_seq_length())
+    assert widths["paged"] == widths["dynamic"]
+    for step, (want, got) in enumerate(zip(logits["dynamic"], logits["paged"], strict=True)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"pass {step}: {m}")
+    for step, (dynamic, paged) in enumerate(zip(held["dynamic"], held["paged"], strict=True)):
+        for layer, (expected, got) in enumerate(zip(dynamic, paged, strict=True)):
+            for head, (want, have) in enumerate(zip(expected, got, strict=True)):
+                for part, a, b in zip(("keys", "values", "log-weights"), want, have):
+                    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"after rearrangement {step}, layer {layer}, (row, head) "
+                                                             f"{head}, {part}: {m}")
 
 
 @pytest.mark.skipif(not hasattr(DynamicCache, "to_legacy_cache"), reason="this transformers has no legacy cache")
