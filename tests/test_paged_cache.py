@@ -1,5 +1,5 @@
 """PagedKVCache: the block allocator under random appends, press write-backs, pipeline cuts, kvpress-style masked
-evictions and trims (no block leaked or owned twice, lengths add up, every head holds exactly its own tokens in order, the
+evictions, batch rearrangements (beam search's reorder, repeated and selected rows) and trims (no block leaked or owned twice, lengths add up, every head holds exactly its own tokens in order, the
 rectangular view matches a DynamicCache's layout); memory accounting; bad input."""
 
 import math
@@ -63,9 +63,10 @@ class Model:
     def append(self, ids):
         self.rect = torch.cat([self.rect, ids], -1)
 
-    def compact(self, keep):
+    def compact(self, keep, width=None):
+        """Each head's kept ids first, as wide as the longest head (or `width`)."""
         counts = keep.sum(-1)
-        width = int(counts.max()) if keep.numel() else 0
+        width = width if width is not None else int(counts.max()) if keep.numel() else 0
         out = torch.zeros(*keep.shape[:2], width, dtype=torch.long)
         for b in range(keep.shape[0]):
             for h in range(keep.shape[1]):
@@ -76,10 +77,21 @@ class Model:
     def cut(self, width):
         self.rect = self.rect[..., :width]
 
+    def take_rows(self, rows):
+        self.rect = self.rect[rows]
 
+
+OPS = ["append", "append", "press", "merge", "mark", "mark", "cut", "mask", "trim"]
+# Batch rearrangements, without kvpress's marks: once marks evicted slots the model takes the paged layout as its own,
+# and a later cut keeps what the rectangular cache keeps, by position, which that layout does not tell (test_a_cut_
+# after_marks_keeps_the_tokens_the_rectangular_cache_keeps checks those cuts).
+OPS_REARRANGING_ROWS = ["append", "append", "press", "merge", "mark", "mark", "cut", "trim", "rows", "rows"]
+
+
+@pytest.mark.parametrize("ops", [OPS, OPS_REARRANGING_ROWS], ids=["marks", "rows"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_random_appends_evictions_and_cuts(seed, block_size):
+def test_random_appends_evictions_and_cuts(seed, block_size, ops):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     batch, heads = 2, 3
@@ -88,10 +100,10 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
     next_id, position = 1, 0
     positions = {}  # id -> absolute position, for ids whose position the layer still knows
     dead = set()  # ids a press marked -inf without moving any slot (kept as dead slots)
+    marks_evicted = False  # whether the marks evicted slots since the last press's write
     module = AttentionModule()
     for step in range(80):
-        op = (rng.choice(["append", "append", "press", "merge", "mark", "mark", "cut", "mask", "trim"]) if step
-              else "append")
+        op = rng.choice(ops) if step else "append"
         layer = cache.layers[0] if cache.layers else None
         if op == "append":
             q = rng.randint(1, 7)
@@ -113,7 +125,7 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             set_state(layer, LayerState(torch.zeros(ids.shape).masked_fill(~keep, -INF), {"scores": ids.float()},
                                         {"step": step}))
             model.compact(keep)
-            positions, dead = {}, set()  # a press may merge or reorder: positions are forgotten
+            positions, dead, marks_evicted = {}, set(), False  # a press may merge or reorder: positions are forgotten
         elif op == "merge":  # a merging press's decoding step (keeps_held_slots): it keeps every slot it is given,
             # so what it writes is -inf only where the view showed padding or a dead slot, which must still be dropped
             ids = view_ids(layer)
@@ -123,7 +135,7 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             state.keeps_held_slots = True
             set_state(layer, state)
             model.compact(held)
-            positions, dead = {}, set()
+            positions, dead, marks_evicted = {}, set(), False
         elif op == "mark":  # KVzap between its compactions: the view's own keys and values back, a few slots -inf
             keys, values = layer.keys, layer.values
             ids = view_ids(layer)
@@ -134,10 +146,13 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
             set_state(layer, LayerState(torch.zeros(ids.shape).masked_fill(is_dead | (ids == 0), -INF),
                                         {"scores": ids.float()}, {"step": step}))
             if had_state and bool((is_dead.sum(-1) <= 2 * block_size).all()):
-                model.compact(model.rect > 0)  # every slot stays; the view shows each head's from column 0
+                # Every slot stays; the view shows each head's from column 0, and keeps the columns only rows a
+                # rearrangement dropped held (the rectangular cache keeps them), not those marks emptied.
+                model.compact(model.rect > 0, width=None if marks_evicted else model.rect.shape[-1])
             else:  # no state of a press to keep beside, or too many dead slots: the layer is compacted
                 model.compact((model.rect > 0) & ~is_dead)
                 positions, dead = {}, set()  # a rewrite, as a press's
+            marks_evicted = False
         elif op == "cut":
             width = rng.randint(0, layer.get_seq_length())
             layer.keys = layer.keys[:, :, :width]
@@ -146,6 +161,20 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
         elif op == "trim":
             cache.trim()
             assert layer.bytes_reserved() == layer.bytes_held()
+        elif op == "rows":  # beam search's reorder (rows repeated and dropped), n samples, some rows kept
+            how = rng.choice(["reorder_cache", "batch_repeat_interleave", "batch_select_indices"])
+            if how == "reorder_cache":
+                rows = torch.tensor([rng.randrange(batch) for _ in range(rng.randint(1, 3))])
+                cache.reorder_cache(rows)
+            elif how == "batch_repeat_interleave":
+                repeats = rng.randint(1, max(1, 4 // batch))
+                rows = torch.arange(batch).repeat_interleave(repeats)
+                cache.batch_repeat_interleave(repeats)
+            else:
+                rows = torch.tensor(sorted(rng.sample(range(batch), rng.randint(1, batch))))
+                cache.batch_select_indices(rows)
+            model.take_rows(rows)
+            batch = len(rows)
         else:  # kvpress's head-wise masking (AdaKV, DMS): module.masked_key_indices in absolute positions
             ids = view_ids(layer)
             marked = [(b, h, int(t)) for b in range(batch) for h in range(heads) for t in ids[b, h].tolist()
@@ -165,6 +194,7 @@ def test_random_appends_evictions_and_cuts(seed, block_size):
                          for h, row in enumerate(head)] for b, head in enumerate(before)]
             assert head_tokens(view_ids(layer)) == expected
             model.rect = view_ids(layer)  # the layout after a real eviction is the paged cache's own
+            marks_evicted = marks_evicted or bool(evicted.any())
         check_allocator(layer)
         assert torch.equal(view_ids(layer), model.rect), f"step {step} ({op})"
         assert layer.get_seq_length() == model.rect.shape[-1]
