@@ -24,7 +24,8 @@ from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
            "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "remember_tokens_held",
-           "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef"]
+           "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows", "repeated_rows",
+           "selected_rows"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -283,25 +284,28 @@ def _with_state_rows(layer_method, rows_kept, layer: DynamicLayer, argument) -> 
         state.take_rows(rows)
 
 
-def _beam_rows(batch: int, beam_idx: torch.Tensor) -> torch.Tensor:
+# The rows of a batch of `batch` that each batch rearrangement keeps, in order (what LayerState.take_rows takes).
+def beam_rows(batch: int, beam_idx: torch.Tensor) -> torch.Tensor:
     return beam_idx
 
 
-def _repeated_rows(batch: int, repeats: int) -> torch.Tensor:
+def repeated_rows(batch: int, repeats: int) -> torch.Tensor:
     return torch.arange(batch).repeat_interleave(repeats)
 
 
-def _selected_rows(batch: int, indices) -> torch.Tensor:
-    return torch.arange(batch)[indices]
+def selected_rows(batch: int, indices) -> torch.Tensor:
+    """Any index transformers' ``keys[indices, ...]`` takes (rows, a mask, a slice), on any device."""
+    device = indices.device if isinstance(indices, torch.Tensor) else None
+    return torch.arange(batch, device=device)[indices]
 
 
 # The DynamicLayer methods that rearrange the batch rows, as a layer holding a state answers them (module-level
 # functions, so that a cache holding them can be saved).
 _BATCH_METHODS = {
-    "reorder_cache": functools.partial(_with_state_rows, DynamicLayer.reorder_cache, _beam_rows),
+    "reorder_cache": functools.partial(_with_state_rows, DynamicLayer.reorder_cache, beam_rows),
     "batch_repeat_interleave": functools.partial(_with_state_rows, DynamicLayer.batch_repeat_interleave,
-                                                 _repeated_rows),
-    "batch_select_indices": functools.partial(_with_state_rows, DynamicLayer.batch_select_indices, _selected_rows),
+                                                 repeated_rows),
+    "batch_select_indices": functools.partial(_with_state_rows, DynamicLayer.batch_select_indices, selected_rows),
 }
 
 

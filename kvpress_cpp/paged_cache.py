@@ -41,8 +41,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import (LayerState, UnsavedRef, _beam_rows, _repeated_rows, _selected_rows, forget_tokens_held,
-                               head_wise_marks_error, slots_rearranged_error)
+from kvpress_cpp.cache import (LayerState, UnsavedRef, beam_rows, forget_tokens_held, head_wise_marks_error,
+                               repeated_rows, selected_rows, slots_rearranged_error)
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -291,15 +291,15 @@ class PagedLayer(CacheLayerMixin):
     # each keeps batch rows in a given order, as on a DynamicLayer holding a press's state (kvpress_cpp.cache).
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            self._take_rows(_beam_rows(self.lengths.shape[0], beam_idx))
+            self._take_rows(beam_rows(self.lengths.shape[0], beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._take_rows(_repeated_rows(self.lengths.shape[0], repeats))
+            self._take_rows(repeated_rows(self.lengths.shape[0], repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._take_rows(_selected_rows(self.lengths.shape[0], indices))
+            self._take_rows(selected_rows(self.lengths.shape[0], indices))
 
     def offload(self):
         raise NotImplementedError("PagedKVCache: offloading is not supported")

@@ -1,6 +1,7 @@
 """PagedKVCache: the block allocator under random appends, press write-backs, pipeline cuts, kvpress-style masked
-evictions, batch rearrangements (beam search's reorder, repeated and selected rows) and trims (no block leaked or owned twice, lengths add up, every head holds exactly its own tokens in order, the
-rectangular view matches a DynamicCache's layout); memory accounting; bad input."""
+evictions, batch rearrangements (beam search's reorder, repeated and selected rows) and trims (no block leaked or owned
+twice, lengths add up, every head holds exactly its own tokens in order, the rectangular view matches a DynamicCache's
+layout); memory accounting; bad input."""
 
 import math
 import random
