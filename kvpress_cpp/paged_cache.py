@@ -63,6 +63,7 @@ class _Unset:
 
 _UNSET = _Unset()
 _LOG_WEIGHTS, _POSITIONS = "log_weights", "token_positions"
+_NO_COLUMN = torch.iinfo(torch.long).max  # past every width: an entry of PagedLayer._base_columns for no slot
 # Layers by the id of the key pool their update returned, for the attention path (weak: a dropped cache leaves nothing).
 _LAYERS_BY_POOL: "weakref.WeakValueDictionary[int, PagedLayer]" = weakref.WeakValueDictionary()
 
@@ -144,6 +145,13 @@ class PagedLayer(CacheLayerMixin):
         # further right in the view than their tokens' columns in the rectangular cache, so a cut counts them by
         # position (_appended_before).
         self._marks_evicted = False
+        # The column of the rectangular cache at which each head's base slots stand once marks evicted some of them
+        # (B, H, most base slots) on the host, past a head's base _NO_COLUMN; None while base slot i stands at its own
+        # column. The view closes the columns those evictions emptied (a head's later base slots sit further left than
+        # their tokens' columns), so a cut counts the base slots it keeps by these columns (_note_base_columns). Only
+        # slots whose positions the layer knows are marked: a press's base slots are so after KVzap stored its state
+        # in place over tokens appended since its write.
+        self._base_columns: torch.Tensor | None = None
         # How many times slots were moved, dropped or rewritten other than by appending tokens: a press that reads
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
@@ -285,7 +293,7 @@ class PagedLayer(CacheLayerMixin):
     def _forget_marks(self) -> None:
         """The columns kvpress's marks emptied, and that they evicted at all: the layer is as wide as what was last
         written, its slots where it wrote them."""
-        self.evicted_columns, self._marks_evicted = 0, False
+        self.evicted_columns, self._marks_evicted, self._base_columns = 0, False, None
 
     # Beam search's reorder (every step), n samples from one compressed prompt, and keeping some rows of a batch:
     # each keeps batch rows in a given order, as on a DynamicLayer holding a press's state (kvpress_cpp.cache).
@@ -652,6 +660,8 @@ class PagedLayer(CacheLayerMixin):
                 pool.index_copy_(0, target, pool.index_select(0, source))
         self.lengths, self.bases = self.lengths.index_select(0, rows), self.bases.index_select(0, rows)
         self._owned_slots = self._owned_slots.index_select(0, rows)
+        if self._base_columns is not None:
+            self._base_columns = self._base_columns.index_select(0, rows)
         self._even_lengths.clear()  # of the old batch size
         self._forget_region()
         self._changed()
@@ -899,7 +909,10 @@ class PagedLayer(CacheLayerMixin):
         else:
             start = self._width() - appended
             kept_appended = (width - start).clamp(min=0).minimum(appended)
-        if self._bases_at_right:  # each head's base ends where the longest one's does
+        if self._base_columns is not None:  # marks evicted base slots: those before `width` in the rectangular cache
+            bases = (self._base_columns < width).sum(-1)
+            self._base_columns = self._base_columns.masked_fill(self._base_columns >= width, _NO_COLUMN)
+        elif self._bases_at_right:  # each head's base ends where the longest one's does
             bases = (self.bases - max(int(self.bases.max()) + self.evicted_columns - width, 0)).clamp(min=0)
         else:
             bases = self.bases.clamp(max=width)
@@ -1086,10 +1099,26 @@ class PagedLayer(CacheLayerMixin):
         evicted = marks.gather(-1, slot_positions.clamp(min=0)) & known
         if bool(evicted.any()):
             width = self._width()
+            self._note_base_columns(evicted)
             self._evict(evicted)
             self.evicted_columns += width - self._width()
             self._marks_evicted = True
             self._changed()
+
+    def _note_base_columns(self, evicted: torch.Tensor) -> None:
+        """Before marks evict the slots `evicted` (B, H, max length): the rectangular cache's columns of each head's
+        base slots that stay (``_base_columns``), where any base slot goes."""
+        base = int(self.bases.max()) if self.bases.numel() else 0
+        in_base = torch.arange(base) < self.bases.unsqueeze(-1)
+        if not bool((evicted[..., :base] & in_base).any()):
+            return
+        columns = self._base_columns
+        if columns is None:  # base slot i at column i (for a press that left-pads, after the empty columns)
+            first = base + self.evicted_columns - self.bases if self._bases_at_right else torch.zeros_like(self.bases)
+            columns = first.unsqueeze(-1) + torch.arange(base)
+        kept = in_base & ~evicted[..., :base]
+        order = torch.sort((~kept).to(torch.uint8), dim=-1, stable=True).indices  # each head's kept slots first
+        self._base_columns = columns[..., :base].gather(-1, order).masked_fill(~kept.gather(-1, order), _NO_COLUMN)
 
     def _slot_positions(self) -> torch.Tensor:
         """(B, H, max length) int64 token position of each head's slots in slot order, -1 beyond its length."""

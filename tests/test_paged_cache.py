@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 import kvpress_cpp  # noqa: F401
 from kvpress_cpp.cache import LayerState, get_state, set_state
@@ -231,6 +232,38 @@ def test_a_cut_after_marks_keeps_the_tokens_the_rectangular_cache_keeps(heads, p
     check_allocator(layer)  # (stores the pair written)
     assert layer.get_seq_length() == 4
     assert head_tokens(view_ids(layer)) == [kept]
+
+
+@pytest.mark.parametrize("width", [4, 5])
+def test_a_cut_after_marks_evicted_a_press_s_slots_keeps_the_tokens_the_rectangular_cache_keeps(width):
+    """A press's slots whose positions the layer knows (tokens appended after its write, then its state stored in
+    place, as KVzap does between its compactions) marked by kvpress's head-wise masking, then cut by kvpress's
+    pipeline: each head keeps the tokens a DynamicCache keeps before column `width`, where the masked slot keeps its
+    column. The cut counted each head's base slots as columns, so a head that lost one kept a token past the cut. (A
+    state without an owner, set by hand: our presses' states refuse kvpress's marks.)"""
+    module = AttentionModule()
+    paged, dynamic = PagedLayer(block_size=4), DynamicLayer()
+    ids = torch.tensor([[[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]])  # head 0, head 1 at positions 0..5
+    keys = torch.stack([ids.float(), 2 * ids.float()], -1)
+    for layer in (paged, dynamic):
+        layer.update(keys[:, :, :2], -keys[:, :, :2], {"cache_position": torch.arange(2)})
+        # A press's write keeping both slots of each head, then 4 tokens, then the press's state stored in place
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        set_state(layer, LayerState(torch.zeros(1, 2, 2)))
+        layer.update(keys[:, :, 2:], -keys[:, :, 2:], {"cache_position": torch.arange(2, 6)})
+        layer.keys, layer.values = layer.keys, layer.values
+        set_state(layer, LayerState(torch.zeros(1, 2, 6)))
+    paged.flush()
+    assert paged.bases.tolist() == [[6, 6]]  # (stored in place: the appended slots are the press's now)
+    paged.attended_by(module)
+    module.masked_key_indices = (torch.tensor([0]), torch.tensor([0]), torch.tensor([3]))  # head 0's token 4
+    masked = torch.zeros(1, 2, 6, dtype=torch.bool)
+    masked[0, 0, 3] = True  # kvpress hides the slot, which keeps its column
+    for layer in (paged, dynamic):
+        layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+    check_allocator(paged)
+    assert paged.get_seq_length() == dynamic.get_seq_length() == width
+    assert head_tokens(view_ids(paged)) == head_tokens(view_ids(dynamic).masked_fill(masked[..., :width], 0))
 
 
 def test_batch_of_different_lengths_holds_only_its_own_blocks():
