@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import pytest
@@ -446,6 +446,24 @@ def steps(model, token, cache, count=5):
     return torch.cat(tokens, dim=1)
 
 
+def steps_after_prefill(model, prompt, cache, press, answered, branches):
+    """The greedy steps (:func:`steps`) from each branch of a prefill of `prompt` into `cache` under `press`, one
+    branch after the other, taken in the press's context or after it closed (`answered`). A branch takes the cache
+    and the prefill's token and returns the (token, cache) to step from: the cache itself, a copy, its rows
+    rearranged."""
+    with torch.no_grad(), ExitStack() as press_context:
+        if press is not None:
+            press_context.enter_context(press(model))
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        if answered == "after it":
+            press_context.close()
+        return [steps(model, *branch(cache, token)) for branch in branches]
+
+
+def as_it_is(cache, token):
+    return token, cache
+
+
 @pytest.mark.parametrize("answered", ["in the context", "after it"])
 @pytest.mark.parametrize("name", ["none", "zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
 @pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
@@ -472,19 +490,11 @@ def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, 
     ids = prompt_ids(tokenizer, 64)
 
     def continued(cache, branches):
-        """The greedy steps from each branch of `cache` (the cache itself, or a copy) after a prefill under the press,
-        one branch after the other."""
-        press = PRESSES[name](surrogate_dir)
-        with torch.no_grad():
-            with press(model) if press is not None else nullcontext():
-                token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-                if answered == "in the context":
-                    return [steps(model, token, branch(cache)) for branch in branches]
-            return [steps(model, token, branch(cache)) for branch in branches]
+        return steps_after_prefill(model, ids, cache, PRESSES[name](surrogate_dir), answered, branches)
 
-    [expected] = continued(DynamicCache(), [lambda cache: cache])
+    [expected] = continued(DynamicCache(), [as_it_is])
     copied = copy.deepcopy if copy_of == "deepcopy" else saved_and_loaded
-    from_copy, from_original = continued(make_cache(), [copied, lambda cache: cache])
+    from_copy, from_original = continued(make_cache(), [lambda cache, token: (token, copied(cache)), as_it_is])
     assert torch.equal(from_copy, expected)
     assert torch.equal(from_original, expected)
 
@@ -503,22 +513,17 @@ def test_repeating_or_selecting_batch_rows_carries_the_press_state(make_cache, n
     ids = prompt_ids(tokenizer, 64)
     batch = torch.cat([ids, ids.roll(3, dims=-1)])
 
-    def continued(prompt, rearrange=lambda cache, token: token, cache_type=make_cache):
-        press, cache = PRESSES[name](surrogate_dir), cache_type()
-        with torch.no_grad():
-            with press(model):
-                token = rearrange(cache, model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1))
-                if answered == "in the context":
-                    return steps(model, token, cache)
-            return steps(model, token, cache)
+    def continued(prompt, rearrange=as_it_is, cache_type=make_cache):
+        [tokens] = steps_after_prefill(model, prompt, cache_type(), PRESSES[name](surrogate_dir), answered, [rearrange])
+        return tokens
 
     def repeat_twice(cache, token):
         cache.batch_repeat_interleave(2)
-        return token.repeat_interleave(2, dim=0)
+        return token.repeat_interleave(2, dim=0), cache
 
     def keep_the_second(cache, token):
         cache.batch_select_indices(torch.tensor([1]))
-        return token[1:]
+        return token[1:], cache
 
     repeated, selected = continued(ids, repeat_twice), continued(batch, keep_the_second)
     for reference_cache in {make_cache, DynamicCache}:  # the same cache's run, and the rectangular cache's
