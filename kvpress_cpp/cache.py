@@ -131,6 +131,9 @@ class LayerState:
         if self.value_probe is not None:
             self.value_probe = taken(self.value_probe)
         self._aligned = None
+        owner = self.owner() if self.owner is not None else None
+        if owner is not None:
+            owner.rows_taken(self, rows)
 
     def nbytes(self) -> int:
         probe = self.value_probe.nbytes if self.value_probe is not None else 0

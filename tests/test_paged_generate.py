@@ -562,7 +562,9 @@ def test_rearranged_rows_of_a_paged_cache_hold_blocks_of_their_own(name, padded,
     row by row and head by head, the slots the DynamicCache holds, in a view as wide as that cache (generate counts
     the tokens held by it, and a row dropped may have held the longest head), no block is owned twice or lost and the
     dropped rows' blocks are free; every step's logits are the DynamicCache's. A repeated row's copies share no
-    block: the merge or eviction one copy's step makes leaves the other's slots alone."""
+    block: the merge or eviction one copy's step makes leaves the other's slots alone. On both caches the press's
+    compression ratios are those of the rows the cache now holds: of their tokens seen, the share no longer held (they
+    mixed the counts of the batch before and after, up to a negative ratio)."""
     if padded and name == "none":
         pytest.skip("without a press the steps after a padded prefill need the attention mask")
     model, tokenizer = make_tiny_llama()
@@ -575,8 +577,9 @@ def test_rearranged_rows_of_a_paged_cache_hold_blocks_of_their_own(name, padded,
                       lambda cache: cache.reorder_cache(torch.tensor([3, 1, 1, 2])),
                       lambda cache: cache.batch_select_indices(torch.tensor([2, 3])),
                       lambda cache: cache.reorder_cache(torch.tensor([1, 1]))]  # only the second prompt's rows left
+    rows_kept = [[0, 0, 1, 1], [3, 1, 1, 2], [2, 3], [1, 1]]
     caches = {"dynamic": DynamicCache(), "paged": PagedKVCache(block_size=4)}
-    logits, held, widths = {}, {}, {}
+    logits, held, widths, ratios = {}, {}, {}, {}
     for cache_name, cache in caches.items():
         press = {**PRESSES, **COMPACTING}[name](surrogate_dir)
         with torch.no_grad(), press(model) if press is not None else nullcontext():
@@ -588,12 +591,31 @@ def test_rearranged_rows_of_a_paged_cache_hold_blocks_of_their_own(name, padded,
                         check_allocator(layer)
                 held.setdefault(cache_name, []).append([held_slots(layer) for layer in cache.layers])
                 widths.setdefault(cache_name, []).append(cache.get_seq_length())
+                ratios.setdefault(cache_name, []).append(dict(press.layer_compression_ratios) if press else {})
                 rows = cache.layers[0].keys.shape[0]
                 for offset in range(2):  # each row its own token
                     tokens = (torch.arange(rows) * 37 + 11 * (2 * step + offset)) % 400 + 3
                     logits[cache_name].append(model(tokens.view(-1, 1), past_key_values=cache).logits[:, -1])
                     widths[cache_name].append(cache.get_seq_length())
     assert widths["paged"] == widths["dynamic"]
+    # Each row's tokens seen: its prompt's (padding aside), then one a pass; GVote counts only the prompt's, held or
+    # not (it compresses no later token). The slots held are the DynamicCache's.
+    prompt_tokens, passes = mask.sum(-1), 0
+    for step, rows in enumerate(rows_kept):
+        prompt_tokens, passes = prompt_tokens[rows], passes + (2 if step else 1)
+        later = passes - 1  # the prefill's pass fed the prompt
+        for layer, slots in enumerate(held["dynamic"][step]):
+            held_count = sum(len(keys) for keys, _, _ in slots)
+            heads = len(slots) // len(rows)
+            if name == "gvote":
+                held_count, seen = held_count - later * len(slots), prompt_tokens.sum()
+            else:
+                seen = prompt_tokens.sum() + later * len(rows)
+            expected = 1 - held_count / float(heads * seen)
+            for cache_name in caches:
+                got = ratios[cache_name][step].get(layer)
+                assert (got is None) == (name == "none")
+                assert got is None or got == pytest.approx(expected, abs=1e-9), (step, layer, cache_name)
     for step, (want, got) in enumerate(zip(logits["dynamic"], logits["paged"], strict=True)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"pass {step}: {m}")
     for step, (dynamic, paged) in enumerate(zip(held["dynamic"], held["paged"], strict=True)):

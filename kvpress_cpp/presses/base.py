@@ -245,13 +245,15 @@ class KVCompPress(BasePress):
     #: slot -inf): a paged layer then stores its write without reading the log-weights back.
     decoding_keeps_every_slot: ClassVar[bool] = False
 
-    # Per layer: the tokens seen per kv head (summed over the batch) as [the prompt's (a tensor where counting them on
-    # the device would sync), the later passes' (an int: a tensor add per layer and step cost 5 µs)]; the slots held
-    # per kv head (H,) (or, until :meth:`_held` first reads them, a copy of the log-weights (B, H, T) they are counted
-    # from: a decoding step then spends one copy, not a count); and the layers whose counts are this rank's heads
-    # only, to be gathered over the tensor-parallel ranks.
+    # Per layer: the tokens each batch row has seen (per kv head) as [the prompt's (B,) (a tensor: counting them on the
+    # host would sync), the later passes' (an int, the same for every row: a tensor add per layer and step cost
+    # 5 µs)]; the slots held per batch row and kv head (B, H) (or, until :meth:`_held` first reads them, a copy of the
+    # log-weights (B, H, T) they are counted from: a decoding step then spends one copy, not a count); the state the
+    # press last wrote, whose batch rearrangements the counts follow (:meth:`rows_taken`); and the layers whose counts
+    # are this rank's heads only, to be gathered over the tensor-parallel ranks.
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _states_written: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
     # Whether a forward without a cache was reported in the current context (once per `with press(model):`).
     _warned_without_cache: bool = field(default=False, init=False, repr=False, compare=False)
@@ -300,9 +302,11 @@ class KVCompPress(BasePress):
         is not counted as seen. Under tensor parallelism every rank reports the model's figure (all kv heads)."""
         ratios = {}
         for layer, (prompt, later) in sorted(self._slots_seen.items()):
-            held, seen = self._held(layer), prompt + later
+            held = self._held(layer)
             if held is not None:
-                ratios[layer] = 1.0 - float(held.sum()) / (float(seen) * held.numel()) if float(seen) else 0.0
+                batch, heads = held.shape
+                seen = float(prompt.sum() if isinstance(prompt, torch.Tensor) else prompt) + later * batch
+                ratios[layer] = 1.0 - float(held.sum()) / (seen * heads) if seen else 0.0
         return ratios
 
     @property
@@ -350,12 +354,12 @@ class KVCompPress(BasePress):
                     f"{hidden_states.shape[1]} tokens: a press before {name} (in a ComposedPress) already compressed "
                     f"it. {name} scores every prompt token from the prompt's causal attention, so it must come first")
             log_weights = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-            self._slots_seen[layer_idx] = [keys.shape[0] * keys.shape[-2], 0]
+            self._slots_seen[layer_idx] = [torch.full(keys.shape[:1], keys.shape[-2], device=keys.device), 0]
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         log_weights = padding_log_weights(kwargs.get("attention_mask"), *keys.shape[:3], keys.device)
         is_real = torch.isfinite(log_weights[:, 0])
         padding = (~is_real).sum(-1)
-        self._slots_seen[layer_idx] = [is_real.sum(), 0]
+        self._slots_seen[layer_idx] = [is_real.sum(-1), 0]
         if not bool(padding.any()):
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
         if not bool(is_real.any(-1).all()):
@@ -448,7 +452,7 @@ class KVCompPress(BasePress):
                 result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
                 keeps_held_slots = self.decoding_keeps_every_slot
             if result is not None:
-                self._count_later_tokens(layer_idx, keys.shape[0] * new_tokens)
+                self._count_later_tokens(layer_idx, new_tokens)
         if result is not None:
             if self._compressed_in_context is not None:
                 self._compressed_in_context.add(layer_idx)
@@ -460,6 +464,7 @@ class KVCompPress(BasePress):
             set_state(layer, state)
             attach(module, layer)
             self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
+            self._states_written[layer_idx] = UnsavedRef(state)
             self._held_to_gather.add(layer_idx)
         return self._after_layer(module, output)
 
@@ -503,17 +508,32 @@ class KVCompPress(BasePress):
         return output
 
     def _count_later_tokens(self, layer_idx: int, tokens: int) -> None:
-        """Count the tokens of a later pass as seen (a press taking over a cache another instance prefilled starts
-        from 0)."""
+        """Count the `tokens` a later pass fed each batch row as seen (a press taking over a cache another instance
+        prefilled starts from 0)."""
         self._slots_seen.setdefault(layer_idx, [0, 0])[1] += tokens
 
     def _held(self, layer_idx: int) -> torch.Tensor | None:
-        """The slots held per kv head (H,) of a layer after the last forward: its log-weights above -inf, counted
-        the first time they are read."""
+        """The slots held per batch row and kv head (B, H) of a layer after the last forward: its log-weights above
+        -inf, counted the first time they are read."""
         held = self._slots_held.get(layer_idx)
         if held is not None and held.dim() == 3:
-            held = self._slots_held[layer_idx] = held.gt(float("-inf")).sum(dim=(0, 2))
+            held = self._slots_held[layer_idx] = held.gt(float("-inf")).sum(dim=2)
         return held
+
+    def rows_taken(self, state: LayerState, rows: torch.Tensor) -> None:
+        """`state`'s batch rows were rearranged (:meth:`LayerState.take_rows`: beam search's reorder, repeated or
+        selected rows). If it is the state this press last wrote to a layer, that layer's counts of the slots seen
+        and held follow the rows, so that the compression ratios stay those of the batch the cache now holds (a copy
+        of the cache, whose states the press did not write, leaves them alone)."""
+        layer_idx = next((idx for idx, written in self._states_written.items() if written() is state), None)
+        if layer_idx is None:
+            return
+        held = self._held(layer_idx)
+        if held is not None:
+            self._slots_held[layer_idx] = held.index_select(0, rows.to(held.device))
+        prompt = self._slots_seen.get(layer_idx, [0])[0]
+        if isinstance(prompt, torch.Tensor):
+            self._slots_seen[layer_idx][0] = prompt.index_select(0, rows.to(prompt.device))
 
     def tensor_parallel_limitation(self) -> str | None:
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""

@@ -303,9 +303,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
                 self._rows_in_order_at.pop(module.layer_idx, None)
                 return False
         # Tokens not decided before are held (b = 0): the decided slots held before this pass are all of them.
-        batch = held_now.shape[0]
         layer_idx = module.layer_idx
-        self._slots_held[layer_idx] = self._held(layer_idx) + held_now.sum(0) + batch * (new_tokens - decided)
+        self._slots_held[layer_idx] = self._held(layer_idx) + held_now + (new_tokens - decided)
         counters["tokens"] = before + new_tokens
         counters["since_compaction"] = counters.get("since_compaction", 0) + new_tokens
         layer.own_appended_slots()
@@ -316,7 +315,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
             self._rows_in_order_at[layer_idx] = (weakref.ref(layer), layer.rearrangements)
         else:
             self._rows_in_order_at.pop(layer_idx, None)
-        self._count_later_tokens(layer_idx, batch * new_tokens)
+        self._count_later_tokens(layer_idx, new_tokens)
         self._held_to_gather.add(layer_idx)
         return True
 
