@@ -377,9 +377,14 @@ def main():
     args = check_decode_sizes(parser, parser.parse_args())
     if args.merge:
         rows = [row for name in args.merge for row in json.loads((RESULTS_DIR / f"{name}.json").read_text())["rows"]]
-        print("wrote", write_results(args.name, rows))
+    else:
+        rows = measured_rows(args)
+    print("wrote", write_results(args.name, rows))
+    if args.name == NAME:  # another name keeps the committed plot too
         plot(rows)
-        return
+
+
+def measured_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     if {"memory", "batch", "decode"} & set(args.parts):
         from kvpress_cpp.models import load_default_model
@@ -395,9 +400,7 @@ def main():
         kernel = kernel_rows()
         rows += kernel
         print_table([r for r in kernel if "T" in r], list(kernel[0]))
-    print("wrote", write_results(args.name, rows))
-    if args.name == NAME:
-        plot(rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -417,6 +417,12 @@ def markdown(stages: dict, checks: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
@@ -425,6 +431,9 @@ def main() -> None:
     parser.add_argument("--prebuilt", type=Path, default=None,
                         help="the build stage first tries this extension, built off the device (make gpu-prebuild)")
     args = parser.parse_args()
+    if not visible_gpus():  # before anything is written: a run here would replace the last GPU run's results
+        sys.exit(f"gpu_check: torch sees no CUDA device on this machine; it runs on a machine with a GPU and writes "
+                 f"its results over {OUT}, where the last GPU run's are kept")
     OUT.mkdir(parents=True, exist_ok=True)
     summary_path = OUT / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}

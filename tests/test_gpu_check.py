@@ -174,6 +174,7 @@ def test_targets_read_only_the_results_this_check_wrote(tmp_path, monkeypatch):
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    monkeypatch.setattr(gpu_check, "visible_gpus", lambda: 1)
     rows = {"rows": [{"part": "kernel", "T": 16384, "fraction_of_copy": 0.8}]}
     committed = tmp_path / "paged_kernel_cuda.json"
     committed.write_text(json.dumps(rows))
@@ -192,6 +193,26 @@ def test_targets_read_only_the_results_this_check_wrote(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         gpu_check.main()  # a second invocation: the summary's start stays the first one's
     assert paged_met() is True
+
+
+def test_the_check_on_a_machine_without_a_gpu_stops_before_writing(tmp_path, monkeypatch):
+    """gpu_check where torch sees no GPU (a CPU machine, a clone's first try): it stopped only inside its stages and
+    had by then replaced the committed summary of the last GPU run with one of failed stages."""
+    import sys
+
+    from benchmarks import gpu_check
+
+    out = tmp_path / "gpu"
+    out.mkdir()
+    (out / "summary.md").write_text("the last GPU run\n")
+    monkeypatch.setattr(gpu_check, "OUT", out)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--stages", "environment"])
+    monkeypatch.setattr(gpu_check, "stage_environment", lambda timeout: {"ok": False})
+    with pytest.raises(SystemExit, match="gpu_check: torch sees no CUDA device"):
+        gpu_check.main()
+    assert [path.name for path in out.iterdir()] == ["summary.md"]
+    assert (out / "summary.md").read_text() == "the last GPU run\n"
 
 
 def test_a_benchmark_asked_for_a_device_it_lacks_fails(monkeypatch):
