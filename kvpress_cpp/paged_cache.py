@@ -187,9 +187,11 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cache_kwargs: dict[str, Any] | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append q tokens (B, H, q, d) to every (batch, kv head); returns the key and value pools, which only the
-        attention path of :mod:`kvpress_cpp.attention` reads (through :func:`paged_layer_of`)."""
+        attention path of :mod:`kvpress_cpp.attention` reads (through :func:`paged_layer_of`). `cache_kwargs`: what
+        transformers 4 passes (the pass's ``cache_position``); `kwargs`: transformers 5.24 on passes the attention
+        layer's keyword arguments as ``kwargs=`` (no ``cache_position`` there), which a DynamicLayer ignores too."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.flush()
