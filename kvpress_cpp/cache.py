@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["LayerState", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
+__all__ = ["LayerState", "pass_cache", "output_cache", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
            "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "remember_tokens_held",
            "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows", "repeated_rows",
            "selected_rows"]
@@ -173,6 +173,24 @@ def head_wise_marks_error(owner: str) -> RuntimeError:
         f"(module.masked_key_indices, e.g. DMSPress, DuoAttentionPress or CriticalAdaKVPress after {owner} in a "
         f"ComposedPress): the attention over {owner}'s per-slot state cannot honour those marks. Head-wise masking "
         f"presses cannot be composed with {owner}")
+
+
+def pass_cache(kwargs: dict):
+    """The cache a forward pass was given, read from the keyword arguments a hook sees (those of an attention layer or
+    of the decoder stack): ``cache`` from transformers 5.24 on, which renamed ``past_key_values`` (still accepted, from
+    a caller, until 5.40), and ``past_key_value`` before 4.56."""
+    for name in ("cache", "past_key_values", "past_key_value"):
+        cache = kwargs.get(name)
+        if cache is not None:
+            return cache
+    return None
+
+
+def output_cache(output):
+    """The cache a decoder stack returned: its output's ``cache`` from transformers 5.24 on (``past_key_values``
+    there is a deprecated alias, which warns), ``past_key_values`` before."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:

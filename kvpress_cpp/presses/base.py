@@ -50,7 +50,7 @@ from kvpress_cpp.attention import (active_presses, count_hook_without_probabilit
                                    padding_log_weights, patch_eager_attention, request_prefill_scores,
                                    set_positions_end, take_prefill_attention, tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
-                               get_state, remember_tokens_held, set_state)
+                               get_state, output_cache, pass_cache, remember_tokens_held, set_state)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
@@ -398,7 +398,7 @@ class KVCompPress(BasePress):
         return _stack_rows(results) if acted else None
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        cache = pass_cache(kwargs)
         name, layer_idx = type(self).__name__, module.layer_idx
         if cache is None:
             if not self._warned_without_cache:
@@ -554,7 +554,7 @@ class KVCompPress(BasePress):
         placed by the model at ``get_seq_length()``, the slots, so a compressed cache would rotate every new token
         to a wrong position: it gets the positions that follow the tokens the cache stands for instead, as an
         uncompressed cache would give it (returned as the pass's kwargs)."""
-        cache, inputs = kwargs.get("past_key_values"), _pass_inputs(args, kwargs)
+        cache, inputs = pass_cache(kwargs), _pass_inputs(args, kwargs)
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
@@ -589,9 +589,9 @@ class KVCompPress(BasePress):
         cache the model created in this pass (``past_key_values=None``, ``use_cache=True``: a hand-written loop's
         first forward) starts its position count here, with the pass's tokens. The caches are remembered until the
         context closes, which records where their tokens end for passes outside it."""
-        cache = kwargs.get("past_key_values")
+        cache = pass_cache(kwargs)
         if cache is None:
-            cache = getattr(output, "past_key_values", None)
+            cache = output_cache(output)
             inputs = _pass_inputs(args, kwargs)
             if cache is not None and inputs is not None and not hasattr(cache, _POSITIONS_ATTR):
                 setattr(cache, _POSITIONS_ATTR, inputs.shape[1])

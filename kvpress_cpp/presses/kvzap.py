@@ -30,7 +30,7 @@ from kvpress.presses.kvzap_press import KVzapPress as _KVzapScorer
 from torch import nn
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import compact_to_longest_head
+from kvpress_cpp.cache import compact_to_longest_head, pass_cache
 from kvpress_cpp.distributed import kv_head_shard
 from kvpress_cpp.paged_cache import PagedLayer
 from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real
@@ -254,7 +254,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     def forward_hook(self, module, input, kwargs, output):
         self._refuse_head_wise_marks(module)  # before written_state() reads the layer (and evicts them)
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        cache = pass_cache(kwargs)
         layer = cache.layers[module.layer_idx] if cache is not None else None
         if isinstance(layer, PagedLayer) and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
             return self._after_layer(module, output)
