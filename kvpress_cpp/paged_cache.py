@@ -103,6 +103,9 @@ class PagedLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    # crop cuts slots from the right (assisted generation's rollback). transformers 5.24's generate refuses assisted
+    # decoding over a cache whose layers do not say so (CacheLayerMixin's default is False).
+    is_croppable = True
     holds_kvcomp_state = True  # kvpress_cpp.cache accepts it next to DynamicLayer
     # A write through the view without a state drops the press's state, so no value probe is needed to notice
     # another press rearranging the slots (kvcomp_state hands back none).
