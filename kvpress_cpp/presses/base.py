@@ -82,9 +82,14 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     tokens = _tokens_stood_for(cache, slots)
     state = get_state(cache.layers[0]) if cache.layers else None
     # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
-    # cutting the last k slots of a compressed layer removes other slots than the candidates the pass merged.
+    # cutting the last k slots of a compressed layer removes other slots than the candidates the pass merged. The
+    # slots appended by passes outside the press's context since its last pass (a question kvpress's pipeline asks
+    # over the compressed context) are tokens, one a slot, and crop(-k) cuts them as it would any cache's: from 5.24
+    # on, the only way to cut them, as a positive count (a length to keep) is refused there.
     dropped = -max_length if max_length < 0 else tokens - max_length
-    if state is not None and slots < tokens and (max_length < 0 or slots <= max_length < tokens):
+    appended_outside = slots - getattr(cache, _SLOTS_ATTR, slots)
+    refused = dropped > appended_outside if max_length < 0 else slots <= max_length < tokens
+    if state is not None and slots < tokens and refused:
         owner = state.owner_name()
         raise ValueError(
             f"{owner}: crop({max_length}) asks a cache {owner} compressed to drop {dropped} of the {tokens} tokens "
