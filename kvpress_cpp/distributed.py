@@ -23,7 +23,8 @@ import torch.distributed as dist
 from kvpress.utils import get_prerope_query_states
 from torch import nn
 
-__all__ = ["kv_head_shard", "gather_kv_heads", "query_group_size", "prerope_query_states", "check_tensor_parallel"]
+__all__ = ["kv_head_shard", "gather_kv_heads", "query_group_size", "prerope_query_states", "check_tensor_parallel",
+           "model_tensor_parallel_mesh"]
 
 
 #: An attention layer's key projection: separate, or packed with the queries and values (Phi-3).
@@ -100,6 +101,17 @@ def prerope_query_states(module: nn.Module, hidden_states: torch.Tensor) -> torc
     return q_norm(queries) if q_norm is not None else queries
 
 
+def model_tensor_parallel_mesh(model: nn.Module):
+    """The tensor-parallel mesh of `model` (one dimension, its ranks the kv head shards), or None. transformers
+    before 5.24 keeps it as ``model._device_mesh``; 5.24 keeps there the model's whole ("pp", "fsdp", "tp") mesh,
+    whose "tp" dimension it is (its sharded weights are ``DTensor``s on that one)."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None and mesh.ndim > 1:
+        names = mesh.mesh_dim_names or ()
+        mesh = mesh["tp"] if "tp" in names else None
+    return mesh
+
+
 def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | None = None) -> None:
     """Raise a ValueError naming the press when `model` is tensor-parallel and the press cannot run on it: the kv or
     query heads do not split evenly over the ranks, or `unsupported` gives the press's own reason. Otherwise note the
@@ -116,7 +128,7 @@ def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | 
                              f"ranks that divides {heads}")
     if unsupported is not None:
         raise ValueError(f"{press_name} cannot run on a tensor-parallel model ({ranks} ranks): {unsupported}")
-    mesh = getattr(model, "_device_mesh", None)
+    mesh = model_tensor_parallel_mesh(model)
     if mesh is not None:
         for module in model.modules():
             if any(name in module._modules for name in _KEY_PROJECTIONS):

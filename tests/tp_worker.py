@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # run as a script by torchrun
 from kvpress import AdaKVPress, DMSPress, SnapKVPress, TOVAPress  # noqa: E402
 
 from kvpress_cpp.cache import cache_bytes, get_state  # noqa: E402
+from kvpress_cpp.distributed import model_tensor_parallel_mesh  # noqa: E402
 from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer  # noqa: E402
 from kvpress_cpp.presses import (  # noqa: E402
     GVotePress,
@@ -177,7 +178,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, tp_plan="auto", dtype=torch.float32)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    results = {"cases": {}, "ranks": model.tp_size, "rank": model._device_mesh.get_local_rank()}
+    results = {"cases": {}, "ranks": model.tp_size, "rank": model_tensor_parallel_mesh(model).get_local_rank()}
     for name in args.cases:
         with torch.no_grad():
             results["cases"][name] = run_case(model, tokenizer, name, args.surrogates, args.cache)
