@@ -22,10 +22,10 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["LayerState", "pass_cache", "output_cache", "check_cache_layer", "get_state", "set_state", "attach", "state_for_attention",
-           "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer", "remember_tokens_held",
-           "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows", "repeated_rows",
-           "selected_rows"]
+__all__ = ["LayerState", "pass_cache", "output_cache", "check_cache_layer", "get_state", "set_state", "attach",
+           "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer",
+           "remember_tokens_held", "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows",
+           "repeated_rows", "selected_rows"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
