@@ -16,10 +16,12 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 export MAX_JOBS ?= 2
 # Unit tests never touch a model hub.
 export HF_HUB_OFFLINE := 1
-# The transformers 5 versions the suite runs under again (py-test-transformers5, below).
+# The transformers 5 versions the suite runs under again (py-test-transformers5, below), and those it can be run
+# under by hand (make py-test-transformers5.24: the newest release, outside CI's time).
 TRANSFORMERS5_VERSIONS := 5.2 5.17
+TRANSFORMERS5_BY_HAND := 5.24
 
-.PHONY: demo test build cpp-test py-test py-test-transformers5 $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS)) system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
+.PHONY: demo test build cpp-test py-test py-test-transformers5 $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS) $(TRANSFORMERS5_BY_HAND)) system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
 
 demo: build
 	$(PYTHON) examples/demo.py
@@ -84,7 +86,7 @@ define transformers5_run
 py-test-transformers$(1): build .venv-transformers$(1)/.installed
 	OMP_NUM_THREADS=1 .venv-transformers$(1)/bin/python -m pytest tests -q -n 2 -p no:cacheprovider
 endef
-$(foreach version,$(TRANSFORMERS5_VERSIONS),$(eval $(call transformers5_run,$(version))))
+$(foreach version,$(TRANSFORMERS5_VERSIONS) $(TRANSFORMERS5_BY_HAND),$(eval $(call transformers5_run,$(version))))
 py-test-transformers5: $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS))
 
 # gpu-check uses the GPU machine's own Python (GPU_PYTHON, with torch, transformers and nvcc there; our pins are not
