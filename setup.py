@@ -55,6 +55,14 @@ def pip_cuda_include_dirs() -> list[str]:
     return sorted(str(p) for root in nvidia.__path__ for p in Path(root).glob("cu*/include"))
 
 
+def pip_cuda_include_flags() -> list[str]:
+    """pip_cuda_include_dirs as -isystem flags, searched after every -I, so after the toolkit's own include folder
+    (CUDA_HOME/include, which torch adds with -I): a header the toolkit has comes from the toolkit, and the wheels fill
+    in only what it lacks. As -I they came first, and their cuda_runtime_api.h too: torch 2.15's wheels bring CUDA
+    13.2's, and CCCL under nvcc 13.0 then stops with "CUDA compiler and CUDA toolkit headers are incompatible"."""
+    return [flag for d in pip_cuda_include_dirs() for flag in ("-isystem", d)]
+
+
 def sources(pattern_dirs):
     return sorted(str(p.relative_to(ROOT)) for d, pattern in pattern_dirs for p in (CSRC / d).glob(pattern))
 
@@ -67,10 +75,11 @@ def extension():
         return CUDAExtension(
             "kvpress_cpp._C",
             cpp_sources + sources([("cuda", "*.cu")]),
-            include_dirs=include_dirs + pip_cuda_include_dirs(),
+            include_dirs=include_dirs,
             # No --use_fast_math: the tests compare CUDA with the CPU exactly (keepkv_match, gvote_union_mask), and
             # the decode path is memory-bound, so approximate exp / log / division would buy nothing.
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx_flags + pip_cuda_include_flags(),
+                                "nvcc": ["-O3", "-lineinfo"] + pip_cuda_include_flags()},
             py_limited_api=True,
         )
     return CppExtension(
