@@ -182,7 +182,8 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
         x.sum().item(), int(x[0]), bool(x[1] > 0), torch.equal(x, x), x[x > 2], x.nonzero(), x.unique()
         torch.repeat_interleave(torch.tensor([1, 2]).to(x.device, non_blocking=True))
         y = x.clone()
-        y[x > 3] = 0.0
+        # values, not a number: torch 2.15 fills ``y[mask] = 0.0`` with masked_fill_ (sync-free); 2.14 ran index_put_
+        y[x > 3] = x[:2]
         torch.where(x > 2), torch.nonzero(x, as_tuple=True), x.narrow(0, torch.ones((), dtype=torch.long, device="cpu"), 2)
         x.tolist(), x.cpu(), x.numpy(), x.to("cpu"), x.to(device="cpu")
         on_host = torch.zeros(6)
