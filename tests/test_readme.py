@@ -7,6 +7,7 @@ the one the README shows."""
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import kvpress_cpp.models
@@ -26,11 +27,22 @@ def test_the_readme_shows_the_snippets_this_test_runs():
     assert all("max_new_tokens=256" in snippet for snippet in snippets[:3])
 
 
-def test_the_press_snippets_run_in_order(default_model, monkeypatch, tmp_path):
-    """The first three snippets share their names (the second and third say so), as a user pasting them would."""
+@pytest.fixture
+def two_layer_default_model(default_model):
+    """The session's default model with its first LAYERS decoder layers only, all of them back afterwards (pytest's
+    monkeypatch would delete the attribute on undo: nn.Module keeps submodules outside the instance's __dict__)."""
     model, _ = default_model
-    monkeypatch.setattr(model.model, "layers", model.model.layers[:LAYERS])
-    monkeypatch.setattr(kvpress_cpp.models, "load_default_model", lambda: default_model)
+    layers = model.model.layers
+    model.model.layers = layers[:LAYERS]
+    try:
+        yield default_model
+    finally:
+        model.model.layers = layers
+
+
+def test_the_press_snippets_run_in_order(two_layer_default_model, monkeypatch, tmp_path):
+    """The first three snippets share their names (the second and third say so), as a user pasting them would."""
+    monkeypatch.setattr(kvpress_cpp.models, "load_default_model", lambda: two_layer_default_model)
     monkeypatch.chdir(tmp_path)
     names: dict = {}
     for snippet in python_snippets()[:3]:
