@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -133,3 +135,19 @@ def test_readme_ops_table_lists_every_op_with_its_signature():
         actual = [(parameter.name, parameter.default)
                   for parameter in inspect.signature(getattr(ops, name)).parameters.values()]
         assert documented == actual, f"README's {name} differs from kvpress_cpp.ops.{name}"
+
+
+@pytest.mark.skipif("ATen parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch's ATen parallel backend is not OpenMP")
+def test_cpu_kernels_run_on_torchs_openmp_threads():
+    """ATen's at::parallel_for is a `#pragma omp parallel` in its headers: built without OpenMP the extension ran every
+    CPU kernel on one thread whatever torch.set_num_threads said. Built with it, it needs libgomp, and that must be
+    the runtime torch loaded (one pool, sized by torch.set_num_threads), not a second copy."""
+    import kvpress_cpp
+
+    needed = subprocess.run(["readelf", "--dynamic", kvpress_cpp._C.__file__], capture_output=True, text=True,
+                            check=True).stdout
+    assert "[libgomp.so.1]" in needed
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(loaded) == 1, loaded
+
