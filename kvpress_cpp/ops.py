@@ -600,8 +600,9 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
     return torch.ops.kvcomp.prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale)
 
 
-# The CPU kernel's tiles (csrc/cpu/prompt_scores.cpp: kFusedQueryTile, kKeyTile, kRowBlock, kScoreChunks).
-_FUSED_QUERY_TILE, _KEY_TILE, _ROW_BLOCK, _SCORE_CHUNKS = 64, 128, 4, 4
+# The CPU kernel's tiles (csrc/cpu/prompt_scores.cpp: kFusedQueryTile, kKeyTile, kRowBlock) and its chunks of query
+# tiles (csrc/kernels/prompt_scores.h: kScoreTasksTarget, kMaxScoreChunks).
+_FUSED_QUERY_TILE, _KEY_TILE, _ROW_BLOCK, _SCORE_TASKS_TARGET, _MAX_SCORE_CHUNKS = 64, 128, 4, 64, 16
 #: The most workspace :func:`prompt_attention_with_scores` may take (beyond its outputs) before its callers fall
 #: back to sdpa + :func:`prompt_scores` (the issue's bound on prompt scoring).
 FUSED_PROMPT_WORKSPACE_LIMIT = 64 * 2**20
@@ -610,15 +611,17 @@ FUSED_PROMPT_WORKSPACE_LIMIT = 64 * 2**20
 def prompt_attention_workspace_bytes(query: torch.Tensor, keys: torch.Tensor, threads: int | None = None) -> int:
     """The dominant workspace of :func:`prompt_attention_with_scores` on CPU, in bytes: per thread, the probability
     rows of one query tile over all T keys (G x 64 rows rounded to 4, times T rounded to 128, float32), plus the
-    partial column sums of up to 4 groups of query tiles per (batch, kv head). (Per-row tiles of d or T / 128 floats
-    come on top: under 2% of it.)"""
+    partial column sums of each chunk of query tiles: ceil(64 / (B x H)) chunks per (batch, kv head), 1 to 16, at
+    most one per tile. (Per-row tiles of d or T / 128 floats come on top: under 2% of it.)"""
     batch, query_heads, num_queries, _ = query.shape
     kv_heads, total = keys.shape[1], keys.shape[2]
     rows = -(-query_heads // kv_heads * _FUSED_QUERY_TILE // _ROW_BLOCK) * _ROW_BLOCK
     padded_len = -(-total // _KEY_TILE) * _KEY_TILE
-    chunks = min(_SCORE_CHUNKS, -(-num_queries // _FUSED_QUERY_TILE))
+    pairs = batch * kv_heads
+    chunks = min(max(1, min(_MAX_SCORE_CHUNKS, -(-_SCORE_TASKS_TARGET // max(pairs, 1)))),
+                 -(-num_queries // _FUSED_QUERY_TILE))
     threads = torch.get_num_threads() if threads is None else threads
-    return 4 * padded_len * (min(threads, chunks * batch * kv_heads) * rows + chunks * batch * kv_heads)
+    return 4 * padded_len * (min(threads, chunks * pairs) * rows + chunks * pairs)
 
 
 def prompt_attention_with_scores(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -181,10 +181,11 @@ def test_cuda_is_refused_by_name():
 
 
 def test_workspace_bytes_follow_the_tiles():
-    """G x 64 query rows (rounded to 4) x T rounded to 128, float32, per thread, and the partial sums of up to 4
-    groups of query tiles per (batch, kv head)."""
+    """G x 64 query rows (rounded to 4) x T rounded to 128, float32, per thread, and the partial sums of
+    ceil(64 / (B x H)) chunks of query tiles per (batch, kv head), at most 16 and at most one per tile."""
     query, keys = torch.empty(2, 9, 8192, 64), torch.empty(2, 3, 8192, 64)
-    assert ops.prompt_attention_workspace_bytes(query, keys, threads=1) == 4 * 8192 * (192 + 4 * 2 * 3)
+    assert ops.prompt_attention_workspace_bytes(query, keys, threads=1) == 4 * 8192 * (192 + 11 * 2 * 3)
+    assert ops.prompt_attention_workspace_bytes(query[:1], keys[:1], threads=1) == 4 * 8192 * (192 + 16 * 3)
     assert ops.prompt_attention_workspace_bytes(query[:, :, :100], keys[:, :, :300], threads=8) == \
         4 * 384 * (8 * 192 + 2 * 2 * 3)
 

@@ -275,7 +275,8 @@ at::Tensor prompt_log_sum_exp_cpu(const at::Tensor& query, const at::Tensor& key
       std::vector<kernels::SoftmaxPartial> rows_stats(TileScratch::max_rows(shape));
       for (int64_t task = begin; task < end; ++task) {
         log_sum_exp_task(layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
-                         log_weights_c.const_data_ptr<float>(), task / query_tiles, task % query_tiles, scratch,
+                         log_weights_c.const_data_ptr<float>(), task / query_tiles,
+                         kernels::folded_tile(task % query_tiles, query_tiles), scratch,
                          rows_stats, lse.mutable_data_ptr<float>());
       }
     });
@@ -423,7 +424,8 @@ at::Tensor prompt_scores_cpu(const at::Tensor& query, const at::Tensor& keys, co
       for (int64_t task = begin; task < end; ++task) {
         scores_task(layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
                     log_weights_c.const_data_ptr<float>(), lse_c.const_data_ptr<float>(), weights, task / key_tiles,
-                    task % key_tiles, scratch, tile_rows, scores.mutable_data_ptr<float>());
+                    kernels::folded_tile(task % key_tiles, key_tiles), scratch, tile_rows,
+                    scores.mutable_data_ptr<float>());
       }
     });
   });
@@ -523,7 +525,8 @@ at::Tensor prompt_log_unnormalised_scores_cpu(const at::Tensor& query, const at:
       for (int64_t task = begin; task < end; ++task) {
         log_unnormalised_scores_task(layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
                                      log_weights_c.const_data_ptr<float>(), weights, task / key_tiles,
-                                     task % key_tiles, scratch, window_rows, log_scores.mutable_data_ptr<float>());
+                                     kernels::folded_tile(task % key_tiles, key_tiles), scratch, window_rows,
+                                     log_scores.mutable_data_ptr<float>());
       }
     });
   });
@@ -539,12 +542,11 @@ at::Tensor prompt_log_unnormalised_scores_cpu(const at::Tensor& query, const at:
 // the same product (probability rows against the value tile), rescaled when a row's max grows (flash attention's
 // online softmax). The block stays in the workspace with the max it was taken against, so once the row's exact
 // log-sum-exp is known a read-only sweep adds w_j · exp(tile max - lse) · block to the column sums: every
-// probability is computed once and normalised exactly. The column sums of a pair are split over kScoreChunks
-// contiguous groups of query tiles, each summing into its own partial row, and the partials are added in chunk
-// order afterwards: deterministic whatever the thread count, and up to B * H * kScoreChunks tasks in parallel.
+// probability is computed once and normalised exactly. The column sums of a pair are split over chunks of query
+// tiles of equal causal work (kernels::score_chunk_bounds), each summing into its own partial row, and the partials
+// are added in chunk order afterwards: deterministic whatever the thread count.
 
 constexpr int64_t kFusedQueryTile = 64;  // queries per tile (mirrored by ops.prompt_attention_workspace_bytes)
-constexpr int64_t kScoreChunks = 4;      // groups of query tiles per (batch, kv-head) summing their own partial scores
 
 int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
@@ -746,7 +748,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_attention_with_scores_cpu(
                            round_up(shape.head_dim, kBlockKeys),
                            round_up(shape.total_len, kKeyTile)};
   const int64_t pairs = shape.batch * shape.kv_heads, query_tiles = layout.query_tiles();
-  const int64_t chunks = std::min(kScoreChunks, query_tiles);
+  const int64_t chunks = kernels::score_chunks(pairs, query_tiles);
+  const std::vector<int64_t> chunk_bounds =
+      kernels::score_chunk_bounds(chunks, kFusedQueryTile, shape.num_queries, shape.total_len);
   // Partial column sums [chunk, pair, padded_len]; the lanes past T of the last key tile only ever add 0.
   at::Tensor partial_scores = at::zeros({chunks, pairs, layout.padded_len}, query.options().dtype(at::kFloat));
   const ScoreWeights weights{decay, input_scale};
@@ -755,8 +759,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_attention_with_scores_cpu(
       FusedScratch scratch(layout);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t chunk = task / pairs, pair = task % pairs;
-        for (int64_t query_tile = chunk * query_tiles / chunks; query_tile < (chunk + 1) * query_tiles / chunks;
-             ++query_tile) {
+        for (int64_t query_tile = chunk_bounds[chunk]; query_tile < chunk_bounds[chunk + 1]; ++query_tile) {
           fused_query_tile(layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
                            values_c.const_data_ptr<scalar_t>(), log_weights_c.const_data_ptr<float>(), weights, pair,
                            query_tile, scratch, output.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(),

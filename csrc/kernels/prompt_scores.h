@@ -11,8 +11,10 @@
 // (older_queries_negligible).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "attention.h"
 #include "common.h"
@@ -64,6 +66,51 @@ KVCOMP_HOST_DEVICE inline float query_log_weight(double log_decay, double log_in
 // One term x added to a column's online log-sum-exp.
 KVCOMP_HOST_DEVICE inline SoftmaxPartial add_log_term(SoftmaxPartial column, float x) {
   return combine(column, SoftmaxPartial{x, 1.0f});
+}
+
+// The CPU ops run one task per (batch, kv head, tile) and at::parallel_for hands each thread a contiguous range of
+// them. A tile's causal work grows with its index (query tiles) or falls with it (key tiles), so the tiles of a
+// pair are taken in the order 0, n-1, 1, n-2, ...: a light and a heavy tile side by side, and every thread's range
+// holds about the same work. The i-th tile of n in that order:
+inline int64_t folded_tile(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
+// prompt_attention_with_scores (CPU) splits the column sums of each (batch, kv head) over chunks of consecutive query
+// tiles, each summing into its own partial row; the partials are added in chunk order afterwards. Chunks are the
+// op's parallel tasks (B * H * chunks of them), and their number and bounds depend on the shape alone, so the result
+// is the same whatever the thread count. A query tile reads every key up to its last query's position, so the
+// newest tiles cost the most: chunks of equal tile counts gave the threads that took the newest chunks most of the
+// work (3 of 4 parts at 2 threads on SmolLM2's 3 kv heads). Chunks hold equal causal work instead, and there are
+// enough of them for kScoreTasksTarget tasks (at most kMaxScoreChunks per pair, at most one per tile).
+constexpr int64_t kScoreTasksTarget = 64;
+constexpr int64_t kMaxScoreChunks = 16;
+
+inline int64_t score_chunks(int64_t pairs, int64_t query_tiles) {
+  const int64_t wanted = std::clamp<int64_t>((kScoreTasksTarget + pairs - 1) / std::max<int64_t>(pairs, 1), 1,
+                                             kMaxScoreChunks);
+  return std::min(wanted, query_tiles);
+}
+
+// Causal work of query tile `tile` (tiles of tile_queries of the q = num_queries newest of T = total_len prompt
+// tokens): its queries times the keys its last query sees.
+inline int64_t query_tile_work(int64_t tile, int64_t tile_queries, int64_t num_queries, int64_t total_len) {
+  const int64_t begin = tile * tile_queries, end = std::min(begin + tile_queries, num_queries);
+  return (end - begin) * (total_len - num_queries + end);
+}
+
+// The chunks + 1 bounds in query tiles: chunk c holds tiles [bounds[c], bounds[c + 1]), starting at the first tile
+// whose predecessors hold c / chunks of the pair's work. A chunk holds at most 1 / chunks of it plus one tile; a chunk
+// may be empty when one tile outweighs that share.
+inline std::vector<int64_t> score_chunk_bounds(int64_t chunks, int64_t tile_queries, int64_t num_queries,
+                                               int64_t total_len) {
+  const int64_t tiles = (num_queries + tile_queries - 1) / tile_queries;
+  std::vector<int64_t> before(tiles + 1, 0);  // work of the tiles before each tile
+  for (int64_t t = 0; t < tiles; ++t) before[t + 1] = before[t] + query_tile_work(t, tile_queries, num_queries, total_len);
+  std::vector<int64_t> bounds(chunks + 1, tiles);
+  for (int64_t c = 0, t = 0; c < chunks; ++c) {
+    while (t < tiles && before[t] * chunks < c * before[tiles]) ++t;
+    bounds[c] = t;
+  }
+  return bounds;
 }
 
 }  // namespace kvcomp::kernels
