@@ -33,16 +33,17 @@ at::Tensor merge_count_bias_cpu(const at::Tensor& counts, double alpha) {
   const float alpha_f = static_cast<float>(alpha);
   const FloatVec alpha_v(alpha_f), zero(0.0f), minus_inf(-INFINITY);
   at::parallel_for(0, counts.numel(), kBiasGrain, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    // The vector form of kernels::merge_count_bias (GoogleTest checks the two agree on the special values).
-    for (; i + kLanes <= end; i += kLanes) {
-      const FloatVec count = FloatVec::loadu(in_ptr + i);
+    // The vector form of kernels::merge_count_bias (GoogleTest checks the two agree on the special values), the
+    // range's tail included (a partial vector): the vector log and the scalar logf may round apart, and the threads'
+    // ranges end wherever the thread count puts them.
+    for (int64_t i = begin; i < end; i += kLanes) {
+      const int64_t lanes = std::min<int64_t>(kLanes, end - i);
+      const FloatVec count = FloatVec::loadu(in_ptr + i, lanes);
       FloatVec bias = alpha_v * count.log();  // NaN for w < 0 or NaN
       if (alpha_f == 0.0f) bias = FloatVec::blendv(bias, zero, count > zero);
       bias = FloatVec::blendv(bias, minus_inf, count == zero);
-      bias.store(out_ptr + i);
+      bias.store(out_ptr + i, lanes);
     }
-    for (; i < end; ++i) out_ptr[i] = kernels::merge_count_bias(in_ptr[i], alpha_f);
   });
   return out;
 }
