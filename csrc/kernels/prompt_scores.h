@@ -104,7 +104,9 @@ inline std::vector<int64_t> score_chunk_bounds(int64_t chunks, int64_t tile_quer
                                                int64_t total_len) {
   const int64_t tiles = (num_queries + tile_queries - 1) / tile_queries;
   std::vector<int64_t> before(tiles + 1, 0);  // work of the tiles before each tile
-  for (int64_t t = 0; t < tiles; ++t) before[t + 1] = before[t] + query_tile_work(t, tile_queries, num_queries, total_len);
+  for (int64_t t = 0; t < tiles; ++t) {
+    before[t + 1] = before[t] + query_tile_work(t, tile_queries, num_queries, total_len);
+  }
   std::vector<int64_t> bounds(chunks + 1, tiles);
   for (int64_t c = 0, t = 0; c < chunks; ++c) {
     while (t < tiles && before[t] * chunks < c * before[tiles]) ++t;
