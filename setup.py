@@ -63,12 +63,16 @@ def pip_cuda_include_flags() -> list[str]:
     return [flag for d in pip_cuda_include_dirs() for flag in ("-isystem", d)]
 
 
-def openmp_flags() -> list[str]:
-    """-fopenmp (compile and link) where torch's ATen parallel backend is OpenMP, as in its Linux wheels: there
+def openmp_flags() -> tuple[list[str], list[str]]:
+    """(compile, link) flags where torch's ATen parallel backend is OpenMP, as in its Linux wheels: there
     at::parallel_for is a `#pragma omp parallel` inlined from ATen's headers, which a build without -fopenmp ignores,
-    so every CPU kernel ran on one thread whatever torch.set_num_threads said. The link asks for libgomp.so.1, which
-    resolves to the copy torch has loaded already: one OpenMP runtime, sized by torch.set_num_threads."""
-    return ["-fopenmp"] if "ATen parallel backend: OpenMP" in torch.__config__.parallel_info() else []
+    so every CPU kernel ran on one thread whatever torch.set_num_threads said. The extension links the libgomp torch
+    ships (torch/lib; any name it has), which torch has loaded already: one OpenMP runtime, sized by
+    torch.set_num_threads. A torch without its own copy uses the compiler's (-fopenmp)."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return [], []
+    bundled = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    return ["-fopenmp"], [str(bundled[0])] if bundled else ["-fopenmp"]
 
 
 def sources(pattern_dirs):
@@ -78,8 +82,9 @@ def sources(pattern_dirs):
 def extension():
     cpp_sources = sources([(".", "*.cpp"), ("cpu", "*.cpp")])
     include_dirs = [str(CSRC), str(CSRC / "include")]
+    openmp_compile, openmp_link = openmp_flags()
     cxx_flags = ["-O3", f"-march={os.environ.get('KVCOMP_CPU_ARCH', 'native')}", "-DPy_LIMITED_API=0x030A0000",
-                 *openmp_flags()]
+                 *openmp_compile]
     if build_cuda():
         return CUDAExtension(
             "kvpress_cpp._C",
@@ -89,12 +94,12 @@ def extension():
             # the decode path is memory-bound, so approximate exp / log / division would buy nothing.
             extra_compile_args={"cxx": cxx_flags + pip_cuda_include_flags(),
                                 "nvcc": ["-O3", "-lineinfo"] + pip_cuda_include_flags()},
-            extra_link_args=openmp_flags(),
+            extra_link_args=openmp_link,
             py_limited_api=True,
         )
     return CppExtension(
         "kvpress_cpp._C", cpp_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=openmp_flags(), py_limited_api=True,
+        extra_link_args=openmp_link, py_limited_api=True,
     )
 
 
