@@ -10,7 +10,8 @@ a press (``logits_to_keep=1``, as ``generate`` runs it) followed by one under ev
 machine's load drifts over the baseline and the presses alike; ``forward_s`` and ``with_press_s`` are the medians
 over the rounds (the samples are kept in the row) and ``ratio`` = with_press_s / forward_s (the issue's target for
 ZSMerge, KeepKV and WeightedKV: at most 1.15x at 2k-8k, and no worse than kvpress's SnapKV). On CPU those are the
-process's CPU seconds (robust to other jobs on a shared machine, and the wall time at one thread); the
+process's CPU seconds (robust to other jobs on a shared machine, and the wall time at one thread; on several threads
+they also count OpenMP's workers spinning while they wait for work); the
 ``*_wall_s`` and ``wall_ratio`` beside them are wall seconds, what a user waits for with several threads, where an
 op whose threads wait on one another costs more wall time than CPU time. ``press_s`` is the
 time inside the press's own prefill method (``compress_prefill`` for ours, ``compress`` for kvpress's) summed over the
@@ -353,6 +354,10 @@ def cuda_op_rows(lengths) -> list[dict]:
     return rows
 
 
+def threads_label(*counts: int) -> str:
+    return f"{' / '.join(map(str, counts))} thread{'' if counts == (1,) else 's'}"
+
+
 def plot(rows: list[dict], name: str, title: str) -> None:
     plt = pyplot()
     op = [r for r in rows if r["part"] == "op"]
@@ -415,7 +420,7 @@ def main() -> None:
         rows = [r for path in args.plot_from for r in json.loads(Path(path).read_text())["rows"]]
         threads = sorted({r.get("threads", 1) for r in rows if r["part"] == "presses"}) or [1]
         plot(rows, args.name or "prefill_overhead",
-             f"prefill with press / without (smollm2, cpu, {' / '.join(map(str, threads))} thread(s))")
+             f"prefill with press / without (smollm2, cpu, {threads_label(*threads)})")
         return
     dtype = model_dtype(args)
     cuda = args.device.startswith("cuda")
@@ -466,8 +471,8 @@ def main() -> None:
             print_table([r for r in rows if r["part"] == part], columns)
     print("wrote", save([]))
     if not cuda:
-        plot(rows, name, f"prefill with press / without ({args.model}, {args.device}, {torch.get_num_threads()} "
-                         f"threads)")
+        plot(rows, name, f"prefill with press / without ({args.model}, {args.device}, "
+                         f"{threads_label(torch.get_num_threads())})")
 
 
 if __name__ == "__main__":

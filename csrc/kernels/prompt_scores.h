@@ -78,9 +78,10 @@ inline int64_t folded_tile(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n
 // tiles, each summing into its own partial row; the partials are added in chunk order afterwards. Chunks are the
 // op's parallel tasks (B * H * chunks of them), and their number and bounds depend on the shape alone, so the result
 // is the same whatever the thread count. A query tile reads every key up to its last query's position, so the
-// newest tiles cost the most: chunks of equal tile counts gave the threads that took the newest chunks most of the
-// work (3 of 4 parts at 2 threads on SmolLM2's 3 kv heads). Chunks hold equal causal work instead, and there are
-// enough of them for kScoreTasksTarget tasks (at most kMaxScoreChunks per pair, at most one per tile).
+// newest tiles cost the most, and at::parallel_for hands each thread a contiguous range of tasks (chunk-major): chunks
+// of equal tile counts would give the threads that take the newest chunks most of the work. Chunks hold equal causal
+// work instead, and there are enough of them for kScoreTasksTarget tasks (at most kMaxScoreChunks per pair, at most
+// one per tile). Their number follows B * H, so a sequence's scores may round apart in batches of other sizes.
 constexpr int64_t kScoreTasksTarget = 64;
 constexpr int64_t kMaxScoreChunks = 16;
 
@@ -98,7 +99,7 @@ inline int64_t query_tile_work(int64_t tile, int64_t tile_queries, int64_t num_q
 }
 
 // The chunks + 1 bounds in query tiles: chunk c holds tiles [bounds[c], bounds[c + 1]), starting at the first tile
-// whose predecessors hold c / chunks of the pair's work. A chunk holds at most 1 / chunks of it plus one tile; a chunk
+// whose predecessors hold at least c / chunks of the pair's work. A chunk holds at most 1 / chunks of it plus one tile; a chunk
 // may be empty when one tile outweighs that share.
 inline std::vector<int64_t> score_chunk_bounds(int64_t chunks, int64_t tile_queries, int64_t num_queries,
                                                int64_t total_len) {
