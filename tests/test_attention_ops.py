@@ -11,6 +11,7 @@ import torch
 import kvpress_cpp
 from kvpress_cpp import ops
 from tests import reference
+from tests.threads import at_one_and_two_threads, intra_op_threads
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -69,13 +70,9 @@ def test_many_slot_chunks_and_row_tiles(device, dtype, head_dim):
     """B * H = 1 with T = 4100: the CPU splits the slots over threads (4 here), CUDA over many chunks; G * q = 24
     query rows take 3 tiles of 8 on CUDA in float32, 2 tiles of 16 on the tensor-core path (half precision: chunks
     of several 64-slot tiles, the last one partial)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    with intra_op_threads(4):
         inputs = make_inputs(1, 8, 1, 3, 4100, head_dim, dtype, device, seed=1, evicted=0.3)
         check_against_reference(*inputs, 0.125)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -237,14 +234,7 @@ def test_merge_count_bias_of_a_count_does_not_depend_on_where_it_sits():
     the tensor wherever the thread count puts the ends of their ranges, and a range's tail took the scalar logf, which
     rounds apart from the vector log on a few percent of counts."""
     counts = torch.rand(70001, generator=torch.Generator().manual_seed(3)).mul(50).add(1).view(1, 1, -1)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = ops.merge_count_bias(counts, 0.6)
-        torch.set_num_threads(2)
-        two_threads = ops.merge_count_bias(counts, 0.6)
-    finally:
-        torch.set_num_threads(threads)
+    one_thread, two_threads = at_one_and_two_threads(lambda: ops.merge_count_bias(counts, 0.6))
     assert torch.equal(one_thread, two_threads)
     alone = torch.cat([ops.merge_count_bias(counts[..., i:i + 1], 0.6) for i in range(0, 4000)], dim=-1)
     assert torch.equal(alone, one_thread[..., :4000])

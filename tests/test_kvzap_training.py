@@ -16,15 +16,14 @@ from torch import nn
 from kvpress_cpp import train_kvzap as tk
 from kvpress_cpp.presses.kvzap import save_surrogate
 from tests.models import ENGLISH_PROSE, make_tiny_llama, make_tiny_qwen3
+from tests.threads import intra_op_threads
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """These tensors are tiny: on a shared, oversubscribed CPU, intra-op threads only add spin-waiting (8x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with intra_op_threads(1):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests import reference
 from tests.test_prompt_scores import LSE_TOL, SCORE_TOL, make_inputs
+from tests.threads import at_one_and_two_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The output is rounded to the query dtype; its float32 accumulation of probabilities (relative error ~1e-6) times
@@ -106,14 +107,8 @@ def test_nan_query_reaches_its_row_and_its_kv_head_only():
 def test_deterministic_whatever_the_thread_count():
     query, keys, log_weights = make_inputs(2, 8, 2, 300, 300, 32)
     values = make_values(keys)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ops.prompt_attention_with_scores(query, keys, values, log_weights, 0.2, 0.98, 1.0)
-        torch.set_num_threads(2)
-        two = ops.prompt_attention_with_scores(query, keys, values, log_weights, 0.2, 0.98, 1.0)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_one_and_two_threads(
+        lambda: ops.prompt_attention_with_scores(query, keys, values, log_weights, 0.2, 0.98, 1.0))
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 

@@ -21,6 +21,7 @@ from tests import reference
 from tests.generation import greedy, prompt_ids
 from tests.layouts import in_strided_rows
 from tests.models import make_tiny_llama
+from tests.threads import at_one_and_two_threads
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -194,14 +195,7 @@ def test_row_with_nothing_to_attend_adds_nothing(device, dtype, head_dim):
 ], ids=["prompt_scores", "prompt_log_unnormalised_scores"])
 def test_deterministic_whatever_the_thread_count(score):
     query, keys, log_weights = make_inputs(2, 8, 2, 300, 300, 32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = score(query, keys, log_weights)
-        torch.set_num_threads(2)
-        two = score(query, keys, log_weights)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_one_and_two_threads(lambda: score(query, keys, log_weights))
     assert torch.equal(one, two)
 
 
