@@ -63,7 +63,9 @@ def decode_attention(
     The q queries are the last q of the T cached slots: query j attends to slots 0 .. T - q + j (causal). Grouped-query
     attention is native: query head h * G + g reads kv head h, and K and V are never repeated. Float32 accumulation in
     the log domain; a -inf slot is skipped (its key and value are not even read), and a row whose allowed slots are all
-    -inf gives output 0 and probabilities 0.
+    -inf gives output 0 and probabilities 0. On CPU each kv head's slots are split into chunks of at least 1024 whose
+    number depends on the shape alone (flash-decoding's split, combined in a fixed order), so the result is the same
+    bits on any number of threads.
 
     Args:
         query: (B, Hq, q, d) float32, float16 or bfloat16, 1 <= q <= T.
@@ -601,8 +603,8 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
 
 
 # The CPU kernel's tiles (csrc/cpu/prompt_scores.cpp: kFusedQueryTile, kKeyTile, kRowBlock) and its chunks of query
-# tiles (csrc/kernels/prompt_scores.h: kScoreTasksTarget, kMaxScoreChunks).
-_FUSED_QUERY_TILE, _KEY_TILE, _ROW_BLOCK, _SCORE_TASKS_TARGET, _MAX_SCORE_CHUNKS = 64, 128, 4, 64, 16
+# tiles (csrc/kernels/common.h: chunks_per_pair, kCpuTasksTarget, kMaxPairChunks).
+_FUSED_QUERY_TILE, _KEY_TILE, _ROW_BLOCK, _CPU_TASKS_TARGET, _MAX_PAIR_CHUNKS = 64, 128, 4, 64, 16
 #: The most workspace :func:`prompt_attention_with_scores` may take (beyond its outputs) before its callers fall
 #: back to sdpa + :func:`prompt_scores` (the issue's bound on prompt scoring).
 FUSED_PROMPT_WORKSPACE_LIMIT = 64 * 2**20
@@ -618,7 +620,7 @@ def prompt_attention_workspace_bytes(query: torch.Tensor, keys: torch.Tensor, th
     rows = -(-query_heads // kv_heads * _FUSED_QUERY_TILE // _ROW_BLOCK) * _ROW_BLOCK
     padded_len = -(-total // _KEY_TILE) * _KEY_TILE
     pairs = batch * kv_heads
-    chunks = min(max(1, min(_MAX_SCORE_CHUNKS, -(-_SCORE_TASKS_TARGET // max(pairs, 1)))),
+    chunks = min(max(1, min(_MAX_PAIR_CHUNKS, -(-_CPU_TASKS_TARGET // max(pairs, 1)))),
                  -(-num_queries // _FUSED_QUERY_TILE))
     threads = torch.get_num_threads() if threads is None else threads
     return 4 * padded_len * (min(threads, chunks * pairs) * rows + chunks * pairs)
@@ -691,7 +693,8 @@ def paged_decode_attention(
     Slot t of (b, h) is at ``block_tables[b, h, t // S]``, offset ``t % S``, in pools of N blocks of S slots
     (:class:`kvpress_cpp.paged_cache.PagedKVCache`'s layout). Heads may hold different numbers of slots; the q queries
     are the last q slots of every (b, h) (causal), and a (b, h) with fewer than q slots (a shorter prompt of a batch)
-    leaves its first queries nothing to attend to: output 0.
+    leaves its first queries nothing to attend to: output 0. On CPU, split and combined as :func:`decode_attention`
+    (chunks of whole blocks): the same bits on any number of threads.
 
     Args:
         query: (B, Hq, q, d) float32, float16 or bfloat16, q >= 1, Hq a multiple of H.

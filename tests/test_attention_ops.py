@@ -11,7 +11,7 @@ import torch
 import kvpress_cpp
 from kvpress_cpp import ops
 from tests import reference
-from tests.threads import at_one_and_two_threads, intra_op_threads
+from tests.threads import at_one_and_two_threads
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -67,12 +67,20 @@ def test_decode_attention_matches_reference(device, dtype, query_heads, kv_heads
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_many_slot_chunks_and_row_tiles(device, dtype, head_dim):
-    """B * H = 1 with T = 4100: the CPU splits the slots over threads (4 here), CUDA over many chunks; G * q = 24
-    query rows take 3 tiles of 8 on CUDA in float32, 2 tiles of 16 on the tensor-core path (half precision: chunks
-    of several 64-slot tiles, the last one partial)."""
-    with intra_op_threads(4):
-        inputs = make_inputs(1, 8, 1, 3, 4100, head_dim, dtype, device, seed=1, evicted=0.3)
-        check_against_reference(*inputs, 0.125)
+    """B * H = 1 with T = 4100: the CPU splits the slots into 4 chunks of 1025, CUDA into many; G * q = 24 query rows
+    take 3 tiles of 8 on CUDA in float32, 2 tiles of 16 on the tensor-core path (half precision: chunks of several
+    64-slot tiles, the last one partial)."""
+    inputs = make_inputs(1, 8, 1, 3, 4100, head_dim, dtype, device, seed=1, evicted=0.3)
+    check_against_reference(*inputs, 0.125)
+
+
+@pytest.mark.parametrize("batch,kv_heads", [(1, 1), (1, 3)])
+def test_cpu_result_does_not_depend_on_the_thread_count(batch, kv_heads):
+    """The CPU kernel splits each kv head's slots into chunks fixed by the shape, so one and two threads give the same
+    bits (it once split by the thread count when B * H was below it, and the chunks' partials rounded apart)."""
+    inputs = make_inputs(batch, 3 * kv_heads, kv_heads, 1, 4100, 64, seed=2, evicted=0.2)
+    one_thread, two_threads = at_one_and_two_threads(lambda: ops.decode_attention(*inputs, 0.125))
+    assert torch.equal(one_thread[0], two_threads[0]) and torch.equal(one_thread[1], two_threads[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,6 +16,7 @@ import kvpress_cpp  # noqa: F401
 from kvpress_cpp import ops
 from tests import reference
 from tests.test_attention_ops import CUDA, DEVICES, DTYPES, OUT_TOL, PROBS_TOL
+from tests.threads import at_one_and_two_threads
 
 
 def make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype=torch.float32, device="cpu", seed=0,
@@ -75,6 +76,30 @@ def check_against_reference(inputs, scale=0.3, max_len=None):
 def test_matches_reference(device, dtype, query_heads, lengths, num_queries, block_size, head_dim):
     inputs = make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype, device)
     check_against_reference(inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [16, 24])
+@pytest.mark.parametrize("num_queries", [1, 5])
+@pytest.mark.parametrize("return_probs", [True, False])
+def test_long_heads_split_into_slot_chunks(device, block_size, num_queries, return_probs):
+    """Heads long enough for the CPU kernel to split their slots into chunks (4 of 1040 or 1056 slots here, whole
+    blocks), next to heads that fill only the first chunk or none."""
+    inputs = make_paged([[4100, 700], [0, 2500]], 6, num_queries, 64, block_size, device=device, evicted=0.2)
+    if return_probs:
+        check_against_reference(inputs)
+    else:
+        out, _ = ops.paged_decode_attention(*inputs, 0.3, return_probs=False)
+        expected_out, _ = reference.paged_decode_attention(*(t.cpu() for t in inputs), 0.3)
+        torch.testing.assert_close(out.cpu(), expected_out, **OUT_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("return_probs", [True, False])
+def test_cpu_result_does_not_depend_on_the_thread_count(return_probs):
+    inputs = make_paged([[4100, 700, 2500]], 9, 1, 64, 16, seed=3, evicted=0.2)
+    one_thread, two_threads = at_one_and_two_threads(
+        lambda: ops.paged_decode_attention(*inputs, 0.3, return_probs=return_probs))
+    assert torch.equal(one_thread[0], two_threads[0]) and torch.equal(one_thread[1], two_threads[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

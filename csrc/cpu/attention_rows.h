@@ -1,6 +1,7 @@
-// Vectorised row kernels of decode attention on CPU, shared by kvcomp::decode_attention (a rectangular cache) and
-// kvcomp::paged_decode_attention (a cache read through block tables): logits of a run of contiguous slots for the
-// query rows of one kv head, the softmax exponentials, and the probability-weighted sum of values.
+// Decode attention on CPU, shared by kvcomp::decode_attention (a rectangular cache) and kvcomp::paged_decode_attention
+// (a cache read through block tables): the vectorised row kernels (logits of a run of contiguous slots for the query
+// rows of one kv head, the softmax exponentials, the probability-weighted sum of values) and the split of each kv
+// head's slots into chunks whose softmax partials are combined afterwards (flash-decoding).
 #pragma once
 
 // cpu/vec.h first: it sets the CPU_CAPABILITY that at::vec's headers read.
@@ -9,9 +10,14 @@
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
+#include <vector>
+
+#include <ATen/Parallel.h>
 
 #include "kernels/attention.h"
 
@@ -264,6 +270,114 @@ inline kernels::SoftmaxPartial exp_in_place(float* p, int64_t len) {
   for (; i < len; ++i) sum += (p[i] = kernels::shifted_exp(p[i], max));
   partial.sum = sum;
   return partial;
+}
+
+// A run of contiguous slots of one (batch, kv head): slot first + s has its key at keys + s * key_stride, its value at
+// values + s * value_stride and its log-weight at log_weights[s], s < length.
+template <typename scalar_t>
+struct SlotRun {
+  const scalar_t* keys;
+  const scalar_t* values;
+  const float* log_weights;
+  int64_t key_stride, value_stride, length;
+};
+
+// Softmax partials of the slots [slot_begin, slot_end) of one (batch, kv head) for its query rows (float, already
+// scaled, row r at query + r * d, seeing the slots below slot_count[r]). run_at(first, end) is the run of contiguous
+// slots from `first`, ending at `end` at the latest. Each key and value is read from memory once, whatever the rows.
+//   probs:       row r's exp(logit_s - chunk max) at probs[r * probs_stride + s - slot_begin]
+//   partial_out: row r's Σ_s exp(logit_s - chunk max) v_s at partial_out + r * out_stride (d floats)
+//   stats:       row r's SoftmaxPartial at stats[r * stats_stride]
+template <typename RunAt>
+void attend_slots(const float* query, int64_t rows, int64_t d, const int64_t* slot_count, const RunAt& run_at,
+                  int64_t slot_begin, int64_t slot_end, float* probs, int64_t probs_stride, float* partial_out,
+                  int64_t out_stride, kernels::SoftmaxPartial* stats, int64_t stats_stride) {
+  // 1. Logits, a run at a time; masked slots (causal or -inf) get -inf without their key being read.
+  for (int64_t first = slot_begin; first < slot_end;) {
+    const auto run = run_at(first, slot_end);
+    slot_logits(query, rows, d, slot_count, run.keys, run.key_stride, run.log_weights, first, run.length,
+                probs + (first - slot_begin), probs_stride);
+    first += run.length;
+  }
+  // 2. Per row: chunk max, exp(logit - max) in place, sum.
+  for (int64_t row = 0; row < rows; ++row) {
+    stats[row * stats_stride] = exp_in_place(probs + row * probs_stride, slot_end - slot_begin);
+  }
+  // 3. Σ_s p_s v_s for every row, a run at a time (accumulate_block reads each value once for all rows).
+  for (int64_t row = 0; row < rows; ++row) std::fill_n(partial_out + row * out_stride, d, 0.0f);
+  for (int64_t first = slot_begin; first < slot_end;) {
+    const auto run = run_at(first, slot_end);
+    accumulate_block(probs + (first - slot_begin), probs_stride, run.values, run.value_stride, 0, run.length, rows, d,
+                     partial_out, out_stride);
+    first += run.length;
+  }
+}
+
+// One query row's output from its chunks' partials: out = Σ_c f_c partial_c, f_c = kernels::chunk_normaliser, and,
+// when probs is given, its probabilities: probs[s] *= f_c over chunk c's slots below `length`.
+template <typename scalar_t>
+void finish_row(kernels::SlotChunks chunks, int64_t length, int64_t d, const float* partial_out,
+                const kernels::SoftmaxPartial* stats, float* probs, scalar_t* out, float* scratch) {
+  kernels::SoftmaxPartial total;
+  for (int64_t c = 0; c < chunks.count; ++c) total = kernels::combine(total, stats[c]);
+  std::fill_n(scratch, d, 0.0f);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const float factor = kernels::chunk_normaliser(stats[c].max, total);
+    const int64_t begin = std::min(length, c * chunks.len), end = std::min(length, begin + chunks.len);
+    if (probs != nullptr) {
+      at::vec::map([factor](FloatVec p) { return p * FloatVec(factor); }, probs + begin, probs + begin, end - begin);
+    }
+    if (factor != 0.0f) add_weighted(scratch, factor, partial_out + c * d, d);
+  }
+  for (int64_t e = 0; e < d; ++e) out[e] = static_cast<scalar_t>(scratch[e]);
+}
+
+// Decode attention of `pairs` (batch, kv head)s, one task per (pair, slot chunk). The task that ends a pair's last
+// chunk combines that pair's partials into its rows' outputs, while they are still in cache. The chunks depend on the
+// shape alone (kernels::decode_slot_chunks) and the partials are combined in chunk order, so the result rounds the
+// same on any number of threads.
+//   query:          [pairs, rows, d] float, already scaled; row r of a pair is query r % num_queries of its group
+//   pair_length(p): the slots of pair p, at most chunks.len * chunks.count
+//   pair_runs(p):   a callable (first, end) -> SlotRun over pair p's slots, as attend_slots's run_at
+//   probs:          [pairs, rows, probs_width] (probs_width >= every pair's length; the slots past a pair's length
+//                   are left as they are), or nullptr when the caller wants none
+//   out:            [pairs, rows, d]
+template <typename scalar_t, typename PairLength, typename PairRuns>
+void decode_attention_in_chunks(int64_t pairs, int64_t rows, int64_t num_queries, int64_t d,
+                                kernels::SlotChunks chunks, const float* query, const PairLength& pair_length,
+                                const PairRuns& pair_runs, float* probs, int64_t probs_width, scalar_t* out) {
+  // [pair, row, chunk, d] unnormalised chunk outputs and [pair, row, chunk] chunk statistics.
+  std::vector<float> partial_out(pairs * rows * chunks.count * d);
+  std::vector<kernels::SoftmaxPartial> stats(pairs * rows * chunks.count);
+  // Chunks of each pair still to run; acq_rel, so the task that takes the last one sees the others' partials.
+  const std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[pairs]);
+  for (int64_t pair = 0; pair < pairs; ++pair) chunks_left[pair].store(chunks.count, std::memory_order_relaxed);
+  at::parallel_for(0, pairs * chunks.count, grain_for(rows * chunks.len * d), [&](int64_t task_begin, int64_t task_end) {
+    std::vector<float> scratch(d), chunk_probs(probs == nullptr ? rows * chunks.len : 0);
+    std::vector<int64_t> slot_count(rows);
+    for (int64_t task = task_begin; task < task_end; ++task) {
+      const int64_t pair = task / chunks.count, chunk = task % chunks.count, length = pair_length(pair);
+      for (int64_t row = 0; row < rows; ++row) {
+        // A pair shorter than q (a padded sequence of a paged batch) leaves its first queries nothing to attend.
+        slot_count[row] = kernels::causal_slot_count(row % num_queries, num_queries, length);
+      }
+      const int64_t slot_begin = std::min(length, chunk * chunks.len);
+      const int64_t slot_end = std::min(length, slot_begin + chunks.len);
+      float* pair_probs = probs == nullptr ? nullptr : probs + pair * rows * probs_width;
+      float* pair_partial = partial_out.data() + pair * rows * chunks.count * d;
+      kernels::SoftmaxPartial* pair_stats = stats.data() + pair * rows * chunks.count;
+      attend_slots(query + pair * rows * d, rows, d, slot_count.data(), pair_runs(pair), slot_begin, slot_end,
+                   probs == nullptr ? chunk_probs.data() : pair_probs + slot_begin,
+                   probs == nullptr ? chunks.len : probs_width, pair_partial + chunk * d, chunks.count * d,
+                   pair_stats + chunk, chunks.count);
+      if (chunks_left[pair].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      for (int64_t row = 0; row < rows; ++row) {
+        finish_row(chunks, length, d, pair_partial + row * chunks.count * d, pair_stats + row * chunks.count,
+                   pair_probs == nullptr ? nullptr : pair_probs + row * probs_width, out + (pair * rows + row) * d,
+                   scratch.data());
+      }
+    }
+  });
 }
 
 }  // namespace kvcomp::cpu

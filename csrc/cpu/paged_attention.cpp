@@ -35,8 +35,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(const at::Tensor& 
   const at::Tensor log_weights_c = log_weight_blocks.contiguous();
   const at::Tensor tables_c = block_tables.contiguous(), lengths_c = lengths.contiguous();
   const at::Tensor query_f = query.to(at::kFloat).mul(scale).contiguous();  // [B * H, G * q, d], scale folded in
-  const int64_t rows = shape.rows(), d = shape.head_dim, block_size = shape.block_size;
-  const int64_t probs_width = probs.size(3);
+  const int64_t d = shape.head_dim, block_size = shape.block_size;
 
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), "kvcomp::paged_decode_attention", [&] {
     const scalar_t* keys_ptr = keys_c.const_data_ptr<scalar_t>();
@@ -44,54 +43,20 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(const at::Tensor& 
     const float* bias_ptr = log_weights_c.const_data_ptr<float>();
     const int64_t* tables_ptr = tables_c.const_data_ptr<int64_t>();
     const int64_t* lengths_ptr = lengths_c.const_data_ptr<int64_t>();
-    const float* query_ptr = query_f.const_data_ptr<float>();
-    float* probs_ptr = probs.mutable_data_ptr<float>();
-    scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
-
-    // One task per (batch, kv head): all G * q rows of the group read each block's keys and values once.
-    at::parallel_for(0, pairs, grain_for(rows * std::max<int64_t>(1, shape.max_len) * d), [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch, acc(rows * d);
-      std::vector<int64_t> slot_count(rows);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t length = lengths_ptr[pair];
-        const int64_t* table = tables_ptr + pair * shape.max_blocks;
-        // Logits, then probabilities, of row r at logits + r * stride: in probs when asked for, else in scratch.
-        float* logits;
-        int64_t stride;
-        if (return_probs) {
-          logits = probs_ptr + pair * rows * probs_width;
-          stride = probs_width;
-        } else {
-          scratch.resize(rows * length);
-          logits = scratch.data();
-          stride = length;
-        }
-        for (int64_t row = 0; row < rows; ++row) {
-          // A (b, h) shorter than q (a padded sequence of the batch) leaves its first queries nothing to attend.
-          slot_count[row] = kernels::causal_slot_count(row % shape.num_queries, shape.num_queries, length);
-        }
-        const float* pair_query = query_ptr + pair * rows * d;
-        for (int64_t first = 0; first < length; first += block_size) {
-          const int64_t block = table[first / block_size];
-          slot_logits(pair_query, rows, d, slot_count.data(), keys_ptr + block * block_size * d, d,
-                      bias_ptr + block * block_size, first, std::min(block_size, length - first), logits + first,
-                      stride);
-        }
-        for (int64_t row = 0; row < rows; ++row) {
-          float* p = logits + row * stride;
-          const float inverse = kernels::inverse_sum(exp_in_place(p, length).sum);
-          at::vec::map([inverse](FloatVec x) { return x * FloatVec(inverse); }, p, p, length);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t first = 0; first < length; first += block_size) {
-          const int64_t block = table[first / block_size];
-          accumulate_block(logits + first, stride, values_ptr + block * block_size * d, d, 0,
-                           std::min(block_size, length - first), rows, d, acc.data(), d);
-        }
-        scalar_t* pair_out = out_ptr + pair * rows * d;
-        for (int64_t i = 0; i < rows * d; ++i) pair_out[i] = static_cast<scalar_t>(acc[i]);
-      }
-    });
+    const auto pair_runs = [&](int64_t pair) {
+      const int64_t* table = tables_ptr + pair * shape.max_blocks;
+      // A run is the rest of the block holding `first`: chunks start on block boundaries, so it is the whole block.
+      return [=](int64_t first, int64_t end) {
+        const int64_t start = kernels::pool_slot(table, first, block_size);
+        return SlotRun<scalar_t>{keys_ptr + start * d, values_ptr + start * d, bias_ptr + start, d, d,
+                                 std::min(block_size - first % block_size, end - first)};
+      };
+    };
+    decode_attention_in_chunks(pairs, shape.rows(), shape.num_queries, d,
+                               kernels::decode_slot_chunks(pairs, shape.max_len, block_size),
+                               query_f.const_data_ptr<float>(), [lengths_ptr](int64_t pair) { return lengths_ptr[pair]; },
+                               pair_runs, return_probs ? probs.mutable_data_ptr<float>() : nullptr, shape.max_len,
+                               out.mutable_data_ptr<scalar_t>());
   });
   return {out, probs};
 }

@@ -748,7 +748,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_attention_with_scores_cpu(
                            round_up(shape.head_dim, kBlockKeys),
                            round_up(shape.total_len, kKeyTile)};
   const int64_t pairs = shape.batch * shape.kv_heads, query_tiles = layout.query_tiles();
-  const int64_t chunks = kernels::score_chunks(pairs, query_tiles);
+  const int64_t chunks = kernels::chunks_per_pair(pairs, query_tiles);
   const std::vector<int64_t> chunk_bounds =
       kernels::score_chunk_bounds(chunks, kFusedQueryTile, shape.num_queries, shape.total_len);
   // Partial column sums [chunk, pair, padded_len]; the lanes past T of the last key tile only ever add 0.

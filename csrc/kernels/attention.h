@@ -62,4 +62,20 @@ KVCOMP_HOST_DEVICE inline float chunk_normaliser(float chunk_max, SoftmaxPartial
   return shifted_exp(chunk_max, total.max) * inverse_sum(total.sum);
 }
 
+// The slot chunks of CPU decode attention (rectangular and paged): chunk c of a (batch, kv head) holds its slots
+// [c * len, (c + 1) * len). len is a multiple of `align` (a paged cache's block size, so no chunk splits a block),
+// chunks hold at least kMinChunkSlots slots where there are that many (shorter ones would cost more to combine than
+// they spread), and their count is chunks_per_pair's: fixed by the shape, whatever the thread count.
+constexpr int64_t kMinChunkSlots = 1024;
+
+struct SlotChunks {
+  int64_t len, count;
+};
+
+inline SlotChunks decode_slot_chunks(int64_t pairs, int64_t max_len, int64_t align) {
+  const int64_t wanted = chunks_per_pair(pairs, max_len / kMinChunkSlots);
+  const int64_t len = std::max<int64_t>(align, (max_len + wanted * align - 1) / (wanted * align) * align);
+  return {len, std::max<int64_t>(1, (max_len + len - 1) / len)};
+}
+
 }  // namespace kvcomp::kernels

@@ -1,6 +1,7 @@
 // Shared by the device-free math headers: they compile as plain C++ (CPU loops, GoogleTest) and as CUDA.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -45,6 +46,18 @@ struct RowStrides {
   int64_t batch, head, heads;
   KVCOMP_HOST_DEVICE int64_t offset(int64_t row) const { return row / heads * batch + row % heads * head; }
 };
+
+// CPU ops split each (batch, kv head) pair's work into chunks, each a task of at::parallel_for, and combine the
+// chunks' partial results in chunk order afterwards. They take enough chunks for kCpuTasksTarget tasks, at most
+// kMaxPairChunks per pair and at most `most` (the op's own bound): the count depends on the shape alone, never on the
+// thread count, so a result rounds the same on any number of threads (it may round apart in a batch of another size).
+constexpr int64_t kCpuTasksTarget = 64;
+constexpr int64_t kMaxPairChunks = 16;
+
+inline int64_t chunks_per_pair(int64_t pairs, int64_t most) {
+  const int64_t wanted = (kCpuTasksTarget + pairs - 1) / std::max<int64_t>(pairs, 1);
+  return std::max<int64_t>(1, std::min({wanted, kMaxPairChunks, most}));
+}
 
 // Pool index (block * S + offset) of slot `slot` of the paged-cache (b, h) whose block-table row is `table`.
 KVCOMP_HOST_DEVICE inline int64_t pool_slot(const int64_t* table, int64_t slot, int64_t block_size) {

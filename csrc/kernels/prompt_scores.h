@@ -75,21 +75,11 @@ KVCOMP_HOST_DEVICE inline SoftmaxPartial add_log_term(SoftmaxPartial column, flo
 inline int64_t folded_tile(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
 // prompt_attention_with_scores (CPU) splits the column sums of each (batch, kv head) over chunks of consecutive query
-// tiles, each summing into its own partial row; the partials are added in chunk order afterwards. Chunks are the
-// op's parallel tasks (B * H * chunks of them), and their number and bounds depend on the shape alone, so the result
-// is the same whatever the thread count. A query tile reads every key up to its last query's position, so the
-// newest tiles cost the most, and at::parallel_for hands each thread a contiguous range of tasks (chunk-major): chunks
-// of equal tile counts would give the threads that take the newest chunks most of the work. Chunks hold equal causal
-// work instead, and there are enough of them for kScoreTasksTarget tasks (at most kMaxScoreChunks per pair, at most
-// one per tile). Their number follows B * H, so a sequence's scores may round apart in batches of other sizes.
-constexpr int64_t kScoreTasksTarget = 64;
-constexpr int64_t kMaxScoreChunks = 16;
-
-inline int64_t score_chunks(int64_t pairs, int64_t query_tiles) {
-  const int64_t wanted = std::clamp<int64_t>((kScoreTasksTarget + pairs - 1) / std::max<int64_t>(pairs, 1), 1,
-                                             kMaxScoreChunks);
-  return std::min(wanted, query_tiles);
-}
+// tiles (chunks_per_pair of them, at most one per tile), each summing into its own partial row; the partials are added
+// in chunk order afterwards. A query tile reads every key up to its last query's position, so the newest tiles cost
+// the most, and at::parallel_for hands each thread a contiguous range of tasks (chunk-major): chunks of equal tile
+// counts would give the threads that take the newest chunks most of the work. Chunks hold equal causal work instead
+// (query_tile_work, score_chunk_bounds below).
 
 // Causal work of query tile `tile` (tiles of tile_queries of the q = num_queries newest of T = total_len prompt
 // tokens): its queries times the keys its last query sees.

@@ -1,5 +1,6 @@
 // GoogleTest of the attention family: the device-free math (log-weights, causal limit, online-softmax step, masked-row
-// convention) against hand computations, and the registered CPU kernels through the dispatcher.
+// convention, the CPU kernels' slot chunks) against hand computations, and the registered CPU kernels through the
+// dispatcher.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -104,6 +105,38 @@ TEST(InverseSum, EmptyRowIsZeroNanStaysNan) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Through the dispatcher.
+
+TEST(ChunksPerPair, EnoughTasksForManyThreadsWithinBounds) {
+  EXPECT_EQ(k::chunks_per_pair(3, 48), 16);   // SmolLM2's 3 kv heads: 22 wanted, 16 at most
+  EXPECT_EQ(k::chunks_per_pair(6, 128), 11);  // ceil(64 / 6)
+  EXPECT_EQ(k::chunks_per_pair(64, 128), 1);
+  EXPECT_EQ(k::chunks_per_pair(200, 128), 1);
+  EXPECT_EQ(k::chunks_per_pair(3, 5), 5);     // at most the op's own bound
+  EXPECT_EQ(k::chunks_per_pair(1, 1), 1);
+  EXPECT_EQ(k::chunks_per_pair(3, 0), 1);     // a pair always has one chunk, however short
+}
+
+TEST(DecodeSlotChunks, CoverEverySlotOnceInAlignedChunksOfAtLeastTheMinimum) {
+  struct Case { int64_t pairs, max_len, align; };
+  for (const Case c : {Case{3, 2048, 1}, Case{3, 4096, 1}, Case{1, 4100, 1}, Case{8, 32768, 1}, Case{64, 32768, 1},
+                       Case{3, 1000, 1}, Case{3, 1, 1}, Case{4, 4100, 16}, Case{4, 4100, 24}, Case{2, 5, 16},
+                       Case{12, 4096, 1}, Case{3, 100000, 16}}) {
+    const k::SlotChunks chunks = k::decode_slot_chunks(c.pairs, c.max_len, c.align);
+    SCOPED_TRACE(testing::Message() << "pairs " << c.pairs << ", max_len " << c.max_len << ", align " << c.align);
+    EXPECT_GE(chunks.count, 1);
+    EXPECT_LE(chunks.count, k::chunks_per_pair(c.pairs, c.max_len / k::kMinChunkSlots));
+    EXPECT_EQ(chunks.len % c.align, 0);
+    EXPECT_GE(chunks.len * chunks.count, c.max_len);               // every slot in a chunk
+    EXPECT_LT(chunks.len * (chunks.count - 1), c.max_len);         // and no chunk left empty
+    if (c.max_len >= k::kMinChunkSlots) EXPECT_GE(chunks.len, k::kMinChunkSlots);
+  }
+  // SmolLM2 decoding (3 kv heads): one chunk below 2048 slots, then about 1024 slots a chunk, 16 at most.
+  EXPECT_EQ(k::decode_slot_chunks(3, 2047, 1).count, 1);
+  EXPECT_EQ(k::decode_slot_chunks(3, 2048, 1).count, 2);
+  EXPECT_EQ(k::decode_slot_chunks(3, 4096, 1).count, 4);
+  EXPECT_EQ(k::decode_slot_chunks(3, 65536, 1).count, 16);
+  EXPECT_EQ(k::decode_slot_chunks(64, 65536, 1).count, 1);  // enough tasks already
+}
 
 TEST(AttentionOps, CpuKernelsAreRegistered) {
   for (const char* name : {"kvcomp::merge_count_bias", "kvcomp::decode_attention"}) {

@@ -21,7 +21,6 @@ using kvcomp::kernels::query_tile_work;
 using kvcomp::kernels::query_log_weight;
 using kvcomp::kernels::query_weight;
 using kvcomp::kernels::score_chunk_bounds;
-using kvcomp::kernels::score_chunks;
 using kvcomp::kernels::row_log_sum_exp;
 using kvcomp::kernels::SoftmaxPartial;
 
@@ -114,15 +113,6 @@ int64_t causal_work(int64_t first, int64_t last, int64_t tile_queries, int64_t q
   int64_t seen = 0;
   for (int64_t j = first * tile_queries; j < std::min(last * tile_queries, q); ++j) seen += total - q + j + 1;
   return seen;
-}
-
-TEST(ScoreChunks, EnoughTasksForTheThreadsWithinBounds) {
-  EXPECT_EQ(score_chunks(3, 48), 16);   // SmolLM2's 3 kv heads: 22 wanted, 16 at most
-  EXPECT_EQ(score_chunks(6, 128), 11);  // ceil(64 / 6)
-  EXPECT_EQ(score_chunks(64, 128), 1);
-  EXPECT_EQ(score_chunks(200, 128), 1);
-  EXPECT_EQ(score_chunks(3, 5), 5);     // at most one chunk per tile
-  EXPECT_EQ(score_chunks(1, 1), 1);
 }
 
 TEST(ScoreChunkBounds, ChunksHoldEqualCausalWork) {
