@@ -11,7 +11,7 @@ Also, as the strongest plain-PyTorch path (not what transformers runs):
 The op reads K and V once for all G query heads of a kv head and also returns the probabilities.
 
 The CPU rows also take SmolLM2's shape (Hq=9, H=3, d=64): three kv heads, fewer than most CPUs' threads, where the op
-splits each head's slots into chunks (1024 slots or more, their number fixed by the shape).
+splits each head's slots into chunks (from 2048 slots on; their number and bounds fixed by the shape).
 
 Targets (issue): CPU >= 1.5x sdpa at T = 8k, GQA 4:1 (B=1, Hq=32, H=8, q=1, d=64 and 128, float32); GPU (bf16) >=
 60% of the measured copy bandwidth at T >= 8k with B * H >= 32 (the GPU rows use B = 4 and 8 for that, besides B = 1),

@@ -63,9 +63,9 @@ def decode_attention(
     The q queries are the last q of the T cached slots: query j attends to slots 0 .. T - q + j (causal). Grouped-query
     attention is native: query head h * G + g reads kv head h, and K and V are never repeated. Float32 accumulation in
     the log domain; a -inf slot is skipped (its key and value are not even read), and a row whose allowed slots are all
-    -inf gives output 0 and probabilities 0. On CPU each kv head's slots are split into chunks of at least 1024 whose
-    number depends on the shape alone (flash-decoding's split, combined in a fixed order), so the result is the same
-    bits on any number of threads.
+    -inf gives output 0 and probabilities 0. On CPU, from T = 2048 on, each kv head's slots are split into up to 16
+    chunks (flash-decoding's split, combined in a fixed order) whose number and bounds follow B * H and T alone, so the
+    result is the same bits on any number of threads (it may round apart in a batch of another size).
 
     Args:
         query: (B, Hq, q, d) float32, float16 or bfloat16, 1 <= q <= T.
@@ -694,7 +694,8 @@ def paged_decode_attention(
     (:class:`kvpress_cpp.paged_cache.PagedKVCache`'s layout). Heads may hold different numbers of slots; the q queries
     are the last q slots of every (b, h) (causal), and a (b, h) with fewer than q slots (a shorter prompt of a batch)
     leaves its first queries nothing to attend to: output 0. On CPU, split and combined as :func:`decode_attention`
-    (chunks of whole blocks): the same bits on any number of threads.
+    (chunks of whole blocks, their bounds from B * H and the longest length or ``max_len``): the same bits on any
+    number of threads.
 
     Args:
         query: (B, Hq, q, d) float32, float16 or bfloat16, q >= 1, Hq a multiple of H.

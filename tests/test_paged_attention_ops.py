@@ -83,7 +83,7 @@ def test_matches_reference(device, dtype, query_heads, lengths, num_queries, blo
 @pytest.mark.parametrize("num_queries", [1, 5])
 @pytest.mark.parametrize("return_probs", [True, False])
 def test_long_heads_split_into_slot_chunks(device, block_size, num_queries, return_probs):
-    """Heads long enough for the CPU kernel to split their slots into chunks (4 of 1040 or 1056 slots here, whole
+    """Heads long enough for the CPU kernel to split their slots into chunks (4 of 1040 or 1032 slots here, whole
     blocks), next to heads that fill only the first chunk or none."""
     inputs = make_paged([[4100, 700], [0, 2500]], 6, num_queries, 64, block_size, device=device, evicted=0.2)
     if return_probs:

@@ -332,8 +332,8 @@ void finish_row(kernels::SlotChunks chunks, int64_t length, int64_t d, const flo
   for (int64_t e = 0; e < d; ++e) out[e] = static_cast<scalar_t>(scratch[e]);
 }
 
-// Decode attention of `pairs` (batch, kv head)s, one task per (pair, slot chunk). The task that ends a pair's last
-// chunk combines that pair's partials into its rows' outputs, while they are still in cache. The chunks depend on the
+// Decode attention of `pairs` (batch, kv head)s, one task per (pair, slot chunk). Whichever task finishes a pair's
+// chunks last combines that pair's partials into its rows' outputs, while they are still in cache. The chunks depend on the
 // shape alone (kernels::decode_slot_chunks) and the partials are combined in chunk order, so the result rounds the
 // same on any number of threads.
 //   query:          [pairs, rows, d] float, already scaled; row r of a pair is query r % num_queries of its group
