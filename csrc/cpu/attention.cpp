@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
-#include <vector>
 
 #include "kernels/attention.h"
 #include "kvcomp/attention.h"

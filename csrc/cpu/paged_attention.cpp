@@ -1,13 +1,12 @@
 // CPU kernel of the paged_attention family: decode attention over a paged cache, whose keys, values and log-weights
 // live in a pool of fixed-size blocks and are read through a block table per (batch, kv head).
-#include <ATen/Parallel.h>
 #include "cpu/attention_rows.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
-#include <vector>
 
 #include "kernels/attention.h"
 #include "kvcomp/paged_attention.h"
