@@ -155,4 +155,3 @@ def test_cpu_kernels_run_on_torchs_openmp_threads():
     loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
               if any(name in line.split()[-1] for name in runtimes)}
     assert len(loaded) == 1, loaded
-
