@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -208,6 +211,51 @@ TEST(DecodeAttentionOp, MatchesTensorFormulaOnCausalGqa) {
   EXPECT_TRUE(at::allclose(got_probs, probs, 1e-5, 1e-6));
   EXPECT_EQ(got_probs.index({0, 3, 0, 4}).item<float>(), 0.0f);     // -inf slot of kv head 1
   EXPECT_EQ(got_probs.index({1, 0, 0, total - 1}).item<float>(), 0.0f);  // causally masked
+}
+
+// Sets torch's thread count for one test and gives the earlier count back when the test ends.
+class ThreadCountForTest {
+ public:
+  explicit ThreadCountForTest(int threads) : before_(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~ThreadCountForTest() { at::set_num_threads(before_); }
+
+ private:
+  int before_;
+};
+
+TEST(CpuThreads, ParallelLoopsRunOnTheThreadsTorchIsGiven) {
+  // Built without -fopenmp (CMakeLists.txt and setup.py add it), at::parallel_for runs its body on the calling thread
+  // whatever at::set_num_threads says, and no test here would reach a kernel's threaded path.
+  const ThreadCountForTest two_threads(2);
+  std::mutex mutex;
+  std::set<int> threads_seen;
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    threads_seen.insert(at::get_thread_num());
+  });
+  EXPECT_EQ(threads_seen.size(), 2u);
+}
+
+TEST(DecodeAttentionOp, SameBitsOnOneThreadAndOnTwo) {
+  // One (batch, kv head) of 4100 slots runs as slot chunks, which two threads finish in either order, and whichever
+  // finishes last combines them: the bits must not depend on which one that was.
+  at::manual_seed(1);
+  const auto query = at::randn({1, 3, 1, 64});
+  const auto keys = at::randn({1, 1, 4100, 64});
+  const auto values = at::randn({1, 1, 4100, 64});
+  const auto log_weights = at::rand({1, 1, 4100}).log();
+  const double scale = 0.125;
+  at::Tensor one_thread_out, one_thread_probs;
+  {
+    const ThreadCountForTest one_thread(1);
+    std::tie(one_thread_out, one_thread_probs) = call_decode_attention(query, keys, values, log_weights, scale);
+  }
+  const ThreadCountForTest two_threads(2);
+  for (int repeat = 0; repeat < 20; ++repeat) {
+    const auto [out, probs] = call_decode_attention(query, keys, values, log_weights, scale);
+    ASSERT_TRUE(at::equal(out, one_thread_out)) << "repeat " << repeat;
+    ASSERT_TRUE(at::equal(probs, one_thread_probs)) << "repeat " << repeat;
+  }
 }
 
 TEST(AttentionOps, ErrorsNameTheOpAndTheValue) {
