@@ -45,12 +45,13 @@ from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
            "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities",
            "active_presses", "mark_press_active", "patch_loaded_eager_attention", "set_positions_end",
-           "tokens_fed_again_error"]
+           "tokens_fed_again_error", "take_prompt_last_query"]
 
 _WRAPPED_ATTR = "_kvcomp_wrapped"
 _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 _ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 _POSITIONS_END_ATTR = "_kvcomp_positions_end"
+_PROMPT_LAST_QUERY_ATTR = "_kvcomp_prompt_last_query"
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -192,6 +193,12 @@ def take_decode_query(module: torch.nn.Module, new_tokens: int) -> torch.Tensor 
     return query if query is not None and query.shape[2] == new_tokens else None
 
 
+def take_prompt_last_query(module: torch.nn.Module) -> torch.Tensor | None:
+    """The post-RoPE queries (B, Hq, 1, d) of the last token of the prompt pass that just ran on `module` while a
+    press of ours was active (the ones its attention used), or None. Taken once."""
+    return module.__dict__.pop(_PROMPT_LAST_QUERY_ATTR, None)
+
+
 def _keeps_prompt_scores(module, query, key, attention_mask, dropout, kwargs) -> bool:
     """Whether this forward is a plain causal CPU or CUDA prompt pass whose press asked for its scores: no mask (no
     padding, so b = 0), no dropout, no sliding window or softcap, the query as long as the keys."""
@@ -289,6 +296,8 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
             # A prefill: marks an earlier pass left are not this prompt's. kvpress's own wrapper clears them too, but
             # the kept-scores path and eager attention do not call it, and a press of ours reads them (forward_hook).
             module.masked_key_indices = None
+            if presses:
+                module.__dict__[_PROMPT_LAST_QUERY_ATTR] = query[:, :, -1:].clone()
         elif log_weights is not None and getattr(module, "masked_key_indices", None) is not None:
             raise head_wise_marks_error(get_state(attached_layer(module, key)).owner_name())
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context

@@ -125,6 +125,40 @@ def test_soft_capped_attention_is_refused():
         model.generate(prompt(), max_new_tokens=2, past_key_values=DynamicCache())
 
 
+QUERY_PRESSES = {  # the presses that score the prompt with queries recomputed from the layer's input
+    "ZSMerge": lambda: ZSMergePress(budget=16),
+    "WeightedKV": lambda: WeightedKVPress(cache_size=24, recent=8),
+    "KeepKV": lambda: KeepKVPress(budget=24, recent=8),
+    "GVote": lambda: GVotePress(),
+}
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("architecture", ["Olmo2", "Cohere"])  # q_norm over all heads; interleaved rotary embedding
+@pytest.mark.parametrize("name", sorted(QUERY_PRESSES))
+def test_models_whose_queries_the_presses_cannot_recompute_are_refused(name, architecture, attention):
+    """Scored with other queries than the attention used, the prompt would be compressed by the wrong attention: a
+    padded row differed from its run alone, and eager from sdpa, with nothing said."""
+    model, press = tiny(architecture, attn_implementation=attention), QUERY_PRESSES[name]()
+    with pytest.raises(ValueError, match=rf"{type(press).__name__}: layer 0 \({architecture}Attention\): the queries "
+                                         rf".* are not those the model's attention used"), torch.no_grad(), press(model):
+        model.generate(prompt(), max_new_tokens=2, past_key_values=DynamicCache())
+
+
+@pytest.mark.parametrize("architecture,config", [("Mistral", {}), ("Qwen2", {}), ("Phi3", {}), ("Granite", {}),
+                                                 ("Gemma", {"head_dim": 16})])
+@pytest.mark.parametrize("name", ["ZSMerge", "KeepKV"])
+def test_llama_like_models_run_alike_whether_the_queries_are_recomputed_or_kept(name, architecture, config):
+    """Eager attention leaves the press to recompute the prompt's queries; sdpa's pass keeps them for ZSMerge. The
+    recomputation passes the check and both give the same tokens."""
+    tokens = []
+    for attention in ("eager", "sdpa"):
+        model = tiny(architecture, attn_implementation=attention, **config)
+        with torch.no_grad(), QUERY_PRESSES[name]()(model):
+            tokens.append(model.generate(prompt(), max_new_tokens=6, do_sample=False, past_key_values=DynamicCache()))
+    assert torch.equal(tokens[0], tokens[1])
+
+
 BEAM_PRESSES = {
     "ZSMerge": lambda path, model: ZSMergePress(budget=16),
     "WeightedKV": lambda path, model: WeightedKVPress(cache_size=24, recent=8),

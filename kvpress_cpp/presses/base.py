@@ -48,7 +48,8 @@ from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
                                    padding_log_weights, patch_eager_attention, request_prefill_scores,
-                                   set_positions_end, take_prefill_attention, tokens_fed_again_error)
+                                   set_positions_end, take_prefill_attention, take_prompt_last_query,
+                                   tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
                                get_state, output_cache, pass_cache, remember_tokens_held, set_state)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
@@ -151,6 +152,32 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
     return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
 
 
+#: Relative difference (Frobenius) between recomputed and used queries above which a model forms them otherwise: far
+#: above half precision's rounding (~4e-3 per element), far below what a missed norm or rotary layout gives (~1).
+QUERY_RECOMPUTATION_TOLERANCE = 2e-2
+
+
+def check_recomputed_queries(press: str, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict,
+                             used: torch.Tensor) -> None:
+    """Raise if :func:`query_states` does not give `used`, the queries (B, Hq, 1, d) the layer's attention used for
+    the prompt's last token (:func:`~kvpress_cpp.attention.take_prompt_last_query`). A model that forms its queries
+    otherwise (OLMo-2's q_norm over all heads at once, Cohere's interleaved rotary embedding) would have its prompt
+    scored with the attention of other queries, and its eager and sdpa runs, or a padded row and its run alone,
+    compress differently."""
+    cos, sin = kwargs["position_embeddings"]
+    recomputed = query_states(module, hidden_states[:, -1:], {"position_embeddings": (cos[:, -1:], sin[:, -1:])})
+    used = used.float()
+    difference = float((recomputed.float() - used).norm() / used.norm().clamp_min(torch.finfo(torch.float32).tiny))
+    if not difference <= QUERY_RECOMPUTATION_TOLERANCE:
+        raise ValueError(
+            f"{press}: layer {module.layer_idx} ({type(module).__name__}): the queries {press} recomputes from the "
+            f"layer's input to score the prompt (kvpress's get_prerope_query_states, then Llama's rotary embedding) "
+            f"are not those the model's attention used (relative difference {difference:.3g}): this model forms its "
+            f"queries another way (OLMo-2's q_norm over all heads, Cohere's interleaved rotary embedding, ...), so "
+            f"{press} would score the prompt with other queries. It supports the Llama-like models kvpress does "
+            f"(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3)")
+
+
 def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
                  kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
     """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
@@ -249,6 +276,9 @@ class KVCompPress(BasePress):
     #: Whether compress_decoding holds every slot it is given (it merges or evicts down to its budget, never marking a
     #: slot -inf): a paged layer then stores its write without reading the log-weights back.
     decoding_keeps_every_slot: ClassVar[bool] = False
+    #: Whether the press recomputes the prompt's queries from the layer's input (query_states) to score it: checked
+    #: against the ones the attention used at each prefill.
+    scores_prompt_with_queries: ClassVar[bool] = True
 
     # Per layer: the tokens each batch row has seen (per kv head) as [the prompt's (B,) (a tensor: counting them on the
     # host would sync), the later passes' (an int, the same for every row: a tensor add per layer and step cost
@@ -444,6 +474,9 @@ class KVCompPress(BasePress):
                 # prompt is the tokens after those, as the view shows them.
                 hidden_states, kwargs = hidden_states[:, dropped:], _kwargs_from_column(kwargs, dropped)
                 attentions = attentions[..., dropped:, dropped:] if attentions is not None else None
+            used_queries = take_prompt_last_query(module)
+            if self.scores_prompt_with_queries and used_queries is not None:
+                check_recomputed_queries(name, module, hidden_states, kwargs, used_queries)
             result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         else:
             owner = state.owner() if state.owner is not None else None

@@ -225,8 +225,9 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     #: Padding enters as slots of b = -inf, which the DMS rule never revives, so each row equals its run alone.
     handles_padding = True
-    #: The keep rule reads the surrogate's scores only, never the attention.
+    #: The keep rule reads the surrogate's scores only, never the attention or the queries.
     reads_decode_probabilities = False
+    scores_prompt_with_queries = False
 
     def __post_init__(self):
         require_int("KVzapThresholdPress", "sliding_window", self.sliding_window, 0)
