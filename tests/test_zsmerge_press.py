@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
-from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
+from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_IGNORES_PADDING, CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, needs_chunked_prefill, prompt_ids
 from tests.models import make_tiny_llama
@@ -62,6 +62,34 @@ def test_streaming_prefill_is_refused_where_transformers_repeats_positions():
     if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
         with pytest.raises(ValueError, match=r"ZSMergePress: prefill_chunk_size .* transformers 5\.2"):
             greedy(model, input_ids, press=ZSMergePress(budget=24, prefill_chunk_size=8), max_new_tokens=1)
+
+
+@needs_chunked_prefill
+def test_streaming_prefill_of_a_left_padded_batch():
+    """CHUNKED_PREFILL_IGNORES_PADDING says what the installed transformers does: without a press, its chunked
+    prefill changes a left-padded row's tokens exactly where it is set. There a streamed prefill of a padded batch is
+    refused, with the version named; elsewhere each row equals its run alone, and a first chunk (the press's
+    prefill) holding only padding for a row is refused, naming the row."""
+    model, tokenizer = make_tiny_llama()
+    rows = [prompt_ids(tokenizer, 40), prompt_ids(tokenizer, 52)[:, 40:]]  # 40 tokens, 12 others
+    input_ids = torch.cat([rows[0], torch.nn.functional.pad(rows[1], (28, 0), value=tokenizer.pad_token_id)])
+    attention_mask = (torch.arange(40) >= torch.tensor([[0], [28]])).long()
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    plain, chunked = (greedy(model, press=None, max_new_tokens=4, prefill_chunk_size=chunk, **batch)[0]
+                      for chunk in (None, 30))
+    assert (not torch.equal(plain[1], chunked[1])) == CHUNKED_PREFILL_IGNORES_PADDING
+    if CHUNKED_PREFILL_IGNORES_PADDING:
+        with pytest.raises(ValueError, match=r"ZSMergePress: prefill_chunk_size .* transformers 4\..*batch rows \[1\] "
+                                             r"are padded"):
+            greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=30), max_new_tokens=4, **batch)
+        return
+    tokens, _ = greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=30), max_new_tokens=4, **batch)
+    for row, alone in enumerate(rows):
+        assert torch.equal(tokens[row], greedy(model, alone, ZSMergePress(budget=16, prefill_chunk_size=30),
+                                               max_new_tokens=4)[0][0])
+    with pytest.raises(ValueError, match=r"ZSMergePress: the first chunk of prefill_chunk_size=8 tokens, .* holds only "
+                                         r"padding for batch rows \[1\]"):
+        greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=8), max_new_tokens=4, **batch)
 
 
 @needs_chunked_prefill

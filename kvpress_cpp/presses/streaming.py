@@ -12,15 +12,20 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 import transformers
 from packaging.version import Version
 
-__all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS"]
+__all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS", "CHUNKED_PREFILL_IGNORES_PADDING"]
 
 #: transformers 5.2.0's chunked prefill gives every chunk the position ids of the prompt's last chunk (its generate
 #: computes them once from the whole attention mask): logits off by 5.1 on a tiny Llama, with or without a press.
 #: 5.1 and 5.3 give each chunk its own positions.
 CHUNKED_PREFILL_REPEATS_LAST_POSITIONS = Version(transformers.__version__).release[:2] == (5, 2)
+#: transformers 4's chunked prefill gives every row the positions of its columns (position_ids = cache_position),
+#: ignoring a left-padded row's padding: the row then differs from its run alone, with or without a press. 5 takes
+#: each row's positions from the attention mask.
+CHUNKED_PREFILL_IGNORES_PADDING = Version(transformers.__version__).major < 5
 
 
 class StreamingPrefill:
@@ -39,6 +44,33 @@ class StreamingPrefill:
         if isinstance(budget, float):
             raise ValueError(f"{name}: prefill_chunk_size needs a budget in tokens, got the fraction {budget!r} (the "
                              f"prompt's length is unknown while it streams in)")
+
+    def _check_resumed_positions(self, base_model, args: tuple, kwargs: dict):
+        """The decoder stack's pre-hook (see KVCompPress), which here also refuses a left-padded batch's streamed
+        prefill where it cannot be right: on its first chunk (an empty cache), once per prompt."""
+        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        if (self.prefill_chunk_size is not None and cache is not None and mask is not None and mask.dim() == 2
+                and cache.get_seq_length() == 0):
+            self._refuse_padded_stream(mask)
+        return super()._check_resumed_positions(base_model, args, kwargs)
+
+    def _refuse_padded_stream(self, first_chunk_mask: torch.Tensor) -> None:
+        padded = (first_chunk_mask == 0).any(-1)
+        if not bool(padded.any()):
+            return
+        name, rows = type(self).__name__, padded.nonzero().flatten().tolist()
+        if CHUNKED_PREFILL_IGNORES_PADDING:
+            raise ValueError(f"{name}: prefill_chunk_size streams the prompt through generate's chunked prefill, which "
+                             f"in transformers {transformers.__version__} positions the rows of a left-padded batch "
+                             f"from their first column, padding included (batch rows {rows} are padded): they would "
+                             f"differ from their runs alone. Generate the rows one by one, use prefill_chunk_size=None, "
+                             f"or transformers 5 (from 5.3)")
+        empty = (first_chunk_mask == 0).all(-1)
+        if bool(empty.any()):
+            raise ValueError(f"{name}: the first chunk of prefill_chunk_size={self.prefill_chunk_size} tokens, which "
+                             f"is {name}'s prefill, holds only padding for batch rows "
+                             f"{empty.nonzero().flatten().tolist()}: the chunk must reach every row's first token "
+                             f"(a prefill_chunk_size above the longest left padding)")
 
     @contextmanager
     def __call__(self, model):
