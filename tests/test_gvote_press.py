@@ -72,6 +72,24 @@ def test_memory_ratio_is_what_the_compacted_cache_frees():
     assert press.memory_compression_ratio < press.compression_ratio
 
 
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_memory_ratio_of_a_padded_batch_is_the_width_the_cache_holds(longest_first):
+    """A left-padded batch's rows are compressed one by one and stacked to the longest row's longest head: the ratio
+    is the width each layer holds over the prompt's, whichever row comes last (it was the last row's alone)."""
+    model, tokenizer = make_tiny_llama()
+    rows = [prompt_ids(tokenizer, 120), prompt_ids(tokenizer, 150)[:, 120:]]  # 120 tokens, 30 others
+    rows = rows if longest_first else rows[::-1]
+    input_ids = torch.cat([torch.nn.functional.pad(row, (120 - row.shape[1], 0), value=tokenizer.pad_token_id)
+                           for row in rows])
+    attention_mask = torch.cat([(torch.arange(120) >= 120 - row.shape[1]).long()[None] for row in rows])
+    press, cache = GVotePress(nucleus_p=0.6), DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids, attention_mask=attention_mask, past_key_values=cache)
+    widths = torch.tensor([layer.keys.shape[-2] for layer in cache.layers], dtype=torch.float64)
+    assert press.memory_compression_ratio == pytest.approx(float((1 - widths / 120).mean()))
+    assert press.memory_compression_ratio > 0
+
+
 @pytest.mark.parametrize("kwargs,message", [({"nucleus_p": 0}, r"nucleus_p must be a number in \(0, 1\], got 0"),
                                             ({"num_samples": 0}, "num_samples"),
                                             ({"num_samples": 2.5}, "num_samples must be an int ≥ 1, got 2.5"),

@@ -449,3 +449,24 @@ def test_right_padding_and_empty_rows_are_refused(llama, make_press, name):
     with pytest.raises(ValueError, match=rf"{name}: batch rows \[1\] hold padding only"):
         with torch.no_grad(), make_press(name)(model):
             model(ids, attention_mask=mask, past_key_values=DynamicCache())
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("cache", [DynamicCache, PagedKVCache])
+def test_gvote_after_a_kvpress_press_on_a_padded_batch(llama, cache):
+    """After a kvpress press shrank a left-padded prompt, a DynamicCache no longer says which of the slots kept are
+    padding, which GVote would attend as tokens: refused. A PagedKVCache dropped the padding before any press ran:
+    there GVote at nucleus_p = 1, which keeps every slot, leaves the kvpress press's tokens as they were."""
+    model, tokenizer = llama
+    rows = [prompt_ids(tokenizer, 40), prompt_ids(tokenizer, 65)[:, 40:]]  # 40 tokens, 25 others
+    ids = torch.cat([rows[0], torch.nn.functional.pad(rows[1], (15, 0), value=tokenizer.pad_token_id)])
+    mask = (torch.arange(40) >= torch.tensor([[0], [15]])).long()
+    composed = ComposedPress([KnormPress(0.2), GVotePress(nucleus_p=1.0)])
+    if cache is DynamicCache:
+        with pytest.raises(ValueError, match=r"GVotePress: layer 0 holds 32 slots of a left-padded batch's 40-token "
+                                             r"prompt \(batch rows \[1\] are padded\)"):
+            greedy(model, ids, press=composed, max_new_tokens=2, cache=cache(), attention_mask=mask)
+        return
+    knorm_alone, _ = greedy(model, ids, press=KnormPress(0.2), max_new_tokens=8, cache=cache(), attention_mask=mask)
+    tokens, _ = greedy(model, ids, press=composed, max_new_tokens=8, cache=cache(), attention_mask=mask)
+    assert torch.equal(tokens, knorm_alone)

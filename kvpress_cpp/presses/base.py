@@ -468,6 +468,8 @@ class KVCompPress(BasePress):
                     f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
                     f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
             forget_tokens_held(layer)  # a prompt compressed afresh: an earlier context's count is not its own
+            if self.compresses_compressed_prompt and keys.shape[-2] < new_tokens and not hasattr(layer, "drop_padding"):
+                self._refuse_padding_lost(layer_idx, keys, kwargs, new_tokens)
             dropped = getattr(layer, "padding_dropped", 0)
             if dropped and keys.shape[-2] == new_tokens - dropped:
                 # A paged prefill holds no column that every row pads (a batch padded to a multiple, say): the
@@ -505,6 +507,21 @@ class KVCompPress(BasePress):
             self._states_written[layer_idx] = UnsavedRef(state)
             self._held_to_gather.add(layer_idx)
         return self._after_layer(module, output)
+
+    def _refuse_padding_lost(self, layer_idx: int, keys: torch.Tensor, kwargs: dict, prompt_tokens: int) -> None:
+        """Raise if a press before this one (in a ComposedPress) shrank a left-padded prompt on a rectangular layer:
+        the slots it kept no longer say which are padding (a paged layer dropped the padding before any press ran),
+        and this press would attend them as tokens."""
+        padding = padding_log_weights(kwargs.get("attention_mask"), keys.shape[0], 1, prompt_tokens, keys.device)
+        padded = (padding[:, 0] == float("-inf")).any(-1)
+        if bool(padded.any()):
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}: layer {layer_idx} holds {keys.shape[-2]} slots of a left-padded batch's {prompt_tokens}-token "
+                f"prompt (batch rows {padded.nonzero().flatten().tolist()} are padded), which a press before {name} "
+                f"(in a ComposedPress) already compressed on a DynamicCache: which of those slots are padding is lost "
+                f"there, and {name} would attend them as tokens. Use a PagedKVCache, which drops the padding before "
+                f"any press runs, or batches without padding")
 
     def _refuse_head_wise_marks(self, module: nn.Module) -> None:
         """Raise if a kvpress head-wise press before ours in this pass marked tokens (``module.masked_key_indices``;

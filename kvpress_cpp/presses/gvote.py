@@ -81,17 +81,22 @@ class GVotePress(KVCompPress):
         ratios = self.layer_memory_compression_ratios
         return sum(ratios.values()) / len(ratios) if ratios else 0.0
 
-    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+    def _compress_prompt(self, module, hidden_states, keys, values, attentions, kwargs):
+        """The base's, then the layer's memory ratio from the width it holds: a padded batch's rows are compressed
+        one by one and stacked to the longest row's longest head."""
         if module.layer_idx == 0:
             self.layer_memory_compression_ratios = {}
+        result = super()._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
+        self.layer_memory_compression_ratios[module.layer_idx] = 1.0 - result[0].shape[-2] / keys.shape[-2]
+        return result
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         budgets = self._nucleus_budgets(module, hidden_states, keys, values, log_weights, kwargs)
         future_queries = self._sample_future_queries(module, hidden_states)
         keep = ops.gvote_union_mask(keys, future_queries.to(keys.dtype), budgets,
                                     self.sinks if self.keep_sinks else 0, module.scaling, self.chunk_size)
         if self.recent:
             keep[..., -self.recent:] = True
-        length = keys.shape[-2]
-        self.layer_memory_compression_ratios[module.layer_idx] = 1.0 - float(keep.sum(-1).max()) / length
         return compact_to_longest_head(keys, values, keep, log_weights)
 
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
