@@ -565,7 +565,7 @@ def prompt_log_sum_exp(query: torch.Tensor, keys: torch.Tensor, log_weights: tor
         over key tiles, no (q, T) matrix); -inf for a row whose visible slots are all -inf.
     """
     if scale is None:
-        scale = query.shape[-1] ** -0.5
+        scale = _default_scale("prompt_log_sum_exp", "query", query)
     return torch.ops.kvcomp.prompt_log_sum_exp(query, keys, log_weights, scale)
 
 
@@ -596,7 +596,7 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
         (B, H, T) float32 scores (0 on -inf slots).
     """
     if scale is None:
-        scale = query.shape[-1] ** -0.5
+        scale = _default_scale("prompt_scores", "query", query)
     if log_sum_exp is None:
         log_sum_exp = torch.ops.kvcomp.prompt_log_sum_exp(query, keys, log_weights, scale)
     return torch.ops.kvcomp.prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale)
@@ -718,6 +718,6 @@ def paged_decode_attention(
         indexed by each head's slot, exactly 0 beyond its length and on masked slots.
     """
     if scale is None:
-        scale = query.shape[-1] ** -0.5
+        scale = _default_scale("paged_decode_attention", "query", query)
     return torch.ops.kvcomp.paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, block_tables,
                                                    lengths, scale, return_probs, max_len)

@@ -273,8 +273,8 @@ class PagedLayer(CacheLayerMixin):
         meaning transformers 5 gives a negative argument); 0 drops nothing where transformers reads it so (5.17 on)."""
         if max_length == 0 and _CROP_ZERO_REMOVES_NOTHING:
             return
-        if max_length < 0:
-            max_length = self.get_seq_length() + max_length
+        if max_length < 0:  # dropping more than it holds empties it, as a DynamicLayer
+            max_length = max(self.get_seq_length() + max_length, 0)
         else:  # counted as generate counts, with the padding the prefill dropped
             max_length = max(max_length - self.padding_dropped, 0)
         if self.get_seq_length() > max_length:

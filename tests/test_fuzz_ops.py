@@ -1031,3 +1031,27 @@ def test_every_registered_op_has_a_contract():
 
 if __name__ == "__main__":
     _worker(sys.argv[1:])
+
+
+def _head_dim_zero_calls():
+    """Every wrapper in kvpress_cpp.ops that derives a default scale d ** -0.5, called with d = 0."""
+    query, cache, log_weights = torch.zeros(1, 2, 1, 0), torch.zeros(1, 1, 4, 0), torch.zeros(1, 1, 4)
+    blocks, block_weights = torch.zeros(1, 4, 0), torch.zeros(1, 4)
+    tables, lengths = torch.zeros(1, 1, 1, dtype=torch.int32), torch.full((1, 1), 4, dtype=torch.int32)
+    return {
+        "decode_attention": lambda: ops.decode_attention(query, cache, cache, log_weights),
+        "prompt_log_sum_exp": lambda: ops.prompt_log_sum_exp(query, cache, log_weights),
+        "prompt_scores": lambda: ops.prompt_scores(query, cache, log_weights),
+        "prompt_attention_with_scores": lambda: ops.prompt_attention_with_scores(query, cache, cache, log_weights),
+        "prompt_log_unnormalised_scores": lambda: ops.prompt_log_unnormalised_scores(query, cache, log_weights),
+        "paged_decode_attention": lambda: ops.paged_decode_attention(query, blocks, blocks, block_weights, tables,
+                                                                     lengths),
+        "gvote_union_mask": lambda: ops.gvote_union_mask(cache, query, torch.ones(1, 2, dtype=torch.int64)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_head_dim_zero_calls()))
+def test_a_default_scale_over_a_head_dim_of_zero_names_the_op(name):
+    """d ** -0.5 with d = 0 raised Python's ZeroDivisionError, naming neither the op nor the tensor."""
+    with pytest.raises(RuntimeError, match=rf"kvcomp::{name}: expected a head dim d >= 1 for the default scale"):
+        _head_dim_zero_calls()[name]()

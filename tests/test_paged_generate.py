@@ -406,6 +406,22 @@ def test_crop_reads_zero_as_transformers_dynamic_layer_does():
     assert cache.get_seq_length(0) == dynamic.get_seq_length()
 
 
+def test_crop_of_more_than_the_layer_holds_empties_it_as_a_dynamic_layer():
+    """A negative count past the layer's length left negative lengths, and the next append failed inside torch."""
+    from transformers.cache_utils import DynamicLayer
+
+    keys = torch.randn(1, 2, 5, 8)
+    dynamic, cache = DynamicLayer(), PagedKVCache(block_size=4)
+    dynamic.update(keys, keys)
+    cache.update(keys, keys, 0)
+    dynamic.crop(-100)
+    cache.layers[0].crop(-100)
+    assert cache.get_seq_length(0) == dynamic.get_seq_length() == 0
+    assert torch.equal(cache.layers[0].lengths, torch.zeros(1, 2, dtype=cache.layers[0].lengths.dtype))
+    cache.update(keys[:, :, :2], keys[:, :, :2], 0)
+    assert torch.equal(cache.layers[0].keys, keys[:, :, :2])
+
+
 def test_prompt_lookup_decoding_on_a_paged_cache_gives_the_dynamic_caches_tokens():
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 24)
