@@ -89,8 +89,9 @@ def test_compression_ratio_of_a_budget_press_is_settable_as_in_kvpress(make_pres
     press.compression_ratio = 0.75  # what kvpress's evaluate.py and its wrappers do
     assert press.compression_ratio == 0.75
     assert getattr(press, press.budget_field) == 0.25
-    with pytest.raises(ValueError, match=f"{name}: compression_ratio must be in"):
-        press.compression_ratio = 1.0
+    for refused in (1.0, "0.5"):  # a string failed in a comparison, naming no press
+        with pytest.raises(ValueError, match=rf"{name}: compression_ratio must be a number in \[0, 1\), got {refused!r}"):
+            press.compression_ratio = refused
 
 
 @pytest.mark.parametrize("name", ["GVotePress", "KVzapThresholdPress"])

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -19,7 +20,8 @@ import kvpress_cpp.attention
 import kvpress_cpp.presses  # noqa: F401  (wraps transformers' attention functions, as any use of a press does)
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.paged_cache import PagedKVCache
-from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
+                                 ZSMergePress)
 from tests.generation import needs_chunked_prefill
 from tests.models import make_tiny_llama
 from tests.test_kvzap_press import write_surrogate
@@ -464,10 +466,26 @@ def test_a_forward_with_gradients_is_refused(llama):
     (lambda: KVzapThresholdPress(threshold="-3"), r"KVzapThresholdPress: threshold \(τ\) must be a number"),
     (lambda: KVzapThresholdPress(compaction_slack=float("nan")), "compaction_slack must be an int ≥ 1, got nan"),
     (lambda: KVzapThresholdPress(sliding_window=1.5), "sliding_window must be an int ≥ 0, got 1.5"),
+    (lambda: KVzapThresholdPress(model_type="tree"), "KVzapThresholdPress: model_type must be 'linear' or 'mlp'"),
+    (lambda: KVzapPress(compression_ratio=1.5), r"KVzapPress: compression_ratio must be a number in \[0, 1\), got 1.5"),
+    (lambda: ZSMergePress(budget=np.float64(0)), r"ZSMergePress: budget must be a token count ≥ 1 or a fraction"),
+    (lambda: WeightedKVPress(cache_size=True), r"WeightedKVPress: cache_size must be a token count ≥ 1 or a fraction"),
 ])
 def test_parameters_of_the_wrong_type_are_refused_where_given(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("make,field,expected", [
+    (lambda: ZSMergePress(budget=np.int64(16)), "budget", 16),
+    (lambda: KeepKVPress(budget=np.int32(40)), "budget", 40),
+    (lambda: WeightedKVPress(cache_size=np.float32(0.5)), "cache_size", 0.5),
+])
+def test_numpy_budgets_are_read_as_python_numbers(make, field, expected):
+    """A budget from a numpy sweep (np.int64) was refused, though the other integer parameters take it; a count must
+    stay an int, which the presses tell from a fraction by type."""
+    value = getattr(make(), field)
+    assert value == expected and type(value) is type(expected)
 
 
 def test_gvote_on_a_prompt_no_longer_than_its_sinks(llama):

@@ -139,6 +139,16 @@ def require_real(press: str, name: str, value, interval: str) -> None:
         raise ValueError(f"{press}: {name} must be a number in {interval}, got {value!r}")
 
 
+def budget_value(press: str, name: str, value) -> int | float:
+    """A budget as the presses read it: a token count (any integer, numpy's too, as an int ≥ 1) or a fraction of
+    the prompt (any other real number, as a float in (0, 1])."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1:
+        return int(value)
+    if not isinstance(value, (bool, numbers.Integral)) and isinstance(value, numbers.Real) and 0 < value <= 1:
+        return float(value)
+    raise ValueError(f"{press}: {name} must be a token count ≥ 1 or a fraction in (0, 1], got {value!r}")
+
+
 def require_bool(press: str, name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{press}: {name} must be True or False, got {value!r}")
@@ -359,8 +369,7 @@ class KVCompPress(BasePress):
         if not self.budget_field:
             raise AttributeError(f"compression ratio cannot be set for {type(self).__name__}: it depends on its "
                                  f"parameters and the input")
-        if isinstance(value, bool) or not 0.0 <= value < 1.0:
-            raise ValueError(f"{type(self).__name__}: compression_ratio must be in [0, 1), got {value!r}")
+        require_real(type(self).__name__, "compression_ratio", value, "[0, 1)")
         setattr(self, self.budget_field, round(1.0 - float(value), 9))
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):

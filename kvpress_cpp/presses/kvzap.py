@@ -103,6 +103,11 @@ def save_surrogate(surrogate: KVzapModel, path: str | Path) -> Path:
     return path
 
 
+def require_model_type(press: str, model_type) -> None:
+    if model_type not in ("linear", "mlp"):
+        raise ValueError(f"{press}: model_type must be 'linear' or 'mlp', got {model_type!r}")
+
+
 def surrogate_tensors(layer: nn.Module) -> tuple[torch.Tensor, ...]:
     """(weight1, bias1) of a linear surrogate layer, (weight1, bias1, weight2, bias2) of an MLP one."""
     if isinstance(layer, nn.Linear):
@@ -135,9 +140,9 @@ class KVzapPress(_KVzapScorer):
     _weights_of: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        require_real("KVzapPress", "compression_ratio", self.compression_ratio, "[0, 1)")  # before kvpress's assert
         super().__post_init__()
-        if self.model_type not in ("linear", "mlp"):
-            raise ValueError(f"KVzapPress: model_type must be 'linear' or 'mlp', got {self.model_type!r}")
+        require_model_type("KVzapPress", self.model_type)
 
     def post_init_from_model(self, model):
         if getattr(self, "kvzap_model", None) is not None and self._loaded_from is None:
@@ -233,6 +238,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
         require_int("KVzapThresholdPress", "sliding_window", self.sliding_window, 0)
         require_int("KVzapThresholdPress", "compaction_slack", self.compaction_slack, 1)
         require_real("KVzapThresholdPress", "threshold (τ)", self.threshold, "[-inf, inf]")
+        require_model_type("KVzapThresholdPress", self.model_type)
         self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)
 
     def post_init_from_model(self, model):

@@ -16,7 +16,7 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.distributed import query_group_size
-from kvpress_cpp.presses.base import KVCompDecodingPress, require_bool, require_int, score_prompt
+from kvpress_cpp.presses.base import KVCompDecodingPress, budget_value, require_bool, require_int, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["WeightedKVPress"]
@@ -49,10 +49,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
         return 1.0, 1.0 / query_group_size(module)  # plain sums of the group-mean attention
 
     def __post_init__(self):
-        if isinstance(self.cache_size, bool) or not ((isinstance(self.cache_size, int) and self.cache_size >= 1) or (
-                isinstance(self.cache_size, float) and 0 < self.cache_size <= 1)):
-            raise ValueError(f"WeightedKVPress: cache_size must be a token count ≥ 1 or a fraction in (0, 1], "
-                             f"got {self.cache_size!r}")
+        self.cache_size = budget_value("WeightedKVPress", "cache_size", self.cache_size)
         require_int("WeightedKVPress", "sinks", self.sinks, 0)
         if self.recent is not None:
             require_int("WeightedKVPress", "recent", self.recent, 1)
