@@ -155,7 +155,7 @@ def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
         KVzapPress(model_type="linear", surrogate_dir=tmp_path / "three_heads").post_init_from_model(model)
     with pytest.raises(ValueError, match=r"model_type must be 'linear' or 'mlp'"):
         KVzapPress(model_type="cubic")
-    with pytest.raises(ValueError, match=r"sliding_window must be an int ≥ 0, got -1"):
+    with pytest.raises(ValueError, match=r"sliding_window must be an int ≥ 1, got -1"):
         KVzapThresholdPress(sliding_window=-1)
 
 

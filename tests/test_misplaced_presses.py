@@ -465,7 +465,10 @@ def test_a_forward_with_gradients_is_refused(llama):
     (lambda: KeepKVPress(convex="yes"), "KeepKVPress: convex must be True or False, got 'yes'"),
     (lambda: KVzapThresholdPress(threshold="-3"), r"KVzapThresholdPress: threshold \(τ\) must be a number"),
     (lambda: KVzapThresholdPress(compaction_slack=float("nan")), "compaction_slack must be an int ≥ 1, got nan"),
-    (lambda: KVzapThresholdPress(sliding_window=1.5), "sliding_window must be an int ≥ 0, got 1.5"),
+    (lambda: KVzapThresholdPress(sliding_window=1.5), "sliding_window must be an int ≥ 1, got 1.5"),
+    # With no window a threshold could empty a layer, whose next pass then read as a new prompt's (counts reset,
+    # positions from 0, a padded row refused as empty).
+    (lambda: KVzapThresholdPress(sliding_window=0), "sliding_window must be an int ≥ 1, got 0"),
     (lambda: KVzapThresholdPress(model_type="tree"), "KVzapThresholdPress: model_type must be 'linear' or 'mlp'"),
     (lambda: KVzapPress(compression_ratio=1.5), r"KVzapPress: compression_ratio must be a number in \[0, 1\), got 1.5"),
     (lambda: ZSMergePress(budget=np.float64(0)), r"ZSMergePress: budget must be a token count ≥ 1 or a fraction"),

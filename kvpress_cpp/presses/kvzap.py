@@ -212,7 +212,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     Attributes:
         threshold: τ on the predicted log-scores (paper: -4 Qwen3, -7 Llama-3.1; higher prunes more).
-        sliding_window: w, the most recent tokens, never evicted (paper: 128).
+        sliding_window: w ≥ 1, the most recent tokens, never evicted (paper: 128). At least the newest token stays:
+            a layer the threshold emptied would read as a cache emptied for a new prompt.
         model_type: "linear" or "mlp".
         surrogate_dir: the surrogate's directory; None for ``kvpress_cpp/surrogates/<model name>/<model_type>``.
         compaction_slack: compact a layer during decoding every this many new tokens (≥ 1; 1: at every step).
@@ -235,7 +236,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
     scores_prompt_with_queries = False
 
     def __post_init__(self):
-        require_int("KVzapThresholdPress", "sliding_window", self.sliding_window, 0)
+        require_int("KVzapThresholdPress", "sliding_window", self.sliding_window, 1)
         require_int("KVzapThresholdPress", "compaction_slack", self.compaction_slack, 1)
         require_real("KVzapThresholdPress", "threshold (τ)", self.threshold, "[-inf, inf]")
         require_model_type("KVzapThresholdPress", self.model_type)
@@ -291,8 +292,7 @@ class KVzapThresholdPress(KVCompDecodingPress):
         if not torch.equal(layer.lengths - layer.bases, torch.full_like(layer.lengths, new_tokens)):
             # Slots appended since the press last wrote the layer other than this pass's (tokens fed while its context
             # was closed, which it has no scores for): the general path refuses them, as on a DynamicCache. (Host
-            # tensors: nothing read back. Without a window only this check sees them: the step then decides just the
-            # new tokens, which it always finds.)
+            # tensors: nothing read back.)
             return False
         _, _, log_weight_blocks, block_tables, lengths = layer.attention_inputs()
         counters = layer.counters
