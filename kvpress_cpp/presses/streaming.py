@@ -16,6 +16,8 @@ import torch
 import transformers
 from packaging.version import Version
 
+from kvpress_cpp.cache import pass_cache
+
 __all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS", "CHUNKED_PREFILL_IGNORES_PADDING"]
 
 #: transformers 5.2.0's chunked prefill gives every chunk the position ids of the prompt's last chunk (its generate
@@ -48,7 +50,7 @@ class StreamingPrefill:
     def _check_resumed_positions(self, base_model, args: tuple, kwargs: dict):
         """The decoder stack's pre-hook (see KVCompPress), which here also refuses a left-padded batch's streamed
         prefill where it cannot be right: on its first chunk (an empty cache), once per prompt."""
-        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        cache, mask = pass_cache(kwargs), kwargs.get("attention_mask")
         if (self.prefill_chunk_size is not None and cache is not None and mask is not None and mask.dim() == 2
                 and cache.get_seq_length() == 0):
             self._refuse_padded_stream(mask)
