@@ -202,6 +202,12 @@ class PagedLayer(CacheLayerMixin):
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
                              f"got {tuple(key_states.shape)}")
+        for name, states, pool in (("key", key_states, self.key_blocks), ("value", value_states, self.value_blocks)):
+            # Checked before the lengths grow: a refused write must leave the layer as it was.
+            if (states.shape[-1], states.dtype, states.device) != (pool.shape[-1], pool.dtype, pool.device):
+                raise ValueError(f"PagedKVCache: expected {name} states of head dim {pool.shape[-1]}, {pool.dtype} on "
+                                 f"{pool.device} (the layer's pool), got {tuple(states.shape)}, {states.dtype} on "
+                                 f"{states.device}: another model's pass over this cache?")
         before, even, width = self.lengths, self._evenness(), self._width()
         if even and even[0] + new_tokens <= self._blocks_of_every_head() * self.block_size:
             # The usual decoding step: heads of one length, none needing a new block (decided on host integers).

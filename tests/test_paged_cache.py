@@ -380,6 +380,23 @@ def test_write_of_the_wrong_shape():
         layer.flush()
 
 
+@pytest.mark.parametrize("states,refused", [
+    (torch.randn(1, 2, 5, 4), r"head dim 8, torch.float32 on cpu \(the layer's pool\), got \(1, 2, 5, 4\)"),
+    (torch.randn(1, 2, 5, 8, dtype=torch.bfloat16), r"head dim 8, torch.float32 on cpu .* torch.bfloat16 on cpu"),
+])
+def test_an_append_of_other_states_is_refused_and_leaves_the_layer_as_it_was(states, refused):
+    """Another model's pass over the cache (another head dim or dtype) failed inside index_copy_ after the lengths had
+    grown: the layer then stood for tokens never written, and the first model's next pass attended them."""
+    cache, keys = PagedKVCache(block_size=4), torch.randn(1, 2, 7, 8)
+    cache.update(keys, -keys, 0)
+    with pytest.raises(ValueError, match=rf"PagedKVCache: expected key states of {refused}"):
+        cache.update(states, states, 0)
+    assert cache.get_seq_length(0) == 7
+    more = torch.randn(1, 2, 2, 8)
+    cache.update(more, -more, 0)
+    assert torch.equal(cache.layers[0].keys, torch.cat([keys, more], dim=2))
+
+
 def test_appends_without_cache_position_follow_the_tokens_appended():
     """transformers 5.17 gives no cache_position: each token is placed after the last one appended (the positions
     kvpress's head-wise presses mark), a prompt over an emptied layer from 0 as in a new cache, and a press's rewrite
