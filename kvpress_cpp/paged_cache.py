@@ -64,6 +64,15 @@ class _Unset:
 _UNSET = _Unset()
 _LOG_WEIGHTS, _POSITIONS = "log_weights", "token_positions"
 _NO_COLUMN = torch.iinfo(torch.long).max  # past every width: an entry of PagedLayer._base_columns for no slot
+# On an attention module: a weak reference to the paged layer its last pass read, whose slots the marks of kvpress's
+# head-wise presses (module.masked_key_indices) then index.
+_MARKED_LAYER_ATTR = "_kvcomp_marked_layer"
+
+
+def _dead_ref() -> None:
+    return None
+
+
 # Layers by the id of the key pool their update returned, for the attention path (weak: a dropped cache leaves nothing).
 _LAYERS_BY_POOL: "weakref.WeakValueDictionary[int, PagedLayer]" = weakref.WeakValueDictionary()
 
@@ -398,7 +407,9 @@ class PagedLayer(CacheLayerMixin):
             self._write_back(keys, values, state)
         module = self._module() if self._module is not None else None
         marked = getattr(module, "masked_key_indices", None)
-        if marked is not None:
+        # The marks index the slots of the layer the module last attended: another layer it read before (the cache a
+        # copy was made from, say) would evict the wrong tokens, and leave its owner without its evictions.
+        if marked is not None and (module.__dict__.get(_MARKED_LAYER_ATTR) or _dead_ref)() is self:
             module.masked_key_indices = None
             owner = self._state_written.owner_type if self.has_state and self._state_written is not None else None
             if owner is not None:  # a press's slots, which the marks index, not token positions (head_wise_marks_error)
@@ -413,8 +424,16 @@ class PagedLayer(CacheLayerMixin):
         return states
 
     def attended_by(self, module: torch.nn.Module) -> None:
-        """Remember the attention module that reads this layer, for its ``masked_key_indices``."""
+        """Remember the attention module that reads this layer, for its ``masked_key_indices``, and tell the module
+        that the marks its presses leave in this pass are this layer's."""
         self._module = UnsavedRef(module)
+        module.__dict__[_MARKED_LAYER_ATTR] = UnsavedRef(self)  # (a model saved with torch.save saves None)
+
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy of the cache, to branch a generation) or a save holds the marks' evictions: they wait
+        on the module, which neither carries, until this layer is next read."""
+        self.flush()
+        return self.__dict__
 
     # ------------------------------------------------------------------------------------------------------------
     # A press that steps the layer in its pools, reading no view (KVzap while decoding)

@@ -481,7 +481,8 @@ def as_it_is(cache, token):
 
 
 @pytest.mark.parametrize("answered", ["in the context", "after it"])
-@pytest.mark.parametrize("name", ["none", "zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
+@pytest.mark.parametrize("name", kvpress_hooks.cases(["none", "zsmerge", "weightedkv", "keepkv", "kvzap", "gvote",
+                                                      *HEAD_WISE_MASKING], KVPRESS_PRESSES))
 @pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
 @pytest.mark.parametrize("copy_of", ["deepcopy", "torch.save"])
 def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, answered, surrogate_dir):
@@ -492,7 +493,11 @@ def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, 
     an AttributeError); a DynamicCache's copied layers were never attached to the attention modules, so the attention
     ignored their state (ZSMerge and KeepKV gave other tokens after the context, and failed in it). Saving any
     compressed cache, and a PagedKVCache without a press, failed on the weak references it held (to the press, the
-    attention modules)."""
+    attention modules). The evictions kvpress's head-wise presses mark on the attention module went to whichever paged
+    layer was read first, the copy, and the original (or a loaded copy) attended the marked slots."""
+    if name == "dms-kvzap" and answered == "in the context":
+        pytest.skip("DMSPress(decoding=True) marks while decoding from counts it keeps itself, which two branches "
+                    "stepped in one context share (a DynamicCache's branches differ too)")
     import copy
     import io
 
@@ -503,7 +508,7 @@ def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, 
         return torch.load(file, weights_only=False)
 
     model, tokenizer = make_tiny_llama()
-    ids = prompt_ids(tokenizer, 64)
+    ids = prompt_ids(tokenizer, 96)  # longer than SnapKV's window of 64
 
     def continued(cache, branches):
         return steps_after_prefill(model, ids, cache, PRESSES[name](surrogate_dir), answered, branches)
