@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 from benchmarks.common import (
-    configurations, copy_bandwidth_gbs, median_seconds, print_table, pyplot, save_figure, write_results,
+    configurations, copy_bandwidth_gbs, median_seconds, parse_without_options, print_table, pyplot, save_figure,
+    write_results,
 )
 
 LENGTHS = [1024, 8192, 32768]
@@ -105,6 +106,7 @@ def plot(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     rows = []
     for device, threads in configurations():
         cuda = device == "cuda"

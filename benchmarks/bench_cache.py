@@ -9,7 +9,7 @@ Target (issue 3): at most 40% of the full cache.
 
 import torch
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import parse_without_options, print_table, write_results
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
 
 SHAPES = [  # (B, H, T, d): SmolLM2-135M's 3 kv heads, a Llama-3-8B-shaped layer
@@ -26,6 +26,7 @@ def per_head_keep_mask(batch, heads, length, mean_fraction, generator):
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for batch, heads, length, dim in SHAPES:

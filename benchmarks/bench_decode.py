@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from benchmarks.common import print_table, pyplot, save_figure, write_results
+from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.kvzap import KVzapThresholdPress
@@ -175,8 +175,8 @@ def model_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (default per model)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=None, help="prompt lengths (default per model)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all)")
     return parser
 
 
@@ -193,9 +193,9 @@ def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help="fractions of the prompt")
     parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=[*PRESSES, *THRESHOLDED])
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--name", default=None, help="result file stem (default: decode, or decode_<model>_<device>)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per case; the best time is kept")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs per case; the best time is kept")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -15,7 +15,7 @@ T = 1k, 2k, 4k, 8k prompt tokens, against plain PyTorch written the obvious vect
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import configurations, median_seconds, print_table, write_results
+from benchmarks.common import configurations, median_seconds, parse_without_options, print_table, write_results
 from tests import reference
 
 BATCH, QUERY_HEADS, KV_HEADS, HEAD_DIM, SAMPLES, FUTURE = 1, 9, 3, 64, 8, 512
@@ -61,6 +61,7 @@ def peak_extra_bytes(fn, device):
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     rows = []
     for device, threads in configurations():
         torch.set_num_threads(threads)

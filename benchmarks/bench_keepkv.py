@@ -24,7 +24,8 @@ import random
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import DECODE_STEP_GRID, configurations, median_seconds, print_table, write_results
+from benchmarks.common import (DECODE_STEP_GRID, configurations, median_seconds, parse_without_options, print_table,
+                               write_results)
 from tests import reference
 from tests.test_fuzz_ops import _keepkv_step_build
 
@@ -110,6 +111,7 @@ def step_rows(device, threads, dtype, batch, total) -> list[dict]:
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     rows = []
     for device, threads in configurations():
         for dtype in CASES:

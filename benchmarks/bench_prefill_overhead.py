@@ -54,7 +54,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from benchmarks.bench_decode import MODELS, build_model, model_arguments, model_dtype, prompt_ids
-from benchmarks.common import print_table, pyplot, save_figure, write_results
+from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
 from kvpress_cpp import ops
 from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
 from kvpress_cpp.presses.gvote import GVotePress
@@ -409,8 +409,8 @@ def main() -> None:
                         choices=["presses", "op", "keepkv_op"])
     parser.add_argument("--presses", nargs="+", default=None, choices=list(PRESSES),
                         help="default: all (KVzap only where the model has packaged surrogates)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per prompt length; the median time is kept")
-    parser.add_argument("--op-lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="rounds per prompt length; the median time is kept")
+    parser.add_argument("--op-lengths", type=positive_int, nargs="+", default=None)
     parser.add_argument("--name", default=None,
                         help="result file stem (default: prefill_overhead, or prefill_overhead_<model>_<device>)")
     parser.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",

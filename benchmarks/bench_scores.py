@@ -11,8 +11,8 @@ the q = 1 rows (one decoding step's update), so on CUDA those span that range: B
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import (DECODE_STEP_GRID, configurations, copy_bandwidth_gbs, median_seconds, print_table,
-                               write_results)
+from benchmarks.common import (DECODE_STEP_GRID, configurations, copy_bandwidth_gbs, median_seconds,
+                               parse_without_options, print_table, write_results)
 from tests import reference
 
 SHAPES = {  # (B, Hq, H, q, T); the last of each, 16 queries at once, is a chunk rather than a decoding step
@@ -22,6 +22,7 @@ SHAPES = {  # (B, Hq, H, q, T); the last of each, 16 queries at once, is a chunk
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     rows = []
     for device, threads in configurations():
         bandwidth = copy_bandwidth_gbs(device) if device == "cuda" else None

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from benchmarks.bench_decode import PRESSES, build_model, model_arguments, model_dtype, prompt_ids
-from benchmarks.common import print_table, write_results
+from benchmarks.common import positive_int, print_table, write_results
 from kvpress_cpp.cache import cache_bytes
 from tests.decoding_step import layer_tensors
 
@@ -149,17 +149,15 @@ def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--budget", type=float, default=0.1, help="fraction of the prompt the presses keep")
-    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    parser.add_argument("--batch", type=positive_int, default=1, help="prompts decoded together")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per case")
     parser.add_argument("--top", type=int, default=12, help="operators listed per case (0: no profile)")
     parser.add_argument("--graphs", action="store_true", help="also time the step replayed from a CUDA graph")
-    parser.add_argument("--replays", type=int, default=20, help="replays timed per case with --graphs")
+    parser.add_argument("--replays", type=positive_int, default=20, help="replays timed per case with --graphs")
     parser.add_argument("--name", default="profile_step")
     args = parser.parse_args()
     if args.graphs and not args.device.startswith("cuda"):
         parser.error("--graphs needs --device cuda (CUDA graphs)")
-    if args.batch < 1:
-        parser.error(f"--batch must be a positive number of prompts, got {args.batch}")
     dtype = model_dtype(args)
     model, tokenizer = build_model(args.model, args.device, dtype)
     rows = []

@@ -36,7 +36,7 @@ from kvpress import DecodingPress, StreamingLLMPress, TOVAPress
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.common import print_table, pyplot, save_figure, write_results
+from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
@@ -114,17 +114,22 @@ def plot(rows: list[dict], title: str, name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens predicted (the text holds tokens + 1)")
-    parser.add_argument("--prefill", type=int, default=16, help="tokens of the first forward")
-    parser.add_argument("--cache-sizes", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="tokens predicted (the text holds tokens + 1)")
+    parser.add_argument("--prefill", type=positive_int, default=16, help="tokens of the first forward")
+    parser.add_argument("--cache-sizes", type=positive_int, nargs="+", default=[256, 1024])
     parser.add_argument("--methods", nargs="+", default=["full", *METHODS], choices=["full", *METHODS])
     parser.add_argument("--text", default="austen", choices=["austen", "python-docs"])
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: this VM's 2-thread OpenMP "
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default 1: this VM's 2-thread OpenMP "
                                                                   "wake-ups make single-token forwards slower)")
-    parser.add_argument("--checkpoint", type=int, default=32, help="cumulative perplexity every this many tokens")
+    parser.add_argument("--checkpoint", type=positive_int, default=32, help="cumulative perplexity every this many tokens")
     parser.add_argument("--name", default=None, help="result file stem (default: streaming_ppl[_<text>])")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.prefill >= args.tokens:
+        parser.error(f"--prefill ({args.prefill}) must be below --tokens ({args.tokens}): the first forward reads the "
+                     f"text's first --prefill tokens, and the rest stream in one token per forward")
+    if not set(args.methods) - {"full"}:
+        parser.error("--methods: name at least one press beside 'full' (the plot compares them at each cache size)")
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)

@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (DECODE_STEP_GRID, configurations, copy_bandwidth_gbs, median_seconds, print_table,
-                               write_results)
+from benchmarks.common import (DECODE_STEP_GRID, configurations, copy_bandwidth_gbs, median_seconds,
+                               parse_without_options, print_table, write_results)
 from kvpress_cpp import ops
 from tests import reference
 
@@ -163,6 +163,7 @@ def decode_row(device, threads, bandwidth, dtype, batch, cache_size) -> dict:
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     keep_freed_memory()
     rows = []
     for device, threads in configurations():

@@ -15,7 +15,8 @@ Targets (the issue): decode step >= 2x the plain-PyTorch step on CPU, >= 5x on G
 import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
-from benchmarks.common import DECODE_STEP_GRID, configurations, median_seconds, print_table, write_results
+from benchmarks.common import (DECODE_STEP_GRID, configurations, median_seconds, parse_without_options, print_table,
+                               write_results)
 from tests import reference
 
 DECAY = 0.98
@@ -86,6 +87,7 @@ def decode_row(device, threads, dtype, residual, batch, slots) -> dict:
 
 
 def main() -> None:
+    parse_without_options(__doc__)
     rows = []
     for device, threads in configurations():
         for dtype, residual in DECODE_CASES:

@@ -6,6 +6,7 @@ Every benchmark compares an op with its plain-PyTorch reference in the same run,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -82,6 +83,20 @@ def save_figure(fig, name: str) -> Path:
     fig.savefig(path, dpi=120)
     print("wrote", path)
     return path
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count, which must be ≥ 1 (a count of 0 would fail later, in a statistic over no runs)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text}")
+    return value
+
+
+def parse_without_options(doc: str) -> None:
+    """The command line of a benchmark that takes no options: ``--help`` shows `doc` (the module's docstring) and
+    exits, and anything else is refused, before a run that would overwrite the committed results."""
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 
 def write_results(name: str, rows: list[dict]) -> Path:

@@ -1,0 +1,66 @@
+"""Every benchmark's command line: ``--help`` explains and exits before any work (seven of them ignored their
+arguments, so ``--help`` ran the whole benchmark and overwrote its committed results), and a count of 0 is refused
+by argparse, naming the option, instead of failing later in a statistic over no runs."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks.common
+
+MODULES = sorted(path.stem for path in Path(benchmarks.common.__file__).parent.glob("*.py")
+                 if path.stem not in ("__init__", "common"))
+
+
+class RanPastTheCommandLine(Exception):
+    pass
+
+
+def run_main(monkeypatch, module_name: str, *arguments: str) -> SystemExit:
+    """`module_name`'s main() under these arguments, which must stop in argparse (SystemExit): a benchmark that
+    starts measuring or writes a result file fails the test instead."""
+    module = importlib.import_module(f"benchmarks.{module_name}")
+    monkeypatch.setattr(sys, "argv", [module_name, *arguments])
+
+    def refuse_writing(*args, **kwargs):
+        raise RanPastTheCommandLine(f"{module_name} {' '.join(arguments)} went on to write results")
+
+    monkeypatch.setattr(module, "write_results", refuse_writing, raising=False)
+
+    def out_of_time(signum, frame):
+        raise RanPastTheCommandLine(f"{module_name} {' '.join(arguments)} was still running after 30 s")
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(30)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            module.main()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return stopped.value
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_help_explains_and_exits(monkeypatch, capsys, module_name):
+    assert run_main(monkeypatch, module_name, "--help").code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module_name,arguments,option", [
+    ("bench_decode", ["--repeats", "0"], "--repeats"),
+    ("bench_decode", ["--lengths", "0"], "--lengths"),
+    ("bench_prefill_overhead", ["--repeats", "0"], "--repeats"),
+    ("bench_step_profile", ["--steps", "0"], "--steps"),
+    ("bench_streaming_ppl", ["--cache-sizes", "0"], "--cache-sizes"),
+    ("bench_streaming_ppl", ["--prefill", "64", "--tokens", "32"], "--prefill"),
+    ("bench_cache", ["--bogus"], "--bogus"),
+])
+def test_bad_arguments_are_refused_naming_the_option(monkeypatch, capsys, module_name, arguments, option):
+    assert run_main(monkeypatch, module_name, *arguments).code == 2
+    assert option in capsys.readouterr().err
