@@ -236,3 +236,34 @@ def test_tokens_fed_outside_the_press_are_refused_as_on_the_rectangular_cache(wi
                 model(token, past_key_values=cache)
         errors[type(cache).__name__] = str(refused.value)
     assert errors["PagedKVCache"] == errors["DynamicCache"]
+
+
+@pytest.mark.parametrize("batches", [(2, 4), (1, 1)])
+def test_two_caches_stepped_in_one_context_count_their_own_slots(batches, surrogate_dir):
+    """Two conversations (caches of batch 2 and 4, or 1 and 1) decoded in turns under one press context: the paged
+    step added its held counts to those of the other cache's state (a shape error at batches 2 and 4, a layer
+    compression ratio of -0.08 at 2 and 1, 0.44 for 0.54 at 1 and 1). Each step now counts on its own cache, and the
+    tokens and ratios are the rectangular cache's."""
+    model, tokenizer = make_tiny_llama()
+
+    def conversations(make_cache):
+        press, caches = KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogate_dir), []
+        tokens = []
+        with torch.no_grad(), press(model):
+            for batch, length in zip(batches, (48, 40)):
+                caches.append((make_cache(), length))
+                tokens.append(model(prompt_ids(tokenizer, length, batch), past_key_values=caches[-1][0])
+                              .logits[:, -1:].argmax(-1))
+            steps = [[] for _ in batches]
+            for step in range(8):
+                for i, (cache, length) in enumerate(caches):
+                    positions = torch.full((batches[i], 1), length + step)
+                    tokens[i] = model(tokens[i], past_key_values=cache, position_ids=positions).logits[:, -1:].argmax(-1)
+                    steps[i].append(tokens[i])
+        return [torch.cat(s, dim=1) for s in steps], press.compression_ratio, press.layer_compression_ratios
+
+    rectangular, paged = conversations(DynamicCache), conversations(lambda: PagedKVCache(block_size=4))
+    for expected, got in zip(rectangular[0], paged[0], strict=True):
+        assert torch.equal(got, expected)
+    assert paged[1] == pytest.approx(rectangular[1])
+    assert paged[2] == pytest.approx(rectangular[2])
