@@ -663,3 +663,22 @@ def test_batches_written_with_another_examples_count_are_refused_not_counted_twi
                                "fingerprint": key, "run_dir": key}
     with pytest.raises(ValueError, match="niah_single_1 #1"):
         results.collect(tmp_path, configurations)
+
+
+def test_a_repeated_example_is_found_whatever_the_column_order_of_predictions_csv(tmp_path):
+    """evaluate.py writes predictions.csv's columns in list(set(columns)) order, which changes with each process's hash
+    seed: the duplicate guard read (task, index) by position, so batch 1 written as index,task never matched batch 0's
+    task,index rows, and example #1, in both, was pooled twice (a real run reported n = 6 from 4 examples)."""
+    configurations = {}
+    for batch, indices, columns in [(0, [0, 1], ["task", "index", "predicted_answer"]),
+                                    (1, [1, 2], ["index", "predicted_answer", "task"])]:
+        key = f"2048__snapkv__0.75__niah{batch}"
+        (tmp_path / key).mkdir()
+        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": indices, "predicted_answer": ["1"] * 2})[columns].to_csv(
+            tmp_path / key / "predictions.csv", index=False)
+        configurations[key] = {"method": "snapkv", "label": "SnapKV", "requested_ratio": 0.75, "compression_ratio": 0.75,
+                               "budget": 0.25, "length": 2048, "model": "m", "family": "niah", "cpu_s": 1.0,
+                               "scores": {"niah_single_1": 100.0}, "examples": {"niah_single_1": 2},
+                               "fingerprint": key, "run_dir": key}
+    with pytest.raises(ValueError, match="niah_single_1 #1"):
+        results.collect(tmp_path, configurations)

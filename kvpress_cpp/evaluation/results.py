@@ -396,7 +396,10 @@ def _overlapping_batches(out: Path, configurations: dict[str, dict]) -> list[str
         if not path.is_file():
             continue
         cell = (r["method"], r["requested_ratio"], r["length"], r["family"])
-        for task, index in pd.read_csv(path, usecols=["task", "index"]).itertuples(index=False):
+        # by name: evaluate.py writes its columns in list(set(...)) order, which changes with each process's hash seed,
+        # and usecols keeps the file's order, so two batches' (task, index) read by position may not compare
+        examples = pd.read_csv(path, usecols=["task", "index"])
+        for task, index in zip(examples["task"], examples["index"]):
             if (first := seen.setdefault((*cell, task, index), key)) != key:
                 clashes.append(f"{key} and {first} ({task} #{index})")
     return sorted(set(clashes))
