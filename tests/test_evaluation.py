@@ -548,6 +548,25 @@ def test_the_runner_refuses_a_bad_method_or_ratio_before_running_anything(argv, 
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--examples", "0"], "--examples must be at least 1, got 0"),
+    (["--examples", "-2"], "--examples must be at least 1, got -2"),
+    (["--families", "niah", "--examples", "4", "--batches", "0"], "--batches must be at least 1, got 0"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--lengths", "2048", "0"], "got [0]"),
+    (["--examples", "4", "--batches", "5"], "--batches needs --families"),
+])
+def test_the_runner_refuses_a_count_below_one_before_loading_anything(argv, message, tmp_path, monkeypatch, capsys):
+    """--examples 0 was read as "not given" and ran the default plan (a researcher asking for nothing got the
+    committed plan's examples); --batches without --families was dropped without a word (one batch ran)."""
+    monkeypatch.setattr(results, "run", lambda *a, **k: pytest.fail("ran configurations"))
+    monkeypatch.setattr(results, "_known_methods", lambda: pytest.fail("loaded kvpress's evaluation"))
+    monkeypatch.setattr(sys, "argv", ["results", "run", "--out", str(tmp_path), "--methods", "no_press", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_the_runner_exits_nonzero_when_a_configuration_failed(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "run", lambda configs, *a, **k: [])  # every configuration failed
     monkeypatch.setattr(sys, "argv", ["results", "run", "--out", str(tmp_path), "--methods", "no_press", "snapkv",

@@ -828,9 +828,10 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=None,
                         help="examples per task at every length (default: the plan in DEFAULT_EXAMPLES); with "
                              "--families: examples per family and batch, split over its tasks")
-    parser.add_argument("--batches", type=int, default=1,
-                        help="with --families: batches of --examples each, run one after the other for every method "
-                             "(pooled in the report), so that a run stopped early still covers every method")
+    parser.add_argument("--batches", type=int, default=None,
+                        help="with --families (only): batches of --examples each, run one after the other for every "
+                             "method (pooled in the report), so that a run stopped early still covers every method "
+                             "(default: 1)")
     parser.add_argument("--families", nargs="+", default=None, choices=list(FAMILY_TASKS),
                         help="one configuration per family, each on its own data (default: every task of the plan "
                              "in one configuration)")
@@ -847,6 +848,16 @@ def main() -> None:
                              "(make eval: docs/evaluation.md)")
     args = parser.parse_args()
     args.out = args.out or (QUESTION_AWARE_OUT if args.query_aware else DEFAULT_OUT)
+    # A count of 0 read as "not given" ran the default plan (--examples 0) or the torch default (--threads 0), and a
+    # negative one reached the data generator: refused here, before any data or model is loaded.
+    for name in ("examples", "batches", "threads"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            parser.error(f"--{name} must be at least 1, got {value}")
+    if bad := [n for n in args.lengths if n < 1]:
+        parser.error(f"--lengths are context lengths in tokens, at least 1: got {bad}")
+    if args.batches is not None and not args.families:  # the whole plan is one configuration per length: no batches
+        parser.error("--batches needs --families (batches split each family's examples; without --families every "
+                     "task of a length runs in one configuration)")
     if args.families and not args.examples:
         parser.error("--families needs --examples (examples per family)")
     if args.workers < 1:
@@ -868,10 +879,10 @@ def main() -> None:
     if args.action in ("run", "all"):
         from kvpress_cpp.evaluation.ruler_data import default_tasks
 
-        configs = plan(args.methods, args.ratios, args.lengths, args.families, args.batches)
+        configs = plan(args.methods, args.ratios, args.lengths, args.families, args.batches or 1)
         if args.families:
             examples = family_examples(configs, args.examples)
-        elif args.examples:
+        elif args.examples is not None:
             examples = {str(n): {t: args.examples for t in default_tasks()} for n in args.lengths}
         else:
             examples = {str(n): DEFAULT_EXAMPLES.get(n, DEFAULT_EXAMPLES[max(DEFAULT_EXAMPLES)]) for n in args.lengths}
