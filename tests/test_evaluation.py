@@ -317,6 +317,19 @@ def test_question_aware_run_puts_the_question_in_the_compressed_prompt(tiny_mode
     assert "Streaming perplexity" in report and (tmp_path / "report.md").read_text() == report
 
 
+def test_every_method_runs_a_batch_at_every_ratio_before_the_next_batch_starts():
+    """plan()'s docstring and docs/evaluation.md promised batches outside ratios, so that a run stopped early leaves a
+    complete table with fewer examples; the loop ran every batch of the first ratio before the second ratio, so a
+    stopped run had all of 10% KV and none of 50%."""
+    configs = results.plan(["no_press", "tova", "zsmerge", "gvote"], [0.9, 0.5], [2048], ["niah"], 2)
+    by_hand = []
+    for batch in (0, 1):  # no press, then ours (zsmerge per ratio, gvote once), then kvpress's
+        by_hand += [("no_press", 0.0, batch), ("zsmerge", 0.9, batch), ("gvote", 0.0, batch), ("tova", 0.9, batch),
+                    ("zsmerge", 0.5, batch), ("tova", 0.5, batch)]
+    assert [(c.method, c.ratio, c.batch) for c in configs] == by_hand
+    assert {(c.length, c.family) for c in configs} == {(2048, "niah")}
+
+
 def test_a_family_run_counts_instead_of_the_whole_plan_runs_examples_of_that_family(tmp_path):
     """A whole-plan configuration and --families batches in one folder draw the same examples (same indices): for a
     family that has batches at the same (method, ratio, length), only the batches count; its other families, and other

@@ -15,9 +15,9 @@ Two settings, each in its own folder with its own fingerprints (they never share
 query-agnostic (kvpress's default: the context is compressed alone, the question comes after) in ``DEFAULT_OUT``,
 and question-aware (``--query-aware``: kvpress's ``query_aware``, the question is part of the compressed prompt and
 the answer is generated under the press) in ``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own
-data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch before the next batch starts, so
-a run stopped early leaves every method with the same number of examples; the report pools the batches every method
-has finished (a batch a stopped run left half done counts once the rest of the methods have run it). The report
+data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch at every ratio before the next
+batch starts, so a run stopped early leaves every method with the same number of examples; the report pools the
+batches every method has finished (a batch a stopped run left half done counts once the rest of the methods have run it). The report
 gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
 ``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
 A family run and an earlier whole-plan run in the same folder draw the same examples: for that family the report
@@ -123,14 +123,15 @@ class Config:
 def plan(methods: list[str], ratios: list[float], lengths: list[int],
          families: list[str | None] | None = None, batches: int = 1) -> list[Config]:
     """Configurations in run order: per length, per family (None: the length's whole plan), per batch of examples,
-    per ratio, per method (no press, ours, kvpress's); so every method has a batch at a ratio before the next batch
-    or ratio starts, and a run stopped early leaves a complete table with fewer examples."""
+    per ratio, per method (no press, ours, kvpress's); so every method has a batch at every ratio before the next
+    batch starts, and a run stopped early leaves a complete table with fewer examples (with the ratios outside the
+    batches, a run stopped during the second ratio had every batch of the first and none of the third)."""
     configs = []
     order = sorted(methods, key=lambda m: (m != "no_press", m not in METHODS))
     for length in lengths:
         for fam in families or [None]:
-            for i, ratio in enumerate(ratios):
-                for batch in range(batches if fam else 1):
+            for batch in range(batches if fam else 1):
+                for i, ratio in enumerate(ratios):
                     for method in order:
                         once = method == "no_press" or (method in METHODS and METHODS[method].measured)
                         if not once:
