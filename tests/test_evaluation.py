@@ -354,8 +354,8 @@ def test_a_family_run_counts_instead_of_the_whole_plan_runs_examples_of_that_fam
 
 def test_a_batch_counts_once_every_method_has_finished_it(tmp_path, capsys):
     """A run stopped mid-batch leaves some methods a batch ahead: their half-done batch is left out (and named by the
-    report) until every method run at that length and family has it, so every method is scored on the same examples;
-    methods that choose their own ratio (run at 0) are compared among themselves."""
+    report, in table.md and results.csv too) until every method run at that length and family has it, the full cache
+    included, so every method is scored on the same examples; a budget some methods have not run at all is left out."""
     (tmp_path / "configs").mkdir()
 
     def write(method, ratio, batch, score):
@@ -375,16 +375,51 @@ def test_a_batch_counts_once_every_method_has_finished_it(tmp_path, capsys):
             write(method, 0.75, batch, 50.0)
         write("no_press", 0.0, batch, 100.0)
     ahead = [write("zsmerge", 0.75, 2, 0.0),  # snapkv has not run batch 2 yet
-             write("snapkv", 0.5, 0, 100.0)]  # zsmerge, run at this length and family, has not run 50% yet
-    write("no_press", 0.0, 2, 0.0)  # no other method runs at ratio 0: complete
+             write("snapkv", 0.5, 0, 100.0),  # zsmerge, run at this length and family, has not run 50% yet
+             # the full cache is one more method: its batch 2 waits for snapkv's too (it used to count, scoring the
+             # full cache's row on 12 examples against the others' 8)
+             write("no_press", 0.0, 2, 0.0)]
     assert sorted(results.incomplete_batches(results._configurations(tmp_path))) == sorted(ahead)
     df = results.collect(tmp_path).set_index(["method", "requested_ratio"])
     assert df.loc[("zsmerge", 0.75), ["n", "score"]].tolist() == [8, 50.0]
     assert ("snapkv", 0.5) not in df.index
-    assert df.loc[("no_press", 0.0), ["n", "score"]].tolist() == [12, round(200 / 3, 2)]
-    results.report(tmp_path)
+    assert df.loc[("no_press", 0.0), ["n", "score"]].tolist() == [8, 100.0]  # batches 0 and 1, as every other row
+    assert df["partial"].all()
+    table = results.report(tmp_path)
     printed = capsys.readouterr().out
-    assert all(key in printed for key in ahead)
+    assert all(key in printed and key in table for key in ahead)
+    assert "Partial results" in table and results.PARTIAL_NOTE in table
+    assert pd.read_csv(tmp_path / "results.csv")["partial"].all()
+
+
+def test_a_stopped_run_scores_the_full_cache_on_the_examples_of_the_other_rows(tmp_path):
+    """A run stopped in batch 1 after the full cache and StreamingLLM but before TOVA: the full cache's row counted
+    batches 0 and 1 (it was compared only with other ratio-0 methods) against the compressed rows' batch 0, and
+    table.md did not say the run was partial. Every row now pools batch 0 only, and both files say so."""
+    (tmp_path / "configs").mkdir()
+    scores = {("no_press", 0): 100.0, ("no_press", 1): 0.0, ("streaming_llm", 0): 50.0, ("streaming_llm", 1): 100.0,
+              ("tova", 0): 0.0}
+    for (method, batch), score in scores.items():
+        ratio = 0.0 if method == "no_press" else 0.5
+        key = results.Config(method, ratio, 512, "niah", batch).key
+        (tmp_path / key).mkdir()
+        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [2 * batch, 2 * batch + 1],
+                      "predicted_answer": ["1"] * 2}).to_csv(tmp_path / key / "predictions.csv", index=False)
+        (tmp_path / "configs" / f"{key}.json").write_text(json.dumps(
+            {"method": method, "label": results.label(method), "requested_ratio": ratio, "compression_ratio": ratio,
+             "budget": 1 - ratio, "length": 512, "model": "m", "query_aware": False, "family": "niah",
+             "scores": {"niah_single_1": score}, "examples": {"niah_single_1": 2}, "cpu_s": 1.0,
+             "fingerprint": f"data{batch}", "run_dir": key}))
+    table = results.report(tmp_path)
+    df = pd.read_csv(tmp_path / "results.csv").set_index("method")
+    assert df["n"].to_dict() == {"no_press": 2, "streaming_llm": 2, "tova": 2}  # batch 0's two examples, every row
+    assert df["score"].to_dict() == {m: scores[(m, 0)] for m in ("no_press", "streaming_llm", "tova")}
+    assert df["partial"].all()
+    lo, hi = results.wilson(100.0, 2)
+    assert f"| no press | 100 [{lo:.0f}-{hi:.0f}] (100% KV) |" in table
+    assert results.PARTIAL_NOTE in table.split("| method |")[0]  # in the table's own header
+    assert "Partial results" in table and "512__no_press__0.00__niah1" in table and "512__streaming_llm__0.50__niah1" \
+        in table
 
 
 def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_path):
@@ -403,7 +438,7 @@ def test_agreement_is_rouge_l_against_the_full_cache_on_the_same_example(tmp_pat
 
 
 def test_agreement_counts_only_the_examples_that_have_a_full_cache_answer(tmp_path):
-    """A press's batch whose full-cache run is not counted (its batch is left out until GVote finishes it) has no
+    """A press's batch whose full-cache JSON is on other data (stale, not rerun yet: another fingerprint) has no
     reference: it must not count as disagreeing. Every answer here is the full cache's: agreement 100, not 50."""
     def config(method, ratio, batch):
         key = f"2048__{method}__{ratio:.2f}__niah{batch}"
@@ -416,7 +451,8 @@ def test_agreement_counts_only_the_examples_that_have_a_full_cache_answer(tmp_pa
                      "fingerprint": f"data{batch}", "run_dir": key}
 
     configurations = dict([config("no_press", 0.0, 0), config("no_press", 0.0, 1), config("gvote", 0.0, 0),
-                           config("streaming_llm", 0.75, 0), config("streaming_llm", 0.75, 1)])
+                           config("gvote", 0.0, 1), config("streaming_llm", 0.75, 0), config("streaming_llm", 0.75, 1)])
+    configurations["2048__no_press__0.00__niah1"]["fingerprint"] = "older data"
     df = results.collect(tmp_path, configurations).set_index("method")
     assert df.loc["streaming_llm", "n"] == 4
     assert df.loc["streaming_llm", "agreement"] == 100.0

@@ -17,7 +17,9 @@ and question-aware (``--query-aware``: kvpress's ``query_aware``, the question i
 the answer is generated under the press) in ``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own
 data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch at every ratio before the next
 batch starts, so a run stopped early leaves every method with the same number of examples; the report pools the
-batches every method has finished (a batch a stopped run left half done counts once the rest of the methods have run it). The report
+batches every method has finished, the full cache included, so every cell of a table counts the same examples (a
+batch a stopped run left half done counts once the rest of the methods have run it; until then table.md and
+results.csv say the results are partial). The report
 gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
 ``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
 A family run and an earlier whole-plan run in the same folder draw the same examples: for that family the report
@@ -368,20 +370,31 @@ def _configurations(out: Path) -> dict[str, dict]:
 
 
 def incomplete_batches(configurations: dict[str, dict]) -> list[str]:
-    """The keys of family batches that not every method has finished: a run stopped mid-batch, or still running,
-    leaves some methods a batch ahead, and pooling that batch would score them on examples the others have not seen.
-    Every method means those run at any budget of the same length and family (the measured ones, at ratio 0, among
-    themselves). A method's later batches count once every method has them."""
-    batches = {}  # key → (group, batch); Config.key ends in <family><batch>
+    """The keys of the family configurations a table leaves out so that every cell of a (length, family) table, the
+    full cache and the methods choosing their own ratio included, covers the same batches of examples. A run stopped
+    mid-batch, or still running, leaves some methods a batch ahead, and pooling that batch would score them on
+    examples the others have not seen (the full cache's row, compared with every other, most of all). So:
+
+    * a KV budget (ratio) not every method run at a budget of that length and family has at all (a ratio added for
+      some methods only, or reached by none but the first methods yet) is left out as a whole, as before;
+    * of the rest, a batch counts only when every cell (method at each budget kept, and each method run once at ratio
+      0) has it; the batches a cell has beyond those wait until the others catch up."""
+    cells = {}  # (length, family) → (method, requested ratio) → batch → key; Config.key ends in <family><batch>
     for key, r in configurations.items():
         if r.get("family"):
-            group = (r["length"], r["family"], r["requested_ratio"] == 0)
-            batches[key] = group, (r["requested_ratio"], key.rsplit("__", 1)[1].removeprefix(r["family"]))
-    methods: dict[tuple, dict[tuple, set[str]]] = {}
-    for key, (group, batch) in batches.items():
-        methods.setdefault(group, {}).setdefault(batch, set()).add(configurations[key]["method"])
-    return [key for key, (group, batch) in batches.items()
-            if methods[group][batch] != set().union(*methods[group].values())]
+            batch = key.rsplit("__", 1)[1].removeprefix(r["family"])
+            cells.setdefault((r["length"], r["family"]), {}).setdefault((r["method"], r["requested_ratio"]), {})[
+                batch] = key
+    left_out = []
+    for table in cells.values():
+        every_method = {method for method, ratio in table if ratio > 0}
+        short_ratios = {ratio for ratio in {ratio for _, ratio in table if ratio > 0}
+                        if {method for method, q in table if q == ratio} != every_method}
+        kept = {cell: batches for cell, batches in table.items() if cell[1] not in short_ratios}
+        shared = set.intersection(*(set(batches) for batches in kept.values())) if kept else set()
+        left_out += [key for cell, batches in table.items() for batch, key in batches.items()
+                     if cell not in kept or batch not in shared]
+    return left_out
 
 
 def _overlapping_batches(out: Path, configurations: dict[str, dict]) -> list[str]:
@@ -410,9 +423,12 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     """One row per (method, ratio, length, task family): the n-weighted mean of kvpress's per-task string_match over
     every configuration JSON (the batches of a family are pooled, those every method has finished:
     :func:`incomplete_batches`), its Wilson 95% interval (``lo``, ``hi``), the agreement with the full cache's answers
-    (``agreement``, ROUGE-L F1 0-100) and the setting (``query_aware``). ``configurations``: ``out``'s, already read."""
+    (``agreement``, ROUGE-L F1 0-100), the setting (``query_aware``) and ``partial``: whether configurations of its
+    length and family were left out (a stopped or running run: the row covers fewer examples than were run).
+    ``configurations``: ``out``'s, already read."""
     configurations = _configurations(out) if configurations is None else configurations
     left_out = set(incomplete_batches(configurations))
+    partial = {(configurations[key]["length"], configurations[key]["family"]) for key in left_out}
     results_ = [r for key, r in configurations.items() if key not in left_out]
     if overlapping := _overlapping_batches(out, {k: r for k, r in configurations.items() if k not in left_out}):
         raise ValueError(f"{out}: batches of one cell hold the same examples (a family rerun with another --examples "
@@ -435,7 +451,7 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
                         "query_aware": bool(r.get("query_aware", False)), "n": n, "points": score * n,
                         "budget_n": r["budget"] * n, "ratio_n": r["compression_ratio"] * n,
                         # summed over the examples compared with the full cache only: a configuration whose
-                        # full-cache run is missing (left out, failed) must not count its examples as disagreeing
+                        # full-cache run is missing (failed, or on older data) must not count its examples as disagreeing
                         "agreement_sum": rouge.get(task, (0.0, 0))[0], "agreement_count": rouge.get(task, (0.0, 0))[1],
                         "cpu_s": r["cpu_s"] * n / sum(r["examples"].values())})
     if not raw:
@@ -450,8 +466,9 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     df["cpu_s"] = df["cpu_s"].round(1)
     bounds = [wilson(score, n) for score, n in zip(df["score"], df["n"])]
     df["lo"], df["hi"] = [round(b[0], 1) for b in bounds], [round(b[1], 1) for b in bounds]
+    df["partial"] = [(length, fam) in partial for length, fam in zip(df["length"], df["family"])]
     columns = ["method", "label", "length", "requested_ratio", "compression_ratio", "budget", "family", "score", "lo",
-               "hi", "n", "agreement", "cpu_s", "model", "query_aware"]
+               "hi", "n", "agreement", "cpu_s", "model", "query_aware", "partial"]
     return df[columns]
 
 
@@ -522,6 +539,16 @@ def _method_cells(avg: pd.DataFrame, method: str, ratios: tuple[float, ...] = RA
     return cells
 
 
+#: What a table's header says when its run has not finished (``collect``'s ``partial``).
+PARTIAL_NOTE = ("PARTIAL: the run has not finished; what not every method has run yet is left out "
+                "(every cell counts the same examples)")
+
+
+def _partial(df: pd.DataFrame) -> bool:
+    """Whether rows of ``df`` come from a run that left configurations out (frames built by hand have no column)."""
+    return "partial" in df and bool(df["partial"].any())
+
+
 def _describe(whole: pd.DataFrame, part: pd.DataFrame, avg: pd.DataFrame) -> str:
     """'task families niah, vt; 20 examples per configuration; left out, ...' for a table's header."""
     counts = sorted(set(avg["n"]))
@@ -529,6 +556,7 @@ def _describe(whole: pd.DataFrame, part: pd.DataFrame, avg: pd.DataFrame) -> str
     families = ", ".join(f for f in FAMILIES if f in set(part["family"]))
     dropped = sorted(set(whole["family"]) - set(part["family"]))
     note = f"; left out, 0 without compression: {', '.join(dropped)}" if dropped else ""
+    note += f"; {PARTIAL_NOTE}" if _partial(part) else ""
     return f"task families {families}; {n} example{'s' if n != 1 else ''} per configuration{note}"
 
 
@@ -621,7 +649,8 @@ def family_table(df: pd.DataFrame) -> str:
         counts = sorted(set(part["n"]))
         n = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
         head = [c for f in families for c in (f"{f}: score [95%]", f"{f}: ROUGE-L vs full")]
-        lines += [f"**{length} tokens**, families on unchanged Austen text ({n} examples per cell)", "",
+        note = f"; {PARTIAL_NOTE}" if _partial(part) else ""
+        lines += [f"**{length} tokens**, families on unchanged Austen text ({n} examples per cell{note})", "",
                   "| method | KV kept | " + " | ".join(head) + " |", "|---" * (len(head) + 2) + "|"]
         for method in _ordered_methods(part):
             rows = part[part["method"] == method]
@@ -752,12 +781,16 @@ def _report(out: Path) -> tuple[str, pd.DataFrame]:
     configurations = _configurations(out)
     if not configurations:
         raise SystemExit(f"{out}: no results to report (no {out / 'configs'}/*.json; `run` writes them)")
-    if left_out := incomplete_batches(configurations):
+    left_out = incomplete_batches(configurations)
+    if left_out:
         print(f"{out}: left out until every method has finished its batch: {', '.join(sorted(left_out))}")
     df = collect(out, configurations)
     df.to_csv(out / "results.csv", index=False)
     needles = ruler_style(df)
     table = (markdown_table(needles) + "\n" + standings(needles) + "\n" if not needles.empty else "") + family_table(df)
+    if left_out:  # said where the numbers are read, not only on the terminal of the run that made them
+        table = (f"**Partial results**: {len(left_out)} configurations left out until every method has finished "
+                 f"their batch (results.csv: `partial`): {', '.join(sorted(left_out))}\n\n" + table)
     (out / "table.md").write_text(table)
     plots(df, out)
     return table, df
