@@ -750,3 +750,37 @@ def test_a_repeated_example_is_found_whatever_the_column_order_of_predictions_cs
                                "fingerprint": key, "run_dir": key}
     with pytest.raises(ValueError, match="niah_single_1 #1"):
         results.collect(tmp_path, configurations)
+
+
+def test_one_folder_holds_one_setting(tmp_path, monkeypatch, capsys):
+    """A --query-aware run into a query-agnostic run's --out took the agnostic JSONs of the same Config.key as stale,
+    computed over some of them, and the report pooled both settings in one table (review run r5_mixed: StreamingLLM
+    question-aware beside a query-agnostic full cache, agreement empty). A run now refuses the folder, naming both
+    settings, before anything loads, and a folder already mixed is refused by the report."""
+    def write(out, key, query_aware):
+        (out / "configs").mkdir(parents=True, exist_ok=True)
+        (out / "configs" / f"{key}.json").write_text(json.dumps(
+            {"method": "no_press", "label": "no press", "requested_ratio": 0.0, "compression_ratio": 0.0, "budget": 1.0,
+             "length": 512, "model": "m", "query_aware": query_aware, "family": None, "scores": {"niah_single_1": 100.0},
+             "examples": {"niah_single_1": 1}, "cpu_s": 1.0, "fingerprint": "f"}))
+
+    agnostic = tmp_path / "agnostic"
+    write(agnostic, "512__no_press__0.00", False)
+    monkeypatch.setattr(results, "prepare_data", lambda *a, **k: pytest.fail("prepared data"))
+    monkeypatch.setattr(results, "_known_methods", lambda: pytest.fail("loaded kvpress's evaluation"))
+    with pytest.raises(ValueError, match="holds query-agnostic results .* this run is question-aware"):
+        results.run([results.Config("no_press", 0.0, 512)], agnostic, examples={512: {"niah_single_1": 1}},
+                    query_aware=True)
+    monkeypatch.setattr(results, "run", lambda *a, **k: pytest.fail("ran configurations"))
+    monkeypatch.setattr(sys, "argv", ["results", "run", "--out", str(agnostic), "--methods", "no_press",
+                                      "--query-aware"])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "query-agnostic results" in error and "this run is question-aware" in error
+    # the same setting is welcome (the run is resumable), and so is an empty folder
+    assert results.other_setting(agnostic, False) is None and results.other_setting(tmp_path / "new", True) is None
+
+    write(agnostic, "512__no_press__0.00__niah0", True)  # a folder mixed by the old runner
+    with pytest.raises(ValueError, match="query-agnostic: 1 .*question-aware: 1"):
+        results.collect(agnostic)

@@ -11,17 +11,18 @@ and the markdown report (docs/evaluation.md holds the committed one).
     python -m kvpress_cpp.evaluation.results run --query-aware --lengths 2048 --ratios 0.75 --families niah \\
         --examples 4 --batches 5   # question-aware, 20 niah examples per cell in 5 batches of 4
 
-Two settings, each in its own folder with its own fingerprints (they never share a configuration):
-query-agnostic (kvpress's default: the context is compressed alone, the question comes after) in ``DEFAULT_OUT``,
-and question-aware (``--query-aware``: kvpress's ``query_aware``, the question is part of the compressed prompt and
-the answer is generated under the press) in ``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own
-data, in ``--batches`` batches of ``--examples`` examples: every method gets a batch at every ratio before the next
-batch starts, so a run stopped early leaves every method with the same number of examples; the report pools the
-batches every method has finished, the full cache included, so every cell of a table counts the same examples (a
-batch a stopped run left half done counts once the rest of the methods have run it; until then table.md and
-results.csv say the results are partial). The report
-gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L F1), and
-``report.md`` puts both settings side by side with the streaming perplexity of ``benchmarks/results/streaming_ppl*.json``.
+Two settings, each in its own folder with its own fingerprints (they never share a configuration; a run into a
+folder holding the other setting is refused, :func:`other_setting`): query-agnostic (kvpress's default: the context
+is compressed alone, the question comes after) in ``DEFAULT_OUT``, and question-aware (``--query-aware``: kvpress's
+``query_aware``, the question is part of the compressed prompt and the answer is generated under the press) in
+``QUESTION_AWARE_OUT``. ``--families`` runs each task family on its own data, in ``--batches`` batches of
+``--examples`` examples: every method gets a batch at every ratio before the next batch starts, so a run stopped
+early leaves every method with the same number of examples; the report pools the batches every method has finished,
+the full cache included, so every cell of a table counts the same examples (a batch a stopped run left half done
+counts once the rest of the methods have run it; until then table.md and results.csv say the results are partial).
+The report gives each cell's Wilson 95% interval and the agreement of its answers with the full cache's (ROUGE-L
+F1), and ``report.md`` puts both settings side by side with the streaming perplexity of
+``benchmarks/results/streaming_ppl*.json``.
 A family run and an earlier whole-plan run in the same folder draw the same examples: for that family the report
 counts the family run's batches only.
 
@@ -60,7 +61,7 @@ from kvpress_cpp.evaluation import launch
 from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME
 from kvpress_cpp.evaluation.registry import METHODS
 
-__all__ = ["KVPRESS_METHODS", "Config", "plan", "run", "collect", "report", "markdown_table", "family"]
+__all__ = ["KVPRESS_METHODS", "Config", "plan", "run", "other_setting", "collect", "report", "markdown_table", "family"]
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "evaluation"
@@ -257,6 +258,26 @@ def _run_in_worker(*args) -> bool:
     return _run_one(_worker_evaluate, *args)
 
 
+def _setting_name(query_aware: bool) -> str:
+    return "question-aware" if query_aware else "query-agnostic"
+
+
+def other_setting(out: Path, query_aware: bool, configurations: dict[str, dict] | None = None) -> str | None:
+    """Why ``out`` cannot take a run of this setting (query-aware or not), or None. A folder holds one setting (its
+    table, plots and results.csv are that setting's): a configuration JSON of the other setting has the same file
+    name (Config.key), would be taken as stale and computed over, and until then the report would pool both
+    settings in one table."""
+    if configurations is None:
+        configurations = _configurations(out) if (out / "configs").is_dir() else {}
+    others = sorted(key for key, r in configurations.items() if bool(r.get("query_aware", False)) != query_aware)
+    if not others:
+        return None
+    return (f"{out} holds {_setting_name(not query_aware)} results ({len(others)} configurations, e.g. "
+            f"configs/{others[0]}.json) and this run is {_setting_name(query_aware)}: each setting has its own folder "
+            f"(default --out {DEFAULT_OUT if not query_aware else QUESTION_AWARE_OUT}); give another --out"
+            + ("" if query_aware else ", or --query-aware to add to that folder's setting"))
+
+
 def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, device: str | None = None,
         examples: dict[str, dict[str, int | range]] | None = None, seed: int = 42, data_seed: int = 0,
         local_data: Path | None = None, query_aware: bool = False, workers: int = 1) -> list[Path]:
@@ -269,6 +290,8 @@ def run(configs: list[Config], out: Path, model: str = DEFAULT_MODEL_NAME, devic
 
     if workers < 1:
         raise ValueError(f"results.run: workers must be at least 1, got {workers}")
+    if clash := other_setting(out, query_aware):
+        raise ValueError(clash)
     examples = {str(d): counts for d, counts in (examples or DEFAULT_EXAMPLES).items()}
     local_data = Path(local_data) if local_data else launch.cache_dir("evaluation-data")
     files = prepare_data(local_data, model, {d: examples[d] for d in sorted({c.data_dir for c in configs})}, data_seed)
@@ -427,6 +450,14 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     length and family were left out (a stopped or running run: the row covers fewer examples than were run).
     ``configurations``: ``out``'s, already read."""
     configurations = _configurations(out) if configurations is None else configurations
+    by_setting = {}
+    for key, r in configurations.items():
+        by_setting.setdefault(bool(r.get("query_aware", False)), []).append(key)
+    if len(by_setting) > 1:  # a folder written before run() refused the other setting: one table would pool both
+        raise ValueError(f"{out} holds configurations of both settings, which one table would pool: "
+                         + "; ".join(f"{_setting_name(aware)}: {len(keys)} (e.g. {sorted(keys)[0]})"
+                                     for aware, keys in sorted(by_setting.items()))
+                         + "; move one setting's configs/*.json (and their runs/ folders) to a folder of its own")
     left_out = set(incomplete_batches(configurations))
     partial = {(configurations[key]["length"], configurations[key]["family"]) for key in left_out}
     results_ = [r for key, r in configurations.items() if key not in left_out]
@@ -902,6 +933,8 @@ def main() -> None:
     if len({f"{r:.2f}" for r in args.ratios}) < len(args.ratios):  # Config.key and evaluate.py's folders use :.2f
         parser.error(f"--ratios must differ at two decimals (results are filed under the ratio to two decimals, as "
                      f"evaluate.py files them): got {args.ratios}")
+    if args.action in ("run", "all") and (clash := other_setting(args.out, args.query_aware)):
+        parser.error(clash)
     if args.action in ("run", "all") and (unknown := [m for m in args.methods if m not in _known_methods()]):
         parser.error(f"--methods: unknown {unknown}; ours: {', '.join(METHODS)}; kvpress's: any name of its "
                      f"PRESS_REGISTRY, e.g. {', '.join(['no_press', *KVPRESS_METHODS])}")
