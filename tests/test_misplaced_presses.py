@@ -148,11 +148,12 @@ def test_models_whose_queries_the_presses_cannot_recompute_are_refused(name, arc
 
 
 @pytest.mark.parametrize("architecture,config", [("Mistral", {}), ("Qwen2", {}), ("Phi3", {}), ("Granite", {}),
-                                                 ("Gemma", {"head_dim": 16})])
-@pytest.mark.parametrize("name", ["ZSMerge", "KeepKV"])
+                                                 ("Gemma", {"head_dim": 16}), ("Phi", {})])
+@pytest.mark.parametrize("name", ["ZSMerge", "KeepKV", "GVote"])
 def test_llama_like_models_run_alike_whether_the_queries_are_recomputed_or_kept(name, architecture, config):
     """Eager attention leaves the press to recompute the prompt's queries; sdpa's pass keeps them for ZSMerge. The
-    recomputation passes the check and both give the same tokens."""
+    recomputation passes the check and both give the same tokens. Phi turns only half of each head's dims (partial
+    rotary), which the recomputation and GVote's averaged RoPE failed to shape before."""
     tokens = []
     for attention in ("eager", "sdpa"):
         model = tiny(architecture, attn_implementation=attention, **config)

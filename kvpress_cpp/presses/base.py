@@ -159,6 +159,10 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
     where the model has one; the local query heads of a tensor-parallel layer)."""
     queries = prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
+    rotated = cos.shape[-1]
+    if rotated < queries.shape[-1]:  # partial rotary (Phi, GPT-NeoX): the first dims turn, the others pass through
+        turned, passed = queries[..., :rotated], queries[..., rotated:]
+        return torch.cat([apply_rotary_pos_emb(turned, turned, cos, sin)[0], passed], dim=-1)
     return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
 
 
@@ -185,7 +189,7 @@ def check_recomputed_queries(press: str, module: nn.Module, hidden_states: torch
             f"are not those the model's attention used (relative difference {difference:.3g}): this model forms its "
             f"queries another way (OLMo-2's q_norm over all heads, Cohere's interleaved rotary embedding, ...), so "
             f"{press} would score the prompt with other queries. It supports the Llama-like models kvpress does "
-            f"(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3)")
+            f"(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) and Phi")
 
 
 def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,

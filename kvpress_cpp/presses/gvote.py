@@ -125,4 +125,9 @@ class GVotePress(KVCompPress):
         positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
         # The model's rotary module sits on its first device; under a device_map this layer may be elsewhere.
         cos, sin = (table[0].to(queries.device) for table in module.rotary_emb(samples, positions.unsqueeze(0)))
-        return ops.averaged_rope(queries, cos, sin)
+        rotated = cos.shape[-1]
+        if rotated == queries.shape[-1]:
+            return ops.averaged_rope(queries, cos, sin)
+        # Partial rotary (Phi, GPT-NeoX): the dims that never turn average to themselves.
+        return torch.cat([ops.averaged_rope(queries[..., :rotated].contiguous(), cos, sin), queries[..., rotated:]],
+                         dim=-1)
