@@ -156,6 +156,26 @@ def test_reported_ratios_are_the_models(sharded, single, case):
         assert got["layers"] == pytest.approx(expected["layers"], abs=1e-6)
 
 
+def test_gvote_memory_ratio_is_what_the_ranks_hold_on_every_rank(sharded, single):
+    """Each rank compacts a layer to its own heads' longest, so the model's memory freed is 1 - the mean over ranks of
+    the columns each holds for the prompt, over the prompt's (a rank reported its own layers alone: rank 0's layer 0
+    freed 0.59 where its heads kept 0.38). The same on every rank; at most the paper's mean-over-heads ratio."""
+    results, kind = sharded
+    reported = [rank["cases"]["gvote"]["ratios"] for rank in results]
+    for rank in reported[1:]:
+        assert rank["memory"] == pytest.approx(reported[0]["memory"], abs=1e-6)
+    for layer, freed in reported[0]["memory"].items():
+        assert freed <= reported[0]["layers"][layer] + 1e-6
+    if kind != "dynamic":  # the columns below are a DynamicLayer's: its prompt's, then the generated tokens'
+        return
+    alone = single["dynamic"]["gvote"]
+    for layer, freed in reported[0]["memory"].items():
+        prompt_columns = round((1 - alone["ratios"]["memory"][layer]) * PROMPT_TOKENS)
+        generated = alone["layers"][layer]["keys"].shape[-2] - prompt_columns
+        held = [rank["cases"]["gvote"]["layers"][layer]["keys"].shape[-2] - generated for rank in results]
+        assert freed == pytest.approx(1 - sum(held) / len(held) / PROMPT_TOKENS, abs=1e-6)
+
+
 def test_configurations_that_cannot_run_sharded_are_refused(sharded):
     results, _ = sharded
     for rank in results:

@@ -136,6 +136,8 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
     ratios = None
     if isinstance(press, (GVotePress, KVzapThresholdPress)):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.layer_compression_ratios)}
+        if isinstance(press, GVotePress):
+            ratios["memory"] = dict(press.layer_memory_compression_ratios)
     elif isinstance(press, DMSPress):
         ratios = {"overall": press.compression_ratio, "layers": dict(press.compression_ratios)}
     return {"tokens": tokens, "layers": layers, "bytes": cache_bytes(cache), "ratios": ratios}

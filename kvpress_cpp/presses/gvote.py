@@ -26,7 +26,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
-from kvpress_cpp.distributed import prerope_query_states
+from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
 from kvpress_cpp.presses.base import KVCompPress, query_states, require_bool, require_int, require_real
 
 __all__ = ["GVotePress"]
@@ -61,6 +61,9 @@ class GVotePress(KVCompPress):
     seed: int = 0
     chunk_size: int = 64
     layer_memory_compression_ratios: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    # Per layer compressed in this forward: the fraction of the prompt's columns the layer holds, per (batch row,
+    # local kv head), until the last layer gathers them over the tensor-parallel ranks.
+    _held_columns: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     #: Its inputs (the last query's attention, the hidden-state statistics) need no one-slot-per-token prompt.
     compresses_compressed_prompt = True
@@ -77,18 +80,31 @@ class GVotePress(KVCompPress):
     @property
     def memory_compression_ratio(self) -> float:
         """Fraction of the prompt's cache memory freed, averaged over the layers of the last run: each layer holds
-        its longest head (the others padded), so this is at most ``compression_ratio``."""
+        its longest head (the others padded; on a tensor-parallel model, each rank its own heads' longest), so this
+        is at most ``compression_ratio``. The same figure on every rank."""
         ratios = self.layer_memory_compression_ratios
         return sum(ratios.values()) / len(ratios) if ratios else 0.0
 
     def _compress_prompt(self, module, hidden_states, keys, values, attentions, kwargs):
-        """The base's, then the layer's memory ratio from the width it holds: a padded batch's rows are compressed
-        one by one and stacked to the longest row's longest head."""
+        """The base's, then the share of the prompt's columns the layer holds, from the width it holds: a padded
+        batch's rows are compressed one by one and stacked to the longest row's longest head."""
         if module.layer_idx == 0:
             self.layer_memory_compression_ratios = {}
         result = super()._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
-        self.layer_memory_compression_ratios[module.layer_idx] = 1.0 - result[0].shape[-2] / keys.shape[-2]
+        self._held_columns[module.layer_idx] = torch.full(keys.shape[:2], result[0].shape[-2] / keys.shape[-2],
+                                                          device=keys.device)
         return result
+
+    def _after_layer(self, module, output):
+        """At the last layer, the memory ratios of the layers compressed in this forward, over every rank's heads
+        (one all-gather; each rank holds its heads at its own longest)."""
+        if module.layer_idx == module.config.num_hidden_layers - 1 and self._held_columns:
+            layers = sorted(self._held_columns)
+            held = gather_kv_heads(torch.stack([self._held_columns[layer] for layer in layers]), module, dim=-1)
+            self.layer_memory_compression_ratios.update(
+                (layer, 1.0 - float(fraction.mean())) for layer, fraction in zip(layers, held.double()))
+            self._held_columns.clear()
+        return super()._after_layer(module, output)
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         budgets = self._nucleus_budgets(module, hidden_states, keys, values, log_weights, kwargs)
