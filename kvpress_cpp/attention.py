@@ -117,7 +117,8 @@ def tokens_fed_again_error(user: str, new_tokens: int, first: int, processed: in
         f"get_seq_length(), which counts a compressed cache's slots, not its tokens, so a second generate call on it "
         f"feeds {processed - first} tokens again. Continue a compressed cache with forwards of the new tokens only, "
         f"at positions {processed} on (position_ids), or use kvpress's pipeline for several questions on one "
-        f"context{note}")
+        f"context (with a press that compresses the prompt only: the pipeline takes one question with a press that "
+        f"also compresses while decoding){note}")
 
 
 def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict) -> None:

@@ -166,7 +166,7 @@ def _refuse_unshardable_scorer(press, model) -> None:
     scorer = press.press
     limitation = None if isinstance(scorer, SHARDABLE_SCORERS) else (
         f"its scorer {type(scorer).__name__} is not known to score each kv head from that head's own queries and "
-        f"keys, all a rank holds; use {' or '.join(cls.__name__ for cls in SHARDABLE_SCORERS)}")
+        f"keys, all a rank holds; use {' or '.join(f'{cls.__module__}.{cls.__name__}' for cls in SHARDABLE_SCORERS)}")
     check_tensor_parallel(type(press).__name__, model, limitation)
 
 

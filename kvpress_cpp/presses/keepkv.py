@@ -91,7 +91,7 @@ class KeepKVPress(KVCompDecodingPress):
             return None
         return (f"its scorer {type(self.scorer).__name__} is a kvpress scorer, written for one process holding every "
                 f"head (it may read the model's head counts against one rank's keys); use the default ŝ ranking or "
-                f"KVzapPress")
+                f"kvpress_cpp.presses.KVzapPress")
 
     def layer_budget(self, prompt_length: int, layer_idx: int, num_layers: int) -> int:
         """M of one layer for a prompt of this length."""
