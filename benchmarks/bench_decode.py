@@ -175,7 +175,8 @@ def model_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--lengths", type=positive_int, nargs="+", default=None, help="prompt lengths (default per model)")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=None,
+                        help="prompt lengths (default per model)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all)")
     return parser
 

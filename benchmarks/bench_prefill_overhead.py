@@ -409,7 +409,8 @@ def main() -> None:
                         choices=["presses", "op", "keepkv_op"])
     parser.add_argument("--presses", nargs="+", default=None, choices=list(PRESSES),
                         help="default: all (KVzap only where the model has packaged surrogates)")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="rounds per prompt length; the median time is kept")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="rounds per prompt length; the median time is kept")
     parser.add_argument("--op-lengths", type=positive_int, nargs="+", default=None)
     parser.add_argument("--name", default=None,
                         help="result file stem (default: prefill_overhead, or prefill_overhead_<model>_<device>)")

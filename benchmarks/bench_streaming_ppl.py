@@ -114,14 +114,17 @@ def plot(rows: list[dict], title: str, name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=positive_int, default=2048, help="tokens predicted (the text holds tokens + 1)")
+    parser.add_argument("--tokens", type=positive_int, default=2048,
+                        help="tokens predicted (the text holds tokens + 1)")
     parser.add_argument("--prefill", type=positive_int, default=16, help="tokens of the first forward")
     parser.add_argument("--cache-sizes", type=positive_int, nargs="+", default=[256, 1024])
     parser.add_argument("--methods", nargs="+", default=["full", *METHODS], choices=["full", *METHODS])
     parser.add_argument("--text", default="austen", choices=["austen", "python-docs"])
-    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default 1: this VM's 2-thread OpenMP "
-                                                                  "wake-ups make single-token forwards slower)")
-    parser.add_argument("--checkpoint", type=positive_int, default=32, help="cumulative perplexity every this many tokens")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="CPU threads (default 1: this VM's 2-thread OpenMP wake-ups make single-token forwards "
+                             "slower)")
+    parser.add_argument("--checkpoint", type=positive_int, default=32,
+                        help="cumulative perplexity every this many tokens")
     parser.add_argument("--name", default=None, help="result file stem (default: streaming_ppl[_<text>])")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

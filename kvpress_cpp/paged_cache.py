@@ -69,10 +69,6 @@ _NO_COLUMN = torch.iinfo(torch.long).max  # past every width: an entry of PagedL
 _MARKED_LAYER_ATTR = "_kvcomp_marked_layer"
 
 
-def _dead_ref() -> None:
-    return None
-
-
 # Layers by the id of the key pool their update returned, for the attention path (weak: a dropped cache leaves nothing).
 _LAYERS_BY_POOL: "weakref.WeakValueDictionary[int, PagedLayer]" = weakref.WeakValueDictionary()
 
@@ -409,7 +405,8 @@ class PagedLayer(CacheLayerMixin):
         marked = getattr(module, "masked_key_indices", None)
         # The marks index the slots of the layer the module last attended: another layer it read before (the cache a
         # copy was made from, say) would evict the wrong tokens, and leave its owner without its evictions.
-        if marked is not None and (module.__dict__.get(_MARKED_LAYER_ATTR) or _dead_ref)() is self:
+        reader = module.__dict__.get(_MARKED_LAYER_ATTR) if marked is not None else None
+        if reader is not None and reader() is self:
             module.masked_key_indices = None
             owner = self._state_written.owner_type if self.has_state and self._state_written is not None else None
             if owner is not None:  # a press's slots, which the marks index, not token positions (head_wise_marks_error)

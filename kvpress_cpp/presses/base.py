@@ -159,11 +159,15 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
     where the model has one; the local query heads of a tensor-parallel layer)."""
     queries = prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
-    rotated = cos.shape[-1]
-    if rotated < queries.shape[-1]:  # partial rotary (Phi, GPT-NeoX): the first dims turn, the others pass through
-        turned, passed = queries[..., :rotated], queries[..., rotated:]
-        return torch.cat([apply_rotary_pos_emb(turned, turned, cos, sin)[0], passed], dim=-1)
-    return apply_rotary_pos_emb(queries, queries, cos, sin)[0]
+    return rotate_leading_dims(queries, cos.shape[-1], lambda turned: apply_rotary_pos_emb(turned, turned, cos, sin)[0])
+
+
+def rotate_leading_dims(queries: torch.Tensor, rotated: int, rotate) -> torch.Tensor:
+    """`rotate` applied to the first `rotated` dims of each query head, the others passed through: a model with a
+    partial rotary embedding (Phi, GPT-NeoX) turns only those; the others, all of them."""
+    if rotated == queries.shape[-1]:
+        return rotate(queries)
+    return torch.cat([rotate(queries[..., :rotated].contiguous()), queries[..., rotated:]], dim=-1)
 
 
 #: Relative difference (Frobenius) between recomputed and used queries above which a model forms them otherwise: far

@@ -27,7 +27,8 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
-from kvpress_cpp.presses.base import KVCompPress, query_states, require_bool, require_int, require_real
+from kvpress_cpp.presses.base import (KVCompPress, query_states, require_bool, require_int, require_real,
+                                      rotate_leading_dims)
 
 __all__ = ["GVotePress"]
 
@@ -141,9 +142,5 @@ class GVotePress(KVCompPress):
         positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
         # The model's rotary module sits on its first device; under a device_map this layer may be elsewhere.
         cos, sin = (table[0].to(queries.device) for table in module.rotary_emb(samples, positions.unsqueeze(0)))
-        rotated = cos.shape[-1]
-        if rotated == queries.shape[-1]:
-            return ops.averaged_rope(queries, cos, sin)
-        # Partial rotary (Phi, GPT-NeoX): the dims that never turn average to themselves.
-        return torch.cat([ops.averaged_rope(queries[..., :rotated].contiguous(), cos, sin), queries[..., rotated:]],
-                         dim=-1)
+        # (the dims a partial rotary embedding never turns average to themselves)
+        return rotate_leading_dims(queries, cos.shape[-1], lambda turned: ops.averaged_rope(turned, cos, sin))

@@ -282,16 +282,12 @@ class KVzapThresholdPress(KVCompDecodingPress):
         nothing else rearranged (``PagedLayer.rearrangements``; the slots appended since being the pass's own tokens is
         checked first) read nothing.
         """
-        state = layer.written_state()
-        owner = state.owner() if state is not None and state.owner is not None else None
-        written = self._states_written.get(module.layer_idx)
-        if (state is None or state.owner_type is not type(self) or owner not in (None, self)
-                or kv_head_shard(module) is not None or module.layer_idx not in self._slots_held
+        state, written = layer.written_state(), self._states_written.get(module.layer_idx)
+        # Only over the state this press wrote last, whose counts of held slots this step adds to (not another press's
+        # state, nor another cache's: two conversations or a copy, of another batch size maybe). The general path
+        # counts afresh.
+        if (state is None or written is None or written() is not state or kv_head_shard(module) is not None
                 or not {"scores", "positions"} <= set(layer.slot_blocks)):
-            return False
-        if written is None or written() is not state:
-            # The counts of held slots this step adds to are those of the state the press wrote last: another
-            # cache's (two conversations, a copy), of another batch size maybe. The general path counts afresh.
             return False
         new_tokens = hidden_states.shape[1]
         if not torch.equal(layer.lengths - layer.bases, torch.full_like(layer.lengths, new_tokens)):

@@ -57,7 +57,8 @@ class StreamingPrefill:
         return super()._check_resumed_positions(base_model, args, kwargs)
 
     def _refuse_padded_stream(self, first_chunk_mask: torch.Tensor) -> None:
-        padded = (first_chunk_mask == 0).any(-1)
+        padding = first_chunk_mask == 0
+        padded = padding.any(-1)
         if not bool(padded.any()):
             return
         name, rows = type(self).__name__, padded.nonzero().flatten().tolist()
@@ -67,7 +68,7 @@ class StreamingPrefill:
                              f"from their first column, padding included (batch rows {rows} are padded): they would "
                              f"differ from their runs alone. Generate the rows one by one, use prefill_chunk_size=None, "
                              f"or transformers 5 (from 5.3)")
-        empty = (first_chunk_mask == 0).all(-1)
+        empty = padding.all(-1)
         if bool(empty.any()):
             raise ValueError(f"{name}: the first chunk of prefill_chunk_size={self.prefill_chunk_size} tokens, which "
                              f"is {name}'s prefill, holds only padding for batch rows "
