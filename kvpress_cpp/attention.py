@@ -124,7 +124,8 @@ def tokens_fed_again_error(user: str, new_tokens: int, first: int, processed: in
 def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict) -> None:
     """Outside any press, over a layer holding a press's state (this pass's tokens appended): raise if a pass of
     several tokens starts before the tokens the layer stands for (a second ``generate`` on the cache once the press's
-    context closed). One-token passes are not read, so a decoding step waits on nothing and does no more work."""
+    context closed), after taking the pass's tokens back off the layer, so that the cache can still be continued as
+    the message advises. One-token passes are not read, so a decoding step waits on nothing and does no more work."""
     new_tokens, positions = query.shape[-2], kwargs.get("position_ids")
     resume_point = tokens_held_at_close(layer) if layer is not None else None
     if new_tokens == 1 or resume_point is None or positions is None:
@@ -136,6 +137,7 @@ def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict) -> None:
     if first < processed:
         state = get_state(layer)
         owner = state.owner_name() if state is not None else "a kvpress_cpp press"
+        layer.crop(-new_tokens)  # the one argument every transformers version reads alike
         raise tokens_fed_again_error(f"{owner} (its context closed)", new_tokens, first, processed, slots)
 
 

@@ -5,6 +5,7 @@ does not touch) give the results a reference gives.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from contextlib import nullcontext
 import sys
@@ -240,23 +241,29 @@ POSITION_PRESSES = {**BEAM_PRESSES, **PREFILL_ONLY}
 def test_a_second_generate_after_the_press_context_closed_is_refused(llama, name, cache_type, tmp_path):
     """The next turn of a chat without the press: no press hook counts positions any more, so generate's re-feeding
     (it resumes from the slots) went through silently (50 slots where 24 were expected). A pass at the positions
-    after the tokens held still runs, as kvpress's pipeline asks its questions."""
+    after the tokens held still runs, as kvpress's pipeline asks its questions, and the refused pass left nothing
+    behind. It had appended its tokens to layer 0 before its attention refused them: the pass the message advises was
+    refused in turn, as if they were tokens held, and one at the positions that second message gave attended to
+    them."""
     press, cache = POSITION_PRESSES[name](tmp_path, llama), cache_type()
     with torch.no_grad():
         with press(llama):
             first = llama.generate(prompt(), past_key_values=cache, max_new_tokens=3, do_sample=False)
         slots = cache.get_seq_length()
         assert slots < PROMPT + 2, "the press must have compressed the cache for this test"
+        untouched = copy.deepcopy(cache)
         with pytest.raises(ValueError, match=rf"{type(press).__name__} \(its context closed\): this pass feeds "
                                              rf"{PROMPT + 3 + 5 - slots} tokens from position {slots}, but the cache "
                                              rf"already holds the tokens up to position {PROMPT + 1}"):
             llama.generate(torch.cat([first, prompt(3, 5)], dim=1), past_key_values=cache, max_new_tokens=1,
                            do_sample=False)
-        # The refused pass appended its tokens to layer 0 before its attention: cut them, as a negative count (the
-        # one argument every transformers version reads alike; 5.24 refuses a positive one, a length to keep)
-        cache.layers[0].crop(slots - cache.layers[0].get_seq_length())
-        llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(PROMPT + 2, PROMPT + 7).unsqueeze(0))
+        lengths = [layer.get_seq_length() for layer in cache.layers]
+        assert lengths == [layer.get_seq_length() for layer in untouched.layers]
+        positions = torch.arange(PROMPT + 2, PROMPT + 7).unsqueeze(0)
+        got = llama(prompt(3, 5), past_key_values=cache, position_ids=positions).logits
+        want = llama(prompt(3, 5), past_key_values=untouched, position_ids=positions).logits
         assert cache.get_seq_length() == slots + 5
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("refill", ["plain", "same press", "composed"])
