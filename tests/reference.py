@@ -395,7 +395,8 @@ def keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, convex
     numerator = m + torch.log(weight / vote_sum)
     usable = (torch.isfinite(numerator) & torch.isfinite(weighted_log)
               & (weighted_log.abs() > KEEPKV_GUARD_EPS * weight * max_abs)
-              & ((numerator == 0) | ((numerator > 0) == (weighted_log > 0)))) & (not convex)
+              & ((numerator == 0) | ((1 / KEEPKV_MAX_KEY_GROWTH <= numerator * weight / weighted_log)
+                                     & (numerator * weight / weighted_log <= KEEPKV_MAX_KEY_GROWTH)))) & (not convex)
     key_scale = torch.where(usable, numerator / weighted_log, 1 / weight)[..., :slots]
     merged = ((size > 1) & (weight > 0) & torch.isfinite(weight))[..., :slots] & (targets == -1)
     out_k = torch.where(merged[..., None], (key_sum[..., :slots, :] * key_scale[..., None]).to(keys.dtype), keys)

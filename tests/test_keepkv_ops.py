@@ -256,6 +256,21 @@ def test_zip_merge_vectorised_baseline_matches_reference(device, convex):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_zip_merge_vectorised_baseline_bounds_the_key_growth(device):
+    """A pair whose ZIP key would grow past KEEPKV_MAX_KEY_GROWTH times the convex one (scores of opposite signs,
+    the numerator and the weighted log of one sign): the reference falls back to the convex key, as the kernel does,
+    and the baseline the benchmark times must too."""
+    generator = torch.Generator().manual_seed(6)
+    keys, values = torch.randn(2, 1, 1, 2, 8, generator=generator)
+    log_scores = torch.tensor([[[0.5, -0.6]]])
+    votes, targets = torch.ones(1, 1, 2), torch.tensor([[[-1, 0]]])
+    inputs = (keys, values, votes, log_scores, targets)
+    assert not reference.keepkv_zip_coefficients(log_scores[0, 0].double(), votes[0, 0].double(), False)[3]
+    got = reference.keepkv_zip_merge_vectorised(*(t.to(device) for t in inputs))
+    assert_merge_close(got, reference.keepkv_zip_merge(*inputs), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_zip_merge_large_sets_and_head_dim(device):
     """A set with more members than the CUDA block's 256 threads, d above the block size."""
     slots, head_dim = 700, 300
