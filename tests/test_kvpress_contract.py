@@ -437,6 +437,18 @@ def test_padded_batch_rows_equal_their_runs_alone(request, make_press, name, mod
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_unpadded_batch_rows_equal_their_runs_alone(llama, make_press, name):
+    """Three prompts of one length in a batch without padding (and so num_return_sequences' copies of one prompt):
+    each row gets the greedy tokens it gets alone. GVote drew each row's samples from its own part of one stream, so
+    a prompt was compressed differently in row 1 than alone."""
+    model, tokenizer = llama
+    ids = torch.cat([prompt_ids(tokenizer, 100)[:, start:start + 40] for start in (0, 30, 60)])
+    together, _ = greedy(model, ids, press=make_press(name), max_new_tokens=12)
+    alone = torch.cat([greedy(model, row[None], press=make_press(name), max_new_tokens=12)[0] for row in ids])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_right_padding_and_empty_rows_are_refused(llama, make_press, name):
     """Right padding would put a row's recent window (which every press protects) on padding; KVzap, which takes
     padding slots in its batch, refuses it as the presses that compress row by row do."""

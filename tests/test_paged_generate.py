@@ -527,9 +527,7 @@ def test_repeating_or_selecting_batch_rows_carries_the_press_state(make_cache, n
     """cache.batch_repeat_interleave(n) of a compressed DynamicCache (n samples from one compressed prompt) and
     cache.batch_select_indices (keeping some rows of a batch) rearranged the keys and values but not the press's
     per-slot state: the next attention failed on log-weights of the old batch size. A PagedKVCache refused both. Each
-    row now continues as the row it came from would have, on either cache, as it does on a DynamicCache. (GVote draws
-    its samples per batch row, so a repeated row is compared with its source, not with a batch of copies prefilled
-    together.)"""
+    row now continues as the row it came from would have, on either cache, as it does on a DynamicCache."""
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 64)
     batch = torch.cat([ids, ids.roll(3, dims=-1)])

@@ -132,9 +132,11 @@ class GVotePress(KVCompPress):
         body = hidden_states[:, min(self.sinks, hidden_states.shape[1] - 1):].float()
         mean, std = body.mean(1, keepdim=True), body.var(1, unbiased=False, keepdim=True).sqrt()
         # Drawn on the CPU whatever the layer's device: CPU and CUDA generators give different streams from one seed,
-        # and the same samples keep the same cache on any device (a device_map may put this layer on either).
+        # and the same samples keep the same cache on any device (a device_map may put this layer on either). One
+        # draw for every row: a prompt is compressed as when run alone, wherever it sits in the batch (and each of
+        # num_return_sequences' copies alike).
         generator = torch.Generator().manual_seed(self.seed + module.layer_idx)
-        noise = torch.randn(hidden_states.shape[0], self.num_samples, hidden_states.shape[-1],
+        noise = torch.randn(1, self.num_samples, hidden_states.shape[-1],
                             generator=generator).to(hidden_states.device)
         samples = (mean + std * noise).to(hidden_states.dtype)
         queries = prerope_query_states(module, samples)  # this rank's query heads, from replicated samples
