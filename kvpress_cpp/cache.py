@@ -22,10 +22,10 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["LayerState", "pass_cache", "output_cache", "check_cache_layer", "get_state", "set_state", "attach",
-           "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error", "attached_layer",
-           "remember_tokens_held", "tokens_held_at_close", "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows",
-           "repeated_rows", "selected_rows"]
+__all__ = ["LayerState", "pass_cache", "pass_inputs", "output_cache", "check_cache_layer", "get_state", "set_state",
+           "attach", "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error",
+           "attached_layer", "remember_tokens_held", "tokens_held_at_close", "forget_tokens_held", "MethodOf",
+           "UnsavedRef", "beam_rows", "repeated_rows", "selected_rows"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -184,6 +184,12 @@ def pass_cache(kwargs: dict):
         if cache is not None:
             return cache
     return None
+
+
+def pass_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The token ids (B, q) or embeddings (B, q, D) of a decoder-stack forward, as its pre-hook sees them."""
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    return inputs if inputs is not None or not args else args[0]
 
 
 def output_cache(output):

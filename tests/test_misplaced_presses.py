@@ -388,6 +388,30 @@ def test_a_prefill_press_says_a_chunked_prompt_stays_partly_uncompressed(llama):
         llama.generate(prompt(length=48), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache())
 
 
+@needs_chunked_prefill
+@pytest.mark.parametrize("make_press", [lambda: ZSMergePress(budget=16, prefill_chunk_size=8),
+                                        lambda: WeightedKVPress(cache_size=16, prefill_chunk_size=8)],
+                         ids=["ZSMerge", "WeightedKV"])
+def test_a_streaming_press_refuses_a_prompt_given_in_one_forward(llama, make_press):
+    """prefill_chunk_size streams the prompt only through generate's chunked prefill. A forward of the whole prompt
+    (a hand-written one, kvpress's pipeline, or transformers 4's beam search, which does not chunk) was compressed
+    in one shot, as without the option, and nothing said so."""
+    press = make_press()
+    name = type(press).__name__
+    refused = rf"{name}: a prompt of 48 tokens reached the press in one forward, where prefill_chunk_size=8"
+    with pytest.raises(ValueError, match=refused), torch.no_grad(), press(llama):
+        llama(prompt(length=48), past_key_values=DynamicCache())
+    beams = dict(num_beams=2, max_new_tokens=2, do_sample=False, past_key_values=DynamicCache())
+    if transformers.__version__.startswith("4."):
+        with pytest.raises(ValueError, match=refused), torch.no_grad(), press(llama):
+            llama.generate(prompt(length=48), **beams)
+    else:  # transformers 5 chunks beam search's prompt too
+        with torch.no_grad(), press(llama):
+            llama.generate(prompt(length=48), **beams)
+    with torch.no_grad(), press(llama):  # a prompt no longer than a chunk is its own first chunk
+        llama(prompt(length=8), past_key_values=DynamicCache())
+
+
 def test_speculative_decoding_rolls_back_the_position_count(llama):
     """Prompt-lookup decoding crops rejected draft tokens and feeds several tokens at once: the positions the cache
     stands for follow the crop, so nothing is refused, and a press that keeps every token gives the plain tokens."""

@@ -51,7 +51,7 @@ from kvpress_cpp.attention import (active_presses, count_hook_without_probabilit
                                    set_positions_end, take_prefill_attention, take_prompt_last_query,
                                    tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
-                               get_state, output_cache, pass_cache, remember_tokens_held, set_state)
+                               get_state, output_cache, pass_cache, pass_inputs, remember_tokens_held, set_state)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
@@ -114,12 +114,6 @@ def _legacy_cache_without_state(cache, *args, **kwargs):
                 f"weights, evicted slots), which a tuple of keys and values cannot hold: the cache rebuilt from it "
                 f"would attend differently. Keep the DynamicCache itself (copy.deepcopy it to branch)")
     return type(cache).to_legacy_cache(cache, *args, **kwargs)
-
-
-def _pass_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The token ids (B, q) or embeddings (B, q, D) of a decoder-stack forward."""
-    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    return inputs if inputs is not None or not args else args[0]
 
 
 # Constructor checks shared by the presses: a value of the wrong type or out of range is refused where it is given,
@@ -626,7 +620,7 @@ class KVCompPress(BasePress):
         placed by the model at ``get_seq_length()``, the slots, so a compressed cache would rotate every new token
         to a wrong position: it gets the positions that follow the tokens the cache stands for instead, as an
         uncompressed cache would give it (returned as the pass's kwargs)."""
-        cache, inputs = pass_cache(kwargs), _pass_inputs(args, kwargs)
+        cache, inputs = pass_cache(kwargs), pass_inputs(args, kwargs)
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
@@ -664,7 +658,7 @@ class KVCompPress(BasePress):
         cache = pass_cache(kwargs)
         if cache is None:
             cache = output_cache(output)
-            inputs = _pass_inputs(args, kwargs)
+            inputs = pass_inputs(args, kwargs)
             if cache is not None and inputs is not None and not hasattr(cache, _POSITIONS_ATTR):
                 setattr(cache, _POSITIONS_ATTR, inputs.shape[1])
         if cache is not None and hasattr(cache, "layers"):

@@ -4,8 +4,9 @@ With ``prefill_chunk_size`` set, ``generate`` under the press feeds the prompt i
 (transformers' ``GenerationConfig.prefill_chunk_size``): the first chunk is the press's prefill, every later one a
 decoding pass of several tokens, so the cache never holds more than the budget plus one chunk, and every prompt
 token is scored by the queries that follow it over the compressed cache, as in the papers' token-by-token streams
-(a chunk of 1 is exactly that). kvpress's pipeline prefills the context with one forward of its own, so there the
-option does not apply.
+(a chunk of 1 is exactly that). A prompt that reaches the press in one forward longer than a chunk (kvpress's
+pipeline prefills its context so, transformers 4's beam search does not chunk, nor does a hand-written forward) is
+refused rather than compressed in one shot.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from kvpress_cpp.cache import pass_cache
+from kvpress_cpp.cache import pass_cache, pass_inputs
 
 __all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS", "CHUNKED_PREFILL_IGNORES_PADDING"]
 
@@ -48,13 +49,25 @@ class StreamingPrefill:
                              f"prompt's length is unknown while it streams in)")
 
     def _check_resumed_positions(self, base_model, args: tuple, kwargs: dict):
-        """The decoder stack's pre-hook (see KVCompPress), which here also refuses a left-padded batch's streamed
-        prefill where it cannot be right: on its first chunk (an empty cache), once per prompt."""
+        """The decoder stack's pre-hook (see KVCompPress), which here also refuses, on a prompt's first pass (an empty
+        cache), a prompt not streamed and a left-padded batch's stream where it cannot be right."""
         cache, mask = pass_cache(kwargs), kwargs.get("attention_mask")
-        if (self.prefill_chunk_size is not None and cache is not None and mask is not None and mask.dim() == 2
-                and cache.get_seq_length() == 0):
-            self._refuse_padded_stream(mask)
+        if (self.prefill_chunk_size is not None and kwargs.get("use_cache") is not False
+                and (cache is None or cache.get_seq_length() == 0)):
+            self._refuse_unstreamed_prompt(pass_inputs(args, kwargs))
+            if cache is not None and mask is not None and mask.dim() == 2:
+                self._refuse_padded_stream(mask)
         return super()._check_resumed_positions(base_model, args, kwargs)
+
+    def _refuse_unstreamed_prompt(self, inputs: torch.Tensor | None) -> None:
+        tokens = inputs.shape[1] if inputs is not None else 0
+        if tokens > self.prefill_chunk_size:
+            raise ValueError(f"{type(self).__name__}: a prompt of {tokens} tokens reached the press in one forward, "
+                             f"where prefill_chunk_size={self.prefill_chunk_size} asks for it in chunks: only "
+                             f"generate streams it so, and not every generate does (transformers "
+                             f"{transformers.__version__}'s beam search does not chunk in 4.x; kvpress's pipeline "
+                             f"prefills its context in one forward). Use prefill_chunk_size=None there, which "
+                             f"compresses the prompt in one shot at the end of its prefill")
 
     def _refuse_padded_stream(self, first_chunk_mask: torch.Tensor) -> None:
         padding = first_chunk_mask == 0
