@@ -25,27 +25,6 @@ namespace kvcomp::cpu {
 
 constexpr int64_t kLanes = FloatVec::size();
 
-// count (<= kLanes) adjacent cache values as floats, zero-padded.
-template <typename scalar_t>
-inline FloatVec load_float(const scalar_t* src, int64_t count) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return count == kLanes ? FloatVec::loadu(src) : FloatVec::loadu(src, count);
-  } else {
-    if (count == kLanes) {
-      FloatVec out;
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        at::vec::load_fp32_from_bf16(src, out);
-      } else {
-        at::vec::load_fp32_from_fp16(src, out);
-      }
-      return out;
-    }
-    float widened[kLanes] = {};
-    for (int64_t i = 0; i < count; ++i) widened[i] = static_cast<float>(src[i]);
-    return FloatVec::loadu(widened);
-  }
-}
-
 inline float reduce_sum(const FloatVec& v) {
   return at::vec::vec_reduce_all<float>([](const FloatVec& a, const FloatVec& b) { return a + b; }, v);
 }
@@ -81,12 +60,12 @@ inline void dot_rows(const float* query, int64_t query_stride, const scalar_t* k
   FloatVec acc[4] = {FloatVec(0.0f), FloatVec(0.0f), FloatVec(0.0f), FloatVec(0.0f)};
   int64_t e = 0;
   for (; e + kLanes <= head_dim; e += kLanes) {
-    const FloatVec k = load_float(key + e, kLanes);
+    const FloatVec k = load_as_float(key + e, kLanes);
     for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(FloatVec::loadu(query + r * query_stride + e), k, acc[r]);
   }
   if (e < head_dim) {
     const int64_t count = head_dim - e;
-    const FloatVec k = load_float(key + e, count);
+    const FloatVec k = load_as_float(key + e, count);
     for (int r = 0; r < kRows; ++r) {
       acc[r] = at::vec::fmadd(FloatVec::loadu(query + r * query_stride + e, count), k, acc[r]);
     }
@@ -100,7 +79,7 @@ inline void add_weighted(float* acc, float weight, const scalar_t* value, int64_
   const FloatVec w(weight);
   for (int64_t e = 0; e < head_dim; e += kLanes) {
     const int64_t count = std::min(kLanes, head_dim - e);
-    at::vec::fmadd(w, load_float(value + e, count), FloatVec::loadu(acc + e, count)).store(acc + e, count);
+    at::vec::fmadd(w, load_as_float(value + e, count), FloatVec::loadu(acc + e, count)).store(acc + e, count);
   }
 }
 
@@ -134,7 +113,7 @@ inline void accumulate_values(const float* probs, int64_t probs_stride, const sc
     const scalar_t* value = values + slot * value_stride + e0;
     FloatVec v[kVecs];
     for (int i = 0; i < kVecs; ++i) {
-      if (i < vecs) v[i] = load_float(value + i * kLanes, i + 1 < vecs ? kLanes : last);
+      if (i < vecs) v[i] = load_as_float(value + i * kLanes, i + 1 < vecs ? kLanes : last);
     }
     for (int r = 0; r < kRows; ++r) {
       if (p[r] == 0.0f) continue;

@@ -1,5 +1,4 @@
 // CPU kernels of the scores family.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include "cpu/vec.h"
 #include <ATen/ops/empty.h>
@@ -10,6 +9,7 @@
 #include <cstring>
 
 #include "kernels/scores.h"
+#include "kvcomp/dispatch.h"
 #include "kvcomp/scores.h"
 
 namespace kvcomp {
@@ -28,7 +28,7 @@ at::Tensor update_scores_cpu(const at::Tensor& scores, const at::Tensor& attn, d
   const FloatVec decay_pow_queries_v(std::pow(static_cast<float>(decay), static_cast<float>(shape.num_queries)));
   const FloatVec scale_v(static_cast<float>(input_scale));
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "kvcomp::update_scores", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(attn.scalar_type(), "kvcomp::update_scores", [&] {
     const scalar_t* attn_ptr = attn_c.const_data_ptr<scalar_t>();
     const float* old_ptr = scores_c.const_data_ptr<float>();
     float* out_ptr = out.mutable_data_ptr<float>();

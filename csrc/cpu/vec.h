@@ -38,6 +38,15 @@ inline FloatVec load_as_float(const scalar_t* values, int64_t count = FloatVec::
   if constexpr (std::is_same_v<scalar_t, float>) {
     return FloatVec::loadu(values, count);
   } else {
+    if (count == FloatVec::size()) {  // a whole vector: widened in registers, not through a stack buffer
+      FloatVec out;
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        at::vec::load_fp32_from_bf16(values, out);
+      } else {
+        at::vec::load_fp32_from_fp16(values, out);
+      }
+      return out;
+    }
     float widened[FloatVec::size()] = {};
     for (int64_t i = 0; i < count; ++i) widened[i] = static_cast<float>(values[i]);
     return FloatVec::loadu(widened);

@@ -1,5 +1,4 @@
 // CPU kernels of the weightedkv family.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include "cpu/vec.h"
 #include <torch/library.h>
@@ -9,6 +8,7 @@
 #include <vector>
 
 #include "kernels/weightedkv.h"
+#include "kvcomp/dispatch.h"
 #include "kvcomp/weightedkv.h"
 
 namespace kvcomp {
@@ -81,7 +81,7 @@ void weightedkv_evict_cpu(const at::Tensor& keys, const at::Tensor& values, cons
   if (shape.evictions == 0 || shape.rows() == 0) return;
   const int64_t len = shape.len;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
     scalar_t* keys_ptr = keys.mutable_data_ptr<scalar_t>();
     scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
     float* sums_ptr = sums.mutable_data_ptr<float>();

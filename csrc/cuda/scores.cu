@@ -1,5 +1,4 @@
 // CUDA kernels of the scores family.
-#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/scores.h"
+#include "kvcomp/dispatch.h"
 #include "kvcomp/scores.h"
 
 namespace kvcomp {
@@ -48,7 +48,7 @@ at::Tensor update_scores_cuda(const at::Tensor& scores, const at::Tensor& attn, 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float decay_f = static_cast<float>(decay);
   const float decay_pow_queries = std::pow(decay_f, static_cast<float>(shape.num_queries));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "kvcomp::update_scores", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(attn.scalar_type(), "kvcomp::update_scores", [&] {
     update_scores_kernel<scalar_t><<<blocks, kScoreThreads, 0, stream>>>(
         attn_c.const_data_ptr<scalar_t>(), scores_c.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
         shape.group_size, shape.num_queries, shape.old_len, shape.total_len, blocks_per_row, decay_f, decay_pow_queries,

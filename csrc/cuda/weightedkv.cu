@@ -13,7 +13,6 @@
 //      merged values straight into the output.
 //   2. gather_survivors: one thread per 16 bytes (or element) of an output slot copies keys, values, sums and counts
 //      of the survivors, except the values that step 1 merged.
-#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,6 +28,7 @@
 #include "cuda/block_select.cuh"
 #include "kernels/launch.h"
 #include "kernels/weightedkv.h"
+#include "kvcomp/dispatch.h"
 #include "kvcomp/weightedkv.h"
 
 namespace kvcomp {
@@ -419,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> evicted_copies(
   const at::Tensor sources = at::empty({shape.rows(), out_len}, sums_c.options().dtype(at::kInt));
   const at::Tensor stack_keys = at::empty({shape.rows(), shape.evictions}, sums_c.options().dtype(at::kLong));
   const at::Tensor open_values = at::empty({shape.rows(), shape.evictions, shape.value_dim}, values_c.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
+  KVCOMP_DISPATCH_CACHE_TYPES(values.scalar_type(), "kvcomp::weightedkv_evict", [&] {
     select_and_fold_kernel<scalar_t><<<row_blocks, kSelectThreads, 0, stream>>>(
         values_c.const_data_ptr<scalar_t>(), sums_c.const_data_ptr<float>(), counts_c.const_data_ptr<float>(),
         values_out.mutable_data_ptr<scalar_t>(), sources.mutable_data_ptr<int32_t>(),
@@ -505,7 +505,7 @@ void weightedkv_evict_cuda(const at::Tensor& keys, const at::Tensor& values, con
   const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
   if (shape.evictions == 1) {
     bool shifted = false;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "kvcomp::weightedkv_evict", [&] {
+    KVCOMP_DISPATCH_CACHE_TYPES(keys.scalar_type(), "kvcomp::weightedkv_evict", [&] {
       shifted = rows_in_16_byte_chunks(keys) && rows_in_16_byte_chunks(values)
                     ? evict_one_in_place<scalar_t, uint4>(keys, values, sums, counts, shape, merge_values)
                     : evict_one_in_place<scalar_t, scalar_t>(keys, values, sums, counts, shape, merge_values);

@@ -2,17 +2,12 @@
 // and the CUDA kernels alike.
 #pragma once
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
 
 #include "kvcomp/checks.h"
-
-// The cache dtypes decode_attention is instantiated for (no double: check_floating rejects it up front).
-#define KVCOMP_DISPATCH_CACHE_TYPES(TYPE, NAME, ...)                      \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+#include "kvcomp/dispatch.h"
 
 namespace kvcomp {
 
