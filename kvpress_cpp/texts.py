@@ -362,8 +362,12 @@ def _parse_novels(rdx_path: Path) -> dict[str, str]:
     """The six novels from the janeaustenr lazy-load database, verified by structure."""
     try:
         variables = read_lazyload_db(rdx_path)
-    except (ValueError, zlib.error, OSError) as exc:
-        raise AssetError(f"could not parse the janeaustenr data in {AUSTEN_PACKAGE}: {exc}") from exc
+    # What a damaged download raises on the way: a truncated gzip index (EOFError), a short database read as a
+    # header (struct.error), a damaged compressed object, an index of another shape (KeyError, TypeError).
+    except (ValueError, zlib.error, lzma.LZMAError, OSError, EOFError, struct.error, KeyError, TypeError,
+            IndexError) as exc:
+        raise AssetError(f"could not parse the janeaustenr data in {AUSTEN_PACKAGE}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     novels = {}
     for name in AUSTEN_NOVELS:
         lines = variables.get(name)

@@ -145,6 +145,20 @@ def test_read_lazyload_db(tmp_path: Path, compressed_flag: bytes, compress) -> N
     assert texts.read_lazyload_db(tmp_path / "Rdata.rdx") == {"first": ["one", "two"], "second": [None]}
 
 
+@pytest.mark.parametrize("damage", ["index cut in half", "empty database", "database cut to 3 bytes"])
+def test_a_damaged_lazyload_db_is_an_asset_error(tmp_path: Path, damage: str) -> None:
+    """A damaged download gets the error that says which package to fetch again, not a bare EOFError or
+    struct.error from the parser."""
+    test_read_lazyload_db(tmp_path, i32(LGLSXP, 1, 1), lambda raw: struct.pack(">I", len(raw)) + zlib.compress(raw))
+    rdx, rdb = tmp_path / "Rdata.rdx", tmp_path / "Rdata.rdb"
+    if damage == "index cut in half":
+        rdx.write_bytes(rdx.read_bytes()[: len(rdx.read_bytes()) // 2])
+    else:
+        rdb.write_bytes(rdb.read_bytes()[: 0 if damage == "empty database" else 3])
+    with pytest.raises(texts.AssetError, match="could not parse the janeaustenr data"):
+        texts._parse_novels(rdx)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The real corpora. The first run fetches the Debian packages (needs apt-get and Debian's archive); later runs read
 # the cache. Expected passages are the novels' well-known opening lines, not values taken from the parser.
