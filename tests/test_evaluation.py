@@ -470,6 +470,16 @@ def test_answers_without_a_word_agree_only_with_each_other(tmp_path):
     assert results.agreement(tmp_path, press, full) == pytest.approx({"characters": 100 / 3})  # 100, 0, 0
 
 
+def test_answers_in_another_script_agree_only_when_they_are_the_same(tmp_path):
+    """rouge-score keeps only [a-z0-9] words: two different answers in Japanese or Russian both had none, and counted
+    as the same answer (100)."""
+    for name, answers in {"full": ["東京", "Привет мир", "北京"], "press": ["北京", "Пока", "北京"]}.items():
+        (tmp_path / name).mkdir()
+        pd.DataFrame({"task": ["qa"] * 3, "index": [0, 1, 2], "predicted_answer": answers}).to_csv(
+            tmp_path / name / "predictions.csv", index=False)
+    assert results.agreement(tmp_path, {"run_dir": "press"}, {"run_dir": "full"}) == pytest.approx({"qa": 100 / 3})
+
+
 def test_wilson_interval_matches_the_formula_by_hand():
     # 5 of 10, z = 1.96: centre (0.5 + 0.19207) / 1.38415 = 0.5; half-width 1.96 sqrt(0.025 + 0.0096) / 1.38415
     # = 0.26341 → [23.66, 76.34]

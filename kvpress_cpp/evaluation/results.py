@@ -51,6 +51,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import time
 import traceback
@@ -404,9 +405,11 @@ def _agreement_sums(out: Path, result: dict, full: dict | None) -> dict[str, tup
     def rouge_l(reference: str, prediction: str) -> float:
         score = 100 * scorer.score(reference, prediction)["rougeL"].fmeasure
         # ROUGE-L is 0 between two answers without a word ("\n", "."), which would count the full cache as disagreeing
-        # with itself; two such answers are the same answer (tokenised again only for the pairs that score 0)
+        # with itself; two such answers are the same answer. rouge-score's words are [a-z0-9] runs only, so answers
+        # in another script ("東京", "北京") have none either: they agree when their Unicode words are the same.
+        # Tokenised again only for the pairs that score 0.
         if score == 0 and not words.tokenize(reference) and not words.tokenize(prediction):
-            return 100.0
+            return 100.0 if re.findall(r"\w+", reference) == re.findall(r"\w+", prediction) else 0.0
         return score
 
     mine, theirs = _predictions(out, result), _predictions(out, full)
