@@ -381,6 +381,14 @@ def test_a_press_without_a_cache_says_it_did_nothing(llama):
     assert [str(w.message)[:40] for w in caught] == ["ZSMergePress: the model ran without a KV"]  # once a context
 
 
+def test_use_cache_false_with_a_cache_is_refused_naming_use_cache(llama):
+    """With use_cache=False, generate feeds the whole sequence at every step, into a cache passed as
+    past_key_values too: the press refused it as a second generate call on the cache, which it was not."""
+    with pytest.raises(ValueError, match=r"ZSMergePress: this pass feeds .* Here the pass runs with use_cache=False"), \
+            torch.no_grad(), ZSMergePress(budget=8)(llama):
+        llama.generate(prompt(), use_cache=False, past_key_values=DynamicCache(), max_new_tokens=2, do_sample=False)
+
+
 @needs_chunked_prefill
 def test_a_prefill_press_says_a_chunked_prompt_stays_partly_uncompressed(llama):
     with pytest.warns(UserWarning, match=r"GVotePress: a pass of 16 tokens over layers GVotePress compressed earlier"), \

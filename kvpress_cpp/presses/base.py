@@ -640,11 +640,15 @@ class KVCompPress(BasePress):
                 positions = positions.reshape(-1, positions.shape[-1])
                 first, after = int(positions[:, 0].max()), int(positions[:, -1].max()) + 1
             if first < processed and get_state(cache.layers[0]) is not None:
-                raise tokens_fed_again_error(
-                    type(self).__name__, new_tokens, first, processed, slots,
-                    note=(f". In transformers {transformers.__version__}, generate(prefill_chunk_size=...) does this "
-                          f"too: it gives every chunk the positions of the prompt's last chunk"
-                          if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS else ""))
+                if kwargs.get("use_cache") is False:
+                    note = (". Here the pass runs with use_cache=False: generate then feeds the whole sequence at "
+                            "every step, into the cache it was given as past_key_values (leave out one or the other)")
+                elif CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
+                    note = (f". In transformers {transformers.__version__}, generate(prefill_chunk_size=...) does "
+                            f"this too: it gives every chunk the positions of the prompt's last chunk")
+                else:
+                    note = ""
+                raise tokens_fed_again_error(type(self).__name__, new_tokens, first, processed, slots, note=note)
         setattr(cache, _POSITIONS_ATTR, after)
         for module in self._hooked_modules:
             set_positions_end(module, after)
