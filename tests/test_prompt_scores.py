@@ -52,7 +52,7 @@ def make_inputs(batch, query_heads, kv_heads, num_queries, total_len, head_dim, 
 @pytest.mark.parametrize("num_queries,total_len", [(1, 1), (1, 37), (37, 37), (130, 300), (45, 300)])
 @pytest.mark.parametrize("decay,input_scale", [(1.0, 1 / 3), (0.98, 1.0), (0.5, 0.05)])
 def test_matches_reference(device, dtype, batch, query_heads, kv_heads, num_queries, total_len, decay, input_scale):
-    """T not a multiple of the key tile (128), q across query tiles (64), q < T (first_query > 0), padding."""
+    """T not a multiple of the key tile (128), q across query tiles (64), q < T (a prompt's last queries), padding."""
     query, keys, log_weights = make_inputs(batch, query_heads, kv_heads, num_queries, total_len, 24, dtype, device)
     scale = 24 ** -0.5
     lse = ops.prompt_log_sum_exp(query, keys, log_weights, scale)
@@ -384,14 +384,13 @@ def test_log_unnormalised_scores_wrong_device_is_refused():
 # The presses, before and after: the folding they ran before this op, in plain PyTorch
 
 
-def folded_prompt_attention(module, hidden_states, keys, log_weights, kwargs, decay, input_scale, first_query=0,
-                            chunk_size=512):
+def folded_prompt_attention(module, hidden_states, keys, log_weights, kwargs, decay, input_scale, chunk_size=512):
     """The presses' former prompt scoring: each 512-query chunk's full attention probabilities (decode_attention's
     reference) folded into the scores one query at a time (update_scores' reference)."""
     queries = query_states(module, hidden_states, kwargs)
     total = keys.shape[-2]
-    scores = torch.zeros(*keys.shape[:2], first_query, dtype=torch.float32)
-    for start in range(first_query, total, chunk_size):
+    scores = torch.zeros(*keys.shape[:2], 0, dtype=torch.float32)
+    for start in range(0, total, chunk_size):
         end = min(start + chunk_size, total)
         _, probs = reference.decode_attention(queries[:, :, start:end], keys[:, :, :end], keys[:, :, :end],
                                               log_weights[..., :end], module.scaling)

@@ -15,16 +15,9 @@ import torch
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME
 
-__all__ = ["DEFAULT_MODEL_NAME", "kvpress_pipeline", "load_tokenizer", "resolve_device"]
+__all__ = ["DEFAULT_MODEL_NAME", "kvpress_pipeline", "load_tokenizer"]
 
 _pipelines: dict[tuple, Any] = {}
-
-
-def resolve_device(device: str | None) -> str:
-    """evaluate.py's convention: None means "auto" (all GPUs) when CUDA is there, else the CPU."""
-    if device is None:
-        return "auto" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def load_tokenizer(model: str):

@@ -156,6 +156,12 @@ def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -
     return rotate_leading_dims(queries, cos.shape[-1], lambda turned: apply_rotary_pos_emb(turned, turned, cos, sin)[0])
 
 
+def last_query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict, count: int) -> torch.Tensor:
+    """:func:`query_states` (B, Hq, count, d) of the pass's last `count` tokens only."""
+    cos, sin = kwargs["position_embeddings"]
+    return query_states(module, hidden_states[:, -count:], {"position_embeddings": (cos[:, -count:], sin[:, -count:])})
+
+
 def rotate_leading_dims(queries: torch.Tensor, rotated: int, rotate) -> torch.Tensor:
     """`rotate` applied to the first `rotated` dims of each query head, the others passed through: a model with a
     partial rotary embedding (Phi, GPT-NeoX) turns only those; the others, all of them."""
@@ -176,8 +182,7 @@ def check_recomputed_queries(press: str, module: nn.Module, hidden_states: torch
     otherwise (OLMo-2's q_norm over all heads at once, Cohere's interleaved rotary embedding) would have its prompt
     scored with the attention of other queries, and its eager and sdpa runs, or a padded row and its run alone,
     compress differently."""
-    cos, sin = kwargs["position_embeddings"]
-    recomputed = query_states(module, hidden_states[:, -1:], {"position_embeddings": (cos[:, -1:], sin[:, -1:])})
+    recomputed = last_query_states(module, hidden_states, kwargs, 1)
     used = used.float()
     difference = float((recomputed.float() - used).norm() / used.norm().clamp_min(torch.finfo(torch.float32).tiny))
     if not difference <= QUERY_RECOMPUTATION_TOLERANCE:
@@ -191,20 +196,17 @@ def check_recomputed_queries(press: str, module: nn.Module, hidden_states: torch
 
 
 def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor,
-                 kwargs: dict, decay: float, input_scale: float, first_query: int = 0) -> torch.Tensor:
-    """Scores (B, H, T) of a prompt from its queries [first_query, T): ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
+                 kwargs: dict, decay: float, input_scale: float) -> torch.Tensor:
+    """Scores (B, H, T) of a prompt from all its queries: ``Σ_j input_scale · decay^(T-1-j) Σ_g A[g, j]``
     by ``kvcomp::prompt_scores``, which never materialises the attention nor computes P·V. When the press asked the
     layer's own sdpa prompt pass for them (no padding: :meth:`KVCompPress.prompt_score_weights`), the scores it
     computed with the attention are taken as they are, or its queries and log-sum-exp reused; otherwise the queries
     are recomputed and the op computes the log-sum-exp.
     """
     kept = take_prefill_attention(module, keys.shape[-2])
-    if kept is not None and kept.scores is not None and kept.weights == (decay, input_scale) and first_query == 0:
+    if kept is not None and kept.scores is not None and kept.weights == (decay, input_scale):
         return kept.scores
     queries, lse = kept[:2] if kept is not None else (query_states(module, hidden_states, kwargs), None)
-    queries = queries[:, :, first_query:]
-    if lse is not None:
-        lse = lse[:, :, first_query:]
     return ops.prompt_scores(queries, keys, log_weights, module.scaling, decay, input_scale, log_sum_exp=lse)
 
 

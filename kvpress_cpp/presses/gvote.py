@@ -27,7 +27,7 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
-from kvpress_cpp.presses.base import (KVCompPress, query_states, require_bool, require_int, require_real,
+from kvpress_cpp.presses.base import (KVCompPress, last_query_states, require_bool, require_int, require_real,
                                       rotate_leading_dims)
 
 __all__ = ["GVotePress"]
@@ -119,10 +119,7 @@ class GVotePress(KVCompPress):
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
         """Step 1: (B, Hq) top-p sizes of the last prompt query's attention (of the mean attention of the last
         ``budget_queries`` queries)."""
-        cos, sin = kwargs["position_embeddings"]
-        count = min(self.budget_queries, hidden_states.shape[1])
-        last = query_states(module, hidden_states[:, -count:],
-                            {"position_embeddings": (cos[:, -count:], sin[:, -count:])})
+        last = last_query_states(module, hidden_states, kwargs, min(self.budget_queries, hidden_states.shape[1]))
         _, probs = ops.decode_attention(last, keys, values, log_weights, module.scaling)
         return ops.nucleus_budget(probs.mean(2), self.nucleus_p)
 

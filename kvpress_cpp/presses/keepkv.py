@@ -21,8 +21,8 @@ from kvpress.presses.scorer_press import ScorerPress
 from kvpress_cpp import ops
 from kvpress_cpp.attention import take_decode_query, take_prefill_attention
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
-from kvpress_cpp.presses.base import (KVCompDecodingPress, budget_value, query_states, require_bool, require_int,
-                                      require_real)
+from kvpress_cpp.presses.base import (KVCompDecodingPress, budget_value, last_query_states, query_states,
+                                      require_bool, require_int, require_real)
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["KeepKVPress"]
@@ -166,7 +166,7 @@ class KeepKVPress(KVCompDecodingPress):
         kept = take_prefill_attention(module, hidden_states.shape[1])
         if kept is not None:
             return kept.queries[:, :, -window:]
-        return query_states(module, hidden_states[:, -window:], _positions(kwargs, -window, 0))
+        return last_query_states(module, hidden_states, kwargs, window)
 
     def log_estimate(self, state: LayerState) -> torch.Tensor:
         """ln ŝ (B, H, T): the bias-corrected EMA of each slot's per-token score, corrected by its own age."""
@@ -248,13 +248,6 @@ class KeepKVPress(KVCompDecodingPress):
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """ln(1 - e^x) for x ≤ 0, accurate at both ends (-inf at x = 0)."""
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
-def _positions(kwargs: dict, start: int, end: int) -> dict:
-    """The layer kwargs with the rotary tables of the pass's positions [start, end) only, counted from its end (≤ 0)."""
-    cos, sin = kwargs["position_embeddings"]
-    stop = end if end < 0 else None
-    return {**kwargs, "position_embeddings": (cos[:, start:stop], sin[:, start:stop])}
 
 
 def pyramid_budgets(budget: int, num_layers: int, amplitude: float = 0.5) -> list[int]:
