@@ -35,7 +35,7 @@ from typing import Callable
 import pytest
 import torch
 
-import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
+import kvpress_cpp
 from kvpress_cpp import ops
 from kvpress_cpp._contract import CONTRACTS, Contract, Scalar, Tensor
 from tests import reference
@@ -1027,6 +1027,23 @@ def test_compile_meta_and_eager_give_the_same_error():
 def test_every_registered_op_has_a_contract():
     ops = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcomp::")}
     assert ops == set(CONTRACTS), f"ops without a contract: {ops - set(CONTRACTS)}"
+
+
+#: The ops with a CPU kernel only: the prompt's attention kept with its scores is the CPU path of our attention (on
+#: CUDA the model's own sdpa runs, and prompt_log_sum_exp / prompt_scores score after it).
+CPU_ONLY_OPS = {"prompt_attention_with_scores"}
+
+
+@pytest.mark.parametrize("op", sorted(CONTRACTS))
+def test_every_op_has_a_cpu_kernel(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcomp::{op}", "CPU")
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="CPU build of torch: no CUDA kernels expected")
+@pytest.mark.parametrize("op", sorted(set(CONTRACTS) - CPU_ONLY_OPS))
+def test_every_op_has_a_cuda_kernel_with_cuda_torch(op):
+    assert kvpress_cpp.cuda_kernels_built(), "torch is a CUDA build but the extension registered no CUDA kernel"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcomp::{op}", "CUDA")
 
 
 if __name__ == "__main__":
