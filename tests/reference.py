@@ -33,18 +33,15 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     causal mask (query j of q is slot T - q + j and sees slots 0 .. T - q + j), in float64. A row with nothing to
     attend to (every allowed logit -inf) gives probabilities 0 and output 0. Returns (out in the query dtype,
     probs float32)."""
-    group = query.shape[1] // keys.shape[1]
-    num_queries, total_len = query.shape[2], keys.shape[2]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    bias = log_weights.double().repeat_interleave(group, dim=1)[:, :, None, :]
-    logits = scale * (query.double() @ k.transpose(-1, -2)) + bias
-    slots = torch.arange(total_len, device=query.device)
-    positions = total_len - num_queries + torch.arange(num_queries, device=query.device)
-    logits = logits.masked_fill(slots[None, :] > positions[:, None], float("-inf"))
-    empty_row = (logits == float("-inf")).all(-1, keepdim=True)
-    probs = torch.where(empty_row, 0.0, logits.softmax(-1))
+    probs = softmax_or_zero(prompt_attention(query, keys, log_weights, scale))
+    v = values.double().repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
     return (probs @ v).to(query.dtype), probs.float()
+
+
+def softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, 0 for a row with nothing to attend to (every logit -inf)."""
+    empty_row = (logits == float("-inf")).all(-1, keepdim=True)
+    return torch.where(empty_row, 0.0, logits.softmax(-1))
 
 
 def weightedkv_merge_coefficients(mean_child: torch.Tensor, mean_parent: torch.Tensor) -> tuple[float, float]:
@@ -649,13 +646,18 @@ def prompt_log_sum_exp(query, keys, log_weights, scale):
     return prompt_attention(query, keys, log_weights, scale).logsumexp(-1)
 
 
-def prompt_scores(query, keys, log_weights, scale, decay, input_scale):
+def prompt_scores(query, keys, log_weights, scale, decay, input_scale, log_sum_exp=None):
     """The formula in float64: ``s_i = Σ_j input_scale * decay^(q-1-j) Σ_g softmax(logits)[g, j, i]`` with the full
-    softmax of :func:`prompt_attention` (empty rows 0) and the weights written out per query: (B, H, T)."""
+    softmax of :func:`prompt_attention` (empty rows 0) and the weights written out per query: (B, H, T). With
+    `log_sum_exp` (B, Hq, q), as the op takes it: each row normalised by it instead, exp(logit - lse), a row whose
+    log-sum-exp is ±inf adding nothing (it sees no slot) and a NaN one making its slots NaN."""
     batch, kv_heads, total_len = log_weights.shape
     logits = prompt_attention(query, keys, log_weights, scale)
-    empty_row = (logits == float("-inf")).all(-1, keepdim=True)
-    probs = torch.where(empty_row, 0.0, logits.softmax(-1))
+    if log_sum_exp is None:
+        probs = softmax_or_zero(logits)
+    else:
+        lse = log_sum_exp.double()[..., None]
+        probs = torch.where(torch.isinf(lse), 0.0, (logits - lse).exp())
     num_queries = query.shape[2]
     weights = torch.tensor([input_scale * decay ** (num_queries - 1 - j) for j in range(num_queries)],
                            dtype=torch.float64, device=query.device)
@@ -735,18 +737,14 @@ def paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, b
     values = gather_paged(value_blocks, block_tables, lengths)
     log_weights = gather_paged(log_weight_blocks, block_tables, lengths, float("-inf"))
     batch, heads = lengths.shape
-    group, num_queries, total = query.shape[1] // heads, query.shape[2], keys.shape[2]
-    out = torch.zeros(query.shape, dtype=torch.float64)
-    probs = torch.zeros(*query.shape[:3], total, dtype=torch.float64)
+    group = query.shape[1] // heads
+    out = torch.zeros(query.shape, dtype=query.dtype)
+    probs = torch.zeros(*query.shape[:3], keys.shape[2], dtype=torch.float32)
     for b in range(batch):
         for h in range(heads):
-            length = int(lengths[b, h])
-            q = query[b, h * group:(h + 1) * group].double()
-            logits = scale * (q @ keys[b, h, :length].double().T) + log_weights[b, h, :length].double()
-            limit = length - num_queries + torch.arange(num_queries)
-            logits = logits.masked_fill(torch.arange(length)[None, None, :] > limit[None, :, None], float("-inf"))
-            empty_row = (logits == float("-inf")).all(-1, keepdim=True)
-            p = torch.where(empty_row, 0.0, logits.softmax(-1))
-            probs[b, h * group:(h + 1) * group, :, :length] = p
-            out[b, h * group:(h + 1) * group] = p @ values[b, h, :length].double()
-    return out.to(query.dtype), probs.float()
+            length, rows = int(lengths[b, h]), slice(h * group, (h + 1) * group)
+            one_head = (slice(b, b + 1), slice(h, h + 1), slice(0, length))
+            head_out, head_probs = decode_attention(query[b:b + 1, rows], keys[one_head], values[one_head],
+                                                    log_weights[one_head], scale)
+            out[b, rows], probs[b, rows, :, :length] = head_out[0], head_probs[0]
+    return out, probs

@@ -148,17 +148,8 @@ def _prompt_log_unnormalised_scores_build(r, s, dtype):
 
 
 def _prompt_scores_given_lse(query, keys, log_weights, log_sum_exp, scale, decay, input_scale):
-    """prompt_scores from the formula, normalised by the given log-sum-exp: exp(logit - lse) in float64, a row whose
-    log-sum-exp is ±inf adding nothing (it sees no slot) and a NaN one making its slots NaN."""
-    batch, kv_heads, total_len = log_weights.shape
-    logits = reference.prompt_attention(query, keys, log_weights, scale)
-    lse = log_sum_exp.double()[..., None]
-    probs = torch.where(torch.isinf(lse), 0.0, (logits - lse).exp())
-    num_queries = query.shape[2]
-    weights = torch.tensor([input_scale * decay ** (num_queries - 1 - j) for j in range(num_queries)],
-                           dtype=torch.float64)
-    weighted = (probs * weights[:, None]).sum(2)
-    return weighted.view(batch, kv_heads, query.shape[1] // kv_heads, total_len).sum(2)
+    """The reference with the op's argument order (the log-sum-exp a prompt pass kept comes fourth)."""
+    return reference.prompt_scores(query, keys, log_weights, scale, decay, input_scale, log_sum_exp=log_sum_exp)
 
 
 def _prompt_lse_nonfinite(query, keys, log_weights, scale):
@@ -342,12 +333,7 @@ def _keepkv_step_build(r, s, dtype, device="cpu"):
     log_weights[..., slots - new_tokens:] = 0.0
     scale = max(head_dim, 1) ** -0.5
     if query_heads and kv_heads and query_heads % kv_heads == 0 and slots >= new_tokens >= 1:
-        grouped = queries.double().reshape(batch, kv_heads, query_heads // kv_heads, new_tokens, head_dim)
-        logits = grouped @ keys.double().unsqueeze(2).transpose(-1, -2) * scale + log_weights.double()[:, :, None, None]
-        position = torch.arange(slots, device=device)
-        hidden = position > slots - new_tokens + position[:new_tokens, None]
-        probabilities = logits.masked_fill(hidden, -math.inf).softmax(-1).float().reshape(
-            batch, query_heads, new_tokens, slots)
+        probabilities = reference.decode_attention(queries, keys, values, log_weights, scale)[1]
     else:  # shapes the contract rejects: any probabilities of the declared shape
         probabilities = torch.rand(batch, query_heads, new_tokens, slots, generator=_g(r, device), device=device)
     log_ema = _randn(r, (batch, kv_heads, old_slots), device=device) - 2.0

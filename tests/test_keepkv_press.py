@@ -187,13 +187,9 @@ def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model)
 
 
 def attention_output_float64(query, keys, values, log_weights, scale):
-    """softmax(q·k·scale + b)·v of the last query over every slot, in float64 (plain PyTorch). query (B, Hq, 1, d),
-    keys/values (B, H, T, d), log_weights (B, H, T) -> (B, Hq, d)."""
-    group = query.shape[1] // keys.shape[1]
-    keys, values = (tensor.double().repeat_interleave(group, 1) for tensor in (keys, values))
-    logits = (query[:, :, -1].double().unsqueeze(-2) @ keys.transpose(-1, -2)).squeeze(-2) * scale
-    logits = logits + log_weights.double().repeat_interleave(group, 1)
-    return (logits.softmax(-1).unsqueeze(-2) @ values).squeeze(-2)
+    """softmax(q·k·scale + b)·v of the last query over every slot, in float64. query (B, Hq, q, d), keys/values
+    (B, H, T, d), log_weights (B, H, T) -> (B, Hq, d)."""
+    return reference.decode_attention(query[:, :, -1:].double(), keys, values, log_weights, scale)[0][:, :, 0]
 
 
 def rows_with_convex_fallback(votes, log_scores, targets) -> set[tuple[int, int]]:
