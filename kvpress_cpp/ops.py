@@ -196,13 +196,13 @@ def zsmerge_decode_step(
         values: (B, H, M + q, d), the dtype of keys; updated in place.
         scores: (B, H, M + q) float32; updated in place.
         counts: (B, H, M + q) float32 fusion counts w; updated in place.
-
-    Each argument's (batch, kv head) rows must be contiguous and in order, at any stride (:func:`contiguous_rows`):
-    a contiguous tensor, or a :class:`~kvpress_cpp.paged_cache.PagedKVCache` view over its block pools, which is
-    then updated where it lies.
         ring_position: offset in [0, recent) of the oldest recent token, shared by all heads.
         recent, context, residual: the slot budget (recent >= 1, context >= 1, residual >= 0).
         paper_order: the paper's eviction order instead of the authors' code's.
+
+    Each tensor argument's (batch, kv head) rows must be contiguous and in order, at any stride
+    (:func:`contiguous_rows`): a contiguous tensor, or a :class:`~kvpress_cpp.paged_cache.PagedKVCache` view over its
+    block pools, which is then updated where it lies.
 
     Afterwards slots [0, M) hold the compressed cache (slots [M, M + q) are stale): the caller narrows every
     tensor to M and advances ``ring_position = (ring_position + q) % recent``.
@@ -379,7 +379,9 @@ def gvote_union_mask(
     For each (batch, query head h, sample s), the k = clamp(budgets[b, h], 0, T) slots of largest logit
     ``scale * q_s·k_t`` (float32; ties go to the lower slot, NaN ranks below every number, -inf included) are kept;
     kv head g keeps the union over its query heads g*G .. g*G + G - 1 and all their samples, plus slots
-    [0, min(sinks, T)).
+    [0, min(sinks, T)). The logits come from a batched matmul: on CUDA, torch's float32 matmul settings apply (with
+    TF32 allowed, ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")``, logits are
+    rounded to TF32's 10-bit mantissa, and near-ties may then select other slots than on the CPU).
 
     Args:
         keys: (B, H, T, d) post-RoPE keys, float32, float16 or bfloat16.
@@ -575,16 +577,15 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
     """Per-kv-head scores of a prompt's keys from its q newest queries, at the cost of attention without P·V.
 
     ``s_i = Σ_j input_scale * decay^(q-1-j) * Σ_g softmax(scale * q_{g,j}·Kᵀ + b)_i`` over the G query heads of each
-    kv head, causal: ZSMerge's prefill scores (decay λ, input_scale 1), WeightedKV's sums (decay 1, 1/G), KeepKV's EMA
-    over its last R queries (decay β, (1-β)/G, the R queries). It equals :func:`update_scores` folding the full
+    kv head, causal: ZSMerge's prefill scores (decay λ, input_scale 1) and WeightedKV's sums (decay 1, 1/G); KeepKV
+    averages unnormalised scores instead (:func:`prompt_log_unnormalised_scores`). It equals :func:`update_scores` folding the full
     attention of those queries one by one, without materialising it: a log-sum-exp pass
     (:func:`prompt_log_sum_exp`, skipped when ``log_sum_exp`` is given), then one pass adding normalised probabilities
     over tiles of keys. Older queries whose total weight is below float32 resolution of every score of a key tile
     (decay < 1) are left out (the bound is documented in ``csrc/kernels/prompt_scores.h``). Deterministic on CPU and
     CUDA (each score is summed by one task in a fixed order); workspace: tiles only, whatever T. On CUDA, float16 and
     bfloat16 at d = 64 or 128 (rows in 16-byte pieces) run on tensor cores (mma.sync, the logits kept in registers;
-    ``csrc/cuda/prompt_scores.cu``): on an H100, a Llama-3-8B layer at 32k, the second pass takes 1.41x the layer's
-    sdpa and both 2.6x.
+    ``csrc/cuda/prompt_scores.cu``; measured against the layer's sdpa in ``docs/benchmarks.md``).
 
     Args:
         query, keys, log_weights, scale: as for :func:`prompt_log_sum_exp`.

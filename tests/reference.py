@@ -1,5 +1,6 @@
 """Plain-PyTorch references of every kvcomp op, written from the papers' formulas (see ../shared/docs/methods.md),
-in float32 math, as directly as possible and with no attention to speed.
+as directly as possible and with no attention to speed: in float64 unless a function says otherwise (those that
+follow the op's float32 arithmetic do so where that rounding is the op's contract, e.g. a selection made in float32).
 """
 
 import math

@@ -27,7 +27,7 @@ KVCOMP_HOST_DEVICE inline float row_log_sum_exp(SoftmaxPartial row) {
 }
 
 // w_j of the query `age` = q - 1 - j steps older than the newest: input_scale · decay^age (ZSMerge λ^(T-1-j) with
-// input_scale 1; WeightedKV decay 1, 1/G; KeepKV's EMA decay β, (1-β)/G).
+// input_scale 1; WeightedKV decay 1, 1/G; KeepKV's EMA of unnormalised scores, decay β, (1-β)/G).
 KVCOMP_HOST_DEVICE inline float query_weight(double decay, double input_scale, int64_t age) {
   return static_cast<float>(input_scale * ::pow(decay, static_cast<double>(age)));
 }

@@ -103,7 +103,8 @@ inline GVoteUnionShape check_gvote_union_mask(const at::Tensor& keys, const at::
 // kv head are contiguous (query head h * G + g reads kv head h), so a chunk is either several whole kv heads (one
 // bmm) or a slice of one (one mm). Extra memory: the n x T logits, plus, for float16 / bfloat16 caches, the float32
 // copy of the keys (T x d per kv head of the chunk) and of the chunk's queries: logits are always float32, never
-// rounded to the cache dtype, so that selections do not tie where the float32 reference does not.
+// rounded to the cache dtype, so that selections do not tie where the float32 reference does not (on CUDA, unless
+// torch's float32 matmul settings allow TF32, which the bmm / mm follow: see ops.gvote_union_mask).
 template <typename Fn>
 void for_each_logit_chunk(const at::Tensor& keys, const at::Tensor& queries, const GVoteUnionShape& shape,
                           int64_t chunk_size, Fn&& fn) {
