@@ -58,8 +58,7 @@ def default_surrogate_dir(model: nn.Module, model_type: str) -> Path:
 def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str | Path | None = None) -> KVzapModel:
     """kvpress's ``KVzapModel`` for `model` from a local directory (``surrogate_dir``, or the packaged default),
     checked against the model's shape. Raises FileNotFoundError naming the expected path when it is missing."""
-    if model_type not in ("linear", "mlp"):
-        raise ValueError(f"KVzap: model_type must be 'linear' or 'mlp', got {model_type!r}")
+    require_model_type("KVzap", model_type)
     path = Path(surrogate_dir) if surrogate_dir is not None else default_surrogate_dir(model, model_type)
     missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
     if missing:
