@@ -194,6 +194,10 @@ def test_nan_input_does_not_crash(device):
     assert out.shape == (2, 8, 1, 16) and probs.shape == (2, 8, 1, 300)
     assert torch.isfinite(out[0, 4:]).all() and torch.isfinite(out[1, 4:7]).all()
     torch.testing.assert_close(out[0, 4:], reference.decode_attention(query, keys, values, log_weights, 0.25)[0][0, 4:])
+    # The rows that read a NaN are NaN, the NaN query's too: its other logits are all NaN, so no finite maximum is
+    # left to shift by (the CUDA kernel's maximum passed over the NaN and read the row as empty: zeros).
+    for rows in (out[0, :4], out[1, :4], out[1, 7], probs[0, :4], probs[1, :4], probs[1, 7]):
+        assert rows.isnan().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -94,6 +94,19 @@ def test_long_heads_split_into_slot_chunks(device, block_size, num_queries, retu
         torch.testing.assert_close(out.cpu(), expected_out, **OUT_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_query_makes_its_row_nan_and_no_other(device):
+    """Every logit of a NaN query is NaN: no finite maximum is left to shift by, and the row must still come out NaN,
+    as the float64 softmax gives it (the CUDA kernel's maximum passed over the NaN and read the row as empty)."""
+    query, *rest = make_paged([[37, 300]], 4, 1, 16, 16, device=device, evicted=0.0)
+    query[0, 3, 0, 0] = float("nan")
+    out, probs = ops.paged_decode_attention(query, *rest, 0.3)
+    expected_out, expected_probs = reference.paged_decode_attention(query.cpu(), *(t.cpu() for t in rest), 0.3)
+    assert out[0, 3].isnan().all() and probs[0, 3, :, :300].isnan().all()
+    torch.testing.assert_close(out[0, :3].cpu(), expected_out[0, :3], **OUT_TOL[torch.float32])
+    torch.testing.assert_close(probs[0, :3].cpu(), expected_probs[0, :3], **PROBS_TOL)
+
+
 @pytest.mark.parametrize("return_probs", [True, False])
 def test_cpu_result_does_not_depend_on_the_thread_count(return_probs):
     inputs = make_paged([[4100, 700, 2500]], 9, 1, 64, 16, seed=3, evicted=0.2)

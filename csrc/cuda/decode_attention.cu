@@ -290,7 +290,9 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks<kRows, kVec>())
     float sum = 0.0f;
     float* global_row = probs ? probs + (b.pair * p.rows + b.row0 + r) * p.total_len + b.slot_begin : nullptr;
     for (int64_t i = warp_lane; i < b.len; i += 32) {
-      const float e = kernels::shifted_exp(row[i], max);
+      // Not shifted_exp: fmaxf passes over NaN, so a row whose other logits are all -inf (a NaN query) keeps
+      // max = -inf, and its NaN must still reach the sum (NaN - -inf = NaN), as on the CPU (attention_rows.h).
+      const float e = row[i] == -INFINITY ? 0.0f : ::expf(row[i] - max);
       row[i] = e;
       if (global_row) global_row[i] = e;
       sum += e;

@@ -236,27 +236,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, double threshold,
-                             std::optional<int64_t> max_evicted_bound) {
-  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold, max_evicted_bound);
-  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+namespace {
+
+// keepkv_match's rows ([R, T] keep, their evicted counts and the targets to fill, each slot retained or unmatched),
+// given host integers no row exceeds: the most slots a row evicts (a bound: the direct kernel strides over the rest)
+// and retains (exact for the GEMM path, which matches against that many retained slots a row).
+at::Tensor match_rows(const at::Tensor& keys, const KeepKVShape& shape, const at::Tensor& keep_rows,
+                      const at::Tensor& num_evicted, at::Tensor targets, double threshold, int64_t max_evicted,
+                      int64_t max_retained) {
   const int64_t rows = shape.rows(), slots = shape.slots, head_dim = shape.head_dim;
-  const at::Tensor keep_rows = keep.reshape({rows, slots}).contiguous();
-  at::Tensor targets = at::where(keep_rows, kernels::kKeepKVRetained, kernels::kKeepKVEvictedNoMerge);
-  if (rows == 0 || slots == 0) return targets.view({shape.batch, shape.kv_heads, slots});
-  TORCH_CHECK(rows <= INT32_MAX, "kvcomp::keepkv_match: expected at most 2^31 - 1 (batch, kv-head) rows, got ", rows);
-  const at::Tensor num_evicted = keep_rows.logical_not().sum(1);  // int64 [R]
+  if (rows == 0 || max_evicted == 0 || max_retained == 0) return targets.view({shape.batch, shape.kv_heads, slots});
   const at::Tensor keys_c = keys.reshape({rows, slots, head_dim}).contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float threshold_f = static_cast<float>(threshold);
-  const bool direct_without_sync = max_evicted_bound.has_value() && *max_evicted_bound <= kDirectMaxEvicted;
-  int64_t max_evicted = direct_without_sync ? *max_evicted_bound : 0, max_retained = slots;
-  if (!direct_without_sync) {
-    const at::Tensor extremes = at::stack({num_evicted.max(), num_evicted.min()}).cpu();  // the one host sync
-    max_evicted = extremes[0].item<int64_t>();
-    max_retained = slots - extremes[1].item<int64_t>();
-    if (max_evicted == 0 || max_retained == 0) return targets.view({shape.batch, shape.kv_heads, slots});
-  }
   const at::Tensor evicted = keepkv_partition(keep_rows, /*evicted_first=*/true);
   if (max_evicted <= kDirectMaxEvicted) {
     // The blocks stride over the evicted ranks, so a row evicting more than the bound is still matched in full.
@@ -309,6 +301,47 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return targets.view({shape.batch, shape.kv_heads, slots});
+}
+
+// keepkv_match's validated rows: keep as [R, T], the targets each slot starts from, and the evicted count of each row.
+struct MatchRows {
+  at::Tensor keep, targets, num_evicted;
+};
+
+MatchRows match_rows_of(const at::Tensor& keep, const KeepKVShape& shape) {
+  const int64_t rows = shape.rows(), slots = shape.slots;
+  TORCH_CHECK(rows <= INT32_MAX, "kvcomp::keepkv_match: expected at most 2^31 - 1 (batch, kv-head) rows, got ", rows);
+  const at::Tensor keep_rows = keep.reshape({rows, slots}).contiguous();
+  return {keep_rows, at::where(keep_rows, kernels::kKeepKVRetained, kernels::kKeepKVEvictedNoMerge),
+          keep_rows.logical_not().sum(1)};
+}
+
+// keepkv_match where every row evicts exactly `evicted_per_row` slots (a KeepKV step evicts T - M of every row): the
+// extents are known on the host, so nothing waits on the device whatever their size.
+at::Tensor keepkv_match_evicting_each(const at::Tensor& keys, const at::Tensor& keep, double threshold,
+                                     int64_t evicted_per_row) {
+  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold, evicted_per_row);
+  const MatchRows m = match_rows_of(keep, shape);
+  return match_rows(keys, shape, m.keep, m.num_evicted, m.targets, threshold, evicted_per_row,
+                    shape.slots - evicted_per_row);
+}
+
+}  // namespace
+
+at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, double threshold,
+                             std::optional<int64_t> max_evicted_bound) {
+  const KeepKVShape shape = check_keepkv_match(keys, keep, threshold, max_evicted_bound);
+  const c10::cuda::OptionalCUDAGuard device_guard(keys.device());
+  const int64_t rows = shape.rows(), slots = shape.slots;
+  const MatchRows m = match_rows_of(keep, shape);
+  if (rows == 0 || slots == 0) return m.targets.view({shape.batch, shape.kv_heads, slots});
+  if (max_evicted_bound.has_value() && *max_evicted_bound <= kDirectMaxEvicted) {
+    return match_rows(keys, shape, m.keep, m.num_evicted, m.targets, threshold, *max_evicted_bound, slots);
+  }
+  // A larger bound would not do: the GEMM path needs the most slots a row retains.
+  const at::Tensor extremes = at::stack({m.num_evicted.max(), m.num_evicted.min()}).cpu();  // the one host sync
+  return match_rows(keys, shape, m.keep, m.num_evicted, m.targets, threshold, extremes[0].item<int64_t>(),
+                    slots - extremes[1].item<int64_t>());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -799,7 +832,17 @@ __global__ void __launch_bounds__(kThreads)
 int64_t fused_step_shared_bytes(int64_t group, int64_t new_tokens) {
   return static_cast<int64_t>(sizeof(float)) * (2 * group * new_tokens + 2 * new_tokens);
 }
-constexpr int64_t kMaxFusedStepSharedBytes = 48 * 1024;  // the default limit of dynamic shared memory
+
+// Whether the fused step's dynamic shared memory fits beside its static arrays (the selection's, ~0.5 KB, the same
+// for every instantiation) in the 48 KiB a block gets without opting in: asked of the compiled kernel once.
+bool fused_step_fits(int64_t group, int64_t new_tokens) {
+  static const int64_t static_bytes = [] {
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, keepkv_decode_step_kernel<float, float>));
+    return static_cast<int64_t>(attributes.sharedSizeBytes);
+  }();
+  return fused_step_shared_bytes(group, new_tokens) <= 48 * 1024 - static_bytes;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fused_decode_step(
     at::Tensor& keys, at::Tensor& values, const at::Tensor& queries, const at::Tensor& probabilities,
@@ -884,7 +927,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
   const c10::cuda::CUDAGuard guard(keys.device());
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t head_dim = shape.cache.head_dim, group = shape.group, q = shape.queries, kept = shape.kept;
-  if (slots - kept <= kDirectMaxEvicted && fused_step_shared_bytes(group, q) <= kMaxFusedStepSharedBytes) {
+  if (slots - kept <= kDirectMaxEvicted && fused_step_fits(group, q)) {
     return keepkv_fused_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes, shape,
                                     scale, ema_decay, sinks, recent, threshold, convex);
   }
@@ -922,7 +965,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
                                  .narrow(-1, 0, slots - kept);
   const at::Tensor keep = at::ones({batch, kv_heads, slots}, log_ema.options().dtype(at::kBool)).scatter(-1, evicted,
                                                                                                         false);
-  const at::Tensor targets = keepkv_match_cuda(keys, keep, threshold, slots - kept);
+  const at::Tensor targets = keepkv_match_evicting_each(keys, keep, threshold, slots - kept);
   const at::Tensor dropped = new_votes.masked_fill(targets != kernels::kKeepKVEvictedNoMerge, 0.0).sum(-1);
   auto [merged_keys, merged_values, merged_votes] =
       keepkv_zip_merge_cuda(keys, values, new_votes, log_estimate, targets, convex, /*check_targets=*/false);

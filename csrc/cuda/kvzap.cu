@@ -56,9 +56,9 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-    bias_to_float_kernel(const scalar_t* __restrict__ product,  // [B, H, T]
+    bias_to_float_kernel(const scalar_t* product,  // [B, H, T]; not __restrict__: `out` itself for float32
                          const float* __restrict__ bias,  // [H]
-                         float* __restrict__ out,  // [B, H, T]
+                         float* out,  // [B, H, T]
                          int64_t total, int64_t heads, int64_t len) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)

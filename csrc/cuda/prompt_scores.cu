@@ -898,17 +898,28 @@ at::cuda::detail::IntDivider<unsigned> group_divider(const PromptScoresShape& sh
   return at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(shape.group_size));
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory, after checking them against what the device allows a block
+// beside the kernel's static shared memory (a float32 d = 256 tile needs 150 KiB: an H100's 227 KiB holds it, the
+// 99 KiB of sm_86 / sm_89 do not), so that too large a head dim is named instead of failing the launch.
 template <typename Kernel>
-void allow_shared_bytes(Kernel kernel, size_t bytes) {
+void allow_shared_bytes(const char* op, Kernel kernel, size_t bytes, int64_t head_dim) {
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
+  const size_t allowed = static_cast<size_t>(optin) - attributes.sharedSizeBytes;
+  TORCH_CHECK(bytes <= allowed, op, ": expected a head dim d whose tiles fit the ", allowed,
+              " bytes of shared memory this device gives a block, got d = ", head_dim, " (", bytes,
+              " bytes; a half-precision query and cache need half as many)");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // A tensor-core kernel over `items` fixed rows (query rows or keys) of each (batch, kv head) pair: kFixedRows per
 // block along x, one pair along y.
 template <int kHeadDim, typename Kernel, typename... Args>
-void launch_tensor_cores(Kernel kernel, int64_t items, unsigned pairs, Args... args) {
+void launch_tensor_cores(const char* op, Kernel kernel, int64_t items, unsigned pairs, Args... args) {
   const size_t bytes = MmaTiles<kHeadDim>::kSharedBytes;
-  allow_shared_bytes(kernel, bytes);
+  allow_shared_bytes(op, kernel, bytes, kHeadDim);
   const dim3 grid(static_cast<unsigned>(kernels::launch::ceil_div(items, kFixedRows)), pairs);
   kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -931,7 +942,7 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
       if (tensor_core_path(shape, layout, query.scalar_type())) {
         return with_head_dim(shape.head_dim, [&](auto head_dim) {
           constexpr int kHeadDim = decltype(head_dim)::value;
-          launch_tensor_cores<kHeadDim>(log_sum_exp_mma_kernel<scalar_t, kHeadDim>,
+          launch_tensor_cores<kHeadDim>("kvcomp::prompt_log_sum_exp", log_sum_exp_mma_kernel<scalar_t, kHeadDim>,
                                         shape.group_size * shape.num_queries, grid.y, layout, group_divider(shape),
                                         query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
                                         log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
@@ -939,7 +950,7 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
       }
     }
     const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
-    allow_shared_bytes(log_sum_exp_kernel<scalar_t>, bytes);
+    allow_shared_bytes("kvcomp::prompt_log_sum_exp", log_sum_exp_kernel<scalar_t>, bytes, shape.head_dim);
     log_sum_exp_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
         layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
         log_weights_c.const_data_ptr<float>(), lse.mutable_data_ptr<float>());
@@ -966,8 +977,9 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
       if (tensor_core_path(shape, layout, query.scalar_type())) {
         return with_head_dim(shape.head_dim, [&](auto head_dim) {
           constexpr int kHeadDim = decltype(head_dim)::value;
-          launch_tensor_cores<kHeadDim>(scores_mma_kernel<scalar_t, kHeadDim>, shape.total_len, grid.y, layout,
-                                        group_divider(shape), query_c.const_data_ptr<scalar_t>(),
+          launch_tensor_cores<kHeadDim>("kvcomp::prompt_scores", scores_mma_kernel<scalar_t, kHeadDim>,
+                                        shape.total_len, grid.y, layout, group_divider(shape),
+                                        query_c.const_data_ptr<scalar_t>(),
                                         keys_c.const_data_ptr<scalar_t>(), log_weights_c.const_data_ptr<float>(),
                                         lse_c.const_data_ptr<float>(), decay, input_scale,
                                         scores.mutable_data_ptr<float>());
@@ -975,7 +987,7 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
       }
     }
     const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
-    allow_shared_bytes(scores_kernel<scalar_t>, bytes);
+    allow_shared_bytes("kvcomp::prompt_scores", scores_kernel<scalar_t>, bytes, shape.head_dim);
     scores_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
         layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
         log_weights_c.const_data_ptr<float>(), lse_c.const_data_ptr<float>(), decay, input_scale,
@@ -1002,7 +1014,7 @@ at::Tensor prompt_log_unnormalised_scores_cuda(const at::Tensor& query, const at
                   static_cast<unsigned>(shape.batch * shape.kv_heads));
   KVCOMP_DISPATCH_CACHE_TYPES(query.scalar_type(), op, [&] {
     const size_t bytes = shared_bytes<scalar_t>(shape.head_dim);
-    allow_shared_bytes(log_unnormalised_scores_kernel<scalar_t>, bytes);
+    allow_shared_bytes(op, log_unnormalised_scores_kernel<scalar_t>, bytes, shape.head_dim);
     log_unnormalised_scores_kernel<scalar_t><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(
         layout, query_c.const_data_ptr<scalar_t>(), keys_c.const_data_ptr<scalar_t>(),
         log_weights_c.const_data_ptr<float>(), std::log(decay), std::log(input_scale),
