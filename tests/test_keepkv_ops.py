@@ -712,6 +712,39 @@ def test_decode_step_on_cuda_packs_long_rows_as_the_cpu_op(dtype, new_tokens, st
         torch.testing.assert_close(g.cpu().float(), e.float(), atol=atol, rtol=rtol, equal_nan=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_step_with_many_evictions_replays_in_a_cuda_graph():
+    """A pass of 12 tokens at the budget evicts 12 slots a row, more than the fused kernel takes: the ATen fallback,
+    whose match once read its rows' extents back to the host. Capture fails on any host sync; the replay must give
+    the eager step's results."""
+    import random
+
+    from tests.test_fuzz_ops import _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random("graph-fallback")
+    sizes = _keepkv_step_sizes(r, {"B": 2, "H": 2, "Hq": 8, "q": 12, "d": 64, "S": 40})
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in _keepkv_step_build(r, sizes, torch.float32)]
+    args[10:13] = [40, 4, 8]  # budget, sinks, recent: 12 evictions a row
+
+    def fresh():  # keys and values are updated in place
+        return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.keepkv_decode_step(*fresh())
+    torch.cuda.current_stream().wait_stream(side)
+    captured, graph = fresh(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = ops.keepkv_decode_step(*captured)
+    graph.replay()
+    eager = fresh()
+    expected = ops.keepkv_decode_step(*eager)
+    torch.cuda.synchronize()
+    for g, e in zip([*captured[:2], *got], [*eager[:2], *expected], strict=True):  # keys, values, then the outputs
+        torch.testing.assert_close(g, e, equal_nan=True)
+
+
 @pytest.mark.parametrize("index, name", [(2, "queries"), (3, "probabilities"), (4, "log_weights"), (5, "log_ema"),
                                          (6, "age"), (7, "votes")])
 def test_decode_step_refuses_read_inputs_that_require_grad(index, name):
