@@ -471,55 +471,75 @@ class KVCompPress(BasePress):
                         f"context: {name} compresses a prompt once, whole, so these tokens stay uncompressed (as "
                         f"generate(prefill_chunk_size=...) leaves every chunk after the first)", stacklevel=2)
             return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
-        keys, values = layer.keys, layer.values
         attentions = output[1] if len(output) > 1 else None
-        keeps_held_slots = False
         if state is None:
-            if keys.shape[-2] > new_tokens:
-                raise ValueError(
-                    f"{name}: layer {layer_idx} already held {keys.shape[-2] - new_tokens} tokens that {name} did not "
-                    f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
-                    f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
-            forget_tokens_held(layer)  # a prompt compressed afresh: an earlier context's count is not its own
-            if self.compresses_compressed_prompt and keys.shape[-2] < new_tokens and not hasattr(layer, "drop_padding"):
-                self._refuse_padding_lost(layer_idx, keys, kwargs, new_tokens)
-            dropped = getattr(layer, "padding_dropped", 0)
-            if dropped and keys.shape[-2] == new_tokens - dropped:
-                # A paged prefill holds no column that every row pads (a batch padded to a multiple, say): the
-                # prompt is the tokens after those, as the view shows them.
-                hidden_states, kwargs = hidden_states[:, dropped:], _kwargs_from_column(kwargs, dropped)
-                attentions = attentions[..., dropped:, dropped:] if attentions is not None else None
-            used_queries = take_prompt_last_query(module)
-            if self.scores_prompt_with_queries and used_queries is not None:
-                check_recomputed_queries(name, module, hidden_states, kwargs, used_queries)
-            result = self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
+            result, keeps_held_slots = self._prefill_layer(module, layer, hidden_states, attentions, kwargs), False
         else:
-            owner = state.owner() if state.owner is not None else None
-            if state.owner_type is not type(self) or (owner is not None and owner is not self):
-                raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
-                                 f"presses cannot compress one cache (compose {name} with kvpress presses only)")
-            self._check_state_covers_held_slots(layer_idx, state, keys.shape[-2] - new_tokens)
-            if isinstance(state, RowStates):
-                result = self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs)
-            else:
-                result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
-                keeps_held_slots = self.decoding_keeps_every_slot
-            if result is not None:
-                self._count_later_tokens(layer_idx, new_tokens)
+            result, keeps_held_slots = self._decode_layer(module, layer, state, hidden_states, attentions, kwargs)
         if result is not None:
-            if self._compressed_in_context is not None:
-                self._compressed_in_context.add(layer_idx)
-            layer.keys, layer.values, state = result
-            state.owner, state.owner_type = UnsavedRef(self), type(self)
-            state.keeps_held_slots = keeps_held_slots
-            if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
-                state.value_probe = layer.values[..., 0].clone()
-            set_state(layer, state)
-            attach(module, layer)
-            self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
-            self._states_written[layer_idx] = UnsavedRef(state)
-            self._held_to_gather.add(layer_idx)
+            self._store(module, layer, *result, keeps_held_slots)
         return self._after_layer(module, output)
+
+    def _prefill_layer(self, module: nn.Module, layer, hidden_states: torch.Tensor, attentions, kwargs: dict):
+        """The prompt pass over a layer holding no state of ours: its compression (keys, values, state), or None."""
+        name, layer_idx, new_tokens = type(self).__name__, module.layer_idx, hidden_states.shape[1]
+        keys, values = layer.keys, layer.values
+        if keys.shape[-2] > new_tokens:
+            raise ValueError(
+                f"{name}: layer {layer_idx} already held {keys.shape[-2] - new_tokens} tokens that {name} did not "
+                f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
+                f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
+        forget_tokens_held(layer)  # a prompt compressed afresh: an earlier context's count is not its own
+        if self.compresses_compressed_prompt and keys.shape[-2] < new_tokens and not hasattr(layer, "drop_padding"):
+            self._refuse_padding_lost(layer_idx, keys, kwargs, new_tokens)
+        dropped = getattr(layer, "padding_dropped", 0)
+        if dropped and keys.shape[-2] == new_tokens - dropped:
+            # A paged prefill holds no column that every row pads (a batch padded to a multiple, say): the prompt is
+            # the tokens after those, as the view shows them.
+            hidden_states, kwargs = hidden_states[:, dropped:], _kwargs_from_column(kwargs, dropped)
+            attentions = attentions[..., dropped:, dropped:] if attentions is not None else None
+        used_queries = take_prompt_last_query(module)
+        if self.scores_prompt_with_queries and used_queries is not None:
+            check_recomputed_queries(name, module, hidden_states, kwargs, used_queries)
+        return self._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
+
+    def _decode_layer(self, module: nn.Module, layer, state: LayerState, hidden_states: torch.Tensor, attentions,
+                      kwargs: dict):
+        """A later pass over a layer holding this press's state: (its compression or None, whether every slot held
+        before the pass is kept)."""
+        name, layer_idx, new_tokens = type(self).__name__, module.layer_idx, hidden_states.shape[1]
+        keys, values = layer.keys, layer.values
+        owner = state.owner() if state.owner is not None else None
+        if state.owner_type is not type(self) or (owner is not None and owner is not self):
+            raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
+                             f"presses cannot compress one cache (compose {name} with kvpress presses only)")
+        self._check_state_covers_held_slots(layer_idx, state, keys.shape[-2] - new_tokens)
+        if isinstance(state, RowStates):
+            result, keeps_held_slots = (
+                self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs), False)
+        else:
+            result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
+            keeps_held_slots = self.decoding_keeps_every_slot
+        if result is not None:
+            self._count_later_tokens(layer_idx, new_tokens)
+        return result, keeps_held_slots
+
+    def _store(self, module: nn.Module, layer, keys: torch.Tensor, values: torch.Tensor, state: LayerState,
+               keeps_held_slots: bool) -> None:
+        """Write a compressed layer and its state, owned by this press, and note what the figures read later."""
+        layer_idx = module.layer_idx
+        if self._compressed_in_context is not None:
+            self._compressed_in_context.add(layer_idx)
+        layer.keys, layer.values = keys, values
+        state.owner, state.owner_type = UnsavedRef(self), type(self)
+        state.keeps_held_slots = keeps_held_slots
+        if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
+            state.value_probe = layer.values[..., 0].clone()
+        set_state(layer, state)
+        attach(module, layer)
+        self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
+        self._states_written[layer_idx] = UnsavedRef(state)
+        self._held_to_gather.add(layer_idx)
 
     def _refuse_padding_lost(self, layer_idx: int, keys: torch.Tensor, kwargs: dict, prompt_tokens: int) -> None:
         """Raise if a press before this one (in a ComposedPress) shrank a left-padded prompt on a rectangular layer:
