@@ -1,13 +1,18 @@
 """Streaming perplexity on real text (the WeightedKV paper's metric): the text is fed one token per forward, so every
-press compresses during decoding, and the NLL of each next token is accumulated.
+press compresses during decoding, and the NLL of each next token is accumulated, over several excerpts of the text.
 
     python -m benchmarks.bench_streaming_ppl                      # SmolLM2 on CPU, Austen, m = 256 and 1024
+    python -m benchmarks.bench_streaming_ppl --tokens 640 --cache-sizes 256 --windows 6 --name streaming_ppl_windows
     python -m benchmarks.bench_streaming_ppl --tokens 1024 --cache-sizes 256 --text python-docs
 
-The first --prefill tokens (default 16) go in one forward (a short prompt: kvpress's DecodingPress leaves a prefill
-alone, and ours compress it only beyond m); every later token is its own forward with the cache, at its absolute
-position (cache_position and position_ids = t, as ``generate`` passes them, so RoPE positions do not shift when the
-cache shrinks). Methods, at cache size m (slots per layer and kv head):
+--windows N excerpts (windows) of --tokens + 1 tokens each are read at evenly spaced character offsets across the
+whole text (Austen: all six novels), each offset moved forward to the next paragraph start, so that the windows are
+different passages and each opens as text does (and back, to end within its novel, when it would run into the next
+one); window 0 is the text's opening (--windows 1 is the single excerpt of the earlier runs). Each window streams on
+its own, from a fresh cache. The first --prefill tokens (default 16) go in one forward (a short prompt: kvpress's
+DecodingPress leaves a prefill alone, and ours compress it only beyond m); every later token is its own forward with
+the cache, at its absolute position (cache_position and position_ids = t, as ``generate`` passes them, so RoPE
+positions do not shift when the cache shrinks). Methods, at cache size m (slots per layer and kv head):
 
 * full: no press (the reference; m does not apply).
 * WeightedKV: ``WeightedKVPress(cache_size=m)`` (4 sinks, recent window m/2 - 4, evicted values merged).
@@ -19,9 +24,17 @@ cache shrinks). Methods, at cache size m (slots per layer and kv head):
   target_size=m)``: every decoding forward cuts the cache back to m (DecodingPress tells prefill from decoding by
   cache_position, which is why positions are passed explicitly).
 
-Reported: perplexity over all predicted tokens and over the tokens at positions >= m (where compression acts), the
-largest layer length seen after any forward (must stay <= m), seconds per step, and the cumulative perplexity every
---checkpoint tokens (plotted).
+Reported per method, pooled over the windows: the perplexity over the tokens at positions >= m (the headline: only
+there does compression act; before m every press holds the whole text so far and equals the full cache), the
+perplexity over all predicted tokens, and for each press the paired difference of mean NLL per token beyond m
+(nats/token) against StreamingLLM (kvpress) and against the full cache, with a 95% interval from a paired block
+bootstrap: the tokens beyond m of each window are cut into blocks of --block tokens (neighbouring tokens' NLLs are
+correlated, so single tokens would give too narrow an interval), and --resamples times all windows' blocks are drawn
+with replacement, the same draws for every method, each draw's difference being its summed NLL differences over its
+summed tokens (a percentile interval). Also the largest layer length seen after any forward (must stay <= m), seconds
+per step, the cumulative perplexity every --checkpoint tokens pooled over the windows, and per window its offset,
+perplexities, curve and per-block NLL sums (the bootstrap's input, so the intervals can be recomputed from the JSON).
+The plot: the difference against StreamingLLM with its interval, beside the pooled cumulative curves.
 """
 
 from __future__ import annotations
@@ -54,13 +67,43 @@ METHODS = {
 }
 
 
-def text_ids(tokenizer, name: str, tokens: int) -> torch.Tensor:
-    from kvpress_cpp.texts import austen_text, python_docs_text
+REFERENCE = "StreamingLLM (kvpress)"  # the baseline the merging papers compare against
 
-    text = austen_text() if name == "austen" else python_docs_text(max_files=40)
-    ids = tokenizer(text[: 8 * tokens], return_tensors="pt").input_ids[:, : tokens + 1]
-    assert ids.shape[1] == tokens + 1, f"only {ids.shape[1]} tokens of {name}, wanted {tokens + 1}"
-    return ids
+
+def paragraph_start(text: str, offset: int) -> int:
+    """The first paragraph start (a line after a blank line) at or after `offset`; a line start when none follows."""
+    if offset == 0:
+        return 0
+    found = text.find("\n\n", offset)
+    start = found + 2 if found >= 0 else text.find("\n", offset) + 1
+    while start < len(text) and text[start] == "\n":
+        start += 1
+    return start
+
+
+def text_windows(tokenizer, name: str, tokens: int, windows: int) -> list[dict]:
+    """`windows` excerpts of tokens + 1 tokens, at evenly spaced character offsets k / windows across the whole text,
+    each moved to the next paragraph start (a token offset into the tokenized text would open windows mid-word), and
+    moved back to end within its novel when it would run past the novel's end (into the next novel's title page)."""
+    from kvpress_cpp.texts import AUSTEN_NOVELS, austen_novel, python_docs_text
+
+    documents = [austen_novel(n) for n in AUSTEN_NOVELS] if name == "austen" else [python_docs_text(max_files=40)]
+    ends = torch.tensor([len(d) + 2 for d in documents]).cumsum(0).tolist()  # austen_text() joins them with "\n\n"
+    out = []
+    for k in range(windows):
+        offset = k * ends[-1] // windows
+        d = next(i for i, end in enumerate(ends) if offset < end)
+        document, local = documents[d], offset - (ends[d - 1] if d else 0)
+        start = paragraph_start(document, local)
+        ids = tokenizer(document[start:start + 8 * tokens], return_tensors="pt").input_ids[:, :tokens + 1]
+        if ids.shape[1] <= tokens:  # too near the end: take the novel's last paragraphs instead
+            start = paragraph_start(document, max(0, len(document) - 8 * tokens))
+            ids = tokenizer(document[start:start + 8 * tokens], return_tensors="pt").input_ids[:, :tokens + 1]
+        assert ids.shape[1] == tokens + 1, \
+            f"only {ids.shape[1]} tokens of {name} from character {start}, wanted {tokens + 1}"
+        out.append({"document": AUSTEN_NOVELS[d] if name == "austen" else name, "start_char": start,
+                    "opening": document[start:start + 60], "ids": ids})
+    return out
 
 
 def stream(model, ids: torch.Tensor, press, prefill: int, desc: str) -> dict:
@@ -91,23 +134,63 @@ def perplexity(nll: torch.Tensor) -> float:
     return math.exp(nll.mean().item()) if nll.numel() else float("nan")
 
 
+def block_sums(nll: torch.Tensor, start: int, block: int) -> torch.Tensor:
+    """Sums of nll[start:] over consecutive blocks of `block` tokens (the last one may be shorter)."""
+    return torch.stack([part.sum() for part in nll[start:].split(block)]) if nll.shape[0] > start else nll.new_zeros(0)
+
+
+def paired_bootstrap(nll: torch.Tensor, reference: torch.Tensor, start: int, block: int,
+                     draws: torch.Tensor) -> dict:
+    """Mean NLL per token of `nll` minus `reference` (both (windows, tokens)) over the tokens at positions >= start,
+    and its 95% percentile interval from the block resamples `draws` (resamples, blocks), indices into every
+    window's blocks in turn."""
+    sums = torch.cat([block_sums(a - b, start, block) for a, b in zip(nll, reference)])
+    counts = torch.cat([block_sums(torch.ones_like(a), start, block) for a in nll])
+    resampled = sums[draws].sum(1) / counts[draws].sum(1)
+    lo, hi = torch.quantile(resampled, torch.tensor([0.025, 0.975], dtype=resampled.dtype)).tolist()
+    return {"nats_per_token": round((sums.sum() / counts.sum()).item(), 4), "ci95": [round(lo, 4), round(hi, 4)]}
+
+
+def interval(diff: dict | None) -> str:
+    return "–" if diff is None else f"{diff['nats_per_token']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}]"
+
+
 def plot(rows: list[dict], title: str, name: str) -> None:
+    """Per cache size: the difference of mean NLL beyond m against StreamingLLM (the full cache against it too), with
+    its 95% interval, beside the cumulative perplexity pooled over the windows."""
     plt = pyplot()
     sizes = sorted({r["cache_size"] for r in rows if r["cache_size"] is not None})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(13, 4.5 * len(sizes)), squeeze=False)
     full = next((r for r in rows if r["method"] == "full"), None)
-    for ax, size in zip(axes[0], sizes):
+    for (bars, curves), size in zip(axes, sizes):
+        at = [r for r in rows if r["cache_size"] == size]
+        points = [(r["method"], r["diff_vs_streamingllm"]) for r in at if r.get("diff_vs_streamingllm")]
+        reference = next((r for r in at if r["method"] == REFERENCE), None)
+        if reference is not None and reference.get("diff_vs_full"):  # full − StreamingLLM, the same draws negated
+            d = reference["diff_vs_full"]
+            points.append(("full cache", {"nats_per_token": -d["nats_per_token"],
+                                          "ci95": [-d["ci95"][1], -d["ci95"][0]]}))
+        if points:
+            y = range(len(points))
+            mean = [d["nats_per_token"] for _, d in points]
+            err = [[m - d["ci95"][0] for m, (_, d) in zip(mean, points)],
+                   [d["ci95"][1] - m for m, (_, d) in zip(mean, points)]]
+            bars.errorbar(mean, list(y), xerr=err, fmt="o", capsize=3)
+            bars.set_yticks(list(y), [method for method, _ in points], fontsize=8)
+            bars.axvline(0, color="gray", linewidth=0.8)
+            bars.invert_yaxis()
+        bars.set_xlabel(f"mean NLL beyond m − {REFERENCE} (nats/token)")
+        bars.set_title(f"m = {size}: difference vs StreamingLLM, paired block bootstrap 95%", fontsize=9)
         if full is not None:
-            ax.plot(full["checkpoints"], full["cumulative_ppl"], "k-", linewidth=2, label="full cache")
-        for row in rows:
-            if row["cache_size"] == size:
-                ax.plot(row["checkpoints"], row["cumulative_ppl"], "-", label=row["method"])
-        ax.axvline(size, color="gray", linewidth=0.8, linestyle=":")
-        ax.set_title(f"cache size m = {size}")
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("cumulative perplexity")
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
+            curves.plot(full["checkpoints"], full["cumulative_ppl"], "k-", linewidth=2, label="full cache")
+        for row in at:
+            curves.plot(row["checkpoints"], row["cumulative_ppl"], "-", label=row["method"])
+        curves.axvline(size, color="gray", linewidth=0.8, linestyle=":")
+        curves.set_title(f"cache size m = {size}: cumulative perplexity pooled over the windows", fontsize=9)
+        curves.set_xlabel("tokens into each window")
+        curves.set_ylabel("cumulative perplexity")
+        curves.set_yscale("log")
+        curves.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save_figure(fig, name)
 
@@ -115,7 +198,9 @@ def plot(rows: list[dict], title: str, name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=2048,
-                        help="tokens predicted (the text holds tokens + 1)")
+                        help="tokens predicted per window (each window holds tokens + 1)")
+    parser.add_argument("--windows", type=positive_int, default=6,
+                        help="excerpts of the text, at evenly spaced offsets, each streamed from a fresh cache")
     parser.add_argument("--prefill", type=positive_int, default=16, help="tokens of the first forward")
     parser.add_argument("--cache-sizes", type=positive_int, nargs="+", default=[256, 1024])
     parser.add_argument("--methods", nargs="+", default=["full", *METHODS], choices=["full", *METHODS])
@@ -125,8 +210,10 @@ def main() -> None:
                              "slower)")
     parser.add_argument("--checkpoint", type=positive_int, default=32,
                         help="cumulative perplexity every this many tokens")
+    parser.add_argument("--block", type=positive_int, default=32, help="tokens per bootstrap block")
+    parser.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples")
     parser.add_argument("--name", default=None, help="result file stem (default: streaming_ppl[_<text>])")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="torch's seed and the bootstrap's")
     args = parser.parse_args()
     if args.prefill >= args.tokens:
         parser.error(f"--prefill ({args.prefill}) must be below --tokens ({args.tokens}): the first forward reads the "
@@ -141,39 +228,71 @@ def main() -> None:
     from kvpress_cpp.models import load_default_model
 
     model, tokenizer = load_default_model()
-    ids = text_ids(tokenizer, args.text, args.tokens)
+    windows = text_windows(tokenizer, args.text, args.tokens, args.windows)
     runs = [("full", None)] if "full" in args.methods else []
     runs += [(method, size) for size in args.cache_sizes for method in args.methods if method != "full"]
-    rows, full_nll = [], None
+    rows, nlls = [], {}
+    checkpoints = list(range(args.checkpoint, args.tokens + 1, args.checkpoint))
     for method, size in tqdm(runs, desc="runs", unit="run"):
-        press = None if method == "full" else METHODS[method](size)
-        result = stream(model, ids, press, args.prefill, f"{method} m={size}")
-        nll = result["nll"]
-        if method == "full":
-            full_nll = nll
-        checkpoints = list(range(args.checkpoint, args.tokens + 1, args.checkpoint))
-        cumulative = (nll.cumsum(0) / torch.arange(1, args.tokens + 1)).exp()
-        row = {"text": args.text, "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
-               "method": method, "cache_size": size, "ppl": round(perplexity(nll), 3),
-               "ppl_beyond_m": round(perplexity(nll[size:]), 3) if size else None,
-               "max_slots": result["max_slots"], "step_ms": round(result["step_ms"], 1),
+        per_window, results = [], []
+        for k, window in enumerate(windows):
+            press = None if method == "full" else METHODS[method](size)  # a fresh press per window, as a fresh cache
+            results.append(stream(model, window["ids"], press, args.prefill, f"{method} m={size} window {k}"))
+        nll = torch.stack([result["nll"] for result in results])  # (windows, tokens)
+        nlls[method, size] = nll
+        for k, (window, result) in enumerate(zip(windows, results)):
+            cumulative = (result["nll"].cumsum(0) / torch.arange(1, args.tokens + 1)).exp()
+            per_window.append({
+                "window": k, "document": window["document"], "start_char": window["start_char"],
+                "opening": window["opening"],
+                "ppl": round(perplexity(result["nll"]), 3),
+                "ppl_beyond_m": round(perplexity(result["nll"][size:]), 3) if size else None,
+                "max_slots": result["max_slots"], "step_ms": round(result["step_ms"], 1),
+                "cumulative_ppl": [round(cumulative[c - 1].item(), 3) for c in checkpoints],
+                # The bootstrap's input: this window's NLL summed over each block of tokens beyond m.
+                "block_nll_sums": [round(x, 5) for x in block_sums(result["nll"], size, args.block).tolist()]
+                if size else None})
+        # Pooled over windows: the mean over every window's first c tokens, not a mean of the windows' perplexities.
+        cumulative = (nll.sum(0).cumsum(0) / (nll.shape[0] * torch.arange(1, args.tokens + 1))).exp()
+        row = {"text": args.text, "tokens": args.tokens, "windows": args.windows, "prefill": args.prefill,
+               "threads": args.threads, "method": method, "cache_size": size, "ppl": round(perplexity(nll), 3),
+               "ppl_beyond_m": round(perplexity(nll[:, size:]), 3) if size else None,
+               "max_slots": max(r["max_slots"] for r in results),
+               "step_ms": round(sum(r["step_ms"] for r in results) / len(results), 1),
                "finite": bool(torch.isfinite(nll).all()),
-               "checkpoints": checkpoints, "cumulative_ppl": [round(cumulative[c - 1].item(), 3) for c in checkpoints]}
+               "checkpoints": checkpoints, "cumulative_ppl": [round(cumulative[c - 1].item(), 3) for c in checkpoints],
+               "block": args.block, "resamples": args.resamples, "seed": args.seed, "per_window": per_window}
         if size is not None and row["max_slots"] > size:
             print(f"WARNING: {method} m={size} held {row['max_slots']} slots after a forward")
         if not row["finite"]:
-            print(f"WARNING: {method} m={size}: non-finite NLL at tokens "
-                  f"{torch.nonzero(~torch.isfinite(nll))[:10, 0].tolist()}")
+            print(f"WARNING: {method} m={size}: non-finite NLL at (window, token) "
+                  f"{torch.nonzero(~torch.isfinite(nll))[:10].tolist()}")
         rows.append(row)
-    if full_nll is not None:
+    for size in args.cache_sizes:
+        if size >= args.tokens:  # no token beyond m: nothing compressed, nothing to compare
+            continue
+        # One set of block draws per cache size, shared by every comparison, so that the differences are paired
+        # twice over: the same tokens and the same resampled blocks.
+        blocks = args.windows * len(range(size, args.tokens, args.block))
+        draws = torch.randint(blocks, (args.resamples, blocks), generator=torch.Generator().manual_seed(args.seed))
         for row in rows:
-            if row["cache_size"] is not None:
-                row["full_ppl_beyond_m"] = round(perplexity(full_nll[row["cache_size"]:]), 3)
-    print_table(rows, ["method", "cache_size", "ppl", "ppl_beyond_m", "full_ppl_beyond_m", "max_slots", "step_ms",
-                       "finite"])
+            if row["cache_size"] != size:
+                continue
+            nll = nlls[row["method"], size]
+            if ("full", None) in nlls:
+                row["full_ppl_beyond_m"] = round(perplexity(nlls["full", None][:, size:]), 3)
+                row["diff_vs_full"] = paired_bootstrap(nll, nlls["full", None], size, args.block, draws)
+            if (REFERENCE, size) in nlls and row["method"] != REFERENCE:
+                row["diff_vs_streamingllm"] = paired_bootstrap(nll, nlls[REFERENCE, size], size, args.block, draws)
+    table = [{**row, "vs StreamingLLM": interval(row.get("diff_vs_streamingllm")),
+              "vs full": interval(row.get("diff_vs_full"))} for row in rows]
+    print(f"{args.windows} windows x {args.tokens} tokens; differences: mean NLL beyond m, nats/token [95% paired "
+          f"block bootstrap, blocks of {args.block}, {args.resamples} resamples]")
+    print_table(table, ["method", "cache_size", "ppl", "ppl_beyond_m", "full_ppl_beyond_m", "vs StreamingLLM",
+                        "vs full", "max_slots", "step_ms", "finite"])
     print("wrote", write_results(name, rows))
-    plot(rows, f"streaming perplexity, SmolLM2-135M, {args.text}, {args.tokens} tokens\n(prefill {args.prefill}, "
-               f"then one token per forward)", name)
+    plot(rows, f"streaming perplexity, SmolLM2-135M, {args.text}, {args.windows} windows x {args.tokens} tokens\n"
+               f"(prefill {args.prefill}, then one token per forward; a fresh cache per window)", name)
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
