@@ -22,7 +22,14 @@ positions do not shift when the cache shrinks). Methods, at cache size m (slots 
   ``convex=True`` (the authors' released code's key).
 * StreamingLLM, TOVA: kvpress's scorer presses inside ``DecodingPress(base_press=..., compression_interval=1,
   target_size=m)``: every decoding forward cuts the cache back to m (DecodingPress tells prefill from decoding by
-  cache_position, which is why positions are passed explicitly).
+  cache_position, which is why positions are passed explicitly). This is not StreamingLLM's cache: ScorerPress
+  gathers the kept slots in ``topk``'s order, which for StreamingLLM's tied scores is not the cache's, and
+  StreamingLLMPress scores by slot index (slots 0-3 the sinks, the next ones the oldest), so from the second
+  compression on it evicts whatever the shuffle put there: after 100 tokens at m = 32 it holds 20 of positions 1-31
+  (not 0) and 88-99, none of 32-87.
+* StreamingLLM (kvpress, order kept): the same DecodingPress and StreamingLLMPress, with the kept slots gathered in
+  cache order (:class:`OrderedStreamingLLMPress`), so that it holds what StreamingLLM holds: 4 sinks and the last
+  m - 4 tokens.
 
 Reported per method, pooled over the windows: the perplexity over the tokens at positions >= m (the headline: only
 there does compression act; before m every press holds the whole text so far and equals the full cache), the
@@ -32,9 +39,10 @@ bootstrap: the tokens beyond m of each window are cut into blocks of --block tok
 correlated, so single tokens would give too narrow an interval), and --resamples times all windows' blocks are drawn
 with replacement, the same draws for every method, each draw's difference being its summed NLL differences over its
 summed tokens (a percentile interval). Also the largest layer length seen after any forward (must stay <= m), seconds
-per step, the cumulative perplexity every --checkpoint tokens pooled over the windows, and per window its offset,
-perplexities, curve and per-block NLL sums (the bootstrap's input, so the intervals can be recomputed from the JSON).
-The plot: the difference against StreamingLLM with its interval, beside the pooled cumulative curves.
+per step, every other pairwise difference beyond m (``diffs``: each press against each other press at the same m, the
+same bootstrap), the cumulative perplexity every --checkpoint tokens pooled over the windows, and per window its
+offset, perplexities, curve and per-block NLL sums (the bootstrap's input, so the intervals can be recomputed from the
+JSON). The plot: the difference against StreamingLLM with its interval, beside the pooled cumulative curves.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from contextlib import nullcontext
 
 import torch
 from kvpress import DecodingPress, StreamingLLMPress, TOVAPress
+from kvpress.utils import compute_n_kept
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -53,6 +62,20 @@ from benchmarks.common import positive_int, print_table, pyplot, save_figure, wr
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
+
+class OrderedStreamingLLMPress(StreamingLLMPress):
+    """kvpress's StreamingLLMPress with the kept slots gathered in cache order: ScorerPress.compress gathers them in
+    ``topk``'s order, which StreamingLLM's tied scores leave unspecified, while its score assumes slot i is the i-th
+    oldest token; sorting the kept indices keeps that true from one compression to the next."""
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        kept = scores.topk(compute_n_kept(keys.shape[2], self.compression_ratio), dim=-1).indices.sort(-1).values
+        kept = kept.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+        return keys.gather(2, kept).contiguous(), values.gather(2, kept).contiguous()
+
 
 METHODS = {
     "WeightedKV": lambda m: WeightedKVPress(cache_size=m),
@@ -63,11 +86,14 @@ METHODS = {
     "KeepKV convex": lambda m: KeepKVPress(budget=m, convex=True),
     "StreamingLLM (kvpress)": lambda m: DecodingPress(base_press=StreamingLLMPress(), compression_interval=1,
                                                       target_size=m),
+    "StreamingLLM (kvpress, order kept)": lambda m: DecodingPress(base_press=OrderedStreamingLLMPress(),
+                                                                  compression_interval=1, target_size=m),
     "TOVA (kvpress)": lambda m: DecodingPress(base_press=TOVAPress(), compression_interval=1, target_size=m),
 }
 
 
 REFERENCE = "StreamingLLM (kvpress)"  # the baseline the merging papers compare against
+ORDERED_REFERENCE = "StreamingLLM (kvpress, order kept)"  # what StreamingLLM holds (see the docstring)
 
 
 def paragraph_start(text: str, offset: int) -> int:
@@ -156,31 +182,35 @@ def interval(diff: dict | None) -> str:
 
 
 def plot(rows: list[dict], title: str, name: str) -> None:
-    """Per cache size: the difference of mean NLL beyond m against StreamingLLM (the full cache against it too), with
-    its 95% interval, beside the cumulative perplexity pooled over the windows."""
+    """Per cache size: the difference of mean NLL beyond m against kvpress's StreamingLLM and against it with its
+    order kept (the full cache's too), with 95% intervals, beside the cumulative perplexity pooled over the windows."""
     plt = pyplot()
     sizes = sorted({r["cache_size"] for r in rows if r["cache_size"] is not None})
     fig, axes = plt.subplots(len(sizes), 2, figsize=(13, 4.5 * len(sizes)), squeeze=False)
     full = next((r for r in rows if r["method"] == "full"), None)
     for (bars, curves), size in zip(axes, sizes):
         at = [r for r in rows if r["cache_size"] == size]
-        points = [(r["method"], r["diff_vs_streamingllm"]) for r in at if r.get("diff_vs_streamingllm")]
-        reference = next((r for r in at if r["method"] == REFERENCE), None)
-        if reference is not None and reference.get("diff_vs_full"):  # full − StreamingLLM, the same draws negated
-            d = reference["diff_vs_full"]
-            points.append(("full cache", {"nats_per_token": -d["nats_per_token"],
-                                          "ci95": [-d["ci95"][1], -d["ci95"][0]]}))
-        if points:
-            y = range(len(points))
+        labels = [r["method"] for r in at] + (["full cache"] if full is not None else [])
+        references = [r for r in at if r["method"] in (REFERENCE, ORDERED_REFERENCE)]
+        for shift, reference in zip((-0.12, 0.12), references):
+            points = [(i, r["diffs"][reference["method"]]) for i, r in enumerate(at)
+                      if reference["method"] in r.get("diffs", {})]
+            if reference.get("diff_vs_full"):  # full − reference: the same draws, negated
+                d = reference["diff_vs_full"]
+                points.append((len(at), {"nats_per_token": -d["nats_per_token"],
+                                         "ci95": [-d["ci95"][1], -d["ci95"][0]]}))
             mean = [d["nats_per_token"] for _, d in points]
             err = [[m - d["ci95"][0] for m, (_, d) in zip(mean, points)],
                    [d["ci95"][1] - m for m, (_, d) in zip(mean, points)]]
-            bars.errorbar(mean, list(y), xerr=err, fmt="o", capsize=3)
-            bars.set_yticks(list(y), [method for method, _ in points], fontsize=8)
-            bars.axvline(0, color="gray", linewidth=0.8)
-            bars.invert_yaxis()
-        bars.set_xlabel(f"mean NLL beyond m − {REFERENCE} (nats/token)")
+            bars.errorbar(mean, [i + shift for i, _ in points], xerr=err, fmt="o" if shift < 0 else "s", capsize=3,
+                          label=f"− {reference['method']}")
+        bars.set_yticks(range(len(labels)), labels, fontsize=8)
+        bars.axvline(0, color="gray", linewidth=0.8)
+        bars.invert_yaxis()
+        bars.set_xlabel("difference of mean NLL beyond m (nats/token)")
         bars.set_title(f"m = {size}: difference vs StreamingLLM, paired block bootstrap 95%", fontsize=9)
+        if references:
+            bars.legend(fontsize=7)
         if full is not None:
             curves.plot(full["checkpoints"], full["cumulative_ppl"], "k-", linewidth=2, label="full cache")
         for row in at:
@@ -284,6 +314,9 @@ def main() -> None:
                 row["diff_vs_full"] = paired_bootstrap(nll, nlls["full", None], size, args.block, draws)
             if (REFERENCE, size) in nlls and row["method"] != REFERENCE:
                 row["diff_vs_streamingllm"] = paired_bootstrap(nll, nlls[REFERENCE, size], size, args.block, draws)
+            # Every other comparison too (merging against its evict-only ablation, say), from the same draws.
+            row["diffs"] = {other: paired_bootstrap(nll, nlls[other, size], size, args.block, draws)
+                            for other, at in nlls if at == size and other != row["method"]}
     table = [{**row, "vs StreamingLLM": interval(row.get("diff_vs_streamingllm")),
               "vs full": interval(row.get("diff_vs_full"))} for row in rows]
     print(f"{args.windows} windows x {args.tokens} tokens; differences: mean NLL beyond m, nats/token [95% paired "
