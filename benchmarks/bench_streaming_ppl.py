@@ -41,8 +41,9 @@ with replacement, the same draws for every method, each draw's difference being 
 summed tokens (a percentile interval). Also the largest layer length seen after any forward (must stay <= m), seconds
 per step, every other pairwise difference beyond m (``diffs``: each press against each other press at the same m, the
 same bootstrap), the cumulative perplexity every --checkpoint tokens pooled over the windows, and per window its
-offset, perplexities, curve and per-block NLL sums (the bootstrap's input, so the intervals can be recomputed from the
-JSON). The plot: the difference against StreamingLLM with its interval, beside the pooled cumulative curves.
+offset, perplexities, curve and per-block NLL sums beyond m (the full cache: beyond each m; the bootstrap's input, so
+the intervals can be recomputed from the JSON). The plot: the difference against StreamingLLM with its interval,
+beside the pooled cumulative curves.
 """
 
 from __future__ import annotations
@@ -282,6 +283,11 @@ def main() -> None:
                 # The bootstrap's input: this window's NLL summed over each block of tokens beyond m.
                 "block_nll_sums": [round(x, 5) for x in block_sums(result["nll"], size, args.block).tolist()]
                 if size else None})
+            if size is None:  # the full cache has no m of its own: its figures beyond each m compared against
+                per_window[-1]["beyond"] = {
+                    str(m): {"ppl_beyond_m": round(perplexity(result["nll"][m:]), 3),
+                             "block_nll_sums": [round(x, 5) for x in block_sums(result["nll"], m, args.block).tolist()]}
+                    for m in args.cache_sizes}
         # Pooled over windows: the mean over every window's first c tokens, not a mean of the windows' perplexities.
         cumulative = (nll.sum(0).cumsum(0) / (nll.shape[0] * torch.arange(1, args.tokens + 1))).exp()
         row = {"text": args.text, "tokens": args.tokens, "windows": args.windows, "prefill": args.prefill,
