@@ -1,0 +1,64 @@
+"""The statistics of ``benchmarks/bench_streaming_ppl.py`` and its StreamingLLM baseline, without the model: the block
+sums and paired block bootstrap its intervals come from, the windows' snap to a paragraph start, and the order-kept
+StreamingLLM, which must hold the sinks and the last tokens however many times it compresses (kvpress's
+StreamingLLMPress under DecodingPress shuffles its cache, then evicts by slot index)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvpress import DecodingPress
+
+from benchmarks.bench_streaming_ppl import OrderedStreamingLLMPress, block_sums, paired_bootstrap, paragraph_start
+
+
+def draws(blocks: int, resamples: int = 500) -> torch.Tensor:
+    return torch.randint(blocks, (resamples, blocks), generator=torch.Generator().manual_seed(0))
+
+
+def test_block_sums_cover_the_tokens_beyond_start_and_the_last_block_may_be_short():
+    nll = torch.arange(10, dtype=torch.float64)
+    assert block_sums(nll, 3, 3).tolist() == [3 + 4 + 5, 6 + 7 + 8, 9]
+    assert block_sums(nll, 10, 3).numel() == 0
+
+
+def test_paired_bootstrap_is_the_pooled_mean_difference_with_an_interval_around_it():
+    g = torch.Generator().manual_seed(1)
+    reference = torch.rand(3, 100, dtype=torch.float64, generator=g)
+    noise = 0.05 * torch.randn(3, 100, dtype=torch.float64, generator=g)
+    nll = reference + 0.1 + noise
+    blocks = 3 * len(range(30, 100, 32))  # 3 windows, blocks of 32, 22 and 6 tokens beyond 30
+    result = paired_bootstrap(nll, reference, 30, 32, draws(blocks))
+    assert result["nats_per_token"] == pytest.approx((0.1 + noise[:, 30:]).mean().item(), abs=1e-4)
+    lo, hi = result["ci95"]
+    assert lo < result["nats_per_token"] < hi and hi - lo < 0.05
+    # A constant shift is the same in every resample: an interval of width 0, at the shift.
+    shifted = paired_bootstrap(reference + 0.25, reference, 30, 32, draws(blocks))
+    assert shifted["nats_per_token"] == pytest.approx(0.25) and shifted["ci95"] == pytest.approx([0.25, 0.25])
+    # Paired: the reference's own variation between windows does not widen the interval.
+    offset = reference + torch.tensor([[0.0], [5.0], [-5.0]], dtype=torch.float64)
+    assert paired_bootstrap(offset + 0.1 + noise, offset, 30, 32, draws(blocks))["ci95"] == pytest.approx([lo, hi])
+
+
+def test_windows_open_at_a_paragraph_start():
+    text = "Title\n\nfirst line\nsecond line\n\n\nNext paragraph\nmore\n"
+    assert paragraph_start(text, 0) == 0
+    assert text[paragraph_start(text, 3):].startswith("first line")
+    assert text[paragraph_start(text, 12):].startswith("Next paragraph")  # past the extra blank line
+    assert text[paragraph_start(text, text.index("more") - 2):].startswith("more")  # no blank line left: a line start
+
+
+def test_order_kept_streamingllm_holds_the_sinks_and_the_last_tokens():
+    """Slot i of the fake cache holds position i in every coordinate; DecodingPress solves each step's ratio."""
+    m, head_dim = 32, 4
+    press, decoding = OrderedStreamingLLMPress(), DecodingPress(base_press=OrderedStreamingLLMPress(), target_size=m)
+    module = SimpleNamespace(head_dim=head_dim)
+    keys = torch.arange(16.0)[None, None, :, None].expand(1, 3, 16, head_dim)
+    for t in range(16, 100):
+        keys = torch.cat([keys, torch.full((1, 3, 1, head_dim), float(t))], dim=2)
+        press.compression_ratio = decoding._find_target_compression_ratio(keys.shape[2], m)
+        keys, _ = press.compress(module, None, keys, keys, None, {})
+    held = keys[0, :, :, 0]
+    assert (held == torch.cat([torch.arange(4.0), torch.arange(100.0 - (m - 4), 100.0)])).all()
