@@ -42,8 +42,8 @@ summed tokens (a percentile interval). Also the largest layer length seen after 
 per step, every other pairwise difference beyond m (``diffs``: each press against each other press at the same m, the
 same bootstrap), the cumulative perplexity every --checkpoint tokens pooled over the windows, and per window its
 offset, perplexities, curve and per-block NLL sums beyond m (the full cache: beyond each m; the bootstrap's input, so
-the intervals can be recomputed from the JSON). The plot: the difference against StreamingLLM with its interval,
-beside the pooled cumulative curves.
+the intervals can be recomputed from the JSON). The plot: the difference against both StreamingLLMs with its interval,
+beside the pooled cumulative curves over the full cache's.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def interval(diff: dict | None) -> str:
 
 def plot(rows: list[dict], title: str, name: str) -> None:
     """Per cache size: the difference of mean NLL beyond m against kvpress's StreamingLLM and against it with its
-    order kept (the full cache's too), with 95% intervals, beside the cumulative perplexity pooled over the windows."""
+    order kept (the full cache's too), with 95% intervals, beside the cumulative perplexity pooled over the windows,
+    over the full cache's."""
     plt = pyplot()
     sizes = sorted({r["cache_size"] for r in rows if r["cache_size"] is not None})
     fig, axes = plt.subplots(len(sizes), 2, figsize=(13, 4.5 * len(sizes)), squeeze=False)
@@ -211,16 +212,19 @@ def plot(rows: list[dict], title: str, name: str) -> None:
         bars.set_xlabel("difference of mean NLL beyond m (nats/token)")
         bars.set_title(f"m = {size}: difference vs StreamingLLM, paired block bootstrap 95%", fontsize=9)
         if references:
-            bars.legend(fontsize=7)
-        if full is not None:
-            curves.plot(full["checkpoints"], full["cumulative_ppl"], "k-", linewidth=2, label="full cache")
+            bars.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)  # clear of the bars
+        # Over the full cache's curve where there is one: the presses' curves, all within a few percent of it, are
+        # one line on a plot of perplexity itself (before m every press equals the full cache).
+        base = full["cumulative_ppl"] if full is not None else None
         for row in at:
-            curves.plot(row["checkpoints"], row["cumulative_ppl"], "-", label=row["method"])
+            curve = row["cumulative_ppl"] if base is None else [a / b for a, b in zip(row["cumulative_ppl"], base)]
+            curves.plot(row["checkpoints"], curve, "-", label=row["method"])
+        if base is not None:
+            curves.axhline(1, color="k", linewidth=2, label="full cache")
         curves.axvline(size, color="gray", linewidth=0.8, linestyle=":")
         curves.set_title(f"cache size m = {size}: cumulative perplexity pooled over the windows", fontsize=9)
         curves.set_xlabel("tokens into each window")
-        curves.set_ylabel("cumulative perplexity")
-        curves.set_yscale("log")
+        curves.set_ylabel("cumulative perplexity" + (" / the full cache's" if base is not None else ""))
         curves.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save_figure(fig, name)
