@@ -737,13 +737,29 @@ def family_table(df: pd.DataFrame) -> str:
 
 
 def streaming_table(results_dir: Path = REPO / "benchmarks" / "results") -> str:
-    """The streaming-perplexity runs of ``benchmarks/bench_streaming_ppl.py`` (``streaming_ppl*.json``) as one table."""
-    lines = ["| file | method | m | tokens (prefill) | ppl (all) | ppl beyond m |", "|---|---|---|---|---|---|"]
-    for path in sorted(results_dir.glob("streaming_ppl*.json")):
-        for row in json.loads(path.read_text())["rows"]:
+    """The streaming-perplexity runs of ``benchmarks/bench_streaming_ppl.py`` (``streaming_ppl*.json``) as one table:
+    the runs over several excerpts first, longest first, with their paired differences beyond m (the earlier files are
+    one excerpt each, the text's opening, and have none)."""
+
+    def difference(d: dict | None) -> str:
+        return "–" if d is None else f"{d['nats_per_token']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+
+    def order(run: tuple[Path, list[dict]]) -> tuple:
+        """The runs over several excerpts first, the longest (the headline) first; then the single excerpts by name."""
+        path, rows = run
+        windows = rows[0].get("windows", 1)
+        return (windows == 1, 0 if windows == 1 else -windows * rows[0]["tokens"], path.name)
+
+    ordered = "StreamingLLM (kvpress, order kept)"
+    lines = ["| file | method | m | windows × tokens (prefill) | ppl (all) | ppl beyond m | Δ beyond m vs full [95%] "
+             f"| Δ beyond m vs {ordered} [95%] |", "|---|---|---|---|---|---|---|---|"]
+    runs = [(path, json.loads(path.read_text())["rows"]) for path in results_dir.glob("streaming_ppl*.json")]
+    for path, rows in sorted(runs, key=order):
+        for row in rows:
             beyond = "–" if row["ppl_beyond_m"] is None else f"{row['ppl_beyond_m']:.2f}"
-            lines.append(f"| {path.name} | {row['method']} | {row['cache_size'] or '–'} | {row['tokens']} "
-                         f"({row['prefill']}) | {row['ppl']:.2f} | {beyond} |")
+            lines.append(f"| {path.name} | {row['method']} | {row['cache_size'] or '–'} | {row.get('windows', 1)} × "
+                         f"{row['tokens']} ({row['prefill']}) | {row['ppl']:.2f} | {beyond} | "
+                         f"{difference(row.get('diff_vs_full'))} | {difference(row.get('diffs', {}).get(ordered))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -878,8 +894,11 @@ def combined_report(settings: dict[str, Path] | None = None, path: Path = DEFAUL
     for name, df in everything.items():
         if (table := family_table(df)):
             parts += [f"Beyond needles, {name}:", "", table]
-    parts += ["Streaming perplexity on Austen (`benchmarks/bench_streaming_ppl.py`, each file one run; every press "
-              "compresses at every step to m slots):", "", streaming_table()]
+    parts += ["Streaming perplexity on Austen (`benchmarks/bench_streaming_ppl.py`, each file one run of one or "
+              "more excerpts (windows) of the text, each from a fresh cache; every press compresses at every step to "
+              "m slots; ppl beyond m: over the tokens at positions >= m, pooled over the windows; Δ: difference of "
+              "mean NLL per token beyond m, nats, with a 95% paired block-bootstrap interval, blocks of 32 tokens; "
+              "a file of one window is the text's opening and has no interval):", "", streaming_table()]
     text = "\n".join(parts)
     path.write_text(text)
     return text
