@@ -247,7 +247,9 @@ def main() -> None:
                         help="cumulative perplexity every this many tokens")
     parser.add_argument("--block", type=positive_int, default=32, help="tokens per bootstrap block")
     parser.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples")
-    parser.add_argument("--name", default=None, help="result file stem (default: streaming_ppl[_<text>])")
+    parser.add_argument("--name", default=None,
+                        help="result file stem (default: streaming_ppl[_<text>] for one window, "
+                             "streaming_ppl_windows[_<text>] for several, which never replace a one-excerpt file)")
     parser.add_argument("--seed", type=int, default=0, help="torch's seed and the bootstrap's")
     args = parser.parse_args()
     if args.prefill >= args.tokens:
@@ -258,7 +260,8 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    name = args.name or ("streaming_ppl" if args.text == "austen" else f"streaming_ppl_{args.text}")
+    stem = "streaming_ppl" if args.windows == 1 else "streaming_ppl_windows"
+    name = args.name or (stem if args.text == "austen" else f"{stem}_{args.text}")
     started = time.perf_counter()
     from kvpress_cpp.models import load_default_model
 
