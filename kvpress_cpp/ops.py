@@ -578,8 +578,8 @@ def prompt_scores(query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Te
 
     ``s_i = Σ_j input_scale * decay^(q-1-j) * Σ_g softmax(scale * q_{g,j}·Kᵀ + b)_i`` over the G query heads of each
     kv head, causal: ZSMerge's prefill scores (decay λ, input_scale 1) and WeightedKV's sums (decay 1, 1/G); KeepKV
-    averages unnormalised scores instead (:func:`prompt_log_unnormalised_scores`). It equals :func:`update_scores` folding the full
-    attention of those queries one by one, without materialising it: a log-sum-exp pass
+    averages unnormalised scores instead (:func:`prompt_log_unnormalised_scores`). It equals :func:`update_scores`
+    folding the full attention of those queries one by one, without materialising it: a log-sum-exp pass
     (:func:`prompt_log_sum_exp`, skipped when ``log_sum_exp`` is given), then one pass adding normalised probabilities
     over tiles of keys. Older queries whose total weight is below float32 resolution of every score of a key tile
     (decay < 1) are left out (the bound is documented in ``csrc/kernels/prompt_scores.h``). Deterministic on CPU and
