@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never touch a model hub
 
-from tests.models import make_tiny_llama  # noqa: E402
+from tests.models import make_tiny_llama, make_tiny_qwen3  # noqa: E402
 
 
 # The reasons of the skips that leave a test to a machine with a GPU ("no CUDA", "needs two GPUs", ...).
@@ -43,6 +43,13 @@ def pytest_collection_modifyitems(config, items):
 def tiny_llama():
     """(model, tokenizer): a 2-layer random GQA Llama (4 query / 2 kv heads, head_dim 16), float32, eval, sdpa."""
     return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    """(model, tokenizer): a 2-layer random GQA Qwen3 with q_norm/k_norm, float32, eval, sdpa (test_models.py asks
+    for tiny_<name> by name)."""
+    return make_tiny_qwen3()
 
 
 @pytest.fixture(scope="session")
