@@ -1,4 +1,5 @@
-"""KV-cache bytes held before and after a per-head eviction that keeps 25% of the slots on average, with each layer
+"""KV-cache bytes held before and after a per-head eviction that keeps 25% of the slots in expectation (each head's
+fraction drawn in [12.5%, 37.5%]; `kept_fraction_mean` in the results is what was drawn), with each layer
 compacted to its longest head (kvpress_cpp.cache.compact_to_longest_head), against kvpress's way (evicted slots
 masked, nothing freed).
 
