@@ -3,7 +3,7 @@
     python -m benchmarks.bench_paged                   # all CPU parts (SmolLM2, one thread), JSON + plot
     python -m benchmarks.bench_paged --parts kernel    # paged decode attention on a GPU vs its copy bandwidth
     python -m benchmarks.bench_paged --parts memory --name paged_memory   # parts in separate runs, then
-    python -m benchmarks.bench_paged --merge paged_memory paged_decode    # one paged.json + paged.png
+    python -m benchmarks.bench_paged --merge paged_memory paged_batch paged_decode_calls  # paged.json + .png
 
 Parts (each row of benchmarks/results/paged.json names its part):
 
@@ -375,11 +375,16 @@ def main():
     parser.add_argument("--merge", nargs="+", metavar="NAME",
                         help="only merge the rows of earlier runs (results/NAME.json) into results/<--name>.json")
     args = check_decode_sizes(parser, parser.parse_args())
+    env = None
     if args.merge:
-        rows = [row for name in args.merge for row in json.loads((RESULTS_DIR / f"{name}.json").read_text())["rows"]]
+        parts = {name: json.loads((RESULTS_DIR / f"{name}.json").read_text()) for name in args.merge}
+        rows = [row for part in parts.values() for row in part["rows"]]
+        # The rows were measured by the earlier runs, not by this process: keep their environment.
+        envs = {name: part["environment"] for name, part in parts.items()}
+        env = next(iter(envs.values())) if all(e == next(iter(envs.values())) for e in envs.values()) else envs
     else:
         rows = measured_rows(args)
-    print("wrote", write_results(args.name, rows))
+    print("wrote", write_results(args.name, rows, env))
     if args.name == NAME:  # another name keeps the committed plot too
         plot(rows)
 

@@ -99,10 +99,11 @@ def parse_without_options(doc: str) -> None:
     argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 
-def write_results(name: str, rows: list[dict]) -> Path:
+def write_results(name: str, rows: list[dict], env: dict | None = None) -> Path:
+    """results/<name>.json: the rows and the environment they were measured in (this process's unless `env`)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=2) + "\n")
+    path.write_text(json.dumps({"environment": env or environment(), "rows": rows}, indent=2) + "\n")
     return path
 
 
