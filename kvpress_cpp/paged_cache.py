@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from typing import Any
 
@@ -207,6 +208,9 @@ class PagedLayer(CacheLayerMixin):
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: expected key states of {tuple(self.lengths.shape)} (batch, kv heads), "
                              f"got {tuple(key_states.shape)}")
+        if value_states.shape[:3] != key_states.shape[:3]:
+            raise ValueError(f"PagedKVCache: expected value states of the keys' (batch, kv heads, tokens) "
+                             f"{tuple(key_states.shape[:3])}, got {tuple(value_states.shape)}")
         for name, states, pool in (("key", key_states, self.key_blocks), ("value", value_states, self.value_blocks)):
             # Checked before the lengths grow: a refused write must leave the layer as it was.
             if (states.shape[-1], states.dtype, states.device) != (pool.shape[-1], pool.dtype, pool.device):
@@ -282,6 +286,10 @@ class PagedLayer(CacheLayerMixin):
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` slots of the view, or drop the last -`max_length` when it is negative (the
         meaning transformers 5 gives a negative argument); 0 drops nothing where transformers reads it so (5.17 on)."""
+        try:
+            max_length = operator.index(max_length)
+        except TypeError:
+            raise TypeError(f"PagedKVCache.crop: expected an integer max_length, got {max_length!r}") from None
         if max_length == 0 and _CROP_ZERO_REMOVES_NOTHING:
             return
         if max_length < 0:  # dropping more than it holds empties it, as a DynamicLayer
@@ -656,6 +664,8 @@ class PagedLayer(CacheLayerMixin):
         follows: its per-slot pools with the blocks, its counters with a batch dimension and a padded batch's rows
         (LayerState.take_rows). The view stays as wide as before, as the rectangular cache keeps its columns: those
         only the dropped rows held are kept empty (``evicted_columns``)."""
+        if rows.dtype == torch.bool or rows.dtype.is_floating_point or rows.dtype.is_complex:
+            raise TypeError(f"PagedKVCache: expected integer batch rows (a beam index), got {rows.dtype} {rows}")
         self.flush()  # what was written through the view, and kvpress's marks, name the rows as they were
         rows = rows.to("cpu", torch.long).reshape(-1)
         order = rows.tolist()

@@ -5,6 +5,7 @@ layout); memory accounting; bad input."""
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -395,6 +396,21 @@ def test_an_append_of_other_states_is_refused_and_leaves_the_layer_as_it_was(sta
     more = torch.randn(1, 2, 2, 8)
     cache.update(more, -more, 0)
     assert torch.equal(cache.layers[0].keys, torch.cat([keys, more], dim=2))
+
+
+@pytest.mark.parametrize("value_shape", [(1, 2, 8, 8), (1, 1, 6, 8)], ids=["more tokens", "fewer heads"])
+def test_values_of_another_shape_than_the_keys_are_refused_and_leave_the_layer_as_it_was(value_shape):
+    """Values of other tokens or heads than the keys failed inside index_copy_ after the keys were written and the
+    lengths had grown: the layer then held tokens whose values, log-weights and positions were stale."""
+    cache, keys = PagedKVCache(block_size=4), torch.randn(1, 2, 5, 8)
+    cache.update(keys, -keys, 0)
+    with pytest.raises(ValueError, match=re.escape("PagedKVCache: expected value states of the keys' (batch, kv heads, "
+                                                   f"tokens) (1, 2, 6), got {value_shape}")):
+        cache.update(torch.randn(1, 2, 6, 8), torch.randn(*value_shape), 0)
+    more = torch.randn(1, 2, 2, 8)
+    cache.update(more, -more, 0)
+    assert torch.equal(cache.layers[0].keys, torch.cat([keys, more], dim=2))
+    assert torch.equal(cache.layers[0].values, -cache.layers[0].keys)
 
 
 def test_appends_without_cache_position_follow_the_tokens_appended():

@@ -707,3 +707,22 @@ def test_a_paged_cache_kept_from_an_earlier_press_leaves_a_later_passs_marks_alo
     got = greedy(model, ids, PagedKVCache(block_size=4), PRESSES["adakv-snapkv"](surrogate_dir))
     assert torch.equal(got, expected)
     assert held.get_seq_length() > 0
+
+
+@pytest.mark.parametrize("cut", [
+    lambda cache: cache.crop(2.5),
+    lambda cache: cache.reorder_cache(torch.tensor([1.0, 0.0])),
+    lambda cache: cache.reorder_cache(torch.tensor([True, False])),
+], ids=["crop of a float", "beam index of floats", "beam index of bools"])
+def test_a_cut_or_reorder_of_non_integer_indices_is_refused_as_a_dynamic_cache_refuses_it(cut):
+    """crop(2.5) kept 2 slots and reorder_cache(tensor([1., 0.])) was cast to rows [1, 0], where a DynamicCache raises:
+    a caller's bug passed as a cache change. Refused, naming the cache, with the layer as it was."""
+    keys = torch.randn(2, 2, 5, 8)
+    dynamic, cache = DynamicCache(), PagedKVCache(block_size=4)
+    dynamic.update(keys, -keys, 0)
+    cache.update(keys, -keys, 0)
+    with pytest.raises((TypeError, RuntimeError, IndexError)):
+        cut(dynamic)
+    with pytest.raises(TypeError, match=r"PagedKVCache"):
+        cut(cache)
+    assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, -keys)
