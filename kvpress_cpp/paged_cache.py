@@ -538,9 +538,20 @@ class PagedLayer(CacheLayerMixin):
         return gathered.reshape(*probs.shape[:3], width)
 
     def drop_padding(self, log_weights: torch.Tensor) -> None:
-        """Evict the columns of the view whose log-weight (B, H, W) is -inf (the padding of a prefill)."""
+        """Evict the columns of the view whose log-weight (B, H, W) is -inf (the padding of a prefill). A prefill
+        that is all padding for a row is refused: it is the first chunk of a chunked prefill whose later chunks hold
+        padding, which a later pass, attending through the block tables without the mask, would store and attend."""
         columns = self._view_columns()
         padding = (log_weights.cpu() == float("-inf")) & (columns >= 0)
+        only_padding = (padding.sum(-1) == (columns >= 0).sum(-1)).all(-1)
+        if bool(only_padding.any()):
+            tokens = self.get_seq_length()
+            self.reset()  # the layer holds only this pass: the cache is left as it was before it
+            raise ValueError(f"PagedKVCache: a prefill of {tokens} tokens holds only padding for batch rows "
+                             f"{only_padding.nonzero().flatten().tolist()}: generate's prefill_chunk_size (or a "
+                             f"hand-written chunked prefill) whose first chunk ends before a row's first token; the "
+                             f"padding in later chunks would be held and attended as tokens. Use a first chunk that "
+                             f"reaches every row's first token (a prefill_chunk_size above the longest left padding)")
         self.padding_dropped = int(padding.sum(-1).min()) if padding.numel() else 0
         if bool(padding.any()):
             evicted = torch.zeros(*self.lengths.shape, self.longest_length(), dtype=torch.bool)

@@ -188,6 +188,34 @@ def test_padded_batch(attn):
         assert layer.lengths.tolist() == [[int(n)] * layer.lengths.shape[1] for n in real]
 
 
+def test_a_chunked_prefill_of_a_padded_batch_holds_each_row_alone_or_is_refused():
+    """A prefill in chunks (generate's prefill_chunk_size, or by hand) of a batch whose row 1 is left-padded by 20:
+    the paged layer drops the padding it sees in the first chunk only, and later passes attend through the block
+    tables without the mask, so padding in a later chunk was held and attended as tokens (row 1's next token then
+    differed from its run alone). A first chunk reaching every row's first token gives row 1 its own logits; one
+    that is all padding for a row is refused, and leaves the cache empty."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 40)
+    batch = torch.cat([ids, torch.nn.functional.pad(ids[:, :20], (20, 0))])
+    mask = torch.cat([torch.ones(1, 40, dtype=torch.long), torch.arange(40).view(1, -1).ge(20).long()])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        alone = model(ids[:, :20]).logits[0, -1]
+
+        def last_logits(cache, first_chunk):
+            for start, end in ((0, first_chunk), (first_chunk, 40)):
+                out = model(batch[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                            past_key_values=cache, use_cache=True)
+            return out.logits[1, -1]
+
+        torch.testing.assert_close(last_logits(PagedKVCache(block_size=4), 24), alone, atol=1e-4, rtol=1e-4)
+        cache = PagedKVCache(block_size=4)
+        with pytest.raises(ValueError, match=r"PagedKVCache: a prefill of 8 tokens holds only padding for batch rows "
+                                             r"\[1\]: generate's prefill_chunk_size"):
+            last_logits(cache, 8)
+    assert cache.get_seq_length() == 0
+
+
 @pytest.mark.parametrize("block_size", [1, 4])
 @pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv"])
 def test_padded_batch_with_a_row_under_the_budget(name, block_size, surrogate_dir):
