@@ -143,12 +143,15 @@ class _RowByRowScorer(_ScorerStandIn):
         self.padding = padding
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        # A paged layer holds no column of the padding every row shares: its keys start that many tokens later.
+        shared_padding = hidden_states.shape[1] - keys.shape[2]
         rows = []
         for row, pad in enumerate(self.padding):
-            row_attentions = attentions[row:row + 1, :, pad:, pad:] if attentions is not None else None
-            scores = super().score(module, hidden_states[row:row + 1, pad:], keys[row:row + 1, :, pad:],
-                                   values[row:row + 1, :, pad:], row_attentions, _row_kwargs(kwargs, row, pad))
-            rows.append(torch.nn.functional.pad(scores, (pad, 0), value=float("inf")))
+            key_pad = pad - shared_padding
+            row_attentions = attentions[row:row + 1, :, pad:, key_pad:] if attentions is not None else None
+            scores = super().score(module, hidden_states[row:row + 1, pad:], keys[row:row + 1, :, key_pad:],
+                                   values[row:row + 1, :, key_pad:], row_attentions, _row_kwargs(kwargs, row, pad))
+            rows.append(torch.nn.functional.pad(scores, (key_pad, 0), value=float("inf")))
         return torch.cat(rows)
 
 
@@ -219,6 +222,23 @@ def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int) -> N
                                          for layer, total in zip(layers, totals)})
 
 
+def _refuse_scores_of_cut_tokens(press: DMSPress, module, kwargs: dict) -> None:
+    """Raise if a decoding ``DMSPress`` runs a pass behind the tokens it has scored on this layer. Its score buffer
+    holds the scores of the last ``sliding_window_size`` tokens it saw; after a cut (kvpress's pipeline between two
+    questions on one context, a crop) they are scores of tokens no longer there, and its next marks land on other
+    tokens, on either cache, or past a DynamicCache's end (an IndexError in kvpress's attention)."""
+    positions = kwargs["cache_position"]
+    if not press.decoding or is_prefilling(positions, kwargs["hidden_states"].shape[1]):
+        return
+    seen = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
+    if seen is not None and int(positions[0]) < seen[1]:
+        raise ValueError(f"DMSPress(decoding=True): a pass from position {int(positions[0])} on layer "
+                         f"{module.layer_idx}, which it has scored up to position {seen[1] - 1}: the cache was cut back "
+                         f"(kvpress's pipeline between two questions on one context, or a crop), and the press's score "
+                         f"buffer still holds the tokens cut, so its marks would land on other tokens. Use "
+                         f"decoding=False, or one question per context")
+
+
 def patch_dms_press() -> None:
     """Wrap ``DMSPress.forward_hook`` and ``DMSPress.post_init_from_model`` (see the module). Idempotent."""
     forward_hook = DMSPress.forward_hook
@@ -226,6 +246,7 @@ def patch_dms_press() -> None:
         return
 
     def adapted_forward_hook(self, module, input, kwargs, output):
+        _refuse_scores_of_cut_tokens(self, module, kwargs)
         marked_before = _mark_count(module)
         padding = _prefill_padding(kwargs)
         stand_in = _ScorerStandIn(self.press) if padding is None else _RowByRowScorer(self.press, padding)
@@ -239,6 +260,17 @@ def patch_dms_press() -> None:
     DMSPress.post_init_from_model = _refusing_unshardable_scorers(DMSPress.post_init_from_model)
 
 
+def _marked_columns_to_positions(module, kwargs: dict) -> None:
+    """AdaKVPress marks columns of the keys it scored, which kvpress's own cache holds from position 0 on. A paged
+    layer holds no column of the padding every row of its prefill shares (``padding_dropped``), and evicts marks as
+    token positions: its column c is position c + padding_dropped."""
+    layers = getattr(kwargs.get("past_key_values"), "layers", None)
+    dropped = getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
+    marks = module.masked_key_indices
+    if dropped and marks is not None:
+        module.masked_key_indices = (*marks[:2], marks[2] + dropped)
+
+
 def patch_adakv_press() -> None:
     """Wrap ``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model`` (see the module). Idempotent."""
     compress = AdaKVPress.compress
@@ -248,12 +280,14 @@ def patch_adakv_press() -> None:
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         shard = kv_head_shard(module)
         if shard is None or self.compression_ratio == 0:  # kvpress marks nothing at ratio 0
-            return compress(self, module, hidden_states, keys, values, attentions, kwargs)
-        with _scorer_replaced(self, _AllRanksScorer(self.press)):
             keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
-        batch, head, position = module.masked_key_indices  # the model's heads
-        own = (head >= shard[0]) & (head < shard[1])
-        module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
+        else:
+            with _scorer_replaced(self, _AllRanksScorer(self.press)):
+                keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
+            batch, head, position = module.masked_key_indices  # the model's heads
+            own = (head >= shard[0]) & (head < shard[1])
+            module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
+        _marked_columns_to_positions(module, kwargs)
         return keys, values
 
     setattr(adapted_compress, _PATCHED_ATTR, True)

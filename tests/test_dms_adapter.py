@@ -48,9 +48,10 @@ def model_and_prompts(tmp_path_factory):
     return model, prompts, surrogate
 
 
-def generate(model, press, prompts, cache):
-    """Greedy tokens (B, NEW_TOKENS) of the prompts, left-padded with 0 into one batch."""
-    width = max(len(prompt) for prompt in prompts)
+def generate(model, press, prompts, cache, shared_padding=0):
+    """Greedy tokens (B, NEW_TOKENS) of the prompts, left-padded with 0 into one batch (every row by at least
+    `shared_padding`)."""
+    width = max(len(prompt) for prompt in prompts) + shared_padding
     input_ids = torch.stack([torch.nn.functional.pad(p, (width - len(p), 0)) for p in prompts])
     mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
     with torch.no_grad(), press(model):
@@ -81,14 +82,18 @@ def kept_positions(model, cache, row: int, padding: int) -> list[list[list[int]]
     return kept
 
 
+@pytest.mark.parametrize("shared_padding", [0, 5], ids=["first row unpadded", "every row padded"])
 @pytest.mark.parametrize("cache_type", [PagedKVCache, DynamicCache])
 @pytest.mark.parametrize("name", list(PRESSES))
-def test_each_row_equals_its_run_alone(model_and_prompts, name, cache_type):
+def test_each_row_equals_its_run_alone(model_and_prompts, name, cache_type, shared_padding):
+    """With every row padded, the paged cache holds no column of the padding all rows share: the scorer was handed
+    each row's keys that many columns too far on (SnapKV then scored other tokens than the row's own)."""
     model, prompts, surrogate = model_and_prompts
     cache = cache_type()
-    tokens = generate(model, PRESSES[name](surrogate), prompts, cache)
+    tokens = generate(model, PRESSES[name](surrogate), prompts, cache, shared_padding)
     # Read before the runs alone, which replace the marks on the attention modules.
-    kept = [kept_positions(model, cache, row, max(LENGTHS) - len(prompt)) for row, prompt in enumerate(prompts)]
+    kept = [kept_positions(model, cache, row, max(LENGTHS) + shared_padding - len(prompt))
+            for row, prompt in enumerate(prompts)]
     evicted = False
     for row, (prompt, batch_kept) in enumerate(zip(prompts, kept)):
         alone_cache = cache_type()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvpress import AdaKVPress, DMSPress, SnapKVPress, TOVAPress
+from kvpress import AdaKVPress, DMSPress, KnormPress, SnapKVPress, TOVAPress
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.attention import patch_eager_attention
@@ -167,6 +167,34 @@ def test_pipeline_answers_several_questions_on_one_paged_context():
         assert all(bool((layer.lengths >= before).all()) for layer, before in zip(paged.layers, context_lengths))
 
 
+@kvpress_hooks.mark
+@pytest.mark.parametrize("cache_type", [PagedKVCache, DynamicCache])
+@pytest.mark.parametrize("cut", ["pipeline", "prompt-lookup"])
+def test_a_decoding_dms_press_over_a_cut_cache_is_refused(cut, cache_type, surrogate_dir):
+    """DMSPress(decoding=True) keeps the scores of the last tokens it saw, and decides each token as it leaves its
+    window. A cut (the pipeline back to the context after each answer; prompt lookup's crop of rejected candidates)
+    leaves the scores of the tokens cut in that buffer, so the next pass's marks land on other tokens (a paged cache
+    evicted context tokens the first question kept; past a DynamicCache's end, kvpress's attention raises an
+    IndexError), and tokens the cut tokens pushed out of the window were decided early. One question runs, and prompt
+    lookup with marks at prefill only (test_head_wise_masks_are_counted_as_generate_counts_them); the cut is refused,
+    naming the press."""
+    model, tokenizer = make_tiny_llama()
+    press = DMSPress(KVzapPress(surrogate_dir=surrogate_dir), threshold=-3.0, sliding_window_size=8, decoding=True)
+    refused = pytest.raises(ValueError, match=r"DMSPress\(decoding=True\): a pass from position \d+ on layer 0, "
+                                              r"which it has scored up to position \d+: the cache was cut back")
+    if cut == "prompt-lookup":
+        ids = prompt_ids(tokenizer, 96)
+        with refused:
+            greedy(model, torch.cat([ids, ids[:, :10]], dim=1), cache_type(), press, prompt_lookup_num_tokens=3)
+        return
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 6
+    pipe(context, question="who is in want of a wife?", press=press, max_new_tokens=3, cache=cache_type())
+    with refused:
+        pipe(context, questions=["who is in want of a wife?", "what is universally acknowledged?"], press=press,
+             max_new_tokens=3, cache=cache_type())
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_padded_batch(attn):
     """Prompts of different lengths, left-padded: the same tokens as the rectangular cache, and each row holds only
@@ -186,6 +214,25 @@ def test_padded_batch(attn):
     real = inputs.attention_mask.sum(-1) + 12 - 1  # the last generated token is not cached
     for layer in cache.layers:
         assert layer.lengths.tolist() == [[int(n)] * layer.lengths.shape[1] for n in real]
+
+
+@pytest.mark.parametrize("scorer", [lambda: SnapKVPress(compression_ratio=0.6, window_size=8),
+                                    lambda: KnormPress(compression_ratio=0.5)], ids=["snapkv", "knorm"])
+@kvpress_hooks.mark
+def test_adakv_on_a_padded_prompt_evicts_what_it_evicts_unpadded(scorer):
+    """AdaKVPress marks columns of the keys it scores. A paged prefill holds no column of the padding every row shares
+    (7 here), and evicted the marks as token positions: every eviction landed 7 tokens early. The padded prompt now
+    keeps the unpadded prompt's tokens (kvpress's AdaKV on a DynamicCache, which holds no padding there)."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 80)
+    padded, mask = torch.nn.functional.pad(ids, (7, 0)), torch.nn.functional.pad(torch.ones_like(ids), (7, 0))
+    cache = PagedKVCache(block_size=4)
+    got = greedy(model, padded, cache, lambda m: AdaKVPress(scorer())(m), attention_mask=mask)
+    unpadded_cache = DynamicCache()
+    expected = greedy(model, ids, unpadded_cache, lambda m: AdaKVPress(scorer())(m))
+    assert torch.equal(got, expected)
+    held = sum(int(layer.lengths.sum()) for layer in cache.layers)
+    assert held < sum(layer.keys.shape[1] * layer.keys.shape[2] for layer in unpadded_cache.layers)  # it evicted
 
 
 def test_a_chunked_prefill_of_a_padded_batch_holds_each_row_alone_or_is_refused():
@@ -290,6 +337,8 @@ def test_head_wise_masks_are_counted_as_generate_counts_them(name, case, surroga
     def tokens(cache):
         press = PRESSES[name](surrogate_dir)
         if case == "prompt-lookup":
+            if isinstance(press, DMSPress):  # marks at prefill; a decoding one refuses the crop
+                press.decoding = False  # (test_a_decoding_dms_press_over_a_cut_cache_is_refused)
             return greedy(model, ids, cache, press, prompt_lookup_num_tokens=3)
         first = torch.cat([ids, greedy(model, ids, cache, press)], dim=1)
         return greedy(model, torch.cat([first, prompt_ids(tokenizer, 7)], dim=1), cache, press)
