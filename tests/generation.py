@@ -45,6 +45,19 @@ def greedy(model, input_ids, press=None, max_new_tokens=24, cache=None, **kwargs
     return out[:, input_ids.shape[1]:], cache
 
 
+def feed_in_passes(model, input_ids, sizes, press=None, cache=None):
+    """Forward `input_ids` (1, T) in passes of `sizes` tokens (summing to T), as kvpress's question pass or a chunked
+    prefill feeds several tokens after the first pass, under `press` (None: uncompressed); returns the cache."""
+    cache = cache if cache is not None else DynamicCache()
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    assert starts[-1] == input_ids.shape[1], (sizes, input_ids.shape)
+    with torch.no_grad(), press(model) if press is not None else nullcontext():
+        for start, end in zip(starts, starts[1:]):
+            model(input_ids[:, start:end], past_key_values=cache, use_cache=True,
+                  position_ids=torch.arange(start, end).view(1, -1), cache_position=torch.arange(start, end))
+    return cache
+
+
 def answers_hidden_fact(model, tokenizer, press, context_tokens: int = 3000) -> tuple[bool, str]:
     """Whether the model, under `press`, answers the demo's hidden-fact question (and what it said)."""
     fact = HiddenFact()

@@ -11,7 +11,8 @@ from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
-from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, needs_chunked_prefill, prompt_ids
+from tests.generation import (TINY_MODELS, answers_hidden_fact, feed_in_passes, greedy, needs_chunked_prefill,
+                              prompt_ids)
 from tests.models import make_tiny_llama
 
 
@@ -77,6 +78,23 @@ def test_streaming_prefill_of_one_token_is_the_token_by_token_stream():
         torch.testing.assert_close(layer.keys, expected.keys)
         torch.testing.assert_close(layer.values, expected.values)
         torch.testing.assert_close(get_state(layer).per_slot["sums"], get_state(expected).per_slot["sums"])
+
+
+def test_counts_are_the_queries_each_slot_has_seen_after_passes_of_several_tokens():
+    """n_j, the count that turns the attention sum into Algorithm 1's average ā_j = a_j / n_j, is the number of
+    queries that attended slot j: the tokens seen since token j, itself included. A pass of q tokens (kvpress's
+    question pass, a streamed prefill's chunk) adds q; counting 1 per pass skewed every average after one. WeightedKV
+    never changes a key, so layer 0's slots are found among the uncompressed run's keys, which gives their tokens."""
+    model, tokenizer = make_tiny_llama()
+    ids, sizes = prompt_ids(tokenizer, 60), [40, 8, 1, 8, 1, 1, 1]
+    layer = feed_in_passes(model, ids, sizes, WeightedKVPress(cache_size=24)).layers[0]
+    full = feed_in_passes(model, ids, sizes).layers[0].keys[0]  # (H, 60, d)
+    counts = get_state(layer).per_slot["counts"][0]  # (H, 24)
+    for head in range(counts.shape[0]):
+        distance = torch.cdist(layer.keys[0, head], full[head], compute_mode="donot_use_mm_for_euclid_dist")
+        assert bool((distance.min(-1).values <= 1e-6).all()), f"head {head}: a slot is no token's key"
+        token = distance.argmin(-1)
+        assert torch.equal(counts[head], (60 - token).to(counts.dtype)), f"head {head}, tokens {token.tolist()}"
 
 
 @pytest.mark.parametrize("kwargs,message", [

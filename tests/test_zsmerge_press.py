@@ -12,7 +12,8 @@ from transformers import DynamicCache
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_IGNORES_PADDING, CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 from kvpress_cpp.presses.zsmerge import ZSMergePress
-from tests.generation import TINY_MODELS, answers_hidden_fact, greedy, needs_chunked_prefill, prompt_ids
+from tests.generation import (TINY_MODELS, answers_hidden_fact, feed_in_passes, greedy, needs_chunked_prefill,
+                              prompt_ids)
 from tests.models import make_tiny_llama
 
 
@@ -112,6 +113,23 @@ def test_streaming_prefill_keeps_the_invariants_while_the_prompt_streams_in(evic
     assert press.steps_checked == (len(passes) - 1) * model.config.num_hidden_layers
     assert model.generation_config.prefill_chunk_size is None
     assert all(layer.keys.shape[-2] == 24 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("eviction_order", ["authors", "paper"])
+def test_passes_of_several_tokens_keep_the_recent_window_unmerged(eviction_order):
+    """The recent window holds the last Bp tokens as they are (Algorithm 1: a token is merged only once it leaves the
+    window), also after a pass of several tokens (kvpress's question pass, a streamed prefill's chunks). Layer 0's
+    keys depend on the tokens and positions alone, so the window's keys must be the uncompressed run's, for the
+    last Bp tokens, in every head; a ring that advanced one slot per pass lost recent tokens and kept stale ones."""
+    model, tokenizer = make_tiny_llama()
+    ids, sizes = prompt_ids(tokenizer, 60), [40, 8, 1, 8, 1, 1, 1]
+    press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order)
+    recent = press.split(40)[0]
+    held = feed_in_passes(model, ids, sizes, press).layers[0].keys[0]  # (H, 24, d)
+    full = feed_in_passes(model, ids, sizes).layers[0].keys[0]  # (H, 60, d)
+    for head in range(held.shape[0]):
+        distance = torch.cdist(full[head, -recent:], held[head], compute_mode="donot_use_mm_for_euclid_dist")
+        assert bool((distance.min(-1).values <= 1e-6).all()), f"head {head}: the recent tokens held {distance.min(-1)}"
 
 
 def test_merge_count_bias_is_alpha_log_w():
