@@ -92,8 +92,12 @@ def test_each_row_equals_its_run_alone(model_and_prompts, name, cache_type, shar
     cache = cache_type()
     tokens = generate(model, PRESSES[name](surrogate), prompts, cache, shared_padding)
     # Read before the runs alone, which replace the marks on the attention modules.
-    kept = [kept_positions(model, cache, row, max(LENGTHS) + shared_padding - len(prompt))
-            for row, prompt in enumerate(prompts)]
+    paddings = [max(LENGTHS) + shared_padding - len(prompt) for prompt in prompts]
+    kept = [kept_positions(model, cache, row, padding) for row, padding in enumerate(paddings)]
+    for layer in model.model.layers:  # no mark on padding (kept_positions does not see those): they count as evicted
+        marked = layer.self_attn.masked_key_indices
+        if marked is not None:
+            assert bool((marked[2] >= torch.tensor(paddings)[marked[0]]).all()), "DMSPress marked padding"
     evicted = False
     for row, (prompt, batch_kept) in enumerate(zip(prompts, kept)):
         alone_cache = cache_type()
