@@ -60,6 +60,24 @@ def test_pipeline_reuses_the_compressed_context():
     assert press.compression_ratio > 0
 
 
+@pytest.mark.parametrize("recent", [1, 8])
+def test_the_recent_option_keeps_the_last_prompt_tokens_in_every_head(recent):
+    """`recent` (a deviation, off by default) keeps the prompt's last `recent` tokens in every head whatever the vote.
+    With p = 0.2 and one sample, the vote alone drops some of them; layer 0's keys depend on tokens and positions
+    alone, so each of those tokens' keys must be among the slots every head holds."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 48)
+    with torch.no_grad():
+        full = model(ids, past_key_values=DynamicCache()).past_key_values.layers[0].keys[0]  # (H, 48, d)
+        _, cache = greedy(model, ids, press=GVotePress(nucleus_p=0.2, num_samples=1, recent=recent), max_new_tokens=1)
+    layer = cache.layers[0]
+    held = get_state(layer).log_weights[0] > float("-inf")  # (H, slots): the compacted layer's real slots
+    for head in range(full.shape[0]):
+        slots = layer.keys[0, head][held[head]]
+        distance = torch.cdist(full[head, -recent:], slots, compute_mode="donot_use_mm_for_euclid_dist")
+        assert bool((distance.min(-1).values <= 1e-6).all()), f"head {head}: {distance.min(-1).values.tolist()}"
+
+
 def test_memory_ratio_is_what_the_compacted_cache_frees():
     """compression_ratio is the paper's mean over heads; memory_compression_ratio counts each layer at its longest
     head, as the cache holds it (padding included)."""
