@@ -4,6 +4,8 @@ AdaKVPress and pipeline on top. Surrogates are random, written in kvpress's KVza
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from kvpress import AdaKVPress, CriticalAdaKVPress, DMSPress, PerLayerCompressionPress
@@ -240,6 +242,25 @@ def test_lower_threshold_keeps_more(llama, surrogates):
         previous_ratio, previous_kept = press.compression_ratio, kept
     assert press.compression_ratio == 0.0
     assert all(layer.keys.shape[-2] == 300 for layer in cache.layers)
+
+
+def test_one_press_on_models_of_two_dtypes_scores_each_in_its_own(llama, surrogates):
+    """The press converts its surrogate's weights once per (layer, device, dtype) and keeps them: used on a float32
+    model and then on a bfloat16 copy, it must score the copy as a new press does."""
+    model, tokenizer = llama
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    ids = prompt_ids(tokenizer, 120)
+
+    def press():
+        return KVzapThresholdPress(threshold=0.0, sliding_window=16, surrogate_dir=surrogates["mlp"])
+
+    reused = press()
+    greedy(model, ids, press=reused, max_new_tokens=4)
+    got, got_cache = greedy(half, ids, press=reused, max_new_tokens=4)
+    expected, expected_cache = greedy(half, ids, press=press(), max_new_tokens=4)
+    assert torch.equal(got, expected)
+    assert [kept_positions(layer) for layer in got_cache.layers] == [kept_positions(layer)
+                                                                     for layer in expected_cache.layers]
 
 
 def test_compression_ratio_is_read_only_and_memory_shrinks(llama, surrogates):
