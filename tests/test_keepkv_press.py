@@ -123,6 +123,43 @@ def test_scorer_chooses_the_prompt_heavy_hitters():
     assert not torch.equal(ema_cache.layers[0].keys[..., :24, :], cache.layers[0].keys[..., :24, :])
 
 
+def test_merge_first_merges_the_lower_half_by_score_into_heavier_tokens(monkeypatch):
+    """Table 3's merge-first prefill: the lower half of the middle tokens by ŝ merges, each into a similar retained
+    token (of the upper half, the sinks or the recent window), so a merge within the middle goes into a token of ŝ
+    at least its own, and neither the sinks nor the recent window merge away. Recorded from the ZIP merges the
+    prefill asks for, at each layer."""
+    merges = []
+    merge_first = KeepKVPress._merge_first
+
+    def recording_merge_first(self, keys, values, state):
+        def recording_zip(keys, values, state, targets, log_estimate):
+            merges.append((targets.clone(), log_estimate.clone(), state.counters["recent"]))
+            return KeepKVPress._zip(self, keys, values, state, targets, log_estimate)
+
+        self._zip = recording_zip  # this prefill's merges only: the eviction's follow
+        try:
+            return merge_first(self, keys, values, state)
+        finally:
+            del self._zip
+
+    monkeypatch.setattr(KeepKVPress, "_merge_first", recording_merge_first)
+    model, tokenizer = make_tiny_llama()
+    press = KeepKVPress(budget=32, recent=8, similarity_threshold=0.3, merge_first=True)
+    greedy(model, prompt_ids(tokenizer, 96), press=press, max_new_tokens=1)
+    assert len(merges) == model.config.num_hidden_layers
+    for targets, log_estimate, recent in merges:
+        merged = targets >= 0
+        assert bool(merged.any()), "no token merged"
+        position = torch.arange(targets.shape[-1]).expand_as(targets)
+        assert bool((position[merged] >= press.sinks).all() and (position[merged] < 96 - recent).all())
+        target = targets.clamp(min=0)
+        into_middle = merged & (target >= press.sinks) & (target < 96 - recent)
+        assert bool(into_middle.any()), "no merge within the middle"
+        target_estimate = log_estimate.gather(-1, target)
+        assert bool((log_estimate[into_middle] <= target_estimate[into_middle]).all()), "merged into a lighter token"
+        assert int(merged.sum(-1).max()) <= (96 - press.sinks - recent) // 2
+
+
 def test_pyramid_budgets_decay_and_average_to_the_uniform_budget():
     assert pyramid_budgets(32, 4) == [48, 40, 24, 16]
     for budget, layers in [(32, 30), (17, 7), (100, 2), (5, 3)]:

@@ -201,9 +201,10 @@ class KeepKVPress(KVCompDecodingPress):
         return keys, values, state
 
     def _merge_first(self, keys, values, state: LayerState):
-        """Table 3's merge-first prefill: the lower half of the middle tokens by ŝ merge into their most similar token
-        of the upper half where the similarity reaches the threshold (so a pair merges into its heavier member and
-        chains are cut). Merged-away slots stay in place with 0 votes, and are the first evicted by ``_evict``."""
+        """Table 3's merge-first prefill: the lower half of the middle tokens by ŝ merge into their most similar
+        retained token (of the upper half, the sinks or the recent window) where the similarity reaches the threshold
+        (so a middle pair merges into its heavier member and chains are cut). Merged-away slots stay in place with 0
+        votes, and are the first evicted by ``_evict``."""
         length = keys.shape[-2]
         recent = state.counters["recent"]
         count = length - self.sinks - recent
