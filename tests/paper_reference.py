@@ -63,36 +63,53 @@ def first_argmin(values: list[float]) -> int:
 
 
 class ZSMerge:
-    """ZSMerge (paper §3, Algorithm 1) with the methods.md defaults. Layout: [residual | context | recent ring]."""
+    """ZSMerge (paper §3, Algorithm 1) with the methods.md defaults. Layout: [residual | context | recent ring].
+
+    The prompt's scores are its decayed attention sums (methods.md). With `similarity_prefill` the prompt is laid out
+    only up to the budget (M tokens, so each residual slot holds one token, as Algorithm 1 lines 12-13 fill them) and
+    every later prompt token enters as a decoding token does: the lowest-score context token merges into the residual
+    slot of largest k_r·k_t (eqs. 6-7), with the prompt's scores, which the prompt's queries have already set."""
 
     def __init__(self, budget: int, recent_fraction: float = 0.4, residual: int = 1, decay: float = 0.98,
-                 alpha: float = 0.6, paper_order: bool = False):
+                 alpha: float = 0.6, paper_order: bool = False, similarity_prefill: bool = False):
         self.recent = max(1, round(recent_fraction * budget))
         self.residual, self.context = residual, budget - self.recent - residual
         self.decay, self.alpha, self.paper_order = decay, alpha, paper_order
+        self.similarity_prefill = similarity_prefill
         self.heads = {}
         self.leaving_evicted = 0  # steps where the paper's order evicted the token leaving the recent window
 
     def prefill(self, x: LayerInputs) -> None:
+        budget = self.recent + self.context + self.residual
         for b, h, queries, keys, values in x.every_head():
             tokens = keys.shape[0]
-            assert tokens > self.recent + self.context + self.residual, "the test prompts exceed the budget"
+            assert tokens > budget, "the test prompts exceed the budget"
             attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale)
             decays = self.decay ** torch.arange(tokens - 1, -1, -1, dtype=torch.float64)
             score = (attention * decays.unsqueeze(-1)).sum((0, 1)).tolist()  # Σ_g Σ_j λ^(T-1-j) A[j, i]
-            older = range(tokens - self.recent)
-            context = sorted(sorted(older, key=lambda i: (-score[i], i))[:self.context])
-            merged = [i for i in older if i not in context]
-            groups, start = [], 0
-            for group in range(self.residual):
-                size = len(merged) // self.residual + (group < len(merged) % self.residual)
-                groups.append(merged[start:start + size])
-                start += size
-            slots = [dict(key=stored(keys[g].mean(0), x.keys.dtype), value=stored(values[g].mean(0), x.keys.dtype),
-                          count=float(len(g)), score=max(score[i] for i in g)) for g in groups]
-            slots += [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
-                      for i in context + list(range(tokens - self.recent, tokens))]
-            self.heads[b, h] = {"slots": slots, "ring": 0}
+            laid_out = budget if self.similarity_prefill else tokens
+            head = {"slots": self.lay_out(keys[:laid_out], values[:laid_out], score[:laid_out], x.keys.dtype),
+                    "ring": 0}
+            for t in range(laid_out, tokens):
+                self.admit(head, dict(key=keys[t], value=values[t], count=1.0, score=score[t]), x.keys.dtype)
+            self.heads[b, h] = head
+
+    def lay_out(self, keys: torch.Tensor, values: torch.Tensor, score: list[float], dtype: torch.dtype) -> list[dict]:
+        """methods.md's prefill: the last Bp tokens, the top-Bc of the rest by score, the remaining tokens averaged in
+        Br contiguous groups (one token each when exactly Br remain)."""
+        tokens = keys.shape[0]
+        older = range(tokens - self.recent)
+        context = sorted(sorted(older, key=lambda i: (-score[i], i))[:self.context])
+        merged = [i for i in older if i not in context]
+        groups, start = [], 0
+        for group in range(self.residual):
+            size = len(merged) // self.residual + (group < len(merged) % self.residual)
+            groups.append(merged[start:start + size])
+            start += size
+        slots = [dict(key=stored(keys[g].mean(0), dtype), value=stored(values[g].mean(0), dtype),
+                      count=float(len(g)), score=max(score[i] for i in g)) for g in groups]
+        return slots + [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
+                        for i in context + list(range(tokens - self.recent, tokens))]
 
     def decode(self, x: LayerInputs) -> None:
         for (b, h), head in self.heads.items():
@@ -104,29 +121,33 @@ class ZSMerge:
             attention = probabilities(queries, all_keys, bias, x.scale).sum((0, 1))  # eq. 5, summed over the group
             for slot, a in zip(slots, attention[:-1].tolist()):
                 slot["score"] = self.decay * slot["score"] + a
-            new = dict(key=keys[0], value=values[0], count=1.0, score=float(attention[-1]))
-            first_context = self.residual
-            leaving = first_context + self.context + head["ring"]
-            candidates = list(range(first_context, first_context + self.context))
-            if self.paper_order:  # Algorithm 1: the token leaving the recent window joins the context first
-                candidates.append(leaving)
-            evicted = candidates[first_argmin([slots[i]["score"] for i in candidates])]
-            if self.residual:
-                victim = slots[evicted]
-                target = max(range(self.residual), key=lambda j: (float(slots[j]["key"] @ victim["key"]), -j))
-                into = slots[target]
-                total = victim["count"] + into["count"]
-                into["key"] = stored((victim["count"] * victim["key"] + into["count"] * into["key"]) / total,
-                                     x.keys.dtype)
-                into["value"] = stored((victim["count"] * victim["value"] + into["count"] * into["value"]) / total,
-                                       x.keys.dtype)
-                into["count"], into["score"] = total, max(victim["score"], into["score"])
-            if evicted != leaving:
-                slots[evicted] = slots[leaving]
-            else:
-                self.leaving_evicted += 1
-            slots[leaving] = new
-            head["ring"] = (head["ring"] + 1) % self.recent
+            self.admit(head, dict(key=keys[0], value=values[0], count=1.0, score=float(attention[-1])), x.keys.dtype)
+
+    def admit(self, head: dict, new: dict, dtype: torch.dtype) -> None:
+        """One token enters a full cache (Algorithm 1, lines 6-16): the lowest-score context token is merged into the
+        residual slot of largest k_r·k_t (eq. 6) as a count-weighted mean (eq. 7), the oldest recent token takes its
+        slot and the new token the ring's."""
+        slots = head["slots"]
+        first_context = self.residual
+        leaving = first_context + self.context + head["ring"]
+        candidates = list(range(first_context, first_context + self.context))
+        if self.paper_order:  # Algorithm 1: the token leaving the recent window joins the context first
+            candidates.append(leaving)
+        evicted = candidates[first_argmin([slots[i]["score"] for i in candidates])]
+        if self.residual:
+            victim = slots[evicted]
+            target = max(range(self.residual), key=lambda j: (float(slots[j]["key"] @ victim["key"]), -j))
+            into = slots[target]
+            total = victim["count"] + into["count"]
+            into["key"] = stored((victim["count"] * victim["key"] + into["count"] * into["key"]) / total, dtype)
+            into["value"] = stored((victim["count"] * victim["value"] + into["count"] * into["value"]) / total, dtype)
+            into["count"], into["score"] = total, max(victim["score"], into["score"])
+        if evicted != leaving:
+            slots[evicted] = slots[leaving]
+        else:
+            self.leaving_evicted += 1
+        slots[leaving] = new
+        head["ring"] = (head["ring"] + 1) % self.recent
 
     def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
         slots = self.heads[b, h]["slots"]
