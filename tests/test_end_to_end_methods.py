@@ -135,15 +135,18 @@ def dense_slots(layer, state, b, h, names) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("eviction_order", ["authors", "paper"])
-def test_zsmerge_matches_the_paper(llama_in, eviction_order, dtype):
-    press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order)
+# "similarity": the 24 prompt tokens beyond the budget enter one by one by eqs. 6-7; 2 residual slots so that the
+# slot each merges into is a choice.
+@pytest.mark.parametrize("prefill_merge", ["contiguous", "similarity"])
+def test_zsmerge_matches_the_paper(llama_in, prefill_merge, eviction_order, dtype):
+    press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order, prefill_merge=prefill_merge)
 
     def read(press, layer, state, b, h):
         return dense_slots(layer, state, b, h, {"counts": state.per_slot["counts"],
                                                 "scores": state.per_slot["scores"]})
 
     references = run_in_lock_step(llama_in(dtype), press, lambda: paper_reference.ZSMerge(
-        24, residual=2, paper_order=eviction_order == "paper"), read)
+        24, residual=2, paper_order=eviction_order == "paper", similarity_prefill=prefill_merge == "similarity"), read)
     if eviction_order == "paper":  # the run exercised the difference: the leaving token was evicted at least once
         assert sum(reference.leaving_evicted for reference in references.values()) > 0
 
