@@ -346,9 +346,9 @@ _declare(Contract(
     [Tensor("keys", "B H T d", CACHE_DTYPES), Tensor("values", "B H T d", "keys"), Tensor("scores", "B H T", F32),
      Scalar("recent"), Scalar("context"), Scalar("residual")],
     rules=_zsmerge_budget() + [
-        Rule(lambda v: v["T"] > _zsmerge_slots(v),
-             lambda v: f"expected more tokens than slots, T = keys.size(2) > M = recent + context + residual = "
-             f"{_zsmerge_slots(v)}, got T = {v['T']}"),
+        Rule(lambda v: v["T"] >= _zsmerge_slots(v),
+             lambda v: f"expected at least as many tokens as slots, T = keys.size(2) >= M = recent + context + "
+             f"residual = {_zsmerge_slots(v)}, got T = {v['T']}"),
         Rule(lambda v: v["T"] <= INT32_MAX, lambda v: f"expected at most 2^31 - 1 tokens, got T = {v['T']}"),
     ],
     outputs=lambda v: [((v["B"], v["H"], _zsmerge_slots(v), v["d"]), "keys")] * 2

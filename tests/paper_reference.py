@@ -68,7 +68,9 @@ class ZSMerge:
     The prompt's scores are its decayed attention sums (methods.md). With `similarity_prefill` the prompt is laid out
     only up to the budget (M tokens, so each residual slot holds one token, as Algorithm 1 lines 12-13 fill them) and
     every later prompt token enters as a decoding token does: the lowest-score context token merges into the residual
-    slot of largest k_r·k_t (eqs. 6-7), with the prompt's scores, which the prompt's queries have already set."""
+    slot of largest k_r·k_t (eqs. 6-7), with the prompt's scores, which the prompt's queries have already set. A
+    prompt within the budget is held as it is; the decoding token that first takes the cache past M finds the M tokens
+    laid out the same way (one per residual slot) and enters as every later token does."""
 
     def __init__(self, budget: int, recent_fraction: float = 0.4, residual: int = 1, decay: float = 0.98,
                  alpha: float = 0.6, paper_order: bool = False, similarity_prefill: bool = False):
@@ -83,10 +85,13 @@ class ZSMerge:
         budget = self.recent + self.context + self.residual
         for b, h, queries, keys, values in x.every_head():
             tokens = keys.shape[0]
-            assert tokens > budget, "the test prompts exceed the budget"
             attention = probabilities(queries, keys, torch.zeros(tokens, dtype=torch.float64), x.scale)
             decays = self.decay ** torch.arange(tokens - 1, -1, -1, dtype=torch.float64)
             score = (attention * decays.unsqueeze(-1)).sum((0, 1)).tolist()  # Σ_g Σ_j λ^(T-1-j) A[j, i]
+            if tokens <= budget:  # room for every token: each is held as it is until the cache first exceeds M
+                self.heads[b, h] = {"held": [dict(key=keys[i], value=values[i], count=1.0, score=score[i])
+                                             for i in range(tokens)]}
+                continue
             laid_out = budget if self.similarity_prefill else tokens
             head = {"slots": self.lay_out(keys[:laid_out], values[:laid_out], score[:laid_out], x.keys.dtype),
                     "ring": 0}
@@ -112,16 +117,28 @@ class ZSMerge:
                         for i in context + list(range(tokens - self.recent, tokens))]
 
     def decode(self, x: LayerInputs) -> None:
+        budget = self.recent + self.context + self.residual
         for (b, h), head in self.heads.items():
             queries, keys, values = x.head(b, h)
             assert keys.shape[0] == 1, "generate decodes one token per forward"
-            slots = head["slots"]
+            slots = head.get("slots", head.get("held"))
             bias = torch.tensor([self.alpha * math.log(slot["count"]) for slot in slots] + [0.0], dtype=torch.float64)
             all_keys = torch.stack([slot["key"] for slot in slots] + [keys[0]])
             attention = probabilities(queries, all_keys, bias, x.scale).sum((0, 1))  # eq. 5, summed over the group
             for slot, a in zip(slots, attention[:-1].tolist()):
                 slot["score"] = self.decay * slot["score"] + a
-            self.admit(head, dict(key=keys[0], value=values[0], count=1.0, score=float(attention[-1])), x.keys.dtype)
+            new = dict(key=keys[0], value=values[0], count=1.0, score=float(attention[-1]))
+            if "held" in head:
+                if len(slots) < budget:
+                    slots.append(new)
+                    continue
+                # The cache first exceeds M: Algorithm 1 has filled every slot, one token each, and merges from here.
+                head["slots"] = self.lay_out(torch.stack([t["key"] for t in slots]),
+                                             torch.stack([t["value"] for t in slots]),
+                                             [t["score"] for t in slots], x.keys.dtype)
+                head["ring"] = 0
+                del head["held"]
+            self.admit(head, new, x.keys.dtype)
 
     def admit(self, head: dict, new: dict, dtype: torch.dtype) -> None:
         """One token enters a full cache (Algorithm 1, lines 6-16): the lowest-score context token is merged into the
@@ -150,7 +167,8 @@ class ZSMerge:
         head["ring"] = (head["ring"] + 1) % self.recent
 
     def cache(self, b: int, h: int) -> dict[str, torch.Tensor]:
-        slots = self.heads[b, h]["slots"]
+        head = self.heads[b, h]
+        slots = head.get("slots", head.get("held"))
         counts = torch.tensor([slot["count"] for slot in slots], dtype=torch.float64)
         return {"keys": torch.stack([slot["key"] for slot in slots]),
                 "values": torch.stack([slot["value"] for slot in slots]),

@@ -151,6 +151,22 @@ def test_zsmerge_matches_the_paper(llama_in, prefill_merge, eviction_order, dtyp
         assert sum(reference.leaving_evicted for reference in references.values()) > 0
 
 
+@pytest.mark.parametrize("eviction_order", ["authors", "paper"])
+def test_zsmerge_matches_the_paper_from_a_prompt_within_the_budget(llama, eviction_order):
+    """A 20-token prompt under a budget of 24: the cache first exceeds M at the 5th generated token, where Algorithm 1
+    has filled every slot with one token and merges that token's evicted one by eq. 6 (laying out M + 1 tokens
+    grouped the first Br + 1 evicted by position instead)."""
+    press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order)
+
+    def read(press, layer, state, b, h):
+        counts = state.per_slot.get("counts", torch.ones_like(state.per_slot["scores"]))  # none before the layout
+        return dense_slots(layer, state, b, h, {"counts": counts, "scores": state.per_slot["scores"]})
+
+    references = run_in_lock_step(llama, press, lambda: paper_reference.ZSMerge(
+        24, residual=2, paper_order=eviction_order == "paper"), read, prompt_tokens=20)
+    assert all("slots" in head for reference in references.values() for head in reference.heads.values())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weightedkv_matches_the_paper(llama_in, dtype):
     def read(press, layer, state, b, h):

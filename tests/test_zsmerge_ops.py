@@ -68,9 +68,11 @@ def assert_caches_close(got, expected, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("budget", BUDGETS, ids=BUDGET_IDS)
 @pytest.mark.parametrize("heads", [2, 3])
-@pytest.mark.parametrize("tokens", [None, 31])  # None: one token more than the budget
+# 0: as many tokens as slots (a residual slot per evicted token, Algorithm 1's cache when it first fills up);
+# 1: one token more than the budget
+@pytest.mark.parametrize("tokens", [0, 1, 31])
 def test_prefill_matches_reference(device, dtype, budget, heads, tokens):
-    tokens = tokens or sum(budget) + 1
+    tokens = tokens if tokens > sum(budget) else sum(budget) + tokens
     keys, values, scores = make_prefill_inputs(2, heads, tokens, 16, dtype, device)
     got = ops.zsmerge_prefill(keys, values, scores, *budget)
     expected = reference.zsmerge_prefill(keys, values, scores, *budget)
@@ -603,7 +605,8 @@ PREFILL_BAD_INPUTS = [
     (lambda k, v, s: (k, v, s, 0, 4, 2), r"expected recent >= 1, got 0"),
     (lambda k, v, s: (k, v, s, 3, 0, 2), r"expected context >= 1, got 0"),
     (lambda k, v, s: (k, v, s, 3, 4, -1), r"expected residual >= 0, got -1"),
-    (lambda k, v, s: (k, v, s, 10, 8, 2), r"expected more tokens than slots, T = keys.size\(2\) > M = .* = 20, got T = 20"),
+    (lambda k, v, s: (k, v, s, 10, 8, 3),
+     r"expected at least as many tokens as slots, T = keys.size\(2\) >= M = .* = 21, got T = 20"),
 ]
 
 

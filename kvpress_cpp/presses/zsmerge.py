@@ -33,7 +33,8 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         decay: λ of the contribution score (eq. 5).
         alpha: α of the merge-count bias α·ln w (eq. 8; 0 is pure eviction).
         prefill_merge: "contiguous" (default: the evicted prompt tokens form Br contiguous groups, averaged) or
-            "similarity" (eqs. 6-7 applied token by token to the prompt beyond the budget, as in decoding).
+            "similarity" (the first M prompt tokens laid out, one per residual slot, and eqs. 6-7 applied token by
+            token to the prompt beyond them, as in decoding).
         eviction_order: which token a full cache evicts at a decoding step: "authors" (the authors' code: the lowest
             score of the context as it stands, before the token leaving the recent window joins it) or "paper"
             (Algorithm 1: the leaving token joins the context first and may be the one evicted).
@@ -85,7 +86,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         recent, context, residual = self.split(keys.shape[-2])
         state = LayerState(log_weights, {"scores": scores}, {"recent": recent, "context": context,
                                                              "residual": residual, "tokens_seen": keys.shape[-2]})
-        return self._fit_budget(keys, values, state)
+        return self._fit_budget(keys, values, state, lay_out_all=self.prefill_merge == "contiguous")
 
     def compress_decoding(self, module, hidden_states, keys, values, attentions, state, kwargs):
         new_tokens = hidden_states.shape[1]
@@ -93,11 +94,14 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         if "counts" in state.per_slot:
             state.per_slot["counts"] = torch.nn.functional.pad(state.per_slot["counts"], (0, new_tokens), value=1.0)
         state.counters["tokens_seen"] += new_tokens
-        return self._fit_budget(keys, values, state)
+        return self._fit_budget(keys, values, state, lay_out_all=False)
 
-    def _fit_budget(self, keys, values, state: LayerState):
-        """Append while there is room; lay out the recent / context / residual regions the first time the cache
-        exceeds M; merge every later token (eqs. 6-7)."""
+    def _fit_budget(self, keys, values, state: LayerState, lay_out_all: bool):
+        """Append while there is room; the first time the cache exceeds M, lay out the recent / context / residual
+        regions, over every token held (`lay_out_all`: a contiguous prefill, methods.md) or over the first M, one
+        token per residual slot (Algorithm 1 fills the residual slots before it merges any token: a similarity
+        prefill, or a cache a decoding pass or a streamed chunk first takes past M); merge every later token
+        (eqs. 6-7)."""
         recent, context, residual = (state.counters[name] for name in ("recent", "context", "residual"))
         budget = recent + context + residual
         scores = state.per_slot["scores"]
@@ -105,7 +109,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
             state.log_weights = torch.zeros_like(scores)
             return keys, values, state
         if "counts" not in state.per_slot:
-            laid_out = budget + 1 if self.prefill_merge == "similarity" else keys.shape[-2]
+            laid_out = keys.shape[-2] if lay_out_all else budget
             head_k, head_v, head_s, counts = ops.zsmerge_prefill(keys[..., :laid_out, :], values[..., :laid_out, :],
                                                                  scores[..., :laid_out], recent, context, residual)
             keys = torch.cat([head_k, keys[..., laid_out:, :]], dim=-2)

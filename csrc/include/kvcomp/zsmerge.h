@@ -62,8 +62,9 @@ inline ZSMergePrefillShape check_zsmerge_prefill(const at::Tensor& keys, const a
   check_zsmerge_cache(op, keys, values, scores, "(B, H, T, d)", "(B, H, T)");
   const ZSMergeBudget budget = check_zsmerge_budget(op, recent, context, residual);
   const int64_t tokens = keys.size(2);
-  TORCH_CHECK(tokens > budget.total(), op, ": expected more tokens than slots, T = keys.size(2) > M = recent + ",
-              "context + residual = ", budget.total(), ", got T = ", tokens);
+  // T = M lays the tokens out with one per residual slot: Algorithm 1's cache when it first fills up.
+  TORCH_CHECK(tokens >= budget.total(), op, ": expected at least as many tokens as slots, T = keys.size(2) >= M = ",
+              "recent + context + residual = ", budget.total(), ", got T = ", tokens);
   // The ranking key of zsmerge_prefill_source_order holds a position in its low 32 bits.
   TORCH_CHECK(tokens <= std::numeric_limits<int32_t>::max(), op, ": expected at most 2^31 - 1 tokens, got T = ",
               tokens);
