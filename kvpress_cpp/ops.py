@@ -142,7 +142,7 @@ def zsmerge_prefill(
     context (top-score) tokens, [residual + context, M) the recent ring with its oldest token first (ring_position 0).
 
     Args:
-        keys: (B, H, T, d) post-RoPE keys, float32, float16 or bfloat16, T > M.
+        keys: (B, H, T, d) post-RoPE keys, float32, float16 or bfloat16, T >= M (T = M: one token per residual slot).
         values: (B, H, T, d) values, the dtype of keys.
         scores: (B, H, T) float32 contribution scores (eq. 5, e.g. from ``update_scores`` with decay=λ).
         recent: Bp >= 1, the last Bp tokens are kept in order.
