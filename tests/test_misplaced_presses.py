@@ -232,6 +232,46 @@ def test_a_second_generate_on_a_compressed_cache_is_refused(llama):
         llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(42, 47).unsqueeze(0))
 
 
+@pytest.mark.parametrize("tokens", [2, 3])
+@pytest.mark.parametrize("start", [PROMPT - 2, PROMPT - 1, PROMPT])
+def test_after_the_context_closed_a_pass_is_refused_exactly_when_it_starts_before_the_next_position(llama, tokens,
+                                                                                                    start):
+    """Outside the press's context, over 40 tokens compressed to 16 slots: a pass of several tokens from a position
+    the cache already stands for is a re-feed, refused; one from position 40 on is the continuation, which runs."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        with ZSMergePress(budget=16)(llama):
+            llama(prompt(), past_key_values=cache)
+        positions = torch.arange(start, start + tokens).unsqueeze(0)
+        if start < PROMPT:
+            with pytest.raises(ValueError, match=rf"ZSMergePress \(its context closed\): this pass feeds {tokens} "
+                                                 rf"tokens from position {start}"):
+                llama(prompt(3, tokens), past_key_values=cache, position_ids=positions)
+            assert cache.get_seq_length() == 16
+        else:
+            llama(prompt(3, tokens), past_key_values=cache, position_ids=positions)
+            assert cache.get_seq_length() == 16 + tokens
+
+
+@pytest.mark.parametrize("keep", [15, 16, 39, 40, -1])
+def test_a_crop_of_a_compressed_cache_is_refused_exactly_when_it_would_drop_merged_tokens(llama, keep):
+    """40 tokens compressed to 16 slots: crop(n) keeps n tokens. Any n from the 16 slots up to the 39th token asks
+    for tokens merged into (or scored against) the slots kept, refused; n = 40 drops nothing; below the slots it
+    cuts slots, as before; crop(-1) (transformers 5.17's count of tokens to remove) drops the last token, merged."""
+    cache = DynamicCache()
+    with torch.no_grad(), ZSMergePress(budget=16)(llama):
+        llama(prompt(), past_key_values=cache)
+    if 16 <= keep < PROMPT or keep < 0:
+        with pytest.raises(ValueError, match=rf"ZSMergePress: crop\({keep}\) asks a cache ZSMergePress compressed "
+                                             rf"to drop {PROMPT - keep if keep > 0 else -keep} of the {PROMPT} "
+                                             r"tokens it stands for, in 16 slots"):
+            cache.crop(keep)
+        assert cache.get_seq_length() == 16
+    else:
+        cache.crop(keep)
+        assert cache.get_seq_length() == min(keep, 16)
+
+
 PREFILL_ONLY = {"GVote": lambda path, model: GVotePress(nucleus_p=0.5)}
 POSITION_PRESSES = {**BEAM_PRESSES, **PREFILL_ONLY}
 
