@@ -216,3 +216,22 @@ def test_python_docs_text() -> None:
     first_files = texts.python_docs_text(max_files=3)
     assert 0 < len(first_files) < len(full) and full.startswith(first_files)
     assert texts.python_docs_text(max_files=0) == ""
+
+
+@pytest.mark.parametrize("context_tokens,depth", [(300, 0.25), (300, 0.5), (600, 0.5), (1000, 0.75)])
+def test_the_hidden_fact_stands_on_its_own_line_at_its_depth(context_tokens: int, depth: float) -> None:
+    """The demo's and the quality tests' prompt: the fact once, between two line breaks (glued to the word before it,
+    it would read as part of Austen's sentence), at the line break before `depth` of the context."""
+    from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
+    from tests.models import make_tiny_llama
+
+    _, tokenizer = make_tiny_llama()
+    fact = HiddenFact()
+    prompt = hidden_fact_prompt(tokenizer, context_tokens, depth, fact)
+    assert prompt.count(fact.fact) == 1
+    at = prompt.index(fact.fact)
+    assert prompt[at - 1] == "\n" and prompt[at + len(fact.fact)] == "\n"
+    context = prompt[:prompt.index("\n\nAnswer the question using the text above.")]
+    start = context.index(texts.austen_novel("prideprejudice")[:20])
+    fraction = (at - start) / (len(context) - start - len(fact.fact) - 1)
+    assert depth - 0.1 <= fraction <= depth + 0.01, fraction
