@@ -62,6 +62,17 @@ def test_decode_attention_matches_reference(device, dtype, query_heads, kv_heads
     check_against_reference(*inputs, head_dim**-0.5)
 
 
+def test_the_default_scale_is_one_over_the_square_root_of_the_head_dim():
+    """scale=None is 1/sqrt(d), d the query's last size, whatever its other sizes (5 queries, 37 slots, d = 16)."""
+    query, keys, values, log_weights = make_inputs(2, 8, 2, 5, 37, 16)
+    out, probs = check_against_reference(query, keys, values, log_weights, 16**-0.5)
+    default_out, default_probs = ops.decode_attention(query, keys, values, log_weights)
+    torch.testing.assert_close(default_probs, probs, rtol=0, atol=0)
+    torch.testing.assert_close(default_out, out, rtol=0, atol=0)
+    scores = reference.prompt_scores(query, keys, log_weights, 16**-0.5, 1.0, 1.0)
+    torch.testing.assert_close(ops.prompt_scores(query, keys, log_weights), scores.float(), **PROBS_TOL)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
