@@ -84,6 +84,17 @@ def test_compression_ratio_is_the_fraction_of_the_prompt_removed(llama, make_pre
 
 
 @pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_compression_ratio_while_decoding_counts_every_row(llama, make_press, name):
+    """A press that compresses while decoding holds its budget of 16 slots per kv head over the prompt's 40 tokens and
+    the 9 generated tokens fed back: 1 - 16/49 removed, in a batch of two as alone (each row sees 49 tokens)."""
+    model, tokenizer = llama
+    for batch in (1, 2):
+        press = make_press(name)
+        greedy(model, prompt_ids(tokenizer, 40, batch=batch), press=press, max_new_tokens=10)
+        assert press.compression_ratio == pytest.approx(1 - BUDGET / 49), f"batch {batch}"
+
+
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
 def test_compression_ratio_of_a_budget_press_is_settable_as_in_kvpress(make_press, name):
     press = make_press(name)
     press.compression_ratio = 0.75  # what kvpress's evaluate.py and its wrappers do
