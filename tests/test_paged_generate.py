@@ -621,9 +621,10 @@ def test_repeating_or_selecting_batch_rows_carries_the_press_state(make_cache, n
         cache.batch_select_indices(torch.tensor([1]))
         return token[1:], cache
 
-    repeated, selected = continued(ids, repeat_twice), continued(batch, keep_the_second)
+    # Two different rows repeated: row r's copies are rows 2r and 2r + 1 (a batch of one would not tell the order).
+    repeated, selected = continued(batch, repeat_twice), continued(batch, keep_the_second)
     for reference_cache in {make_cache, DynamicCache}:  # the same cache's run, and the rectangular cache's
-        assert torch.equal(repeated, continued(ids, cache_type=reference_cache).repeat_interleave(2, dim=0))
+        assert torch.equal(repeated, continued(batch, cache_type=reference_cache).repeat_interleave(2, dim=0))
         assert torch.equal(selected, continued(batch, cache_type=reference_cache)[1:])
 
 
