@@ -839,3 +839,29 @@ def test_a_configurations_cpu_seconds_leave_out_the_model_load(tmp_path):
     assert 0.15 <= first <= 0.45 and 0.15 <= second <= 0.45  # the 0.2 of evaluation each, not 0.8 for the first
     assert 0.55 <= first_load <= 0.9 and second_load == 0.0
     assert Evaluate.pipeline.__name__ == "pipeline"  # evaluate.py's own pipeline is put back
+
+
+@pytest.mark.parametrize("method,ratio,expected", [("cam_tova", 0.9, {"target_size": 200, "compression_interval": 1}),
+                                                   ("cam_tova", 0.25, {"target_size": 1500, "compression_interval": 1}),
+                                                   ("zsmerge", 0.9, {})])
+def test_a_decoding_kvpress_press_keeps_the_requested_fraction_of_the_mean_context(tmp_path, method, ratio, expected):
+    """kvpress's decoding presses (CAM over TOVA) take a target cache size in tokens, not a compression ratio: it is
+    (1 - ratio) of the mean context, so that compression_ratio = 0.9 keeps 10% as for every other press (evaluate.py
+    is a stub that records what it is given)."""
+    calls = []
+
+    class StubEntryPoint:
+        def __call__(self, **kwargs):
+            calls.append(kwargs)
+            (Path(kwargs["output_dir"]) / "run").mkdir(parents=True)
+            (Path(kwargs["output_dir"]) / "run" / "metrics.json").write_text("{}")
+
+    class StubEvaluate:
+        CliEntryPoint = StubEntryPoint
+
+    data = pd.DataFrame({"context_tokens": [1900, 2100]})
+    results._evaluate(StubEvaluate, results.Config(method, ratio, 2048), "model", None, tmp_path / "runs", data, seed=0)
+    [kwargs] = calls
+    assert kwargs["compression_ratio"] == ratio and kwargs["press_name"] == method
+    assert {name: kwargs[name] for name in expected} == expected
+    assert ("target_size" in kwargs) == bool(expected)
