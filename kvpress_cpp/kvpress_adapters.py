@@ -233,9 +233,9 @@ def _refuse_scores_of_cut_tokens(press: DMSPress, module, kwargs: dict) -> None:
     seen = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
     if seen is not None and int(positions[0]) < seen[1]:
         raise ValueError(f"DMSPress(decoding=True): a pass from position {int(positions[0])} on layer "
-                         f"{module.layer_idx}, which it has scored up to position {seen[1] - 1}: the cache was cut back "
-                         f"(kvpress's pipeline between two questions on one context, or a crop), and the press's score "
-                         f"buffer still holds the tokens cut, so its marks would land on other tokens. Use "
+                         f"{module.layer_idx}, which it has scored up to position {seen[1] - 1}: the cache was cut "
+                         f"back (kvpress's pipeline between two questions on one context, or a crop), and the press's "
+                         f"score buffer still holds the tokens cut, so its marks would land on other tokens. Use "
                          f"decoding=False, or one question per context")
 
 
