@@ -120,6 +120,21 @@ def test_compact_to_longest_head_keeps_order_and_pads():
     assert state.log_weights[0, 1].tolist() == [6.0, float("-inf"), float("-inf")]
 
 
+def test_compact_to_longest_head_keeps_order_over_many_slots():
+    """Each head's kept slots in their original order at 300 slots per head, where an unstable sort of the evicted
+    flags reorders them (torch sorts short rows by insertion, so the 5-slot test above would not tell)."""
+    generator = torch.Generator().manual_seed(0)
+    keep = torch.rand(2, 3, 300, generator=generator) < 0.4
+    positions = torch.arange(300, dtype=torch.float32).expand(2, 3, 300)
+    new_keys, _, state = compact_to_longest_head(positions.unsqueeze(-1), positions.unsqueeze(-1).clone(), keep,
+                                                 positions.clone())
+    for b in range(2):
+        for h in range(3):
+            kept = positions[b, h][keep[b, h]]
+            assert torch.equal(new_keys[b, h, :len(kept), 0], kept)
+            assert torch.equal(state.log_weights[b, h, :len(kept)], kept)
+
+
 def test_align_cuts_to_the_layer_and_pads_the_new_tokens_however_often_it_is_called():
     """align(slots_before, new) = the state's first slots_before columns then `new` zeros, its per-slot tensors cut
     to slots_before; a second call on what the first left (the attention path, then the press) gives the same, and
