@@ -623,3 +623,19 @@ def test_keepkv_prefill_reuses_the_prompt_pass_queries(default_model, austen_pro
     assert calls == [(1.0, 0.0)] * layers
     assert windows == [round(0.8 * round(0.25 * austen_prompt.shape[1]))] * layers
     assert all(bool(torch.isfinite(get_state(layer).per_slot["log_ema"]).all()) for layer in cache.layers)
+
+
+def test_what_a_prompt_pass_kept_is_handed_only_to_a_prompt_of_its_length():
+    """A prompt pass keeps its queries and log-sum-exp on the module for its press's hook, which takes them once. A
+    kept pass of another length (a forward the press never compressed, refused after its attention ran, say) is not
+    this prompt's: handing its 40 rows to a 30-token prompt would score the prompt with another's statistics."""
+    from kvpress_cpp import attention
+
+    module = torch.nn.Module()
+    kept = attention.PrefillAttention(torch.zeros(1, 2, 40, 8), torch.zeros(1, 2, 40), None, None)
+    module._kvcomp_prefill_attention = kept
+    assert attention.take_prefill_attention(module, 30) is None
+    assert attention.take_prefill_attention(module, 40) is None  # taken (and dropped) by the first call
+    module._kvcomp_prefill_attention = kept
+    assert attention.take_prefill_attention(module, 40) is kept
+    assert attention.take_prefill_attention(module, 40) is None
