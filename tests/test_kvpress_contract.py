@@ -447,6 +447,32 @@ def test_padded_batch_rows_equal_their_runs_alone(request, make_press, name, mod
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_a_pass_of_several_tokens_after_a_padded_prefill_runs_at_each_rows_positions(llama, make_press, name):
+    """A left-padded batch (rows of 40 and 35 tokens) compressed, then 3 more tokens per row at the positions the
+    mask gives (40-42 and 35-37), as a question pass of kvpress's pipeline or generate's next turn: no row's pass is
+    a re-feed (the latest first position counts, not the earliest), and each row's logits are its run alone's."""
+    model, tokenizer = llama
+    rows = [prompt_ids(tokenizer, 60)[:, 20:], prompt_ids(tokenizer, 60)[:, 25:]]
+    ids = torch.cat([rows[0], torch.nn.functional.pad(rows[1], (5, 0), value=tokenizer.pad_token_id)])
+    mask = torch.cat([torch.ones(1, 40, dtype=torch.long), torch.arange(40).ge(5).long().view(1, -1)])
+    more = torch.randint(3, 256, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def last_logits(prompt, prompt_mask, new):
+        cache = DynamicCache()
+        with torch.no_grad(), make_press(name)(model):
+            positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+            model(prompt, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache)
+            following = positions[:, -1:] + torch.arange(1, 4)
+            return model(new, attention_mask=torch.cat([prompt_mask, torch.ones_like(new)], dim=-1),
+                         position_ids=following, past_key_values=cache).logits[:, -1]
+
+    together = last_logits(ids, mask, more)
+    for row, prompt in enumerate(rows):
+        alone = last_logits(prompt, torch.ones_like(prompt), more[row:row + 1])
+        torch.testing.assert_close(together[row:row + 1], alone, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_unpadded_batch_rows_equal_their_runs_alone(llama, make_press, name):
     """Three prompts of one length in a batch without padding (and so num_return_sequences' copies of one prompt):
