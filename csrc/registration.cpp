@@ -39,7 +39,7 @@ TORCH_LIBRARY(kvcomp, m) {
       "int evictions, bool merge_values=True) -> ()");
 
   // zsmerge family, cache of M = residual + context + recent slots per (batch, kv-head) (layout in
-  // csrc/kernels/zsmerge.h). Prefill of T > M tokens: keys/values (B, H, T, d), scores (B, H, T) float32 ->
+  // csrc/kernels/zsmerge.h). Prefill of T >= M tokens: keys/values (B, H, T, d), scores (B, H, T) float32 ->
   // keys, values (B, H, M, d), scores, counts (B, H, M) float32: the last `recent` tokens, the top-`context` of the
   // rest by score (ties to the lower position, NaN lowest), the others averaged into `residual` contiguous groups.
   m.def("zsmerge_prefill(Tensor keys, Tensor values, Tensor scores, int recent, int context, int residual) "

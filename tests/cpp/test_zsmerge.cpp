@@ -275,12 +275,13 @@ TEST(ZSMergeOps, ErrorNamesTheOpAndTheValue) {
     EXPECT_NE(message.find("ring_position in [0, recent) = [0, 3), got 3"), std::string::npos) << message;
   }
   try {
-    call_prefill(keys, keys, scores, 3, 4, 3);
-    FAIL() << "T = 10 tokens into M = 10 slots was accepted";
+    call_prefill(keys, keys, scores, 3, 4, 4);
+    FAIL() << "T = 10 tokens into M = 11 slots was accepted";
   } catch (const c10::Error& e) {
     const std::string message = e.what_without_backtrace();
     EXPECT_NE(message.find("kvcomp::zsmerge_prefill"), std::string::npos) << message;
-    EXPECT_NE(message.find("got T = 10"), std::string::npos) << message;
+    EXPECT_NE(message.find("T = keys.size(2) >= M = recent + context + residual = 11, got T = 10"), std::string::npos)
+        << message;
   }
 }
 
