@@ -60,6 +60,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
+from kvpress_cpp.evaluation.results import format_difference
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
@@ -176,10 +177,6 @@ def paired_bootstrap(nll: torch.Tensor, reference: torch.Tensor, start: int, blo
     resampled = sums[draws].sum(1) / counts[draws].sum(1)
     lo, hi = torch.quantile(resampled, torch.tensor([0.025, 0.975], dtype=resampled.dtype)).tolist()
     return {"nats_per_token": round((sums.sum() / counts.sum()).item(), 4), "ci95": [round(lo, 4), round(hi, 4)]}
-
-
-def interval(diff: dict | None) -> str:
-    return "–" if diff is None else f"{diff['nats_per_token']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}]"
 
 
 def plot(rows: list[dict], title: str, name: str) -> None:
@@ -325,13 +322,13 @@ def main() -> None:
             if ("full", None) in nlls:
                 row["full_ppl_beyond_m"] = round(perplexity(nlls["full", None][:, size:]), 3)
                 row["diff_vs_full"] = paired_bootstrap(nll, nlls["full", None], size, args.block, draws)
-            if (REFERENCE, size) in nlls and row["method"] != REFERENCE:
-                row["diff_vs_streamingllm"] = paired_bootstrap(nll, nlls[REFERENCE, size], size, args.block, draws)
-            # Every other comparison too (merging against its evict-only ablation, say), from the same draws.
+            # Every comparison at this m (merging against its evict-only ablation, say), from the same draws.
             row["diffs"] = {other: paired_bootstrap(nll, nlls[other, size], size, args.block, draws)
                             for other, at in nlls if at == size and other != row["method"]}
-    table = [{**row, "vs StreamingLLM": interval(row.get("diff_vs_streamingllm")),
-              "vs full": interval(row.get("diff_vs_full"))} for row in rows]
+            if REFERENCE in row["diffs"]:
+                row["diff_vs_streamingllm"] = row["diffs"][REFERENCE]
+    table = [{**row, "vs StreamingLLM": format_difference(row.get("diff_vs_streamingllm")),
+              "vs full": format_difference(row.get("diff_vs_full"))} for row in rows]
     print(f"{args.windows} windows x {args.tokens} tokens; differences: mean NLL beyond m, nats/token [95% paired "
           f"block bootstrap, blocks of {args.block}, {args.resamples} resamples]")
     print_table(table, ["method", "cache_size", "ppl", "ppl_beyond_m", "full_ppl_beyond_m", "vs StreamingLLM",

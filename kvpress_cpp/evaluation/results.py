@@ -736,13 +736,15 @@ def family_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def format_difference(d: dict | None) -> str:
+    """A paired difference of bench_streaming_ppl ({"nats_per_token", "ci95"}) as "+0.012 [-0.003, +0.027]"."""
+    return "–" if d is None else f"{d['nats_per_token']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+
+
 def streaming_table(results_dir: Path = REPO / "benchmarks" / "results") -> str:
     """The streaming-perplexity runs of ``benchmarks/bench_streaming_ppl.py`` (``streaming_ppl*.json``) as one table:
     the runs over several excerpts first, longest first, with their paired differences beyond m (the earlier files are
     one excerpt each, the text's opening, and have none)."""
-
-    def difference(d: dict | None) -> str:
-        return "–" if d is None else f"{d['nats_per_token']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
 
     def order(run: tuple[Path, list[dict]]) -> tuple:
         """The runs over several excerpts first, the longest (the headline) first; then the single excerpts by name."""
@@ -759,7 +761,7 @@ def streaming_table(results_dir: Path = REPO / "benchmarks" / "results") -> str:
             beyond = "–" if row["ppl_beyond_m"] is None else f"{row['ppl_beyond_m']:.2f}"
             lines.append(f"| {path.name} | {row['method']} | {row['cache_size'] or '–'} | {row.get('windows', 1)} × "
                          f"{row['tokens']} ({row['prefill']}) | {row['ppl']:.2f} | {beyond} | "
-                         f"{difference(row.get('diff_vs_full'))} | {difference(row.get('diffs', {}).get(ordered))} |")
+                         f"{format_difference(row.get('diff_vs_full'))} | {format_difference(row.get('diffs', {}).get(ordered))} |")
     return "\n".join(lines) + "\n"
 
 
