@@ -134,6 +134,13 @@ class _ScorerStandIn:
             return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
 
 
+def _padding_dropped(module, kwargs: dict) -> int:
+    """The columns of padding every row of the prompt shares that `module`'s cache layer does not hold: a paged
+    layer's ``padding_dropped`` (its keys start that many tokens after the prompt's), 0 on kvpress's own cache."""
+    layers = getattr(kwargs.get("past_key_values"), "layers", None)
+    return getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
+
+
 class _RowByRowScorer(_ScorerStandIn):
     """Stands in for DMSPress's scorer during a padded prefill: ``score`` runs the scorer on each row's real tokens
     and pads the row's scores with +inf."""
@@ -143,8 +150,7 @@ class _RowByRowScorer(_ScorerStandIn):
         self.padding = padding
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        # A paged layer holds no column of the padding every row shares: its keys start that many tokens later.
-        shared_padding = hidden_states.shape[1] - keys.shape[2]
+        shared_padding = _padding_dropped(module, kwargs)  # the keys start that many tokens after the hidden states
         rows = []
         for row, pad in enumerate(self.padding):
             key_pad = pad - shared_padding
@@ -262,10 +268,8 @@ def patch_dms_press() -> None:
 
 def _marked_columns_to_positions(module, kwargs: dict) -> None:
     """AdaKVPress marks columns of the keys it scored, which kvpress's own cache holds from position 0 on. A paged
-    layer holds no column of the padding every row of its prefill shares (``padding_dropped``), and evicts marks as
-    token positions: its column c is position c + padding_dropped."""
-    layers = getattr(kwargs.get("past_key_values"), "layers", None)
-    dropped = getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
+    layer evicts marks as token positions: its column c is position c + the padding it dropped."""
+    dropped = _padding_dropped(module, kwargs)
     marks = module.masked_key_indices
     if dropped and marks is not None:
         module.masked_key_indices = (*marks[:2], marks[2] + dropped)
