@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_check                   # all stages
     python -m benchmarks.gpu_check --stages tests sanitizer --timeout 900
+    python -m benchmarks.gpu_check --stages ops --op-benchmarks bench_attention bench_kvzap
 
 Stages (each runs in a subprocess with its own time limit; a failure is recorded and the next stage still runs):
   environment  GPU, driver, torch / transformers / kvpress versions, whether kvpress imports
@@ -186,15 +187,16 @@ def sanitizer_errors(text: str) -> int | None:
     return sum(int(a or b) for a, b in counts) if counts else None
 
 
-def stage_ops(timeout: float) -> dict:
+def stage_ops(timeout: float, benchmarks: list[str] = OP_BENCHMARKS) -> dict:
     """`timeout`: seconds for all the op benchmarks. Each gets an equal share of what the ones before it left, so the
-    time a quick one does not use goes to the slower ones after it (the ninth run cut four at a fixed 27 s each)."""
+    time a quick one does not use goes to the slower ones after it (the ninth run cut four at a fixed 27 s each).
+    `benchmarks`: those of OP_BENCHMARKS to run, for a device lease too short for all of them."""
     figures, ok = {}, True
     env = {"KVCOMP_RESULTS_DIR": str(OUT), "KVCOMP_BENCH_DEVICES": "cuda"}
     deadline = time.perf_counter() + timeout
-    for index, bench in enumerate(OP_BENCHMARKS):
+    for index, bench in enumerate(benchmarks):
         module, *args = bench.split()
-        share = max(deadline - time.perf_counter(), 0.0) / (len(OP_BENCHMARKS) - index)
+        share = max(deadline - time.perf_counter(), 0.0) / (len(benchmarks) - index)
         result = run(module, [PYTHON, "-m", f"benchmarks.{module}", *args], max(share, 1.0), env)
         figures[module] = "ok" if result["ok"] else f"failed ({result['rc']})"
         ok = ok and result["ok"]
@@ -428,6 +430,8 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
     parser.add_argument("--decode-timeout", type=float, default=300, help="seconds per decode benchmark run")
+    parser.add_argument("--op-benchmarks", nargs="+", choices=[bench.split()[0] for bench in OP_BENCHMARKS],
+                        help="the ops stage runs only these (default: all, in their order)")
     parser.add_argument("--prebuilt", type=Path, default=None,
                         help="the build stage first tries this extension, built off the device (make gpu-prebuild)")
     args = parser.parse_args()
@@ -444,6 +448,8 @@ def main() -> None:
         started = time.perf_counter()
         try:
             extra = {"prebuilt": args.prebuilt} if name == "build" else {}
+            if name == "ops" and args.op_benchmarks:
+                extra = {"benchmarks": [bench for bench in OP_BENCHMARKS if bench.split()[0] in args.op_benchmarks]}
             stages[name] = globals()[f"stage_{name}"](args.decode_timeout if name == "decode" else args.timeout,
                                                       **extra)
         except Exception as error:  # a broken stage is recorded, the others still run

@@ -268,3 +268,27 @@ def test_op_benchmarks_share_the_time_the_quick_ones_leave(monkeypatch):
     count = len(gpu_check.OP_BENCHMARKS)
     assert limits == pytest.approx([(90.0 - done) / (count - done) for done in range(count)])
     assert limits[-1] == pytest.approx(90.0 - (count - 1))
+
+
+def test_the_ops_stage_runs_the_benchmarks_asked_for_in_their_order(tmp_path, monkeypatch):
+    """--op-benchmarks, for a lease too short for all of them: only those named run, with their arguments, in
+    OP_BENCHMARKS' order whatever the order given."""
+    import sys
+
+    from benchmarks import gpu_check
+
+    commands = []
+
+    def run(name, command, timeout, env=None):
+        commands.append(command[2:])
+        return {"ok": True, "rc": 0}
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    monkeypatch.setattr(gpu_check, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(gpu_check, "run", run)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--stages", "ops", "--op-benchmarks", "bench_kvzap",
+                                      "bench_attention"])
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.main()
+    assert stopped.value.code == 0
+    assert commands == [["benchmarks.bench_attention"], ["benchmarks.bench_kvzap", "--quick"]]
