@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <limits>
@@ -336,7 +337,10 @@ at::Tensor keepkv_match_cuda(const at::Tensor& keys, const at::Tensor& keep, dou
   const MatchRows m = match_rows_of(keep, shape);
   if (rows == 0 || slots == 0) return m.targets.view({shape.batch, shape.kv_heads, slots});
   if (max_evicted_bound.has_value() && *max_evicted_bound <= kDirectMaxEvicted) {
-    return match_rows(keys, shape, m.keep, m.num_evicted, m.targets, threshold, *max_evicted_bound, slots);
+    // At least one rank of blocks: a bound of 0 that a row exceeds is still matched in full, as any other bound
+    // (match_rows reads max_evicted 0 as "nothing evicted" and returns at once).
+    return match_rows(keys, shape, m.keep, m.num_evicted, m.targets, threshold,
+                      std::max<int64_t>(*max_evicted_bound, 1), slots);
   }
   // A larger bound would not do: the GEMM path needs the most slots a row retains.
   const at::Tensor extremes = at::stack({m.num_evicted.max(), m.num_evicted.min()}).cpu();  // the one host sync

@@ -101,7 +101,10 @@ class GVotePress(KVCompPress):
         (one all-gather; each rank holds its heads at its own longest)."""
         if module.layer_idx == module.config.num_hidden_layers - 1 and self._held_columns:
             layers = sorted(self._held_columns)
-            held = gather_kv_heads(torch.stack([self._held_columns[layer] for layer in layers]), module, dim=-1)
+            # On the last layer's device: under a device_map the layers' fractions lie on their own devices.
+            device = output[0].device
+            held = gather_kv_heads(torch.stack([self._held_columns[layer].to(device) for layer in layers]), module,
+                                   dim=-1)
             self.layer_memory_compression_ratios.update(
                 (layer, 1.0 - float(fraction.mean())) for layer, fraction in zip(layers, held.double()))
             self._held_columns.clear()
