@@ -182,12 +182,20 @@ TEST(TensorCoreDecodeSplit, TargetShapeLongChunksThatStillFillTheDevice) {
   EXPECT_EQ(launch::tensor_core_decode_split(1, 1, 128, 100, 132).num_chunks, 1);
 }
 
-// Tensor cores only where the split-K kernel would cut a (batch, kv head)'s rows into several tiles (each reading the
-// keys again): not at the usual decode (q = 1, G <= 8), from 9 rows on (several tokens a pass, wide groups).
-TEST(TensorCoreDecodeSplit, TakenOnlyWhereSplitKWouldReadTheKeysOncePerRowTile) {
+// Tensor cores where the probabilities are wanted, and where the split-K kernel would cut a (batch, kv head)'s rows
+// into several tiles (each reading the keys again): without probabilities not at the usual decode (q = 1, G <= 8),
+// from 9 rows on (several tokens a pass, wide groups).
+TEST(TensorCoreDecodeSplit, TakenWithProbabilitiesOrWhereSplitKWouldReadTheKeysOncePerRowTile) {
   for (const int64_t head_dim : {64, 128}) {
-    for (const int64_t rows : {1, 3, 4, 8}) EXPECT_FALSE(launch::tensor_core_decode_pays(rows, head_dim)) << rows;
-    for (const int64_t rows : {9, 16, 24, 400}) EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim)) << rows;
+    for (const int64_t rows : {1, 3, 4, 8}) {
+      EXPECT_FALSE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/false)) << rows;
+      EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/true)) << rows;
+    }
+    for (const int64_t rows : {9, 16, 24, 400}) {
+      for (const bool with_probs : {false, true}) {
+        EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim, with_probs)) << rows;
+      }
+    }
   }
 }
 
