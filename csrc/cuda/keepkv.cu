@@ -913,8 +913,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fu
 }
 
 // keepkv_decode_step with more than kDirectMaxEvicted evictions a row (a cache longer than its budget by more than a
-// decoding step's tokens), or more (query head, new token) pairs than the fused kernel's shared memory holds: the
-// CPU kernel's steps as device-side ATen calls around keepkv_match / keepkv_zip_merge.
+// decoding step's tokens), more (query head, new token) pairs than the fused kernel's shared memory holds, or long
+// rows too few to fill the device (launch::keepkv_fused_step_pays): the CPU kernel's steps as device-side ATen calls
+// around keepkv_match / keepkv_zip_merge.
 // Every shape follows from the input shapes (T - budget evictions a row), so nothing waits on the device (CUDA graphs).
 
 at::Tensor log_one_minus_exp(const at::Tensor& x) {  // kernels::log_one_minus_exp
@@ -931,7 +932,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
   const c10::cuda::CUDAGuard guard(keys.device());
   const int64_t batch = shape.cache.batch, kv_heads = shape.cache.kv_heads, slots = shape.cache.slots;
   const int64_t head_dim = shape.cache.head_dim, group = shape.group, q = shape.queries, kept = shape.kept;
-  if (slots - kept <= kDirectMaxEvicted && fused_step_fits(group, q)) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (slots - kept <= kDirectMaxEvicted && fused_step_fits(group, q) &&
+      kernels::launch::keepkv_fused_step_pays(batch * kv_heads, slots, sms)) {
     return keepkv_fused_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes, shape,
                                     scale, ema_decay, sinks, recent, threshold, convex);
   }

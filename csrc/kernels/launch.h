@@ -35,6 +35,18 @@ inline int64_t keepkv_match_chunk(int64_t max_evicted, int64_t rows, int64_t max
   return std::max<int64_t>(1, std::min<int64_t>(max_evicted, budget_floats / std::max<int64_t>(1, rows * max_retained)));
 }
 
+// Whether keepkv_decode_step's fused kernel, one block per (batch, kv head) row walking the row's slots several
+// times, beats the ATen composition (~0.5 ms of launches, then bound by its bytes) on `rows` rows of `slots` slots
+// with `sms` multiprocessors: where the rows keep half the device busy, or the rows are short. On an H200 (run 13,
+// benchmarks/results/gpu/keepkv.json, bfloat16) the fused step took 351 / 549 µs at 8 / 128 rows of 4096 slots
+// against the composition's 595 / 1167, 4219 µs at 128 rows of 32768 against 8249, but 3656 µs at 8 rows of 32768
+// against 907: its blocks each walked 32k slots while 124 of 132 multiprocessors idled.
+constexpr int64_t kFusedKeepKVStepMaxSlotsAtFewRows = 4096;
+
+inline bool keepkv_fused_step_pays(int64_t rows, int64_t slots, int64_t sms) {
+  return 2 * rows >= sms || slots <= kFusedKeepKVStepMaxSlotsAtFewRows;
+}
+
 // Blocks per row of a row-wise elementwise pass with a per-row reduction (kvzap_threshold): enough blocks for
 // `waves` waves over `sms` multiprocessors even at batch 1, but never a block with fewer than `min_items` items.
 inline int64_t blocks_per_row(int64_t rows, int64_t len, int64_t sms, int64_t min_items, int64_t waves = 2) {
