@@ -23,7 +23,8 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
                can reach issue 20's 3x (a step that only read memory: (16 + 4.3 B) / (16 + 0.43 B) GB)
   profile      bench_step_profile: where one decoding step's time goes on that model at 8k, full cache and presses
   ncu          Nsight Compute over the kernels furthest from their targets (prompt scoring, decode attention, paged
-               decode attention) beside torch's flash attention: throughput, occupancy and its limits
+               decode attention, KeepKV's fused step) beside torch's flash attention: throughput, occupancy and its
+               limits
                (benchmarks/ncu_kernels.py)
 Results: benchmarks/results/gpu/*.json (the benchmarks' own files, logs) and summary.json + summary.md, which also
 check the issue's targets against the figures.

@@ -81,3 +81,8 @@ def test_the_profiled_paged_cache_holds_the_same_slots_as_the_rectangular_one():
     torch.testing.assert_close(paged.float(), rectangular.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(calls["decode sdpa"]().float(), rectangular.float(), rtol=2e-2, atol=2e-2)
     assert calls["prompt_scores"]().shape == (1, 8, 32)
+    # KeepKV's step over 16 slots: one eviction a row, 15 slots kept and their state.
+    calls = launches("cpu", prompt_length=32, cached=64, batch=2, keepkv_slots=16)
+    keys, values, log_ema, age, votes, log_weights, dropped = calls["keepkv_decode_step"]()
+    assert keys.shape == values.shape == (2, 8, 15, 128)
+    assert log_ema.shape == age.shape == votes.shape == log_weights.shape == (2, 8, 15) and dropped.shape == (2, 8)
