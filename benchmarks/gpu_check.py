@@ -24,8 +24,7 @@ Stages (each runs in a subprocess with its own time limit; a failure is recorded
   profile      bench_step_profile: where one decoding step's time goes on that model at 8k, full cache and presses
   ncu          Nsight Compute over the kernels furthest from their targets (prompt scoring, decode attention, paged
                decode attention, KeepKV's fused step) beside torch's flash attention: throughput, occupancy and its
-               limits
-               (benchmarks/ncu_kernels.py)
+               limits (benchmarks/ncu_kernels.py)
 Results: benchmarks/results/gpu/*.json (the benchmarks' own files, logs) and summary.json + summary.md, which also
 check the issue's targets against the figures.
 """
