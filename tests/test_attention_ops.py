@@ -212,6 +212,28 @@ def test_nan_input_does_not_crash(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_nan_and_minus_inf_at_the_usual_decode_over_many_slots(device, dtype, head_dim):
+    """Half precision at q = 1 over 64k cached slots, where CUDA takes its tensor-core kernel with probabilities
+    (launch::tensor_core_decode_pays): a NaN key makes its kv head's rows NaN, a NaN query its own row, and -inf slots
+    holding NaN keys and values contribute nothing; every other row is the float64 reference's."""
+    query, keys, values, log_weights = make_inputs(1, 8, 2, 1, 32768, head_dim, dtype, device, seed=10, evicted=0.0)
+    keys[0, 0, 3] = float("nan")
+    query[0, 7, 0, 0] = float("nan")
+    log_weights[0, 1, 100:164] = -INF
+    # The reference's 0 * NaN would be NaN: it reads the -inf slots' zeros, the op their garbage.
+    expected_out, expected_probs = reference.decode_attention(query, keys, values, log_weights, head_dim ** -0.5)
+    keys[0, 1, 100:164] = float("nan")
+    values[0, 1, 100:164] = float("nan")
+    out, probs = ops.decode_attention(query, keys, values, log_weights, head_dim ** -0.5)
+    for rows in (out[0, :4], out[0, 7], probs[0, :4], probs[0, 7]):
+        assert rows.isnan().all()
+    torch.testing.assert_close(out[0, 4:7], expected_out[0, 4:7].to(out), **OUT_TOL[dtype])
+    torch.testing.assert_close(probs[0, 4:7], expected_probs[0, 4:7].to(probs), **PROBS_TOL)
+    assert (probs[0, 4:7, :, 100:164] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("total_len", [17, 33, 300])
 @pytest.mark.parametrize("nan_slot", [0, -2])
 def test_nan_log_weight_reaches_every_row_that_sees_it(device, total_len, nan_slot):

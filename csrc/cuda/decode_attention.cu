@@ -4,19 +4,20 @@
 // flight on every multiprocessor, and there must be enough blocks to fill the GPU even at batch 1. The T slots of
 // each (batch, kv-head) are split into chunks (kernels::launch::decode_split); each chunk is attended by one of:
 //   attend_chunk_mma_kernel (sm_80+, float16 / bfloat16, d = 64 or 128, rows in 16-byte pieces, the probabilities
-//     wanted or more than 8 query rows per (batch, kv-head); launch::tensor_core_decode_pays),
+//     wanted over 64k cached slots or more, or more than 8 query rows per (batch, kv-head);
+//     launch::tensor_core_decode_pays),
 //     one block of 4 warps per (batch, kv-head, tile of 16 query rows, chunk of up to 2048 slots): the chunk's keys
 //     and values stream through shared memory in tiles of 64 slots by cp.async, the next tile in flight while the
 //     current one is multiplied; each warp takes 16 slots of a tile: S = Q Kᵀ on tensor cores (mma.cuh; the query
 //     rows padded to 16 with zeros), the online softmax in base 2, O += P V with P split into a high and a low
 //     half-precision part so that the weights keep ~16 bits. The warps' partials are combined at the end.
-//   attend_chunk_kernel (the usual decode without probabilities, float32, other head dims, unaligned views), one
-//     block per (batch, kv-head, tile of query rows, chunk of up to 256 slots): stages where the chunk's key and
-//     value rows are in the cache (CacheView), the tile's queries (all G * q rows of the group when G * q <= 8) and
-//     the chunk's log-weights in shared memory, asks for the attended slots' value rows in L2, reads the chunk's keys
-//     once (kInFlight slots per thread group issued before the first use) to get every row's logits, writes
-//     exp(logit - chunk max) into probs, reads the chunk's values once the same way to accumulate Σ exp(logit - chunk
-//     max) v into a float32 workspace, and stores the chunk's (max, sum of exp).
+//   attend_chunk_kernel (the usual decode without probabilities or over few slots, float32, other head dims,
+//     unaligned views), one block per (batch, kv-head, tile of query rows, chunk of up to 256 slots): stages where
+//     the chunk's key and value rows are in the cache (CacheView), the tile's queries (all G * q rows of the group
+//     when G * q <= 8) and the chunk's log-weights in shared memory, asks for the attended slots' value rows in L2,
+//     reads the chunk's keys once (kInFlight slots per thread group issued before the first use) to get every row's
+//     logits, writes exp(logit - chunk max) into probs, reads the chunk's values once the same way to accumulate
+//     Σ exp(logit - chunk max) v into a float32 workspace, and stores the chunk's (max, sum of exp).
 // Both leave the same thing per (query row, chunk): the partial output Σ exp(logit - m_c) v, the statistics (m_c, Σ
 // exp(logit - m_c)) and, where probs are wanted, exp(logit - m_c) in probs; a slot no row attends (-inf, past the
 // head's length) is never read, so whatever it holds, even NaN, it contributes nothing. (One difference: with q > 1,
@@ -722,16 +723,17 @@ void launch_attend_chunk_mma(const char* op, const DecodeParams& params, int64_t
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether a call takes the tensor-core path: half precision, d = 64 or 128, probabilities wanted or more query rows
-// per (batch, kv head) than one split-K tile holds (launch::tensor_core_decode_pays), the query and the cache's rows in
-// 16-byte pieces, and this build's kernels holding sm_80+ code for the device.
+// Whether a call takes the tensor-core path: half precision, d = 64 or 128, probabilities wanted over enough cached
+// slots or more query rows per (batch, kv head) than one split-K tile holds (launch::tensor_core_decode_pays), the
+// query and the cache's rows in 16-byte pieces, and this build's kernels holding sm_80+ code for the device.
 template <typename scalar_t>
-bool tensor_core_path(int64_t rows, int64_t head_dim, bool with_probs, const scalar_t* query, bool cache_in_pieces) {
+bool tensor_core_path(int64_t rows, int64_t head_dim, bool with_probs, int64_t cached_slots, const scalar_t* query,
+                      bool cache_in_pieces) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return false;
   } else {
     return (head_dim == 64 || head_dim == 128) &&
-           kernels::launch::tensor_core_decode_pays(rows, head_dim, with_probs) &&
+           kernels::launch::tensor_core_decode_pays(rows, head_dim, with_probs, cached_slots) &&
            cache_in_pieces && reinterpret_cast<uintptr_t>(query) % 16 == 0 && mma::code_for_current_device();
   }
 }
@@ -752,7 +754,7 @@ void split_decode_attention(const char* op, DecodeParams params, int64_t pairs, 
                                                    cache.key_strides) &&
                     launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(cache.values), sizeof(scalar_t), d,
                                                    cache.value_strides);
-  const bool tensor_cores = tensor_core_path(rows, d, probs != nullptr, query, wide);
+  const bool tensor_cores = tensor_core_path(rows, d, probs != nullptr, pairs * params.total_len, query, wide);
   const launch::DecodeSplit split =
       tensor_cores ? launch::tensor_core_decode_split(pairs, rows, d, params.total_len, sms)
                    : launch::decode_split(pairs, rows, d, params.total_len, sms);

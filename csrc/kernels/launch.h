@@ -126,16 +126,20 @@ inline DecodeSplit tensor_core_decode_split(int64_t pairs, int64_t rows, int64_t
                       /*max_chunk=*/2048, /*min_chunk=*/256);
 }
 
-// Whether a half-precision call with `rows` query rows per (batch, kv head) takes the tensor-core kernel. Where the
-// split-K kernel would split the rows into several row tiles (reading each key and value once per tile), always.
-// At the usual decode (q = 1, a group of 8 or fewer: one tile) it depends on the probabilities: with them (what
-// decode_attention always returns, and the presses read) the tensor-core op took 127 / 241 us on an H200 (run 10) where
-// the split-K one took 217 / 400 us (run 12; B = 4 / 8, 8 kv heads, G = 4, d = 128, bf16, T = 16k), about 1.7x at every
-// shape measured; without them (paged_decode_attention's return_probs=False) the split-K kernel took 113.5 / 207 / 399
-// us at B = 4, T = 16k / 32k / 64k (run 9), and the tensor-core one has not been timed there
-// (benchmarks/results/gpu/summary.md).
-inline bool tensor_core_decode_pays(int64_t rows, int64_t head_dim, bool with_probs) {
-  return with_probs || decode_split(1, rows, head_dim, 1, 1).num_tiles > 1;
+// Whether a half-precision call with `rows` query rows per (batch, kv head) over `cached_slots` slots in all (pairs x
+// the widest head) takes the tensor-core kernel. Where the split-K kernel would split the rows into several row
+// tiles (reading each key and value once per tile), always. At the usual decode (q = 1, a group of 8 or fewer: one
+// tile) only with the probabilities (what decode_attention always returns, and the presses read) over at least 64k
+// cached slots. On an H200, with probabilities (bf16, 8 kv heads, G = 4, d = 128; run 10 tensor cores, run 13
+// split-K; benchmarks/results/gpu/summary.md) the tensor-core op took 1.36-1.70x less time from 64k cached slots on
+// (B = 1, T = 8k-32k; B = 4 and 8, T = 8k-32k; B = 8, T = 1k), split-K 0.93x at 32k (B = 4, T = 1k) and 0.56x at 8k
+// (B = 1, T = 1k). Without them (paged_decode_attention's return_probs=False) the split-K kernel took 113.5 / 207 /
+// 399 us at B = 4, T = 16k / 32k / 64k (run 9); the tensor-core one has not been timed there.
+constexpr int64_t kTensorCoreDecodeMinSlotsWithProbs = 65536;
+
+inline bool tensor_core_decode_pays(int64_t rows, int64_t head_dim, bool with_probs, int64_t cached_slots) {
+  return (with_probs && cached_slots >= kTensorCoreDecodeMinSlotsWithProbs) ||
+         decode_split(1, rows, head_dim, 1, 1).num_tiles > 1;
 }
 
 // Threads that share one slot: enough for the head dim at `vec` elements per load, a power of two <= 32.

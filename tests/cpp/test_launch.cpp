@@ -194,21 +194,28 @@ TEST(TensorCoreDecodeSplit, TargetShapeLongChunksThatStillFillTheDevice) {
   EXPECT_EQ(launch::tensor_core_decode_split(1, 1, 128, 100, 132).num_chunks, 1);
 }
 
-// Tensor cores where the probabilities are wanted, and where the split-K kernel would cut a (batch, kv head)'s rows
-// into several tiles (each reading the keys again): without probabilities not at the usual decode (q = 1, G <= 8),
-// from 9 rows on (several tokens a pass, wide groups).
-TEST(TensorCoreDecodeSplit, TakenWithProbabilitiesOrWhereSplitKWouldReadTheKeysOncePerRowTile) {
+// Tensor cores where the probabilities are wanted over 64k cached slots or more (each case measured there favoured
+// them), and where the split-K kernel would cut a (batch, kv head)'s rows into several tiles (each reading the keys
+// again): otherwise not at the usual decode (q = 1, G <= 8), from 9 rows on (several tokens a pass, wide groups).
+TEST(TensorCoreDecodeSplit, TakenWithProbabilitiesOverManySlotsOrWhereSplitKWouldReadTheKeysOncePerRowTile) {
+  constexpr int64_t kMany = launch::kTensorCoreDecodeMinSlotsWithProbs;
   for (const int64_t head_dim : {64, 128}) {
     for (const int64_t rows : {1, 3, 4, 8}) {
-      EXPECT_FALSE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/false)) << rows;
-      EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/true)) << rows;
+      EXPECT_FALSE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/false, kMany * 4)) << rows;
+      EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/true, kMany)) << rows;
+      EXPECT_FALSE(launch::tensor_core_decode_pays(rows, head_dim, /*with_probs=*/true, kMany - 1)) << rows;
     }
     for (const int64_t rows : {9, 16, 24, 400}) {
       for (const bool with_probs : {false, true}) {
-        EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim, with_probs)) << rows;
+        EXPECT_TRUE(launch::tensor_core_decode_pays(rows, head_dim, with_probs, 1)) << rows;
       }
     }
   }
+  // The measured cases (H200, 8 kv heads, G = 4): B = 1, T = 1k (8k cached slots) split-K; B = 4, T = 1k about even;
+  // B = 8, T = 1k and B = 1, T = 8k (64k) tensor cores.
+  EXPECT_FALSE(launch::tensor_core_decode_pays(4, 128, true, 8 * 1024));
+  EXPECT_FALSE(launch::tensor_core_decode_pays(4, 128, true, 32 * 1024));
+  EXPECT_TRUE(launch::tensor_core_decode_pays(4, 128, true, 64 * 1024));
 }
 
 TEST(TensorCoreDecodeSplit, TilesOfSixteenRowsAndWholeSlotTiles) {
