@@ -944,8 +944,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
   const at::Tensor p = probabilities.reshape({batch, kv_heads, group, q, slots});
   const at::Tensor top = p.argmax(-1, /*keepdim=*/true);
   const at::Tensor grouped = queries.to(at::kFloat).reshape({batch, kv_heads, group, q, head_dim});
-  const at::Tensor top_keys = keys.to(at::kFloat).unsqueeze(2).expand({batch, kv_heads, group, slots, head_dim})
-                                  .gather(3, top.expand({batch, kv_heads, group, q, head_dim}));
+  // The top slots' keys gathered before the conversion: the whole cache in float32 would be twice its bytes again.
+  const at::Tensor top_keys = keys.unsqueeze(2).expand({batch, kv_heads, group, slots, head_dim})
+                                  .gather(3, top.expand({batch, kv_heads, group, q, head_dim})).to(at::kFloat);
   const at::Tensor bias = log_weights.reshape({batch, kv_heads, 1, 1, slots}).expand_as(p);
   const at::Tensor log_sum_exp = (grouped * top_keys).sum(-1, /*keepdim=*/true) * scale + bias.gather(-1, top) -
                                  p.gather(-1, top).log();

@@ -36,15 +36,19 @@ inline int64_t keepkv_match_chunk(int64_t max_evicted, int64_t rows, int64_t max
 }
 
 // Whether keepkv_decode_step's fused kernel, one block per (batch, kv head) row walking the row's slots several
-// times, beats the ATen composition (~0.5 ms of launches, then bound by its bytes) on `rows` rows of `slots` slots
-// with `sms` multiprocessors: where the rows keep half the device busy, or the rows are short. On an H200 (run 13,
-// benchmarks/results/gpu/keepkv.json, bfloat16) the fused step took 351 / 549 µs at 8 / 128 rows of 4096 slots
-// against the composition's 595 / 1167, 4219 µs at 128 rows of 32768 against 8249, but 3656 µs at 8 rows of 32768
-// against 907: its blocks each walked 32k slots while 124 of 132 multiprocessors idled.
+// times, is taken over the op's ATen composition on `rows` rows of `slots` slots with `sms` multiprocessors: where the
+// rows keep half the device busy, or the rows are short. On an H200 (run 13, benchmarks/results/gpu/keepkv.json,
+// bfloat16) the fused step took 3656 µs at 8 rows of 32768 slots, 10x its 351 µs at 8 rows of 4096 (each block walks
+// its row alone while 124 of 132 multiprocessors idle), and 549 / 4219 µs at 128 rows of 4096 / 32768. The ATen
+// composition was not timed there: bench_keepkv's lighter three-op step (update_scores, keepkv_match,
+// keepkv_zip_merge) took 907 µs at 8 rows of 32768, 595 at 8 of 4096, and the op's path adds the eviction sort,
+// the merge's copies and the packing (about 0.9 GB moved at 8 x 32768, bf16: ~0.2 ms at the copy bandwidth, and ~60
+// launches). The bench's keepkv_decode_step row at B = 1, T = 32768 times this path on the next GPU run.
 constexpr int64_t kFusedKeepKVStepMaxSlotsAtFewRows = 4096;
 
 inline bool keepkv_fused_step_pays(int64_t rows, int64_t slots, int64_t sms) {
-  return 2 * rows >= sms || slots <= kFusedKeepKVStepMaxSlotsAtFewRows;
+  // No rows: the fused op returns at once (the path the zero-size tests run).
+  return rows == 0 || 2 * rows >= sms || slots <= kFusedKeepKVStepMaxSlotsAtFewRows;
 }
 
 // Blocks per row of a row-wise elementwise pass with a per-row reduction (kvzap_threshold): enough blocks for
