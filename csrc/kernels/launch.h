@@ -135,9 +135,9 @@ inline DecodeSplit tensor_core_decode_split(int64_t pairs, int64_t rows, int64_t
 // tiles (reading each key and value once per tile), always. At the usual decode (q = 1, a group of 8 or fewer: one
 // tile) only with the probabilities (what decode_attention always returns, and the presses read) over at least 64k
 // cached slots. On an H200, with probabilities (bf16, 8 kv heads, G = 4, d = 128; run 10 tensor cores, run 13
-// split-K; benchmarks/results/gpu/summary.md) the tensor-core op took 1.36-1.70x less time from 64k cached slots on
-// (B = 1, T = 8k-32k; B = 4 and 8, T = 8k-32k; B = 8, T = 1k), split-K 0.93x at 32k (B = 4, T = 1k) and 0.56x at 8k
-// (B = 1, T = 1k). Without them (paged_decode_attention's return_probs=False) the split-K kernel took 113.5 / 207 /
+// split-K; benchmarks/results/gpu/summary.md) split-K took 1.36-1.70x the tensor-core op's time from 64k cached slots
+// on (B = 1, T = 8k-32k; B = 4 and 8, T = 8k-32k; B = 8, T = 1k), 0.93x at 32k (B = 4, T = 1k) and 0.56x at 8k (B = 1,
+// T = 1k). Without them (paged_decode_attention's return_probs=False) the split-K kernel took 113.5 / 207 /
 // 399 us at B = 4, T = 16k / 32k / 64k (run 9); the tensor-core one has not been timed there.
 constexpr int64_t kTensorCoreDecodeMinSlotsWithProbs = 65536;
 
