@@ -9,7 +9,8 @@ each press at a 10% budget, timed, profiled with torch.profiler and, on CUDA wit
 Each case prefills a batch of --batch prompts (model forward, no ``generate``), runs 3 warm-up steps and --steps
 timed steps of ``model(token, past_key_values=cache)`` (``step_ms``: the mean, the device synchronised at both ends),
 then profiles 3 more (--top 0: none). Rows (``profile_step.json``): step_ms and the --top operators by device time
-(CUDA) or CPU time (CPU), each with its total over the profiled steps in ms and its call count.
+(CUDA) or CPU time (CPU), each with its total over the profiled steps in ms and its call count; with --graphs also
+``graph_top_ops``, the same over 3 replays.
 
 The question it answers (issue 20): on the random Llama-3-8B shape on an H100 the full cache's step took ~53 ms
 whatever the prompt length, against ~5 ms to read its weights, and the presses' step less: which operators carry
@@ -84,8 +85,10 @@ def decoding_step(model, ids: torch.Tensor, press, graphs: bool = False):
         yield (lambda: model(token, past_key_values=cache, use_cache=True).logits), cache
 
 
-def replayed_step_ms(step, cache: Cache, replays: int) -> float:
-    """Milliseconds per replay of `step` captured in a CUDA graph."""
+def replayed_step(step, cache: Cache, replays: int, device: str, top: int) -> tuple[float, list[dict]]:
+    """Milliseconds per replay of `step` captured in a CUDA graph, and the `top` operators of PROFILED_STEPS replays
+    (none for 0): the kernels the capture ended up with, where they differ from the launched step's (the full cache's
+    replay took 13x its launched step on an H200, run 13, with no kernel list to say why)."""
     side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -104,8 +107,9 @@ def replayed_step_ms(step, cache: Cache, replays: int) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
+    ops = profiled_ops(graph.replay, device, top) if top else []
     del captured_over
-    return start.elapsed_time(end) / replays
+    return start.elapsed_time(end) / replays, ops
 
 
 def profile_case(model, ids, press, device: str, steps: int, top: int, graphs: bool, replays: int) -> dict:
@@ -120,8 +124,11 @@ def profile_case(model, ids, press, device: str, steps: int, top: int, graphs: b
         row = {"step_ms": round((time.perf_counter() - start) / steps * 1e3, 3), "slots": cache.get_seq_length(),
                "kv_bytes": cache_bytes(cache)}
         if graphs:
-            row["graph_step_ms"] = round(replayed_step_ms(step, cache, replays), 3)
+            replayed_ms, replayed_ops = replayed_step(step, cache, replays, device, top)
+            row["graph_step_ms"] = round(replayed_ms, 3)
             row["graph_tok_s"] = round(ids.shape[0] * 1e3 / row["graph_step_ms"], 1)
+            if replayed_ops:
+                row["graph_top_ops"] = replayed_ops
         # The case's step at its faster of launched and replayed: what a comparison between cases reads, so that a
         # replay slower than the launched step (as the full cache's on an H200, 274 against 23 ms at 12 x 32k: the
         # sdpa kernel a capture ends up with) cannot flatter the presses, whose attention is not sdpa's.
@@ -178,8 +185,10 @@ def main() -> None:
             print(f"{method} at {args.batch} x {length}: {row.get('step_ms', row.get('error'))} ms a step over "
                   f"{row.get('slots')} slots" + (f", {row['graph_step_ms']} ms replayed" if "graph_step_ms" in row
                                                  else ""))
-            if row.get("top_ops"):
-                print_table(row["top_ops"], ["op", "ms", "calls"])
+            for key, what in (("top_ops", "launched"), ("graph_top_ops", "replayed")):
+                if row.get(key):
+                    print(f"{what}:")
+                    print_table(row[key], ["op", "ms", "calls"])
     for row in rows:
         full = next((r for r in rows if r["prompt"] == row["prompt"] and r["method"] == "full"), {})
         if "tok_s" in row and "tok_s" in full:

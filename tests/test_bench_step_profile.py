@@ -62,8 +62,27 @@ def test_a_case_is_compared_at_its_faster_of_launched_and_replayed(model, monkey
     full cache's replay ran 10x slower than its launched step on an H200, which would have flattered the presses."""
     from benchmarks import bench_step_profile
 
-    monkeypatch.setattr(bench_step_profile, "replayed_step_ms", lambda step, cache, replays: replayed_ms)
+    monkeypatch.setattr(bench_step_profile, "replayed_step",
+                        lambda step, cache, replays, device, top: (replayed_ms, []))
     row = bench_step_profile.profile_case(model, prompts(model), None, "cpu", steps=2, top=0, graphs=True, replays=1)
     assert row["graph_step_ms"] == round(replayed_ms, 3)
     assert row["best_step_ms"] == min(row["step_ms"], row["graph_step_ms"])
     assert row["tok_s"] == round(2 * 1e3 / row["best_step_ms"], 1)
+
+
+def test_the_replayed_steps_operators_are_listed_beside_the_launched_ones(model, monkeypatch):
+    """With --top and --graphs a row lists the replayed step's operators too (graph_top_ops), from the profile of the
+    replays the capture made: the launched step's kernels need not be the replay's."""
+    from benchmarks import bench_step_profile
+
+    asked = []
+
+    def replayed_step(step, cache, replays, device, top):
+        asked.append(top)
+        return 1.0, [{"op": "replayed_kernel", "ms": 0.5, "calls": 3}]
+
+    monkeypatch.setattr(bench_step_profile, "replayed_step", replayed_step)
+    row = bench_step_profile.profile_case(model, prompts(model), None, "cpu", steps=1, top=2, graphs=True, replays=1)
+    assert asked == [2]
+    assert row["graph_top_ops"] == [{"op": "replayed_kernel", "ms": 0.5, "calls": 3}]
+    assert len(row["top_ops"]) == 2 and row["top_ops"] != row["graph_top_ops"]
