@@ -82,6 +82,10 @@ TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
   EXPECT_EQ(launch::blocks_per_row(8, 100, 132, 1024), 1);       // short rows: one block
   EXPECT_EQ(launch::blocks_per_row(0, 100, 132, 1024), 1);
   EXPECT_LE(launch::blocks_per_row(1, int64_t{1} << 40, 1 << 20, 1), launch::kMaxGridY);
+  // kvzap's decisions ask for 8 blocks per SM: at B = 16, 8 kv heads, T = 32k, 9 per row (1152 blocks, 11 slots a
+  // thread) where 2 waves gave 3 (384 blocks, 43 slots a thread, a third of each SM's threads).
+  EXPECT_EQ(launch::blocks_per_row(128, 32769, 132, 1024, 8), 9);
+  EXPECT_EQ(launch::blocks_per_row(128, 32769, 132, 1024), 3);
   // The pieces cover the row: blocks * ceil(len / blocks) >= len, and no block starts past the end.
   for (const int64_t len : {1, 1000, 1025, 32768, 100003}) {
     const int64_t blocks = launch::blocks_per_row(2, len, 132, 1024);
