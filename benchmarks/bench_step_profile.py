@@ -148,7 +148,9 @@ def profiled_ops(step, device: str, top: int) -> list[dict]:
             step()
         synchronize(device)
     key = "device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-    events = sorted(profile.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    # Only events that took time: a replay whose kernels the profiler did not see lists nothing, not 0 ms host calls.
+    timed = [e for e in profile.key_averages() if getattr(e, key) > 0]
+    events = sorted(timed, key=lambda e: getattr(e, key), reverse=True)[:top]
     return [{"op": e.key, "ms": round(getattr(e, key) / 1e3, 3), "calls": e.count} for e in events]
 
 

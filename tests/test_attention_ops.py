@@ -230,7 +230,9 @@ def test_nan_and_minus_inf_at_the_usual_decode_over_many_slots(device, dtype, he
     attended[100:164] = False
     for rows in (out[0, :4], out[0, 7], probs[0, :4], probs[0, 7][..., attended]):
         assert rows.isnan().all()
-    torch.testing.assert_close(out[0, 4:7], expected_out[0, 4:7].to(out), **OUT_TOL[dtype])
+    # Outputs of ~7e-3 over 32k slots: OUT_TOL's absolute 1e-2 (bf16) would pass a chunk of slots left out.
+    tolerance = {torch.bfloat16: dict(rtol=1.6e-2, atol=2e-4), torch.float16: dict(rtol=2e-3, atol=5e-5)}[dtype]
+    torch.testing.assert_close(out[0, 4:7], expected_out[0, 4:7].to(out), **tolerance)
     torch.testing.assert_close(probs[0, 4:7], expected_probs[0, 4:7].to(probs), **PROBS_TOL)
     assert (probs[0, 4:7, :, 100:164] == 0).all()
 
