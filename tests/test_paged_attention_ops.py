@@ -95,6 +95,24 @@ def test_long_heads_split_into_slot_chunks(device, block_size, num_queries, retu
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_usual_decode_with_probabilities_over_many_slots(device, dtype, head_dim):
+    """q = 1, groups of 4, half precision, heads of 32768 and 30001 slots (64k cached slots, the widest head counted
+    for both): where CUDA takes its tensor-core kernel with probabilities (launch::tensor_core_decode_pays) through the
+    block tables; the shorter head's probabilities are 0 past its length."""
+    inputs = make_paged([[32768, 30001]], 8, 1, head_dim, 16, dtype, device, evicted=0.1)
+    out, probs = ops.paged_decode_attention(*inputs, head_dim ** -0.5)
+    expected_out, expected_probs = reference.paged_decode_attention(*(t.cpu() for t in inputs), head_dim ** -0.5)
+    assert probs.shape == (1, 8, 1, 32768)
+    expected_probs = torch.nn.functional.pad(expected_probs, (0, 32768 - expected_probs.shape[-1]))
+    torch.testing.assert_close(probs.cpu(), expected_probs, **PROBS_TOL)
+    assert (probs[0, 4:, :, 30001:] == 0).all()
+    # Outputs of ~1e-2 over 30k slots: OUT_TOL's absolute bound in bf16 would pass a chunk of slots left out.
+    tolerance = {torch.bfloat16: dict(rtol=1.6e-2, atol=2e-4), torch.float16: dict(rtol=2e-3, atol=5e-5)}[dtype]
+    torch.testing.assert_close(out.cpu(), expected_out.to(out.dtype), **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_nan_query_makes_its_row_nan_and_no_other(device):
     """Every logit of a NaN query is NaN: no finite maximum is left to shift by, and the row must still come out NaN,
     as the float64 softmax gives it (the CUDA kernel's maximum passed over the NaN and read the row as empty)."""
