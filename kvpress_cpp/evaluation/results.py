@@ -761,7 +761,8 @@ def streaming_table(results_dir: Path = REPO / "benchmarks" / "results") -> str:
             beyond = "–" if row["ppl_beyond_m"] is None else f"{row['ppl_beyond_m']:.2f}"
             lines.append(f"| {path.name} | {row['method']} | {row['cache_size'] or '–'} | {row.get('windows', 1)} × "
                          f"{row['tokens']} ({row['prefill']}) | {row['ppl']:.2f} | {beyond} | "
-                         f"{format_difference(row.get('diff_vs_full'))} | {format_difference(row.get('diffs', {}).get(ordered))} |")
+                         f"{format_difference(row.get('diff_vs_full'))} | "
+                         f"{format_difference(row.get('diffs', {}).get(ordered))} |")
     return "\n".join(lines) + "\n"
 
 
