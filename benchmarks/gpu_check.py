@@ -261,8 +261,9 @@ def stage_graphs(timeout: float) -> dict:
 
     batch = replay_batch(torch.cuda.get_device_properties(0).total_memory)
     # --top: each case's kernels by device time as well, launched and replayed, so that a step slower than its bytes
-    # say (or a replay slower than its launched step) is explained in the same run. Expandable segments: at 12 x 32k the full cache's prefill ran out of memory without them (40 GiB
-    # reserved but unallocated, H200) and fitted with them.
+    # say (or a replay slower than its launched step) is explained in the same run. Expandable segments: at 12 x 32k
+    # the full cache's prefill ran out of memory without them (40 GiB reserved but unallocated, H200) and fitted with
+    # them.
     command = [PYTHON, "-m", "benchmarks.bench_step_profile", "--device", "cuda", "--model", "random-llama3-8b",
                "--lengths", str(GRAPHS_LENGTH), str(GRAPHS_SAME_SLOTS), "--batch", str(batch), "--graphs", "--top",
                "15", "--steps", "3", "--methods", *DECODE_METHODS, "--name", GRAPHS_NAME]
