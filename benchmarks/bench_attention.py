@@ -13,12 +13,19 @@ The op reads K and V once for all G query heads of a kv head and also returns th
 The CPU rows also take SmolLM2's shape (Hq=9, H=3, d=64): three kv heads, fewer than most CPUs' threads, where the op
 splits each head's slots into chunks (from 2048 slots on; their number and bounds fixed by the shape).
 
+On the GPU each row also times both decode kernels at its shape (KVCOMP_DECODE_KERNEL=split_k, then tensor_cores;
+split_k_us, tensor_cores_us) and reports routing_cost = op_us / the faster of the two: 1.00 where the routing
+(kernels::launch::tensor_core_decode_pays) picked the faster kernel.
+
 Targets (issue): CPU >= 1.5x sdpa at T = 8k, GQA 4:1 (B=1, Hq=32, H=8, q=1, d=64 and 128, float32); GPU (bf16) >=
 60% of the measured copy bandwidth at T >= 8k with B * H >= 32 (the GPU rows use B = 4 and 8 for that, besides B = 1),
 and >= 70% at B = 8, T >= 16k (issue 20). KVCOMP_BENCH_DEVICES=cuda measures the GPU only.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +77,20 @@ def eager_attention(query, keys, values, log_weights, scale):
     logits = torch.matmul(query, repeat_kv(keys, group).transpose(2, 3)) * scale + mask
     probs = logits.softmax(-1, dtype=torch.float32)
     return torch.matmul(probs.to(query.dtype), repeat_kv(values, group)), probs
+
+
+@contextlib.contextmanager
+def decode_kernel(name: str):
+    """Every decode attention call inside takes kernel `name` where it can run (KVCOMP_DECODE_KERNEL)."""
+    before = os.environ.get("KVCOMP_DECODE_KERNEL")
+    os.environ["KVCOMP_DECODE_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVCOMP_DECODE_KERNEL"]
+        else:
+            os.environ["KVCOMP_DECODE_KERNEL"] = before
 
 
 def make_inputs(batch, query_heads, kv_heads, head_dim, total_len, dtype, device):
@@ -133,6 +154,12 @@ def main() -> None:
                        "eager_us": round(eager_s * 1e6, 1), "sdpa_gqa_us": round(gqa_s * 1e6, 1),
                        "speedup_vs_sdpa": round(sdpa_s / op_s, 2), "speedup_vs_eager": round(eager_s / op_s, 2),
                        "speedup_vs_sdpa_gqa": round(gqa_s / op_s, 2), "op_GBps": round(moved / op_s / 1e9, 1)}
+                if cuda:
+                    for kernel in ("split_k", "tensor_cores"):
+                        with decode_kernel(kernel):
+                            row[f"{kernel}_us"] = round(1e6 * median_seconds(
+                                lambda: torch.ops.kvcomp.decode_attention(query, keys, values, log_weights, scale)), 1)
+                    row["routing_cost"] = round(row["op_us"] / min(row["split_k_us"], row["tensor_cores_us"]), 2)
                 if bandwidth:
                     row["copy_GBps"] = round(bandwidth, 1)
                     row["fraction_of_copy_bw"] = round(moved / op_s / 1e9 / bandwidth, 2)
@@ -141,7 +168,8 @@ def main() -> None:
                 del query, keys, values, log_weights
     print()
     print_table(rows, ["device", "threads", "dtype", "B", "Hq", "H", "d", "T", "op_us", "sdpa_us", "eager_us", "sdpa_gqa_us",
-                       "speedup_vs_sdpa", "speedup_vs_eager", "speedup_vs_sdpa_gqa", "op_GBps", "fraction_of_copy_bw"])
+                       "speedup_vs_sdpa", "speedup_vs_eager", "speedup_vs_sdpa_gqa", "op_GBps", "fraction_of_copy_bw",
+                       "split_k_us", "tensor_cores_us", "routing_cost"])
     print("wrote", write_results("attention", rows))
     plot(rows)
 

@@ -60,6 +60,13 @@ SANITIZER_TESTS = ["tests/test_fuzz_ops.py::test_cuda_kernel_matches_the_referen
 OP_BENCHMARKS = ["bench_attention", "bench_scores", "bench_keepkv", "bench_zsmerge", "bench_weightedkv",
                  "bench_kvzap --quick", "bench_paged --parts kernel --name paged_kernel_cuda",
                  "bench_prefill_overhead --device cuda --parts op --name prefill_op_cuda", "bench_gvote"]
+
+
+def benchmark_module(bench: str) -> str:
+    """The module an OP_BENCHMARKS entry runs (what --op-benchmarks names)."""
+    return bench.split()[0]
+
+
 DECODE_LENGTHS = [8192, 16384, 32768]
 # One run per (press, length), KeepKV first: its prefill folds only its recent window, while ZSMerge's and
 # WeightedKV's fold the whole prompt's attention (quadratic in the prompt: slow at 32k on an 8B model), so a run cut
@@ -321,12 +328,17 @@ def load_rows(name: str) -> list[dict]:
 
 
 def targets(stages: dict) -> list[dict]:
-    """The issue's targets, each {'target', 'value', 'met'} (met None: not measured in this run)."""
+    """The issues' targets and the decode routing's check, each {'target', 'value', 'met'} (met None: not measured in
+    this run)."""
     checks = []
     attention = [r for r in load_rows("attention") if r.get("B") == 8 and r["T"] >= 16384]
     fractions = [r.get("fraction_of_copy_bw") for r in attention if r.get("fraction_of_copy_bw") is not None]
     checks.append({"target": "decode attention B=8, Hq=32, H=8, d=128, bf16, T>=16k: >= 70% of copy bandwidth",
                    "value": fractions, "met": bool(fractions) and min(fractions) >= 0.70 if fractions else None})
+    timed_both = [r for r in load_rows("attention") if "routing_cost" in r]
+    checks.append({"target": "decode attention's routing: each shape within 5% of the faster of its two kernels",
+                   "value": {f"B={r['B']} T={r['T']}": r["routing_cost"] for r in timed_both},
+                   "met": max(r["routing_cost"] for r in timed_both) <= 1.05 if timed_both else None})
     long_caches = [r for r in load_rows("paged_kernel_cuda") if r.get("T", 0) >= 16384]
     paged = [r["fraction_of_copy"] for r in long_caches if "peer" not in r]
     checks.append({"target": "paged decode attention (issue 21), B=4, H=8, G=4, d=128, bf16, blocks of 16, T>=16k: "
@@ -431,7 +443,7 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
     parser.add_argument("--decode-timeout", type=float, default=300, help="seconds per decode benchmark run")
-    parser.add_argument("--op-benchmarks", nargs="+", choices=[bench.split()[0] for bench in OP_BENCHMARKS],
+    parser.add_argument("--op-benchmarks", nargs="+", choices=[benchmark_module(bench) for bench in OP_BENCHMARKS],
                         help="the ops stage runs only these (default: all, in their order)")
     parser.add_argument("--prebuilt", type=Path, default=None,
                         help="the build stage first tries this extension, built off the device (make gpu-prebuild)")
@@ -450,7 +462,7 @@ def main() -> None:
         try:
             extra = {"prebuilt": args.prebuilt} if name == "build" else {}
             if name == "ops" and args.op_benchmarks:
-                extra = {"benchmarks": [bench for bench in OP_BENCHMARKS if bench.split()[0] in args.op_benchmarks]}
+                extra = {"benchmarks": [b for b in OP_BENCHMARKS if benchmark_module(b) in args.op_benchmarks]}
             stages[name] = globals()[f"stage_{name}"](args.decode_timeout if name == "decode" else args.timeout,
                                                       **extra)
         except Exception as error:  # a broken stage is recorded, the others still run

@@ -238,6 +238,27 @@ def test_nan_and_minus_inf_at_the_usual_decode_over_many_slots(device, dtype, he
     assert (probs[0, 4:7, :, 100:164] == 0).all()
 
 
+@CUDA
+@pytest.mark.parametrize("kernel", ["split_k", "tensor_cores"])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
+@pytest.mark.parametrize("num_queries,total_len", [(1, 300), (1, 4100), (5, 4100)])
+def test_each_decode_kernel_named_by_the_environment_matches_reference(monkeypatch, kernel, dtype, head_dim,
+                                                                       num_queries, total_len):
+    """KVCOMP_DECODE_KERNEL forces one kernel where the routing would pick the other (the benchmark times both at one
+    shape): each gives the reference's output and probabilities, on both sides of the routing's 64k-slot line."""
+    monkeypatch.setenv("KVCOMP_DECODE_KERNEL", kernel)
+    inputs = make_inputs(2, 8, 2, num_queries, total_len, head_dim, dtype, "cuda", seed=11, evicted=0.2)
+    check_against_reference(*inputs, head_dim**-0.5)
+
+
+@CUDA
+def test_an_unknown_decode_kernel_in_the_environment_is_named(monkeypatch):
+    monkeypatch.setenv("KVCOMP_DECODE_KERNEL", "tensor-cores")
+    inputs = make_inputs(1, 4, 2, 1, 64, 64, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match=r"kvcomp::decode_attention: KVCOMP_DECODE_KERNEL .* got 'tensor-cores'"):
+        ops.decode_attention(*inputs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("total_len", [17, 33, 300])
 @pytest.mark.parametrize("nan_slot", [0, -2])

@@ -74,6 +74,27 @@ def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch)
     assert check["met"] is False and check["value"] == [0.72, 0.69]
 
 
+def test_routing_check_takes_the_worst_shape(tmp_path, monkeypatch):
+    """bench_attention's rows that timed both decode kernels: the routing passes only where no shape's routed call
+    is more than 5% slower than the faster kernel; rows without the two timings (the CPU's) are not read."""
+    import json
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+
+    def routing_check(costs):
+        rows = [{"device": "cuda", "B": batch, "T": 1024, "routing_cost": cost} for batch, cost in costs.items()]
+        rows.append({"device": "cpu", "B": 1, "T": 1024})
+        (tmp_path / "attention.json").write_text(json.dumps({"rows": rows}))
+        return next(c for c in gpu_check.targets({}) if c["target"].startswith("decode attention's routing"))
+
+    assert next(c for c in gpu_check.targets({}) if c["target"].startswith("decode attention's routing"))["met"] is None
+    assert routing_check({1: 1.0, 4: 1.05})["met"] is True
+    check = routing_check({1: 1.0, 8: 1.3})
+    assert check["met"] is False and check["value"] == {"B=1 T=1024": 1.0, "B=8 T=1024": 1.3}
+
+
 def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatch):
     """Issue 20's "every decode-step op >= 5x" takes each op benchmark's decoding-step rows against plain PyTorch:
     not its prefill rows, bench_scores' chunk of 16 queries, bench_keepkv's former three-op composition or

@@ -37,6 +37,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/decode_attention.cuh"
@@ -723,18 +724,26 @@ void launch_attend_chunk_mma(const char* op, const DecodeParams& params, int64_t
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether a call takes the tensor-core path: half precision, d = 64 or 128, probabilities wanted over enough cached
-// slots or more query rows per (batch, kv head) than one split-K tile holds (launch::tensor_core_decode_pays), the
-// query and the cache's rows in 16-byte pieces, and this build's kernels holding sm_80+ code for the device.
+// Whether a call takes the tensor-core path: half precision, d = 64 or 128, the query and the cache's rows in 16-byte
+// pieces, this build's kernels holding sm_80+ code for the device, and then, unless KVCOMP_DECODE_KERNEL names a
+// kernel, probabilities wanted over enough cached slots or more query rows per (batch, kv head) than one split-K tile
+// holds (launch::tensor_core_decode_pays).
 template <typename scalar_t>
-bool tensor_core_path(int64_t rows, int64_t head_dim, bool with_probs, int64_t cached_slots, const scalar_t* query,
-                      bool cache_in_pieces) {
+bool tensor_core_path(const char* op, int64_t rows, int64_t head_dim, bool with_probs, int64_t cached_slots,
+                      const scalar_t* query, bool cache_in_pieces) {
+  using kernels::launch::DecodeKernelChoice;
+  const char* setting = std::getenv("KVCOMP_DECODE_KERNEL");
+  const DecodeKernelChoice choice = kernels::launch::decode_kernel_choice(setting);
+  TORCH_CHECK(choice != DecodeKernelChoice::kUnknown, op,
+              ": KVCOMP_DECODE_KERNEL must be unset, auto, split_k or tensor_cores, got '", setting, "'");
   if constexpr (std::is_same_v<scalar_t, float>) {
     return false;
   } else {
-    return (head_dim == 64 || head_dim == 128) &&
-           kernels::launch::tensor_core_decode_pays(rows, head_dim, with_probs, cached_slots) &&
-           cache_in_pieces && reinterpret_cast<uintptr_t>(query) % 16 == 0 && mma::code_for_current_device();
+    const bool can_run = (head_dim == 64 || head_dim == 128) && cache_in_pieces &&
+                         reinterpret_cast<uintptr_t>(query) % 16 == 0 && mma::code_for_current_device();
+    if (!can_run || choice == DecodeKernelChoice::kSplitK) return false;
+    return choice == DecodeKernelChoice::kTensorCores ||
+           kernels::launch::tensor_core_decode_pays(rows, head_dim, with_probs, cached_slots);
   }
 }
 
@@ -754,7 +763,7 @@ void split_decode_attention(const char* op, DecodeParams params, int64_t pairs, 
                                                    cache.key_strides) &&
                     launch::rows_in_16_byte_pieces(reinterpret_cast<uintptr_t>(cache.values), sizeof(scalar_t), d,
                                                    cache.value_strides);
-  const bool tensor_cores = tensor_core_path(rows, d, probs != nullptr, pairs * params.total_len, query, wide);
+  const bool tensor_cores = tensor_core_path(op, rows, d, probs != nullptr, pairs * params.total_len, query, wide);
   const launch::DecodeSplit split =
       tensor_cores ? launch::tensor_core_decode_split(pairs, rows, d, params.total_len, sms)
                    : launch::decode_split(pairs, rows, d, params.total_len, sms);

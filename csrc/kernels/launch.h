@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string_view>
 
 namespace kvcomp::kernels::launch {
 
@@ -144,6 +145,19 @@ constexpr int64_t kTensorCoreDecodeMinSlotsWithProbs = 65536;
 inline bool tensor_core_decode_pays(int64_t rows, int64_t head_dim, bool with_probs, int64_t cached_slots) {
   return (with_probs && cached_slots >= kTensorCoreDecodeMinSlotsWithProbs) ||
          decode_split(1, rows, head_dim, 1, 1).num_tiles > 1;
+}
+
+// Which kernel a call that both decode kernels can serve takes: the routing above, or the one named by the environment
+// variable KVCOMP_DECODE_KERNEL (`split_k`, `tensor_cores`; unset, empty or `auto`: the routing). The routing's
+// figures come from two runs on two machines; bench_attention times both kernels at one shape in one run with it.
+enum class DecodeKernelChoice { kRouted, kSplitK, kTensorCores, kUnknown };
+
+inline DecodeKernelChoice decode_kernel_choice(const char* setting) {
+  const std::string_view name = setting == nullptr ? "" : setting;
+  if (name.empty() || name == "auto") return DecodeKernelChoice::kRouted;
+  if (name == "split_k") return DecodeKernelChoice::kSplitK;
+  if (name == "tensor_cores") return DecodeKernelChoice::kTensorCores;
+  return DecodeKernelChoice::kUnknown;
 }
 
 // Threads that share one slot: enough for the head dim at `vec` elements per load, a power of two <= 32.

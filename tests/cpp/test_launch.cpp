@@ -224,6 +224,18 @@ TEST(TensorCoreDecodeSplit, TakenWithProbabilitiesOverManySlotsOrWhereSplitKWoul
   EXPECT_TRUE(launch::tensor_core_decode_pays(4, 128, true, 64 * 1024));
 }
 
+TEST(DecodeKernelChoice, RoutedUnlessTheEnvironmentNamesAKernel) {
+  using launch::DecodeKernelChoice;
+  EXPECT_EQ(launch::decode_kernel_choice(nullptr), DecodeKernelChoice::kRouted);
+  EXPECT_EQ(launch::decode_kernel_choice(""), DecodeKernelChoice::kRouted);
+  EXPECT_EQ(launch::decode_kernel_choice("auto"), DecodeKernelChoice::kRouted);
+  EXPECT_EQ(launch::decode_kernel_choice("split_k"), DecodeKernelChoice::kSplitK);
+  EXPECT_EQ(launch::decode_kernel_choice("tensor_cores"), DecodeKernelChoice::kTensorCores);
+  for (const char* wrong : {"tensor-cores", "Split_K", "split_k ", "1"}) {
+    EXPECT_EQ(launch::decode_kernel_choice(wrong), DecodeKernelChoice::kUnknown) << wrong;
+  }
+}
+
 TEST(TensorCoreDecodeSplit, TilesOfSixteenRowsAndWholeSlotTiles) {
   for (const int64_t rows : {1, 4, 8, 15, 16, 17, 24, 400}) {
     for (const int64_t total_len : {1, 63, 64, 300, 4100, 65536}) {
