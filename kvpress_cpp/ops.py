@@ -216,13 +216,14 @@ def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float = 0.8,
     """KeepKV's merge targets: each evicted slot's most similar retained slot of the same (batch, kv head).
 
     Similarity is the key cosine in float32, clamped to [-1, 1] and rounded to the nearest multiple of 2^-16 before
-    it is compared (a zero key has similarity 0 with everything; NaN counts as -inf; ties go to the lower slot). The
-    rounding is the stated tolerance: float32 cosines differ from exact ones by about sqrt(d)·6e-8, and by the path,
-    so a key identical to a retained one always has similarity exactly 1 (it merges at threshold 1.0) and equally
-    similar retained keys tie exactly, on every path. Keys are rescaled before squaring, so magnitudes from 1e-38
-    to 3e38 give the same cosines (not yet on CUDA's direct path, whose float32 squares overflow beyond ~1e19). Rows with few evicted slots (a decoding step) compute them
-    directly, others with a GEMM of normalised keys (on CUDA torch's float32 matmul settings apply, TF32 only if
-    allowed).
+    it is compared (a zero key has similarity 0 with every finite key; a key with a NaN or infinite component has a
+    NaN similarity with every key, zero keys included, and NaN counts as -inf: it is matched with nothing; ties go to
+    the lower slot). The rounding is the stated tolerance: float32 cosines differ from exact ones by about
+    sqrt(d)·6e-8, and by the path, so a key identical to a retained one always has similarity exactly 1 (it merges at
+    threshold 1.0) and equally similar retained keys tie exactly, on every path. Keys are rescaled before squaring,
+    so magnitudes from 1e-38 to 3e38 give the same cosines, on every path. Rows with few evicted slots (a decoding
+    step) compute them directly, others with a GEMM of normalised keys (on CUDA torch's float32 matmul settings
+    apply, TF32 only if allowed).
 
     Args:
         keys: (B, H, T, d) float32, float16 or bfloat16.
@@ -253,9 +254,10 @@ def keepkv_zip_merge(
     For retained c and S = {c} ∪ {e : targets[e] == c}, in the log domain (m = max ℓ over S, w = p·exp(ℓ - m), float32
     accumulation): ``k_r = (Σ w k)·(m + ln(Σ w / Σ p)) / (Σ w ℓ)``, ``v_r = Σ w v / Σ w``, ``p_r = Σ p``. For the query
     whose logits gave ℓ, attention with bias ln p is then unchanged by the merge (theorem 3). Guard: when
-    |Σ w ℓ| <= 1e-3 · Σ w · max|ℓ| (near-zero denominator) or m + ln(Σ w / Σ p) has the other sign than Σ w ℓ (or
-    either is not finite), the convex key ``Σ w k / Σ w`` is used instead; ``convex=True`` always uses it (the
-    authors' released code). Members with p <= 0, ℓ = -inf or NaN carry w = 0; a set with Σ w = 0 keeps c's key and
+    |Σ w ℓ| <= 1e-3 · Σ w · max|ℓ| (near-zero denominator), when m + ln(Σ w / Σ p) or Σ w ℓ is not finite, or when
+    the ZIP key's growth over the convex key, Σ w · (m + ln(Σ w / Σ p)) / Σ w ℓ, leaves [0.5, 2] (this includes the
+    two of other signs; ``kernels::kZipMaxKeyGrowth``), the convex key ``Σ w k / Σ w`` is used instead;
+    ``convex=True`` always uses it (the authors' released code). Members with p <= 0, ℓ = -inf or NaN carry w = 0; a set with Σ w = 0 keeps c's key and
     value (its vote still becomes Σ p). Sets of one slot and evicted slots are returned unchanged.
 
     Args:

@@ -284,7 +284,7 @@ def keepkv_rounded_cosine(cos: float) -> float:
 def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float,
                  max_evicted: int | None = None) -> torch.Tensor:
     """For each evicted slot, the retained slot of its row with the highest key cosine (float64, rounded to 2^-16;
-    zero keys 0, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1. ``max_evicted``
+    zero keys 0 against finite keys, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1. ``max_evicted``
     only spares the CUDA kernel a host sync: the result does not depend on it."""
     batch, kv_heads, slots, _ = keys.shape
     targets = torch.where(keep, -1, -2).to(torch.int64)
@@ -298,8 +298,14 @@ def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float,
                 for r in retained:
                     a, c = keys[b, h, e].double(), keys[b, h, r].double()
                     na, nc = a.norm(), c.norm()
-                    cos = 0.0 if na == 0 or nc == 0 else float(a @ c / (na * nc))
-                    cos = float("-inf") if cos != cos else keepkv_rounded_cosine(cos)
+                    dot = float(a @ c)
+                    if dot != dot:  # a non-finite key: no match, even with a zero key
+                        cos = float("-inf")
+                    elif na == 0 or nc == 0:
+                        cos = 0.0
+                    else:
+                        cos = dot / float(na * nc)
+                        cos = float("-inf") if cos != cos else keepkv_rounded_cosine(cos)
                     if best is None or cos > best:
                         best, best_slot = cos, r
                 if best >= threshold:

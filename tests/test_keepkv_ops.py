@@ -160,11 +160,34 @@ def test_match_zero_norm_nan_and_ties(device, many):
     lowest_retained = 12 if many else 3
     got = ops.keepkv_match(keys.to(device), keep.to(device), -1.0).cpu()
     assert got[0, 0, 0] == lowest_retained and got[0, 0, 1] == -2 and got[0, 0, 2] == 14
+    keys[0, 0, 13] = 0.0  # a retained zero key: the NaN key is matched with it on neither path (it once was on one)
+    got = ops.keepkv_match(keys.to(device), keep.to(device), -1.0).cpu()
+    assert got[0, 0, 1] == -2
     got = ops.keepkv_match(keys.to(device), keep.to(device), 0.0).cpu()
     assert got[0, 0, 0] == lowest_retained and got[0, 0, 1] == -2
     keys[0, 0][keep[0, 0]] = 0.0  # every retained key zero: similarity 0 for all of them
     got = ops.keepkv_match(keys.to(device), keep.to(device), 0.1).cpu()
     assert (got[0, 0, :12][~keep[0, 0, :12]] == -2).all() and (got[0, 0, 12:] == -1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_key_is_matched_with_nothing_on_both_paths(device, many, dtype, bad):
+    """A key with one NaN or infinite component, evicted or retained, has no similarity with any key, zero keys
+    included (whose similarity with finite keys is 0), whichever path the number of evicted slots takes."""
+    generator = torch.Generator().manual_seed(8)
+    keys = torch.randn(1, 2, 24, 8, generator=generator)
+    keep = keep_pattern("many_evicted" if many else "one_evicted", 1, 2, 24, generator)
+    evicted, retained = (~keep[0, 0]).nonzero().flatten(), keep[0, 0].nonzero().flatten()
+    keys[0, :, retained[0]] = 0.0
+    keys[0, 0, evicted[0], 3] = bad
+    keys[0, 1, retained[1], 5] = bad
+    keys = keys.to(dtype)
+    got = ops.keepkv_match(keys.to(device), keep.to(device), -1.0).cpu()
+    torch.testing.assert_close(got, reference.keepkv_match(keys, keep, -1.0), rtol=0, atol=0)
+    assert got[0, 0, evicted[0]] == -2 and (got[0, 1][~keep[0, 1]] != retained[1]).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -86,8 +86,11 @@ KVCOMP_HOST_DEVICE inline float rounded_cosine(float cosine) {
   return rintf(clamped / kCosineResolution) * kCosineResolution;
 }
 
-// cos(a, b) from a·b, ||a||^2 and ||b||^2 in float32, rounded by rounded_cosine; 0 when either key is zero.
+// cos(a, b) from a·b, ||a||^2 and ||b||^2 in float32, rounded by rounded_cosine; 0 when either key is zero and the
+// other finite, NaN (never a target) when a·b is: a key with a NaN or infinite component is matched with nothing, zero
+// keys included, as the GEMM path's normalised rows give it (its NaN would otherwise enter the merged key).
 KVCOMP_HOST_DEVICE inline float cosine_similarity(float dot, float norm_sq_a, float norm_sq_b) {
+  if (is_nan(dot)) return dot;
   if (norm_sq_a == 0.0f || norm_sq_b == 0.0f) return 0.0f;
   return rounded_cosine(dot / (sqrtf(norm_sq_a) * sqrtf(norm_sq_b)));
 }

@@ -34,6 +34,14 @@ TEST(KeepKVKernels, CosineOfZeroKeysIsZero) {
   EXPECT_FLOAT_EQ(k::inverse_norm(16.0f), 0.25f);
 }
 
+TEST(KeepKVKernels, ANonFiniteKeyHasNoCosineEvenWithAZeroKey) {
+  // (NaN, 1)·(0, 0) = NaN and (inf, 0)·(0, 0) = NaN: no similarity, as the GEMM path's normalised rows give it.
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isnan(k::cosine_similarity(kNan * 0.0f, kNan, 0.0f)));
+  EXPECT_TRUE(std::isnan(k::cosine_similarity(inf * 0.0f, 0.0f, inf)));
+  EXPECT_TRUE(std::isnan(k::cosine_similarity(inf, inf, 4.0f)));  // (inf, 0)·(2, 0): inf / inf
+}
+
 TEST(KeepKVKernels, CosinesAreClampedAndRoundedTo2PowMinus16) {
   EXPECT_EQ(k::rounded_cosine(1.0000001f), 1.0f);  // float32 rounding above 1: clamped
   EXPECT_EQ(k::rounded_cosine(0.99999994f), 1.0f);  // just below 1: rounds to exactly 1 (merges at threshold 1.0)
