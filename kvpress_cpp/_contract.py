@@ -150,8 +150,12 @@ class Contract:
         return env
 
     def _check_inputs_apart(self, updated: list, read: list) -> None:
-        """checks.h check_inputs_apart: no argument the op only reads shares memory with one it updates in place."""
-        for arg, t in read:
+        """checks.h check_inputs_apart: no argument the op only reads shares memory with one it updates in place, or
+        requires grad."""
+        for arg, t in read if updated else []:
+            if t.requires_grad:
+                self.fail(f"expected {arg.name} not to require grad (the op updates its cache in place from it and has "
+                          "no backward), got a tensor with requires_grad=True")
             for target_arg, target in updated:
                 if _overlap(t, target):
                     self.fail(f"expected {arg.name} and {target_arg.name} to be separate memory ({target_arg.name} is "
@@ -206,12 +210,14 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def has_contiguous_rows(t: torch.Tensor) -> bool:
     """Whether each (b, h) row of t (B, H, ...) is contiguous and the rows are in order (checks.h
-    check_contiguous_rows)."""
+    check_contiguous_rows). An empty tensor is, whatever its strides: nothing in it moves."""
+    if t.numel() == 0:
+        return t.dim() >= 2
     row, ordered = 1, t.dim() >= 2
     for dim in range(t.dim() - 1, 1, -1):
         ordered &= t.shape[dim] <= 1 or t.stride(dim) == row
         row *= t.shape[dim]
-    if ordered and t.numel():
+    if ordered:
         ordered &= t.shape[1] <= 1 or t.stride(1) >= row
         heads_span = row if t.shape[1] <= 1 else (t.shape[1] - 1) * t.stride(1) + row
         ordered &= t.shape[0] <= 1 or t.stride(0) >= heads_span

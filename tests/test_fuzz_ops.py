@@ -801,9 +801,11 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
                 first, second = buffer[:-1].view(args[i].shape), buffer[1:].view(args[i].shape)
                 _expect(name, _replace(_replace(args, i, first), j, second), (a.name, b.name), must_reject=True)
         add(f"overlap:{a.name}~{b.name}", overlapping)
-    for i, arg in inplace:
+    # An op that updates tensors in place has no backward: every floating input requiring grad is refused, read or
+    # updated (what it writes from a read one would silently lose its graph).
+    for i, arg in float_args if inplace else []:
         def grad_leaf(r, i=i, arg=arg):
-            args = valid(r, dtype=torch.float32)[0]
+            args = valid(r, dtype=torch.float32, needs=i)[0]
             if args[i].dtype.is_floating_point:
                 _expect(name, _replace(args, i, args[i].clone().requires_grad_()), (arg.name,), must_reject=True)
         add(f"requires-grad:{arg.name}", grad_leaf)

@@ -66,14 +66,16 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
 
 // Whether t (B, H, ...) has each (batch, kv head) row contiguous and the rows in (batch, head) order, each at or after
 // the end of the previous, at any stride: a contiguous tensor, or a paged cache's strided view over its block pools.
+// An empty tensor is, whatever its strides (a contiguous one with d = 0 has strides of size-1 dims): nothing moves.
 inline bool has_contiguous_rows(const at::Tensor& t) {
+  if (t.numel() == 0) return t.dim() >= 2;
   bool ordered = t.dim() >= 2;
   int64_t row = 1;
   for (int64_t dim = t.dim() - 1; dim >= 2; --dim) {
     ordered &= t.size(dim) <= 1 || t.stride(dim) == row;
     row *= t.size(dim);
   }
-  if (ordered && t.numel() > 0) {
+  if (ordered) {
     ordered &= t.size(1) <= 1 || t.stride(1) >= row;
     const int64_t heads_span = t.size(1) <= 1 ? row : (t.size(1) - 1) * t.stride(1) + row;
     ordered &= t.size(0) <= 1 || t.stride(0) >= heads_span;
@@ -165,11 +167,14 @@ inline void check_inplace_arguments(const char* op,
 
 // The arguments an op only reads, against those it updates in place: none may share memory with one (a read after
 // the kernel's own writes would see them: a length or a block index read back after a position was written over it
-// leaves the range validated before the kernel, and reads or writes wild memory).
+// leaves the range validated before the kernel, and reads or writes wild memory), and none may require grad (the op
+// has no backward: what it writes in place from them would silently lose their graph).
 inline void check_inputs_apart(const char* op,
                                std::initializer_list<std::pair<const char*, const at::Tensor*>> updated,
                                std::initializer_list<std::pair<const char*, const at::Tensor*>> read) {
   for (const auto& input : read) {
+    TORCH_CHECK(!input.second->requires_grad(), op, ": expected ", input.first, " not to require grad (the op ",
+                "updates its cache in place from it and has no backward), got a tensor with requires_grad=True");
     for (const auto& target : updated) {
       TORCH_CHECK(!may_overlap(*input.second, *target.second), op, ": expected ", input.first, " and ", target.first,
                   " to be separate memory (", target.first, " is updated in place), got overlapping tensors");

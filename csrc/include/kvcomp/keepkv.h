@@ -91,12 +91,6 @@ inline KeepKVStepShape check_keepkv_decode_step(const at::Tensor& keys, const at
   check_contiguous_rows(op, "keys", keys);
   check_contiguous_rows(op, "values", values);
   check_inplace_arguments(op, {{"keys", &keys}, {"values", &values}});
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"queries", queries},
-                                {"probabilities", probabilities}, {"log_weights", log_weights}, {"log_ema", log_ema},
-                                {"age", age}, {"votes", votes}}) {
-    TORCH_CHECK(!t.requires_grad(), op, ": expected ", name, " not to require grad (the op updates keys and values ",
-                "in place and has no backward), got a tensor with requires_grad=True");
-  }
   check_dim(op, "queries", queries, 4, "(B, Hq, q, d)");
   TORCH_CHECK(queries.scalar_type() == keys.scalar_type(), op, ": expected queries of the dtype of keys (",
               keys.scalar_type(), "), got ", queries.scalar_type());
