@@ -8,7 +8,8 @@ import copy
 
 import pytest
 import torch
-from kvpress import AdaKVPress, CriticalAdaKVPress, DMSPress, PerLayerCompressionPress
+from kvpress import (AdaKVPress, ComposedPress, CriticalAdaKVPress, DecodingPress, DMSPress, KnormPress,
+                     PerLayerCompressionPress)
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
 from transformers import DynamicCache, pipeline
@@ -159,6 +160,40 @@ def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
         KVzapPress(model_type="cubic")
     with pytest.raises(ValueError, match=r"sliding_window must be an int ≥ 1, got -1"):
         KVzapThresholdPress(sliding_window=-1)
+
+
+@pytest.mark.parametrize("value", [1.0, 1.5, -0.2, float("nan")])
+def test_compression_ratio_is_checked_when_set_on_a_built_scorer(value):
+    """kvpress's evaluation sets compression_ratio on a built press: 1.0 once dropped the whole prompt silently."""
+    press = KVzapPress(compression_ratio=0.5)
+    with pytest.raises(ValueError, match=rf"KVzapPress: compression_ratio must be a number in \[0, 1\), got {value}"):
+        press.compression_ratio = value
+    assert press.compression_ratio == 0.5
+    with pytest.raises(ValueError, match=r"KVzapPress: compression_ratio must be a number in \[0, 1\), got 2"):
+        KVzapPress(compression_ratio=2)
+
+
+@kvpress_hooks.mark
+def test_scores_of_buffered_decoding_tokens_for_the_whole_cache_are_refused(llama, surrogates):
+    """kvpress's DecodingPress hands a ScorerPress its buffered decoding tokens beside the whole cache: KVzap's
+    scores are per hidden state, so their top-k picked slots among the first ones of the prompt, by the scores of
+    other tokens (or indexed past them)."""
+    model, tokenizer = llama
+    scorer = KVzapPress(compression_ratio=0.5, surrogate_dir=surrogates["mlp"])
+    decoding = DecodingPress(base_press=scorer, compression_interval=4, target_size=8)
+    with pytest.raises(ValueError, match=r"KVzapPress: scores one slot per hidden state, got the hidden states of 4 "
+                                         r"tokens for \d+ slots at layer 0"):
+        greedy(model, prompt_ids(tokenizer, 48), press=decoding, max_new_tokens=6)
+
+
+@kvpress_hooks.mark
+def test_a_prompt_another_press_shrank_is_refused(llama, surrogates):
+    """A press before KVzap in a ComposedPress left 24 slots for the 48 tokens' hidden states: refused, naming
+    KVzapPress, where it indexed past the keys."""
+    model, tokenizer = llama
+    scorer = KVzapPress(compression_ratio=0.5, surrogate_dir=surrogates["mlp"])
+    with pytest.raises(ValueError, match=r"KVzapPress: .* hidden states of 48 tokens for 24 slots at layer 0"):
+        greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([KnormPress(0.5), scorer]), max_new_tokens=1)
 
 
 def test_default_model_is_named_after_the_hub_checkpoint(default_model):

@@ -138,8 +138,13 @@ class KVzapPress(_KVzapScorer):
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _weights_of: object = field(default=None, init=False, repr=False, compare=False)
 
+    def __setattr__(self, name, value):
+        # Checked at every assignment, not only at construction: kvpress's evaluation sets it on a built press.
+        if name == "compression_ratio":
+            require_real("KVzapPress", "compression_ratio", value, "[0, 1)")
+        super().__setattr__(name, value)
+
     def __post_init__(self):
-        require_real("KVzapPress", "compression_ratio", self.compression_ratio, "[0, 1)")  # before kvpress's assert
         super().__post_init__()
         require_model_type("KVzapPress", self.model_type)
 
@@ -187,6 +192,14 @@ class KVzapPress(_KVzapScorer):
         return ops.kvzap_score(hidden_states, *self.layer_surrogate(module, hidden_states))
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        if keys is not None and hidden_states.shape[1] != keys.shape[-2]:
+            # Scores of other tokens than the keys' would select slots by the wrong tokens' scores, or index past them.
+            raise ValueError(
+                f"KVzapPress: scores one slot per hidden state, got the hidden states of {hidden_states.shape[1]} "
+                f"tokens for {keys.shape[-2]} slots at layer {module.layer_idx}: a press before it (in a "
+                f"ComposedPress) shrank the prompt, or a wrapper passes the hidden states of some tokens only "
+                f"(kvpress's DecodingPress: its buffered decoding tokens). KVzap compresses while decoding as "
+                f"kvpress_cpp's KVzapThresholdPress or inside DMSPress(KVzapPress(), decoding=True)")
         return self.layer_scores(module, hidden_states)
 
 
