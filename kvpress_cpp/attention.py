@@ -260,9 +260,41 @@ def _cuda_prompt_attention_keeping_log_sum_exp(module, query, key, value, scalin
 
 def _scaling(module: torch.nn.Module, kwargs: dict) -> float:
     """The attention scale of this call: the kwarg where the model passes one, else the module's. Read only on our
-    paths: attention modules of other models (GPT-2, CLIP, ...) run through the same registry without a `scaling`."""
+    paths: attention modules of other models (GPT-2, CLIP, ...) run through the same registry without a `scaling`,
+    and are refused there rather than attended at a scale they may not use."""
     scaling = kwargs.get("scaling")
-    return module.scaling if scaling is None else scaling
+    if scaling is None:
+        scaling = getattr(module, "scaling", None)
+    if scaling is None:
+        raise ValueError(
+            f"kvpress_cpp: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) gives its attention no "
+            f"scale (no `scaling` argument or attribute), so kvpress_cpp's attention over a compressed or paged cache "
+            f"cannot apply the model's own; models whose attention modules set `scaling` (Llama, Mistral, Qwen, "
+            f"Gemma, Phi, ...) are supported")
+    return scaling
+
+
+def refuse_attention_outside_the_registry(frame, user: str = "PagedKVCache", max_depth: int = 6) -> None:
+    """Raise if the attention module whose forward is appending to a paged cache (the nearest `forward` up the stack
+    from `frame` whose ``self`` is an nn.Module; none found, no check) computes its attention itself instead of
+    through transformers' attention registry: only what the registry dispatches to, wrapped here, reads a paged
+    layer through its block tables. The module's own attention would take the block pools for its keys and values
+    (silently wrong tokens from Falcon, shape errors from GPT-J or Bloom). Whether the forward's module can reach the
+    registry is read from the globals of the code running it (a decorator's wrapper would show its own module's)."""
+    for _ in range(max_depth):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(owner, torch.nn.Module):
+            if not any(name in frame.f_globals for name in ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")):
+                raise ValueError(
+                    f"{user}: layer {getattr(owner, 'layer_idx', '?')} ({type(owner).__name__}) computes its "
+                    f"attention itself, not through transformers' attention registry (ALL_ATTENTION_FUNCTIONS), so it "
+                    f"would read the cache's block pools as its keys and values; only models whose attention "
+                    f"dispatches through the registry (Llama, Mistral, Qwen, Gemma, Phi, ...) run on a {user}. Use a "
+                    f"DynamicCache for this model")
+            return
+        frame = frame.f_back
 
 
 def _tokens_held(module: torch.nn.Module, presses, paged_layer: PagedLayer | None, key: torch.Tensor) -> int:

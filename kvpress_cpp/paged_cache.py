@@ -33,6 +33,7 @@ each head's base and appended slots): it stays as wide as the tokens the sequenc
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import weakref
@@ -202,6 +203,9 @@ class PagedLayer(CacheLayerMixin):
         transformers 4 passes (the pass's ``cache_position``); `kwargs`: transformers 5.24 on passes the attention
         layer's keyword arguments as ``kwargs=`` (no ``cache_position`` there), which a DynamicLayer ignores too."""
         if not self.is_initialized:
+            from kvpress_cpp.attention import refuse_attention_outside_the_registry  # (it imports this module)
+
+            refuse_attention_outside_the_registry(inspect.currentframe().f_back)
             self.lazy_initialization(key_states, value_states)
         self.flush()
         batch, heads, new_tokens = key_states.shape[:3]

@@ -394,6 +394,45 @@ def test_paged_cache_alone_routes_attention():
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
 
 
+def tiny_model(architecture: str, **config):
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{architecture}Config")(vocab_size=256, pad_token_id=0, **config)
+    model_class = (getattr(transformers, f"{architecture}ForCausalLM", None)
+                   or getattr(transformers, f"{architecture}LMHeadModel"))
+    return model_class(config).eval()
+
+
+def test_a_model_whose_attention_skips_the_registry_is_refused_before_it_reads_the_pools():
+    """Falcon computes its attention itself (no transformers attention registry): on a PagedKVCache it took the block
+    pools for its keys (different greedy tokens from the second step on, no error). Its first append is refused,
+    naming the layer, before any output is computed from the pools; its DynamicCache run is left alone."""
+    model = tiny_model("Falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       new_decoder_architecture=True, num_kv_heads=2)
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=3, do_sample=False)
+        with pytest.raises(ValueError, match=r"PagedKVCache: layer 0 \(FalconAttention\) computes its attention "
+                                             r"itself, not through transformers' attention registry"):
+            model(ids, past_key_values=PagedKVCache())
+
+
+def test_a_model_whose_attention_has_no_scale_is_refused_on_our_paths():
+    """GPT-2's attention goes through the registry, under transformers 4 without giving it a `scaling` (a kwarg or
+    attribute): our paths over a paged or compressed cache refuse it, naming the layer, instead of an
+    AttributeError. Where it gives one (transformers 5), the paged cache gives the DynamicCache's tokens."""
+    model = tiny_model("GPT2", n_embd=64, n_layer=2, n_head=4)
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    run = lambda cache: model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)  # noqa: E731
+    with torch.no_grad():
+        if hasattr(model.transformer.h[0].attn, "scaling"):
+            assert torch.equal(run(PagedKVCache()), run(DynamicCache()))
+            return
+        with pytest.raises(ValueError, match=r"kvpress_cpp: layer 0 \(GPT2Attention\) gives its attention no scale"):
+            run(PagedKVCache())
+
+
 def held_slots(layer):
     """Per (batch, kv head): the keys, values and log-weights of the slots attended (finite log-weight), in order."""
     keys, values = layer.keys, layer.values
