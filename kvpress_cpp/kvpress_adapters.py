@@ -252,6 +252,10 @@ def patch_dms_press() -> None:
         return
 
     def adapted_forward_hook(self, module, input, kwargs, output):
+        if "cache_position" not in kwargs:  # read by this adapter and by kvpress's hooks
+            why = kvpress_transformers_mismatch() or "a model or transformers that does not pass it"
+            raise RuntimeError(f"DMSPress: kvpress's hooks read each pass's cache_position, which the model's "
+                               f"attention was not given: {why}")
         _refuse_scores_of_cut_tokens(self, module, kwargs)
         marked_before = _mark_count(module)
         padding = _prefill_padding(kwargs)

@@ -15,6 +15,7 @@ from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
+from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
 from kvpress_cpp.presses import KVzapPress, KVzapThresholdPress
 from kvpress_cpp.presses import kvzap as kvzap_module
 from kvpress_cpp.presses.kvzap import save_surrogate
@@ -333,6 +334,17 @@ def test_prefill_evicts_what_kvpress_dms_press_masks(llama, surrogates):
                 masked[0][h].add(p)
             assert [[set(range(180)) - kept for kept in row] for row in kept_positions(layer)] == masked
         assert dms.compression_ratio == pytest.approx(ours.compression_ratio)
+
+
+@pytest.mark.skipif(kvpress_transformers_mismatch() is None, reason="kvpress's hooks run with this transformers")
+def test_dms_press_where_kvpress_hooks_cannot_run_says_why(llama, surrogates):
+    """Where transformers no longer passes cache_position (5.3 on), DMSPress over our scorer is refused by our
+    adapter naming DMSPress and the version mismatch, where it raised a bare KeyError('cache_position')."""
+    model, tokenizer = llama
+    press = DMSPress(press=KVzapPress(model_type="linear", surrogate_dir=surrogates["linear"]), threshold=0.0)
+    with pytest.raises(RuntimeError, match=r"DMSPress: kvpress's hooks read each pass's cache_position, .* kvpress "
+                                           r"requires transformers"):
+        greedy(model, prompt_ids(tokenizer, 48), press=press, max_new_tokens=1)
 
 
 @kvpress_hooks.mark
