@@ -255,6 +255,18 @@ def _method_of_copy(function, owner) -> MethodOf:
     return MethodOf(function, owner)
 
 
+def route_attention_through_kvpress_cpp() -> None:
+    """Make the attention of the model appending to a layer that needs kvpress_cpp's (one holding a press's state, or
+    a paged one) go through kvpress_cpp.attention: its import wraps the registry's functions, and every transformers
+    model file imported since the last call gets its eager attention wrapped. A press's context or a new cache does
+    this too, but a cache loaded by torch.load in a fresh process passes through neither, and was attended as if
+    nothing had been compressed (eager) or failed on its block pools. Called at each append: nothing imported since,
+    it costs a lookup and a length comparison."""
+    from kvpress_cpp.attention import patch_loaded_eager_attention  # (it imports this module)
+
+    patch_loaded_eager_attention()
+
+
 def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
     """DynamicLayer.update for a layer holding a press's state: the new tokens are written after the held slots in
     place where the allocation behind them has room (:func:`append_slots`), instead of torch.cat copying the whole
@@ -263,6 +275,7 @@ def _update_in_place(layer: DynamicLayer, key_states: torch.Tensor, value_states
     three times (cat's read and write too)."""
     if get_state(layer) is None or not layer.is_initialized:
         return DynamicLayer.update(layer, key_states, value_states, *args, **kwargs)
+    route_attention_through_kvpress_cpp()
     layer.keys = append_slots(layer.keys, key_states)
     layer.values = append_slots(layer.values, value_states)
     return layer.keys, layer.values

@@ -44,7 +44,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import (LayerState, UnsavedRef, beam_rows, forget_tokens_held, head_wise_marks_error,
-                               repeated_rows, selected_rows, slots_rearranged_error)
+                               repeated_rows, route_attention_through_kvpress_cpp, selected_rows,
+                               slots_rearranged_error)
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
 
@@ -179,9 +180,6 @@ class PagedLayer(CacheLayerMixin):
     # transformers' layer interface
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None):
-        from kvpress_cpp.attention import patch_loaded_eager_attention  # (it imports this module)
-
-        patch_loaded_eager_attention()  # eager attention must read this layer through its block tables
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads = key_states.shape[:2]
         value_dim = (value_states if value_states is not None else key_states).shape[-1]
@@ -207,6 +205,7 @@ class PagedLayer(CacheLayerMixin):
 
             refuse_attention_outside_the_registry(inspect.currentframe().f_back)
             self.lazy_initialization(key_states, value_states)
+        route_attention_through_kvpress_cpp()  # the attention must read this layer through its block tables
         self.flush()
         batch, heads, new_tokens = key_states.shape[:3]
         if (batch, heads) != tuple(self.lengths.shape):

@@ -636,6 +636,36 @@ def test_a_copy_of_a_cache_continues_as_the_original(make_cache, copy_of, name, 
     assert torch.equal(from_original, expected)
 
 
+LOAD_AND_CONTINUE = """
+import sys, torch
+from tests.models import make_tiny_llama
+folder, attn = sys.argv[1], sys.argv[2]
+model, _ = make_tiny_llama(attn)
+cache = torch.load(f"{folder}/cache.pt", weights_only=False)
+with torch.no_grad():
+    logits = model(torch.tensor([[17]]), past_key_values=cache, position_ids=torch.tensor([[60]])).logits
+torch.save(logits, f"{folder}/logits.pt")
+"""
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["paged", "zsmerge"])
+def test_a_cache_saved_to_disk_continues_in_a_fresh_process(tmp_path, name, attn):
+    """A PagedKVCache and a compressed DynamicCache (ZSMerge) saved with torch.save and continued by a process that
+    imports nothing of kvpress_cpp itself (torch.load imports the cache's modules): the next token's logits are the
+    saving process's. Eager attention ignored the merged slots' log-weights (logits off by 0.04), and the paged
+    cache's block pools reached the model's own eager attention (a shape error)."""
+    model, tokenizer = make_tiny_llama(attn)
+    cache, press = (PagedKVCache(block_size=4), None) if name == "paged" else (DynamicCache(), ZSMergePress(budget=24))
+    with torch.no_grad(), press(model) if press is not None else nullcontext():
+        model(prompt_ids(tokenizer, 60), past_key_values=cache)
+    torch.save(cache, tmp_path / "cache.pt")
+    with torch.no_grad():
+        expected = model(torch.tensor([[17]]), past_key_values=cache, position_ids=torch.tensor([[60]])).logits
+    subprocess.run([sys.executable, "-c", LOAD_AND_CONTINUE, str(tmp_path), attn], check=True, timeout=300)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("answered", ["in the context", "after it"])
 @pytest.mark.parametrize("name", ["zsmerge", "weightedkv", "keepkv", "kvzap", "gvote"])
 @pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
