@@ -295,12 +295,16 @@ class PagedLayer(CacheLayerMixin):
             raise TypeError(f"PagedKVCache.crop: expected an integer max_length, got {max_length!r}") from None
         if max_length == 0 and _CROP_ZERO_REMOVES_NOTHING:
             return
-        if max_length < 0:  # dropping more than it holds empties it, as a DynamicLayer
-            max_length = max(self.get_seq_length() + max_length, 0)
-        else:  # counted as generate counts, with the padding the prefill dropped
-            max_length = max(max_length - self.padding_dropped, 0)
-        if self.get_seq_length() > max_length:
-            self._cut(max_length)
+        # Counted as generate counts, with the padding the prefill dropped (a DynamicLayer holds it): a cut into the
+        # padding keeps that much of it, so a cache emptied for the next prompt counts no token.
+        held = self.get_seq_length() + self.padding_dropped
+        max_length = max(held + max_length, 0) if max_length < 0 else max_length  # past all of it: emptied
+        if max_length >= held:
+            return
+        padding = min(self.padding_dropped, max_length)
+        if self.get_seq_length() > max_length - padding:
+            self._cut(max_length - padding)
+        self.padding_dropped = padding
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -310,9 +314,11 @@ class PagedLayer(CacheLayerMixin):
             self._forget_prompt()
 
     def _forget_prompt(self) -> None:
-        """What the layer knew of the prompt it held, once emptied: a press's state, its layout, the padding its
-        prefill dropped and the columns marks emptied."""
+        """What the layer knew of the prompt it held, once emptied: a press's state (and the pools of its per-slot
+        tensors, which would grow with every block for nobody), its layout, the padding its prefill dropped and the
+        columns marks emptied."""
         self.has_state, self.counters, self._state_displaced_from = False, {}, None
+        self.slot_blocks = {name: self.slot_blocks[name] for name in (_LOG_WEIGHTS, _POSITIONS)}
         self._may_hold_dead_slots = self._bases_at_right = False
         self.padding_dropped = 0
         self._forget_marks()

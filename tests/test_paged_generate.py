@@ -538,6 +538,41 @@ def test_crop_of_more_than_the_layer_holds_empties_it_as_a_dynamic_layer():
     assert torch.equal(cache.layers[0].keys, keys[:, :, :2])
 
 
+@pytest.mark.parametrize("kept", [-100, 3])
+def test_a_crop_into_the_dropped_padding_counts_as_a_dynamic_caches(kept):
+    """A prefill whose every row is left-padded drops the padding (5 columns) but counts it, as a DynamicCache holds
+    it. A crop into that padding (emptying the cache for the next prompt with -100, or keeping 3 columns) kept
+    counting all 5: generate then took the next prompt's first 5 tokens for cached and skipped them."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 40)
+    padded = torch.nn.functional.pad(ids, (5, 0), value=tokenizer.pad_token_id)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(ids)], 1)
+    next_prompt = prompt_ids(tokenizer, 80)[:, 50:]
+    dynamic, paged = DynamicCache(), PagedKVCache(block_size=4)
+    for cache in (dynamic, paged):
+        greedy(model, padded, cache, attention_mask=mask, max_new_tokens=3)
+        cache.crop(kept)
+    assert paged.get_seq_length() == dynamic.get_seq_length() == max(kept, 0)
+    if kept < 0:
+        answer = greedy(model, next_prompt, paged, max_new_tokens=6)
+        assert torch.equal(answer, greedy(model, next_prompt, dynamic, max_new_tokens=6))
+        assert torch.equal(answer, greedy(model, next_prompt, DynamicCache(), max_new_tokens=6))
+
+
+def test_a_reset_cache_drops_the_pools_of_the_press_state_it_held(surrogate_dir):
+    """After reset() a new prompt without a press held KeepKV's per-slot pools (age, log-EMA, votes), growing with
+    every block and counted in bytes_held(): the reused cache now holds what a new one holds."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 80)
+    reused, fresh = PagedKVCache(block_size=4), PagedKVCache(block_size=4)
+    greedy(model, ids, reused, press=PRESSES["keepkv"](surrogate_dir), max_new_tokens=2)
+    reused.reset()
+    greedy(model, ids, reused, max_new_tokens=2)
+    greedy(model, ids, fresh, max_new_tokens=2)
+    assert set(reused.layers[0].slot_blocks) == set(fresh.layers[0].slot_blocks)
+    assert reused.bytes_held() == fresh.bytes_held()
+
+
 def test_prompt_lookup_decoding_on_a_paged_cache_gives_the_dynamic_caches_tokens():
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 24)
