@@ -346,6 +346,12 @@ class ChunkPlan:
     is_val: list[bool]
 
 
+def chunks_per_text(n_tokens: int, context_tokens: int, n_texts: int) -> list[int]:
+    """How many chunks of ``context_tokens`` each of ``n_texts`` texts gives to about ``n_tokens`` in all."""
+    n_chunks = max(1, n_tokens // context_tokens)
+    return [n_chunks // n_texts + (1 if i < n_chunks % n_texts else 0) for i in range(n_texts)]
+
+
 def plan_chunks(
     tokenizer, texts: dict[str, str], n_tokens: int, context_tokens: int, val_fraction: float, seed: int
 ) -> ChunkPlan:
@@ -353,9 +359,8 @@ def plan_chunks(
     ``val_fraction`` of each text's chunks (at least one), and shuffle their order, so that the chunks collected
     first (a run stopped early) are an even sample of texts and of held-out chunks."""
     rng = random.Random(seed)
-    n_chunks = max(1, n_tokens // context_tokens)
     names = list(texts)
-    per_text = [n_chunks // len(names) + (1 if i < n_chunks % len(names) else 0) for i in range(len(names))]
+    per_text = chunks_per_text(n_tokens, context_tokens, len(names))
     chunks = []
     for name, count in zip(names, per_text):
         if count == 0:
@@ -899,7 +904,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compare-with", default=None, help="surrogate directory (linear/, mlp/) to score on the same held-out chunks"
     )
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before the model loads, what would fail or mislead after the collection (hours at the default size)."""
+    for name in ("tokens", "context_tokens", "epochs", "batch_size", "hidden_dim", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+    if not 0 < args.val_fraction < 1:  # the held-out chunks pick the MLP's epoch and give the R² reported
+        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    names = [t for t in args.texts.split(",") if t]
+    if not names:
+        parser.error("--texts names no text")
+    counts = chunks_per_text(args.tokens, args.context_tokens, len(names))
+    if min(counts) < 2:
+        parser.error(f"--tokens {args.tokens} gives {len(names)} text(s) {counts} chunk(s) of --context-tokens "
+                     f"{args.context_tokens}; holding out one of each text's chunks needs two per text: use --tokens "
+                     f">= {2 * len(names) * args.context_tokens}")
+    if args.fit_collected and args.data_cache is None:
+        parser.error("--fit-collected fits the chunks saved in --data-cache, which is not given")
+    if args.compare_with is not None:
+        missing = [kind for kind in ("linear", "mlp") if not (Path(args.compare_with) / kind / "config.json").is_file()]
+        if missing:
+            parser.error(f"--compare-with {args.compare_with}: expected surrogates in {', '.join(missing)}/ "
+                         f"(config.json + model.safetensors, as --out writes them)")
 
 
 def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -297,6 +298,24 @@ def test_kvzap_model_round_trip(tmp_path, hidden_dim):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,message", [
+    (["--context-tokens", "0"], "--context-tokens must be an integer >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+    (["--epochs", "0"], "--epochs must be an integer >= 1, got 0"),
+    (["--val-fraction", "0"], r"--val-fraction must be in \(0, 1\), got 0.0"),
+    (["--tokens", "256", "--context-tokens", "128"], r"gives 2 text\(s\) \[1, 1\] chunk\(s\) .* --tokens >= 512"),
+    (["--fit-collected"], "--fit-collected fits the chunks saved in --data-cache, which is not given"),
+    (["--compare-with", "/nonexistent"], "--compare-with /nonexistent: expected surrogates in linear, mlp/"),
+])
+def test_cli_refuses_what_would_fail_after_the_collection(capsys, extra, message):
+    """Each of these failed (a ZeroDivisionError, an empty held-out set's quantile, a hub lookup of the missing
+    directory) or wrote an untrained surrogate (0 epochs) only after the model load and collection, or was ignored
+    (--fit-collected alone): refused up front by the parser, naming the option."""
+    with pytest.raises(SystemExit):
+        tk.parse_args(["--out", "x", *extra])
+    assert re.search(message, capsys.readouterr().err)
+
+
 # CLI end to end
 # ---------------------------------------------------------------------------------------------------------------------
 
