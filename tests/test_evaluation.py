@@ -55,6 +55,19 @@ def test_every_task_is_generated_with_the_columns_kvpress_reads(examples):
     assert all(isinstance(a, list) and a and all(isinstance(s, str) for s in a) for a in examples["answer"])
 
 
+@pytest.mark.parametrize("arguments,message", [(["--lengths", "-5"], r"--lengths are context lengths in tokens, "
+                                                                    r"at least 1: got \[-5\]"),
+                                               (["--examples", "0"], "--examples must be at least 1, got 0")])
+def test_the_data_cli_refuses_no_length_or_no_examples(tmp_path, monkeypatch, capsys, arguments, message):
+    """A negative length wrote a folder named -5 holding a 114-token example; 0 examples failed inside pandas."""
+    from kvpress_cpp.evaluation import ruler_data
+
+    monkeypatch.setattr(sys, "argv", ["ruler_data", "--out", str(tmp_path), *arguments])
+    with pytest.raises(SystemExit):
+        ruler_data.main()
+    assert re.search(message, capsys.readouterr().err) and not any(tmp_path.iterdir())
+
+
 def test_lengths_are_within_tolerance_in_tokens(examples, tokenizer):
     for _, row in examples.iterrows():
         total = n_tokens(tokenizer, row["context"]) + n_tokens(tokenizer, row["question"])

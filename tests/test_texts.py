@@ -218,6 +218,19 @@ def test_python_docs_text() -> None:
     assert texts.python_docs_text(max_files=0) == ""
 
 
+@pytest.mark.parametrize("context_tokens,depth,message", [
+    (-5, 0.5, "context_tokens must be an integer >= 1, got -5"), (0, 0.5, "got 0"), (2.5, 0.5, "got 2.5"),
+    (300, 2.0, r"depth must be in \[0, 1\] \(0 = start, 1 = end\), got 2.0"), (300, -1, "got -1")])
+def test_a_hidden_fact_prompt_of_no_length_or_outside_the_text_is_refused(context_tokens, depth, message) -> None:
+    """A negative length sliced from the end of the novel (the demo prefilled 168k tokens) and a depth outside [0, 1]
+    put the fact at an end without a word."""
+    from kvpress_cpp.tasks import hidden_fact_prompt
+    from tests.models import make_tiny_llama
+
+    with pytest.raises(ValueError, match=f"hidden_fact_prompt: .*{message}"):
+        hidden_fact_prompt(make_tiny_llama()[1], context_tokens, depth)
+
+
 @pytest.mark.parametrize("context_tokens,depth", [(300, 0.25), (300, 0.5), (600, 0.5), (1000, 0.75)])
 def test_the_hidden_fact_stands_on_its_own_line_at_its_depth(context_tokens: int, depth: float) -> None:
     """The demo's and the quality tests' prompt: the fact once, between two line breaks (glued to the word before it,

@@ -374,6 +374,10 @@ def main() -> None:
                         help="tokenizer that lengths are counted in (the embedded default, or a HF name/path)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.examples < 1:  # 0 wrote nothing and failed in pandas' groupby; the results CLI refuses it alike
+        parser.error(f"--examples must be at least 1, got {args.examples}")
+    if bad := [n for n in args.lengths if n < 1]:  # a negative length wrote a folder named after it
+        parser.error(f"--lengths are context lengths in tokens, at least 1: got {bad}")
     from kvpress_cpp.evaluation.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
