@@ -4,7 +4,7 @@ the KV bytes held.
     python -m benchmarks.bench_decode                       # SmolLM2 on CPU, Austen prompts of 1k/2k/4k tokens
     python -m benchmarks.bench_decode --device cuda --model random-llama3-8b    # 8k-32k random-token prompts
     python -m benchmarks.bench_decode --model random-llama-tiny --budgets 0.25    # smoke test of the random-model path
-    python -m benchmarks.bench_decode --methods KVzap --name decode_kvzap       # KVzap at τ = -7 (SmolLM2 surrogates)
+    python -m benchmarks.bench_decode --methods KVzap --name decode_kvzap       # KVzap at its default τ (SmolLM2)
 
 Each case runs ``model.generate`` (greedy, min_new_tokens = max_new_tokens = 64) with a fresh ``DynamicCache``, under
 ``with press(model):`` for ZSMergePress(budget=f), WeightedKVPress(cache_size=f) and KeepKVPress(budget=f), f = 10%
@@ -30,7 +30,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
-from kvpress_cpp.presses.kvzap import KVzapThresholdPress
+from kvpress_cpp.presses.kvzap import KVzapThresholdPress, default_surrogate_dir
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -207,6 +207,10 @@ def main() -> None:
     lengths = args.lengths or MODELS[args.model][1]
     started = time.perf_counter()
     model, tokenizer = build_model(args.model, args.device, dtype)
+    for method in (m for m in args.methods if m in THRESHOLDED):
+        surrogate = default_surrogate_dir(model, THRESHOLDED[method].model_type)
+        if not str(model.config.name_or_path) or not (surrogate / "config.json").is_file():
+            parser.error(f"--methods {method}: no packaged surrogate for --model {args.model} (SmolLM2's are packaged)")
     pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     print(f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) on "
           f"{args.device}, built in {time.perf_counter() - started:.1f} s")

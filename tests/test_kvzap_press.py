@@ -145,6 +145,15 @@ def test_default_surrogate_dir_is_packaged_by_model_name(llama, surrogates, tmp_
     assert press.scorer.kvzap_model.config.hidden_dim == model.config.hidden_size // 8
 
 
+def test_a_model_without_a_name_is_told_to_pass_a_surrogate_dir(llama, monkeypatch):
+    """A model built in memory (config.name_or_path empty) was looked up as kvpress_cpp/surrogates/mlp, and the error
+    named the model ''."""
+    model, _ = llama
+    monkeypatch.setattr(model.config, "name_or_path", "")
+    with pytest.raises(FileNotFoundError, match=r"KVzap: the model has no name .* pass surrogate_dir="):
+        KVzapThresholdPress().post_init_from_model(model)
+
+
 def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
     model, _ = llama
     with pytest.raises(FileNotFoundError, match=r"no linear surrogate .* expected config.json, model.safetensors in "

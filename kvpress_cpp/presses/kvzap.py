@@ -59,6 +59,11 @@ def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str
     """kvpress's ``KVzapModel`` for `model` from a local directory (``surrogate_dir``, or the packaged default),
     checked against the model's shape. Raises FileNotFoundError naming the expected path when it is missing."""
     require_model_type("KVzap", model_type)
+    if surrogate_dir is None and not str(model.config.name_or_path):
+        raise FileNotFoundError(
+            f"KVzap: the model has no name (config.name_or_path is empty: a model built in memory), so no packaged "
+            f"{model_type} surrogate is looked up for it; pass surrogate_dir= to a directory that holds one (train "
+            f"one with `{TRAIN_COMMAND}`)")
     path = Path(surrogate_dir) if surrogate_dir is not None else default_surrogate_dir(model, model_type)
     missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
     if missing:
@@ -154,7 +159,7 @@ class KVzapPress(_KVzapScorer):
         path = Path(self.surrogate_dir) if self.surrogate_dir is not None else default_surrogate_dir(
             model, self.model_type)
         if path != self._loaded_from:
-            self.kvzap_model = load_surrogate(model, self.model_type, path)
+            self.kvzap_model = load_surrogate(model, self.model_type, self.surrogate_dir)
             self._loaded_from = path
 
     def layer_weights(self, layer_idx: int, device: torch.device, dtype: torch.dtype,
