@@ -24,7 +24,7 @@ import torch
 from kvpress import SnapKVPress, StreamingLLMPress, TOVAPress
 from transformers import DynamicCache
 
-from benchmarks.common import write_results
+from benchmarks.common import positive_int, write_results
 from kvpress_cpp.evaluation import launch
 from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME, kvpress_pipeline
 from kvpress_cpp.evaluation.results import Config, family_examples, prepare_data
@@ -57,23 +57,35 @@ def subsequence(sequence: list[int], part: list[int]) -> int:
     return next(i for i in range(len(sequence) - len(part) + 1) if sequence[i:i + len(part)] == part)
 
 
+def batch_and_row(text: str) -> tuple[int, int]:
+    """An argparse type: "b:r", row r (0 to EXAMPLES_PER_BATCH - 1) of the evaluation's needle batch b >= 0."""
+    try:
+        batch, row = map(int, text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected b:r (two integers), got {text!r}") from None
+    if batch < 0 or not 0 <= row < EXAMPLES_PER_BATCH:
+        raise argparse.ArgumentTypeError(f"expected a batch >= 0 and a row in 0-{EXAMPLES_PER_BATCH - 1}, got {text}")
+    return batch, row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", nargs="+", default=["0:0", "1:3"], help="b:r, row r of batch b")
+    parser.add_argument("--examples", nargs="+", type=batch_and_row, default=[(0, 0), (1, 3)],
+                        help=f"b:r, row r (0-{EXAMPLES_PER_BATCH - 1}) of needle batch b")
     parser.add_argument("--presses", nargs="+", choices=list(PRESSES), default=["zsmerge", "weightedkv", "keepkv"])
     parser.add_argument("--kept", type=float, default=0.25, help="fraction of the prompt kept")
     parser.add_argument("--detail", action="store_true")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = kvpress_pipeline("kv-press-text-generation", DEFAULT_MODEL_NAME)
     model, tokenizer = pipe.model, pipe.tokenizer
-    examples = [tuple(map(int, example.split(":"))) for example in args.examples]
-    batches = [Config("no_press", 0.0, LENGTH, "niah", batch) for batch in sorted({batch for batch, _ in examples})]
+    batches = [Config("no_press", 0.0, LENGTH, "niah", batch) for batch in sorted({b for b, _ in args.examples})]
     files = prepare_data(launch.cache_dir("evaluation-data"), DEFAULT_MODEL_NAME,
                          family_examples(batches, EXAMPLES_PER_BATCH), DATA_SEED)
     rows = []
-    for example, (batch, row) in zip(args.examples, examples, strict=True):
+    for batch, row in args.examples:
+        example = f"{batch}:{row}"
         data = pd.read_parquet(files[f"{LENGTH}-niah{batch}"]).iloc[row]
         inputs = pipe.preprocess(data.context + data.question, [""], data.answer_prefix, max_context_length=10 ** 9)
         context, question = inputs["context_ids"], inputs["questions_ids"][0]

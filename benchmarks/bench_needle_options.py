@@ -18,7 +18,7 @@ import argparse
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import print_table, pyplot, save_figure, write_results
+from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
 from kvpress_cpp.models import load_default_model
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
@@ -77,9 +77,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--group", choices=list(GROUPS), required=True)
     parser.add_argument("--depths", type=float, nargs="+", default=[0.2, 0.5, 0.8])
-    parser.add_argument("--context-tokens", type=int, default=2000)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--context-tokens", type=positive_int, default=2000)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
+    if bad := [depth for depth in args.depths if not 0 <= depth <= 1]:
+        parser.error(f"--depths are fractions of the context, 0 (start) to 1 (end): got {bad}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model()
     fact = HiddenFact()

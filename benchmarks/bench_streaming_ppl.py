@@ -191,6 +191,16 @@ def plot(rows: list[dict], title: str, name: str) -> None:
         at = [r for r in rows if r["cache_size"] == size]
         labels = [r["method"] for r in at] + (["full cache"] if full is not None else [])
         references = [r for r in at if r["method"] in (REFERENCE, ORDERED_REFERENCE)]
+
+        def plot_differences(points, shift, label):
+            if not points:
+                return
+            mean = [d["nats_per_token"] for _, d in points]
+            err = [[m - d["ci95"][0] for m, (_, d) in zip(mean, points)],
+                   [d["ci95"][1] - m for m, (_, d) in zip(mean, points)]]
+            bars.errorbar(mean, [i + shift for i, _ in points], xerr=err, fmt="o" if shift < 0 else "s", capsize=3,
+                          label=label)
+
         for shift, reference in zip((-0.12, 0.12), references):
             points = [(i, r["diffs"][reference["method"]]) for i, r in enumerate(at)
                       if reference["method"] in r.get("diffs", {})]
@@ -198,17 +208,17 @@ def plot(rows: list[dict], title: str, name: str) -> None:
                 d = reference["diff_vs_full"]
                 points.append((len(at), {"nats_per_token": -d["nats_per_token"],
                                          "ci95": [-d["ci95"][1], -d["ci95"][0]]}))
-            mean = [d["nats_per_token"] for _, d in points]
-            err = [[m - d["ci95"][0] for m, (_, d) in zip(mean, points)],
-                   [d["ci95"][1] - m for m, (_, d) in zip(mean, points)]]
-            bars.errorbar(mean, [i + shift for i, _ in points], xerr=err, fmt="o" if shift < 0 else "s", capsize=3,
-                          label=f"− {reference['method']}")
+            plot_differences(points, shift, f"− {reference['method']}")
+        if not references:  # no StreamingLLM in the run: each press against the full cache
+            plot_differences([(i, r["diff_vs_full"]) for i, r in enumerate(at) if r.get("diff_vs_full")], -0.12,
+                             "− full cache")
         bars.set_yticks(range(len(labels)), labels, fontsize=8)
         bars.axvline(0, color="gray", linewidth=0.8)
         bars.invert_yaxis()
         bars.set_xlabel("difference of mean NLL beyond m (nats/token)")
-        bars.set_title(f"m = {size}: difference vs StreamingLLM, paired block bootstrap 95%", fontsize=9)
-        if references:
+        baseline = "StreamingLLM" if references else "the full cache"
+        bars.set_title(f"m = {size}: difference vs {baseline}, paired block bootstrap 95%", fontsize=9)
+        if bars.get_legend_handles_labels()[0]:
             bars.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)  # clear of the bars
         # Over the full cache's curve where there is one: the presses' curves, all within a few percent of it, are
         # one line on a plot of perplexity itself (before m every press equals the full cache).

@@ -62,3 +62,30 @@ def test_order_kept_streamingllm_holds_the_sinks_and_the_last_tokens():
         keys, _ = press.compress(module, None, keys, keys, None, {})
     held = keys[0, :, :, 0]
     assert (held == torch.cat([torch.arange(4.0), torch.arange(100.0 - (m - 4), 100.0)])).all()
+
+
+@pytest.mark.parametrize("methods", [["full", "ZSMerge"], ["full", "ZSMerge", "StreamingLLM (kvpress)"]])
+def test_the_difference_panel_shows_every_press_with_or_without_streamingllm(tmp_path, monkeypatch, methods):
+    """Without StreamingLLM among --methods the left panel, titled against it, drew nothing while the table printed
+    each press against the full cache: it now shows those differences, titled so."""
+    from benchmarks import bench_streaming_ppl, common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    difference = {"nats_per_token": 0.1, "ci95": [0.05, 0.15]}
+    rows = []
+    for method in methods:
+        row = {"method": method, "cache_size": None if method == "full" else 32, "checkpoints": [16, 32],
+               "cumulative_ppl": [40.0, 42.0]}
+        if method != "full":
+            row["diff_vs_full"] = difference
+            row["diffs"] = {other: difference for other in methods if other.startswith("StreamingLLM")}
+        rows.append(row)
+    captured = {}
+    monkeypatch.setattr(bench_streaming_ppl, "save_figure", lambda fig, name: captured.setdefault("fig", fig))
+    bench_streaming_ppl.plot(rows, "title", "name")
+    bars = captured["fig"].axes[0]
+    reference = "StreamingLLM" if len(methods) == 3 else "the full cache"
+    assert f"difference vs {reference}" in bars.get_title()
+    plotted = [container.lines[0] for container in bars.containers]
+    assert "ZSMerge" in [label.get_text() for label in bars.get_yticklabels()] and bars.get_legend() is not None
+    assert 0.1 in [x for line in plotted for x in line.get_xdata()]  # ZSMerge's difference, at its row
