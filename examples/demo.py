@@ -75,13 +75,13 @@ def main() -> None:
     print(f"Hidden fact: {fact.fact!r} at depth {args.depth} of {prompt_tokens} prompt tokens. "
           f"Question: {fact.question!r}\n")
 
-    header = f"{'press':<24} {'answer':<40} {'found':<6} {'KV cache':>10} {'time':>8}"
+    header = f"{'press':<24} {'answer':<40} {'found':<6} {'KV cache':>11} {'time':>7}"
     print(header + "\n" + "-" * len(header))
     for name, press, paged in presses():
         answer, nbytes, seconds = ask(model, tokenizer, prompt, press, args.max_new_tokens, paged)
         shown = answer.replace("\n", " ")[:40]
         found = "yes" if fact.answer in answer else "no"
-        print(f"{name:<24} {shown:<40} {found:<6} {nbytes / 2**20:>8.1f}MB {seconds:>7.1f}s")
+        print(f"{name:<24} {shown:<40} {found:<6} {nbytes / 2**20:>8.1f}MiB {seconds:>6.1f}s")
 
 
 if __name__ == "__main__":
