@@ -108,7 +108,7 @@ def main() -> None:
         print(f"{path.name}: {config.num_key_value_heads} kv / {config.num_attention_heads} query heads over {ranks} "
               f"ranks ({config.num_key_value_heads // ranks} kv heads each), "
               f"{inputs['input_ids'].shape[1]} prompt tokens\n")
-        header = (f"{'press':<20} {'answer':<34} {'KV bytes per rank (MB)':<26} {'largest / single':>16}"
+        header = (f"{'press':<20} {'answer':<34} {'KV bytes per rank (MiB)':<26} {'largest / single':>16}"
                   f"{'  same tokens' if compare else ''}")
         print(header + "\n" + "-" * len(header))
     for name, press in presses(kvzap):
