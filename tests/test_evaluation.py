@@ -687,7 +687,8 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
         def Fire(entry):  # noqa: N802 (fire.Fire's name)
             calls.append(list(sys.argv))
 
-    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent), "ruler": "simonjegou/ruler"}})
+    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent), "ruler": "simonjegou/ruler"},
+                              "PRESS_REGISTRY": {"zsmerge": None, "snapkv": None}})
     monkeypatch.setattr(launch, "load_evaluation", lambda *a: (Evaluate, registry))
     monkeypatch.setattr(launch, "evaluation_dir", lambda: tmp_path)
     launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
@@ -700,6 +701,13 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="--dataset 'rular' is not one evaluate.py knows: kvcomp_ruler, ruler"):
         launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "rular",
                      "--press_name", "zsmerge"])
+    # So are an unknown press and a ratio outside [0, 1), which evaluate.py met with an assert or the press's traceback.
+    with pytest.raises(SystemExit, match="--press_name 'zmerge' is not one evaluate.py knows: snapkv, zsmerge"):
+        launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
+                     "--data_dir", "2048-niah0", "--press_name", "zmerge"])
+    with pytest.raises(SystemExit, match=r"--compression_ratio is the fraction .* in \[0, 1\) .*got 1.5"):
+        launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
+                     "--data_dir", "2048-niah0", "--press_name", "zsmerge", "--compression_ratio", "1.5"])
     assert len(calls) == 1
 
 

@@ -184,12 +184,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dataset", default=None)
     parser.add_argument("--data_dir", default=None)
+    parser.add_argument("--press_name", default=None)
+    parser.add_argument("--compression_ratio", type=float, default=None)
     ours, rest = parser.parse_known_args(argv)
     defaults = yaml.safe_load(Path(ours.config_file).read_text()) if Path(ours.config_file).is_file() else {}
     model = ours.model or defaults.get("model")
     dataset, data_dir = ours.dataset or defaults.get("dataset"), ours.data_dir or defaults.get("data_dir")
     local_data = Path(ours.local_data) if ours.local_data else cache_dir("datasets")
     evaluate, registry = load_evaluation(local_data, model)
+    press_name = ours.press_name or defaults.get("press_name")
+    if press_name is not None and press_name not in registry.PRESS_REGISTRY:  # evaluate.py: a bare assert
+        raise SystemExit(f"--press_name {press_name!r} is not one evaluate.py knows: "
+                         f"{', '.join(sorted(registry.PRESS_REGISTRY))}")
+    if ours.compression_ratio is not None and not 0 <= ours.compression_ratio < 1:  # else a traceback of the press's
+        raise SystemExit(f"--compression_ratio is the fraction of the context removed, in [0, 1) (0.75 keeps 25%): "
+                         f"got {ours.compression_ratio}")
     if dataset not in registry.DATASET_REGISTRY:  # evaluate.py would stop on a bare assert
         raise SystemExit(f"--dataset {dataset!r} is not one evaluate.py knows: "
                          f"{', '.join(sorted(registry.DATASET_REGISTRY))}")
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{dataset}: no local copy at {local_data / registry.DATASET_REGISTRY[dataset]} and "
                          f"HF_HUB_OFFLINE=1 (docs/evaluation.md gives the expected layout)")
     forwarded = [f"--config_file={ours.config_file}"] + rest
-    for key in ("model", "dataset", "data_dir"):
+    for key in ("model", "dataset", "data_dir", "press_name", "compression_ratio"):
         if getattr(ours, key) is not None:
             forwarded.append(f"--{key}={getattr(ours, key)}")
     sys.argv = [str(evaluation_dir() / "evaluate.py")] + forwarded
