@@ -24,16 +24,13 @@ and >= 70% at B = 8, T >= 16k (issue 20). KVCOMP_BENCH_DEVICES=cuda measures the
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import torch.nn.functional as F
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 from benchmarks.common import (
-    configurations, copy_bandwidth_gbs, median_seconds, parse_without_options, print_table, pyplot, save_figure,
-    write_results,
+    configurations, copy_bandwidth_gbs, decode_kernel, median_seconds, parse_without_options, print_table, pyplot,
+    save_figure, write_results,
 )
 
 LENGTHS = [1024, 8192, 32768]
@@ -77,20 +74,6 @@ def eager_attention(query, keys, values, log_weights, scale):
     logits = torch.matmul(query, repeat_kv(keys, group).transpose(2, 3)) * scale + mask
     probs = logits.softmax(-1, dtype=torch.float32)
     return torch.matmul(probs.to(query.dtype), repeat_kv(values, group)), probs
-
-
-@contextlib.contextmanager
-def decode_kernel(name: str):
-    """Every decode attention call inside takes kernel `name` where it can run (KVCOMP_DECODE_KERNEL)."""
-    before = os.environ.get("KVCOMP_DECODE_KERNEL")
-    os.environ["KVCOMP_DECODE_KERNEL"] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["KVCOMP_DECODE_KERNEL"]
-        else:
-            os.environ["KVCOMP_DECODE_KERNEL"] = before
 
 
 def make_inputs(batch, query_heads, kv_heads, head_dim, total_len, dtype, device):

@@ -7,6 +7,7 @@ Every benchmark compares an op with its plain-PyTorch reference in the same run,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -83,6 +84,21 @@ def save_figure(fig, name: str) -> Path:
     fig.savefig(path, dpi=120)
     print("wrote", path)
     return path
+
+
+@contextlib.contextmanager
+def decode_kernel(name: str):
+    """Every decode attention call inside takes kernel `name` (split_k, tensor_cores) where both can run
+    (KVCOMP_DECODE_KERNEL, read by the CUDA op at each call)."""
+    before = os.environ.get("KVCOMP_DECODE_KERNEL")
+    os.environ["KVCOMP_DECODE_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVCOMP_DECODE_KERNEL"]
+        else:
+            os.environ["KVCOMP_DECODE_KERNEL"] = before
 
 
 def positive_int(text: str) -> int:

@@ -10,7 +10,9 @@ launch of each, on the shapes of those targets, next to torch's flash attention 
   H = 8, d = 128, bfloat16), T = 8192 (the kernels are quadratic in T: 8k keeps ncu's replays to seconds), and
   sdpa's causal GQA forward on the same tensors;
 * decode attention: ``decode_attention`` and ``paged_decode_attention`` (blocks of 16) at B = 8, T = 16384, q = 1,
-  and sdpa's GQA decode on the same keys;
+  and sdpa's GQA decode on the same keys; ``decode_attention`` twice, on the kernel its routing picks there (tensor
+  cores) and on the split-K one (KVCOMP_DECODE_KERNEL=split_k), which ran at 30% of the copy bandwidth with the
+  probabilities (run 13);
 * KeepKV's fused decoding step, ``keepkv_decode_step`` (its step kernel and its pack), at B = 8, 8 kv heads, 32 query
   heads, d = 128, bfloat16, over 3277 slots (a 10% budget of 32k): on an H200 its kernel took 377 µs a layer at
   12 x 3277 slots (run 13), a twentieth of the bandwidth its bytes need.
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_paged import shuffled_full_cache
-from benchmarks.common import RESULTS_DIR
+from benchmarks.common import RESULTS_DIR, decode_kernel
 
 NAME = "ncu_kernels"
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats"]
@@ -86,6 +88,8 @@ def launches(device: str = "cuda", prompt_length: int = 8192, cached: int = 1638
         "prompt sdpa": lambda: sdpa(prompt, keys, values, is_causal=True, scale=scale, enable_gqa=True),
         "decode_attention": lambda: ops.decode_attention(query, cache["keys"], cache["values"], cache["log_weights"],
                                                          scale),
+        "decode_attention, split-K": lambda: split_k(lambda: ops.decode_attention(
+            query, cache["keys"], cache["values"], cache["log_weights"], scale)),
         "paged_decode_attention": lambda: ops.paged_decode_attention(
             query, cache["key_blocks"], cache["value_blocks"], cache["log_weight_blocks"], cache["block_tables"],
             cache["lengths"], scale, return_probs=False),
@@ -93,6 +97,11 @@ def launches(device: str = "cuda", prompt_length: int = 8192, cached: int = 1638
         "keepkv_decode_step": lambda: ops.keepkv_decode_step(step_keys, step_values, query, step_probs, *step_state,
                                                              scale, 0.9, keepkv_slots - 1, 4, 8),
     }
+
+
+def split_k(call):
+    with decode_kernel("split_k"):
+        return call()
 
 
 def workload() -> None:
