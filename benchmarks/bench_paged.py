@@ -377,6 +377,8 @@ def main():
     args = check_decode_sizes(parser, parser.parse_args())
     env = None
     if args.merge:
+        if missing := [name for name in args.merge if not (RESULTS_DIR / f"{name}.json").is_file()]:
+            parser.error(f"--merge: no {', '.join(str(RESULTS_DIR / f'{name}.json') for name in missing)}")
         parts = {name: json.loads((RESULTS_DIR / f"{name}.json").read_text()) for name in args.merge}
         rows = [row for part in parts.values() for row in part["rows"]]
         # The rows were measured by the earlier runs, not by this process: keep their environment.

@@ -418,6 +418,8 @@ def main() -> None:
                         help="only draw the plot from these result files (e.g. the two parts run as two processes)")
     args = parser.parse_args()
     if args.plot_from:
+        if missing := [path for path in args.plot_from if not Path(path).is_file()]:
+            parser.error(f"--plot-from: no {', '.join(missing)}")
         rows = [r for path in args.plot_from for r in json.loads(Path(path).read_text())["rows"]]
         threads = sorted({r.get("threads", 1) for r in rows if r["part"] == "presses"}) or [1]
         plot(rows, args.name or "prefill_overhead",

@@ -81,6 +81,11 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. `torchrun --nproc-per-node 3 examples/tensor_parallel.py`")
+    if args.model not in ("smollm2", "random-llama") and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: not smollm2, random-llama or a local HF model directory (no config.json "
+                     f"there); nothing is downloaded")
+    if args.context_tokens < 1 or args.max_new_tokens < 1:
+        parser.error("--context-tokens and --max-new-tokens must be at least 1")
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
