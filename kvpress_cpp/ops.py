@@ -21,8 +21,8 @@ def update_scores(scores: torch.Tensor, attn: torch.Tensor, decay: float = 1.0, 
 
     Args:
         scores: (B, H, T - q) float32 scores of the slots cached before this step ((B, H, 0) at prefill).
-        attn: (B, Hq, q, T) attention probabilities of the new queries over all T slots, any float dtype; query head
-            h * G + g belongs to kv head h (transformers' GQA layout).
+        attn: (B, Hq, q, T) attention probabilities of the new queries over all T slots, float32, float16 or
+            bfloat16; query head h * G + g belongs to kv head h (transformers' GQA layout).
         decay: λ in [0, 1]; each query step multiplies the earlier scores by it.
         input_scale: weight of the new attention (1 for ZSMerge's group sum, 1/G for a group mean).
 
@@ -41,7 +41,7 @@ def merge_count_bias(counts: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         counts: (B, H, T) float32 number of tokens each slot stands for (ZSMerge's merge count w) or KeepKV's
             electoral votes p; 0 marks an evicted or padding slot. Counts < 0 or NaN give NaN (not checked: that
             would need a device sync).
-        alpha: finite, >= 0 (ZSMerge 0.6, KeepKV 1; 0 is pure eviction).
+        alpha: finite, >= 0 (ZSMerge 0.6, KeepKV 1; 0 gives every held slot bias 0, whatever its count).
 
     Returns:
         (B, H, T) float32: ``alpha * ln(w)`` where w > 0 (exactly 0 for every w > 0 when alpha = 0), ``-inf`` where
@@ -154,7 +154,7 @@ def zsmerge_prefill(
 
     Returns:
         keys (B, H, M, d), values (B, H, M, d) in the dtype of keys, scores (B, H, M) float32, counts (B, H, M)
-        float32 (1 for plain tokens; the counts sum to T).
+        float32 (1 for plain tokens; the counts sum to T, or to M with residual = 0, whose other tokens are evicted).
     """
     return torch.ops.kvcomp.zsmerge_prefill(keys, values, scores, recent, context, residual)
 

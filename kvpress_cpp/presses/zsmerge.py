@@ -31,7 +31,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         recent_fraction: Bp / M, the recent ring (authors' scripts: 0.4).
         residual_slots: Br, the merge slots (paper default 1; 0 turns ZSMerge into pure eviction).
         decay: λ of the contribution score (eq. 5).
-        alpha: α of the merge-count bias α·ln w (eq. 8; 0 is pure eviction).
+        alpha: α of the merge-count bias α·ln w (eq. 8; 0 attends a merged slot as one token).
         prefill_merge: "contiguous" (default: the evicted prompt tokens form Br contiguous groups, averaged) or
             "similarity" (the first M prompt tokens laid out, one per residual slot, and eqs. 6-7 applied token by
             token to the prompt beyond them, as in decoding).
