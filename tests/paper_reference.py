@@ -233,8 +233,13 @@ class KeepKV:
     the similarity reaches the threshold, else it is dropped. A merged slot's ŝ is Σ p ŝ / Σ p (what eq. 7's key
     scores for a query whose scores were ŝ) and its age the oldest of its set's."""
 
-    def __init__(self, budget: int, sinks: int = 4, recent: int = 32, threshold: float = 0.8, beta: float = 0.9):
+    def __init__(self, budget: int, sinks: int = 4, recent: int = 32, threshold: float = 0.8, beta: float = 0.9,
+                 max_key_growth: float | None = None):
         self.budget, self.sinks, self.recent, self.threshold, self.beta = budget, sinks, recent, threshold, beta
+        # None: methods.md's guard alone (eq. 7's key wherever its denominator is not near 0 nor of the other sign).
+        # A number g: also the convex key where eq. 7's key is more than g times, or less than 1/g times, the convex
+        # key: the press's documented deviation (README, KeepKV; kernels::kZipMaxKeyGrowth).
+        self.max_key_growth = max_key_growth
         self.heads = {}
 
     def prefill(self, x: LayerInputs) -> None:
@@ -275,10 +280,11 @@ class KeepKV:
         evicted = sorted(middle, key=lambda i: estimate[i])[:count - self.budget]
         retained = [i for i in range(count) if i not in evicted]
         keys = torch.stack(head["keys"])
-        unit = keys / keys.norm(dim=-1, keepdim=True)
+        norms = keys.norm(dim=-1, keepdim=True)
+        unit = torch.where(norms == 0, 0.0, keys / norms)  # a zero key's cosine is 0; a non-finite key's NaN
         sets = {c: [c] for c in retained}
         for e in evicted:
-            similarity = unit[retained] @ unit[e]
+            similarity = (unit[retained] @ unit[e]).nan_to_num(nan=float("-inf"))
             if float(similarity.max()) >= self.threshold:
                 sets[retained[int(similarity.argmax())]].append(e)
         for c, members in sets.items():
@@ -297,6 +303,9 @@ class KeepKV:
         w = p * s
         numerator, denominator = (w.sum() / p.sum()).log(), (w * s.log()).sum()
         convex = bool(denominator.abs() <= 1e-3 * w.sum() * s.log().abs().max() or numerator * denominator < 0)
+        if self.max_key_growth is not None and not convex and numerator != 0:
+            growth = float(numerator * w.sum() / denominator)  # eq. 7's key over the convex key
+            convex = not 1 / self.max_key_growth <= growth <= self.max_key_growth
         key = (w @ keys) / w.sum() if convex else (w @ keys) * numerator / denominator
         head["keys"][c], head["values"][c] = stored(key, head["dtype"]), stored((w @ values) / w.sum(), head["dtype"])
         head["votes"][c] = float(p.sum())
@@ -353,7 +362,10 @@ class GVote:
         for b in range(batch):
             body = x.hidden[b, self.sinks:].double()
             samples = (body.mean(0) + body.var(0, unbiased=False).sqrt() * noise[b].double()).float()
-            queries = x.module.q_proj(samples).double().view(self.samples, -1, head_dim)  # (S, Hq, d)
+            queries = x.module.q_proj(samples.to(x.module.q_proj.weight.dtype)).view(self.samples, -1, head_dim)
+            if hasattr(x.module, "q_norm"):  # "q_proj (+ q_norm)" (methods.md): Qwen3 normalises each head's query
+                queries = x.module.q_norm(queries)
+            queries = queries.double()  # (S, Hq, d)
             queries = queries * cos + rotate_half(queries) * sin
             for h in range(kv_heads):
                 last_queries, keys, values = x.head(b, h)

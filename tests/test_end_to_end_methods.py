@@ -29,7 +29,7 @@ from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests import paper_reference
 from tests.generation import prompt_ids
-from tests.models import make_tiny_llama
+from tests.models import make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 
 PROMPT_TOKENS = 48
@@ -53,7 +53,10 @@ def layer_inputs(module, kwargs, layer) -> paper_reference.LayerInputs:
     hidden = kwargs["hidden_states"]
     new_tokens = hidden.shape[1]
     cos, sin = (table.unsqueeze(1) for table in kwargs["position_embeddings"])
-    queries = module.q_proj(hidden).view(*hidden.shape[:2], -1, module.head_dim).transpose(1, 2)
+    queries = module.q_proj(hidden).view(*hidden.shape[:2], -1, module.head_dim)
+    if hasattr(module, "q_norm"):  # Qwen3: each head's query normalised before RoPE
+        queries = module.q_norm(queries)
+    queries = queries.transpose(1, 2)
     queries = queries * cos + paper_reference.rotate_half(queries) * sin
     return paper_reference.LayerInputs(queries, layer.keys[..., -new_tokens:, :].clone(),
                                        layer.values[..., -new_tokens:, :].clone(), hidden, module.scaling,
@@ -175,18 +178,33 @@ def test_weightedkv_matches_the_paper(llama_in, dtype):
     run_in_lock_step(llama_in(dtype), WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24), read)
 
 
+#: The press's bound on eq. 7's key over the convex key (kernels::kZipMaxKeyGrowth), a documented deviation.
+KEEPKV_MAX_KEY_GROWTH = 2.0
+
+
+def read_keepkv(press, layer, state, b, h):
+    return dense_slots(layer, state, b, h, {"counts": state.per_slot["votes"], "scores": press.log_estimate(state)})
+
+
+@pytest.mark.parametrize("prompt_tokens", [24, PROMPT_TOKENS])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_keepkv_matches_the_paper(llama_in, dtype):
-    # A low similarity threshold so that a random tiny model merges (its keys are far less alike than a real one's).
+def test_keepkv_matches_the_paper(llama_in, dtype, prompt_tokens):
+    """Against the paper's KeepKV with the press's one documented deviation, the growth bound on eq. 7's key. A low
+    similarity threshold so that a random tiny model merges (its keys are far less alike than a real one's)."""
     press = KeepKVPress(budget=24, recent=8, similarity_threshold=0.3)
-
-    def read(press, layer, state, b, h):
-        return dense_slots(layer, state, b, h, {"counts": state.per_slot["votes"],
-                                                "scores": press.log_estimate(state)})
-
-    references = run_in_lock_step(llama_in(dtype), press, lambda: paper_reference.KeepKV(24, recent=8, threshold=0.3),
-                                  read)
+    references = run_in_lock_step(llama_in(dtype), press, lambda: paper_reference.KeepKV(
+        24, recent=8, threshold=0.3, max_key_growth=KEEPKV_MAX_KEY_GROWTH), read_keepkv, prompt_tokens=prompt_tokens)
     assert any(max(head["votes"]) > 1 for reference in references.values() for head in reference.heads.values())
+
+
+def test_keepkv_departs_from_eq_7_only_where_its_key_would_grow_past_the_bound(llama):
+    """The 24-token prompt above meets a merge whose eq. 7 key is more than twice the convex key (a review found it
+    at forward 3): the paper's guard alone keeps that key, so the lock step with the reference without the bound
+    fails there, at a key. Without this case the test above could not tell the bound from the paper's guard."""
+    press = KeepKVPress(budget=24, recent=8, similarity_threshold=0.3)
+    with pytest.raises(AssertionError, match=r"keys at forward \d+"):
+        run_in_lock_step(llama, press, lambda: paper_reference.KeepKV(24, recent=8, threshold=0.3), read_keepkv,
+                         prompt_tokens=24)
 
 
 def live_slots(layer, state, b, h) -> torch.Tensor:
@@ -200,11 +218,22 @@ def live_slots(layer, state, b, h) -> torch.Tensor:
                                                    ({"keep_sinks": True}, PROMPT_TOKENS),
                                                    ({"recent": 8, "budget_queries": 6}, PROMPT_TOKENS)])
 def test_gvote_matches_the_paper(llama, options, prompt_tokens):
+    check_gvote(llama, options, prompt_tokens)
+
+
+def test_gvote_matches_the_paper_with_normalised_queries():
+    """Qwen3 normalises each head's query (q_norm) before RoPE: GVote's sampled queries are projected the same way."""
+    model, tokenizer = make_tiny_qwen3()
+    model.tokenizer = tokenizer
+    check_gvote(model, {}, PROMPT_TOKENS)
+
+
+def check_gvote(model, options, prompt_tokens):
     def read(press, layer, state, b, h):
         live = live_slots(layer, state, b, h)
         return {"keys": layer.keys[b, h][live], "values": layer.values[b, h][live]}
 
-    references = run_in_lock_step(llama, GVotePress(**options), lambda: paper_reference.GVote(**options), read,
+    references = run_in_lock_step(model, GVotePress(**options), lambda: paper_reference.GVote(**options), read,
                                   prompt_tokens=prompt_tokens)
     assert any(len(head["keys"]) < prompt_tokens for reference in references.values()
                for head in reference.heads.values()), "GVote evicted nothing: the test would not tell"
