@@ -117,28 +117,37 @@ class ZSMerge:
                         for i in context + list(range(tokens - self.recent, tokens))]
 
     def decode(self, x: LayerInputs) -> None:
+        """q new tokens (the paper's q = 1, or a multi-token pass read as q steps of the scores, then the tokens
+        entering in order): each query in turn updates eq. 5's scores of the slots and of the new tokens it sees."""
         budget = self.recent + self.context + self.residual
         for (b, h), head in self.heads.items():
             queries, keys, values = x.head(b, h)
-            assert keys.shape[0] == 1, "generate decodes one token per forward"
             slots = head.get("slots", head.get("held"))
-            bias = torch.tensor([self.alpha * math.log(slot["count"]) for slot in slots] + [0.0], dtype=torch.float64)
-            all_keys = torch.stack([slot["key"] for slot in slots] + [keys[0]])
-            attention = probabilities(queries, all_keys, bias, x.scale).sum((0, 1))  # eq. 5, summed over the group
-            for slot, a in zip(slots, attention[:-1].tolist()):
-                slot["score"] = self.decay * slot["score"] + a
-            new = dict(key=keys[0], value=values[0], count=1.0, score=float(attention[-1]))
-            if "held" in head:
-                if len(slots) < budget:
-                    slots.append(new)
-                    continue
-                # The cache first exceeds M: Algorithm 1 has filled every slot, one token each, and merges from here.
-                head["slots"] = self.lay_out(torch.stack([t["key"] for t in slots]),
-                                             torch.stack([t["value"] for t in slots]),
-                                             [t["score"] for t in slots], x.keys.dtype)
-                head["ring"] = 0
-                del head["held"]
-            self.admit(head, new, x.keys.dtype)
+            held, new_tokens = len(slots), keys.shape[0]
+            bias = torch.tensor([self.alpha * math.log(slot["count"]) for slot in slots] + [0.0] * new_tokens,
+                                dtype=torch.float64)
+            all_keys = torch.cat([torch.stack([slot["key"] for slot in slots]), keys])
+            attention = probabilities(queries, all_keys, bias, x.scale).sum(0)  # eq. 5, summed over the group
+            new_scores = [0.0] * new_tokens
+            for j in range(new_tokens):
+                for slot, a in zip(slots, attention[j, :held].tolist()):
+                    slot["score"] = self.decay * slot["score"] + a
+                new_scores = [self.decay * s + a for s, a in zip(new_scores, attention[j, held:].tolist())]
+            for t in range(new_tokens):
+                new = dict(key=keys[t], value=values[t], count=1.0, score=new_scores[t])
+                if "held" in head:
+                    if len(slots) < budget:
+                        slots.append(new)
+                        continue
+                    # The cache first exceeds M: Algorithm 1 has filled every slot, one token each, and merges from
+                    # here.
+                    head["slots"] = self.lay_out(torch.stack([t["key"] for t in slots]),
+                                                 torch.stack([t["value"] for t in slots]),
+                                                 [t["score"] for t in slots], x.keys.dtype)
+                    head["ring"] = 0
+                    del head["held"]
+                    slots = head["slots"]
+                self.admit(head, new, x.keys.dtype)
 
     def admit(self, head: dict, new: dict, dtype: torch.dtype) -> None:
         """One token enters a full cache (Algorithm 1, lines 6-16): the lowest-score context token is merged into the
@@ -196,16 +205,20 @@ class WeightedKV:
             self.heads[b, h] = head
 
     def decode(self, x: LayerInputs) -> None:
+        """q new tokens (q = 1 in the paper; a multi-token pass adds each query's attention, counts the queries that
+        saw each slot, then evicts down to the cache size)."""
         for (b, h), head in self.heads.items():
             queries, keys, values = x.head(b, h)
-            all_keys = torch.stack(head["keys"] + [keys[0]])
+            new_tokens = keys.shape[0]
+            all_keys = torch.stack(head["keys"] + list(keys))
             attention = probabilities(queries, all_keys, torch.zeros(len(all_keys), dtype=torch.float64),
-                                      x.scale).mean((0, 1))
-            head["keys"].append(keys[0])
-            head["values"].append(values[0])
-            head["sums"] = [a + t for a, t in zip(head["sums"] + [0.0], attention.tolist())]
-            head["counts"] = [n + 1 for n in head["counts"] + [0.0]]
-            if len(head["keys"]) > self.size:
+                                      x.scale).mean(0).sum(0)
+            head["keys"] += list(keys)
+            head["values"] += list(values)
+            head["sums"] = [a + t for a, t in zip(head["sums"] + [0.0] * new_tokens, attention.tolist())]
+            head["counts"] = ([n + new_tokens for n in head["counts"]]
+                              + [float(new_tokens - t) for t in range(new_tokens)])
+            while len(head["keys"]) > self.size:
                 self.evict(head)
 
     def evict(self, head: dict) -> None:
@@ -254,11 +267,18 @@ class KeepKV:
             self.heads[b, h] = head
 
     def decode(self, x: LayerInputs) -> None:
+        """q new tokens (q = 1 in the paper; a multi-token pass observes its queries in order, each over the slots
+        it sees, then evicts down to the budget once)."""
         for (b, h), head in self.heads.items():
             queries, keys, values = x.head(b, h)
-            for name, new in (("keys", keys[0]), ("values", values[0]), ("votes", 1.0), ("ema", 0.0), ("age", 0)):
-                head[name].append(new)
-            self.observe(head, queries[:, 0] @ torch.stack(head["keys"]).T * x.scale)
+            held = len(head["keys"])
+            for t in range(keys.shape[0]):
+                for name, new in (("keys", keys[t]), ("values", values[t]), ("votes", 1.0), ("ema", 0.0),
+                                  ("age", 0)):
+                    head[name].append(new)
+            every_key = torch.stack(head["keys"])
+            for j in range(keys.shape[0]):
+                self.observe(head, queries[:, j] @ every_key[:held + j + 1].T * x.scale)
             self.evict(head)
 
     def observe(self, head: dict, logits: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from kvpress_cpp.presses.kvzap import KVzapThresholdPress
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests import paper_reference
-from tests.generation import prompt_ids
+from tests.generation import feed_in_passes, prompt_ids
 from tests.models import make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 
@@ -64,10 +64,11 @@ def layer_inputs(module, kwargs, layer) -> paper_reference.LayerInputs:
 
 
 def run_in_lock_step(model, press, make_reference, read_press_cache, batch: int = 1,
-                     prompt_tokens: int = PROMPT_TOKENS) -> dict:
-    """Greedy generation under `press`; after every forward of every layer the press's cache of every (batch,
-    kv head) is compared with the layer's reference. Returns the number of comparisons."""
-    input_ids = prompt_ids(model.tokenizer, prompt_tokens, batch=batch)
+                     prompt_tokens: int = PROMPT_TOKENS, pass_sizes: list[int] | None = None) -> dict:
+    """Greedy generation under `press` (or, with `pass_sizes`, the prompt then passes of that many tokens of the
+    text after it, as kvpress's question pass feeds them); after every forward of every layer the press's cache of
+    every (batch, kv head) is compared with the layer's reference. Returns the references."""
+    input_ids = prompt_ids(model.tokenizer, prompt_tokens + sum(pass_sizes or []), batch=batch)
     cache = DynamicCache()
     references = {}
     compared = []
@@ -101,12 +102,16 @@ def run_in_lock_step(model, press, make_reference, read_press_cache, batch: int 
         with torch.no_grad(), press(model):
             # Registered after the press's own hooks: they see the cache the press left.
             handles += [module.register_forward_hook(compare, with_kwargs=True) for module in attention_modules]
-            model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
-                           min_new_tokens=NEW_TOKENS, do_sample=False)
+            if pass_sizes is None:
+                model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False)
+            else:
+                feed_in_passes(model, input_ids, [prompt_tokens, *pass_sizes], cache=cache)
     finally:
         for handle in handles:
             handle.remove()
-    assert len(compared) == NEW_TOKENS * len(model.model.layers)
+    forwards = NEW_TOKENS if pass_sizes is None else 1 + len(pass_sizes)
+    assert len(compared) == forwards * len(model.model.layers)
     return references
 
 
@@ -136,6 +141,23 @@ def dense_slots(layer, state, b, h, names) -> dict[str, torch.Tensor]:
     return out
 
 
+#: The press's bound on eq. 7's key over the convex key (kernels::kZipMaxKeyGrowth), a documented deviation.
+KEEPKV_MAX_KEY_GROWTH = 2.0
+
+
+def read_keepkv(press, layer, state, b, h):
+    return dense_slots(layer, state, b, h, {"counts": state.per_slot["votes"], "scores": press.log_estimate(state)})
+
+
+def read_zsmerge(press, layer, state, b, h):
+    counts = state.per_slot.get("counts", torch.ones_like(state.per_slot["scores"]))  # none before the layout
+    return dense_slots(layer, state, b, h, {"counts": counts, "scores": state.per_slot["scores"]})
+
+
+def read_weightedkv(press, layer, state, b, h):
+    return dense_slots(layer, state, b, h, {"counts": state.per_slot["counts"], "scores": state.per_slot["sums"]})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("eviction_order", ["authors", "paper"])
 # "similarity": the 24 prompt tokens beyond the budget enter one by one by eqs. 6-7; 2 residual slots so that the
@@ -143,13 +165,9 @@ def dense_slots(layer, state, b, h, names) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("prefill_merge", ["contiguous", "similarity"])
 def test_zsmerge_matches_the_paper(llama_in, prefill_merge, eviction_order, dtype):
     press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order, prefill_merge=prefill_merge)
-
-    def read(press, layer, state, b, h):
-        return dense_slots(layer, state, b, h, {"counts": state.per_slot["counts"],
-                                                "scores": state.per_slot["scores"]})
-
     references = run_in_lock_step(llama_in(dtype), press, lambda: paper_reference.ZSMerge(
-        24, residual=2, paper_order=eviction_order == "paper", similarity_prefill=prefill_merge == "similarity"), read)
+        24, residual=2, paper_order=eviction_order == "paper", similarity_prefill=prefill_merge == "similarity"),
+        read_zsmerge)
     if eviction_order == "paper":  # the run exercised the difference: the leaving token was evicted at least once
         assert sum(reference.leaving_evicted for reference in references.values()) > 0
 
@@ -160,30 +178,15 @@ def test_zsmerge_matches_the_paper_from_a_prompt_within_the_budget(llama, evicti
     has filled every slot with one token and merges that token's evicted one by eq. 6 (laying out M + 1 tokens
     grouped the first Br + 1 evicted by position instead)."""
     press = ZSMergePress(budget=24, residual_slots=2, eviction_order=eviction_order)
-
-    def read(press, layer, state, b, h):
-        counts = state.per_slot.get("counts", torch.ones_like(state.per_slot["scores"]))  # none before the layout
-        return dense_slots(layer, state, b, h, {"counts": counts, "scores": state.per_slot["scores"]})
-
     references = run_in_lock_step(llama, press, lambda: paper_reference.ZSMerge(
-        24, residual=2, paper_order=eviction_order == "paper"), read, prompt_tokens=20)
+        24, residual=2, paper_order=eviction_order == "paper"), read_zsmerge, prompt_tokens=20)
     assert all("slots" in head for reference in references.values() for head in reference.heads.values())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weightedkv_matches_the_paper(llama_in, dtype):
-    def read(press, layer, state, b, h):
-        return dense_slots(layer, state, b, h, {"counts": state.per_slot["counts"], "scores": state.per_slot["sums"]})
-
-    run_in_lock_step(llama_in(dtype), WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24), read)
-
-
-#: The press's bound on eq. 7's key over the convex key (kernels::kZipMaxKeyGrowth), a documented deviation.
-KEEPKV_MAX_KEY_GROWTH = 2.0
-
-
-def read_keepkv(press, layer, state, b, h):
-    return dense_slots(layer, state, b, h, {"counts": state.per_slot["votes"], "scores": press.log_estimate(state)})
+    run_in_lock_step(llama_in(dtype), WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24),
+                     read_weightedkv)
 
 
 @pytest.mark.parametrize("prompt_tokens", [24, PROMPT_TOKENS])
@@ -205,6 +208,33 @@ def test_keepkv_departs_from_eq_7_only_where_its_key_would_grow_past_the_bound(l
     with pytest.raises(AssertionError, match=r"keys at forward \d+"):
         run_in_lock_step(llama, press, lambda: paper_reference.KeepKV(24, recent=8, threshold=0.3), read_keepkv,
                          prompt_tokens=24)
+
+
+#: Passes after the prompt (kvpress's question pass, assisted decoding's candidates): single tokens between them,
+#: a pass longer than the recent ring (ZSMerge's 10 slots), and from a 12-token prompt one that crosses the budget.
+PASS_SIZES = [5, 1, 7, 3, 1, 16, 2]
+
+
+MULTI_TOKEN_CASES = {
+    "zsmerge": (lambda: ZSMergePress(budget=24, residual_slots=2),
+                lambda: paper_reference.ZSMerge(24, residual=2), read_zsmerge),
+    "zsmerge paper order": (lambda: ZSMergePress(budget=24, residual_slots=2, eviction_order="paper"),
+                            lambda: paper_reference.ZSMerge(24, residual=2, paper_order=True), read_zsmerge),
+    "weightedkv": (lambda: WeightedKVPress(cache_size=24), lambda: paper_reference.WeightedKV(24), read_weightedkv),
+    "keepkv": (lambda: KeepKVPress(budget=24, recent=8, similarity_threshold=0.3),
+               lambda: paper_reference.KeepKV(24, recent=8, threshold=0.3, max_key_growth=KEEPKV_MAX_KEY_GROWTH),
+               read_keepkv),
+}
+
+
+@pytest.mark.parametrize("prompt_tokens", [12, PROMPT_TOKENS])
+@pytest.mark.parametrize("name", list(MULTI_TOKEN_CASES))
+def test_multi_token_passes_match_the_reference(llama, name, prompt_tokens):
+    """Passes of several tokens after the prompt. The papers decode one token a step; the reference reads a pass of q
+    as q steps of the scores (each query over the slots and new tokens it sees), then the tokens entering in order
+    (ZSMerge), or one eviction down to the budget (WeightedKV, KeepKV)."""
+    make_press, make_reference, read = MULTI_TOKEN_CASES[name]
+    run_in_lock_step(llama, make_press(), make_reference, read, prompt_tokens=prompt_tokens, pass_sizes=PASS_SIZES)
 
 
 def live_slots(layer, state, b, h) -> torch.Tensor:
