@@ -148,6 +148,20 @@ def test_models_whose_queries_the_presses_cannot_recompute_are_refused(name, arc
         model.generate(prompt(), max_new_tokens=2, past_key_values=DynamicCache())
 
 
+@pytest.mark.parametrize("name", sorted(QUERY_PRESSES))
+def test_a_nan_reaching_a_layer_is_not_taken_for_another_architecture(name):
+    """A NaN weight in layer 0's v_proj reaches layer 1's input: the recomputed queries' comparison was NaN, and the
+    press refused the model as one that "forms its queries another way". The model's output is garbage with or
+    without the press; the press now runs to the end as the model alone does."""
+    model = tiny("Llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight[1, 2] = float("nan")
+        alone = model.generate(prompt(), max_new_tokens=3, do_sample=False, past_key_values=DynamicCache())
+        with QUERY_PRESSES[name]()(model):
+            pressed = model.generate(prompt(), max_new_tokens=3, do_sample=False, past_key_values=DynamicCache())
+    assert pressed.shape == alone.shape
+
+
 @pytest.mark.parametrize("architecture,config", [("Mistral", {}), ("Qwen2", {}), ("Phi3", {}), ("Granite", {}),
                                                  ("Gemma", {"head_dim": 16}), ("Phi", {})])
 @pytest.mark.parametrize("name", ["ZSMerge", "KeepKV", "GVote"])

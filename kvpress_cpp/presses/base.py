@@ -181,10 +181,12 @@ def check_recomputed_queries(press: str, module: nn.Module, hidden_states: torch
     the prompt's last token (:func:`~kvpress_cpp.attention.take_prompt_last_query`). A model that forms its queries
     otherwise (OLMo-2's q_norm over all heads at once, Cohere's interleaved rotary embedding) would have its prompt
     scored with the attention of other queries, and its eager and sdpa runs, or a padded row and its run alone,
-    compress differently."""
-    recomputed = last_query_states(module, hidden_states, kwargs, 1)
-    used = used.float()
-    difference = float((recomputed.float() - used).norm() / used.norm().clamp_min(torch.finfo(torch.float32).tiny))
+    compress differently. Entries that are not finite in either (a NaN or inf reaching the layer: the model's output
+    is garbage with or without the press) are left out of the comparison, which they would fail whatever the model."""
+    recomputed, used = last_query_states(module, hidden_states, kwargs, 1).float(), used.float()
+    finite = recomputed.isfinite() & used.isfinite()
+    recomputed, used = recomputed[finite], used[finite]
+    difference = float((recomputed - used).norm() / used.norm().clamp_min(torch.finfo(torch.float32).tiny))
     if not difference <= QUERY_RECOMPUTATION_TOLERANCE:
         raise ValueError(
             f"{press}: layer {module.layer_idx} ({type(module).__name__}): the queries {press} recomputes from the "
