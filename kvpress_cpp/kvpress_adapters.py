@@ -50,6 +50,7 @@ from kvpress.presses.base_press import is_prefilling
 
 from kvpress_cpp.attention import padding_log_weights
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
+from kvpress_cpp.paged_cache import shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompPress, _row_kwargs
 from kvpress_cpp.presses.kvzap import KVzapPress
 
@@ -134,13 +135,6 @@ class _ScorerStandIn:
             return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
 
 
-def _padding_dropped(module, kwargs: dict) -> int:
-    """The columns of padding every row of the prompt shares that `module`'s cache layer does not hold: a paged
-    layer's ``padding_dropped`` (its keys start that many tokens after the prompt's), 0 on kvpress's own cache."""
-    layers = getattr(kwargs.get("past_key_values"), "layers", None)
-    return getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
-
-
 class _RowByRowScorer(_ScorerStandIn):
     """Stands in for DMSPress's scorer during a padded prefill: ``score`` runs the scorer on each row's real tokens
     and pads the row's scores with +inf."""
@@ -150,7 +144,7 @@ class _RowByRowScorer(_ScorerStandIn):
         self.padding = padding
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        shared_padding = _padding_dropped(module, kwargs)  # the keys start that many tokens after the hidden states
+        shared_padding = shared_padding_dropped(module, kwargs)  # the keys start that many tokens after the hidden states
         rows = []
         for row, pad in enumerate(self.padding):
             key_pad = pad - shared_padding
@@ -273,7 +267,7 @@ def patch_dms_press() -> None:
 def _marked_columns_to_positions(module, kwargs: dict) -> None:
     """AdaKVPress marks columns of the keys it scored, which kvpress's own cache holds from position 0 on. A paged
     layer evicts marks as token positions: its column c is position c + the padding it dropped."""
-    dropped = _padding_dropped(module, kwargs)
+    dropped = shared_padding_dropped(module, kwargs)
     marks = module.masked_key_indices
     if dropped and marks is not None:
         module.masked_key_indices = (*marks[:2], marks[2] + dropped)

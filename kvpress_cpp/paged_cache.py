@@ -91,6 +91,14 @@ def _crop_zero_removes_nothing() -> bool:
 _CROP_ZERO_REMOVES_NOTHING = _crop_zero_removes_nothing()
 
 
+def shared_padding_dropped(module, kwargs: dict) -> int:
+    """The columns of padding every row of the prompt shares that `module`'s cache layer does not hold: a paged
+    layer's ``padding_dropped`` (its keys start that many tokens after the prompt's hidden states), 0 on a
+    DynamicCache."""
+    layers = getattr(kwargs.get("past_key_values"), "layers", None)
+    return getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
+
+
 def paged_layer_of(key: torch.Tensor) -> PagedLayer | None:
     """The paged layer whose ``update`` returned `key` (its key pool), or None for any other tensor."""
     layer = _LAYERS_BY_POOL.get(id(key))

@@ -216,20 +216,24 @@ def test_padded_batch(attn):
         assert layer.lengths.tolist() == [[int(n)] * layer.lengths.shape[1] for n in real]
 
 
-@pytest.mark.parametrize("scorer", [lambda: SnapKVPress(compression_ratio=0.6, window_size=8),
-                                    lambda: KnormPress(compression_ratio=0.5)], ids=["snapkv", "knorm"])
+@pytest.mark.parametrize("scorer", [lambda d: SnapKVPress(compression_ratio=0.6, window_size=8),
+                                    lambda d: KnormPress(compression_ratio=0.5),
+                                    lambda d: KVzapPress(compression_ratio=0.5, surrogate_dir=d)],
+                         ids=["snapkv", "knorm", "kvzap"])
 @kvpress_hooks.mark
-def test_adakv_on_a_padded_prompt_evicts_what_it_evicts_unpadded(scorer):
+def test_adakv_on_a_padded_prompt_evicts_what_it_evicts_unpadded(scorer, surrogate_dir):
     """AdaKVPress marks columns of the keys it scores. A paged prefill holds no column of the padding every row shares
     (7 here), and evicted the marks as token positions: every eviction landed 7 tokens early. The padded prompt now
-    keeps the unpadded prompt's tokens (kvpress's AdaKV on a DynamicCache, which holds no padding there)."""
+    keeps the unpadded prompt's tokens (kvpress's AdaKV on a DynamicCache, which holds no padding there). KVzap's
+    scorer, which scores hidden states, scores those of the tokens held (it refused the 7 extra ones, naming a
+    ComposedPress that was not there)."""
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 80)
     padded, mask = torch.nn.functional.pad(ids, (7, 0)), torch.nn.functional.pad(torch.ones_like(ids), (7, 0))
     cache = PagedKVCache(block_size=4)
-    got = greedy(model, padded, cache, lambda m: AdaKVPress(scorer())(m), attention_mask=mask)
+    got = greedy(model, padded, cache, lambda m: AdaKVPress(scorer(surrogate_dir))(m), attention_mask=mask)
     unpadded_cache = DynamicCache()
-    expected = greedy(model, ids, unpadded_cache, lambda m: AdaKVPress(scorer())(m))
+    expected = greedy(model, ids, unpadded_cache, lambda m: AdaKVPress(scorer(surrogate_dir))(m))
     assert torch.equal(got, expected)
     held = sum(int(layer.lengths.sum()) for layer in cache.layers)
     assert held < sum(layer.keys.shape[1] * layer.keys.shape[2] for layer in unpadded_cache.layers)  # it evicted

@@ -32,7 +32,7 @@ from torch import nn
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head, pass_cache
 from kvpress_cpp.distributed import kv_head_shard
-from kvpress_cpp.paged_cache import PagedLayer
+from kvpress_cpp.paged_cache import PagedLayer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
@@ -197,6 +197,9 @@ class KVzapPress(_KVzapScorer):
         return ops.kvzap_score(hidden_states, *self.layer_surrogate(module, hidden_states))
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        dropped = shared_padding_dropped(module, kwargs)
+        if keys is not None and dropped and hidden_states.shape[1] == dropped + keys.shape[-2]:
+            hidden_states = hidden_states[:, dropped:]  # a paged prefill holds no column of the padding rows share
         if keys is not None and hidden_states.shape[1] != keys.shape[-2]:
             # Scores of other tokens than the keys' would select slots by the wrong tokens' scores, or index past them.
             raise ValueError(
