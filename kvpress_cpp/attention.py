@@ -404,10 +404,10 @@ def patch_eager_attention(model: torch.nn.Module) -> None:
 
 
 def patch_loaded_eager_attention() -> None:
-    """Wrap the eager attention function of every transformers model file imported so far. A PagedKVCache calls it
-    when its layers first receive keys (the model's file is imported by then), so eager attention reads paged layers
-    without a press's ``with press(model):`` having patched the model. Scans only when modules were imported since
-    the last scan (a scan reads ~3,400 modules: 0.7 ms)."""
+    """Wrap the eager attention function of every transformers model file imported so far. A paged layer, or one
+    holding a press's state, calls it at each append (the model's file is imported by then; a cache loaded by
+    torch.load gets here too), so eager attention reads it without a press's ``with press(model):`` having patched the
+    model. Scans only when modules were imported since the last scan (a scan reads ~3,400 modules: 0.7 ms)."""
     global _modules_scanned
     if len(sys.modules) == _modules_scanned:
         return

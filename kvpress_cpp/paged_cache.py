@@ -303,16 +303,21 @@ class PagedLayer(CacheLayerMixin):
             raise TypeError(f"PagedKVCache.crop: expected an integer max_length, got {max_length!r}") from None
         if max_length == 0 and _CROP_ZERO_REMOVES_NOTHING:
             return
-        # Counted as generate counts, with the padding the prefill dropped (a DynamicLayer holds it): a cut into the
-        # padding keeps that much of it, so a cache emptied for the next prompt counts no token.
+        # Counted as generate counts, with the padding the prefill dropped (a DynamicLayer holds it): a cache emptied
+        # for the next prompt counts no token.
         held = self.get_seq_length() + self.padding_dropped
         max_length = max(held + max_length, 0) if max_length < 0 else max_length  # past all of it: emptied
         if max_length >= held:
             return
-        padding = min(self.padding_dropped, max_length)
-        if self.get_seq_length() > max_length - padding:
-            self._cut(max_length - padding)
-        self.padding_dropped = padding
+        if 0 < max_length <= self.padding_dropped:
+            # A DynamicLayer would hold padding alone, which the next pass attends under its own mask; this layer
+            # holds none, and would take that pass for a new prompt.
+            raise ValueError(f"PagedKVCache.crop: keeping {max_length} of the {self.padding_dropped} columns of left "
+                             f"padding the prefill dropped, and no token: a paged layer holds no padding. Crop to 0 "
+                             f"(empty) or past the padding")
+        self.padding_dropped = 0 if max_length == 0 else self.padding_dropped
+        if self.get_seq_length() > max_length - self.padding_dropped:
+            self._cut(max_length - self.padding_dropped)
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -1225,7 +1230,7 @@ class PagedKVCache(Cache):
     or kvpress's pipeline (``pipe(context, question=..., press=press, cache=PagedKVCache())``).
 
     The attention over it runs through :mod:`kvpress_cpp.attention`, which wraps transformers' sdpa and flash
-    attention when kvpress_cpp is imported, and the eager attention of the model files imported when a layer first
+    attention when kvpress_cpp is imported, and the eager attention of the model files imported by the time a layer
     receives keys.
 
     Args:

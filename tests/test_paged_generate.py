@@ -542,11 +542,11 @@ def test_crop_of_more_than_the_layer_holds_empties_it_as_a_dynamic_layer():
     assert torch.equal(cache.layers[0].keys, keys[:, :, :2])
 
 
-@pytest.mark.parametrize("kept", [-100, 3])
-def test_a_crop_into_the_dropped_padding_counts_as_a_dynamic_caches(kept):
+def test_a_crop_into_the_dropped_padding_empties_the_cache_or_is_refused():
     """A prefill whose every row is left-padded drops the padding (5 columns) but counts it, as a DynamicCache holds
-    it. A crop into that padding (emptying the cache for the next prompt with -100, or keeping 3 columns) kept
-    counting all 5: generate then took the next prompt's first 5 tokens for cached and skipped them."""
+    it. A crop emptying the cache for the next prompt kept counting all 5: generate then took the next prompt's first
+    5 tokens for cached and skipped them. A crop keeping some padding and no token (3 of 5, or -45 of 47) left a
+    layer that took its next pass for a new prompt: refused."""
     model, tokenizer = make_tiny_llama()
     ids = prompt_ids(tokenizer, 40)
     padded = torch.nn.functional.pad(ids, (5, 0), value=tokenizer.pad_token_id)
@@ -555,12 +555,16 @@ def test_a_crop_into_the_dropped_padding_counts_as_a_dynamic_caches(kept):
     dynamic, paged = DynamicCache(), PagedKVCache(block_size=4)
     for cache in (dynamic, paged):
         greedy(model, padded, cache, attention_mask=mask, max_new_tokens=3)
-        cache.crop(kept)
-    assert paged.get_seq_length() == dynamic.get_seq_length() == max(kept, 0)
-    if kept < 0:
-        answer = greedy(model, next_prompt, paged, max_new_tokens=6)
-        assert torch.equal(answer, greedy(model, next_prompt, dynamic, max_new_tokens=6))
-        assert torch.equal(answer, greedy(model, next_prompt, DynamicCache(), max_new_tokens=6))
+    for kept in (3, -45, 5):
+        with pytest.raises(ValueError, match=r"PagedKVCache.crop: keeping \d of the 5 columns of left padding"):
+            paged.crop(kept)
+    assert paged.get_seq_length() == dynamic.get_seq_length() > 5  # a refused crop leaves the cache as it was
+    for cache in (dynamic, paged):
+        cache.crop(-100)
+    assert paged.get_seq_length() == dynamic.get_seq_length() == 0
+    answer = greedy(model, next_prompt, paged, max_new_tokens=6)
+    assert torch.equal(answer, greedy(model, next_prompt, dynamic, max_new_tokens=6))
+    assert torch.equal(answer, greedy(model, next_prompt, DynamicCache(), max_new_tokens=6))
 
 
 def test_a_reset_cache_drops_the_pools_of_the_press_state_it_held(surrogate_dir):
