@@ -56,9 +56,9 @@ TORCH_LIBRARY(kvcomp, m) {
 
   // keepkv family. keys (B, H, T, d), keep (B, H, T) bool -> targets (B, H, T) int64: -1 retained; for an evicted
   // slot the retained slot of its row with the highest key cosine similarity (float32 rounded to 2^-16, zero keys 0
-  // with finite keys, a non-finite key NaN with all, NaN as -inf, ties to the lower slot) if that similarity >= threshold in [-1, 1], else -2. max_evicted: a bound on
-  // the evicted slots of any row (a decoding step's new tokens), which spares CUDA its host sync; a row over it is
-  // still matched.
+  // with finite keys, a non-finite key NaN with all, NaN as -inf, ties to the lower slot) if that similarity >=
+  // threshold in [-1, 1], else -2. max_evicted: a bound on the evicted slots of any row (a decoding step's new
+  // tokens), which spares CUDA its host sync; a row over it is still matched.
   m.def("keepkv_match(Tensor keys, Tensor keep, float threshold, int? max_evicted=None) -> Tensor");
   // KeepKV's ZIP merge of each retained slot c with the evicted slots targeting it (eq. 7, set form, log domain):
   // keys, values (B, H, T, d), votes p, log_scores ln s, targets (B, H, T) -> merged keys, values, votes (B, H, T, .);

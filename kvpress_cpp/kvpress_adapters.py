@@ -144,7 +144,8 @@ class _RowByRowScorer(_ScorerStandIn):
         self.padding = padding
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        shared_padding = shared_padding_dropped(module, kwargs)  # the keys start that many tokens after the hidden states
+        # Columns of padding every row shares, which a paged layer's keys do not hold.
+        shared_padding = shared_padding_dropped(module, kwargs)
         rows = []
         for row, pad in enumerate(self.padding):
             key_pad = pad - shared_padding

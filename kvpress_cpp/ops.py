@@ -257,8 +257,9 @@ def keepkv_zip_merge(
     |Σ w ℓ| <= 1e-3 · Σ w · max|ℓ| (near-zero denominator), when m + ln(Σ w / Σ p) or Σ w ℓ is not finite, or when
     the ZIP key's growth over the convex key, Σ w · (m + ln(Σ w / Σ p)) / Σ w ℓ, leaves [0.5, 2] (this includes the
     two of other signs; ``kernels::kZipMaxKeyGrowth``), the convex key ``Σ w k / Σ w`` is used instead;
-    ``convex=True`` always uses it (the authors' released code). Members with p <= 0, ℓ = -inf or NaN carry w = 0; a set with Σ w = 0 keeps c's key and
-    value (its vote still becomes Σ p). Sets of one slot and evicted slots are returned unchanged.
+    ``convex=True`` always uses it (the authors' released code). Members with p <= 0, ℓ = -inf or NaN carry w = 0; a
+    set with Σ w = 0 keeps c's key and value (its vote still becomes Σ p). Sets of one slot and evicted slots are
+    returned unchanged.
 
     Args:
         keys, values: (B, H, T, d) float32, float16 or bfloat16 (one dtype).

@@ -284,8 +284,8 @@ def keepkv_rounded_cosine(cos: float) -> float:
 def keepkv_match(keys: torch.Tensor, keep: torch.Tensor, threshold: float,
                  max_evicted: int | None = None) -> torch.Tensor:
     """For each evicted slot, the retained slot of its row with the highest key cosine (float64, rounded to 2^-16;
-    zero keys 0 against finite keys, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots -1. ``max_evicted``
-    only spares the CUDA kernel a host sync: the result does not depend on it."""
+    zero keys 0 against finite keys, NaN as -inf, ties to the lower slot) if >= threshold, else -2; retained slots
+    -1. ``max_evicted`` only spares the CUDA kernel a host sync: the result does not depend on it."""
     batch, kv_heads, slots, _ = keys.shape
     targets = torch.where(keep, -1, -2).to(torch.int64)
     for b in range(batch):
