@@ -30,7 +30,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
-from kvpress_cpp.presses.kvzap import KVzapThresholdPress, default_surrogate_dir
+from kvpress_cpp.presses.kvzap import KVzapThresholdPress, has_packaged_surrogate
 from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 
@@ -208,8 +208,7 @@ def main() -> None:
     started = time.perf_counter()
     model, tokenizer = build_model(args.model, args.device, dtype)
     for method in (m for m in args.methods if m in THRESHOLDED):
-        surrogate = default_surrogate_dir(model, THRESHOLDED[method].model_type)
-        if not str(model.config.name_or_path) or not (surrogate / "config.json").is_file():
+        if not has_packaged_surrogate(model, THRESHOLDED[method].model_type):
             parser.error(f"--methods {method}: no packaged surrogate for --model {args.model} (SmolLM2's are packaged)")
     pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     print(f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) on "

@@ -136,10 +136,13 @@ def test_default_surrogate_dir_is_packaged_by_model_name(llama, surrogates, tmp_
     monkeypatch.setattr(model.config, "name_or_path", "SomeOrg/Tiny-Llama")
     target = tmp_path / "Tiny-Llama" / "mlp"
     assert kvzap_module.default_surrogate_dir(model, "mlp") == target
+    assert not kvzap_module.has_packaged_surrogate(model, "mlp")
     with pytest.raises(FileNotFoundError, match=rf"expected config.json, model.safetensors in {target}.*"
                                                 r"python -m kvpress_cpp.train_kvzap"):
         KVzapThresholdPress().post_init_from_model(model)
     write_surrogate(target, model, "mlp")
+    assert kvzap_module.has_packaged_surrogate(model, "mlp")
+    assert not kvzap_module.has_packaged_surrogate(model, "linear")
     press = KVzapThresholdPress()
     press.post_init_from_model(model)
     assert press.scorer.kvzap_model.config.hidden_dim == model.config.hidden_size // 8

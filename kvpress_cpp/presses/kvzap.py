@@ -36,7 +36,7 @@ from kvpress_cpp.paged_cache import PagedLayer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
-           "SURROGATES_DIR", "DEFAULT_THRESHOLD"]
+           "has_packaged_surrogate", "SURROGATES_DIR", "DEFAULT_THRESHOLD"]
 
 #: Packaged surrogate weights: ``SURROGATES_DIR / <model name> / <model_type> / {config.json, model.safetensors}``.
 SURROGATES_DIR = Path(__file__).resolve().parent.parent / "surrogates"
@@ -53,6 +53,12 @@ DEFAULT_THRESHOLD = -3.5
 def default_surrogate_dir(model: nn.Module, model_type: str) -> Path:
     """Where the packaged surrogate of `model` lives: ``kvpress_cpp/surrogates/<model name>/<model_type>``."""
     return SURROGATES_DIR / str(model.config.name_or_path).split("/")[-1] / model_type
+
+
+def has_packaged_surrogate(model: nn.Module, model_type: str) -> bool:
+    """Whether a surrogate of `model_type` is packaged for `model` (a model built in memory has no name to find one
+    by)."""
+    return bool(str(model.config.name_or_path)) and (default_surrogate_dir(model, model_type) / "config.json").is_file()
 
 
 def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str | Path | None = None) -> KVzapModel:
