@@ -274,7 +274,7 @@ def _scaling(module: torch.nn.Module, kwargs: dict) -> float:
     return scaling
 
 
-def refuse_attention_outside_the_registry(frame, user: str = "PagedKVCache", max_depth: int = 6) -> None:
+def refuse_attention_outside_the_registry(frame, max_depth: int = 6) -> None:
     """Raise if the attention module whose forward is appending to a paged cache (the nearest `forward` up the stack
     from `frame` whose ``self`` is an nn.Module; none found, no check) computes its attention itself instead of
     through transformers' attention registry: only what the registry dispatches to, wrapped here, reads a paged
@@ -288,11 +288,11 @@ def refuse_attention_outside_the_registry(frame, user: str = "PagedKVCache", max
         if isinstance(owner, torch.nn.Module):
             if not any(name in frame.f_globals for name in ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")):
                 raise ValueError(
-                    f"{user}: layer {getattr(owner, 'layer_idx', '?')} ({type(owner).__name__}) computes its "
+                    f"PagedKVCache: layer {getattr(owner, 'layer_idx', '?')} ({type(owner).__name__}) computes its "
                     f"attention itself, not through transformers' attention registry (ALL_ATTENTION_FUNCTIONS), so it "
                     f"would read the cache's block pools as its keys and values; only models whose attention "
-                    f"dispatches through the registry (Llama, Mistral, Qwen, Gemma, Phi, ...) run on a {user}. Use a "
-                    f"DynamicCache for this model")
+                    f"dispatches through the registry (Llama, Mistral, Qwen, Gemma, Phi, ...) run on a PagedKVCache. "
+                    f"Use a DynamicCache for this model")
             return
         frame = frame.f_back
 

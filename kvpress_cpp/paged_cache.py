@@ -315,9 +315,11 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"PagedKVCache.crop: keeping {max_length} of the {self.padding_dropped} columns of left "
                              f"padding the prefill dropped, and no token: a paged layer holds no padding. Crop to 0 "
                              f"(empty) or past the padding")
-        self.padding_dropped = 0 if max_length == 0 else self.padding_dropped
-        if self.get_seq_length() > max_length - self.padding_dropped:
-            self._cut(max_length - self.padding_dropped)
+        if max_length == 0:
+            self.padding_dropped = 0
+        width = max_length - self.padding_dropped  # the view's columns kept
+        if self.get_seq_length() > width:
+            self._cut(width)
 
     def reset(self) -> None:
         if self.is_initialized:
