@@ -573,6 +573,31 @@ def test_parameters_of_the_wrong_type_are_refused_where_given(make, message):
         make()
 
 
+@pytest.mark.parametrize("press", [ZSMergePress(), KeepKVPress(), WeightedKVPress()],
+                         ids=lambda press: type(press).__name__)
+@pytest.mark.parametrize("budget", [1.5, 0.0, -3, True, "0.5"])
+def test_a_budget_assigned_after_construction_is_refused_where_given(press, budget):
+    """A sweep sets the budget on a built press: 1.5 had kept every token with compression_ratio -0.5, and 0.0 failed
+    only inside generate, naming a budget of 1 slot."""
+    with pytest.raises(ValueError, match=rf"{type(press).__name__}: {press.budget_field} must be a token count ≥ 1 or "
+                                         rf"a fraction in \(0, 1\], got {budget!r}"):
+        setattr(press, press.budget_field, budget)
+
+
+@pytest.mark.parametrize("make", [lambda: ZSMergePress(residual_slots=0), KeepKVPress, WeightedKVPress],
+                         ids=["ZSMergePress", "KeepKVPress", "WeightedKVPress"])
+def test_a_budget_assigned_after_construction_is_the_one_kept(llama, make):
+    """The budget a sweep assigns is the one the press keeps in the model: 24 slots a layer and kv head after a prompt
+    of PROMPT tokens, as a press built with it."""
+    press = make()
+    setattr(press, press.budget_field, np.int64(24))
+    cache = DynamicCache()
+    with torch.no_grad(), press(llama):
+        llama(prompt(), past_key_values=cache)
+    assert [cache.get_seq_length(layer) for layer in range(len(cache))] == [24] * len(cache)
+    assert press.compression_ratio == pytest.approx(1 - 24 / PROMPT)
+
+
 @pytest.mark.parametrize("make,field,expected", [
     (lambda: ZSMergePress(budget=np.int64(16)), "budget", 16),
     (lambda: KeepKVPress(budget=np.int32(40)), "budget", 40),

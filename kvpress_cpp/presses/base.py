@@ -315,6 +315,13 @@ class KVCompPress(BasePress):
     # The attention modules kvpress hooked for the press's open context.
     _hooked_modules: list = field(default_factory=list, init=False, repr=False, compare=False)
 
+    def __setattr__(self, name, value):
+        # The budget is checked at every assignment, not only at construction: a sweep sets it on a built press, and
+        # 1.5 had kept every token while compression_ratio read -0.5.
+        if name == self.budget_field:
+            value = budget_value(type(self).__name__, name, value)
+        super().__setattr__(name, value)
+
     def prompt_score_weights(self, module: nn.Module) -> tuple[float, float] | None:
         """(decay, input_scale) of the score_prompt call compress_prefill makes on `module`, or None if it makes
         none: the layer's sdpa prompt pass then computes those scores with its attention (only while the press's own

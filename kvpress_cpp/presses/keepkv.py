@@ -21,8 +21,8 @@ from kvpress.presses.scorer_press import ScorerPress
 from kvpress_cpp import ops
 from kvpress_cpp.attention import take_decode_query, take_prefill_attention
 from kvpress_cpp.cache import LayerState, compact_to_longest_head
-from kvpress_cpp.presses.base import (KVCompDecodingPress, budget_value, last_query_states, query_states,
-                                      require_bool, require_int, require_real)
+from kvpress_cpp.presses.base import (KVCompDecodingPress, last_query_states, query_states, require_bool, require_int,
+                                      require_real)
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["KeepKVPress"]
@@ -64,7 +64,6 @@ class KeepKVPress(KVCompDecodingPress):
     merge_first: bool = False
 
     def __post_init__(self):
-        self.budget = budget_value("KeepKVPress", "budget", self.budget)
         require_int("KeepKVPress", "sinks", self.sinks, 0)
         if isinstance(self.recent, bool) or not ((isinstance(self.recent, int) and self.recent >= 1) or (
                 isinstance(self.recent, float) and 0 < self.recent < 1)):

@@ -16,7 +16,7 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
 from kvpress_cpp.distributed import query_group_size
-from kvpress_cpp.presses.base import KVCompDecodingPress, budget_value, require_bool, require_int, score_prompt
+from kvpress_cpp.presses.base import KVCompDecodingPress, require_bool, require_int, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["WeightedKVPress"]
@@ -49,7 +49,6 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
         return 1.0, 1.0 / query_group_size(module)  # plain sums of the group-mean attention
 
     def __post_init__(self):
-        self.cache_size = budget_value("WeightedKVPress", "cache_size", self.cache_size)
         require_int("WeightedKVPress", "sinks", self.sinks, 0)
         if self.recent is not None:
             require_int("WeightedKVPress", "recent", self.recent, 1)

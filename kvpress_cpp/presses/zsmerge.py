@@ -15,7 +15,7 @@ import torch
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import LayerState
-from kvpress_cpp.presses.base import KVCompDecodingPress, budget_value, require_int, require_real, score_prompt
+from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real, score_prompt
 from kvpress_cpp.presses.streaming import StreamingPrefill
 
 __all__ = ["ZSMergePress"]
@@ -58,7 +58,6 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         return self.decay, 1.0  # eq. 5: λ-decayed sums over the group's query heads
 
     def __post_init__(self):
-        self.budget = budget_value("ZSMergePress", "budget", self.budget)
         require_real("ZSMergePress", "recent_fraction", self.recent_fraction, "(0, 1)")
         require_int("ZSMergePress", "residual_slots", self.residual_slots, 0)
         require_real("ZSMergePress", "decay (λ)", self.decay, "(0, 1]")  # λ = 0 would weigh no query at all
