@@ -486,6 +486,35 @@ def test_speculative_decoding_rolls_back_the_position_count(llama):
     assert torch.equal(pressed, plain)
 
 
+@pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
+@pytest.mark.parametrize("make", [lambda: ZSMergePress(budget=1000), lambda: KeepKVPress(budget=1000),
+                                  lambda: WeightedKVPress(cache_size=1000)], ids=["ZSMerge", "KeepKV", "WeightedKV"])
+def test_rejected_draft_tokens_are_not_counted_as_compressed(llama, make, make_cache):
+    """Prompt-lookup decoding under a budget the sequence never reaches: nothing is evicted (a slot per token), so
+    the fraction removed is 0. The rejected drafts, cropped away, had stayed counted as seen: 0.04."""
+    ids = torch.cat([prompt(), prompt()], dim=1)
+    press, cache = make(), make_cache()
+    with torch.no_grad(), press(llama):
+        out = llama.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                             prompt_lookup_num_tokens=3)
+    assert cache.get_seq_length() == out.shape[1] - 1  # every token held, the last one not fed yet
+    assert press.layer_compression_ratios == {layer: 0.0 for layer in range(len(cache.layers))}
+
+
+def test_a_question_cropped_after_the_context_closed_leaves_the_compression_ratio(llama):
+    """kvpress's pipeline asks each question over the compressed context after the press's context closed, then cuts
+    it with crop(-tokens): tokens the press never counted, which the cut must not take from its counts either."""
+    press, cache = ZSMergePress(budget=16), DynamicCache()
+    with torch.no_grad():
+        with press(llama):
+            llama(prompt(), past_key_values=cache)
+        ratios = press.layer_compression_ratios
+        llama(prompt(3, 5), past_key_values=cache, position_ids=torch.arange(PROMPT, PROMPT + 5).unsqueeze(0))
+        cache.crop(-5)
+    assert cache.get_seq_length() == 16
+    assert press.layer_compression_ratios == ratios == {layer: 1 - 16 / PROMPT for layer in range(len(cache.layers))}
+
+
 def test_a_static_cache_is_refused_by_the_press(llama):
     cache = StaticCache(config=llama.config, max_cache_len=64)
     with pytest.raises(TypeError, match=r"ZSMergePress: needs a DynamicCache or a PagedKVCache, got a StaticLayer"), \

@@ -79,25 +79,39 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     candidates, merged or scored into the slots by the candidate pass, stayed: the next tokens were silently others
     (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held cuts
     slots from the right, as before."""
-    slots = cache.get_seq_length()
-    tokens = _tokens_stood_for(cache, slots)
-    state = get_state(cache.layers[0]) if cache.layers else None
+    first_layer_slots = cache.get_seq_length()
+    tokens = _tokens_stood_for(cache, first_layer_slots)
     # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
     # cutting the last k slots of a compressed layer removes other slots than the candidates the pass merged. The
     # slots appended by passes outside the press's context since its last pass (a question kvpress's pipeline asks
     # over the compressed context) are tokens, one a slot, and crop(-k) cuts them as it would any cache's: from 5.24
     # on, the only way to cut them, as a positive count (a length to keep) is refused there.
     dropped = -max_length if max_length < 0 else tokens - max_length
-    appended_outside = slots - getattr(cache, _SLOTS_ATTR, slots)
-    refused = dropped > appended_outside if max_length < 0 else slots <= max_length < tokens
-    if state is not None and slots < tokens and refused:
-        owner = state.owner_name()
-        raise ValueError(
-            f"{owner}: crop({max_length}) asks a cache {owner} compressed to drop {dropped} of the {tokens} tokens "
-            f"it stands for, in {slots} slots: the tokens to drop are merged into (or scored "
-            f"against) the slots it keeps and cannot be taken back. Assisted generation (prompt_lookup_num_tokens, "
-            f"assistant_model) rolls its rejected candidates back this way: generate without it under {owner}")
-    return type(cache).crop(cache, max_length, *args, **kwargs)
+    appended_outside = first_layer_slots - getattr(cache, _SLOTS_ATTR, first_layer_slots)
+    # Every layer is asked, not the first alone: a head-wise press may keep all of layer 0 (GVote on SmolLM2), which
+    # then cropped as any cache's while the layers it compressed kept the rejected candidates, silently.
+    for layer_idx, layer in enumerate(cache.layers):
+        state, slots = get_state(layer), cache.get_seq_length(layer_idx)
+        refused = dropped > appended_outside if max_length < 0 else slots <= max_length < tokens
+        if state is not None and slots < tokens and refused:
+            owner = state.owner_name()
+            raise ValueError(
+                f"{owner}: crop({max_length}) asks a cache {owner} compressed to drop {dropped} of the {tokens} "
+                f"tokens it stands for, in {slots} slots (layer {layer_idx}): the tokens to drop are merged into (or "
+                f"scored against) the slots it keeps and cannot be taken back. Assisted generation "
+                f"(prompt_lookup_num_tokens, assistant_model) rolls its rejected candidates back this way: generate "
+                f"without it under {owner}")
+    slots_before = [cache.get_seq_length(layer_idx) for layer_idx in range(len(cache.layers))]
+    result = type(cache).crop(cache, max_length, *args, **kwargs)
+    # The press counted the tokens of its own passes as seen and held, not those appended outside them, cut first.
+    counted = max(tokens - _tokens_stood_for(cache, cache.get_seq_length()) - appended_outside, 0)
+    for layer_idx, layer in enumerate(cache.layers):
+        state = get_state(layer)
+        owner = state.owner() if state is not None and state.owner is not None else None
+        slots_cut = slots_before[layer_idx] - cache.get_seq_length(layer_idx) - appended_outside
+        if isinstance(owner, KVCompPress) and counted:
+            owner.tokens_cropped(layer_idx, state, counted, max(slots_cut, 0))
+    return result
 
 
 def _legacy_cache_without_state(cache, *args, **kwargs):
@@ -608,6 +622,22 @@ class KVCompPress(BasePress):
         """Count the `tokens` a later pass fed each batch row as seen (a press taking over a cache another instance
         prefilled starts from 0)."""
         self._slots_seen.setdefault(layer_idx, [0, 0])[1] += tokens
+
+    def tokens_cropped(self, layer_idx: int, state: LayerState, tokens: int, slots: int) -> None:
+        """A crop cut the last `tokens` tokens, `slots` slots, that this press counted of a layer holding `state`: if
+        it wrote that state, they are no longer counted as seen nor held. The crops a compressed cache lets through cut
+        tokens held one to a slot (assisted generation's rejected candidates where nothing was compressed yet), which
+        every batch row and kv head held; a crop below the slots a compressed layer holds is counted the same way,
+        though a head may have held fewer of the slots cut."""
+        written = self._states_written.get(layer_idx)
+        if written is None or written() is not state or layer_idx not in self._slots_seen:
+            return
+        prompt, later = self._slots_seen[layer_idx]
+        from_later = min(later, tokens)
+        self._slots_seen[layer_idx] = [prompt - (tokens - from_later), later - from_later]
+        held = self._held(layer_idx)
+        if held is not None:
+            self._slots_held[layer_idx] = (held - slots).clamp_min(0)
 
     def _held(self, layer_idx: int) -> torch.Tensor | None:
         """The slots held per batch row and kv head (B, H) of a layer after the last forward: its log-weights above
