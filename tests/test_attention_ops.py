@@ -277,6 +277,23 @@ def test_nan_log_weight_reaches_every_row_that_sees_it(device, total_len, nan_sl
     torch.testing.assert_close(out, expected_out.to(out.device), equal_nan=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("total_len", [5, 20])
+def test_a_nan_key_as_the_only_slot_attended_makes_its_rows_nan(device, total_len):
+    """Every slot -inf but the last, whose key holds a NaN: its logit is the chunk's only one, in the scalar tail after
+    the vector part (or alone, with fewer slots than a vector), and the rows reading it come out NaN as the float64
+    softmax gives them; a maximum that passed over the NaN would read the row as empty (zeros)."""
+    query, keys, values, log_weights = make_inputs(1, 4, 2, 1, total_len, 16, torch.float32, device, seed=3,
+                                                   evicted=0.0)
+    log_weights[:, :, :-1] = -INF
+    keys[0, 0, -1, 5] = float("nan")
+    out, probs = ops.decode_attention(query, keys, values, log_weights, 0.25)
+    expected_out, expected_probs = reference.decode_attention(query, keys, values, log_weights, 0.25)
+    assert bool(out[0, :2].isnan().all()) and bool(probs[0, :2, :, -1].isnan().all())
+    torch.testing.assert_close(out, expected_out.to(out.device), equal_nan=True)
+    torch.testing.assert_close(probs, expected_probs.to(probs.device), equal_nan=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # merge_count_bias
 

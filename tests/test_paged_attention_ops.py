@@ -15,7 +15,7 @@ import torch
 import kvpress_cpp  # noqa: F401
 from kvpress_cpp import ops
 from tests import reference
-from tests.test_attention_ops import CUDA, DEVICES, DTYPES, LONG_ROW_OUT_TOL, OUT_TOL, PROBS_TOL
+from tests.test_attention_ops import CUDA, DEVICES, DTYPES, INF, LONG_ROW_OUT_TOL, OUT_TOL, PROBS_TOL
 from tests.threads import at_one_and_two_threads
 
 
@@ -108,6 +108,24 @@ def test_usual_decode_with_probabilities_over_many_slots(device, dtype, head_dim
     torch.testing.assert_close(probs.cpu(), expected_probs, **PROBS_TOL)
     assert (probs[0, 4:, :, 30001:] == 0).all()
     torch.testing.assert_close(out.cpu(), expected_out.to(out.dtype), **LONG_ROW_OUT_TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("length", [5, 20])
+def test_a_nan_key_as_the_only_slot_attended_makes_its_rows_nan(device, length):
+    """As over a rectangular cache: a head's only attended slot (the others -inf) holds a NaN key, its logit alone in
+    the scalar tail of the chunk's maximum; the rows reading it come out NaN, as the float64 softmax gives them."""
+    query, key_blocks, value_blocks, log_weight_blocks, tables, lengths = make_paged([[length, 9]], 4, 1, 16, 16,
+                                                                                     device=device, evicted=0.0)
+    for slot in range(length - 1):
+        log_weight_blocks[tables[0, 0, slot // 16], slot % 16] = -INF
+    key_blocks[tables[0, 0, (length - 1) // 16], (length - 1) % 16, 5] = float("nan")
+    inputs = (query, key_blocks, value_blocks, log_weight_blocks, tables, lengths)
+    out, probs = ops.paged_decode_attention(*inputs, 0.3)
+    expected_out, expected_probs = reference.paged_decode_attention(*(t.cpu() for t in inputs), 0.3)
+    assert bool(out[0, :2].isnan().all()) and bool(probs[0, :2, :, length - 1].isnan().all())
+    torch.testing.assert_close(out.cpu(), expected_out, equal_nan=True)
+    torch.testing.assert_close(probs.cpu(), expected_probs, equal_nan=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
