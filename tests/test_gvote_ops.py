@@ -44,6 +44,10 @@ def test_nucleus_budget_by_hand(device):
     assert ops.nucleus_budget(probs, 0.55).tolist() == [[2, 3]]
     assert ops.nucleus_budget(probs, 0.85).tolist() == [[3, 5]]
     assert ops.nucleus_budget(probs, 1.0).tolist() == [[4, 5]]  # the support: the zero is never needed
+    # All of the mass takes every positive one, even those below double resolution against the total (a running sum
+    # in double reaches it after the first).
+    tiny_masses = torch.tensor([[[1.0, 1e-30, 0.0, 1e-20]]], device=device)
+    assert ops.nucleus_budget(tiny_masses, 1.0).tolist() == [[3]]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -106,6 +106,22 @@ def test_half_precision_head_dims_64_and_128(device, dtype, head_dim, batch, que
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_old_queries_are_skipped_only_below_float32_resolution(device):
+    """The old queries all attend one key, and strongly, while the recent ones spread thin: their weights decay to
+    below 1e-9 of the newest (decay 0.85), yet what they add to that key's score is above float32 resolution.
+    Skipping a tile's older queries must wait until their weights cannot reach half an ulp of its smallest partial
+    score (random inputs stayed within tolerance with a bound 2^20 too loose)."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 200, 300, 16, padding=0.0)
+    query[:, :, 136:] *= 0.3
+    for head in range(4):
+        query[0, head, :136] = 3 * keys[0, head // 2, 5]
+    query, keys, log_weights = query.to(device), keys.to(device), log_weights.to(device)
+    scores = ops.prompt_scores(query, keys, log_weights, 0.25, 0.85, 1.0)
+    expected = reference.prompt_scores(query.cpu(), keys.cpu(), log_weights.cpu(), 0.25, 0.85, 1.0)
+    torch.testing.assert_close(scores.double().cpu(), expected, **SCORE_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [20, 64])
 @pytest.mark.parametrize("views", ["query", "keys", "both"])
