@@ -627,6 +627,27 @@ def test_a_budget_assigned_after_construction_is_the_one_kept(llama, make):
     assert press.compression_ratio == pytest.approx(1 - 24 / PROMPT)
 
 
+@pytest.mark.parametrize("fraction,count,slots", [
+    (lambda: ZSMergePress(budget=0.3), lambda: ZSMergePress(budget=13), 13),
+    (lambda: WeightedKVPress(cache_size=0.3), lambda: WeightedKVPress(cache_size=13), 13),
+    (lambda: KeepKVPress(budget=0.3, recent=4), lambda: KeepKVPress(budget=13, recent=4), 13),
+    (lambda: KeepKVPress(budget=24, recent=0.7), lambda: KeepKVPress(budget=24, recent=17), 24),
+], ids=["ZSMerge", "WeightedKV", "KeepKV", "KeepKV-recent"])
+def test_a_fraction_keeps_the_nearest_count(llama, fraction, count, slots):
+    """As the README states: 0.3 of a 43-token prompt keeps 13 slots (12.9), and KeepKV's recent=0.7 of 24 is 17
+    (16.8): the cache equals the one the press given those counts leaves (truncating would keep 12 and 16)."""
+    caches = []
+    for make in (fraction, count):
+        cache = DynamicCache()
+        with torch.no_grad(), make()(llama):
+            llama(prompt(length=43), past_key_values=cache)
+        caches.append(cache)
+    assert caches[0].get_seq_length() == slots
+    for got, want in zip(*(cache.layers for cache in caches)):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert torch.equal(get_state(got).log_weights, get_state(want).log_weights)
+
+
 @pytest.mark.parametrize("make,field,expected", [
     (lambda: ZSMergePress(budget=np.int64(16)), "budget", 16),
     (lambda: KeepKVPress(budget=np.int32(40)), "budget", 40),
