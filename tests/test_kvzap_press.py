@@ -260,6 +260,31 @@ def test_decisions_equal_the_dms_rule_replayed(llama, surrogates, model_type, wi
     assert press.compression_ratio == pytest.approx(evicted / (2 * heads * total))
 
 
+@pytest.mark.parametrize("pass_tokens", [7, 40])
+def test_decisions_after_a_pass_of_several_tokens(llama, surrogates, pass_tokens):
+    """A later pass of several tokens (kvpress's question, assisted decoding's candidates) between the prompt and
+    one-token steps: each of its tokens takes its own absolute position, the DMS rule replayed over every score decides
+    the same slots, and all of its tokens count as seen in the compression ratio."""
+    model, tokenizer = llama
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=16, surrogate_dir=surrogates["mlp"], compaction_slack=1)
+    recorder = Recorder(press)
+    ids = prompt_ids(tokenizer, 200 + pass_tokens)
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(ids[:, :200], past_key_values=cache)
+        token = model(ids[:, 200:], past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(30):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+    total = 200 + pass_tokens + 30
+    evicted = 0
+    for layer_idx, layer in enumerate(cache.layers):
+        keep = reference.dms_keep(recorder.all_scores(layer_idx), 0.0, 16)
+        assert keep.shape[-1] == total and get_state(layer).counters["tokens"] == total
+        assert kept_positions(layer) == expected_positions(keep)
+        evicted += int((~keep).sum())
+    assert press.compression_ratio == pytest.approx(evicted / (2 * model.config.num_key_value_heads * total))
+
+
 def test_decisions_in_a_batch_are_per_row(llama, surrogates):
     model, tokenizer = llama
     ids = torch.cat([prompt_ids(tokenizer, 150), prompt_ids(tokenizer, 170)[:, 20:]], dim=0)
