@@ -137,7 +137,8 @@ class LayerState:
 
     def nbytes(self) -> int:
         probe = self.value_probe.nbytes if self.value_probe is not None else 0
-        return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values()) + probe
+        per_row = sum(count.nbytes for count in self.counters.values() if isinstance(count, torch.Tensor))
+        return self.log_weights.nbytes + sum(tensor.nbytes for tensor in self.per_slot.values()) + probe + per_row
 
     def owner_name(self) -> str:
         return self.owner_type.__name__ if self.owner_type is not None else "a kvpress_cpp press"

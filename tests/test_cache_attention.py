@@ -93,6 +93,44 @@ def test_compacted_cache_equals_masked_cache(make_model, attn_implementation):
     assert compacted_cache.layers[0].keys.shape[-2] < masked_cache.layers[0].keys.shape[-2]
 
 
+def tensors_reachable(obj, seen: set[int]) -> list[torch.Tensor]:
+    """Every tensor `obj` holds: itself, or those in its fields, dicts and lists, each once (weak references, e.g. a
+    state's owner press, are not followed)."""
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    children = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple))
+                else vars(obj).values() if isinstance(obj, LayerState) else [])
+    return [tensor for child in children for tensor in tensors_reachable(child, seen)]
+
+
+@pytest.mark.parametrize("batch", ["one prompt", "left-padded rows"])
+@pytest.mark.parametrize("press", ["ZSMerge", "KeepKV", "GVote"])
+def test_cache_bytes_count_every_tensor_a_layer_holds(press, batch):
+    """cache_bytes, which the demo and benchmarks report: the keys, the values and every tensor of the press's state
+    (per-slot scores, counts, log-weights; each row's state in a padded batch), nothing left out."""
+    from kvpress_cpp.presses import GVotePress, KeepKVPress, ZSMergePress
+
+    model, tokenizer = make_tiny_llama()
+    press = {"ZSMerge": ZSMergePress(budget=24), "KeepKV": KeepKVPress(budget=24), "GVote": GVotePress()}[press]
+    kwargs = {}
+    if batch == "one prompt":
+        ids = prompt_ids(tokenizer, 64)
+    else:
+        ids = torch.cat([prompt_ids(tokenizer, 64), torch.cat([torch.zeros(1, 8, dtype=torch.long),
+                                                               prompt_ids(tokenizer, 56)], dim=1)])
+        kwargs["attention_mask"] = (torch.arange(64) >= torch.tensor([[0], [8]])).long()
+    _, cache = greedy(model, ids, press=press, max_new_tokens=3, **kwargs)
+    expected = 0
+    for layer in cache.layers:
+        state = get_state(layer)
+        assert state is not None
+        expected += sum(tensor.nbytes for tensor in tensors_reachable([layer.keys, layer.values, state], set()))
+    assert cache_bytes(cache) == expected
+
+
 def test_compaction_shrinks_memory_to_longest_head():
     model, tokenizer = make_tiny_llama()
     input_ids = prompt_ids(tokenizer, 400)
