@@ -673,12 +673,12 @@ def test_decode_step_reads_strided_rows_where_they_lie(seed):
         assert bool((outside(buffer, strided[index]) == 7.0).all())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new_tokens, over_budget", [(1, 0), (1, 1), (3, 3), (2, 12)])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "paged-view"])
-def test_decode_step_on_cuda_at_a_real_head_size_matches_reference(dtype, new_tokens, over_budget, strided):
-    """A decoding step at d = 128, G = 4 on the GPU against the float64 reference, E = T - budget slots evicted: 0, 1
+def test_decode_step_at_a_real_head_size_matches_reference(device, dtype, new_tokens, over_budget, strided):
+    """A decoding step at d = 128, G = 4 against the float64 reference, E = T - budget slots evicted: on the GPU 0, 1
     and 3 take the fused kernel (16-byte moves for contiguous rows, element moves for a paged view's unaligned ones),
     12 the ATen path. Keys and values are packed in place; nothing outside a view's rows is written."""
     import random
@@ -691,17 +691,17 @@ def test_decode_step_on_cuda_at_a_real_head_size_matches_reference(dtype, new_to
     args = list(_keepkv_step_build(r, sizes, dtype))
     args[10:13] = [60 + new_tokens - over_budget, 4, 8]  # budget, sinks, recent
     expected = reference.keepkv_decode_step(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-    on_cuda, buffers = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args], {}
+    on_device, buffers = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args], {}
     if strided:
         for index in (0, 1):  # keys, values
-            buffers[index], on_cuda[index] = in_strided_rows(on_cuda[index])
-    got = ops.keepkv_decode_step(*on_cuda)
+            buffers[index], on_device[index] = in_strided_rows(on_device[index])
+    got = ops.keepkv_decode_step(*on_device)
     atol, rtol = FUZZ["keepkv_decode_step"].tolerance(dtype)  # the fuzz's, for the same op
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g.cpu().float(), e.float(), atol=atol, rtol=rtol, equal_nan=True)
     for index, buffer in buffers.items():
-        assert bool((outside(buffer, on_cuda[index]) == 7.0).all())
+        assert bool((outside(buffer, on_device[index]) == 7.0).all())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
