@@ -143,10 +143,10 @@ def test_assisted_generation_is_refused_where_gvote_keeps_all_of_the_first_layer
     model, tokenizer = default_model
     context = "Elizabeth Bennet lives at Longbourn with her four sisters. The passphrase is 4417. " * 12
     ids = tokenizer.apply_chat_template([{"role": "user", "content": context + "Repeat the first sentence twice."}],
-                                        add_generation_prompt=True, return_tensors="pt")
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
     cache = DynamicCache()
     with torch.no_grad(), GVotePress()(model), pytest.raises(ValueError, match=(
-            r"GVotePress: crop\(\d+\) asks a cache GVotePress compressed to drop \d+ of the \d+ tokens it stands "
+            r"GVotePress: crop\(-?\d+\) asks a cache GVotePress compressed to drop \d+ of the \d+ tokens it stands "
             r"for, in \d+ slots \(layer [1-9]\d*\).* Assisted generation")):
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
                        do_sample=False, prompt_lookup_num_tokens=4)

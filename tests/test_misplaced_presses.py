@@ -502,8 +502,8 @@ def test_rejected_draft_tokens_are_not_counted_as_compressed(llama, make, make_c
 
 
 def test_a_question_cropped_after_the_context_closed_leaves_the_compression_ratio(llama):
-    """kvpress's pipeline asks each question over the compressed context after the press's context closed, then cuts
-    it with crop(-tokens): tokens the press never counted, which the cut must not take from its counts either."""
+    """A question asked over the compressed context after the press's context closed, then cut with crop(-tokens):
+    tokens the press never counted, which the cut must not take from its counts either."""
     press, cache = ZSMergePress(budget=16), DynamicCache()
     with torch.no_grad():
         with press(llama):
@@ -513,6 +513,27 @@ def test_a_question_cropped_after_the_context_closed_leaves_the_compression_rati
         cache.crop(-5)
     assert cache.get_seq_length() == 16
     assert press.layer_compression_ratios == ratios == {layer: 1 - 16 / PROMPT for layer in range(len(cache.layers))}
+
+
+@pytest.mark.parametrize("crop", [-2, 0], ids=["last two", "all or none"])
+@pytest.mark.parametrize("make", [GVotePress, lambda: ZSMergePress(budget=16)], ids=["GVote", "ZSMerge"])
+def test_a_crop_leaves_the_ratios_of_tokens_the_press_counted(llama, make, crop):
+    """crop(-2) cuts two of the tokens fed after the prompt, which GVote (compressing the prompt only) never counted
+    and ZSMerge has merged (refused); crop(0) empties the cache under transformers 4 (no token under 5.17 on), whose
+    last ratios stay readable until the next prefill. Neither changes the ratios the prompt left."""
+    press, cache = make(), DynamicCache()
+    with torch.no_grad(), press(llama):
+        token = llama(prompt(), past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            token = llama(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        ratios = press.layer_compression_ratios
+        assert any(ratio > 0 for ratio in ratios.values()), "the press must have compressed the prompt"
+        if crop < 0 and isinstance(press, ZSMergePress):
+            with pytest.raises(ValueError, match=r"ZSMergePress: crop\(-2\) asks"):
+                cache.crop(crop)
+        else:
+            cache.crop(crop)
+    assert press.layer_compression_ratios == ratios
 
 
 def test_a_static_cache_is_refused_by_the_press(llama):

@@ -90,9 +90,12 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     appended_outside = first_layer_slots - getattr(cache, _SLOTS_ATTR, first_layer_slots)
     # Every layer is asked, not the first alone: a head-wise press may keep all of layer 0 (GVote on SmolLM2), which
     # then cropped as any cache's while the layers it compressed kept the rejected candidates, silently.
-    for layer_idx, layer in enumerate(cache.layers):
-        state, slots = get_state(layer), cache.get_seq_length(layer_idx)
+    states = [_written_state(layer) for layer in cache.layers]  # a paged layer's tensors not gathered
+    compressed = False
+    for layer_idx, state in enumerate(states):
+        slots = cache.get_seq_length(layer_idx)
         refused = dropped > appended_outside if max_length < 0 else slots <= max_length < tokens
+        compressed = compressed or (state is not None and slots < tokens)
         if state is not None and slots < tokens and refused:
             owner = state.owner_name()
             raise ValueError(
@@ -101,17 +104,23 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
                 f"scored against) the slots it keeps and cannot be taken back. Assisted generation "
                 f"(prompt_lookup_num_tokens, assistant_model) rolls its rejected candidates back this way: generate "
                 f"without it under {owner}")
-    slots_before = [cache.get_seq_length(layer_idx) for layer_idx in range(len(cache.layers))]
     result = type(cache).crop(cache, max_length, *args, **kwargs)
-    # The press counted the tokens of its own passes as seen and held, not those appended outside them, cut first.
-    counted = max(tokens - _tokens_stood_for(cache, cache.get_seq_length()) - appended_outside, 0)
-    for layer_idx, layer in enumerate(cache.layers):
-        state = get_state(layer)
-        owner = state.owner() if state is not None and state.owner is not None else None
-        slots_cut = slots_before[layer_idx] - cache.get_seq_length(layer_idx) - appended_outside
-        if isinstance(owner, KVCompPress) and counted:
-            owner.tokens_cropped(layer_idx, state, counted, max(slots_cut, 0))
+    if not compressed:
+        # A slot a token in every layer (the rejected candidates of assisted generation before anything was
+        # compressed): the tokens cut leave the counts of the press that counted them. A compressed cache's crop cuts
+        # tokens the press never counted (appended outside its context) or slots of a cache being emptied, whose last
+        # ratios stay readable.
+        kept = _tokens_stood_for(cache, cache.get_seq_length())
+        for layer_idx, state in enumerate(states):
+            owner = state.owner() if state is not None and state.owner is not None else None
+            if isinstance(owner, KVCompPress):
+                owner.tokens_cropped(layer_idx, state, kept)
     return result
+
+
+def _written_state(layer) -> LayerState | None:
+    """The state a press last wrote to `layer`, for its owner and fields (a paged layer's tensors not gathered)."""
+    return layer.written_state() if hasattr(layer, "written_state") else get_state(layer)
 
 
 def _legacy_cache_without_state(cache, *args, **kwargs):
@@ -317,6 +326,9 @@ class KVCompPress(BasePress):
     # press last wrote, whose batch rearrangements the counts follow (:meth:`rows_taken`); and the layers whose counts
     # are this rank's heads only, to be gathered over the tensor-parallel ranks.
     _slots_seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Per layer: the positions [0, n) of the tokens counted in _slots_seen (the prompt's columns, padding included,
+    # then the later passes counted), which a crop compares with the tokens it keeps.
+    _tokens_counted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _slots_held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _states_written: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_to_gather: set = field(default_factory=set, init=False, repr=False, compare=False)
@@ -513,6 +525,7 @@ class KVCompPress(BasePress):
                 f"compress: it keeps a per-slot state from the prompt on, so it must be active when the prompt is "
                 f"processed (alone, in a ComposedPress or as prefilling_press, not only as a decoding press)")
         forget_tokens_held(layer)  # a prompt compressed afresh: an earlier context's count is not its own
+        self._tokens_counted[layer_idx] = new_tokens  # the prompt's columns, any padding a paged layer dropped too
         if self.compresses_compressed_prompt and keys.shape[-2] < new_tokens and not hasattr(layer, "drop_padding"):
             self._refuse_padding_lost(layer_idx, keys, kwargs, new_tokens)
         dropped = getattr(layer, "padding_dropped", 0)
@@ -622,22 +635,25 @@ class KVCompPress(BasePress):
         """Count the `tokens` a later pass fed each batch row as seen (a press taking over a cache another instance
         prefilled starts from 0)."""
         self._slots_seen.setdefault(layer_idx, [0, 0])[1] += tokens
+        self._tokens_counted[layer_idx] = self._tokens_counted.get(layer_idx, 0) + tokens
 
-    def tokens_cropped(self, layer_idx: int, state: LayerState, tokens: int, slots: int) -> None:
-        """A crop cut the last `tokens` tokens, `slots` slots, that this press counted of a layer holding `state`: if
-        it wrote that state, they are no longer counted as seen nor held. The crops a compressed cache lets through cut
-        tokens held one to a slot (assisted generation's rejected candidates where nothing was compressed yet), which
-        every batch row and kv head held; a crop below the slots a compressed layer holds is counted the same way,
-        though a head may have held fewer of the slots cut."""
-        written = self._states_written.get(layer_idx)
-        if written is None or written() is not state or layer_idx not in self._slots_seen:
+    def tokens_cropped(self, layer_idx: int, state: LayerState, kept: int) -> None:
+        """A crop left a layer holding `state`, a slot per token, with its first `kept` tokens: if this press wrote
+        that state and evicted nothing from it (every batch row and kv head holding each token it saw), the tokens
+        it had counted past them are no longer seen nor held. Where it evicted some, a crop cuts slots of a cache being
+        emptied (or tokens it never counted), and its last ratios stay readable until the next prefill."""
+        written, held = self._states_written.get(layer_idx), self._held(layer_idx)
+        removed = self._tokens_counted.get(layer_idx, 0) - kept
+        if written is None or written() is not state or held is None or removed <= 0:
             return
         prompt, later = self._slots_seen[layer_idx]
-        from_later = min(later, tokens)
-        self._slots_seen[layer_idx] = [prompt - (tokens - from_later), later - from_later]
-        held = self._held(layer_idx)
-        if held is not None:
-            self._slots_held[layer_idx] = (held - slots).clamp_min(0)
+        seen = (prompt.unsqueeze(-1) if isinstance(prompt, torch.Tensor) else prompt) + later
+        if not bool((held == seen).all()):
+            return
+        from_later = min(later, removed)
+        self._slots_seen[layer_idx] = [prompt - (removed - from_later), later - from_later]
+        self._tokens_counted[layer_idx] = kept
+        self._slots_held[layer_idx] = held - removed
 
     def _held(self, layer_idx: int) -> torch.Tensor | None:
         """The slots held per batch row and kv head (B, H) of a layer after the last forward: its log-weights above
