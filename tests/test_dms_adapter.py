@@ -136,3 +136,18 @@ def test_compression_ratio_is_the_fraction_evicted(model_and_prompts):
     assert 0 < min(evicted.values())
     assert ratios[PagedKVCache] == pytest.approx(evicted, abs=1e-9)
     assert ratios[DynamicCache] == pytest.approx(evicted, abs=1e-9)
+
+
+def test_a_decoding_dms_press_refuses_a_pass_after_a_cut_of_one_token(model_and_prompts):
+    """Cut back by a single token (a rejected candidate), the next pass starts at the last position DMSPress scored:
+    its buffer still holds that token's score, so the pass is refused as after a longer cut."""
+    model, prompts, surrogate = model_and_prompts
+    press = DMSPress(KVzapPress(surrogate_dir=surrogate), threshold=-3.0, sliding_window_size=8, decoding=True)
+    cache = PagedKVCache()
+    with torch.no_grad(), press(model):
+        token = model(prompts[0][:32].unsqueeze(0), past_key_values=cache).logits[:, -1:].argmax(-1)
+        model(token, past_key_values=cache)  # scores position 32
+        cache.crop(-1)  # position 32 cut
+        with pytest.raises(ValueError, match=r"a pass from position 32 on layer 0, which it has scored up to "
+                                             r"position 32: the cache was cut back"):
+            model(token, past_key_values=cache)

@@ -287,3 +287,17 @@ def test_theorem_3_a_merge_leaves_the_output_of_the_query_that_fed_it_unchanged(
     zip_changes = [change for change, fallback in changes if not fallback]
     assert len(zip_changes) >= 0.8 * len(changes)
     assert max(zip_changes) <= 1e-5, f"largest relative output change {max(zip_changes):.3g}"
+
+
+def test_a_decoding_pass_of_several_tokens_counts_each_of_them():
+    """A later pass of 3 tokens (speculative decoding's candidates, a chunk fed by hand): tokens_seen grows by 3, and
+    Σ votes = tokens seen − dropped still holds (check_votes in CheckedKeepKVPress)."""
+    model, tokenizer = make_tiny_llama()
+    press = CheckedKeepKVPress(budget=32, recent=8, similarity_threshold=0.3)
+    ids = prompt_ids(tokenizer, 99)
+    with torch.no_grad(), press(model):
+        cache = model(ids[:, :96]).past_key_values
+        model(ids[:, 96:], past_key_values=cache, position_ids=torch.arange(96, 99).unsqueeze(0))
+    assert press.steps_checked == model.config.num_hidden_layers
+    for layer in cache.layers:
+        assert get_state(layer).counters["tokens_seen"] == 99

@@ -92,12 +92,14 @@ def test_a_window_the_sequence_never_reaches_runs_unchanged(window):
     torch.testing.assert_close(paged, plain, atol=1e-4, rtol=1e-4)
 
 
-def test_a_window_the_decoding_outgrows_is_refused():
-    """A 40-token prompt fits a window of 42; the third generated token takes the sequence past it."""
+@pytest.mark.parametrize("new_tokens,refused", [(3, False), (4, True)])
+def test_a_window_the_decoding_outgrows_is_refused_at_that_pass(new_tokens, refused):
+    """40-token prompt, window 42: generate's passes hold 40, 41, 42 tokens for 3 new tokens (fits), and 43 for the
+    4th token's pass, refused then, not a pass later."""
     model = tiny("Mistral", sliding_window=42)
-    with pytest.raises(ValueError, match=r"sliding_window=42 over 43 tokens"), torch.no_grad(), \
-            ZSMergePress(budget=16)(model):
-        model.generate(prompt(), max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+    with torch.no_grad(), ZSMergePress(budget=16)(model), pytest.raises(
+            ValueError, match=r"sliding_window=42 over 43 tokens") if refused else nullcontext():
+        model.generate(prompt(), max_new_tokens=new_tokens, do_sample=False, past_key_values=DynamicCache())
 
 
 def test_gemma3_sliding_layers_kvpress_leaves_alone_are_not_refused():

@@ -478,3 +478,116 @@ def test_a_left_padded_state_reads_back_as_written():
     check_allocator(layer)
     torch.testing.assert_close(layer.keys, written[:, :, :5])
     assert layer.lengths.tolist() == [[5, 5], [1, 1]]
+
+
+def test_a_head_shortened_by_exactly_one_block_gives_that_block_back():
+    """Only a head shortened by *less* than a block keeps its emptied block: one cut by a whole block (or more)
+    holds ceil(length / block_size) blocks, and bytes_held says so."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(1, 2, 8, 8)
+    layer.update(keys, -keys, {"cache_position": torch.arange(8)})
+    log_weights = torch.zeros(1, 2, 8)
+    log_weights[0, 0, 4:] = -INF  # head 0 keeps 4 of 8 (shortened by exactly one block)
+    log_weights[0, 1, 3:] = -INF  # head 1 keeps 3 of 8
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    set_state(layer, LayerState(log_weights))
+    layer.flush()
+    assert layer.lengths.tolist() == [[4, 3]]
+    assert layer.blocks_in_use() == math.ceil(4 / 4) + math.ceil(3 / 4) == 2
+    assert layer.bytes_held() == 2 * layer._block_bytes()
+
+
+def test_a_cut_after_dropping_the_longest_row_of_a_left_padded_state_keeps_the_columns_before_it():
+    """A left-padded press state (row 1: 4 columns of padding, then 2 slots), then row 0 dropped
+    (batch_select_indices): the view stays 6 wide, as the rectangular cache's row 1 does. A cut keys[:, :, :5] keeps
+    the rectangular cache's columns 0..4 of that row: its padding and its first slot only."""
+
+    class LeftPadded(LayerState):
+        left_padded = True
+
+    cache = PagedKVCache(block_size=2)
+    keys = torch.randn(2, 2, 6, 4)
+    cache.update(keys, -keys, 0)
+    layer = cache.layers[0]
+    log_weights = torch.zeros(2, 2, 6)
+    log_weights[1, :, :4] = -INF
+    written = keys.masked_fill(torch.isinf(log_weights).unsqueeze(-1), 0)
+    layer.keys, layer.values = written.clone(), -written.clone()
+    set_state(layer, LeftPadded(log_weights.clone()))
+    layer.flush()
+    cache.batch_select_indices(torch.tensor([1]))
+    rect = written[1:]  # the rectangular cache's row 1 (a DynamicLayer keeps every column)
+    torch.testing.assert_close(layer.keys, rect)
+    layer.keys, layer.values = layer.keys[:, :, :5], layer.values[:, :, :5]
+    layer.flush()
+    assert layer.lengths.tolist() == [[1, 1]]
+    assert layer.get_seq_length() == 5
+    torch.testing.assert_close(layer.keys, rect[:, :, :5])
+
+
+def test_a_merging_write_after_a_press_owned_its_appended_slots_drops_their_dead_slots():
+    """KVzap's paged step marks slots -inf in the pools and calls own_appended_slots(): the layer may then hold dead
+    slots, so a later write of a press that keeps every slot it is given (keeps_held_slots) must still drop the
+    columns whose log-weight is -inf, as the rectangular cache's compaction does."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(1, 2, 6, 8)
+    layer.update(keys[:, :, :4], -keys[:, :, :4], {"cache_position": torch.arange(4)})
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    set_state(layer, LayerState(torch.zeros(1, 2, 4), {"scores": torch.zeros(1, 2, 4)}))
+    layer.update(keys[:, :, 4:], -keys[:, :, 4:], {"cache_position": torch.arange(4, 6)})
+    # the press decides slot 1 of every head in the pools (as kvzap_paged_step does) and owns the appended slots
+    index = layer._flat_slots(torch.ones(1, 2, 1, dtype=torch.long)).flatten()
+    layer.slot_blocks["log_weights"].view(-1)[index] = -INF
+    layer.own_appended_slots()
+    state = LayerState(torch.zeros(1, 2, 6).index_fill(-1, torch.tensor([1]), -INF), {"scores": torch.zeros(1, 2, 6)})
+    state.keeps_held_slots = True
+    view = layer.keys.clone()
+    layer.keys, layer.values = view, -view
+    set_state(layer, state)
+    layer.flush()
+    assert layer.lengths.tolist() == [[5, 5]]
+    torch.testing.assert_close(layer.keys, keys[:, :, [0, 2, 3, 4, 5]])
+
+
+def test_marks_evict_only_slots_whose_position_the_layer_knows():
+    """After a rewrite without positions (a kvpress press's compression: positions -1), kvpress's head-wise marks of
+    positions 0 and 4 evict only the appended token at position 4, never the rewritten slots of unknown position."""
+
+    class Module:
+        masked_key_indices = None
+
+    layer, module = PagedLayer(block_size=4), Module()
+    keys = torch.randn(1, 2, 6, 8)
+    layer.update(keys[:, :, :4], -keys[:, :, :4], {"cache_position": torch.arange(4)})
+    layer.keys, layer.values = layer.keys[:, :, 1:].clone(), layer.values[:, :, 1:].clone()  # 3 slots, positions -1
+    layer.flush()
+    layer.update(keys[:, :, 4:], -keys[:, :, 4:], {"cache_position": torch.arange(4, 6)})
+    layer.attended_by(module)
+    module.masked_key_indices = (torch.tensor([0, 0]), torch.tensor([0, 0]), torch.tensor([0, 4]))
+    layer.flush()
+    assert layer.lengths.tolist() == [[4, 5]]
+    held = layer.keys[0, 0][layer.keys[0, 0].abs().sum(-1) > 0]
+    torch.testing.assert_close(held, keys[0, 0, [1, 2, 3, 5]])
+
+
+def test_marks_are_evicted_by_the_layer_the_module_last_attended_only():
+    """Two paged layers read by one attention module (a cache and a copy of it, two conversations): the marks a
+    head-wise press leaves after a pass over `current` index its slots; `other` flushing first (its get_seq_length)
+    must neither evict them from its own slots nor consume them."""
+
+    class Module:
+        masked_key_indices = None
+
+    module = Module()
+    keys = torch.randn(1, 2, 6, 8)
+    other, current = PagedLayer(block_size=4), PagedLayer(block_size=4)
+    for layer in (other, current):
+        layer.update(keys, -keys, {"cache_position": torch.arange(6)})
+    other.attended_by(module)
+    current.attended_by(module)  # the pass over `current` that leaves the marks
+    module.masked_key_indices = (torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))
+    assert other.get_seq_length() == 6 and other.lengths.tolist() == [[6, 6]]
+    torch.testing.assert_close(other.keys, keys)
+    current.flush()
+    assert current.lengths.tolist() == [[6, 5]]
+    torch.testing.assert_close(current.keys[0, 1, 1:], keys[0, 1, [0, 1, 3, 4, 5]])
