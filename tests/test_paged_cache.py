@@ -445,23 +445,31 @@ def test_appends_without_cache_position_after_a_cut_follow_the_tokens_kept():
     assert torch.equal(layer._slot_positions(), torch.arange(9).expand(1, 2, 9))
 
 
-def test_a_left_padded_state_reads_back_as_written():
-    """A press that left-pads (a padded batch compressed row by row: each row's slots at the right, after -inf
-    padding) reads its write back as written, and the tokens appended after it, as a rectangular cache holds them; a
-    cut keeps each head's columns before it. The padding is not stored."""
+class LeftPadded(LayerState):
+    left_padded = True
 
-    class LeftPadded(LayerState):
-        left_padded = True
 
+def left_padded_write(per_slot: dict | None = None) -> tuple[PagedKVCache, PagedLayer, torch.Tensor, torch.Tensor]:
+    """A paged cache of 2 rows x 2 heads x 6 columns (blocks of 2) written by a press that left-pads (a padded batch
+    compressed row by row): row 1 keeps its last 2 slots after 4 of padding. (cache, its layer, the keys written,
+    the log-weights)."""
     cache = PagedKVCache(block_size=2)
     keys = torch.randn(2, 2, 6, 4)
     cache.update(keys, -keys, 0)
     layer = cache.layers[0]
     log_weights = torch.zeros(2, 2, 6)
-    log_weights[1, :, :4] = -INF  # row 1 keeps its last 2 slots, after 4 of padding
+    log_weights[1, :, :4] = -INF
     written = keys.masked_fill(torch.isinf(log_weights).unsqueeze(-1), 0)
     layer.keys, layer.values = written.clone(), -written.clone()
-    set_state(layer, LeftPadded(log_weights.clone(), {"scores": torch.arange(24.0).view(2, 2, 6)}))
+    set_state(layer, LeftPadded(log_weights.clone(), per_slot or {}))
+    return cache, layer, written, log_weights
+
+
+def test_a_left_padded_state_reads_back_as_written():
+    """A press that left-pads (each row's slots at the right, after -inf padding) reads its write back as written, and
+    the tokens appended after it, as a rectangular cache holds them; a cut keeps each head's columns before it. The
+    padding is not stored."""
+    cache, layer, written, log_weights = left_padded_write({"scores": torch.arange(24.0).view(2, 2, 6)})
     check_allocator(layer)
     assert layer.lengths.tolist() == [[6, 6], [2, 2]]
     torch.testing.assert_close(layer.keys, written)
@@ -501,19 +509,7 @@ def test_a_cut_after_dropping_the_longest_row_of_a_left_padded_state_keeps_the_c
     """A left-padded press state (row 1: 4 columns of padding, then 2 slots), then row 0 dropped
     (batch_select_indices): the view stays 6 wide, as the rectangular cache's row 1 does. A cut keys[:, :, :5] keeps
     the rectangular cache's columns 0..4 of that row: its padding and its first slot only."""
-
-    class LeftPadded(LayerState):
-        left_padded = True
-
-    cache = PagedKVCache(block_size=2)
-    keys = torch.randn(2, 2, 6, 4)
-    cache.update(keys, -keys, 0)
-    layer = cache.layers[0]
-    log_weights = torch.zeros(2, 2, 6)
-    log_weights[1, :, :4] = -INF
-    written = keys.masked_fill(torch.isinf(log_weights).unsqueeze(-1), 0)
-    layer.keys, layer.values = written.clone(), -written.clone()
-    set_state(layer, LeftPadded(log_weights.clone()))
+    cache, layer, written, _ = left_padded_write()
     layer.flush()
     cache.batch_select_indices(torch.tensor([1]))
     rect = written[1:]  # the rectangular cache's row 1 (a DynamicLayer keeps every column)
