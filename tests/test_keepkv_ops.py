@@ -704,6 +704,30 @@ def test_decode_step_at_a_real_head_size_matches_reference(device, dtype, new_to
         assert bool((outside(buffer, on_device[index]) == 7.0).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edge", ["first recent slot", "last sink"])
+def test_decode_step_never_evicts_the_protected_slot_with_the_lowest_score(device, edge):
+    """The slot at the edge of the recent window (or the last sink) holds the lowest ŝ of the row, by far: the step
+    keeps it, as the reference does, and evicts the lowest unprotected slots instead (random scores rarely put the
+    minimum on an edge, where a window one slot short passed every test but the fuzz)."""
+    import random
+
+    from tests.test_fuzz_ops import _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random(f"protected-edge:{edge}")
+    args = list(_keepkv_step_build(r, _keepkv_step_sizes(r, {"B": 1, "H": 2, "Hq": 4, "q": 1, "d": 16, "S": 40}),
+                                   torch.float32))
+    slots = args[0].shape[2]
+    args[10:13] = [slots - 3, 2, 8]  # budget (3 evicted), sinks, recent
+    slot = slots - 8 if edge == "first recent slot" else 1
+    args[5][..., slot] = -40.0  # ln ŝ before the step
+    args[3][..., slot] = 0.0  # no attention from the new query
+    expected = reference.keepkv_decode_step(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    got = ops.keepkv_decode_step(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.cpu().float(), e.float(), atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new_tokens", [1, 8])
