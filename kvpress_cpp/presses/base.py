@@ -95,8 +95,9 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     for layer_idx, state in enumerate(states):
         slots = cache.get_seq_length(layer_idx)
         refused = dropped > appended_outside if max_length < 0 else slots <= max_length < tokens
-        compressed = compressed or (state is not None and slots < tokens)
-        if state is not None and slots < tokens and refused:
+        layer_compressed = state is not None and slots < tokens
+        compressed = compressed or layer_compressed
+        if layer_compressed and refused:
             owner = state.owner_name()
             raise ValueError(
                 f"{owner}: crop({max_length}) asks a cache {owner} compressed to drop {dropped} of the {tokens} "
