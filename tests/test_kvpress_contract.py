@@ -103,6 +103,10 @@ def test_compression_ratio_of_a_budget_press_is_settable_as_in_kvpress(make_pres
     for refused in (1.0, "0.5"):  # a string failed in a comparison, naming no press
         with pytest.raises(ValueError, match=rf"{name}: compression_ratio must be a number in \[0, 1\), got {refused!r}"):
             press.compression_ratio = refused
+    # Inside [0, 1), but 1 - ratio rounds to a budget of 0 slots: refused naming the ratio, and the budget unchanged.
+    with pytest.raises(ValueError, match=rf"{name}: compression_ratio 0.9999999999 leaves a budget of 0.0"):
+        press.compression_ratio = 0.9999999999
+    assert getattr(press, press.budget_field) == 0.25
 
 
 @pytest.mark.parametrize("name", ["GVotePress", "KVzapThresholdPress"])

@@ -410,7 +410,11 @@ class KVCompPress(BasePress):
             raise AttributeError(f"compression ratio cannot be set for {type(self).__name__}: it depends on its "
                                  f"parameters and the input")
         require_real(type(self).__name__, "compression_ratio", value, "[0, 1)")
-        setattr(self, self.budget_field, round(1.0 - float(value), 9))
+        budget = round(1.0 - float(value), 9)
+        if budget <= 0:  # 0.9999999999 is inside [0, 1) but leaves no slot: name the value the caller set
+            raise ValueError(f"{type(self).__name__}: compression_ratio {value!r} leaves a budget of {budget} of the "
+                             f"context, which keeps no token; use a ratio below 1 - 1e-9")
+        setattr(self, self.budget_field, budget)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """kvpress's keys-and-values entry point (ChunkPress, DecodingPress, PrefillDecodingPress.compress): it has
