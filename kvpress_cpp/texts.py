@@ -283,8 +283,10 @@ def _decompress_lazyload_entry(entry: bytes, compression: int) -> bytes:
     """Undo the compression of one ``.rdb`` entry, as the index's ``compressed`` field says it was done.
 
     0: stored as is. Otherwise a 4-byte big-endian uncompressed length comes first; then for 1 (R's default,
-    compress=TRUE) a bare zlib stream, and for 2 or 3 a method byte ('Z' zlib, '2' bzip2, 'X' xz, '0' stored)
-    followed by the stream. (The method byte cannot be sniffed for 1: 'X' is also a valid zlib header byte.)
+    compress=TRUE) a bare zlib stream, and for 2 (bzip2) or 3 (xz) a method byte followed by the stream, as R's
+    R_decompress2 / R_decompress3 read it: '2' bzip2, '1' zlib, '0' stored, and for 3 also 'Z', a raw LZMA2 stream
+    (no .xz container; R's filter is LZMA2 at preset 6, read here with a 64 MiB dictionary, which covers every
+    preset). (The method byte cannot be sniffed for 1: a zlib stream starts with 'x'.)
     """
     if compression == 0:
         return entry
@@ -293,15 +295,22 @@ def _decompress_lazyload_entry(entry: bytes, compression: int) -> bytes:
         data = zlib.decompress(entry[4:])
     elif compression in (2, 3):
         method, payload = entry[4:5], entry[5:]
-        decompressors = {b"Z": zlib.decompress, b"2": bz2.decompress, b"X": lzma.decompress, b"0": bytes}
+        decompressors = {b"2": bz2.decompress, b"1": zlib.decompress, b"0": bytes}
+        if compression == 3:
+            decompressors[b"Z"] = _raw_lzma2_decompress
         if method not in decompressors:
-            raise ValueError(f"unknown lazy-load compression method byte {method!r}")
+            raise ValueError(f"unknown lazy-load compression method byte {method!r} for compression setting "
+                             f"{compression}")
         data = decompressors[method](payload)
     else:
         raise ValueError(f"unknown lazy-load compression setting {compression}")
     if len(data) != expected:
         raise ValueError(f"lazy-load entry decompressed to {len(data)} bytes, its header says {expected}")
     return data
+
+
+def _raw_lzma2_decompress(payload: bytes) -> bytes:
+    return lzma.decompress(payload, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2, "dict_size": 1 << 26}])
 
 
 def read_lazyload_db(rdx_path: Path) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import lzma
 import math
 import re
 import struct
@@ -79,6 +80,11 @@ def test_unserialize_long_vector_length_form() -> None:
     # Lengths over 2^31-1 are written as -1 then two 32-bit halves; the reader must accept that form for any length.
     data = header(2) + i32(STRSXP, -1, 0, 2) + charsxp("first") + charsxp("second")
     assert list(texts.unserialize_r(data)) == ["first", "second"]
+    # The halves are (upper, lower): 2^32 and 2^32 + 3 integers ask for 4 bytes each (and are not there).
+    with pytest.raises(ValueError, match=f"need {4 * 2**32} bytes"):
+        texts.unserialize_r(header(2) + i32(INTSXP, -1, 1, 0))
+    with pytest.raises(ValueError, match=f"need {4 * (2**32 + 3)} bytes"):
+        texts.unserialize_r(header(2) + i32(INTSXP, -1, 1, 3))
 
 
 def test_unserialize_named_list_with_symbol_reference() -> None:
@@ -121,35 +127,58 @@ def test_unserialize_rejects_bad_input() -> None:
         texts.unserialize_r(header(2) + i32(NILVALUE) + b"\0")
 
 
-@pytest.mark.parametrize(
-    ("compressed_flag", "compress"),
-    [
-        (i32(LGLSXP, 1, 1), lambda raw: struct.pack(">I", len(raw)) + zlib.compress(raw)),  # R's default
-        (i32(INTSXP, 1, 2), lambda raw: struct.pack(">I", len(raw)) + b"2" + bz2.compress(raw)),
-        (i32(INTSXP, 1, 2), lambda raw: struct.pack(">I", len(raw)) + b"Z" + zlib.compress(raw)),
-    ],
-)
-def test_read_lazyload_db(tmp_path: Path, compressed_flag: bytes, compress) -> None:
-    objects = {"first": compress(header(3) + strsxp(["one", "two"])), "second": compress(header(3) + strsxp([None]))}
+def _write_lazyload_db(directory: Path, objects: dict[str, bytes], compressed_flag: bytes) -> Path:
+    """Rdata.rdx + Rdata.rdb holding the already compressed `objects` (name → entry bytes), as R's makeLazyLoadDB:
+    the index is list(variables = list(<name> = c(offset, length), ...), references = list(), compressed)."""
     rdb = b"".join(objects.values())
-    # The index: list(variables = list(first = c(offset, length), second = ...), references = list(), compressed).
-    offsets = [0, len(objects["first"])]
-    variables = i32(VECSXP | HAS_ATTR, 2)
+    offsets = [sum(len(b) for b in list(objects.values())[:k]) for k in range(len(objects))]
+    variables = i32(VECSXP | HAS_ATTR, len(objects))
     variables += b"".join(i32(INTSXP, 2, offset, len(blob)) for offset, blob in zip(offsets, objects.values()))
     variables += names_attribute(list(objects), symbol("names"))
     index_names = names_attribute(["variables", "references", "compressed"], i32(REFSXP | 1 << 8))
     index = header(3) + i32(VECSXP | HAS_ATTR, 3) + variables + i32(VECSXP, 0) + compressed_flag + index_names
-    (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(index))
-    (tmp_path / "Rdata.rdb").write_bytes(rdb)
+    (directory / "Rdata.rdx").write_bytes(gzip.compress(index))
+    (directory / "Rdata.rdb").write_bytes(rdb)
+    return directory / "Rdata.rdx"
 
-    assert texts.read_lazyload_db(tmp_path / "Rdata.rdx") == {"first": ["one", "two"], "second": [None]}
+
+def _entry(method: bytes, payload: bytes, raw: bytes) -> bytes:
+    """One .rdb entry as R's R_compress1/2/3 write it: the uncompressed length (4 bytes, big-endian), the method byte
+    (none for setting 1), then the stream."""
+    return struct.pack(">I", len(raw)) + method + payload
+
+
+# R's LZMA2 filter for lazy-load data (connections.c, init_filters: preset 6), with no .xz container around it.
+R_LZMA2_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6}]
+
+
+@pytest.mark.parametrize(
+    ("compressed_flag", "compress"),
+    [
+        (i32(LGLSXP, 1, 1), lambda raw: _entry(b"", zlib.compress(raw), raw)),  # compress = TRUE, R's default
+        (i32(LGLSXP, 1, NA_INTEGER), lambda raw: _entry(b"", zlib.compress(raw), raw)),  # NA reads as TRUE
+        (i32(LGLSXP, 1, 0), lambda raw: raw),  # compress = FALSE: no header either
+        (i32(INTSXP, 1, 2), lambda raw: _entry(b"2", bz2.compress(raw), raw)),  # R_compress2
+        (i32(INTSXP, 1, 2), lambda raw: _entry(b"0", raw, raw)),  # R_compress2 where bzip2 did not shrink it
+        (i32(INTSXP, 1, 2), lambda raw: _entry(b"1", zlib.compress(raw), raw)),  # read by R_decompress2 too
+        (i32(INTSXP, 1, 3), lambda raw: _entry(b"Z", lzma.compress(raw, lzma.FORMAT_RAW, filters=R_LZMA2_FILTERS),
+                                               raw)),  # R_compress3: raw LZMA2 ('xz' in LazyDataCompression)
+        (i32(INTSXP, 1, 3), lambda raw: _entry(b"0", raw, raw)),  # R_compress3 where LZMA2 did not shrink it
+    ],
+    ids=["zlib", "na-means-zlib", "uncompressed", "bzip2", "bzip2-setting-stored", "bzip2-setting-zlib", "xz",
+         "xz-setting-stored"],
+)
+def test_read_lazyload_db(tmp_path: Path, compressed_flag: bytes, compress) -> None:
+    objects = {"first": compress(header(3) + strsxp(["one", "two"])), "second": compress(header(2) + strsxp([None]))}
+    rdx = _write_lazyload_db(tmp_path, objects, compressed_flag)
+    assert texts.read_lazyload_db(rdx) == {"first": ["one", "two"], "second": [None]}
 
 
 @pytest.mark.parametrize("damage", ["index cut in half", "empty database", "database cut to 3 bytes"])
 def test_a_damaged_lazyload_db_is_an_asset_error(tmp_path: Path, damage: str) -> None:
     """A damaged download gets the error that says which package to fetch again, not a bare EOFError or
     struct.error from the parser."""
-    test_read_lazyload_db(tmp_path, i32(LGLSXP, 1, 1), lambda raw: struct.pack(">I", len(raw)) + zlib.compress(raw))
+    test_read_lazyload_db(tmp_path, i32(LGLSXP, 1, 1), lambda raw: _entry(b"", zlib.compress(raw), raw))
     rdx, rdb = tmp_path / "Rdata.rdx", tmp_path / "Rdata.rdb"
     if damage == "index cut in half":
         rdx.write_bytes(rdx.read_bytes()[: len(rdx.read_bytes()) // 2])
@@ -194,13 +223,6 @@ def test_austen_novel(name: str) -> None:
     lines = text.split("\n")
     assert "NA" not in lines and "None" not in lines  # an NA line would have leaked through as one of these
     assert "\ufffd" not in text  # no undecodable bytes
-
-
-def test_austen_text_is_the_novels_in_order() -> None:
-    text = normalise(texts.austen_text())
-    positions = [text.index(KNOWN_PASSAGES[name]) for name in texts.AUSTEN_NOVELS]
-    assert positions == sorted(positions)
-    assert len(text) > 6 * 100_000
 
 
 def test_unknown_novel_lists_valid_names() -> None:
@@ -248,3 +270,83 @@ def test_the_hidden_fact_stands_on_its_own_line_at_its_depth(context_tokens: int
     start = context.index(texts.austen_novel("prideprejudice")[:20])
     fraction = (at - start) / (len(context) - start - len(fact.fact) - 1)
     assert depth - 0.1 <= fraction <= depth + 0.01, fraction
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# More of the format, on hand-built bytes (pairlist attributes, the raw-bytes encoding mark, a lazy-load entry's
+# length check, the novels' parse), and how the texts are joined.
+# ---------------------------------------------------------------------------------------------------------------------
+
+BYTES_LEVEL = 1 << 1  # CHARSXP levels bit: raw bytes, no declared encoding
+
+
+def test_unserialize_pairlist_attributes_are_the_head_cells() -> None:
+    # pairlist(a = 1L, b = 2L) whose head cell carries attributes (foo = "head") and whose second cell carries others
+    # (bar = "tail"): R's attributes of a pairlist are those of its head cell.
+    foo = i32(LISTSXP | HAS_TAG) + symbol("foo") + strsxp(["head"]) + i32(NILVALUE)
+    bar = i32(LISTSXP | HAS_TAG) + symbol("bar") + strsxp(["tail"]) + i32(NILVALUE)
+    data = (header(2)
+            + i32(LISTSXP | HAS_ATTR | HAS_TAG) + foo + symbol("a") + i32(INTSXP, 1, 1)
+            + i32(LISTSXP | HAS_ATTR | HAS_TAG) + bar + symbol("b") + i32(INTSXP, 1, 2)
+            + i32(NILVALUE))
+    value = texts.unserialize_r(data)
+    assert value == [[1], [2]] and value.names == ["a", "b"]
+    assert value.attributes["foo"] == ["head"] and "bar" not in value.attributes
+
+
+def test_unserialize_bytes_marked_string_is_read_as_utf8() -> None:
+    # A string marked as raw bytes (no declared encoding) keeps its UTF-8 text; bytes that are not UTF-8 are replaced.
+    encoded = "£5 café".encode("utf-8")
+    data = header(3) + i32(STRSXP, 2, CHARSXP | BYTES_LEVEL << 12, len(encoded)) + encoded
+    data += i32(CHARSXP | BYTES_LEVEL << 12, 2) + b"a\xff"
+    assert list(texts.unserialize_r(data)) == ["£5 café", "a\ufffd"]
+
+
+def test_lazyload_entry_whose_length_header_disagrees_is_refused(tmp_path: Path) -> None:
+    raw = header(3) + strsxp(["one", "two"])
+    objects = {"first": _entry(b"", zlib.compress(raw), raw + b"\0")}  # a header one byte longer than the data
+    rdx = _write_lazyload_db(tmp_path, objects, i32(LGLSXP, 1, 1))
+    with pytest.raises(ValueError, match=f"decompressed to {len(raw)} bytes, its header says {len(raw) + 1}"):
+        texts.read_lazyload_db(rdx)
+
+
+def _fake_novels() -> dict[str, list[str]]:
+    # Six "novels" of over 100k characters each, with empty lines as Gutenberg texts have between paragraphs.
+    return {name: [f"Line {i} of {name}, which is long enough." if i % 5 else "" for i in range(3500)]
+            for name in texts.AUSTEN_NOVELS}
+
+
+def test_parse_novels_joins_each_novels_lines(tmp_path: Path) -> None:
+    novels = _fake_novels()
+    pack = lambda raw: _entry(b"", zlib.compress(raw), raw)  # noqa: E731
+    objects = {name: pack(header(3) + strsxp(lines)) for name, lines in novels.items()}
+    objects["other"] = pack(header(3) + strsxp(["not a novel"]))
+    parsed = texts._parse_novels(_write_lazyload_db(tmp_path, objects, i32(LGLSXP, 1, 1)))
+    assert list(parsed) == list(texts.AUSTEN_NOVELS)
+    for name, lines in novels.items():
+        assert parsed[name] == "\n".join(lines)
+    # A novel with an NA line is a broken parse, not text with "None" in it.
+    novels["emma"][7] = None
+    objects["emma"] = pack(header(3) + strsxp(novels["emma"]))
+    with pytest.raises(texts.AssetError, match="'emma' contains NA lines"):
+        texts._parse_novels(_write_lazyload_db(tmp_path, objects, i32(LGLSXP, 1, 1)))
+
+
+def test_austen_text_is_the_novels_in_order_each_after_a_blank_line() -> None:
+    text = texts.austen_text()
+    novels = [texts.austen_novel(name) for name in texts.AUSTEN_NOVELS]
+    assert len(text) == sum(len(n) for n in novels) + 2 * (len(novels) - 1)
+    at = 0
+    for novel in novels:
+        assert text[at : at + len(novel)] == novel
+        at += len(novel)
+        if at < len(text):
+            assert text[at : at + 2] == "\n\n"
+            at += 2
+
+
+def test_python_docs_text_is_the_files_in_path_order_with_a_blank_line_between() -> None:
+    root = texts._python_docs_dir()
+    files = sorted(str(p.relative_to(root)).replace("\\", "/") for p in root.rglob("*.rst.txt"))[:3]
+    expected = "\n\n".join((root / f).read_text(encoding="utf-8") for f in files)
+    assert texts.python_docs_text(max_files=3) == expected
