@@ -365,3 +365,195 @@ def test_cli_end_to_end_on_tiny_model(tmp_path):
     for kind in ("linear", "mlp"):
         layer_means = [sum(row) / len(row) for row in saved["r2"][kind]]
         assert report2["compared"][kind]["r2_layer_mean"] == pytest.approx(layer_means, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data split, chunk sampling, floor, fold of the standardisation, and what train_surrogates fits on
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _numbered_text(lines: int) -> str:
+    """Text whose every line is unique (so a chunk's decoded text is found at exactly one place)."""
+    words = ENGLISH_PROSE.split()
+    return "\n".join(f"Line {i} says {words[i % len(words)]} and {words[(7 * i) % len(words)]}." for i in range(lines))
+
+
+def test_sample_chunks_never_overlap_when_segments_have_room(tiny_llama):
+    """Each segment holds 8 characters per token of room beyond its chunk's start window: for any seed, the chunks
+    are disjoint and in text order."""
+    _, tokenizer = tiny_llama
+    text = _numbered_text(1500)
+    n_chunks, context_tokens = 4, 40
+    assert len(text) // n_chunks > 2 * 8 * context_tokens
+    for seed in range(12):
+        chunks = tk.sample_chunks(tokenizer, text, n_chunks, context_tokens, random.Random(seed))
+        spans = []
+        for chunk in chunks:
+            piece = tokenizer.decode(chunk)
+            assert text.count(piece) == 1, piece
+            start = text.index(piece)
+            spans.append((start, start + len(piece)))
+        for (_, end), (next_start, _) in zip(spans, spans[1:]):
+            assert end <= next_start, (seed, spans)
+
+
+@pytest.mark.parametrize("val_fraction", [0.5, 0.9, 0.99])
+def test_plan_chunks_keeps_training_and_held_out_chunks_of_every_text(tiny_llama, val_fraction):
+    """The CLI accepts any --val-fraction in (0, 1): each text keeps at least one held-out and one training chunk."""
+    _, tokenizer = tiny_llama
+    texts = {"a": ENGLISH_PROSE, "b": ENGLISH_PROSE[::-1]}
+    plan = tk.plan_chunks(tokenizer, texts, n_tokens=4 * 20, context_tokens=20, val_fraction=val_fraction, seed=0)
+    for name in texts:
+        flags = [v for t, v in zip(plan.text, plan.is_val) if t == name]
+        assert len(flags) == 2 and sum(flags) == 1, (name, flags)
+
+
+def test_kvzip_plus_targets_are_floored():
+    """Attention so peaked that most probabilities underflow: every target is max(log s, log SCORE_FLOOR), the score
+    computed in float64 from the model's own logits (a plain loop over the repeated rows)."""
+    model, tokenizer = make_tiny_llama(attn_implementation="eager")
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 40.0  # logit gaps of hundreds of nats
+    ids = tokenizer.encode(ENGLISH_PROSE[:60], add_special_tokens=False)
+    prompt = tk.build_repeat_prompt(tokenizer, ids)
+    _, y = tk.kvzip_plus_targets(model, prompt)
+    floor = math.log(torch.finfo(torch.float32).tiny)
+    # Reference: log a_ji from the logits in float64 (no underflow), then the same max as the loop reference.
+    captured = {}
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda m, a, k, o, i=i: captured.__setitem__(i, k["hidden_states"][0]), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            out = model(prompt.input_ids, output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = model.config
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    ref = torch.empty(len(model.model.layers), len(ids), cfg.num_key_value_heads, dtype=torch.float64)
+    for li, layer in enumerate(model.model.layers):
+        attn, x = layer.self_attn, captured[li]
+        d, T = attn.head_dim, x.shape[0]
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(x[None], torch.arange(T)[None])
+            q = attn.q_proj(x).view(T, -1, d).transpose(0, 1)[None]
+            k = attn.k_proj(x).view(T, -1, d).transpose(0, 1)[None]
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            v = attn.v_proj(x).double()
+        q, k = q[0].double(), k[0].double().repeat_interleave(group, 0)
+        logits = q @ k.transpose(1, 2) * attn.scaling
+        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+        log_a = logits - logits.logsumexp(-1, keepdim=True)  # (Hq, T, T)
+        log_h = x.double().norm(dim=-1).log()
+        for g in range(cfg.num_key_value_heads):
+            for a, i in enumerate(prompt.context):
+                best = -math.inf
+                for h in range(g * group, (g + 1) * group):
+                    head_out = attn.o_proj.weight[:, h * d:(h + 1) * d].detach().double()
+                    wov = (head_out @ v[i, g * d:(g + 1) * d]).norm().log()
+                    rows = list(prompt.repeat)
+                    best = max(best, float((log_a[h, rows, i] - log_h[rows]).max() + wov))
+                ref[li, a, g] = max(best, floor)
+    assert (ref == floor).float().mean() > 0.1  # the case the floor is for
+    assert out.attentions[0].min() == 0  # (the model's own float32 probabilities do underflow)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("scale,shift", [(100.0, -30.0), (0.01, 5.0)])
+def test_trained_mlp_maps_raw_targets_whatever_their_scale(scale, shift):
+    """Targets are standardised for training and the standardisation folded back into the weights: training on
+    scale * y + shift gives scale * (the MLP trained on y) + shift."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 400, 6, generator=gen) * 3 + 1
+    y = torch.tanh(x @ torch.randn(6, 2, generator=gen)) + 0.5
+    kwargs = dict(hidden_dim=8, epochs=2, batch_size=100, lr=1e-2, seed=0)
+    base = tk.train_mlps(x, y, **kwargs)
+    moved = tk.train_mlps(x, scale * y + shift, **kwargs)
+    with torch.no_grad():
+        for layer in range(2):
+            torch.testing.assert_close(moved[layer](x[layer]), scale * base[layer](x[layer]) + shift,
+                                       rtol=1e-3, atol=1e-3 * scale)
+
+
+def test_mlp_best_epoch_counts_epochs_from_one():
+    """best_epoch is the number of epochs trained for the weights kept; 0 means the initial weights."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 600, 8, generator=gen)
+    y = x @ torch.randn(8, 1, generator=gen)  # learnable: one epoch improves on the random init
+    kwargs = dict(hidden_dim=16, epochs=1, batch_size=50, lr=1e-2, seed=0)
+    (plain,) = tk.train_mlps(x[:, :500], y[:, :500], **kwargs)
+    (stopped,) = tk.train_mlps(x[:, :500], y[:, :500], **kwargs, x_stop=x[:, 500:], y_stop=y[:, 500:])
+    assert stopped.best_epoch == 1
+    for p, q in zip(plain.parameters(), stopped.parameters()):
+        assert torch.equal(p, q)  # the one epoch's weights were kept
+
+
+def _synthetic_dataset(n_chunks, is_val, per_chunk=40, dim=8, heads=2, layers=2, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    n = n_chunks * per_chunk
+    x = torch.randn(layers, n, dim, generator=gen) * torch.linspace(0.5, 2.0, dim) + 1.0
+    w_train, w_val = torch.randn(dim, heads, generator=gen), torch.randn(dim, heads, generator=gen)
+    chunk = torch.arange(n_chunks).repeat_interleave(per_chunk)
+    val_rows = torch.tensor(is_val)[chunk]
+    # Held-out chunks follow another map: a fit that saw them would not be the training rows' fit.
+    y = torch.where(val_rows[None, :, None], x @ w_val - 3.0, x @ w_train + 2.0)
+    y = y + 0.3 * torch.randn(layers, n, heads, generator=gen)
+    return tk.Dataset(x.half(), y, chunk, ["t"] * n_chunks, list(is_val))
+
+
+def test_train_surrogates_linear_is_the_ridge_fit_of_all_training_chunks_only():
+    """The linear surrogate of each layer is the closed-form ridge fit (unpenalised intercept) on every training chunk
+    and no held-out one, with λ = α · trace(Xcᵀ Xc) / D as reported."""
+    is_val = [k % 4 == 3 for k in range(16)]
+    data = _synthetic_dataset(16, is_val)
+    alpha = 0.05
+    linears, _, metrics = tk.train_surrogates(data, hidden_dim=4, epochs=1, batch_size=128, lr=1e-3,
+                                              weight_decay=0.0, seed=0, ridge_alphas=(alpha,), progress=False)
+    train_rows = ~torch.tensor(is_val)[data.chunk]
+    for layer in range(2):
+        x = data.features[layer, train_rows].double()
+        y = data.targets[layer, train_rows].double()
+        xc = x - x.mean(0)
+        lam = alpha * float((xc * xc).sum()) / x.shape[1]
+        assert metrics["ridge_alpha"][layer] == alpha
+        assert metrics["ridge_lambda"][layer] == pytest.approx(lam, rel=1e-5, abs=1e-6)
+        d = x.shape[1]
+        aug_x = torch.cat([torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1),
+                           torch.cat([math.sqrt(lam) * torch.eye(d, dtype=torch.float64),
+                                      torch.zeros(d, 1, dtype=torch.float64)], 1)])
+        aug_y = torch.cat([y, torch.zeros(d, y.shape[1], dtype=torch.float64)])
+        sol = torch.linalg.lstsq(aug_x, aug_y).solution
+        torch.testing.assert_close(linears[layer].weight.double(), sol[:d].T, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(linears[layer].bias.double(), sol[d], rtol=1e-4, atol=1e-4)
+
+
+def test_train_surrogates_early_stops_the_mlp_on_unseen_training_chunks():
+    """Pure-noise targets: an MLP judged on rows it does not train on is best early (the overfit later epochs do worse
+    there); judged on rows it also trains on, the late, memorising epochs would look best."""
+    gen = torch.Generator().manual_seed(8)
+    n_chunks, per_chunk = 20, 20
+    x = torch.randn(1, n_chunks * per_chunk, 32, generator=gen)
+    y = torch.randn(1, n_chunks * per_chunk, 1, generator=gen)
+    is_val = [k >= 17 for k in range(n_chunks)]
+    data = tk.Dataset(x.half(), y, torch.arange(n_chunks).repeat_interleave(per_chunk), ["t"] * n_chunks, is_val)
+    epochs = 30
+    _, _, metrics = tk.train_surrogates(data, hidden_dim=256, epochs=epochs, batch_size=50, lr=1e-2,
+                                        weight_decay=0.0, seed=0, ridge_alphas=(1e-3,), progress=False)
+    assert metrics["mlp_best_epoch"][0] < epochs // 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_train_surrogates_picks_ridge_penalty_on_training_chunks(seed):
+    """Few training chunks, many held-out ones, pure-noise targets: λ is chosen on an inner split of the training
+    chunks (the held-out ones never take part), where the largest penalty predicts noise best."""
+    gen = torch.Generator().manual_seed(9)
+    n_chunks, per_chunk = 24, 30
+    x = torch.randn(1, n_chunks * per_chunk, 16, generator=gen)
+    y = torch.randn(1, n_chunks * per_chunk, 1, generator=gen)
+    is_val = [k >= 4 for k in range(n_chunks)]
+    data = tk.Dataset(x.half(), y, torch.arange(n_chunks).repeat_interleave(per_chunk), ["t"] * n_chunks, is_val)
+    _, _, metrics = tk.train_surrogates(data, hidden_dim=4, epochs=1, batch_size=128, lr=1e-3, weight_decay=0.0,
+                                        seed=seed, ridge_alphas=(1e-6, 1e3), progress=False)
+    assert metrics["ridge_alpha"] == [1e3]

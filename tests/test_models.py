@@ -316,3 +316,55 @@ def test_default_model_dir_holds_the_same_model(default_model):
     # What examples/tensor_parallel.py does: the tokenizer's whole output straight into generate.
     inputs = exported_tokenizer(text, return_tensors="pt")
     assert exported.generate(**inputs, max_new_tokens=1, do_sample=False).shape[1] == ids.shape[1] + 1
+
+
+def test_default_tokenizer_model_max_length_is_the_context_length(default_model):
+    # SmolLM2-135M-Instruct's context is 8192 tokens (its HF tokenizer_config.json's model_max_length); the GGUF
+    # conversion leaves the tokenizer unbounded.
+    model, tokenizer = default_model
+    assert model.config.max_position_embeddings == 8192
+    assert tokenizer.model_max_length == 8192
+
+
+def test_tokens_beyond_the_embedding_are_dropped():
+    """_without_tokens_beyond: added tokens whose ids the embedding has no row for are gone (their text encodes as
+    ordinary tokens), every other token and setting is kept."""
+    tokenizer = make_tokenizer()
+    vocab_size = len(tokenizer)
+    extra = ["<PRE>", "<SUF>", "<MID>", "<EOT>", "<FILL_ME>"]
+    tokenizer.add_tokens(extra, special_tokens=True)
+    assert len(tokenizer) == vocab_size + len(extra) and tokenizer.convert_tokens_to_ids("<PRE>") == vocab_size
+    trimmed = models._without_tokens_beyond(tokenizer, vocab_size)
+    assert len(trimmed) == vocab_size
+    text = "def f(): <PRE> x <FILL_ME> return 1"
+    ids = trimmed(text).input_ids
+    assert max(ids) < vocab_size and trimmed.decode(ids) == text
+    plain = ENGLISH_PROSE[:200]
+    assert trimmed(plain).input_ids == make_tokenizer()(plain).input_ids
+    assert (trimmed.eos_token, trimmed.pad_token, trimmed.bos_token) == (tokenizer.eos_token, tokenizer.pad_token,
+                                                                         tokenizer.bos_token)
+    assert IM_END in trimmed.convert_ids_to_tokens(trimmed(IM_END).input_ids)
+    assert set(trimmed("x")) == {"input_ids", "attention_mask"}
+
+
+@pytest.mark.parametrize("stale", [
+    {"tokenizer_class": "LlamaTokenizerFast"},  # as the GGUF loader saves it
+    {"tokenizer_class": "PreTrainedTokenizerFast"},  # class mended, inputs not recorded (a directory written before)
+    {"tokenizer_class": "LlamaTokenizerFast", "model_input_names": ["input_ids", "attention_mask"]},
+], ids=["as-gguf-saves-it", "inputs-not-recorded", "class-not-mended"])
+def test_exported_tokenizer_config_is_mended(tmp_path, stale):
+    """The exported directory's tokenizer loads as a PreTrainedTokenizerFast returning only what a Llama's forward
+    takes, whatever a stale tokenizer_config.json held."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    make_tokenizer().save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("model_input_names", None)
+    config_path.write_text(json.dumps({**config, **stale}))
+    models._name_tokenizer_class_neutrally(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(loaded) is PreTrainedTokenizerFast
+    assert set(loaded("It is a truth")) == {"input_ids", "attention_mask"}

@@ -189,3 +189,82 @@ def test_configurations_that_cannot_run_sharded_are_refused(sharded):
                                                             "kv head from that head's own queries and keys")
         assert errors["dms-cross-head-scorer"].startswith("DMSPress cannot run on a tensor-parallel model (2 ranks): "
                                                           "its scorer TOVAPress is not known to score each kv head")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One rank's view of an attention layer, in this process: the layer's q/k/v projections cut to a rank's rows as
+# transformers 5.0-5.2 keep them (plain local tensors, the mesh noted by check_tensor_parallel), so each rank's shard
+# and queries are checked against the unsharded layer without a launch.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _StandInMesh:
+    """What kvpress_cpp.distributed reads of a 1-D tensor-parallel mesh: its size and this process's rank in it."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+def _rank_view(attn: torch.nn.Module, ranks: int, rank: int) -> torch.nn.Module:
+    """A copy of `attn` holding rank `rank`'s rows of q_proj, k_proj and v_proj (column sharding over `ranks`)."""
+    import copy
+
+    shard = copy.deepcopy(attn)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        full = getattr(attn, name)
+        rows = full.out_features // ranks
+        part = torch.nn.Linear(full.in_features, rows, bias=full.bias is not None)
+        with torch.no_grad():
+            part.weight.copy_(full.weight[rank * rows : (rank + 1) * rows])
+            if full.bias is not None:
+                part.bias.copy_(full.bias[rank * rows : (rank + 1) * rows])
+        setattr(shard, name, part)
+    return shard
+
+
+@pytest.mark.parametrize("maker", ["llama", "qwen3"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_ranks_heads_and_queries_are_those_of_its_rows(maker, ranks):
+    from kvpress_cpp import distributed
+    from tests.models import make_tiny_qwen3
+
+    make = make_tiny_llama if maker == "llama" else make_tiny_qwen3
+    model, _ = make(num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
+    attn = model.model.layers[0].self_attn
+    d, n_kv, n_q = attn.head_dim, 4, 8
+    hidden = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(0))
+    assert distributed.kv_head_shard(attn) is None  # unsharded: every head
+    # A layer holding every head's rows is unsharded even where its model's mesh is noted (a model loaded without
+    # tp_plan in a distributed job).
+    distributed._LAYER_MESHES[attn] = _StandInMesh(ranks, 0)
+    try:
+        assert distributed.kv_head_shard(attn) is None
+    finally:
+        del distributed._LAYER_MESHES[attn]
+    for rank in range(ranks):
+        shard = _rank_view(attn, ranks, rank)
+        distributed._LAYER_MESHES[shard] = _StandInMesh(ranks, rank)
+        first, stop = distributed.kv_head_shard(shard)
+        # The heads whose keys this rank's k_proj computes: the unsharded keys' heads equal to them.
+        with torch.no_grad():
+            keys = attn.k_proj(hidden).view(1, 5, n_kv, d)
+            local_keys = shard.k_proj(hidden).view(1, 5, -1, d)
+        held = [h for h in range(n_kv) if any(torch.equal(keys[:, :, h], local_keys[:, :, j])
+                                               for j in range(local_keys.shape[2]))]
+        assert (first, stop) == (held[0], held[-1] + 1) and stop - first == local_keys.shape[2]
+        # Its queries (pre-RoPE, after the per-head norm a model has one) are those of its query heads, in plain
+        # PyTorch on the unsharded layer.
+        with torch.no_grad():
+            queries = torch.nn.functional.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(1, 5, n_q, d)
+            if getattr(attn, "q_norm", None) is not None:
+                variance = queries.pow(2).mean(-1, keepdim=True)
+                queries = attn.q_norm.weight * (queries * torch.rsqrt(variance + attn.q_norm.variance_epsilon))
+            expected = queries.transpose(1, 2)[:, rank * n_q // ranks : (rank + 1) * n_q // ranks]
+            torch.testing.assert_close(distributed.prerope_query_states(shard, hidden), expected)
+        assert distributed.query_group_size(shard) == n_q // n_kv
