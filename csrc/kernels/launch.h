@@ -53,7 +53,8 @@ inline bool keepkv_fused_step_pays(int64_t rows, int64_t slots, int64_t sms) {
 }
 
 // Blocks per row of a row-wise elementwise pass with a per-row reduction (kvzap_threshold): enough blocks for
-// `waves` waves over `sms` multiprocessors even at batch 1, but never a block with fewer than `min_items` items.
+// `waves` waves over `sms` multiprocessors even at batch 1, but no more than the row's pieces of `min_items` items
+// (rounded up), so that a block holds over min_items / 2 items unless the whole row is shorter.
 inline int64_t blocks_per_row(int64_t rows, int64_t len, int64_t sms, int64_t min_items, int64_t waves = 2) {
   const int64_t wanted = ceil_div(waves * sms, std::max<int64_t>(rows, 1));
   const int64_t most = std::clamp<int64_t>(ceil_div(len, min_items), 1, kMaxGridY);

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -168,6 +169,30 @@ TEST(KVzapPagedStep, FirstSlotTouchedIsTheFirstDecidedOrElseTheFirstNewToken) {
   EXPECT_EQ(z::first_slot_touched(6, 2, 4, 0), 4);
   // A row too short to hold the tokens leaving the window (padding before it): only the new token is written.
   EXPECT_EQ(z::first_slot_touched(3, 1, 9, 3), 2);
+}
+
+// first_slot_touched bounds the block-table entries the CUDA step checks before it runs: it must be the lowest slot
+// paged_step_row touches. Those slots, listed here from the keep rule itself: the q new tokens' (length - q ..
+// length - 1), and, where the D tokens that leave the window in this pass fit in the row (length - window - D >= 0),
+// theirs (length - window - D .. length - window - 1). Position p leaves the window in the pass before -> before + q
+// iff before <= p + window < before + q.
+TEST(KVzapPagedStep, FirstSlotTouchedIsTheLowestSlotTheStepTouches) {
+  for (int64_t window = 0; window <= 5; ++window) {
+    for (int64_t q = 1; q <= 3; ++q) {
+      for (int64_t before = 0; before <= 10; ++before) {
+        int64_t leaving = 0;
+        for (int64_t p = 0; p < before + q; ++p) leaving += before <= p + window && p + window < before + q;
+        for (int64_t length = q; length <= 12; ++length) {
+          int64_t lowest = length - q;
+          if (leaving > 0 && length - window - leaving >= 0) lowest = std::min(lowest, length - window - leaving);
+          EXPECT_EQ(z::first_slot_touched(length, q, before, window), lowest)
+              << "length " << length << " q " << q << " before " << before << " window " << window;
+        }
+      }
+    }
+  }
+  // The first slot itself decided: window 3, token 0 leaves at the pass 3 -> 4 from slot 4 - 3 - 1 = 0.
+  EXPECT_EQ(z::first_slot_touched(4, 1, 3, 3), 0);
 }
 
 TEST(KVzapDecodeStep, GrowsEachRowAndDecidesTheTokenLeavingTheWindow) {

@@ -74,6 +74,18 @@ TEST(KeepKVMatchChunk, WithinBudgetAndCoversEveryEvictedSlot) {
   EXPECT_EQ(launch::keepkv_match_chunk(10, 0, 0, budget), 10);          // no division by zero
 }
 
+// Where one evicted slot's similarities (rows x max_retained floats) are already over the budget, the chunks still hold
+// one evicted slot each: the largest chunk within the budget would be none, and a chunk of none never ends the
+// kernel's loop over the chunks (begin += chunk).
+TEST(KeepKVMatchChunk, OneEvictedSlotWhereOneIsAlreadyOverTheBudget) {
+  constexpr int64_t budget = int64_t{1} << 26;
+  EXPECT_EQ(launch::keepkv_match_chunk(100, 128, int64_t{1} << 20, budget), 1);  // 2^27 floats a slot
+  EXPECT_EQ(launch::keepkv_match_chunk(100, 64, int64_t{1} << 20, budget), 1);   // exactly the budget
+  EXPECT_EQ(launch::keepkv_match_chunk(100, 3, 7, 20), 1);                      // 21 floats a slot against 20
+  EXPECT_EQ(launch::keepkv_match_chunk(100, 3, 7, 41), 1);                      // 2 slots would need 42
+  EXPECT_EQ(launch::keepkv_match_chunk(100, 3, 7, 42), 2);
+}
+
 TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
   // kvzap_threshold on an H100 (132 SMs): 8 rows of 32k slots -> 33 blocks per row (2 waves), 1k slots each at least.
   EXPECT_EQ(launch::blocks_per_row(8, 32768, 132, 1024), 32);  // capped by 32768 / 1024
@@ -81,6 +93,10 @@ TEST(BlocksPerRow, FillsTheDeviceAtBatchOneWithoutTinyBlocks) {
   EXPECT_EQ(launch::blocks_per_row(4096, 32768, 132, 1024), 1);  // many rows fill the device already
   EXPECT_EQ(launch::blocks_per_row(8, 100, 132, 1024), 1);       // short rows: one block
   EXPECT_EQ(launch::blocks_per_row(0, 100, 132, 1024), 1);
+  // The cap is the row's pieces of 1024 rounded up: 1025 slots in 2 blocks of 513 and 512, over 1024 / 2 each.
+  EXPECT_EQ(launch::blocks_per_row(1, 1025, 132, 1024), 2);
+  EXPECT_EQ(launch::blocks_per_row(1, 2048, 132, 1024), 2);
+  EXPECT_EQ(launch::blocks_per_row(1, 2049, 132, 1024), 3);
   EXPECT_LE(launch::blocks_per_row(1, int64_t{1} << 40, 1 << 20, 1), launch::kMaxGridY);
   // kvzap's decisions ask for 8 blocks per SM: at B = 16, 8 kv heads, T = 32k, 9 per row (1152 blocks, 11 slots a
   // thread) where 2 waves gave 3 (384 blocks, 43 slots a thread, a third of each SM's threads).

@@ -1,8 +1,8 @@
 // GoogleTest of the prompt_scores family's device-free math: query weights, the bound on the older queries' weights
 // against the geometric series summed by hand, the float32-resolution test behind the skip, and the log-sum-exp of a
 // row from its softmax statistics; the log-domain query weights and the online log-sum-exp of
-// prompt_log_unnormalised_scores; the chunks of query tiles of prompt_attention_with_scores, against the causal work
-// counted key by key.
+// prompt_log_unnormalised_scores; the chunks per pair of the CPU ops (common.h); the chunks of query tiles of
+// prompt_attention_with_scores, against the causal work counted key by key.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -106,6 +106,22 @@ TEST(FoldedTile, TwoThreadsOverThreePairsShareTheWork) {
     if (task < pairs * tiles / 2) first += work;
   }
   EXPECT_NEAR(first / all, 0.5, 0.01);
+}
+
+// The CPU ops' chunks per (batch, kv head) pair: the fewest that give kCpuTasksTarget tasks over all the pairs, at most
+// kMaxPairChunks and the op's own bound, never none. Counted up one chunk at a time.
+TEST(ChunksPerPair, FewestChunksThatReachTheTaskTargetWithinTheBounds) {
+  using kvcomp::kernels::chunks_per_pair;
+  using kvcomp::kernels::kCpuTasksTarget;
+  using kvcomp::kernels::kMaxPairChunks;
+  for (int64_t pairs = 1; pairs <= 2 * kCpuTasksTarget + 3; ++pairs) {
+    int64_t fewest = 1;
+    while (pairs * fewest < kCpuTasksTarget) ++fewest;
+    for (const int64_t most : {int64_t{0}, int64_t{1}, int64_t{3}, kMaxPairChunks, int64_t{1000}}) {
+      const int64_t expected = std::max<int64_t>(1, std::min({fewest, kMaxPairChunks, most}));
+      EXPECT_EQ(chunks_per_pair(pairs, most), expected) << pairs << " pairs, at most " << most;
+    }
+  }
 }
 
 // Counted key by key: the keys seen by the queries of tiles [first, last) of the q newest of T tokens.
