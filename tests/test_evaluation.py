@@ -886,3 +886,255 @@ def test_a_decoding_kvpress_press_keeps_the_requested_fraction_of_the_mean_conte
     assert kwargs["compression_ratio"] == ratio and kwargs["press_name"] == method
     assert {name: kwargs[name] for name in expected} == expected
     assert ("target_size" in kwargs) == bool(expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Found by mutation testing of the evaluation code: each test fails on a small plausible bug the tests above let pass.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_wilson_interval_solves_the_score_test_quadratic_at_every_count():
+    """Wilson's interval is the set of p the score test accepts for k of n: (k/n - p)² = z² p (1 - p) / n, a quadratic
+    in p whose roots are the bounds; z is the normal's 97.5% quantile. Every k of n = 1 to 40, n = 1 included (the
+    default plan runs one example per task: a cell of n = 1 is not [0-100])."""
+    from statistics import NormalDist
+
+    import numpy as np
+
+    z = NormalDist().inv_cdf(0.975)
+    for n in (1, 2, 3, 7, 40):
+        for k in range(n + 1):
+            p = k / n
+            roots = sorted(np.roots([1 + z * z / n, -(2 * p + z * z / n), p * p]).real)
+            expected = (100 * max(0.0, roots[0]), 100 * min(1.0, roots[1]))
+            assert results.wilson(100 * p, n) == pytest.approx(expected, abs=1e-6), (k, n)
+
+
+def test_a_row_weights_its_configurations_budget_ratio_and_cpu_seconds_by_examples(tmp_path):
+    """A row pools configurations n-weighted: two batches of a method choosing its ratio, 0.6 on 4 examples and 0.7 on
+    4, measured 0.65 (budget 0.35); a configuration's CPU seconds are shared among its tasks by their examples (8 s
+    over 1 + 3 examples: 2 s to the 1, 6 s to the 3), so a row's seconds add up to what was spent."""
+    def config(key, family, ratio, cpu, scores, examples):
+        return key, {"method": "gvote", "label": "gvote", "requested_ratio": 0.0, "compression_ratio": ratio,
+                     "budget": 1 - ratio, "length": int(key.split("__")[0]), "model": "m", "query_aware": False,
+                     "family": family, "scores": scores, "examples": examples, "cpu_s": cpu, "fingerprint": key}
+
+    configurations = dict([
+        config("2048__gvote__0.00__niah0", "niah", 0.6, 8.0, {"niah_single_1": 100.0, "niah_multikey_1": 0.0},
+               {"niah_single_1": 1, "niah_multikey_1": 3}),
+        config("2048__gvote__0.00__niah1", "niah", 0.7, 2.0, {"niah_single_1": 50.0}, {"niah_single_1": 4}),
+        config("4096__gvote__0.00", None, 0.5, 8.0, {"niah_single_1": 100.0, "vt": 0.0}, {"niah_single_1": 1, "vt": 3}),
+    ])
+    df = results.collect(tmp_path, configurations).set_index(["length", "family"])
+    pooled_ = df.loc[(2048, "niah")]
+    assert pooled_["n"] == 8 and pooled_["score"] == pytest.approx((100 * 1 + 0 * 3 + 50 * 4) / 8)
+    assert pooled_["compression_ratio"] == pytest.approx((0.6 * 4 + 0.7 * 4) / 8)
+    assert pooled_["budget"] == pytest.approx(1 - (0.6 * 4 + 0.7 * 4) / 8)
+    assert pooled_["cpu_s"] == pytest.approx(8.0 + 2.0)
+    assert df.loc[(4096, "niah"), "cpu_s"] == pytest.approx(8.0 * 1 / 4)
+    assert df.loc[(4096, "vt"), "cpu_s"] == pytest.approx(8.0 * 3 / 4)
+
+
+def test_only_the_family_a_stopped_run_left_out_is_partial(tmp_path):
+    """Two families at one length: niah complete, vt with SnapKV a batch ahead of TOVA. vt's rows are partial; niah's,
+    which left nothing out, are not (partial is per length and family, not per length)."""
+    configurations = {}
+    for family, method, batch in [("niah", "snapkv", 0), ("niah", "tova", 0), ("vt", "snapkv", 0), ("vt", "tova", 0),
+                                  ("vt", "snapkv", 1)]:
+        key = results.Config(method, 0.75, 2048, family, batch).key
+        task = results.FAMILY_TASKS[family][0]
+        configurations[key] = {"method": method, "label": method, "requested_ratio": 0.75, "compression_ratio": 0.75,
+                               "budget": 0.25, "length": 2048, "model": "m", "query_aware": False, "family": family,
+                               "scores": {task: 50.0}, "examples": {task: 2}, "cpu_s": 1.0, "fingerprint": key}
+    df = results.collect(tmp_path, configurations)
+    assert df.groupby("family")["partial"].agg(set).to_dict() == {"niah": {False}, "vt": {True}}
+    assert set(df[df["family"] == "vt"]["n"]) == {2}  # SnapKV's batch 1 waits for TOVA's
+
+
+def test_a_full_cache_run_on_other_data_is_no_reference_even_for_the_same_indices(tmp_path):
+    """The full cache's answers are a press's reference only on the same data (same fingerprint): a stale full-cache
+    run whose batch holds the same example indices (regenerated data, not rerun yet) answered other questions, so the
+    press's agreement is unknown (empty), not 0."""
+    configurations = {}
+    for method, ratio, fingerprint, answer in [("no_press", 0.0, "older data", "1111111."),
+                                               ("streaming_llm", 0.75, "data0", "2222222.")]:
+        key = results.Config(method, ratio, 2048, "niah", 0).key
+        (tmp_path / key).mkdir()
+        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [0, 1], "predicted_answer": [answer] * 2}).to_csv(
+            tmp_path / key / "predictions.csv", index=False)
+        configurations[key] = {"method": method, "label": method, "requested_ratio": ratio, "compression_ratio": ratio,
+                               "budget": 1 - ratio, "length": 2048, "model": "m", "query_aware": False,
+                               "family": "niah", "scores": {"niah_single_1": 0.0}, "examples": {"niah_single_1": 2},
+                               "cpu_s": 1.0, "fingerprint": fingerprint, "run_dir": key}
+    df = results.collect(tmp_path, configurations).set_index("method")
+    assert df.loc["no_press", "agreement"] == 100.0
+    assert pd.isna(df.loc["streaming_llm", "agreement"])
+
+
+def test_the_budget_written_is_one_minus_the_measured_ratio(tmp_path):
+    """A configuration's JSON: compression_ratio is the mean of the ratios evaluate.py wrote per example (a method
+    choosing its ratio measures one per example), budget the fraction kept, 1 - that mean."""
+    class Evaluate:
+        @staticmethod
+        def pipeline(*args, **kwargs):
+            return "pipe"
+
+        class CliEntryPoint:
+            def __call__(self, config_file, output_dir, **args):
+                folder = Path(output_dir) / "run"
+                folder.mkdir(parents=True)
+                pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [0, 1], "predicted_answer": ["1"] * 2,
+                              "compression_ratio": [0.6, 0.7]}).to_csv(folder / "predictions.csv", index=False)
+                (folder / "metrics.json").write_text(json.dumps({"niah_single_1": {"string_match": 50.0}}))
+
+    data_file = tmp_path / "test.parquet"
+    pd.DataFrame({"task": ["niah_single_1"] * 2, "context_tokens": [256] * 2}).to_parquet(data_file)
+    config = results.Config("gvote", 0.0, 256)
+    path = tmp_path / f"{config.key}.json"
+    assert results._run_one(Evaluate, config, path, "f", tmp_path, data_file, "m", "cpu", 0, False)
+    written = json.loads(path.read_text())
+    assert written["compression_ratio"] == pytest.approx((0.6 + 0.7) / 2)
+    assert written["budget"] == pytest.approx(1 - (0.6 + 0.7) / 2)
+
+
+@pytest.mark.parametrize("family,per_batch,counts", [("niah", 4, [2, 2]), ("niah_depth", 4, [2, 1, 1]),
+                                                     ("niah_depth", 5, [2, 2, 1]), ("vt", 3, [3])])
+def test_family_batches_split_their_examples_over_the_tasks_without_sharing_one(family, per_batch, counts):
+    """--examples k per batch: k examples split over the family's tasks, the first tasks taking the remainder (counts by
+    hand); batch b holds each task's b-th block, so the batches tile each task's indices 0, 1, ... without overlap."""
+    batches = 3
+    examples = results.family_examples(results.plan(["snapkv"], [0.75], [2048], [family], batches), per_batch)
+    tasks = results.FAMILY_TASKS[family]
+    assert sorted(examples) == [f"2048-{family}{b}" for b in range(batches)]
+    for b in range(batches):
+        assert examples[f"2048-{family}{b}"] == {t: range(b * k, (b + 1) * k) for t, k in zip(tasks, counts)}
+    for task, k in zip(tasks, counts):
+        indices = [i for b in range(batches) for i in examples[f"2048-{family}{b}"][task]]
+        assert indices == list(range(batches * k))
+
+
+def test_standings_compare_with_the_best_kvpress_press():
+    """Two kvpress presses at 25% KV, SnapKV 60 and TOVA 30: ours is compared with the best of them (60), not the
+    worst; GVote, which chose 30% KV, is compared at the nearest budget run (25% KV, not 50%)."""
+    rows = [{"method": m, "label": results.label(m), "length": 2048, "requested_ratio": q, "compression_ratio": 1 - b,
+             "budget": b, "family": "niah", "score": s, "n": 10, "cpu_s": 1.0, "model": "m"}
+            for m, q, b, s in [("snapkv", 0.75, 0.25, 60.0), ("tova", 0.75, 0.25, 30.0), ("zsmerge", 0.75, 0.25, 40.0),
+                               ("snapkv", 0.5, 0.5, 90.0), ("gvote", 0.0, 0.3, 70.0)]]
+    text = results.standings(pd.DataFrame(rows))
+    assert "2048 tokens, 25% KV: best kvpress press SnapKV 60.0; ours zsmerge 40.0 (-20.0)" in text
+    assert "2048 tokens, gvote chose 30% KV: 70.0 (best kvpress press at 25% KV: 60.0)" in text
+
+
+def test_a_method_run_at_two_ratios_on_the_same_batch_is_no_repeated_example(tmp_path):
+    """Every ratio of a batch runs on the same data: SnapKV at 25% and 50% KV both answer examples 0-1 of batch 0. Those
+    are two cells, not one example counted twice in a cell."""
+    configurations = {}
+    for ratio in (0.75, 0.5):
+        key = results.Config("snapkv", ratio, 2048, "niah", 0).key
+        (tmp_path / key).mkdir()
+        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [0, 1], "predicted_answer": ["1"] * 2}).to_csv(
+            tmp_path / key / "predictions.csv", index=False)
+        configurations[key] = {"method": "snapkv", "label": "SnapKV", "requested_ratio": ratio,
+                               "compression_ratio": ratio, "budget": 1 - ratio, "length": 2048, "model": "m",
+                               "family": "niah", "cpu_s": 1.0, "scores": {"niah_single_1": 50.0},
+                               "examples": {"niah_single_1": 2}, "fingerprint": "data0", "run_dir": key}
+    df = results.collect(tmp_path, configurations)
+    assert sorted(df["requested_ratio"]) == [0.5, 0.75] and set(df["n"]) == {2}
+
+
+def test_the_depth_column_is_the_needles_depth(examples):
+    """predictions.csv carries the depth column: d for niah_depth_<d>, -1 for tasks without a depth."""
+    for _, row in examples.iterrows():
+        name = row["task"]
+        assert row["depth"] == (int(name.removeprefix("niah_depth_")) if name.startswith("niah_depth_") else -1), name
+
+
+def test_variable_tracking_prefix_counts_the_variables_asked_for(examples):
+    """The answer prefix tells the model how many variables hold the value: as many as the answer lists."""
+    for _, row in examples[examples["task"] == "vt"].iterrows():
+        said = int(re.search(r"above, (\d+) variables are assigned", row["answer_prefix"]).group(1))
+        assert said == len(row["answer"]) == len(re.findall(r"VAR [A-Z]{5} = ", row["context"]))
+
+
+def test_lengths_are_within_tolerance_at_the_default_run_length(tokenizer):
+    """At 4096 tokens (the results run's second length) the first haystack overshoots by the instruction and question
+    (a few percent): the fit must still bring context + question within LENGTH_TOLERANCE."""
+    for _, row in generate(tokenizer, 4096, 1, seed=3, tasks=["niah_single_2", "facts"]).iterrows():
+        total = n_tokens(tokenizer, row["context"]) + n_tokens(tokenizer, row["question"])
+        assert abs(total - 4096) <= LENGTH_TOLERANCE * 4096, (row["task"], total)
+
+
+def test_characters_protagonists_are_strictly_ahead_at_the_run_length(tokenizer):
+    """At 2048 tokens, data seed 0 (the results run's): the two people named are named more often than anyone else,
+    never tied with a third (a tie makes the reference an arbitrary pick of the tied)."""
+    rows = generate(tokenizer, 2048, {"characters": 8}, seed=0)
+    for _, row in rows.iterrows():
+        names = Counter(w for w in re.findall(r"\b[A-Z][a-z]+\b", row["context"]) if w in _austen_characters())
+        first, second = row["answer"]
+        assert names[first] >= names[second] >= 3
+        assert all(n < names[second] for w, n in names.items() if w not in row["answer"]), (row["index"], names)
+
+
+def test_the_launcher_forwards_the_ratio_and_accepts_exactly_zero_to_below_one(tmp_path, monkeypatch):
+    """--compression_ratio reaches evaluate.py as given (the config file's default is 0.5: a ratio dropped on the way
+    would run at 0.5); 0 (nothing removed) is a ratio, 1 (everything removed) is not."""
+    folder = launch.generated_root(tmp_path, "some-model") / "2048"
+    folder.mkdir(parents=True)
+    calls = []
+
+    class Evaluate:
+        CliEntryPoint = object
+
+        @staticmethod
+        def Fire(entry):  # noqa: N802 (fire.Fire's name)
+            calls.append(list(sys.argv))
+
+    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent)},
+                              "PRESS_REGISTRY": {"zsmerge": None}})
+    monkeypatch.setattr(launch, "load_evaluation", lambda *a: (Evaluate, registry))
+    monkeypatch.setattr(launch, "evaluation_dir", lambda: tmp_path)
+    common = ["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler", "--data_dir", "2048",
+              "--press_name", "zsmerge", "--compression_ratio"]
+    for ratio in ("0.75", "0"):
+        launch.main([*common, ratio])
+        assert [a for a in calls[-1] if a.startswith("--compression_ratio")] == [f"--compression_ratio={float(ratio)}"]
+    with pytest.raises(SystemExit, match="got 1.0"):
+        launch.main([*common, "1"])
+    assert len(calls) == 2
+
+
+def test_a_characters_passage_naming_no_one_is_passed_over(tokenizer):
+    """Short passages may name no character at all: the generator moves on to the next passage (it had raised an
+    IndexError at 768 tokens, example 4 of seed 3), and the row's two people are each named at least three times."""
+    rows = generate(tokenizer, LENGTH, {"characters": range(4, 5)}, seed=3)
+    counts = Counter(re.findall(r"\b[A-Z][a-z]+\b", rows.iloc[0]["context"]))
+    assert len(rows["answer"][0]) == 2 and all(counts[name] >= 3 for name in rows["answer"][0])
+
+
+def test_an_austen_haystack_of_32k_tokens(tokenizer):
+    """RULER's 32k length: an Austen haystack longer than the novels have sentences (~30k) is drawn, at the length."""
+    row = generate(tokenizer, 32768, {"niah_single_2": 1}).iloc[0]
+    total = n_tokens(tokenizer, row["context"]) + n_tokens(tokenizer, row["question"])
+    assert abs(total - 32768) <= LENGTH_TOLERANCE * 32768
+    assert NEEDLE.search(row["context"]).group(2) == row["answer"][0]
+
+
+def test_cwe_lists_every_common_word_more_often_than_any_other_at_short_lengths(tokenizer):
+    """At 512 tokens the list holds ~50 items: each of the ten answer words is in it, more often than any other
+    word (the list had been cut after the common words were laid out, dropping some of them); at 300 there is no
+    such list, and the error says so."""
+    for _, row in generate(tokenizer, 512, {"cwe": 3}, seed=0).iterrows():
+        words = Counter(re.findall(r"\d+\. ([a-z]+)", row["context"]))
+        least_common = min(words[w] for w in row["answer"])
+        assert least_common > max((n for w, n in words.items() if w not in row["answer"]), default=0)
+    with pytest.raises(ValueError, match="cwe: a length of 300 tokens leaves room for"):
+        generate(tokenizer, 300, {"cwe": 1})
+
+
+def test_a_row_outside_the_length_tolerance_is_warned_about(tokenizer):
+    """Four needles and their instructions do not fit 256 tokens within 3%: the row is kept and a warning names the
+    length and the tokens it holds."""
+    with pytest.warns(UserWarning, match=r"ruler_data: a row of 256 tokens holds (\d+) \(\+\d+\.\d%\), outside the 3%"):
+        rows = generate(tokenizer, 256, {"niah_multikey_1": 1})
+    total = n_tokens(tokenizer, rows.iloc[0]["context"]) + n_tokens(tokenizer, rows.iloc[0]["question"])
+    assert total > 256 * (1 + LENGTH_TOLERANCE)

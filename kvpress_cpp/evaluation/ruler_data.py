@@ -43,6 +43,7 @@ import functools
 import random
 import re
 import string
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -127,8 +128,11 @@ def _token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
 def _austen_haystack(rng: random.Random, tokens: int, count) -> _Sentences:
     """Consecutive Austen sentences from a random place, about ``tokens`` tokens long."""
     sentences = _austen_sentences()
-    start = rng.randrange(len(sentences) - tokens)  # a sentence is at least a token: never runs off the end
-    candidates = list(sentences[start:start + tokens])
+    # A sentence is at least a token, and half the novels (~15k sentences, ~450k tokens) hold more than any context:
+    # the candidates never run off the end, and a start is drawn for any length (32k included).
+    reach = min(tokens, len(sentences) // 2)
+    start = rng.randrange(len(sentences) - reach)
+    candidates = list(sentences[start:start + reach])
     picked, total = [], 0
     for sentence, n in zip(candidates, count(candidates)):
         if total + n > tokens:
@@ -196,6 +200,12 @@ def _fit(build: Callable[[int], dict], length: int, count) -> dict:
         if abs(total - length) <= LENGTH_TOLERANCE * length / 2:
             break
         budget += length - total
+    if abs(total - length) > LENGTH_TOLERANCE * length:
+        # Short lengths: a task's fixed text (needles, instructions) or its haystack's steps (RULER's noise comes in
+        # 5-sentence units) can leave no fit within the tolerance. The row is kept, and said to be off.
+        warnings.warn(f"ruler_data: a row of {length} tokens holds {total} ({(total - length) / length:+.1%}), "
+                      f"outside the {LENGTH_TOLERANCE:.0%} tolerance: the task's fixed text or its haystack's steps "
+                      f"are too coarse for this length", stacklevel=3)
     row["context_tokens"] = count([row["context"]])[0]
     return row
 
@@ -252,7 +262,12 @@ def _cwe(rng, length, count, n_common: int = 10, rare_max: int = 3):
     def build(tokens: int) -> dict:
         # Items "<i>. <word>": the index digits are one token each, plus ". " and the word.
         items = int(tokens / (word_tokens + 2 + len(str(int(tokens / (word_tokens + 4))))))
-        freq = max(6, items // (2 * n_common))
+        # Each common word more often than any rare one, and all of them in the list: a list too short for that has
+        # no answer.
+        freq = min(max(6, items // (2 * n_common)), items // n_common)
+        if freq <= rare_max:
+            raise ValueError(f"cwe: a length of {length} tokens leaves room for {items} list items, too few for "
+                             f"{n_common} common words {rare_max + 1} times each (a longer length is needed)")
         listing = [w for w in common for _ in range(freq)]
         item_rng = random.Random(f"{len(listing)}-{common[0]}")
         rare = iter(rare_pool)
@@ -303,7 +318,7 @@ def _characters(rng, length, count, named: int = 2):
         def build(tokens: int) -> dict:
             context = " ".join(_austen_haystack(random.Random(haystack_seed), tokens, count).sentences)
             mentions = Counter(w for w in re.findall(r"\b[A-Z][a-z]{2,}\b", context) if w in characters)
-            ranked = mentions.most_common(named + 1) + [("", 0)]
+            ranked = mentions.most_common(named + 1) + [("", 0)] * (named + 1)  # a passage may name no one
             clear = ranked[named - 1][1] >= 3 and ranked[named - 1][1] > ranked[named][1]
             return {"context": _CHARACTERS_INTRO + context + "\n", "question": question, "answer_prefix": " Answer:",
                     "answer": [w for w, _ in ranked[:named]] if clear else []}
