@@ -673,10 +673,10 @@ def test_report_on_a_folder_without_results_says_so(tmp_path, monkeypatch):
     assert "no results to report" in str(exit_.value.code)
 
 
-def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypatch):
-    """The results runner's data folders are named <length>-<family><batch> (Config.data_dir); rerunning one of its
-    configurations through the launcher failed with int('2048-niah0') before looking for the folder."""
-    folder = launch.generated_root(tmp_path, "some-model") / "2048-niah0"
+def _stub_evaluation(tmp_path, monkeypatch, data_dir: str, datasets: dict, presses: list[str]) -> list:
+    """kvpress's evaluate.py stood in for under the launcher, with a generated data folder `data_dir` for
+    kvcomp_ruler: the list it returns receives the sys.argv of each evaluate.py call."""
+    folder = launch.generated_root(tmp_path, "some-model") / data_dir
     folder.mkdir(parents=True)
     calls = []
 
@@ -687,10 +687,17 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
         def Fire(entry):  # noqa: N802 (fire.Fire's name)
             calls.append(list(sys.argv))
 
-    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent), "ruler": "simonjegou/ruler"},
-                              "PRESS_REGISTRY": {"zsmerge": None, "snapkv": None}})
+    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent), **datasets},
+                              "PRESS_REGISTRY": dict.fromkeys(presses)})
     monkeypatch.setattr(launch, "load_evaluation", lambda *a: (Evaluate, registry))
     monkeypatch.setattr(launch, "evaluation_dir", lambda: tmp_path)
+    return calls
+
+
+def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypatch):
+    """The results runner's data folders are named <length>-<family><batch> (Config.data_dir); rerunning one of its
+    configurations through the launcher failed with int('2048-niah0') before looking for the folder."""
+    calls = _stub_evaluation(tmp_path, monkeypatch, "2048-niah0", {"ruler": "simonjegou/ruler"}, ["zsmerge", "snapkv"])
     launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
                  "--data_dir", "2048-niah0", "--press_name", "zsmerge"])
     assert "--data_dir=2048-niah0" in calls[0]
@@ -1078,21 +1085,7 @@ def test_characters_protagonists_are_strictly_ahead_at_the_run_length(tokenizer)
 def test_the_launcher_forwards_the_ratio_and_accepts_exactly_zero_to_below_one(tmp_path, monkeypatch):
     """--compression_ratio reaches evaluate.py as given (the config file's default is 0.5: a ratio dropped on the way
     would run at 0.5); 0 (nothing removed) is a ratio, 1 (everything removed) is not."""
-    folder = launch.generated_root(tmp_path, "some-model") / "2048"
-    folder.mkdir(parents=True)
-    calls = []
-
-    class Evaluate:
-        CliEntryPoint = object
-
-        @staticmethod
-        def Fire(entry):  # noqa: N802 (fire.Fire's name)
-            calls.append(list(sys.argv))
-
-    registry = type("R", (), {"DATASET_REGISTRY": {"kvcomp_ruler": str(folder.parent)},
-                              "PRESS_REGISTRY": {"zsmerge": None}})
-    monkeypatch.setattr(launch, "load_evaluation", lambda *a: (Evaluate, registry))
-    monkeypatch.setattr(launch, "evaluation_dir", lambda: tmp_path)
+    calls = _stub_evaluation(tmp_path, monkeypatch, "2048", {}, ["zsmerge"])
     common = ["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler", "--data_dir", "2048",
               "--press_name", "zsmerge", "--compression_ratio"]
     for ratio in ("0.75", "0"):

@@ -529,15 +529,20 @@ def test_train_surrogates_linear_is_the_ridge_fit_of_all_training_chunks_only():
         torch.testing.assert_close(linears[layer].bias.double(), sol[d], rtol=1e-4, atol=1e-4)
 
 
+def _noise_dataset(seed: int, n_chunks: int, per_chunk: int, dim: int, training_chunks: int) -> tk.Dataset:
+    """Features and targets of pure noise, one layer and one head: the first `training_chunks` chunks for training,
+    the rest held out."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n_chunks * per_chunk, dim, generator=gen)
+    y = torch.randn(1, n_chunks * per_chunk, 1, generator=gen)
+    is_val = [k >= training_chunks for k in range(n_chunks)]
+    return tk.Dataset(x.half(), y, torch.arange(n_chunks).repeat_interleave(per_chunk), ["t"] * n_chunks, is_val)
+
+
 def test_train_surrogates_early_stops_the_mlp_on_unseen_training_chunks():
     """Pure-noise targets: an MLP judged on rows it does not train on is best early (the overfit later epochs do worse
     there); judged on rows it also trains on, the late, memorising epochs would look best."""
-    gen = torch.Generator().manual_seed(8)
-    n_chunks, per_chunk = 20, 20
-    x = torch.randn(1, n_chunks * per_chunk, 32, generator=gen)
-    y = torch.randn(1, n_chunks * per_chunk, 1, generator=gen)
-    is_val = [k >= 17 for k in range(n_chunks)]
-    data = tk.Dataset(x.half(), y, torch.arange(n_chunks).repeat_interleave(per_chunk), ["t"] * n_chunks, is_val)
+    data = _noise_dataset(seed=8, n_chunks=20, per_chunk=20, dim=32, training_chunks=17)
     epochs = 30
     _, _, metrics = tk.train_surrogates(data, hidden_dim=256, epochs=epochs, batch_size=50, lr=1e-2,
                                         weight_decay=0.0, seed=0, ridge_alphas=(1e-3,), progress=False)
@@ -548,12 +553,7 @@ def test_train_surrogates_early_stops_the_mlp_on_unseen_training_chunks():
 def test_train_surrogates_picks_ridge_penalty_on_training_chunks(seed):
     """Few training chunks, many held-out ones, pure-noise targets: λ is chosen on an inner split of the training
     chunks (the held-out ones never take part), where the largest penalty predicts noise best."""
-    gen = torch.Generator().manual_seed(9)
-    n_chunks, per_chunk = 24, 30
-    x = torch.randn(1, n_chunks * per_chunk, 16, generator=gen)
-    y = torch.randn(1, n_chunks * per_chunk, 1, generator=gen)
-    is_val = [k >= 4 for k in range(n_chunks)]
-    data = tk.Dataset(x.half(), y, torch.arange(n_chunks).repeat_interleave(per_chunk), ["t"] * n_chunks, is_val)
+    data = _noise_dataset(seed=9, n_chunks=24, per_chunk=30, dim=16, training_chunks=4)
     _, _, metrics = tk.train_surrogates(data, hidden_dim=4, epochs=1, batch_size=128, lr=1e-3, weight_decay=0.0,
                                         seed=seed, ridge_alphas=(1e-6, 1e3), progress=False)
     assert metrics["ridge_alpha"] == [1e3]
