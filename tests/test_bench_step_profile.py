@@ -86,3 +86,83 @@ def test_the_replayed_steps_operators_are_listed_beside_the_launched_ones(model,
     assert asked == [2]
     assert row["graph_top_ops"] == [{"op": "replayed_kernel", "ms": 0.5, "calls": 3}]
     assert len(row["top_ops"]) == 2 and row["top_ops"] != row["graph_top_ops"]
+
+
+def test_step_ms_is_the_mean_of_the_timed_steps_and_tokens_per_second_count_the_batch(model, monkeypatch):
+    """Every step on a clock that moves 7 ms a step: step_ms 7 (the warm-up and profiled steps not in it), the replayed
+    step's 14 ms gives graph_tok_s = 2 prompts / 14 ms, tok_s = 2 prompts / 7 ms (the faster)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from benchmarks import bench_step_profile
+
+    clock = [0.0]
+    real_decoding_step = bench_step_profile.decoding_step
+
+    @contextlib.contextmanager
+    def timed_decoding_step(*args, **kwargs):
+        with real_decoding_step(*args, **kwargs) as (step, cache):
+            def step_taking_7_ms():
+                clock[0] += 0.007
+                return step()
+            yield step_taking_7_ms, cache
+
+    monkeypatch.setattr(bench_step_profile, "decoding_step", timed_decoding_step)
+    monkeypatch.setattr(bench_step_profile, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench_step_profile, "replayed_step", lambda step, cache, replays, device, top: (14.0, []))
+    row = bench_step_profile.profile_case(model, prompts(model), None, "cpu", steps=4, top=0, graphs=True, replays=1)
+    assert row["step_ms"] == pytest.approx(7.0)
+    assert row["graph_tok_s"] == round(2 / 0.014, 1) and row["tok_s"] == round(2 / 0.007, 1)
+
+
+def test_speedup_vs_full_is_the_press_tokens_per_second_over_the_full_caches(monkeypatch):
+    import sys
+
+    from benchmarks import bench_step_profile
+
+    tok_s = {"full": 40.0, "KeepKV 10%": 100.0}
+    written = {}
+    monkeypatch.setattr(bench_step_profile, "profile_case", lambda model, ids, press, *args: {
+        "tok_s": tok_s["full" if press is None else "KeepKV 10%"]})
+    monkeypatch.setattr(bench_step_profile, "write_results", lambda name, rows: written.update(rows=rows))
+    monkeypatch.setattr(sys, "argv", ["bench_step_profile", "--model", "random-llama-tiny", "--lengths", "16",
+                                      "--methods", "KeepKV", "--top", "0"])
+    bench_step_profile.main()
+    speedups = {row["method"]: row["speedup_vs_full"] for row in written["rows"]}
+    assert speedups == {"full": 1.0, "KeepKV 10%": 100.0 / 40.0}
+
+
+def test_replayed_step_ms_is_the_timed_replays_over_their_count(monkeypatch):
+    """replayed_step on a stand-in for torch.cuda whose graph replay takes 2 ms on the events' clock: the capture's
+    warm-up and its first (untimed) replay aside, 5 replays timed between two events are 10 ms, 2 ms each."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from benchmarks import bench_step_profile
+
+    clock, replays = [0.0], []
+
+    class Graph:
+        def replay(self):
+            replays.append(None)
+            clock[0] += 2.0
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    cuda = SimpleNamespace(Stream=lambda: stream, current_stream=lambda: stream,
+                           stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph,
+                           graph=lambda g: contextlib.nullcontext(), Event=Event, synchronize=lambda: None)
+    monkeypatch.setattr(bench_step_profile, "torch", SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(bench_step_profile, "layer_tensors", lambda cache: [])
+    milliseconds, ops = bench_step_profile.replayed_step(lambda: None, None, 5, "cuda", 0)
+    assert len(replays) == 1 + 5 and ops == []
+    assert milliseconds == pytest.approx(2.0)

@@ -5,6 +5,7 @@ StreamingLLMPress under DecodingPress shuffles its cache, then evicts by slot in
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -89,3 +90,38 @@ def test_the_difference_panel_shows_every_press_with_or_without_streamingllm(tmp
     plotted = [container.lines[0] for container in bars.containers]
     assert "ZSMerge" in [label.get_text() for label in bars.get_yticklabels()] and bars.get_legend() is not None
     assert 0.1 in [x for line in plotted for x in line.get_xdata()]  # ZSMerge's difference, at its row
+
+
+def test_paired_bootstrap_interval_is_the_percentiles_of_resampled_blocks_recomputed_by_hand():
+    """The interval written out from its definition: every window's tokens at positions >= start cut into blocks of
+    `block` (the last one shorter), each draw's difference its blocks' summed NLL differences over their summed
+    tokens, the 2.5th and 97.5th percentiles (linear interpolation) over the draws."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    windows, tokens, start, block = 2, 61, 20, 8  # 41 tokens beyond start a window: blocks of 8 x 5 and 1
+    nll = torch.rand(windows, tokens, dtype=torch.float64, generator=g) * 3
+    reference = torch.rand(windows, tokens, dtype=torch.float64, generator=g) * 3
+    blocks_by_hand = []  # (summed difference, tokens), window after window
+    for w in range(windows):
+        for first in range(start, tokens, block):
+            last = min(first + block, tokens)
+            blocks_by_hand.append((sum(nll[w, t].item() - reference[w, t].item() for t in range(first, last)),
+                                   last - first))
+    assert [n for _, n in blocks_by_hand] == [8] * 5 + [1] + [8] * 5 + [1]
+    resamples = draws(len(blocks_by_hand), 400)
+    per_draw = [sum(blocks_by_hand[i][0] for i in row) / sum(blocks_by_hand[i][1] for i in row)
+                for row in resamples.tolist()]
+    lo, hi = np.percentile(per_draw, [2.5, 97.5])
+    mean = sum(d for d, _ in blocks_by_hand) / sum(n for _, n in blocks_by_hand)
+    result = paired_bootstrap(nll, reference, start, block, resamples)
+    assert result["nats_per_token"] == pytest.approx(mean, abs=1e-4)
+    assert result["ci95"] == pytest.approx([lo, hi], abs=1e-4)
+
+
+def test_perplexity_is_the_exponential_of_the_mean_nll():
+    from benchmarks.bench_streaming_ppl import perplexity
+
+    nll = torch.tensor([0.5, 1.0, 4.5], dtype=torch.float64)
+    assert perplexity(nll) == pytest.approx(math.exp((0.5 + 1.0 + 4.5) / 3))
+    assert math.isnan(perplexity(nll[:0]))

@@ -86,3 +86,21 @@ def test_the_profiled_paged_cache_holds_the_same_slots_as_the_rectangular_one():
     keys, values, log_ema, age, votes, log_weights, dropped = calls["keepkv_decode_step"]()
     assert keys.shape == values.shape == (2, 8, 15, 128)
     assert log_ema.shape == age.shape == votes.shape == log_weights.shape == (2, 8, 15) and dropped.shape == (2, 8)
+
+
+def test_launches_past_ten_stay_in_launch_order_and_each_throughput_under_its_own_name():
+    """ncu numbers launches 0, 1, ..., 10, 11: launch 10 comes after launch 9, not after launch 1 (the workload
+    launches more than ten kernels). Memory and DRAM throughput are two figures; a metric without a unit gets no
+    unit beside it."""
+    ids = [2, 10, 9, 1]
+    lines = [HEADER] + [row(str(i), f"kernel_{i}", "GPU Speed Of Light Throughput", "Duration", "usecond", str(i))
+                        for i in ids]
+    lines += [row("2", "kernel_2", "GPU Speed Of Light Throughput", "Memory Throughput", "%", "80.5"),
+              row("2", "kernel_2", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "60.25"),
+              row("2", "kernel_2", "Launch Statistics", "Registers Per Thread", "", "64")]
+    parsed = parse_details("\n".join(lines))
+    assert [launch["kernel"] for launch in parsed] == [f"kernel_{i}" for i in sorted(ids)]
+    second = parsed[1]
+    assert second["memory_throughput_pct"] == 80.5 and second["dram_throughput_pct"] == 60.25
+    assert second["registers_per_thread"] == 64.0 and "registers_per_thread_unit" not in second
+    assert "| `kernel_2` | 2.0 usecond | 80.5 | 60.25 |" in markdown(parsed)
