@@ -4,8 +4,9 @@ The C++ kernels validate their inputs in ``csrc/include/kvcomp/<family>.h``; thi
 for the two places that cannot run that C++:
 
 * the fake kernels (``kvpress_cpp/_fake.py``): meta tensors, ``torch.compile`` and mixed devices (a meta tensor after
-  a CPU one dispatches to the fake, not to the CPU kernel) get the same errors as an eager call, and the fake's output
-  shapes come from :meth:`Contract.outputs`;
+  a CPU one dispatches to the fake, not to the CPU kernel) are refused where an eager call is, with an error naming
+  the op and the argument as the C++ one does (the wording may differ: shapes as tuples, dtypes as torch's names), and
+  the fake's output shapes come from :meth:`Contract.outputs`;
 * the fuzz suite (``tests/test_fuzz_ops.py``), which derives its bad inputs from these declarations and checks that the
   C++ kernels reject exactly what the contract rejects, naming the op and the argument.
 
@@ -13,7 +14,7 @@ A contract lists the op's arguments in schema order: :class:`Tensor` (its dims a
 names one size across all arguments; its dtype: a torch dtype, :data:`CACHE_DTYPES`, or the name of an earlier
 argument whose dtype it must share) or :class:`Scalar`; then ``rules`` over the sizes and scalars (each a predicate
 and the words of its error), and ``outputs``. Every tensor must be on the device of the first one. To add an op:
-declare its ``Contract`` in :data:`CONTRACTS` (schema order, the C++ check's rules, the same words) and its fake is
+declare its ``Contract`` in :data:`CONTRACTS` (schema order, the C++ check's rules and what they name) and its fake is
 registered from it, e.g. for ``my_op(Tensor keys, Tensor scores, int k) -> Tensor``::
 
     _declare(Contract(
