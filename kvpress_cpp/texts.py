@@ -286,7 +286,7 @@ def _decompress_lazyload_entry(entry: bytes, compression: int) -> bytes:
     compress=TRUE) a bare zlib stream, and for 2 (bzip2) or 3 (xz) a method byte followed by the stream, as R's
     R_decompress2 / R_decompress3 read it: '2' bzip2, '1' zlib, '0' stored, and for 3 also 'Z', a raw LZMA2 stream
     (no .xz container; R's filter is LZMA2 at preset 6, read here with a 64 MiB dictionary, which covers every
-    preset). (The method byte cannot be sniffed for 1: a zlib stream starts with 'x'.)
+    preset).
     """
     if compression == 0:
         return entry
