@@ -1,11 +1,27 @@
 """make gpu-check reads compute-sanitizer's own summaries (the lines below are copied from its logs on an H100)."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.gpu_check import sanitizer_errors
+
+
+def _write(out: Path, name: str, rows: list[dict]) -> None:
+    """A benchmark's results file, as gpu_check reads it from OUT."""
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows}))
+
+
+def _check(checks: list[dict], prefix: str) -> dict:
+    """The target whose text starts with `prefix`."""
+    return next(c for c in checks if c["target"].startswith(prefix))
+
+
+def _replayed_row(prompt: int, method: str, ms: float) -> dict:
+    """A graphs-stage row of batch 12 whose replayed step takes `ms`."""
+    return {"prompt": prompt, "batch": 12, "method": method, "best_step_ms": ms, "tok_s": 12e3 / ms}
 
 
 def test_memcheck_and_synccheck_summaries():
@@ -58,8 +74,6 @@ def test_a_prebuilt_extension_that_does_not_load_is_rebuilt(tmp_path, monkeypatc
 def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch):
     """Issue 21's GPU target reads bench_paged's kernel rows at T >= 16k (the peer's rows and shorter caches aside)
     and is met only when every one of them reaches 70% of the copy bandwidth."""
-    import json
-
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
@@ -67,10 +81,10 @@ def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch)
     def paged_check(fractions):
         rows = [{"part": "kernel", "T": length, "fraction_of_copy": f} for length, f in fractions.items()]
         rows.append({"part": "kernel", "peer": "flashinfer", "T": 16384, "fraction_of_copy": 0.5})  # a peer's, not ours
-        (tmp_path / "paged_kernel_cuda.json").write_text(json.dumps({"rows": rows}))
-        return next(c for c in gpu_check.targets({}) if c["target"].startswith("paged decode attention"))
+        _write(tmp_path, "paged_kernel_cuda", rows)
+        return _check(gpu_check.targets({}), "paged decode attention")
 
-    assert next(c for c in gpu_check.targets({}) if c["target"].startswith("paged decode"))["met"] is None
+    assert _check(gpu_check.targets({}), "paged decode")["met"] is None
     assert paged_check({8192: 0.2, 16384: 0.72, 32768: 0.75})["met"] is True
     check = paged_check({16384: 0.72, 32768: 0.69})
     assert check["met"] is False and check["value"] == [0.72, 0.69]
@@ -79,8 +93,6 @@ def test_paged_decode_target_takes_the_slowest_long_cache(tmp_path, monkeypatch)
 def test_routing_check_takes_the_worst_shape(tmp_path, monkeypatch):
     """bench_attention's rows that timed both decode kernels: the routing passes only where no shape's routed call
     is more than 5% slower than the faster kernel; rows without the two timings (the CPU's) are not read."""
-    import json
-
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
@@ -88,10 +100,10 @@ def test_routing_check_takes_the_worst_shape(tmp_path, monkeypatch):
     def routing_check(costs):
         rows = [{"device": "cuda", "B": batch, "T": 1024, "routing_cost": cost} for batch, cost in costs.items()]
         rows.append({"device": "cpu", "B": 1, "T": 1024})
-        (tmp_path / "attention.json").write_text(json.dumps({"rows": rows}))
-        return next(c for c in gpu_check.targets({}) if c["target"].startswith("decode attention's routing"))
+        _write(tmp_path, "attention", rows)
+        return _check(gpu_check.targets({}), "decode attention's routing")
 
-    assert next(c for c in gpu_check.targets({}) if c["target"].startswith("decode attention's routing"))["met"] is None
+    assert _check(gpu_check.targets({}), "decode attention's routing")["met"] is None
     assert routing_check({1: 1.0, 4: 1.05})["met"] is True
     check = routing_check({1: 1.0, 8: 1.3})
     assert check["met"] is False and check["value"] == {"B=1 T=1024": 1.0, "B=8 T=1024": 1.3}
@@ -101,8 +113,6 @@ def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatc
     """Issue 20's "every decode-step op >= 5x" takes each op benchmark's decoding-step rows against plain PyTorch:
     not its prefill rows, bench_scores' chunk of 16 queries, bench_keepkv's former three-op composition or
     bench_zsmerge's per-head loop."""
-    import json
-
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
@@ -117,28 +127,26 @@ def test_decode_step_target_reads_the_steps_the_presses_run(tmp_path, monkeypatc
         "scores": [{"q": 1, "speedup": 7.2}, {"q": 16, "speedup": 3.0}],
     }
     for bench, rows in benches.items():
-        (tmp_path / f"{bench}.json").write_text(json.dumps({"rows": rows}))
-    check = next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))
+        _write(tmp_path, bench, rows)
+    check = _check(gpu_check.targets({}), "every decode-step op")
     assert check["value"] == {"scores": 7.2, "keepkv": 6.0, "zsmerge": 8.0, "weightedkv": 5.5, "kvzap": 1.9}
     assert check["met"] is False
     benches["kvzap"][1]["speedup"] = 5.0
-    (tmp_path / "kvzap.json").write_text(json.dumps({"rows": benches["kvzap"]}))
-    assert next(c for c in gpu_check.targets({}) if c["target"].startswith("every decode-step op"))["met"] is True
+    _write(tmp_path, "kvzap", benches["kvzap"])
+    assert _check(gpu_check.targets({}), "every decode-step op")["met"] is True
 
 
 def test_replayed_decode_target_compares_each_press_with_the_full_cache(tmp_path, monkeypatch):
     """Issue 20's 3x at 32k, read from the graphs stage's replayed steps: each press's tokens/s over the full cache's
     in the same run. A case that ran out of memory gives no figure: met only once every press has one, not met as
     soon as one falls short; without the full cache's there is no figure at all."""
-    import json
-
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
 
     def replayed_check(rows):
-        (tmp_path / f"{gpu_check.GRAPHS_NAME}.json").write_text(json.dumps({"rows": rows}))
-        return next(c for c in gpu_check.targets({}) if c["target"].startswith("32k, 10% budget, steps replayed"))
+        _write(tmp_path, gpu_check.GRAPHS_NAME, rows)
+        return _check(gpu_check.targets({}), "32k, 10% budget, steps replayed")
 
     full = {"prompt": 32768, "batch": 12, "method": "full", "tok_s": 100.0}
     rows = [full, {"prompt": 32768, "batch": 12, "method": "KeepKV 10%", "tok_s": 310.0},
@@ -157,23 +165,19 @@ def test_replayed_decode_target_compares_each_press_with_the_full_cache(tmp_path
 def test_replayed_press_overhead_compares_with_the_full_cache_of_as_many_slots(tmp_path, monkeypatch):
     """"A merging press adds <= 10% to the decode step", from replayed steps: the press's step at 32k with a 10%
     budget over the full cache's step at a tenth of 32k, the same slots."""
-    import json
-
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
-    row = lambda prompt, method, ms: {"prompt": prompt, "batch": 12, "method": method, "best_step_ms": ms,  # noqa: E731
-                                      "tok_s": 12e3 / ms}
-    rows = [row(32768, "full", 40.0), row(32768, "KeepKV 10%", 10.5), row(32768, "ZSMerge 10%", 12.0)]
-    (tmp_path / f"{gpu_check.GRAPHS_NAME}.json").write_text(json.dumps({"rows": rows}))
+    rows = [_replayed_row(32768, "full", 40.0), _replayed_row(32768, "KeepKV 10%", 10.5),
+            _replayed_row(32768, "ZSMerge 10%", 12.0)]
+    _write(tmp_path, gpu_check.GRAPHS_NAME, rows)
 
     def overhead_check():
-        return next(c for c in gpu_check.targets({}) if c["target"].startswith("a merging press adds <= 10% to the "
-                                                                                  "decode step replayed"))
+        return _check(gpu_check.targets({}), "a merging press adds <= 10% to the decode step replayed")
 
     assert overhead_check()["met"] is None  # no full cache at 3276 slots measured
-    rows.append(row(gpu_check.GRAPHS_SAME_SLOTS, "full", 10.0))
-    (tmp_path / f"{gpu_check.GRAPHS_NAME}.json").write_text(json.dumps({"rows": rows}))
+    rows.append(_replayed_row(gpu_check.GRAPHS_SAME_SLOTS, "full", 10.0))
+    _write(tmp_path, gpu_check.GRAPHS_NAME, rows)
     check = overhead_check()
     assert check["value"] == {"KeepKV 10%, batch 12": 0.05, "ZSMerge 10%, batch 12": 0.2} and check["met"] is False
 
@@ -189,7 +193,6 @@ def test_targets_read_only_the_results_this_check_wrote(tmp_path, monkeypatch):
     """A fresh clone holds the last session's committed result files in the output folder: the summary must not
     report their figures as measured now. A file written since the check began counts; so do the files an earlier
     invocation of the same check wrote (it keeps its start in summary.json and adds stages)."""
-    import json
     import os
     import sys
     import time
@@ -209,7 +212,7 @@ def test_targets_read_only_the_results_this_check_wrote(tmp_path, monkeypatch):
 
     def paged_met() -> bool | None:
         summary = json.loads((tmp_path / "summary.json").read_text())
-        return next(c for c in summary["targets"] if c["target"].startswith("paged decode attention"))["met"]
+        return _check(summary["targets"], "paged decode attention")["met"]
 
     assert paged_met() is None
     committed.write_text(json.dumps(rows))  # written by a stage after the check began
@@ -317,16 +320,6 @@ def test_the_ops_stage_runs_the_benchmarks_asked_for_in_their_order(tmp_path, mo
     assert commands == [["benchmarks.bench_attention"], ["benchmarks.bench_kvzap", "--quick"]]
 
 
-def _write(out, name, rows):
-    import json
-
-    (out / f"{name}.json").write_text(json.dumps({"rows": rows}))
-
-
-def _check(checks, prefix):
-    return next(c for c in checks if c["target"].startswith(prefix))
-
-
 def test_decode_attention_bandwidth_target_takes_the_slowest_long_cache_at_b8(tmp_path, monkeypatch):
     """Issue 20's ">= 70% of the copy bandwidth at B = 8, T >= 16k": every B = 8 row from T = 16384 on counts, the
     worst decides, exactly 70% meets it; B = 1 and 4 rows and shorter caches are other targets."""
@@ -397,10 +390,9 @@ def test_replayed_targets_are_met_at_their_bounds(tmp_path, monkeypatch):
     from benchmarks import gpu_check
 
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
-    row = lambda prompt, method, ms: {"prompt": prompt, "batch": 12, "method": method, "best_step_ms": ms,  # noqa: E731
-                                      "tok_s": 12e3 / ms}
-    rows = [row(32768, "full", 33.0)] + [row(32768, f"{m} 10%", 11.0) for m in gpu_check.DECODE_METHODS]
-    rows.append(row(gpu_check.GRAPHS_SAME_SLOTS, "full", 10.0))
+    rows = [_replayed_row(32768, "full", 33.0)]
+    rows += [_replayed_row(32768, f"{m} 10%", 11.0) for m in gpu_check.DECODE_METHODS]
+    rows.append(_replayed_row(gpu_check.GRAPHS_SAME_SLOTS, "full", 10.0))
     _write(tmp_path, gpu_check.GRAPHS_NAME, rows)
     checks = gpu_check.targets({})
     ratio = _check(checks, "32k, 10% budget, steps replayed")
@@ -506,7 +498,6 @@ def test_the_sanitizer_stage_runs_every_tool_and_fails_on_any_error_or_missing_s
 def test_main_gives_each_stage_its_limit_and_exits_nonzero_when_any_stage_fails(tmp_path, monkeypatch):
     """--decode-timeout goes to the decode stage (per run), --timeout to the others; a stage that fails or raises is
     recorded FAILED in summary.md and the check exits 1."""
-    import json
     import sys
 
     from benchmarks import gpu_check
@@ -569,5 +560,4 @@ def test_the_cuda_graph_target_is_met_only_where_no_graph_test_failed_or_errored
     monkeypatch.setattr(gpu_check, "OUT", tmp_path)
     (tmp_path / "graphs.log").write_text(f"== {log} ==\n")
     stages = {"tests": {"figures": {"cuda_graph_tests": gpu_check.pytest_summary(tmp_path / "graphs.log")}}}
-    (graph_target,) = [c for c in gpu_check.targets(stages) if c["target"].startswith("each press's decoding step")]
-    assert graph_target["met"] is met
+    assert _check(gpu_check.targets(stages), "each press's decoding step")["met"] is met
