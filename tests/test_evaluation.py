@@ -917,14 +917,31 @@ def test_wilson_interval_solves_the_score_test_quadratic_at_every_count():
             assert results.wilson(100 * p, n) == pytest.approx(expected, abs=1e-6), (k, n)
 
 
+def _configuration(method: str, ratio: float, family: str | None, scores: dict, examples: dict, fingerprint: str, *,
+                   measured: float | None = None, length: int = 2048, cpu_s: float = 1.0, run_dir: str | None = None):
+    """A configuration's JSON as results.collect reads it: `ratio` requested, `measured` (by default the same) the
+    ratio the press reported."""
+    measured = ratio if measured is None else measured
+    configuration = {"method": method, "label": method, "requested_ratio": ratio, "compression_ratio": measured,
+                     "budget": 1 - measured, "length": length, "model": "m", "query_aware": False, "family": family,
+                     "scores": scores, "examples": examples, "cpu_s": cpu_s, "fingerprint": fingerprint}
+    return configuration if run_dir is None else {**configuration, "run_dir": run_dir}
+
+
+def _write_predictions(folder: Path, answer: str, indices=(0, 1)) -> None:
+    """evaluate.py's predictions.csv of one niah_single_1 batch answering `answer` everywhere."""
+    folder.mkdir()
+    pd.DataFrame({"task": ["niah_single_1"] * len(indices), "index": list(indices),
+                  "predicted_answer": [answer] * len(indices)}).to_csv(folder / "predictions.csv", index=False)
+
+
 def test_a_row_weights_its_configurations_budget_ratio_and_cpu_seconds_by_examples(tmp_path):
     """A row pools configurations n-weighted: two batches of a method choosing its ratio, 0.6 on 4 examples and 0.7 on
     4, measured 0.65 (budget 0.35); a configuration's CPU seconds are shared among its tasks by their examples (8 s
     over 1 + 3 examples: 2 s to the 1, 6 s to the 3), so a row's seconds add up to what was spent."""
     def config(key, family, ratio, cpu, scores, examples):
-        return key, {"method": "gvote", "label": "gvote", "requested_ratio": 0.0, "compression_ratio": ratio,
-                     "budget": 1 - ratio, "length": int(key.split("__")[0]), "model": "m", "query_aware": False,
-                     "family": family, "scores": scores, "examples": examples, "cpu_s": cpu, "fingerprint": key}
+        return key, _configuration("gvote", 0.0, family, scores, examples, key, measured=ratio,
+                                   length=int(key.split("__")[0]), cpu_s=cpu)
 
     configurations = dict([
         config("2048__gvote__0.00__niah0", "niah", 0.6, 8.0, {"niah_single_1": 100.0, "niah_multikey_1": 0.0},
@@ -950,9 +967,7 @@ def test_only_the_family_a_stopped_run_left_out_is_partial(tmp_path):
                                   ("vt", "snapkv", 1)]:
         key = results.Config(method, 0.75, 2048, family, batch).key
         task = results.FAMILY_TASKS[family][0]
-        configurations[key] = {"method": method, "label": method, "requested_ratio": 0.75, "compression_ratio": 0.75,
-                               "budget": 0.25, "length": 2048, "model": "m", "query_aware": False, "family": family,
-                               "scores": {task: 50.0}, "examples": {task: 2}, "cpu_s": 1.0, "fingerprint": key}
+        configurations[key] = _configuration(method, 0.75, family, {task: 50.0}, {task: 2}, key)
     df = results.collect(tmp_path, configurations)
     assert df.groupby("family")["partial"].agg(set).to_dict() == {"niah": {False}, "vt": {True}}
     assert set(df[df["family"] == "vt"]["n"]) == {2}  # SnapKV's batch 1 waits for TOVA's
@@ -966,13 +981,9 @@ def test_a_full_cache_run_on_other_data_is_no_reference_even_for_the_same_indice
     for method, ratio, fingerprint, answer in [("no_press", 0.0, "older data", "1111111."),
                                                ("streaming_llm", 0.75, "data0", "2222222.")]:
         key = results.Config(method, ratio, 2048, "niah", 0).key
-        (tmp_path / key).mkdir()
-        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [0, 1], "predicted_answer": [answer] * 2}).to_csv(
-            tmp_path / key / "predictions.csv", index=False)
-        configurations[key] = {"method": method, "label": method, "requested_ratio": ratio, "compression_ratio": ratio,
-                               "budget": 1 - ratio, "length": 2048, "model": "m", "query_aware": False,
-                               "family": "niah", "scores": {"niah_single_1": 0.0}, "examples": {"niah_single_1": 2},
-                               "cpu_s": 1.0, "fingerprint": fingerprint, "run_dir": key}
+        _write_predictions(tmp_path / key, answer)
+        configurations[key] = _configuration(method, ratio, "niah", {"niah_single_1": 0.0}, {"niah_single_1": 2},
+                                             fingerprint, run_dir=key)
     df = results.collect(tmp_path, configurations).set_index("method")
     assert df.loc["no_press", "agreement"] == 100.0
     assert pd.isna(df.loc["streaming_llm", "agreement"])
@@ -1038,13 +1049,9 @@ def test_a_method_run_at_two_ratios_on_the_same_batch_is_no_repeated_example(tmp
     configurations = {}
     for ratio in (0.75, 0.5):
         key = results.Config("snapkv", ratio, 2048, "niah", 0).key
-        (tmp_path / key).mkdir()
-        pd.DataFrame({"task": ["niah_single_1"] * 2, "index": [0, 1], "predicted_answer": ["1"] * 2}).to_csv(
-            tmp_path / key / "predictions.csv", index=False)
-        configurations[key] = {"method": "snapkv", "label": "SnapKV", "requested_ratio": ratio,
-                               "compression_ratio": ratio, "budget": 1 - ratio, "length": 2048, "model": "m",
-                               "family": "niah", "cpu_s": 1.0, "scores": {"niah_single_1": 50.0},
-                               "examples": {"niah_single_1": 2}, "fingerprint": "data0", "run_dir": key}
+        _write_predictions(tmp_path / key, "1")
+        configurations[key] = _configuration("snapkv", ratio, "niah", {"niah_single_1": 50.0}, {"niah_single_1": 2},
+                                             "data0", run_dir=key)
     df = results.collect(tmp_path, configurations)
     assert sorted(df["requested_ratio"]) == [0.5, 0.75] and set(df["n"]) == {2}
 
