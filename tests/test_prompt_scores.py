@@ -344,6 +344,22 @@ def test_log_unnormalised_scores_never_overflow(device, magnitude):
     torch.testing.assert_close(log_scores.double(), expected, rtol=1e-5, atol=1e-3 * magnitude / 30)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nan_query", [0, 1, 6])
+def test_log_unnormalised_scores_nan_query_reaches_every_slot_it_sees(device, nan_query):
+    """A NaN query makes the log-score of every slot it sees NaN, whichever query it is: the first (each column's
+    running max still -inf when it comes, where CUDA's online log-sum-exp once dropped it and later terms hid it), or
+    one after finite terms. The other kv head, and the slots after the NaN query, stay as the reference gives them."""
+    query, keys, log_weights = make_inputs(1, 4, 2, 7, 7, 8, device=device, padding=0.0)
+    query[:, 1, nan_query] = float("nan")
+    log_scores = ops.prompt_log_unnormalised_scores(query, keys, log_weights, 0.3, 0.9, 0.5)
+    expected = reference.prompt_log_unnormalised_scores(query, keys, log_weights, 0.3, 0.9, 0.5)
+    assert bool(expected[:, 0, :nan_query + 1].isnan().all()) and not bool(expected[:, 1].isnan().any())
+    assert torch.equal(log_scores.isnan().cpu(), expected.isnan().cpu())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(log_scores.double()[finite], expected[finite], **LOG_SCORE_TOL)
+
+
 def test_log_unnormalised_scores_of_a_slot_no_query_sees():
     """-inf for padding (b = -inf, whatever its key holds: NaN here) and, with every query's visible slots -inf, for
     every slot."""

@@ -84,6 +84,18 @@ TEST(AddLogTerm, IsAnOnlineLogSumExp) {
   EXPECT_EQ(row_log_sum_exp(add_log_term(SoftmaxPartial{}, -INFINITY)), -INFINITY);  // a slot no query sees
 }
 
+TEST(AddLogTerm, ANaNTermMakesTheColumnNaNWhereverItComes) {
+  // log Σ exp over terms one of which is NaN is NaN, as the CPU op and the float64 reference give.
+  const float finite[] = {-INFINITY, 2.0f, -1.0f};
+  for (int nan_at = 0; nan_at <= 3; ++nan_at) {
+    SoftmaxPartial column;
+    for (int i = 0; i <= 3; ++i) {
+      column = add_log_term(column, i == nan_at ? NAN : finite[i < nan_at ? i : i - 1]);
+    }
+    EXPECT_TRUE(std::isnan(row_log_sum_exp(column))) << "NaN as term " << nan_at;
+  }
+}
+
 TEST(FoldedTile, VisitsEveryTileOnceLightAndHeavySideBySide) {
   for (int64_t n = 1; n <= 9; ++n) {
     std::vector<int64_t> seen;
