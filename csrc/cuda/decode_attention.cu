@@ -42,6 +42,7 @@
 
 #include "cuda/decode_attention.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/shared_memory.cuh"
 #include "kernels/attention.h"
 #include "kernels/launch.h"
 #include "kvcomp/checks.h"
@@ -669,13 +670,11 @@ void launch_attend_chunk(const char* op, const DecodeParams& params, int64_t pai
   const size_t smem = 2 * sizeof(int64_t) * params.chunk_len +
                       sizeof(float) * (kRows * params.head_dim + (kRows + 1) * params.chunk_len + kDecodeThreads * kVec);
   const auto kernel = attend_chunk_kernel<scalar_t, kVec, kRows>;
-  if (smem > 48 * 1024) {
-    const int device = c10::cuda::current_device();
-    int optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    TORCH_CHECK(smem <= static_cast<size_t>(optin), op, ": expected a head dim d that fits ", optin,
-                " bytes of shared memory per block, got d = ", params.head_dim);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  static const size_t static_smem = static_shared_bytes(kernel);  // s_count
+  if (smem + static_smem > kSharedBytesWithoutOptIn) {
+    const size_t allowed = allow_most_dynamic_shared_bytes(kernel);
+    TORCH_CHECK(smem <= allowed, op, ": expected a head dim d whose chunk fits the ", allowed,
+                " bytes of shared memory this device gives a block, got d = ", params.head_dim);
   }
   const int64_t blocks = pairs * params.num_tiles * params.num_chunks;
   TORCH_CHECK(blocks <= kernels::launch::kMaxGridX, op, ": expected at most ", kernels::launch::kMaxGridX,
@@ -711,11 +710,10 @@ void launch_attend_chunk_mma(const char* op, const DecodeParams& params, int64_t
                              cudaStream_t stream) {
   const auto kernel = attend_chunk_mma_kernel<scalar_t, kHeadDim>;
   const size_t smem = DecodeMmaTiles<kHeadDim>::shared_bytes(params.chunk_len);
-  int optin = 0;  // 99 KiB and more on every sm_80+ part: the largest chunk (98.6 KB at d = 128) fits
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
-  TORCH_CHECK(smem <= static_cast<size_t>(optin), op, ": the tensor-core kernel needs ", smem,
-              " bytes of shared memory per block, the device allows ", optin);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // 99 KiB and more on every sm_80+ part: the largest chunk (98.6 KB at d = 128) fits
+  const size_t allowed = allow_most_dynamic_shared_bytes(kernel);
+  TORCH_CHECK(smem <= allowed, op, ": the tensor-core kernel needs ", smem,
+              " bytes of dynamic shared memory per block, the device allows ", allowed);
   const int64_t blocks = pairs * params.num_tiles * params.num_chunks;
   TORCH_CHECK(blocks <= kernels::launch::kMaxGridX, op, ": expected at most ", kernels::launch::kMaxGridX,
               " blocks (B * H * tiles of 16 query rows * chunks), got ", blocks);

@@ -36,6 +36,7 @@
 #include <optional>
 #include <tuple>
 
+#include "cuda/shared_memory.cuh"
 #include "kernels/keepkv.h"
 #include "kernels/launch.h"
 #include "kvcomp/dispatch.h"
@@ -840,12 +841,9 @@ int64_t fused_step_shared_bytes(int64_t group, int64_t new_tokens) {
 // Whether the fused step's dynamic shared memory fits beside its static arrays (the selection's, ~0.5 KB, the same
 // for every instantiation) in the 48 KiB a block gets without opting in: asked of the compiled kernel once.
 bool fused_step_fits(int64_t group, int64_t new_tokens) {
-  static const int64_t static_bytes = [] {
-    cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, keepkv_decode_step_kernel<float, float>));
-    return static_cast<int64_t>(attributes.sharedSizeBytes);
-  }();
-  return fused_step_shared_bytes(group, new_tokens) <= 48 * 1024 - static_bytes;
+  static const auto allowed = static_cast<int64_t>(
+      gpu::kSharedBytesWithoutOptIn - gpu::static_shared_bytes(keepkv_decode_step_kernel<float, float>));
+  return fused_step_shared_bytes(group, new_tokens) <= allowed;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_fused_decode_step(

@@ -33,6 +33,7 @@
 #include "kernels/prompt_scores.h"
 #include "kvcomp/prompt_scores.h"
 #include "mma.cuh"
+#include "shared_memory.cuh"
 
 namespace kvcomp {
 namespace {
@@ -903,15 +904,10 @@ at::cuda::detail::IntDivider<unsigned> group_divider(const PromptScoresShape& sh
 // 99 KiB of sm_86 / sm_89 do not), so that too large a head dim is named instead of failing the launch.
 template <typename Kernel>
 void allow_shared_bytes(const char* op, Kernel kernel, size_t bytes, int64_t head_dim) {
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
-  const size_t allowed = static_cast<size_t>(optin) - attributes.sharedSizeBytes;
+  const size_t allowed = gpu::allow_most_dynamic_shared_bytes(kernel);
   TORCH_CHECK(bytes <= allowed, op, ": expected a head dim d whose tiles fit the ", allowed,
               " bytes of shared memory this device gives a block, got d = ", head_dim, " (", bytes,
               " bytes; a half-precision query and cache need half as many)");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // A tensor-core kernel over `items` fixed rows (query rows or keys) of each (batch, kv head) pair: kFixedRows per
