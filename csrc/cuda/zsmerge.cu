@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
                                int64_t recent, int64_t ring_position, bool paper_order) {
   using BlockReduce = cub::BlockReduce<kernels::SlotChoice, kDecodeThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
-  __shared__ int64_t chosen_slot;
+  // One variable each, so that the merge target is never written while a thread may still read the evicted slot.
+  __shared__ int64_t evicted_slot, merge_target;
   const int64_t slots = residual + context + recent;
   const int64_t row = blockIdx.x;
   scalar_t* row_keys = keys + key_rows.offset(row);
@@ -152,9 +153,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const kernels::SlotChoice evicted =
         BlockReduce(reduce_storage).Reduce(local, kernels::KeepBetter<kernels::EvictsFirst>{});
-    if (tid == 0) chosen_slot = kernels::evicted_slot(evicted, {row_scores[r], r}, paper_order).slot;
+    if (tid == 0) evicted_slot = kernels::evicted_slot(evicted, {row_scores[r], r}, paper_order).slot;
     __syncthreads();
-    const int64_t i = chosen_slot;
+    const int64_t i = evicted_slot;
     const scalar_t* key_i = row_keys + i * head_dim;
 
     if (residual > 0) {
@@ -170,13 +171,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
         const kernels::SlotChoice candidate{partial, j};
         if (kernels::MergesFirst{}(candidate, best)) best = candidate;
       }
-      // All threads have read chosen_slot (barrier above) before thread 0 overwrites it; the previous use of
-      // reduce_storage also ended at that barrier.
+      // The previous use of reduce_storage ended at the barrier above.
       const kernels::SlotChoice target =
           BlockReduce(reduce_storage).Reduce(best, kernels::KeepBetter<kernels::MergesFirst>{});
-      if (tid == 0) chosen_slot = target.slot;
+      if (tid == 0) merge_target = target.slot;
       __syncthreads();
-      const int64_t j = chosen_slot;
+      const int64_t j = merge_target;
       const float w_i = row_counts[i], w_j = row_counts[j];
       scalar_t* key_j = row_keys + j * head_dim;
       scalar_t* value_j = row_values + j * head_dim;
