@@ -82,7 +82,9 @@ constexpr int min_blocks() {
 // Four where ~40 registers of addressing and loop state, the kRows * kVec query pieces or accumulators and four
 // kVec-wide loads fit the register budget, else two (ptxas spilled four at kRows = 2, kVec = 8 under 3 blocks).
 // 2-4 loads of 16 bytes per thread over 512-768 threads keep 16-48 KiB per multiprocessor in flight, above what
-// HBM3's latency-bandwidth product asks (~15 KiB).
+// HBM3's latency-bandwidth product asks (~15 KiB). ptxas (CUDA 13.0, sm_90) still spills a little in four
+// instantiations: half <8, 1> (48-60 bytes stored, reloads in the key loop), half <8, 8> (72-76), float32 <4, 4> (84)
+// and <1, 8> (36). Whether two slots in flight there are faster than four with those spills is for a GPU to measure.
 template <int kRows, int kVec>
 constexpr int in_flight() {
   return 40 + kRows * kVec + 4 * kVec <= 65536 / (kDecodeThreads * min_blocks<kRows, kVec>()) ? 4 : 2;
