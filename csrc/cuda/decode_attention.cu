@@ -674,7 +674,7 @@ void launch_attend_chunk(const char* op, const DecodeParams& params, int64_t pai
   const auto kernel = attend_chunk_kernel<scalar_t, kVec, kRows>;
   static const size_t static_smem = static_shared_bytes(kernel);  // s_count
   if (smem + static_smem > kSharedBytesWithoutOptIn) {
-    const size_t allowed = allow_most_dynamic_shared_bytes(kernel);
+    const size_t allowed = allow_most_dynamic_shared_bytes(kernel, static_smem);
     TORCH_CHECK(smem <= allowed, op, ": expected a head dim d whose chunk fits the ", allowed,
                 " bytes of shared memory this device gives a block, got d = ", params.head_dim);
   }
@@ -712,8 +712,9 @@ void launch_attend_chunk_mma(const char* op, const DecodeParams& params, int64_t
                              cudaStream_t stream) {
   const auto kernel = attend_chunk_mma_kernel<scalar_t, kHeadDim>;
   const size_t smem = DecodeMmaTiles<kHeadDim>::shared_bytes(params.chunk_len);
+  static const size_t static_smem = static_shared_bytes(kernel);
   // 99 KiB and more on every sm_80+ part: the largest chunk (98.6 KB at d = 128) fits
-  const size_t allowed = allow_most_dynamic_shared_bytes(kernel);
+  const size_t allowed = allow_most_dynamic_shared_bytes(kernel, static_smem);
   TORCH_CHECK(smem <= allowed, op, ": the tensor-core kernel needs ", smem,
               " bytes of dynamic shared memory per block, the device allows ", allowed);
   const int64_t blocks = pairs * params.num_tiles * params.num_chunks;

@@ -904,7 +904,7 @@ at::cuda::detail::IntDivider<unsigned> group_divider(const PromptScoresShape& sh
 // 99 KiB of sm_86 / sm_89 do not), so that too large a head dim is named instead of failing the launch.
 template <typename Kernel>
 void allow_shared_bytes(const char* op, Kernel kernel, size_t bytes, int64_t head_dim) {
-  const size_t allowed = gpu::allow_most_dynamic_shared_bytes(kernel);
+  const size_t allowed = gpu::allow_most_dynamic_shared_bytes(kernel, gpu::static_shared_bytes(kernel));
   TORCH_CHECK(bytes <= allowed, op, ": expected a head dim d whose tiles fit the ", allowed,
               " bytes of shared memory this device gives a block, got d = ", head_dim, " (", bytes,
               " bytes; a half-precision query and cache need half as many)");

@@ -22,13 +22,14 @@ size_t static_shared_bytes(Kernel kernel) {
 }
 
 // Lets every launch of `kernel` on the current device take as much dynamic shared memory as the device allows beside
-// its static bytes, and returns that amount for the caller's check (which names its own values). Always the device's
-// most, never one launch's size: a host thread setting its smaller size would fail another's launch in between.
+// its static bytes (static_shared_bytes(kernel), which a decode path asks once), and returns that amount for the
+// caller's check (which names its own values). Always the device's most, never one launch's size: a host thread
+// setting its smaller size would fail another's launch in between.
 template <typename Kernel>
-size_t allow_most_dynamic_shared_bytes(Kernel kernel) {
+size_t allow_most_dynamic_shared_bytes(Kernel kernel, size_t static_bytes) {
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
-  const size_t allowed = static_cast<size_t>(optin) - static_shared_bytes(kernel);
+  const size_t allowed = static_cast<size_t>(optin) - static_bytes;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(allowed)));
   return allowed;
 }
