@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvpress import KnormPress
 
-from kvpress_cpp.cache import get_state
+from kvpress_cpp.cache import LayerState, get_state
 from kvpress_cpp.presses.base import query_states
 from kvpress_cpp.presses.keepkv import KeepKVPress, pyramid_budgets
 from tests import reference
@@ -301,3 +301,41 @@ def test_a_decoding_pass_of_several_tokens_counts_each_of_them():
     assert press.steps_checked == model.config.num_hidden_layers
     for layer in cache.layers:
         assert get_state(layer).counters["tokens_seen"] == 99
+
+
+def test_pyramid_budgets_on_a_one_layer_model_keep_the_budget():
+    """The pyramid keeps the mean over layers equal to M: a model of one layer keeps M there, as "uniform" does (the
+    cosine's step π·l/(L-1) has no second layer to reach)."""
+    model, tokenizer = make_tiny_llama(num_hidden_layers=1)
+    input_ids = prompt_ids(tokenizer, 64)
+    tokens, cache = greedy(model, input_ids, press=KeepKVPress(budget=24, recent=8, layer_budgets="pyramid"),
+                           max_new_tokens=4)
+    uniform_tokens, uniform = greedy(model, input_ids, press=KeepKVPress(budget=24, recent=8), max_new_tokens=4)
+    assert cache.layers[0].keys.shape[-2] == 24
+    assert torch.equal(tokens, uniform_tokens)
+    assert torch.equal(cache.layers[0].keys, uniform.layers[0].keys)
+
+
+def test_zip_merge_state_is_the_vote_weighted_mean_estimate_and_the_oldest_age():
+    """The merged slot's ŝ is Σ p ŝ / Σ p over its set (votes p, not the plain mean: after merge_first a slot stands
+    for several tokens), its votes Σ p and its age the oldest of the set's; ln ŝ read back through log_estimate.
+    Checked against a float64 computation from that definition, with sets of unequal votes."""
+    generator = torch.Generator().manual_seed(0)
+    press = KeepKVPress(ema_decay=0.9)
+    keys, values = torch.randn(1, 1, 7, 8, generator=generator), torch.randn(1, 1, 7, 8, generator=generator)
+    votes = torch.tensor([[[1.0, 3.0, 2.0, 1.0, 4.0, 1.0, 5.0]]])
+    age = torch.tensor([[[8.0, 5.0, 7.0, 3.0, 6.0, 2.0, 1.0]]])
+    estimate = torch.tensor([[[0.5, -1.0, 2.0, 0.3, -0.4, 1.5, 0.1]]])
+    log_ema = estimate + torch.log(1 - 0.9 ** age)  # ln ŝ = ln S − ln(1 − β^t)
+    state = LayerState(votes.log(), {"log_ema": log_ema, "age": age, "votes": votes}, {"budget": 4, "recent": 1})
+    # Sets: {1 ← 0, 4}, {2 ← 3}; 5 and 6 stay alone.
+    targets = torch.tensor([[[1, -1, -1, 2, 1, -1, -1]]])
+    _, _, merged = press._zip(keys, values, state, targets, press.log_estimate(state))
+    merged_state = LayerState(state.log_weights, merged, state.counters)
+    got_estimate = press.log_estimate(merged_state)[0, 0].double()
+    for retained, members in {1: [1, 0, 4], 2: [2, 3], 5: [5], 6: [6]}.items():
+        p, s = votes[0, 0, members].double(), estimate[0, 0, members].double()
+        assert float(merged["votes"][0, 0, retained]) == float(p.sum())
+        assert float(merged["age"][0, 0, retained]) == float(age[0, 0, members].max())
+        want = torch.log((p * s.exp()).sum() / p.sum())
+        torch.testing.assert_close(got_estimate[retained], want, rtol=1e-5, atol=1e-6)

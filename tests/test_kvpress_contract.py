@@ -109,6 +109,36 @@ def test_compression_ratio_of_a_budget_press_is_settable_as_in_kvpress(make_pres
     assert getattr(press, press.budget_field) == 0.25
 
 
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_a_compression_ratio_of_zero_keeps_the_whole_context(llama, make_press, name):
+    """kvpress's uncompressed baseline, compression_ratio = 0, is the budget 1.0 (a fraction in (0, 1]): accepted,
+    and the press keeps every prompt token as it is (the cache equals the run without a press)."""
+    model, tokenizer = llama
+    press = make_press(name)
+    press.compression_ratio = 0.0
+    assert getattr(press, press.budget_field) == 1.0 and press.compression_ratio == 0.0
+    ids = prompt_ids(tokenizer, 40)
+    _, cache = greedy(model, ids, press=press, max_new_tokens=1)
+    _, full = greedy(model, ids, max_new_tokens=1)
+    for layer, uncompressed in zip(cache.layers, full.layers, strict=True):
+        torch.testing.assert_close(layer.keys, uncompressed.keys)
+        torch.testing.assert_close(layer.values, uncompressed.values)
+
+
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_compression_ratio_of_a_padded_batch_leaves_the_padding_out(llama, make_press, name):
+    """Rows of 40 and 34 tokens, left-padded: padding is not counted as seen, so a budget of 16 slots per kv head
+    and row removes 1 - 2·16 / (40 + 34) of the prompt (not of the 2·40 columns)."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    ids[1, :6] = tokenizer.pad_token_id
+    press = make_press(name)
+    greedy(model, ids, press=press, max_new_tokens=1, attention_mask=mask)
+    assert press.compression_ratio == pytest.approx(1 - 2 * BUDGET / (40 + 34))
+
+
 @pytest.mark.parametrize("name", ["GVotePress", "KVzapThresholdPress"])
 def test_compression_ratio_of_a_threshold_press_is_read_only(make_press, name):
     with pytest.raises(AttributeError, match=f"cannot be set for {name}"):
@@ -475,6 +505,30 @@ def test_a_pass_of_several_tokens_after_a_padded_prefill_runs_at_each_rows_posit
     for row, prompt in enumerate(rows):
         alone = last_logits(prompt, torch.ones_like(prompt), more[row:row + 1])
         torch.testing.assert_close(together[row:row + 1], alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_a_padded_forward_without_positions_compresses_each_row_at_its_columns(llama, make_press, name):
+    """A hand-written forward of a left-padded batch given no position_ids: the model places every row at its columns
+    (one row of positions, broadcast over the batch), and each row's compressed cache is the one its run alone at
+    those positions leaves (rows of 40 and 34 tokens)."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 40, batch=2)
+    ids[1, :6] = tokenizer.pad_token_id
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    together = DynamicCache()
+    with torch.no_grad(), make_press(name)(model):
+        model(ids, attention_mask=mask, past_key_values=together)
+    for row, pad in enumerate([0, 6]):
+        alone = DynamicCache()
+        with torch.no_grad(), make_press(name)(model):
+            model(ids[row:row + 1, pad:], position_ids=torch.arange(pad, 40).unsqueeze(0), past_key_values=alone)
+        for layer, alone_layer in zip(together.layers, alone.layers, strict=True):
+            held = alone_layer.keys.shape[-2]
+            torch.testing.assert_close(layer.keys[row:row + 1, :, -held:], alone_layer.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(layer.values[row:row + 1, :, -held:], alone_layer.values, atol=1e-5,
+                                       rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)

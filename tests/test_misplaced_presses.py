@@ -224,6 +224,43 @@ def test_beam_search_reorder_moves_the_press_state(llama, name, order, tmp_path)
             torch.testing.assert_close(got_keys, want_keys)
 
 
+@pytest.mark.parametrize("name", ["ZSMerge", "WeightedKV", "KeepKV"])
+def test_a_reorder_repeating_a_row_of_a_padded_batch_gives_each_copy_its_own_state(llama, name, tmp_path):
+    """A left-padded batch is compressed row by row (each row its own state); a reorder that repeats a row ([1, 1],
+    beam search keeping two copies of one beam) leaves two copies that decode on independently: the next steps'
+    logits equal those of that row prefilled twice in a batch of the same padding (a state shared by the copies
+    would take the first copy's step as the second's), and the compression ratios are those of that batch (its
+    rows' prompt tokens, not the rows' before the reorder)."""
+    pad = 6
+    rows = [prompt(1), torch.nn.functional.pad(prompt(2)[:, pad:], (pad, 0), value=0)]
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :pad] = 0
+
+    def run(order: list[int], reorder: list[int] | None) -> tuple[list[torch.Tensor], float]:
+        cache, step_mask, press = DynamicCache(), mask[order], BEAM_PRESSES[name](tmp_path, llama)
+        with torch.no_grad(), press(llama):
+            logits = list(steps(cache, order, reorder, step_mask))
+        return logits, press.compression_ratio
+
+    def steps(cache, order, reorder, step_mask):
+        llama(torch.cat([rows[i] for i in order]), attention_mask=step_mask, past_key_values=cache,
+              position_ids=(step_mask.cumsum(-1) - 1).clamp(min=0))
+        for tokens in ([[5], [7]], [[9], [9]], [[11], [11]]):
+            if tokens[0] == [9] and reorder is not None:
+                cache.reorder_cache(torch.tensor(reorder))
+                step_mask = step_mask[reorder]
+            step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=torch.long)], dim=-1)
+            positions = step_mask.sum(-1, keepdim=True) - 1
+            tokens = tokens if reorder is not None or order[0] == 0 else [tokens[1]] * 2
+            yield llama(torch.tensor(tokens), attention_mask=step_mask, position_ids=positions,
+                        past_key_values=cache).logits[:, -1]
+
+    (got, got_ratio), (want, want_ratio) = run([0, 1], [1, 1]), run([1, 1], None)
+    for got_step, want_step in zip(got[1:], want[1:]):
+        torch.testing.assert_close(got_step, want_step, atol=1e-5, rtol=1e-5)
+    assert got_ratio == pytest.approx(want_ratio)
+
+
 def test_beam_search_runs_under_a_press(llama):
     with torch.no_grad(), KeepKVPress(budget=24, recent=8)(llama):
         out = llama.generate(prompt(), num_beams=2, max_new_tokens=4, do_sample=False,
@@ -474,6 +511,12 @@ def test_a_streaming_press_refuses_a_prompt_given_in_one_forward(llama, make_pre
             llama.generate(prompt(length=48), **beams)
     with torch.no_grad(), press(llama):  # a prompt no longer than a chunk is its own first chunk
         llama(prompt(length=8), past_key_values=DynamicCache())
+    # One token more than a chunk is already a prompt in one forward; and so is a forward that lets the model create
+    # its cache (no past_key_values, use_cache=True: a hand-written loop's first pass).
+    with pytest.raises(ValueError, match=rf"{name}: a prompt of 9 tokens"), torch.no_grad(), press(llama):
+        llama(prompt(length=9), past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match=refused), torch.no_grad(), press(llama):
+        llama(prompt(length=48), use_cache=True)
 
 
 def test_speculative_decoding_rolls_back_the_position_count(llama):
