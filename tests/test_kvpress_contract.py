@@ -340,6 +340,19 @@ def test_a_cache_left_by_a_press_that_is_gone_is_refused_by_another(llama, make_
         model(ids[:, :1], past_key_values=cache)
 
 
+def test_a_cache_of_a_live_press_is_refused_by_another_of_its_class(llama, make_press):
+    """Two ZSMergePress objects, the first still alive: the second cannot continue the first's cache (its state, its
+    budget and its positions are the first's), whatever their class shares."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    first = make_press("ZSMergePress")
+    _, cache = greedy(model, ids, press=first, max_new_tokens=2)
+    with torch.no_grad(), make_press("ZSMergePress")(model), pytest.raises(
+            ValueError, match="ZSMergePress: layer 0 holds the state of ZSMergePress"):
+        model(ids[:, :1], past_key_values=cache)
+    assert first is not None  # alive until here
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_compress_entry_point_is_refused(llama, make_press, name):
     """kvpress's keys-and-values entry point (used by ChunkPress, DecodingPress, PrefillDecodingPress.compress) has
