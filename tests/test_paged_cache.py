@@ -587,3 +587,232 @@ def test_marks_are_evicted_by_the_layer_the_module_last_attended_only():
     current.flush()
     assert current.lengths.tolist() == [[6, 5]]
     torch.testing.assert_close(current.keys[0, 1, 1:], keys[0, 1, [0, 1, 3, 4, 5]])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gaps a mutation round found: each test compares with a DynamicLayer holding the same history (kvpress's masked slots keep
+# their columns there) or with a property stated in PagedLayer's docstrings.
+
+
+def test_a_layer_whose_every_slot_marks_evicted_still_stands_for_its_tokens():
+    """kvpress's head-wise marks evicting every slot leave a layer of no slot that still stands for its tokens (the
+    rectangular cache keeps the masked columns): the next append is not a new prompt; it continues at the next column
+    and position, as a DynamicLayer's would."""
+    layer, dynamic, module = PagedLayer(block_size=4), DynamicLayer(), AttentionModule()
+    keys = torch.randn(1, 2, 4, 8)
+    for each in (layer, dynamic):
+        each.update(keys[:, :, :3], -keys[:, :, :3], {"cache_position": torch.arange(3)})
+    layer.attended_by(module)
+    module.masked_key_indices = (torch.zeros(6, dtype=torch.long), torch.tensor([0, 0, 0, 1, 1, 1]),
+                                 torch.tensor([0, 1, 2, 0, 1, 2]))
+    layer.flush()
+    assert layer.lengths.tolist() == [[0, 0]] and layer.get_seq_length() == 3
+    for each in (layer, dynamic):
+        each.update(keys[:, :, 3:], -keys[:, :, 3:])  # no cache_position (transformers 5.17)
+    assert layer.get_seq_length() == dynamic.get_seq_length() == 4
+    assert layer.take_prompt_states() is None  # not a prefill
+    assert layer._slot_positions().tolist() == [[[3], [3]]]
+    torch.testing.assert_close(layer.keys[..., -1:, :], keys[:, :, 3:])
+
+
+def test_an_append_without_cache_position_after_ones_with_it_follows_the_last_position():
+    """Positions given on the device (transformers 4's cache_position), then an append without one (5.17): the new
+    tokens follow the last position held, as the tokens a DynamicLayer would place there."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(1, 2, 7, 8)
+    layer.update(keys[:, :, :5], -keys[:, :, :5], {"cache_position": torch.arange(5)})
+    layer.update(keys[:, :, 5:], -keys[:, :, 5:])
+    assert torch.equal(layer._slot_positions(), torch.arange(7).expand(1, 2, 7))
+
+
+def test_a_reset_or_a_new_prompt_forgets_the_padding_the_last_prefill_dropped():
+    """The padding every row of a prefill had is counted among the tokens held (``padding_dropped``) until the layer
+    is emptied: a reset cache counts no token, and a new prompt over it counts its own tokens, as a DynamicCache."""
+    cache = PagedKVCache(block_size=4)
+    keys = torch.randn(2, 2, 6, 8)
+    cache.update(keys, -keys, 0)
+    padding = torch.zeros(2, 2, 6)
+    padding[:, :, :2] = -INF  # both rows padded by 2, row 1 by 3
+    padding[1, :, 2] = -INF
+    cache.layers[0].drop_padding(padding)
+    assert cache.get_seq_length() == 6  # 4 columns held + the 2 every row dropped
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    cache.update(keys[:, :, :3], -keys[:, :, :3], 0)
+    assert cache.get_seq_length() == 3
+
+
+@pytest.mark.parametrize("count", [1, 3, 5])
+def test_last_slots_reads_each_heads_last_slots_or_none_when_a_head_holds_fewer(count):
+    """last_slots(name, count): the per-slot pool at each head's last `count` slots (heads of different lengths), None
+    only when a head holds fewer than `count`; a head holding exactly `count` is read whole."""
+    layer = PagedLayer(block_size=2)
+    keys = torch.randn(1, 2, 7, 8)
+    layer.update(keys, -keys, {"cache_position": torch.arange(7)})
+    log_weights = torch.zeros(1, 2, 7)
+    log_weights[0, 1, :2] = -INF  # head 1 keeps its last 5 tokens, head 0 all 7
+    layer.keys, layer.values = layer.keys, layer.values
+    set_state(layer, LayerState(log_weights))  # no positions after a press's write: append tokens that have them
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), {"cache_position": torch.arange(7, 10)})
+    assert layer.lengths.tolist() == [[10, 8]]
+    positions = layer.last_slots("token_positions", count)
+    expected = torch.tensor([[list(range(10 - count, 10))] * 2], dtype=torch.int32)
+    expected[expected < 7] = -1  # the press's slots: positions unknown
+    assert torch.equal(positions.cpu(), expected)
+    assert layer.last_slots("token_positions", 8) is not None
+    assert layer.last_slots("token_positions", 9) is None
+
+
+@pytest.mark.parametrize("how", ["cut", "press"])
+def test_heads_of_one_length_shortened_by_exactly_one_block_give_that_block_back(how):
+    """As a single head: heads of one length all shortened by a whole block (a cut, a press keeping as many slots in
+    every head) hold ceil(length / block_size) blocks each; only a shortening by less than a block keeps one."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(2, 2, 8, 8)
+    layer.update(keys, -keys, {"cache_position": torch.arange(8)})
+    if how == "cut":
+        layer.keys, layer.values = layer.keys[:, :, :4], layer.values[:, :, :4]
+    else:
+        layer.keys, layer.values = layer.keys[:, :, 2:6].clone(), layer.values[:, :, 2:6].clone()
+        set_state(layer, LayerState(torch.zeros(2, 2, 4)))
+    layer.flush()
+    check_allocator(layer)
+    assert layer.lengths.tolist() == [[4, 4], [4, 4]]
+    assert layer.blocks_in_use() == 2 * 2 * 1
+    torch.testing.assert_close(layer.keys, keys[:, :, :4] if how == "cut" else keys[:, :, 2:6])
+    layer.keys, layer.values = layer.keys[:, :, :3], layer.values[:, :, :3]  # less than a block: the block stays
+    layer.flush()
+    assert layer.blocks_in_use() == 2 * 2 * 1
+
+
+def test_a_cut_after_marks_evicted_a_press_s_slots_and_a_reorder_keeps_each_rows_tokens_before_it():
+    """As test_a_cut_after_marks_evicted_a_press_s_slots_keeps_the_tokens_the_rectangular_cache_keeps, with beam
+    search's reorder between the marks and the cut: the columns at which each row's base slots stand move with the
+    row, and each row keeps the tokens the rectangular cache (its rows reordered, the masked slot keeping its column)
+    holds before the cut."""
+    module, layer = AttentionModule(), PagedLayer(block_size=4)
+    ids = torch.arange(1, 25).view(2, 2, 6)  # (row, head) at positions 0..5
+    keys = torch.stack([ids.float(), 2 * ids.float()], -1)
+    layer.update(keys[:, :, :2], -keys[:, :, :2], {"cache_position": torch.arange(2)})
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    set_state(layer, LayerState(torch.zeros(2, 2, 2)))
+    layer.update(keys[:, :, 2:], -keys[:, :, 2:], {"cache_position": torch.arange(2, 6)})
+    layer.keys, layer.values = layer.keys, layer.values
+    set_state(layer, LayerState(torch.zeros(2, 2, 6)))  # stored in place: every slot is the press's, positions known
+    layer.attended_by(module)
+    module.masked_key_indices = (torch.tensor([0]), torch.tensor([0]), torch.tensor([3]))  # row 0, head 0: token 4
+    layer.reorder_cache(torch.tensor([1, 0]))
+    layer.keys, layer.values = layer.keys[:, :, :4], layer.values[:, :, :4]
+    check_allocator(layer)
+    rect = ids[[1, 0], :, :4].clone()  # the rectangular cache reordered, then cut
+    rect[1, 0, 3] = 0  # its masked slot (row 0 before the reorder)
+    assert layer.get_seq_length() == 4
+    assert head_tokens(view_ids(layer)) == head_tokens(rect)
+
+
+def test_heads_of_one_length_but_different_bases_keep_the_rectangular_layout():
+    """A press keeps 3 slots in head 0 and 2 in head 1, a token is appended, and kvpress's marks evict head 0's: both
+    heads hold 3 slots, but the rectangular cache (compacted to the longest head, the masked slot keeping its column)
+    is 4 wide, head 1's appended token at column 3 after a column of padding. Equal lengths alone do not make the
+    view unpadded. (A state without an owner, set by hand: our presses' states refuse kvpress's marks.)"""
+    module, layer = AttentionModule(), PagedLayer(block_size=2)
+    ids = torch.tensor([[[1, 2, 3], [4, 5, 6]]])
+    keys = torch.stack([ids.float(), 2 * ids.float()], -1)
+    layer.update(keys, -keys, {"cache_position": torch.arange(3)})
+    log_weights = torch.zeros(1, 2, 3)
+    log_weights[0, 1, 2] = -INF  # head 1 keeps tokens 4, 5
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    set_state(layer, LayerState(log_weights))
+    new = torch.tensor([[[7], [8]]])
+    layer.update(torch.stack([new.float(), 2 * new.float()], -1), -torch.stack([new.float(), 2 * new.float()], -1),
+                 {"cache_position": torch.tensor([3])})
+    layer.attended_by(module)
+    module.masked_key_indices = (torch.tensor([0]), torch.tensor([0]), torch.tensor([3]))  # head 0's token 7
+    layer.flush()
+    assert layer.lengths.tolist() == [[3, 3]]
+    rect = torch.tensor([[[1, 2, 3, 0], [4, 5, 0, 8]]])  # token 7 masked in its column
+    assert layer.get_seq_length() == 4
+    assert torch.equal(view_ids(layer), rect)
+
+
+@pytest.mark.parametrize("state", [True, False], ids=["press", "kvpress compression"])
+def test_a_rewrite_after_a_padded_prefill_counts_only_what_it_wrote(state):
+    """The padding every row of the prefill dropped is counted among the tokens held only until something rewrites
+    the layer: then the cache holds as many tokens as the width written (a DynamicCache holds the written tensor)."""
+    cache = PagedKVCache(block_size=4)
+    keys = torch.randn(2, 2, 8, 8)
+    cache.update(keys, -keys, 0)
+    layer = cache.layers[0]
+    padding = torch.zeros(2, 2, 8)
+    padding[:, :, :3] = -INF  # every row padded by 3
+    layer.drop_padding(padding)
+    assert cache.get_seq_length() == 8
+    layer.keys, layer.values = layer.keys[:, :, 1:4].clone(), layer.values[:, :, 1:4].clone()
+    if state:
+        set_state(layer, LayerState(torch.zeros(2, 2, 3)))
+    layer.flush()
+    assert cache.get_seq_length() == 3
+    torch.testing.assert_close(layer.keys, keys[:, :, 4:7])
+
+
+def test_a_state_stored_in_place_that_does_not_left_pad_shows_its_slots_from_column_0():
+    """After a left-padded press's write (row 1's slots at the right), a state written in place over the view's own
+    keys and values by a press that does not left-pad: the view is laid out for that state (each head's slots from
+    column 0, as compact_to_longest_head lays them out), and its state reads back at those columns."""
+    cache, layer, written, log_weights = left_padded_write()
+    layer.keys, layer.values = layer.keys, layer.values
+    set_state(layer, LayerState(torch.zeros(2, 2, 6).masked_fill(torch.isinf(log_weights), -INF)))
+    layer.flush()
+    assert layer.lengths.tolist() == [[6, 6], [2, 2]]
+    expected = written.clone()
+    expected[1] = 0
+    expected[1, :, :2] = written[1, :, 4:]
+    torch.testing.assert_close(layer.keys, expected)
+    assert bool((get_state(layer).log_weights[1, :, :2] == 0).all())
+    assert bool((get_state(layer).log_weights[1, :, 2:] == -INF).all())
+
+
+def test_a_strided_selection_of_the_view_is_stored_as_tokens_not_taken_for_a_cut():
+    """keys[:, :, ::2] starts where the view does and is narrower, but is no cut keys[:, :, :n]: each head holds the
+    tokens written, as a DynamicLayer given that tensor."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(1, 2, 9, 8)
+    layer.update(keys, -keys, {"cache_position": torch.arange(9)})
+    layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
+    layer.flush()
+    check_allocator(layer)
+    assert layer.get_seq_length() == 5
+    torch.testing.assert_close(layer.keys, keys[:, :, ::2])
+    torch.testing.assert_close(layer.values, -keys[:, :, ::2])
+
+
+def test_a_press_handing_back_the_views_keys_with_new_values_stores_its_values():
+    """A press that keeps the view's own keys but writes new values (a merge of values only) under its state: the
+    layer holds the values written, not the view's, as a DynamicLayer given them."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(1, 2, 6, 8)
+    layer.update(keys, -keys, {"cache_position": torch.arange(6)})
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    set_state(layer, LayerState(torch.zeros(1, 2, 6)))
+    view_keys = layer.keys
+    new_values = 3 * layer.values
+    layer.keys, layer.values = view_keys, new_values
+    set_state(layer, LayerState(torch.zeros(1, 2, 6)))
+    layer.flush()
+    torch.testing.assert_close(layer.keys, keys)
+    torch.testing.assert_close(layer.values, -3 * keys)
+
+
+@pytest.mark.parametrize("batch,heads,width", [(1, 1, 9), (2, 2, 40)])
+def test_a_press_writing_a_slice_of_the_view_itself_stores_it(batch, heads, width):
+    """On a regular layout the view shares the pools' memory: a press handing back keys[:, :, 1:] of it, uncloned,
+    with its state (every slot kept), overlaps the slots it is stored into. The layer holds what was written."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(batch, heads, width, 8)
+    layer.update(keys, -keys, {"cache_position": torch.arange(width)})
+    layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+    set_state(layer, LayerState(torch.zeros(batch, heads, width - 1)))
+    layer.flush()
+    check_allocator(layer)
+    torch.testing.assert_close(layer.keys, keys[:, :, 1:])
+    torch.testing.assert_close(layer.values, -keys[:, :, 1:])
