@@ -590,8 +590,8 @@ def test_marks_are_evicted_by_the_layer_the_module_last_attended_only():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Gaps a mutation round found: each test compares with a DynamicLayer holding the same history (kvpress's masked slots keep
-# their columns there) or with a property stated in PagedLayer's docstrings.
+# Gaps a mutation round found: each test compares with a DynamicLayer holding the same history (kvpress's masked slots
+# keep their columns there) or with a property stated in PagedLayer's docstrings.
 
 
 def test_a_layer_whose_every_slot_marks_evicted_still_stands_for_its_tokens():

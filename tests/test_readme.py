@@ -1,8 +1,8 @@
 """The README's Python snippets and its first command (`make demo`) run as written, on the embedded default model: a
 renamed argument, a press that refuses a placement the README shows, or a cache the snippet cannot save fails here
-instead of in a user's first minute. The model is the default one cut to its first two layers (its config, which KVzap's surrogates are checked
-against, unchanged), and the new tokens to 8 (from 256): the snippets then run in seconds, and every call they make is
-the one the README shows."""
+instead of in a user's first minute. The model is the default one cut to its first two layers (its config, which
+KVzap's surrogates are checked against, unchanged), and the new tokens to 8 (from 256): the snippets then run in
+seconds, and every call they make is the one the README shows."""
 
 import importlib.util
 import re
