@@ -899,9 +899,9 @@ at::cuda::detail::IntDivider<unsigned> group_divider(const PromptScoresShape& sh
   return at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(shape.group_size));
 }
 
-// Lets `kernel` take `bytes` of dynamic shared memory, after checking them against what the device allows a block
-// beside the kernel's static shared memory (a float32 d = 256 tile needs 150 KiB: an H100's 227 KiB holds it, the
-// 99 KiB of sm_86 / sm_89 do not), so that too large a head dim is named instead of failing the launch.
+// Lets `kernel` take `bytes` of dynamic shared memory and checks them against what the device allows a block beside
+// the kernel's static shared memory (a float32 d = 256 tile needs 150 KiB: an H100's 227 KiB holds it, the 99 KiB of
+// sm_86 / sm_89 do not), so that too large a head dim is named instead of failing the launch.
 template <typename Kernel>
 void allow_shared_bytes(const char* op, Kernel kernel, size_t bytes, int64_t head_dim) {
   const size_t allowed = gpu::allow_most_dynamic_shared_bytes(kernel, gpu::static_shared_bytes(kernel));

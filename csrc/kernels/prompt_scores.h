@@ -66,7 +66,7 @@ KVCOMP_HOST_DEVICE inline float query_log_weight(double log_decay, double log_in
 // One term x added to a column's online log-sum-exp. A NaN term makes the sum NaN, in whatever order the terms come:
 // combine's fmaxf would drop it while the running max is still -inf, and later finite terms would hide it.
 KVCOMP_HOST_DEVICE inline SoftmaxPartial add_log_term(SoftmaxPartial column, float x) {
-  if (x != x) return {column.max, x};
+  if (is_nan(x)) return {column.max, x};
   return combine(column, SoftmaxPartial{x, 1.0f});
 }
 
