@@ -175,8 +175,11 @@ class PagedLayer(CacheLayerMixin):
         # its own slots in the pools learns from it that nothing but appends happened since it last looked.
         self.rearrangements = 0
         # The position of the next token appended without a cache_position (a host integer, so that no append reads
-        # the device), None where positions were last given on the device.
+        # the device), None where positions were last given on the device: then the last cache_position given and the
+        # columns cut since tell it, read only by an append that needs it.
         self._next_position: int | None = 0
+        self._positions_given: torch.Tensor | None = None
+        self._cut_since_positions_given = 0
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
@@ -264,11 +267,11 @@ class PagedLayer(CacheLayerMixin):
             if is_prefill:
                 self._next_position = 0
             elif self._next_position is None:  # positions were given before, on the device: one read
-                self._next_position = int(self.slot_blocks[_POSITIONS].max()) + 1
+                self._next_position = int(self._positions_given.max()) + 1 - self._cut_since_positions_given
             positions = torch.arange(self._next_position, self._next_position + new_tokens, device=self.device)
             self._next_position += new_tokens
         else:
-            self._next_position = None  # known on the device only
+            self._next_position, self._positions_given, self._cut_since_positions_given = None, positions, 0
         # The press's own per-slot pools are left as they are: a press reads a slot's state only once it has
         # written it (get_state covers the columns of its last write).
         self.slot_blocks[_LOG_WEIGHTS].view(-1).index_fill_(0, slots, 0)
@@ -975,6 +978,8 @@ class PagedLayer(CacheLayerMixin):
         """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""
         if self._next_position is not None:  # the tokens counted on the host: the cut ones are no longer held
             self._next_position -= self._width() - width
+        else:
+            self._cut_since_positions_given += self._width() - width
         appended = self.lengths - self.bases
         if self._marks_evicted:
             kept_appended = self._appended_before(width)

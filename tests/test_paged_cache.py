@@ -625,6 +625,18 @@ def test_an_append_without_cache_position_after_ones_with_it_follows_the_last_po
     assert torch.equal(layer._slot_positions(), torch.arange(7).expand(1, 2, 7))
 
 
+def test_an_append_without_cache_position_after_a_cut_of_ones_with_it_follows_the_tokens_kept():
+    """Positions given on the device, a cut, then an append without one: the new token takes the first cut one's
+    position, not one after the cut tokens' positions, which their freed slots still hold."""
+    layer = PagedLayer(block_size=4)
+    keys = torch.randn(1, 2, 11, 8)
+    layer.update(keys[:, :, :6], -keys[:, :, :6], {"cache_position": torch.arange(6)})
+    layer.update(keys[:, :, 6:10], -keys[:, :, 6:10], {"cache_position": torch.arange(6, 10)})
+    layer.crop(5)
+    layer.update(keys[:, :, 10:], -keys[:, :, 10:])
+    assert torch.equal(layer._slot_positions(), torch.arange(6).expand(1, 2, 6))
+
+
 def test_a_reset_or_a_new_prompt_forgets_the_padding_the_last_prefill_dropped():
     """The padding every row of a prefill had is counted among the tokens held (``padding_dropped``) until the layer
     is emptied: a reset cache counts no token, and a new prompt over it counts its own tokens, as a DynamicCache."""
