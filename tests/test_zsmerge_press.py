@@ -10,7 +10,9 @@ import torch
 from transformers import DynamicCache
 
 from kvpress_cpp.cache import get_state
+from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_IGNORES_PADDING, CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
+from kvpress_cpp.presses.weightedkv import WeightedKVPress
 from kvpress_cpp.presses.zsmerge import ZSMergePress
 from tests.generation import (TINY_MODELS, answers_hidden_fact, feed_in_passes, greedy, needs_chunked_prefill,
                               prompt_ids)
@@ -84,13 +86,58 @@ def test_streaming_prefill_of_a_left_padded_batch():
                                              r"are padded"):
             greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=30), max_new_tokens=4, **batch)
         return
-    tokens, _ = greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=30), max_new_tokens=4, **batch)
+    with pytest.warns(UserWarning, match=r"ZSMergePress: batch rows \[1\] are left-padded by \[28\] of the first "
+                                         r"chunk's 30 columns"):
+        tokens, _ = greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=30), max_new_tokens=4, **batch)
     for row, alone in enumerate(rows):
         assert torch.equal(tokens[row], greedy(model, alone, ZSMergePress(budget=16, prefill_chunk_size=30),
                                                max_new_tokens=4)[0][0])
     with pytest.raises(ValueError, match=r"ZSMergePress: the first chunk of prefill_chunk_size=8 tokens, .* holds only "
                                          r"padding for batch rows \[1\]"):
         greedy(model, press=ZSMergePress(budget=16, prefill_chunk_size=8), max_new_tokens=4, **batch)
+
+
+@needs_chunked_prefill
+@pytest.mark.skipif(CHUNKED_PREFILL_IGNORES_PADDING, reason="this transformers refuses a padded batch's stream")
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("name", ["zsmerge", "weightedkv"])
+def test_a_streamed_padded_row_is_its_run_alone_in_the_batch_chunks(name, paged):
+    """A batch whose every row is left-padded (3 columns shared, as pad_to_multiple_of leaves them), streamed in
+    chunks of 12: generate cuts every row at the same columns, so a row padded by p streams as the row alone fed in
+    passes of 12 - p, 12, 12, ... tokens (the paper's stream, chunked from another first token), and its greedy tokens
+    are those of that run by hand, on either cache (a paged one drops the shared padding). The padding shared by
+    every row made the count of positions the cache stands for (columns) exceed the rows' positions, and the second
+    chunk was refused as tokens fed again."""
+
+    def make_press():
+        return (ZSMergePress(budget=12, prefill_chunk_size=12) if name == "zsmerge"
+                else WeightedKVPress(cache_size=12, prefill_chunk_size=12))
+
+    model, tokenizer = make_tiny_llama()
+    text = prompt_ids(tokenizer, 30)
+    rows, width = [text, text[:, 6:]], 33
+    batch = {"input_ids": torch.cat([torch.nn.functional.pad(row, (width - row.shape[1], 0),
+                                                             value=tokenizer.pad_token_id) for row in rows]),
+             "attention_mask": torch.cat([torch.arange(width).ge(width - row.shape[1]).long().view(1, -1)
+                                          for row in rows])}
+    with pytest.warns(UserWarning, match=r"batch rows \[0, 1\] are left-padded by \[3, 9\]"):
+        tokens, _ = greedy(model, press=make_press(), max_new_tokens=4,
+                           cache=PagedKVCache(block_size=4) if paged else None, **batch)
+    for row, ids in enumerate(rows):
+        padding, length = width - ids.shape[1], ids.shape[1]
+        sizes = [12 - padding] + [min(12, length - start) for start in range(12 - padding, length, 12)]
+        cache, alone, start = DynamicCache(), [], 0
+        with torch.no_grad(), make_press()(model):
+            for size in sizes + [1] * 3:  # the prompt in the batch's chunks, then the first 3 tokens generated
+                if start >= length:
+                    ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=-1)
+                    alone.append(int(ids[0, -1]))
+                logits = model(ids[:, start:start + size], past_key_values=cache,
+                               position_ids=torch.arange(start, start + size).view(1, -1),
+                               cache_position=torch.arange(start, start + size)).logits
+                start += size
+        alone.append(int(logits[0, -1].argmax()))
+        assert tokens[row].tolist() == alone, (row, sizes)
 
 
 @needs_chunked_prefill

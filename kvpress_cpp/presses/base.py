@@ -716,7 +716,12 @@ class KVCompPress(BasePress):
         else:
             positions = kwargs.get("position_ids")
             positions = positions if positions is not None else kwargs.get("cache_position")
-            if positions is None:  # the model counts from get_seq_length(), here the tokens held
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= processed:
+                # The mask's columns are what the count counts (padding included); a left-padded batch's positions
+                # are each row's tokens, fewer where every row is padded (transformers 5's chunked prefill)
+                first, after = mask.shape[-1] - new_tokens, mask.shape[-1]
+            elif positions is None:  # the model counts from get_seq_length(), here the tokens held
                 first, after = slots, slots + new_tokens
             else:
                 positions = positions.reshape(-1, positions.shape[-1])

@@ -11,6 +11,7 @@ refused rather than compressed in one shot.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -87,6 +88,11 @@ class StreamingPrefill:
                              f"is {name}'s prefill, holds only padding for batch rows "
                              f"{empty.nonzero().flatten().tolist()}: the chunk must reach every row's first token "
                              f"(a prefill_chunk_size above the longest left padding)")
+        warnings.warn(f"{name}: batch rows {rows} are left-padded by {padding.sum(-1)[padded].tolist()} of the first "
+                      f"chunk's {self.prefill_chunk_size} columns: generate cuts every row at the same columns, so each "
+                      f"of these rows' chunks end that many tokens earlier in its text than in its run alone (its first "
+                      f"chunk, the press's prefill, is that much shorter), and what the press keeps of it, and its "
+                      f"output, can differ from that run", stacklevel=2)
 
     @contextmanager
     def __call__(self, model):
