@@ -317,8 +317,14 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         paged_layer = paged_layer_of(key)
         presses = module.__dict__.get(_ACTIVE_PRESSES_ATTR)
         if presses or paged_layer is not None:
-            _refuse_unsupported_variant(module, kwargs, presses[-1] if presses else "PagedKVCache",
-                                        lambda: _tokens_held(module, presses, paged_layer, key))
+            user = presses[-1] if presses else "PagedKVCache"
+            if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+                implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+                raise ValueError(f"{user}: layer {getattr(module, 'layer_idx', '?')} runs its attention "
+                                 f"({implementation}) with a {type(attention_mask).__name__} mask, which kvpress_cpp's "
+                                 f"attention over a compressed or paged cache cannot read; load the model with "
+                                 f"attn_implementation='sdpa', 'eager' or 'flash_attention_2'")
+            _refuse_unsupported_variant(module, kwargs, user, lambda: _tokens_held(module, presses, paged_layer, key))
         if paged_layer is not None:
             prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
             if prompt_states is None:

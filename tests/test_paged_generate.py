@@ -437,6 +437,17 @@ def test_a_model_whose_attention_has_no_scale_is_refused_on_our_paths():
             run(PagedKVCache())
 
 
+def test_flex_attention_on_a_paged_cache_is_refused_naming_it():
+    """Flex attention hands the attention a BlockMask, not a mask tensor: the paged path read its padding from it and
+    failed with an AttributeError naming neither the cache nor the attention. It is refused, naming both, before
+    anything is appended."""
+    model, tokenizer = make_tiny_llama(attn_implementation="flex_attention")
+    cache = PagedKVCache()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"PagedKVCache: layer 0 runs its attention "
+                                                          r"\(flex_attention\) with a BlockMask mask"):
+        model.generate(prompt_ids(tokenizer, 20), past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
 def held_slots(layer):
     """Per (batch, kv head): the keys, values and log-weights of the slots attended (finite log-weight), in order."""
     keys, values = layer.keys, layer.values
