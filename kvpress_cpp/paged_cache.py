@@ -181,6 +181,7 @@ class PagedLayer(CacheLayerMixin):
         self._positions_given: torch.Tensor | None = None
         self._cut_since_positions_given = 0
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
+        self._view_versions: tuple[int, ...] | None = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
         self._region_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -938,6 +939,7 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         if self._view is None:
             self._view = (self._gather_view(self.key_blocks, 0), self._gather_view(self.value_blocks, 0))
+            self._view_versions = _versions(self._view)
         return self._view
 
     # ------------------------------------------------------------------------------------------------------------
@@ -956,7 +958,12 @@ class PagedLayer(CacheLayerMixin):
                              f"{tuple(values.shape)} were written to a layer: write both, over the same slots")
         if state is _UNSET:
             if view is not None and keys is view[0] and values is view[1]:
-                return  # written back unchanged (kvpress's hook after a press that only masks)
+                # kvpress's hook after a press that only masks, or that edited the view in place (ThinK zeroes key
+                # channels), which only a view over the pools' memory has stored already
+                if self._view_edited_in_place():
+                    self._store_over_view([(self.key_blocks, keys), (self.value_blocks, values)])
+                    self._view_versions = _versions(view)
+                return
             if view is not None and _is_prefix(keys, view[0]) and _is_prefix(values, view[1]):
                 self._cut(keys.shape[-2])
                 return
@@ -1109,7 +1116,7 @@ class PagedLayer(CacheLayerMixin):
                 or any(self.slot_blocks[name].dtype != tensor.dtype or tensor.shape != log_weights.shape
                        for name, tensor in state.per_slot.items())):
             return False
-        index, real = self._view_layout()
+        real = self._view_layout()[1]
         # A press that keeps every slot it is given, over a view of held slots only (a merging press's step under its
         # budget), stores no dead slot: nothing to count, and nothing read back.
         all_held = self._known_to_hold_every_slot(state)
@@ -1120,15 +1127,7 @@ class PagedLayer(CacheLayerMixin):
             if bool((dead.sum(-1) > 2 * self.block_size).any()):
                 return False
         tensors = {**state.per_slot, _LOG_WEIGHTS: log_weights.float()}
-        if real is None and self._regular_region() is not None:
-            for name, tensor in tensors.items():
-                _copy_into(self._region_view(self.slot_blocks[name], tensor.shape[-1]), tensor)
-        else:
-            rows = self._view_rows()[0] if real is not None else None
-            flat = index.reshape(-1) if rows is None else index.reshape(-1).index_select(0, rows)
-            for name, tensor in tensors.items():
-                tensor = tensor.reshape(-1) if rows is None else tensor.reshape(-1).index_select(0, rows)
-                self.slot_blocks[name].view(-1).index_copy_(0, flat, tensor)
+        self._store_over_view([(self.slot_blocks[name], tensor) for name, tensor in tensors.items()])
         # Every slot is now the press's: the view shows each head's slots from column 0 (no appended part), and
         # keeps no column for evicted marks (as wide as the press's layout, as after a rewrite). The columns of rows a
         # batch rearrangement dropped stay: the press wrote them back, as the rectangular cache keeps them.
@@ -1140,6 +1139,29 @@ class PagedLayer(CacheLayerMixin):
         self.counters = state.counters
         self._may_hold_dead_slots = not all_held
         return True
+
+    def _store_over_view(self, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store each (pool, tensor laid out as the view (B, H, W, ...)) at the view's slots in the pool, its padding
+        columns left out."""
+        index, real = self._view_layout()
+        if real is None and self._regular_region() is not None:
+            for pool, tensor in stores:
+                _copy_into(self._region_view(pool, tensor.shape[2]), tensor)
+            return
+        rows = self._view_rows()[0] if real is not None else None
+        flat = index.reshape(-1) if rows is None else index.reshape(-1).index_select(0, rows)
+        for pool, tensor in stores:
+            tensor = tensor.reshape(-1, *pool.shape[2:])
+            tensor = tensor if rows is None else tensor.index_select(0, rows)
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor)
+
+    def _view_edited_in_place(self) -> bool:
+        """Whether the view, handed back as it was read, may hold edits made in place that the pools lack: a gathered
+        copy (not the pools' memory) whose version counters moved since, or that keeps none (inference mode)."""
+        keys = self._view[0]
+        if keys.untyped_storage().data_ptr() == self.key_blocks.untyped_storage().data_ptr():
+            return False
+        return self._view_versions is None or self._view_versions != _versions(self._view)
 
     def _evict(self, evicted: torch.Tensor) -> None:
         """Remove the slots evicted (B, H, max length) bool of each head, keeping the others in order; the view
@@ -1210,6 +1232,13 @@ def _gather(pool: torch.Tensor, index: torch.Tensor, real: torch.Tensor | None, 
     if real is None:
         return gathered
     return gathered.masked_fill(~real.view(*real.shape, *([1] * (pool.dim() - 2))), fill)
+
+
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...] | None:
+    """The tensors' version counters (bumped by every in-place op), None where they keep none (inference mode)."""
+    if any(torch.is_inference(tensor) for tensor in tensors):
+        return None
+    return tuple(tensor._version for tensor in tensors)
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvpress import AdaKVPress, DMSPress, KnormPress, SnapKVPress, TOVAPress
+from kvpress import AdaKVPress, ComposedPress, DMSPress, KnormPress, SnapKVPress, ThinKPress, TOVAPress
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.attention import patch_eager_attention
@@ -435,6 +435,35 @@ def test_a_model_whose_attention_has_no_scale_is_refused_on_our_paths():
             return
         with pytest.raises(ValueError, match=r"kvpress_cpp: layer 0 \(GPT2Attention\) gives its attention no scale"):
             run(PagedKVCache())
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("inference_mode", [False, True])
+@pytest.mark.parametrize("before", [None, "gvote"])
+def test_think_prunes_the_blocks_where_the_view_is_a_gathered_copy(before, inference_mode):
+    """kvpress's ThinK zeroes key channels in place in the keys it is handed and hands them back. Where the view is
+    gathered from the blocks (a left-padded batch; heads GVote left at different lengths) and not the pools' own
+    memory, the zeroed channels never reached the blocks: the paged cache gave the tokens of no ThinK at all. The
+    rectangular cache's tokens, on a padded batch, with or without GVote first, also under inference mode (where the
+    view keeps no version counter)."""
+    model, tokenizer = make_tiny_llama()
+    long, short = prompt_ids(tokenizer, 52), prompt_ids(tokenizer, 40)
+    ids = torch.cat([long, torch.nn.functional.pad(short, (12, 0), value=tokenizer.pad_token_id)])
+    mask = torch.cat([torch.ones_like(long), torch.nn.functional.pad(torch.ones_like(short), (12, 0))])
+
+    def press():
+        think = ThinKPress(0.5, window_size=2)
+        return think if before is None else ComposedPress([GVotePress(), think])
+
+    with torch.inference_mode() if inference_mode else nullcontext():
+        expected = greedy(model, ids, DynamicCache(), press(), max_new_tokens=6, attention_mask=mask)
+        cache = PagedKVCache(block_size=4)
+        got = greedy(model, ids, cache, press(), max_new_tokens=6, attention_mask=mask)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, greedy(model, ids, PagedKVCache(block_size=4), GVotePress() if before else None,
+                                       max_new_tokens=6, attention_mask=mask))  # ThinK changes them
+    prompt_keys = cache.layers[0].keys[:, :, :-5]  # (the 5 tokens generated after the prefill last, not pruned)
+    assert bool(((prompt_keys == 0).all(dim=-2).sum(-1) >= 8).all())  # half of the 16 channels zero on every head
 
 
 def test_flex_attention_on_a_paged_cache_is_refused_naming_it():
