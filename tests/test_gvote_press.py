@@ -90,6 +90,18 @@ def test_memory_ratio_is_what_the_compacted_cache_frees():
     assert press.memory_compression_ratio < press.compression_ratio
 
 
+def test_the_ratios_after_decoding_are_the_prompts():
+    """GVote compresses the prompt alone (the README's contract): after tokens are generated, its ratios are still
+    the share of the prompt's slots removed, those of the prefill alone, not diluted by the tokens held one a slot."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 200)
+    kept = kept_per_head(model, ids, GVotePress(nucleus_p=0.6)).float()
+    press = GVotePress(nucleus_p=0.6)
+    greedy(model, ids, press=press, max_new_tokens=6)
+    assert press.compression_ratio == pytest.approx(1 - float(kept.mean()) / 200)
+    assert press.memory_compression_ratio == pytest.approx(1 - float(kept.amax((1, 2)).mean()) / 200)
+
+
 @pytest.mark.parametrize("longest_first", [True, False])
 def test_memory_ratio_of_a_padded_batch_is_the_width_the_cache_holds(longest_first):
     """A left-padded batch's rows are compressed one by one and stacked to the longest row's longest head: the ratio
