@@ -440,6 +440,28 @@ def test_prefill_decoding_press_with_ours_in_either_phase(llama, make_press, nam
 
 @kvpress_hooks.mark
 @pytest.mark.parametrize("name", NAMES)
+def test_prefill_decoding_press_follows_the_pipelines_cut_of_the_answer(llama, make_press, name):
+    """kvpress's pipeline keeps a PrefillDecodingPress's context open over the question and answer, and cuts them off
+    inside it after the last pass. The count of the tokens the cache stands for, recorded as the context closed, kept
+    them: the next tokens, fed right after the context, were refused as fed again (the message advising positions past
+    the answer). They are accepted, and attend as over the cache ComposedPress([press]) leaves."""
+    model, tokenizer = llama
+    question = "who is in want of a wife?"
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context_ids = pipe.preprocess(CONTEXT, questions=[question], answer_prefix="", max_context_length=10**6)[
+        "context_ids"]
+    next_ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids
+    positions = torch.arange(context_ids.shape[1], context_ids.shape[1] + next_ids.shape[1]).unsqueeze(0)
+    logits = {}
+    for wrapper in ("ComposedPress", "PrefillDecodingPress"):
+        _, cache = pipe_answer(llama, WRAPPERS[wrapper](make_press(name)), question)
+        with torch.no_grad():
+            logits[wrapper] = model(next_ids, past_key_values=cache, position_ids=positions).logits
+    assert torch.equal(logits["PrefillDecodingPress"], logits["ComposedPress"])
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("name", NAMES)
 def test_prefill_decoding_press_refuses_ours_where_it_cannot_act(llama, make_press, name):
     question = "who is in want of a wife?"
     # Ours only in decoding, after Knorm compressed the context: ours never saw the prompt.

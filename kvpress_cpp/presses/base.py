@@ -816,7 +816,11 @@ class KVCompPress(BasePress):
         finally:
             for cache in self._caches_in_context:
                 if hasattr(cache, _POSITIONS_ATTR):
-                    remember_tokens_held(cache, getattr(cache, _POSITIONS_ATTR))
+                    # Slots cut from the right since the last pass were tokens the count still holds: kvpress's
+                    # pipeline cuts the question and answer off inside a PrefillDecodingPress's context, and no pass
+                    # follows to take them off. Slots added since are a pass's that failed once counted.
+                    slots = min(cache.get_seq_length(), getattr(cache, _SLOTS_ATTR))
+                    remember_tokens_held(cache, _tokens_stood_for(cache, slots))
             self._compressed_in_context, self._caches_in_context = None, None
             for hook in hooks:
                 hook.remove()
