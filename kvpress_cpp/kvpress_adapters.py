@@ -2,9 +2,12 @@
 ``ComposedPress`` and ``PrefillDecodingPress`` around our presses.
 
 Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
-``AdaKVPress.compress``, both presses' ``post_init_from_model``, and ``ComposedPress.__call__`` and
+``AdaKVPress.compress``, both presses' ``post_init_from_model``, ``ComposedPress.__call__`` and
 ``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
-press(model):`` does, :func:`patch_wrapper_contexts`); kvpress itself is unchanged.
+press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (a pass without the ``cache_position``
+kvpress's hooks read is refused naming the press, :func:`patch_press_contexts`) and the pipeline's ``_forward``
+(several questions with a press of ours that compresses while decoding are refused naming it,
+:func:`patch_pipeline_questions`); kvpress itself is unchanged.
 
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
 head's own queries and keys (:data:`SHARDABLE_SCORERS`): ours read the layer's shard themselves; kvpress's read the
@@ -45,23 +48,26 @@ import copy
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
-from kvpress import AdaKVPress, ComposedPress, DMSPress, PrefillDecodingPress, SnapKVPress
+from kvpress import AdaKVPress, BasePress, ComposedPress, DMSPress, PrefillDecodingPress, SnapKVPress
+from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
 
 from kvpress_cpp.attention import padding_log_weights
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
 from kvpress_cpp.paged_cache import shared_padding_dropped
-from kvpress_cpp.presses.base import KVCompPress, _row_kwargs
+from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs
 from kvpress_cpp.presses.kvzap import KVzapPress
 
-__all__ = ["patch_dms_press", "patch_adakv_press", "patch_wrapper_contexts", "SHARDABLE_SCORERS",
-           "kvpress_transformers_mismatch"]
+__all__ = ["patch_dms_press", "patch_adakv_press", "patch_wrapper_contexts", "patch_press_contexts",
+           "patch_pipeline_questions", "SHARDABLE_SCORERS", "kvpress_transformers_mismatch"]
 
 #: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
 #: queries and keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
 SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
 
 _PATCHED_ATTR = "_kvcomp_adapted"
+# Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn.
+_NAMES_MISSING_POSITION_ATTR = "_kvcomp_names_missing_cache_position"
 _MARKS_ATTR = "_kvcomp_marks"  # on the press: layer → [marks added since the prefill, tokens cached]
 
 
@@ -247,10 +253,6 @@ def patch_dms_press() -> None:
         return
 
     def adapted_forward_hook(self, module, input, kwargs, output):
-        if "cache_position" not in kwargs:  # read by this adapter and by kvpress's hooks
-            why = kvpress_transformers_mismatch() or "a model or transformers that does not pass it"
-            raise RuntimeError(f"DMSPress: kvpress's hooks read each pass's cache_position, which the model's "
-                               f"attention was not given: {why}")
         _refuse_scores_of_cut_tokens(self, module, kwargs)
         marked_before = _mark_count(module)
         padding = _prefill_padding(kwargs)
@@ -339,6 +341,58 @@ def _with_our_contexts(call, wrapper, model):
         yield
 
 
+def patch_press_contexts() -> None:
+    """Wrap ``BasePress.__call__``, the context every kvpress press (and wrapper) registers its forward hook in, so that
+    a ``KeyError('cache_position')`` out of a pass inside it is raised as a RuntimeError naming the press and why the
+    attention was not given it (transformers outside the range kvpress declares). kvpress's hooks read it on every
+    pass; ours do not, so ours alone or composed only with ours still run there, and our context lets the error
+    through to the kvpress press around it. Idempotent; before :func:`patch_wrapper_contexts`, whose
+    ``ComposedPress.__call__`` is this one."""
+    call = BasePress.__call__
+    if getattr(call, _NAMES_MISSING_POSITION_ATTR, False):
+        return
+
+    @contextmanager
+    def adapted_call(self, model):
+        try:
+            with call(self, model):
+                yield
+        except KeyError as error:
+            if error.args != ("cache_position",) or isinstance(self, KVCompPress):
+                raise
+            why = kvpress_transformers_mismatch() or "a model or transformers that does not pass it"
+            raise RuntimeError(f"{type(self).__name__}: kvpress's hooks read each pass's cache_position, which the "
+                               f"model's attention was not given: {why}") from error
+
+    setattr(adapted_call, _NAMES_MISSING_POSITION_ATTR, True)
+    BasePress.__call__ = adapted_call
+
+
+def patch_pipeline_questions() -> None:
+    """Wrap ``KVPressTextGenerationPipeline._forward`` so that several questions with a press of ours that compresses
+    while decoding are refused naming the press and why: kvpress refuses them as "DecodingPress is not compatible",
+    which names neither. Idempotent."""
+    forward = KVPressTextGenerationPipeline._forward
+    if getattr(forward, _PATCHED_ATTR, False):
+        return
+
+    def adapted_forward(self, input_tensors, *args, **kwargs):
+        press, questions = kwargs.get("press"), len(input_tensors["questions_ids"])  # transformers passes by keyword
+        if isinstance(press, KVCompDecodingPress) and questions > 1:
+            name = type(press).__name__
+            raise ValueError(f"{name}: compresses while decoding, so after answering a question the cache no longer "
+                             f"holds the context as compressed, and kvpress's pipeline cuts each answer off to ask the "
+                             f"next question on that context: the pipeline takes one question with {name} (got "
+                             f"{questions}). Ask one question per call, or several with a press that compresses the "
+                             f"prompt only (ComposedPress([{name}(...)]), GVotePress, kvpress's)")
+        return forward(self, input_tensors, *args, **kwargs)
+
+    setattr(adapted_forward, _PATCHED_ATTR, True)
+    KVPressTextGenerationPipeline._forward = adapted_forward
+
+
 patch_dms_press()
 patch_adakv_press()
+patch_press_contexts()
 patch_wrapper_contexts()
+patch_pipeline_questions()

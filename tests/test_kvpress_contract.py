@@ -7,6 +7,8 @@ padded batches, each row equal to its run alone. A press either acts where it is
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
@@ -16,6 +18,7 @@ from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedP
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
+from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
                                  ZSMergePress)
@@ -482,9 +485,42 @@ def test_pipeline_with_several_questions(llama, make_press, name):
     answers, _ = pipe_answer(llama, press, questions)
     single = [pipe_answer(llama, ComposedPress([make_press(name)]), [question])[0][0] for question in questions]
     assert answers == single
-    if name in DECODING_PRESSES:  # a PrefillDecodingPress: kvpress's pipeline takes one question at a time
-        with pytest.raises(ValueError, match="not compatible with multiple questions"):
+    if name in DECODING_PRESSES:  # its answers change the context, which the pipeline cuts back to between questions
+        # kvpress refused it as a "DecodingPress", naming neither the press nor why.
+        with pytest.raises(ValueError, match=f"{name}: compresses while decoding, .* the pipeline takes one question "
+                                             f"with {name} \\(got 3\\)"):
             pipe_answer(llama, make_press(name), questions)
+
+
+# kvpress presses whose own hooks read each pass's cache_position: our KVzapPress scorer (kvpress's ScorerPress hook),
+# and kvpress's wrappers around ours.
+HOOK_READERS = [
+    ("KVzapPress", lambda make_press, surrogate: KVzapPress(compression_ratio=0.5, surrogate_dir=surrogate)),
+    ("AdaKVPress", lambda make_press, surrogate: AdaKVPress(KVzapPress(compression_ratio=0.5,
+                                                                       surrogate_dir=surrogate))),
+    ("ComposedPress", lambda make_press, surrogate: ComposedPress([make_press("ZSMergePress"), ThinKPress(0.5)])),
+    ("ComposedPress", lambda make_press, surrogate: ComposedPress([KnormPress(0.5), make_press("GVotePress")])),
+    ("PrefillDecodingPress", lambda make_press, surrogate: PrefillDecodingPress(
+        prefilling_press=make_press("ZSMergePress"))),
+]
+
+
+@pytest.mark.skipif(kvpress_transformers_mismatch() is None, reason="kvpress's hooks run with this transformers")
+@pytest.mark.parametrize("flow", ["generate", "pipeline"])
+@pytest.mark.parametrize("name, make", HOOK_READERS, ids=["KVzap", "AdaKV", "Composed-ours-ThinK",
+                                                          "Composed-Knorm-ours", "PrefillDecoding"])
+def test_kvpress_hooks_that_cannot_run_are_refused_naming_the_press(llama, make_press, surrogate, name, make, flow):
+    """Where transformers no longer gives the attention its cache_position (5.3 on), a press whose kvpress hooks read
+    it is refused naming itself and the version mismatch; it raised a bare KeyError('cache_position') from kvpress
+    (only DMSPress, which kvpress_cpp's adapter wraps, said why)."""
+    model, tokenizer = llama
+    press = make(make_press, surrogate)
+    with pytest.raises(RuntimeError, match=f"{name}: kvpress's hooks read each pass's cache_position, .*"
+                                           f"{re.escape(kvpress_transformers_mismatch())}"):
+        if flow == "generate":
+            greedy(model, prompt_ids(tokenizer, 48), press=press, max_new_tokens=2)
+        else:
+            pipe_answer(llama, press, "who is in want of a wife?")
 
 
 # --- left-padded batches ---------------------------------------------------------------------------------------
