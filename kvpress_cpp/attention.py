@@ -40,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvpress_cpp import ops
 from kvpress_cpp.cache import (attached_layer, get_state, head_wise_marks_error, state_for_attention,
                                tokens_held_at_close)
-from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of
+from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of, settle_marks
 
 __all__ = ["PrefillAttention", "patch_attention_functions", "patch_eager_attention", "padding_log_weights",
            "request_prefill_scores", "take_decode_query", "take_prefill_attention", "count_hook_without_probabilities",
@@ -325,7 +325,9 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
                                  f"attention over a compressed or paged cache cannot read; load the model with "
                                  f"attn_implementation='sdpa', 'eager' or 'flash_attention_2'")
             _refuse_unsupported_variant(module, kwargs, user, lambda: _tokens_held(module, presses, paged_layer, key))
-        if paged_layer is not None:
+        if paged_layer is None:
+            settle_marks(module, None)
+        else:
             prompt_states = _enter_paged_pass(paged_layer, module, attention_mask)
             if prompt_states is None:
                 if not presses and paged_layer.has_state:

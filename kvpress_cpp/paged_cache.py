@@ -47,7 +47,7 @@ from kvpress_cpp.cache import (LayerState, UnsavedRef, beam_rows, forget_tokens_
                                repeated_rows, route_attention_through_kvpress_cpp, selected_rows,
                                slots_rearranged_error)
 
-__all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of"]
+__all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of", "settle_marks"]
 
 
 class _Unset:
@@ -68,8 +68,9 @@ _UNSET = _Unset()
 _LOG_WEIGHTS, _POSITIONS = "log_weights", "token_positions"
 _NO_COLUMN = torch.iinfo(torch.long).max  # past every width: an entry of PagedLayer._base_columns for no slot
 # On an attention module: a weak reference to the paged layer its last pass read, whose slots the marks of kvpress's
-# head-wise presses (module.masked_key_indices) then index.
-_MARKED_LAYER_ATTR = "_kvcomp_marked_layer"
+# head-wise presses (module.masked_key_indices) then index, and one to the first tensor of the marks already there
+# when that pass began (another cache's, left by a pass over a layer not paged), which are not that layer's.
+_MARKED_LAYER_ATTR, _FOREIGN_MARKS_ATTR = "_kvcomp_marked_layer", "_kvcomp_foreign_marks"
 
 
 # Layers by the id of the key pool their update returned, for the attention path (weak: a dropped cache leaves nothing).
@@ -97,6 +98,26 @@ def shared_padding_dropped(module, kwargs: dict) -> int:
     DynamicCache."""
     layers = getattr(kwargs.get("past_key_values"), "layers", None)
     return getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
+
+
+def settle_marks(module: torch.nn.Module, layer: PagedLayer | None) -> None:
+    """Before a pass over `layer` (None: a layer not paged) reads `module`: the marks kvpress's head-wise presses left
+    there for another paged layer become that layer's evictions now, and the marks a pass over a layer not paged left
+    (which kvpress's attention applies, as with two DynamicCaches) are kept from `layer`, which will take only the marks
+    its own pass leaves. Otherwise a paged layer evicted another cache's marks from its slots and cleared them."""
+    reference = module.__dict__.get(_MARKED_LAYER_ATTR)
+    reader = reference() if reference is not None else None
+    if reader is not None and reader is not layer and getattr(module, "masked_key_indices", None) is not None:
+        reader.flush()
+    marked = getattr(module, "masked_key_indices", None)
+    # (a model saved with torch.save saves None for both)
+    module.__dict__[_FOREIGN_MARKS_ATTR] = UnsavedRef(marked[0]) if marked is not None else None
+    module.__dict__[_MARKED_LAYER_ATTR] = UnsavedRef(layer) if layer is not None else None
+
+
+def _foreign_marks(module: torch.nn.Module, marked: tuple) -> bool:
+    reference = module.__dict__.get(_FOREIGN_MARKS_ATTR)
+    return reference is not None and reference() is marked[0]
 
 
 def paged_layer_of(key: torch.Tensor) -> PagedLayer | None:
@@ -433,21 +454,37 @@ class PagedLayer(CacheLayerMixin):
     def flush(self) -> None:
         """Store what was written through the view since the last call, and evict the slots kvpress's head-wise
         presses marked on the attention module. Every other method calls it first."""
+        if self.is_initialized and self.key_blocks.is_inference() and not torch.is_inference_mode_enabled():
+            self._leave_inference_mode()
         keys, values, state = self._pending_keys, self._pending_values, self._pending_state
         if keys is not _UNSET or values is not _UNSET or state is not _UNSET:
             self._pending_keys = self._pending_values = self._pending_state = _UNSET
             self._write_back(keys, values, state)
+        elif self._view is not None and self._view_versions is not None and self._view_edited_in_place():
+            self._store_view()  # edited in place through layer.keys / layer.values, as a DynamicLayer's can be
         module = self._module() if self._module is not None else None
         marked = getattr(module, "masked_key_indices", None)
         # The marks index the slots of the layer the module last attended: another layer it read before (the cache a
         # copy was made from, say) would evict the wrong tokens, and leave its owner without its evictions.
         reader = module.__dict__.get(_MARKED_LAYER_ATTR) if marked is not None else None
-        if reader is not None and reader() is self:
+        if reader is not None and reader() is self and not _foreign_marks(module, marked):
             module.masked_key_indices = None
             owner = self._state_written.owner_type if self.has_state and self._state_written is not None else None
             if owner is not None:  # a press's slots, which the marks index, not token positions (head_wise_marks_error)
                 raise head_wise_marks_error(owner.__name__)
             self._evict_marked(*marked)
+
+    def _leave_inference_mode(self) -> None:
+        """Copy the pools and the bookkeeping made under torch.inference_mode() once, on the first call outside it:
+        inference tensors take no in-place write there, where a DynamicLayer's cat makes new tensors."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor) and value.is_inference():
+                setattr(self, name, value.clone())
+        self.slot_blocks = {name: pool.clone() if pool.is_inference() else pool
+                            for name, pool in self.slot_blocks.items()}
+        self._even_lengths.clear()
+        self._forget_region()
+        self._changed()
 
     def take_prompt_states(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys and values (B, H, q, d) of this pass if it was the layer's first (a prefill: the layer holds exactly
@@ -460,7 +497,7 @@ class PagedLayer(CacheLayerMixin):
         """Remember the attention module that reads this layer, for its ``masked_key_indices``, and tell the module
         that the marks its presses leave in this pass are this layer's."""
         self._module = UnsavedRef(module)
-        module.__dict__[_MARKED_LAYER_ATTR] = UnsavedRef(self)  # (a model saved with torch.save saves None)
+        settle_marks(module, self)
 
     def __getstate__(self) -> dict:
         """A copy (copy.deepcopy of the cache, to branch a generation) or a save holds the marks' evictions: they wait
@@ -961,8 +998,7 @@ class PagedLayer(CacheLayerMixin):
                 # kvpress's hook after a press that only masks, or that edited the view in place (ThinK zeroes key
                 # channels), which only a view over the pools' memory has stored already
                 if self._view_edited_in_place():
-                    self._store_over_view([(self.key_blocks, keys), (self.value_blocks, values)])
-                    self._view_versions = _versions(view)
+                    self._store_view()
                 return
             if view is not None and _is_prefix(keys, view[0]) and _is_prefix(values, view[1]):
                 self._cut(keys.shape[-2])
@@ -1154,6 +1190,10 @@ class PagedLayer(CacheLayerMixin):
             tensor = tensor.reshape(-1, *pool.shape[2:])
             tensor = tensor if rows is None else tensor.index_select(0, rows)
             pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, tensor)
+
+    def _store_view(self) -> None:
+        self._store_over_view([(self.key_blocks, self._view[0]), (self.value_blocks, self._view[1])])
+        self._view_versions = _versions(self._view)
 
     def _view_edited_in_place(self) -> bool:
         """Whether the view, handed back as it was read, may hold edits made in place that the pools lack: a gathered

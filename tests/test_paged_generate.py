@@ -466,6 +466,77 @@ def test_think_prunes_the_blocks_where_the_view_is_a_gathered_copy(before, infer
     assert bool(((prompt_keys == 0).all(dim=-2).sum(-1) >= 8).all())  # half of the 16 channels zero on every head
 
 
+@kvpress_hooks.mark
+@pytest.mark.parametrize("second", ["paged", "dynamic"])
+def test_head_wise_marks_stay_with_their_cache_when_two_caches_take_turns(second):
+    """kvpress's AdaKVPress leaves its marks on the attention module. Prefill a paged cache A, prefill cache B, then
+    decode on A and on B: each gives the logits it gives alone. A's next pass took B's marks (left by B's prefill)
+    for its own, evicted them from its slots and cleared them, so both decoded wrong (with two DynamicCaches kvpress
+    itself gets only the first one wrong)."""
+    model, tokenizer = make_tiny_llama()
+    prompts = [prompt_ids(tokenizer, 40), prompt_ids(tokenizer, 80)[:, 40:]]
+    kinds = {"paged": lambda: PagedKVCache(block_size=4), "dynamic": DynamicCache}
+    press, token = AdaKVPress(KnormPress(0.5)), torch.full((1, 1), 12)
+
+    def decoded(runs):  # [(prompt, cache)]: every prefill, then one token on each cache
+        with torch.no_grad(), press(model):
+            for prompt, cache in runs:
+                model(prompt, past_key_values=cache)
+            return [model(token, past_key_values=cache).logits[:, -1] for _, cache in runs]
+
+    together = decoded([(prompts[0], kinds["paged"]()), (prompts[1], kinds[second]())])
+    alone = [decoded([(prompts[0], kinds["paged"]())])[0], decoded([(prompts[1], kinds[second]())])[0]]
+    torch.testing.assert_close(together[0], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(together[1], alone[1], rtol=0, atol=1e-5)
+
+
+def test_an_edit_in_place_through_a_gathered_view_reaches_the_blocks():
+    """A DynamicLayer's keys and values can be edited in place (layer.values.mul_(0)) without being assigned back. On
+    a paged layer whose heads GVote left at different lengths the view is a gathered copy: the edit read back as made,
+    but the next pass attended the blocks unedited. The next token's logits are the DynamicCache's after the same
+    edit, and differ from those without it."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 40)
+
+    def next_logits(cache, edit):
+        with torch.no_grad():
+            with GVotePress()(model):
+                model(ids, past_key_values=cache)
+            if edit:
+                cache.layers[1].values.mul_(0)
+            return model(torch.full((1, 1), 7), past_key_values=cache, position_ids=torch.tensor([[40]])).logits
+
+    paged = PagedKVCache(block_size=4)
+    edited = next_logits(paged, edit=True)
+    assert not bool((paged.layers[1].lengths == paged.layers[1].lengths[0, 0]).all()), "heads of one length"
+    torch.testing.assert_close(edited, next_logits(DynamicCache(), edit=True), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(edited, next_logits(PagedKVCache(block_size=4), edit=False), atol=1e-2)
+
+
+@pytest.mark.parametrize("press", [None, "zsmerge"])
+def test_a_cache_filled_under_inference_mode_goes_on_outside_it(press):
+    """A prefix prefilled under torch.inference_mode() (as many servers do), then decoded under no_grad: a
+    DynamicLayer's cat makes new tensors, while a paged layer writes its pools in place, which inference tensors
+    refuse outside inference mode (torch's raw error, where the next token fitted in a block already held). The next
+    tokens are the DynamicCache's."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 18)
+
+    def decoded(cache):
+        context = ZSMergePress(budget=12)(model) if press else nullcontext()
+        with context:
+            with torch.inference_mode():
+                logits = model(ids, past_key_values=cache).logits
+            tokens = []
+            with torch.no_grad():
+                for position in range(18, 22):
+                    tokens.append(logits[:, -1:].argmax(-1))
+                    logits = model(tokens[-1], past_key_values=cache, position_ids=torch.tensor([[position]])).logits
+        return torch.cat(tokens, dim=-1)
+
+    assert torch.equal(decoded(PagedKVCache(block_size=4)), decoded(DynamicCache()))
+
+
 def test_flex_attention_on_a_paged_cache_is_refused_naming_it():
     """Flex attention hands the attention a BlockMask, not a mask tensor: the paged path read its padding from it and
     failed with an AttributeError naming neither the cache nor the attention. It is refused, naming both, before
