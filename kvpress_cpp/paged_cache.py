@@ -106,6 +106,8 @@ def settle_marks(module: torch.nn.Module, layer: PagedLayer | None) -> None:
     (which kvpress's attention applies, as with two DynamicCaches) are kept from `layer`, which will take only the marks
     its own pass leaves. Otherwise a paged layer evicted another cache's marks from its slots and cleared them."""
     reference = module.__dict__.get(_MARKED_LAYER_ATTR)
+    if reference is None and layer is None:  # no paged layer reads this module: nothing to settle, nothing written
+        return
     reader = reference() if reference is not None else None
     if reader is not None and reader is not layer and getattr(module, "masked_key_indices", None) is not None:
         reader.flush()
