@@ -235,6 +235,10 @@ class PagedLayer(CacheLayerMixin):
         attention path of :mod:`kvpress_cpp.attention` reads (through :func:`paged_layer_of`). `cache_kwargs`: what
         transformers 4 passes (the pass's ``cache_position``); `kwargs`: transformers 5.24 on passes the attention
         layer's keyword arguments as ``kwargs=`` (no ``cache_position`` there), which a DynamicLayer ignores too."""
+        for name, states in (("key", key_states), ("value", value_states)):
+            if states.dim() != 4 or not states.shape[-1]:  # (the pools hold slots of one head dim ≥ 1)
+                raise ValueError(f"PagedKVCache: expected {name} states of (batch, kv heads, tokens, head dim ≥ 1), "
+                                 f"got {tuple(states.shape)}")
         if not self.is_initialized:
             from kvpress_cpp.attention import refuse_attention_outside_the_registry  # (it imports this module)
 
@@ -632,19 +636,29 @@ class PagedLayer(CacheLayerMixin):
     def _new_slot_pool(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(blocks, self.block_size, dtype=dtype, device=self.device)
 
-    def _grow(self, needed: int) -> None:
-        """Add at least `needed` free blocks: the pool doubles (or grows by `needed` if that is more)."""
-        capacity = self.key_blocks.shape[0]
-        extra = max(needed, capacity)
+    def _grown_pools(self, needed: int) -> list[torch.Tensor] | None:
+        """The key, value and slot pools with at least `needed` more blocks (they double, or grow by `needed` if that
+        is more), not yet the layer's: allocated before any block changes hands, so that a pool that cannot grow
+        leaves the layer as it was. None where no block is needed."""
+        if needed <= 0:
+            return None
+        extra = max(needed, self.key_blocks.shape[0])
+        try:
+            return [torch.cat([pool, pool.new_zeros(extra, *pool.shape[1:])])
+                    for pool in (self.key_blocks, self.value_blocks, *self.slot_blocks.values())]
+        except RuntimeError as error:  # (torch.OutOfMemoryError is one)
+            raise RuntimeError(f"PagedKVCache: cannot add {extra} blocks of block_size={self.block_size} slots "
+                               f"({extra * self._block_bytes()} bytes) to the layer's pools on {self.device}: "
+                               f"{str(error).splitlines()[0]}") from error
 
-        def grown(pool):
-            return torch.cat([pool, pool.new_zeros(extra, *pool.shape[1:])])
-
-        self.key_blocks, self.value_blocks = grown(self.key_blocks), grown(self.value_blocks)
-        self.slot_blocks = {name: grown(pool) for name, pool in self.slot_blocks.items()}
+    def _adopt(self, pools: list[torch.Tensor]) -> None:
+        """Make the pools of :meth:`_grown_pools` the layer's, their new blocks free."""
+        capacity, grown = self.key_blocks.shape[0], pools[0].shape[0]
+        self.key_blocks, self.value_blocks = pools[:2]
+        self.slot_blocks = dict(zip(self.slot_blocks, pools[2:]))
         self._region_views.clear()  # views of the old pools
         # Lowest ids last, so that they are handed out first.
-        self.free_blocks.extend(range(capacity + extra - 1, capacity - 1, -1))
+        self.free_blocks.extend(range(grown - 1, capacity - 1, -1))
         self._changed()
 
     def _resize(self, new_lengths: torch.Tensor) -> None:
@@ -661,28 +675,33 @@ class PagedLayer(CacheLayerMixin):
         needed = (new_lengths + size - 1) // size
         spare = (self.lengths - new_lengths < size) & (owned > needed) & (new_lengths > 0)
         new_blocks = torch.where(spare, needed + 1, needed)
+        if not torch.equal(owned, new_blocks):  # (a decoding step's usual resize keeps every head's blocks)
+            self._hand_over_blocks(owned, new_blocks)
         self.lengths = new_lengths.clone()
         self.bases = torch.minimum(self.bases, self.lengths)
         self._changed()
-        if torch.equal(owned, new_blocks):  # a decoding step's usual resize: every head keeps its blocks
-            return
-        self._forget_region()
+
+    def _hand_over_blocks(self, owned: torch.Tensor, new_blocks: torch.Tensor) -> None:
+        """Give each (batch, kv head) new_blocks (B, H) blocks where it owns `owned`: the entries beyond its new
+        count go back to the free list, the missing ones are taken from it (grown first if it runs dry)."""
         width = int(new_blocks.max()) if new_blocks.numel() else 0
         if width > self.block_tables.shape[-1]:
             self.block_tables = torch.nn.functional.pad(self.block_tables, (0, width - self.block_tables.shape[-1]),
                                                         value=-1)
         entry = torch.arange(self.block_tables.shape[-1])
         released = (entry >= new_blocks.unsqueeze(-1)) & (entry < owned.unsqueeze(-1))
-        if bool(released.any()):
-            self.free_blocks.extend(self.block_tables[released].tolist()[::-1])  # lowest ids last, as _grow
-            self.block_tables[released] = -1
         taken = (entry >= owned.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
         count = int(taken.sum())
+        pools = self._grown_pools(count - len(self.free_blocks) - int(released.sum()))
+        self._forget_region()
+        if bool(released.any()):
+            self.free_blocks.extend(self.block_tables[released].tolist()[::-1])  # lowest ids last, as _adopt
+            self.block_tables[released] = -1
+        if pools is not None:
+            self._adopt(pools)
         if count:
-            if count > len(self.free_blocks):
-                self._grow(count - len(self.free_blocks))
             self.block_tables[taken] = self._take(taken, fresh_heads=bool((owned[new_blocks > owned] == 0).all()))
-        self._owned_slots = new_blocks * size
+        self._owned_slots = new_blocks * self.block_size
 
     def _resize_evenly(self, length: int) -> bool:
         """:meth:`_resize` of a layer whose heads are all of one length and own one number of blocks to `length`
@@ -760,14 +779,17 @@ class PagedLayer(CacheLayerMixin):
         dropped = torch.ones(batch, dtype=torch.bool)
         dropped[rows] = False
         released = self.block_tables[dropped]
-        self.free_blocks.extend(released[released >= 0].tolist()[::-1])  # lowest ids last, as _grow
-        self.block_tables = self.block_tables.index_select(0, rows)
-        copied = (self.block_tables >= 0) & torch.tensor(copies, dtype=torch.bool).view(-1, 1, 1)
+        released = released[released >= 0]
+        tables = self.block_tables.index_select(0, rows)
+        copied = (tables >= 0) & torch.tensor(copies, dtype=torch.bool).view(-1, 1, 1)
         count = int(copied.sum())
+        pools = self._grown_pools(count - len(self.free_blocks) - released.numel())
+        self.free_blocks.extend(released.tolist()[::-1])  # lowest ids last, as _adopt
+        self.block_tables = tables
+        if pools is not None:
+            self._adopt(pools)
         if count:
             sources = self.block_tables[copied]
-            if count > len(self.free_blocks):
-                self._grow(count - len(self.free_blocks))
             # Every copy's head takes all its blocks afresh (as a prefill's do): a run where the free list ends in one.
             self.block_tables[copied] = self._take(copied, fresh_heads=True)
             source, target = self._uploaded(sources), self._uploaded(self.block_tables[copied])
@@ -995,6 +1017,10 @@ class PagedLayer(CacheLayerMixin):
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"PagedKVCache: keys of shape {tuple(keys.shape)} and values of shape "
                              f"{tuple(values.shape)} were written to a layer: write both, over the same slots")
+        for name, tensor, pool in (("keys", keys, self.key_blocks), ("values", values, self.value_blocks)):
+            if tensor.dim() != 4 or tensor.shape[-1] != pool.shape[-1]:
+                raise ValueError(f"PagedKVCache: {name} of shape {tuple(tensor.shape)} were written to a layer whose "
+                                 f"pool holds (batch, kv heads, tokens, {pool.shape[-1]}) {name}")
         if state is _UNSET:
             if view is not None and keys is view[0] and values is view[1]:
                 # kvpress's hook after a press that only masks, or that edited the view in place (ThinK zeroes key

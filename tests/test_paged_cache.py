@@ -384,10 +384,13 @@ def test_write_of_the_wrong_shape():
 @pytest.mark.parametrize("states,refused", [
     (torch.randn(1, 2, 5, 4), r"head dim 8, torch.float32 on cpu \(the layer's pool\), got \(1, 2, 5, 4\)"),
     (torch.randn(1, 2, 5, 8, dtype=torch.bfloat16), r"head dim 8, torch.float32 on cpu .* torch.bfloat16 on cpu"),
+    (torch.randn(1, 2, 5), r"\(batch, kv heads, tokens, head dim ≥ 1\), got \(1, 2, 5\)"),
+    (torch.randn(1, 2, 5, 0), r"\(batch, kv heads, tokens, head dim ≥ 1\), got \(1, 2, 5, 0\)"),
 ])
 def test_an_append_of_other_states_is_refused_and_leaves_the_layer_as_it_was(states, refused):
     """Another model's pass over the cache (another head dim or dtype) failed inside index_copy_ after the lengths had
-    grown: the layer then stood for tokens never written, and the first model's next pass attended them."""
+    grown: the layer then stood for tokens never written, and the first model's next pass attended them. States
+    without a head dim (3-d), or of head dim 0, failed the same way, in index_copy_ or a reshape."""
     cache, keys = PagedKVCache(block_size=4), torch.randn(1, 2, 7, 8)
     cache.update(keys, -keys, 0)
     with pytest.raises(ValueError, match=rf"PagedKVCache: expected key states of {refused}"):
@@ -411,6 +414,53 @@ def test_values_of_another_shape_than_the_keys_are_refused_and_leave_the_layer_a
     cache.update(more, -more, 0)
     assert torch.equal(cache.layers[0].keys, torch.cat([keys, more], dim=2))
     assert torch.equal(cache.layers[0].values, -cache.layers[0].keys)
+
+
+def test_a_write_back_of_another_head_dim_is_refused_naming_the_pool():
+    """A press writing values of another head dim than the layer's pool (a DynamicLayer stores any) failed in a
+    broadcast inside the copy, naming neither the cache nor the shapes."""
+    layer = PagedLayer(block_size=3)
+    keys = torch.randn(2, 2, 7, 4)
+    layer.update(keys, -keys)
+    layer.keys, layer.values = layer.keys[:, :, :4], torch.randn(2, 2, 4, 6)
+    with pytest.raises(ValueError, match=re.escape("PagedKVCache: values of shape (2, 2, 4, 6) were written to a "
+                                                   "layer whose pool holds (batch, kv heads, tokens, 4) values")):
+        layer.flush()
+    assert torch.equal(layer.keys, keys)
+
+
+def test_a_block_too_large_to_allocate_is_refused_naming_the_block_size():
+    """block_size=2**40 was accepted, and the first append failed in the allocator, naming neither the cache nor
+    the block size."""
+    keys = torch.randn(1, 1, 1, 4)
+    block_bytes = 2**40 * (4 + 4 + 1 + 1) * 4  # keys, values, a float32 log-weight and an int32 position per slot
+    with pytest.raises(RuntimeError, match=rf"PagedKVCache: cannot add 1 blocks of block_size={2**40} slots "
+                                           rf"\({block_bytes} bytes\) to the layer's pools on cpu"):
+        PagedKVCache(block_size=2**40).update(keys, keys, 0)
+
+
+def test_a_pool_that_cannot_grow_leaves_the_layer_as_it_was(monkeypatch):
+    """A pool that could not grow (out of memory) failed after the lengths had grown and blocks had changed hands:
+    the layer then stood for slots in no block. Refused naming the cache, it goes on once memory allows."""
+    cache, keys = PagedKVCache(block_size=4), torch.randn(2, 2, 7, 8)
+    cache.update(keys, -keys, 0)
+    more = torch.randn(2, 2, 10, 8)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (as the allocator says)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "new_zeros", out_of_memory)
+        with pytest.raises(RuntimeError, match=r"PagedKVCache: cannot add \d+ blocks of block_size=4 slots"):
+            cache.update(more, -more, 0)
+        with pytest.raises(RuntimeError, match=r"PagedKVCache: cannot add \d+ blocks of block_size=4 slots"):
+            cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.layers[0].keys, keys)
+    cache.update(more, -more, 0)
+    cache.batch_repeat_interleave(2)
+    expected = torch.cat([keys, more], dim=2).repeat_interleave(2, dim=0)
+    assert torch.equal(cache.layers[0].keys, expected)
+    assert torch.equal(cache.layers[0].values, -expected)
 
 
 def test_appends_without_cache_position_follow_the_tokens_appended():
