@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from benchmarks.common import positive_int, print_table, pyplot, save_figure, write_results
+from benchmarks.common import positive_int, prompt_fraction, print_table, pyplot, save_figure, write_results
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.presses.keepkv import KeepKVPress
 from kvpress_cpp.presses.kvzap import KVzapThresholdPress, has_packaged_surrogate
@@ -192,7 +192,8 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype:
 
 def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help="fractions of the prompt")
+    parser.add_argument("--budgets", type=prompt_fraction, nargs="+", default=[0.1, 0.25],
+                        help="fractions of the prompt")
     parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=[*PRESSES, *THRESHOLDED])
     parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--name", default=None, help="result file stem (default: decode, or decode_<model>_<device>)")

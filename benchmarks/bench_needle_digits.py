@@ -24,7 +24,7 @@ import torch
 from kvpress import SnapKVPress, StreamingLLMPress, TOVAPress
 from transformers import DynamicCache
 
-from benchmarks.common import positive_int, write_results
+from benchmarks.common import positive_int, prompt_fraction, write_results
 from kvpress_cpp.evaluation import launch
 from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME, kvpress_pipeline
 from kvpress_cpp.evaluation.results import Config, family_examples, prepare_data
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--examples", nargs="+", type=batch_and_row, default=[(0, 0), (1, 3)],
                         help=f"b:r, row r (0-{EXAMPLES_PER_BATCH - 1}) of needle batch b")
     parser.add_argument("--presses", nargs="+", choices=list(PRESSES), default=["zsmerge", "weightedkv", "keepkv"])
-    parser.add_argument("--kept", type=float, default=0.25, help="fraction of the prompt kept")
+    parser.add_argument("--kept", type=prompt_fraction, default=0.25, help="fraction of the prompt kept")
     parser.add_argument("--detail", action="store_true")
     parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from benchmarks.bench_decode import PRESSES, build_model, model_arguments, model_dtype, prompt_ids
-from benchmarks.common import positive_int, print_table, write_results
+from benchmarks.common import positive_int, prompt_fraction, print_table, write_results
 from kvpress_cpp.cache import cache_bytes
 from tests.decoding_step import layer_tensors
 
@@ -157,7 +157,7 @@ def profiled_ops(step, device: str, top: int) -> list[dict]:
 def main() -> None:
     parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(PRESSES), choices=list(PRESSES))
-    parser.add_argument("--budget", type=float, default=0.1, help="fraction of the prompt the presses keep")
+    parser.add_argument("--budget", type=prompt_fraction, default=0.1, help="fraction of the prompt the presses keep")
     parser.add_argument("--batch", type=positive_int, default=1, help="prompts decoded together")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per case")
     parser.add_argument("--top", type=int, default=12, help="operators listed per case (0: no profile)")

@@ -109,6 +109,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def prompt_fraction(text: str) -> float:
+    """An argparse type: a fraction of the prompt a press keeps, in (0, 1] (the presses refuse any other, but only
+    once the model is built)."""
+    value = float(text)
+    if not 0 < value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a fraction of the prompt in (0, 1], got {text}")
+    return value
+
+
 def parse_without_options(doc: str) -> None:
     """The command line of a benchmark that takes no options: ``--help`` shows `doc` (the module's docstring) and
     exits, and anything else is refused, before a run that would overwrite the committed results."""

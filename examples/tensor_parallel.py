@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.distributed import check_tensor_parallel
-from kvpress_cpp.models import default_model_dir, load_default_tokenizer
+from kvpress_cpp.models import default_model_dir, load_default_tokenizer, local_model_problem
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
@@ -81,11 +81,14 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. `torchrun --nproc-per-node 3 examples/tensor_parallel.py`")
-    if args.model not in ("smollm2", "random-llama") and not (Path(args.model) / "config.json").is_file():
-        parser.error(f"--model {args.model}: not smollm2, random-llama or a local HF model directory (no config.json "
-                     f"there); nothing is downloaded")
+    if args.model not in ("smollm2", "random-llama") and (problem := local_model_problem(args.model, hub=False)):
+        parser.error(f"--model {args.model}: not smollm2, random-llama or a local HF model directory ({problem}); "
+                     f"nothing is downloaded")
     if args.context_tokens < 1 or args.max_new_tokens < 1:
         parser.error("--context-tokens and --max-new-tokens must be at least 1")
+    for name in ("kv_heads", "layers"):  # 0 ended in a ZeroDivisionError inside transformers' attention
+        if (value := getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

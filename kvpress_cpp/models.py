@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "default_model_dir", "load_default_model",
-           "load_default_tokenizer"]
+           "load_default_tokenizer", "local_model_problem"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -99,6 +99,26 @@ def _fetch(target: Path) -> None:
             )
         os.replace(partial, target)
     _verified.add(_stamp(target))
+
+
+def local_model_problem(name: str, hub: bool = True) -> str | None:
+    """Why ``name`` is no local HF model directory (one holding config.json), for a command line to name before it
+    loads anything; None where it is one or, with ``hub``, where nothing is there and it could be a hub repo id
+    (huggingface_hub's own rule: a mistyped folder failed inside it, with "Repo id must be in the form ...")."""
+    path = Path(name)
+    if (path / "config.json").is_file():
+        return None
+    if path.exists():
+        return "no config.json there"
+    if hub:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(name)
+            return None
+        except HFValidationError:
+            pass
+    return "no such directory"
 
 
 def default_model_path() -> Path:

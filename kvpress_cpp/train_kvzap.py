@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kvpress_cpp.models import DEFAULT_MODEL_NAME
+from kvpress_cpp.models import DEFAULT_MODEL_NAME, local_model_problem
 from kvpress_cpp.presses.kvzap import save_surrogate
 
 __all__ = [
@@ -388,6 +388,11 @@ def cached_chunks(cache: str | Path) -> int:
         return 0
     n = len(_read_cache_index(cache)["text"])
     return sum(_chunk_file(cache, k).is_file() for k in range(n))
+
+
+def _cache_complete(cache: str | Path | None) -> bool:
+    """Whether a ``--data-cache`` directory holds every chunk of its collection (which then replaces it)."""
+    return cache is not None and 0 < cached_chunks(cache) == len(_read_cache_index(Path(cache))["text"])
 
 
 def load_data_cache(cache: str | Path, allow_partial: bool = False) -> tuple[Dataset, dict, float]:
@@ -917,9 +922,20 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
     if not 0 < args.val_fraction < 1:  # the held-out chunks pick the MLP's epoch and give the R² reported
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if not 0 < args.lr < math.inf:  # torch's AdamW refuses a negative one, but only once the targets are collected
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 <= args.weight_decay < math.inf:
+        parser.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    if args.model != "default" and (problem := local_model_problem(args.model)):
+        parser.error(f"--model {args.model}: {problem}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: not a directory")
     names = [t for t in args.texts.split(",") if t]
     if not names:
         parser.error("--texts names no text")
+    if not args.fit_collected and not _cache_complete(args.data_cache):  # else the texts are not read
+        if missing := [t for t in names if t not in ("austen", "python-docs") and not Path(t).is_file()]:
+            parser.error(f"--texts: {missing} are neither austen, python-docs nor text files")
     counts = chunks_per_text(args.tokens, args.context_tokens, len(names))
     if min(counts) < 2:
         parser.error(f"--tokens {args.tokens} gives {len(names)} text(s) {counts} chunk(s) of --context-tokens "
@@ -927,6 +943,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      f">= {2 * len(names) * args.context_tokens}")
     if args.fit_collected and args.data_cache is None:
         parser.error("--fit-collected fits the chunks saved in --data-cache, which is not given")
+    if args.fit_collected and not (Path(args.data_cache) / "index.json").is_file():
+        parser.error(f"--data-cache {args.data_cache}: no collection there (no index.json) for --fit-collected")
     if args.compare_with is not None:
         missing = [kind for kind in ("linear", "mlp") if not (Path(args.compare_with) / kind / "config.json").is_file()]
         if missing:
@@ -956,8 +974,7 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
     }
     t0 = time.perf_counter()
     t_load = 0.0
-    cache_complete = cache is not None and 0 < cached_chunks(cache) == len(_read_cache_index(cache)["text"])
-    if cache is not None and (cache_complete or args.fit_collected):
+    if cache is not None and (_cache_complete(cache) or args.fit_collected):
         data, cached_settings, t_collect = load_data_cache(cache, allow_partial=args.fit_collected)
         if cached_settings != data_settings:
             raise ValueError(f"train_kvzap: {cache} holds targets for {cached_settings}, not {data_settings}")

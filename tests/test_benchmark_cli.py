@@ -64,3 +64,18 @@ def test_help_explains_and_exits(monkeypatch, capsys, module_name):
 def test_bad_arguments_are_refused_naming_the_option(monkeypatch, capsys, module_name, arguments, option):
     assert run_main(monkeypatch, module_name, *arguments).code == 2
     assert option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module_name,arguments", [
+    ("bench_decode", ["--budgets", "0.25", "2"]),
+    ("bench_decode", ["--budgets", "-0.5"]),
+    ("bench_step_profile", ["--budget", "0"]),
+    ("bench_step_profile", ["--budget", "1.5"]),
+    ("bench_needle_digits", ["--kept", "2"]),
+])
+def test_a_kept_fraction_outside_zero_to_one_is_refused_before_the_model_is_built(monkeypatch, capsys, module_name,
+                                                                                  arguments):
+    """The presses take a fraction of the prompt in (0, 1]; these values were refused by the press only after the
+    model was built (and, in bench_decode, after the rows already measured), in a traceback."""
+    assert run_main(monkeypatch, module_name, *arguments).code == 2
+    assert f"{arguments[0]}: must be a fraction of the prompt in (0, 1], got {arguments[-1]}" in capsys.readouterr().err

@@ -628,6 +628,8 @@ def test_the_runner_refuses_a_bad_method_or_ratio_before_running_anything(argv, 
     (["--threads", "0"], "--threads must be at least 1, got 0"),
     (["--lengths", "2048", "0"], "got [0]"),
     (["--examples", "4", "--batches", "5"], "--batches needs --families"),
+    # huggingface_hub's HFValidationError, once the data was being generated
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
 ])
 def test_the_runner_refuses_a_count_below_one_before_loading_anything(argv, message, tmp_path, monkeypatch, capsys):
     """--examples 0 was read as "not given" and ran the default plan (a researcher asking for nothing got the
@@ -638,6 +640,96 @@ def test_the_runner_refuses_a_count_below_one_before_loading_anything(argv, mess
     with pytest.raises(SystemExit) as exit_:
         results.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_report_refuses_a_missing_document_before_writing_the_report(tmp_path, monkeypatch, capsys):
+    """A mistyped --document failed with FileNotFoundError after results.csv, the plots and table.md were written."""
+    monkeypatch.setattr(results, "report", lambda *a, **k: pytest.fail("wrote the report"))
+    monkeypatch.setattr(sys, "argv", ["results", "report", "--out", str(tmp_path), "--document",
+                                      str(tmp_path / "evaluation.md")])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    assert exit_.value.code == 2 and f"--document {tmp_path / 'evaluation.md'}: no such file" in capsys.readouterr().err
+
+
+def _shortest_in_message(text: str) -> int:
+    return int(re.search(r"the shortest length these examples are generated at is (\d+)", text).group(1))
+
+
+def test_a_length_too_short_names_the_shortest_length_the_same_examples_are_generated_at(tokenizer):
+    """cwe refused 100 tokens without saying what length would do; the length named is one the generator builds the
+    same examples at, and the length below it is refused."""
+    from kvpress_cpp.evaluation import ruler_data
+
+    for length in (100, 0):  # 0 was a ZeroDivisionError
+        with pytest.raises(ruler_data.LengthTooShort) as refused:
+            generate(tokenizer, length, {"cwe": 2}, seed=1)
+        assert refused.value.length == length
+        shortest = _shortest_in_message(str(refused.value))
+        assert len(generate(tokenizer, shortest, {"cwe": 2}, seed=1)) == 2
+        with pytest.raises(ruler_data.LengthTooShort):
+            generate(tokenizer, shortest - 1, {"cwe": 2}, seed=1)
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--lengths", "512", "512"], r"--lengths repeats \[512\]"),
+    (["--lengths", "512", "--tasks", "vt", "cwe", "vt"], r"--tasks repeats \['vt'\]"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+])
+def test_the_data_cli_refuses_repeated_values_and_a_missing_model_before_loading_the_tokenizer(
+        tmp_path, monkeypatch, capsys, arguments, message):
+    """A repeated length or task wrote its examples twice (weighing them twice in a score); a mistyped model folder
+    ended in huggingface_hub's HFValidationError."""
+    from kvpress_cpp.evaluation import models, ruler_data
+
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a: pytest.fail("loaded the tokenizer"))
+    monkeypatch.setattr(sys, "argv", ["ruler_data", "--out", str(tmp_path), "--examples", "1", *arguments])
+    with pytest.raises(SystemExit) as exit_:
+        ruler_data.main()
+    assert exit_.value.code == 2 and re.search(message, capsys.readouterr().err) and not any(tmp_path.iterdir())
+
+
+def test_the_data_cli_refuses_a_file_as_out_and_a_length_too_short_naming_the_argument(tmp_path, monkeypatch,
+                                                                                       capsys, tokenizer):
+    """--out naming a file ended in NotADirectoryError, and --lengths 100 in cwe's ValueError traceback; the length
+    named is the shortest the generator builds the same examples at."""
+    from kvpress_cpp.evaluation import models, ruler_data
+
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a: tokenizer)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(sys, "argv", ["ruler_data", "--out", str(tmp_path / "file"), "--lengths", "512", "--tasks",
+                                      "cwe"])
+    with pytest.raises(SystemExit) as exit_:
+        ruler_data.main()
+    assert exit_.value.code == 2 and f"--out {tmp_path / 'file'}: not a directory" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["ruler_data", "--out", str(tmp_path / "data"), "--lengths", "2048", "100",
+                                      "--tasks", "cwe", "--examples", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        ruler_data.main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--lengths 100: cwe: a length of 100 tokens leaves room for" in error
+    assert not (tmp_path / "data").exists()
+    shortest = _shortest_in_message(error)
+    generate(tokenizer, shortest, {"cwe": 2})
+    with pytest.raises(ruler_data.LengthTooShort):
+        generate(tokenizer, shortest - 1, {"cwe": 2})
+
+
+def test_the_runner_refuses_a_length_too_short_for_a_family_naming_the_argument(tmp_path, monkeypatch, capsys,
+                                                                                tokenizer):
+    """--lengths 100 ended in cwe's ValueError traceback from the data preparation."""
+    from kvpress_cpp.evaluation import models
+
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a: tokenizer)
+    monkeypatch.setattr(results, "_known_methods", lambda: {"no_press"})
+    monkeypatch.setattr(sys, "argv", ["results", "run", "--out", str(tmp_path / "out"), "--local_data",
+                                      str(tmp_path / "data"), "--methods", "no_press", "--lengths", "100",
+                                      "--families", "cwe", "--examples", "1"])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--lengths 100: cwe: a length of 100 tokens leaves room for" in error
+    assert "the shortest length these examples are generated at is" in error
 
 
 def test_the_runner_exits_nonzero_when_a_configuration_failed(tmp_path, monkeypatch):
@@ -716,6 +808,30 @@ def test_launcher_runs_a_results_runner_data_dir_that_exists(tmp_path, monkeypat
         launch.main(["--local_data", str(tmp_path), "--model", "some-model", "--dataset", "kvcomp_ruler",
                      "--data_dir", "2048-niah0", "--press_name", "zsmerge", "--compression_ratio", "1.5"])
     assert len(calls) == 1
+
+
+def test_launcher_refuses_a_missing_config_file_and_runs_evaluate_pys_default_model(tmp_path, monkeypatch):
+    """A --config_file that does not exist was read as no defaults at all (then a misleading --dataset None, or a
+    TypeError from the missing model); a file without model: gave the same TypeError, where evaluate.py runs its
+    EvaluationConfig's default model: the launcher checks that model's data."""
+    calls = _stub_evaluation(tmp_path, monkeypatch, "2048", {}, ["zsmerge"])
+    Evaluate, registry = launch.load_evaluation()
+    Evaluate.EvaluationConfig = type("EvaluationConfig", (), {"model": "some-model", "dataset": "ruler"})
+    monkeypatch.setattr(launch, "_import_evaluation", lambda folder: (Evaluate, registry))
+    missing = tmp_path / "evaluate_confg.yaml"
+    with pytest.raises(SystemExit, match=f"--config_file {re.escape(str(missing))}: no such file"):
+        launch.main(["--config_file", str(missing), "--local_data", str(tmp_path), "--model", "some-model",
+                     "--dataset", "kvcomp_ruler", "--data_dir", "2048", "--press_name", "zsmerge"])
+    config = tmp_path / "no_model.yaml"
+    config.write_text("dataset: kvcomp_ruler\ndata_dir: 2048\npress_name: zsmerge\n")
+    launch.main(["--config_file", str(config), "--local_data", str(tmp_path)])
+    assert calls == [[str(tmp_path / "evaluate.py"), f"--config_file={config}"]]
+    # A data_dir of 0 tokens was a ZeroDivisionError in the generator (here one task's example: all of them would
+    # take minutes to search on the tests' tokenizer).
+    monkeypatch.setattr(launch, "ensure_generated", lambda local_data, model, length: generate(make_tokenizer(), length,
+                                                                                               {"cwe": 1}))
+    with pytest.raises(SystemExit, match="--data_dir 0: a length of 0 tokens holds no example; the shortest length"):
+        launch.main(["--config_file", str(config), "--local_data", str(tmp_path), "--data_dir", "0"])
 
 
 def test_launcher_help_describes_the_arguments_without_generating_data(monkeypatch, capsys):

@@ -306,6 +306,15 @@ def test_kvzap_model_round_trip(tmp_path, hidden_dim):
     (["--tokens", "256", "--context-tokens", "128"], r"gives 2 text\(s\) \[1, 1\] chunk\(s\) .* --tokens >= 512"),
     (["--fit-collected"], "--fit-collected fits the chunks saved in --data-cache, which is not given"),
     (["--compare-with", "/nonexistent"], "--compare-with /nonexistent: expected surrogates in linear, mlp/"),
+    # AdamW refused these, and huggingface_hub the path, or load_text the file, after the collection or the model load
+    (["--lr", "-1"], r"--lr must be a finite number > 0, got -1.0"),
+    (["--lr", "0"], r"--lr must be a finite number > 0, got 0.0"),
+    (["--weight-decay", "-5"], r"--weight-decay must be a finite number >= 0, got -5.0"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+    (["--texts", "austen,/nonexistent/text.txt"], r"--texts: \['/nonexistent/text.txt'\] are neither austen, "),
+    # a FileNotFoundError for index.json, and a FileExistsError for --out
+    (["--fit-collected", "--data-cache", "/nonexistent"], "--data-cache /nonexistent: no collection there"),
+    (["--out", __file__], "--out .*test_kvzap_training.py: not a directory"),
 ])
 def test_cli_refuses_what_would_fail_after_the_collection(capsys, extra, message):
     """Each of these failed (a ZeroDivisionError, an empty held-out set's quantile, a hub lookup of the missing

@@ -268,3 +268,30 @@ def test_a_ranks_heads_and_queries_are_those_of_its_rows(maker, ranks):
             expected = queries.transpose(1, 2)[:, rank * n_q // ranks : (rank + 1) * n_q // ranks]
             torch.testing.assert_close(distributed.prerope_query_states(shard, hidden), expected)
         assert distributed.query_group_size(shard) == n_q // n_kv
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The example's command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--model", "random-llama", "--kv-heads", "0"], "--kv-heads must be at least 1, got 0"),
+    (["--model", "random-llama", "--layers", "0"], "--layers must be at least 1, got 0"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: not smollm2, random-llama or a local HF model "
+                                        "directory (no such directory)"),
+])
+def test_the_example_refuses_bad_arguments_before_starting_the_ranks(monkeypatch, capsys, arguments, message):
+    """--kv-heads 0 and --layers 0 ended in a ZeroDivisionError inside transformers' attention, on every rank."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel.py"
+    spec = importlib.util.spec_from_file_location("tensor_parallel_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setenv("RANK", "0")  # as under torchrun
+    monkeypatch.setattr(sys, "argv", [str(path), *arguments])
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("started the ranks"))
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

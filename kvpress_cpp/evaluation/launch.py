@@ -7,7 +7,8 @@ presses registered.
 Every argument is evaluate.py's own (``EvaluationConfig``: press_name, compression_ratio, dataset, data_dir, model,
 device, fraction, max_new_tokens, target_size, compression_interval, output_dir, ...), except ``--local_data``
 (below). Without ``--config_file`` the defaults are this package's ``evaluate_config.yaml`` (the embedded
-SmolLM2-135M-Instruct on the CPU, our generated RULER-style data at 2048 tokens) instead of kvpress's.
+SmolLM2-135M-Instruct on the CPU, our generated RULER-style data at 2048 tokens) instead of kvpress's; what the file
+leaves out is evaluate.py's own default (``EvaluationConfig``), and a ``--config_file`` that does not exist is refused.
 
 What the launcher does, in order:
 
@@ -171,6 +172,9 @@ def load_evaluation(local_data: Path | None = None, model: str | None = None) ->
 def main(argv: list[str] | None = None) -> None:
     import yaml
 
+    from kvpress_cpp.evaluation.ruler_data import LengthTooShort
+    from kvpress_cpp.models import DEFAULT_MODEL_NAME, local_model_problem
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # evaluate.py's Fire passes help=True on to EvaluationConfig, which refuses it
         print(__doc__)
@@ -187,9 +191,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--press_name", default=None)
     parser.add_argument("--compression_ratio", type=float, default=None)
     ours, rest = parser.parse_known_args(argv)
-    defaults = yaml.safe_load(Path(ours.config_file).read_text()) if Path(ours.config_file).is_file() else {}
+    if not Path(ours.config_file).is_file():  # it replaces the package's defaults: a typo had left none at all
+        raise SystemExit(f"--config_file {ours.config_file}: no such file")
+    defaults = yaml.safe_load(Path(ours.config_file).read_text()) or {}
     model = ours.model or defaults.get("model")
     dataset, data_dir = ours.dataset or defaults.get("dataset"), ours.data_dir or defaults.get("data_dir")
+    if model is None or dataset is None:  # evaluate.py then runs its EvaluationConfig's own: so do the checks below
+        config = _import_evaluation(evaluation_dir())[0].EvaluationConfig
+        model, dataset = model or config.model, dataset or config.dataset
+    if model != DEFAULT_MODEL_NAME and (problem := local_model_problem(model)):
+        raise SystemExit(f"--model {model}: {problem}")
     local_data = Path(ours.local_data) if ours.local_data else cache_dir("datasets")
     evaluate, registry = load_evaluation(local_data, model)
     press_name = ours.press_name or defaults.get("press_name")
@@ -207,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         if not str(data_dir).isdigit():  # e.g. the results runner's "2048-niah0", which only the runner generates
             raise SystemExit(f"{GENERATED_DATASET}: no {generated_root(local_data, model) / str(data_dir)}; a "
                              f"--data_dir that is not a length is written by kvpress_cpp.evaluation.results")
-        ensure_generated(local_data, model, int(data_dir))
+        try:
+            ensure_generated(local_data, model, int(data_dir))
+        except LengthTooShort as error:
+            raise SystemExit(f"--data_dir {data_dir}: {error}") from None
     elif dataset in registry.DATASET_REGISTRY and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(
             registry.DATASET_REGISTRY[dataset]).is_dir():
         raise SystemExit(f"{dataset}: no local copy at {local_data / registry.DATASET_REGISTRY[dataset]} and "

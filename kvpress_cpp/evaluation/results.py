@@ -63,6 +63,8 @@ import pandas as pd
 from kvpress_cpp.evaluation import launch
 from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME
 from kvpress_cpp.evaluation.registry import METHODS
+from kvpress_cpp.evaluation.ruler_data import LengthTooShort
+from kvpress_cpp.models import local_model_problem
 
 __all__ = ["KVPRESS_METHODS", "Config", "plan", "run", "other_setting", "collect", "report", "markdown_table", "family"]
 
@@ -987,6 +989,10 @@ def main() -> None:
     if len({f"{r:.2f}" for r in args.ratios}) < len(args.ratios):  # Config.key and evaluate.py's folders use :.2f
         parser.error(f"--ratios must differ at two decimals (results are filed under the ratio to two decimals, as "
                      f"evaluate.py files them): got {args.ratios}")
+    if args.model != DEFAULT_MODEL_NAME and (problem := local_model_problem(args.model)):
+        parser.error(f"--model {args.model}: {problem}")
+    if args.action in ("report", "all") and args.document is not None and not args.document.is_file():
+        parser.error(f"--document {args.document}: no such file")  # else found missing after the report's files
     if args.action in ("run", "all") and (clash := other_setting(args.out, args.query_aware)):
         parser.error(clash)
     if args.action in ("run", "all") and (unknown := [m for m in args.methods if m not in _known_methods()]):
@@ -1007,8 +1013,11 @@ def main() -> None:
             examples = {str(n): {t: args.examples for t in default_tasks()} for n in args.lengths}
         else:
             examples = {str(n): DEFAULT_EXAMPLES.get(n, DEFAULT_EXAMPLES[max(DEFAULT_EXAMPLES)]) for n in args.lengths}
-        written = run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
-                      query_aware=args.query_aware, workers=args.workers)
+        try:
+            written = run(configs, args.out, args.model, args.device, examples, local_data=args.local_data,
+                          query_aware=args.query_aware, workers=args.workers)
+        except LengthTooShort as error:  # from the data, generated before any configuration runs
+            parser.error(f"--lengths {error.length}: {error}")
         failed = len(configs) - len(written)
     if args.action in ("report", "all"):
         if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side

@@ -50,7 +50,8 @@ from typing import Callable
 
 import pandas as pd
 
-__all__ = ["TASKS", "DEPTHS", "NOISE", "LENGTH_TOLERANCE", "generate", "write_dataset", "default_tasks"]
+__all__ = ["TASKS", "DEPTHS", "NOISE", "LENGTH_TOLERANCE", "LengthTooShort", "generate", "shortest_length",
+           "write_dataset", "default_tasks"]
 
 #: RULER's noise haystack (its ``niah_single_1`` and ``vt`` tasks repeat these sentences).
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -77,6 +78,15 @@ _AUSTEN_PLACES = frozenset(
     "Antigua".split())
 #: Neither people nor places one lives in: titles, and countries (too broad an answer to "where").
 _TITLES_AND_COUNTRIES = frozenset("Mrs Miss Lady Lord Colonel Captain Chapter England Ireland".split())
+
+
+class LengthTooShort(ValueError):
+    """A task's refusal of a length too short for its example; ``length`` is the length refused."""
+
+    def __init__(self, message: str, length: int):
+        super().__init__(message)
+        self.length = length
+
 
 MAX_NEW_TOKENS = {"niah": 16, "niah_multivalue": 48, "vt": 30, "cwe": 48, "facts": 24, "characters": 48}
 
@@ -266,8 +276,9 @@ def _cwe(rng, length, count, n_common: int = 10, rare_max: int = 3):
         # no answer.
         freq = min(max(6, items // (2 * n_common)), items // n_common)
         if freq <= rare_max:
-            raise ValueError(f"cwe: a length of {length} tokens leaves room for {items} list items, too few for "
-                             f"{n_common} common words {rare_max + 1} times each (a longer length is needed)")
+            raise LengthTooShort(f"cwe: a length of {length} tokens leaves room for {items} list items, too few "
+                                 f"for {n_common} common words {rare_max + 1} times each (a longer length is needed)",
+                                 length)
         listing = [w for w in common for _ in range(freq)]
         item_rng = random.Random(f"{len(listing)}-{common[0]}")
         rare = iter(rare_pool)
@@ -326,7 +337,7 @@ def _characters(rng, length, count, named: int = 2):
         row = _fit(build, length, count)
         if row["answer"]:
             return row
-    raise ValueError(f"characters: no {length}-token passage with {named} clear protagonists in 100 tries")
+    raise LengthTooShort(f"characters: no {length}-token passage with {named} clear protagonists in 100 tries", length)
 
 
 #: task name → (builder(rng, length, count) → row, max_new_tokens)
@@ -351,7 +362,43 @@ def default_tasks() -> list[str]:
 def generate(tokenizer, length: int, examples: int | dict[str, int | range], seed: int = 0,
              tasks: list[str] | None = None) -> pd.DataFrame:
     """Rows of every task at ``length`` tokens: ``examples`` per task (or a dict task → count, or task → range of
-    example indices: example i of a task is the same whichever range it is generated in)."""
+    example indices: example i of a task is the same whichever range it is generated in). A length too short for
+    a task raises :class:`LengthTooShort`, naming the shortest length these examples are generated at."""
+    try:
+        return _generate(tokenizer, length, examples, seed, tasks)
+    except LengthTooShort as error:
+        shortest = shortest_length(tokenizer, length, examples, seed, tasks)
+        raise LengthTooShort(f"{error}; the shortest length these examples are generated at is {shortest}",
+                             length) from None
+
+
+def shortest_length(tokenizer, length: int, examples: int | dict[str, int | range], seed: int = 0,
+                    tasks: list[str] | None = None) -> int:
+    """The shortest length above ``length`` (one the generator refuses) at which :func:`generate` builds these
+    examples, found with the generator itself (doubling, then bisection): it depends on the tokenizer and on the
+    examples drawn."""
+    def fits(n: int) -> bool:
+        try:
+            with warnings.catch_warnings():  # rows outside the tolerance are kept: not a refusal
+                warnings.simplefilter("ignore")
+                _generate(tokenizer, n, examples, seed, tasks)
+        except LengthTooShort:
+            return False
+        return True
+
+    refused, fitted = max(length, 0), max(2 * length, 1)
+    while not fits(fitted):
+        refused, fitted = fitted, 2 * fitted
+    while fitted - refused > 1:
+        middle = (refused + fitted) // 2
+        refused, fitted = (refused, middle) if fits(middle) else (middle, fitted)
+    return fitted
+
+
+def _generate(tokenizer, length: int, examples: int | dict[str, int | range], seed: int,
+              tasks: list[str] | None) -> pd.DataFrame:
+    if length < 1:  # _fit divides by the length
+        raise LengthTooShort(f"a length of {length} tokens holds no example", length)
     count = _token_counter(tokenizer)
     rows = []
     for task in tasks or (list(examples) if isinstance(examples, dict) else default_tasks()):
@@ -393,10 +440,22 @@ def main() -> None:
         parser.error(f"--examples must be at least 1, got {args.examples}")
     if bad := [n for n in args.lengths if n < 1]:  # a negative length wrote a folder named after it
         parser.error(f"--lengths are context lengths in tokens, at least 1: got {bad}")
-    from kvpress_cpp.evaluation.models import load_tokenizer
+    for name in ("lengths", "tasks"):  # a repeated value wrote its examples twice, weighing them twice in a score
+        values = getattr(args, name) or []
+        if repeated := sorted({v for v in values if values.count(v) > 1}):
+            parser.error(f"--{name} repeats {repeated}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: not a directory")
+    from kvpress_cpp.evaluation.models import DEFAULT_MODEL_NAME, load_tokenizer
+    from kvpress_cpp.models import local_model_problem
 
+    if args.model != DEFAULT_MODEL_NAME and (problem := local_model_problem(args.model)):
+        parser.error(f"--model {args.model}: {problem}")
     tokenizer = load_tokenizer(args.model)
-    df = pd.concat([generate(tokenizer, n, args.examples, args.seed, args.tasks) for n in args.lengths])
+    try:  # shortest first: a length too short for a task is refused before the long ones are generated
+        df = pd.concat([generate(tokenizer, n, args.examples, args.seed, args.tasks) for n in sorted(args.lengths)])
+    except LengthTooShort as error:
+        parser.error(f"--lengths {error.length}: {error}")
     for path in write_dataset(df, Path(args.out)):
         print("wrote", path)
 
