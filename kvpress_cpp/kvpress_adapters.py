@@ -5,7 +5,8 @@ Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` d
 ``AdaKVPress.compress``, both presses' ``post_init_from_model``, ``ComposedPress.__call__`` and
 ``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
 press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (a pass without the ``cache_position``
-kvpress's hooks read is refused naming the press, :func:`patch_press_contexts`) and the pipeline's ``_forward``
+kvpress's hooks read is refused naming the press, :func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress
+press failing on slots of ours is refused naming both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward``
 (several questions with a press of ours that compresses while decoding are refused naming it,
 :func:`patch_pipeline_questions`); kvpress itself is unchanged.
 
@@ -53,13 +54,15 @@ from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
 
 from kvpress_cpp.attention import padding_log_weights
+from kvpress_cpp.cache import get_state, pass_cache
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
 from kvpress_cpp.paged_cache import shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_wrapper_contexts", "patch_press_contexts",
-           "patch_pipeline_questions", "SHARDABLE_SCORERS", "kvpress_transformers_mismatch"]
+           "patch_presses_after_ours", "patch_pipeline_questions", "SHARDABLE_SCORERS",
+           "kvpress_transformers_mismatch"]
 
 #: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
 #: queries and keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
@@ -257,7 +260,7 @@ def patch_dms_press() -> None:
         marked_before = _mark_count(module)
         padding = _prefill_padding(kwargs)
         stand_in = _ScorerStandIn(self.press) if padding is None else _RowByRowScorer(self.press, padding)
-        with _scorer_replaced(self, stand_in):
+        with _scorer_replaced(self, stand_in), _naming_our_slots(self, module, kwargs):
             output = forward_hook(self, module, input, kwargs, output)
         _count_marks(self, module, kwargs, marked_before)
         return output
@@ -358,7 +361,7 @@ def patch_press_contexts() -> None:
             with call(self, model):
                 yield
         except KeyError as error:
-            if error.args != ("cache_position",) or isinstance(self, KVCompPress):
+            if not _missing_cache_position(error) or isinstance(self, KVCompPress):
                 raise
             why = kvpress_transformers_mismatch() or "a model or transformers that does not pass it"
             raise RuntimeError(f"{type(self).__name__}: kvpress's hooks read each pass's cache_position, which the "
@@ -366,6 +369,47 @@ def patch_press_contexts() -> None:
 
     setattr(adapted_call, _NAMES_MISSING_POSITION_ATTR, True)
     BasePress.__call__ = adapted_call
+
+
+def _missing_cache_position(error: Exception) -> bool:
+    return isinstance(error, KeyError) and error.args == ("cache_position",)
+
+
+@contextmanager
+def _naming_our_slots(press, module, kwargs: dict):
+    """Raise what fails inside a kvpress press's prefill hook, on a layer one of ours (before it in a ComposedPress)
+    compressed in this pass, as a RuntimeError naming both: the kvpress press reads our slots as the prompt's tokens,
+    and SnapKV's window (say) over fewer slots than it fails in a torch shape error that names neither. What does not
+    fail there is refused at the next pass (:func:`kvpress_cpp.cache.slots_rearranged_error`)."""
+    try:
+        yield
+    except Exception as error:
+        cache, hidden_states = pass_cache(kwargs), kwargs.get("hidden_states")
+        layer = cache.layers[module.layer_idx] if cache is not None and hidden_states is not None else None
+        state = get_state(layer) if layer is not None and layer.keys is not None else None
+        if (isinstance(press, KVCompPress) or _missing_cache_position(error) or state is None
+                or layer.keys.shape[-2] >= hidden_states.shape[1]):
+            raise
+        owner, name = state.owner_name(), type(press).__name__
+        raise RuntimeError(f"{name} failed on layer {module.layer_idx}, where {owner} before it (in a ComposedPress) "
+                           f"left {layer.keys.shape[-2]} slots of the pass's {hidden_states.shape[1]} tokens: a "
+                           f"kvpress press after one of ours reads our slots as the prompt's tokens "
+                           f"({type(error).__name__}: {error}). Place {owner} last, or alone") from error
+
+
+def patch_presses_after_ours() -> None:
+    """Wrap ``BasePress.forward_hook``, the prefill hook of kvpress's scorer presses, in :func:`_naming_our_slots`
+    (``DMSPress``'s own hook is wrapped in :func:`patch_dms_press`). Idempotent."""
+    forward_hook = BasePress.forward_hook
+    if getattr(forward_hook, _PATCHED_ATTR, False):
+        return
+
+    def adapted_forward_hook(self, module, input, kwargs, output):
+        with _naming_our_slots(self, module, kwargs):
+            return forward_hook(self, module, input, kwargs, output)
+
+    setattr(adapted_forward_hook, _PATCHED_ATTR, True)
+    BasePress.forward_hook = adapted_forward_hook
 
 
 def patch_pipeline_questions() -> None:
@@ -395,4 +439,5 @@ patch_dms_press()
 patch_adakv_press()
 patch_press_contexts()
 patch_wrapper_contexts()
+patch_presses_after_ours()
 patch_pipeline_questions()

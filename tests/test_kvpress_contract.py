@@ -14,7 +14,7 @@ import torch
 from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
                      CriticalKVPress, DecodingPress,
                      DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
-                     ScorerPress, ThinKPress)
+                     ScorerPress, SnapKVPress, ThinKPress)
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
@@ -244,6 +244,22 @@ def test_kvpress_press_after_ours_is_refused(llama, make_press, name, cache):
     model, tokenizer = llama
     with pytest.raises(RuntimeError, match=f"{name}: another press rearranged the slots"):
         greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([make_press(name), KnormPress(0.5)]),
+               max_new_tokens=2, cache=cache())
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("cache", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("after", ["SnapKVPress", "DMSPress"])
+@pytest.mark.parametrize("name", ["ZSMergePress", "WeightedKVPress", "KeepKVPress"])
+def test_kvpress_press_failing_on_our_slots_is_refused_naming_both(llama, make_press, name, after, cache):
+    """SnapKV after ours, with a window wider than the slots ours kept (BUDGET), took our slots for the prompt's
+    tokens and failed in avg_pool1d over an empty tensor, naming neither press: GVote on a short prompt met it."""
+    model, tokenizer = llama
+    snapkv = SnapKVPress(compression_ratio=0.5, window_size=BUDGET + 8)
+    kvpress_press = snapkv if after == "SnapKVPress" else DMSPress(snapkv, threshold=0.5)
+    with pytest.raises(RuntimeError, match=rf"{after} failed on layer 0, where {name} before it \(in a ComposedPress\) "
+                                           rf"left {BUDGET} slots of the pass's 48 tokens: .* Place {name} last"):
+        greedy(model, prompt_ids(tokenizer, 48), press=ComposedPress([make_press(name), kvpress_press]),
                max_new_tokens=2, cache=cache())
 
 
