@@ -262,6 +262,10 @@ def main() -> None:
     if args.prefill >= args.tokens:
         parser.error(f"--prefill ({args.prefill}) must be below --tokens ({args.tokens}): the first forward reads the "
                      f"text's first --prefill tokens, and the rest stream in one token per forward")
+    if too_large := [size for size in args.cache_sizes if size > args.tokens - 2 * args.block]:
+        # beyond m is what is measured, and one block gives the bootstrap a zero-width interval (none beyond: NaN)
+        parser.error(f"--cache-sizes {too_large}: each must leave at least two --block blocks ({2 * args.block} "
+                     f"tokens) of the --tokens {args.tokens} beyond it")
     if not set(args.methods) - {"full"}:
         parser.error("--methods: name at least one press beside 'full' (the plot compares them at each cache size)")
 

@@ -59,6 +59,8 @@ def test_help_explains_and_exits(monkeypatch, capsys, module_name):
     ("bench_step_profile", ["--steps", "0"], "--steps"),
     ("bench_streaming_ppl", ["--cache-sizes", "0"], "--cache-sizes"),
     ("bench_streaming_ppl", ["--prefill", "64", "--tokens", "32"], "--prefill"),
+    ("bench_streaming_ppl", ["--tokens", "40", "--cache-sizes", "64"], "--cache-sizes [64]"),  # nothing beyond m
+    ("bench_streaming_ppl", ["--tokens", "40", "--cache-sizes", "16"], "--cache-sizes [16]"),  # one block beyond
     ("bench_cache", ["--bogus"], "--bogus"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(monkeypatch, capsys, module_name, arguments, option):
