@@ -461,6 +461,7 @@ def test_bad_union_input_names_op_and_value(case):
         (lambda p: (p.double(), 0.9), r"expected probs of dtype Float, got Double"),
         (lambda p: (p, 0.0), r"expected p in \(0, 1\], got p = 0"),
         (lambda p: (p, 1.5), r"expected p in \(0, 1\], got p = 1.5"),
+        (lambda p: (p, 1.0000001), r"expected p in \(0, 1\], got p = 1.0000001"),  # (not rounded to 1)
         (lambda p: (p, NAN), r"expected p in \(0, 1\], got p = nan"),
     ],
 )

@@ -563,6 +563,7 @@ MATCH_BAD_INPUTS = [
     (lambda k, m: (k, m[..., :-1], 0.8), r"expected keep.size\(2\) == 20 \(slots of keys\)"),
     (lambda k, m: (k, m, 1.5), r"expected threshold in \[-1, 1\], got 1.5"),
     (lambda k, m: (k, m, -1.01), r"expected threshold in \[-1, 1\], got -1.01"),
+    (lambda k, m: (k, m, -1.0000001), r"expected threshold in \[-1, 1\], got -1.0000001"),  # (not rounded to -1)
     (lambda k, m: (k, m, float("nan")), r"expected threshold in \[-1, 1\], got nan"),
 ]
 

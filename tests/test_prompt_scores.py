@@ -241,6 +241,7 @@ def test_compile_fullgraph():
     (dict(log_weights=torch.zeros(1, 2, 33, dtype=torch.float16)), "expected log_weights of dtype Float"),
     (dict(decay=0.0), "kvcomp::prompt_scores: expected decay in (0, 1], got 0"),
     (dict(decay=1.5), "expected decay in (0, 1], got 1.5"),
+    (dict(decay=1.0000001), "expected decay in (0, 1], got 1.0000001"),  # (not rounded to 1)
     (dict(decay=math.nan), "expected decay in (0, 1], got nan"),
     (dict(input_scale=-1.0), "expected a finite input_scale >= 0, got -1"),
     (dict(scale=0.0), "expected a finite scale > 0, got 0"),

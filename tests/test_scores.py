@@ -78,6 +78,7 @@ BAD_INPUTS = [
     (lambda s, a: (s, a.to(torch.int32), 0.9, 1.0), r"expected attn of dtype float32, float16 or bfloat16, got Int"),
     (lambda s, a: (s, a, 1.5, 1.0), r"expected decay in \[0, 1\], got 1.5"),
     (lambda s, a: (s, a, -0.1, 1.0), r"expected decay in \[0, 1\], got -0.1"),
+    (lambda s, a: (s, a, 1.0000001, 1.0), r"expected decay in \[0, 1\], got 1.0000001"),  # (not rounded to 1)
     (lambda s, a: (s, a, float("nan"), 1.0), r"expected decay in \[0, 1\], got nan"),
     (lambda s, a: (s, a, 0.9, float("inf")), r"expected a finite input_scale, got inf"),
 ]

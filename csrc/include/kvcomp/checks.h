@@ -6,10 +6,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <ostream>
 #include <sstream>
 #include <utility>
 
@@ -46,12 +48,25 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
               ref.device(), "), got ", t.device());
 }
 
+// A double streamed as its shortest round-trip digits (Python's repr): the stream's default 6 digits print
+// 1.0000001 as 1, so a value just outside a range would read as one inside it.
+struct Exact {
+  double value;
+};
+
+inline std::ostream& operator<<(std::ostream& out, Exact exact) {
+  char digits[32];
+  const char* end = std::to_chars(digits, digits + sizeof(digits), exact.value).ptr;
+  return out.write(digits, end - digits);
+}
+
 inline void check_range(const char* op, const char* name, double value, double low, double high) {
-  TORCH_CHECK(value >= low && value <= high, op, ": expected ", name, " in [", low, ", ", high, "], got ", value);
+  TORCH_CHECK(value >= low && value <= high, op, ": expected ", name, " in [", Exact{low}, ", ", Exact{high}, "], got ",
+              Exact{value});
 }
 
 inline void check_finite(const char* op, const char* name, double value) {
-  TORCH_CHECK(std::isfinite(value), op, ": expected a finite ", name, ", got ", value);
+  TORCH_CHECK(std::isfinite(value), op, ": expected a finite ", name, ", got ", Exact{value});
 }
 
 inline void check_at_least(const char* op, const char* name, int64_t value, int64_t low) {

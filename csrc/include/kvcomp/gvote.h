@@ -25,7 +25,7 @@ inline NucleusBudgetShape check_nucleus_budget(const at::Tensor& probs, double p
   constexpr const char* op = "kvcomp::nucleus_budget";
   check_dim(op, "probs", probs, 3, "(B, Hq, T)");
   check_dtype(op, "probs", probs, at::kFloat);
-  TORCH_CHECK(p > 0.0 && p <= 1.0, op, ": expected p in (0, 1], got p = ", p);
+  TORCH_CHECK(p > 0.0 && p <= 1.0, op, ": expected p in (0, 1], got p = ", Exact{p});
   return {probs.size(0), probs.size(1), probs.size(2)};
 }
 
@@ -92,7 +92,7 @@ inline GVoteUnionShape check_gvote_union_mask(const at::Tensor& keys, const at::
   TORCH_CHECK(shape.len <= std::numeric_limits<int32_t>::max(), op, ": expected at most 2^31 - 1 slots, got T = ",
               shape.len);
   TORCH_CHECK(sinks >= 0, op, ": expected sinks >= 0, got sinks = ", sinks);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, op, ": expected a finite scale > 0, got scale = ", scale);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, op, ": expected a finite scale > 0, got scale = ", Exact{scale});
   TORCH_CHECK(chunk_size >= 1, op, ": expected chunk_size >= 1, got chunk_size = ", chunk_size);
   return shape;
 }

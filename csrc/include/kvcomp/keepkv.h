@@ -120,7 +120,7 @@ inline KeepKVStepShape check_keepkv_decode_step(const at::Tensor& keys, const at
     check_size(op, name, t, 2, keys.size(2) - new_tokens, "the slots before the q new tokens, T - q");
   }
   check_finite(op, "scale", scale);
-  TORCH_CHECK(ema_decay > 0.0 && ema_decay < 1.0, op, ": expected ema_decay in (0, 1), got ", ema_decay);
+  TORCH_CHECK(ema_decay > 0.0 && ema_decay < 1.0, op, ": expected ema_decay in (0, 1), got ", Exact{ema_decay});
   check_at_least(op, "sinks", sinks, 0);
   check_at_least(op, "recent", recent, 1);
   TORCH_CHECK(budget > checked_sum(op, {{"sinks", sinks}, {"recent", recent}}), op,

@@ -107,7 +107,7 @@ inline void check_slot_state(const char* op, const at::Tensor& log_weights, cons
 
 // The keep rule's scalars: τ not NaN (±inf allowed), window and tokens_before >= 0.
 inline void check_keep_rule(const char* op, double threshold, int64_t window, int64_t tokens_before) {
-  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", threshold);
+  TORCH_CHECK(!std::isnan(threshold), op, ": expected a threshold that is not NaN, got threshold = ", Exact{threshold});
   check_at_least(op, "window", window, 0);
   check_at_least(op, "tokens_before", tokens_before, 0);
 }
