@@ -138,6 +138,22 @@ QUERY_PRESSES = {  # the presses that score the prompt with queries recomputed f
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(QUERY_PRESSES))
+def test_a_half_precision_model_with_float32_rotary_tables_is_compressed(name, dtype):
+    """OLMo's rotary tables are float32 in a half-precision model (its attention casts the turned queries back): the
+    queries the presses recompute came out float32 and the ops refused them beside half-precision keys, naming
+    neither the press nor the cause ("kvcomp::decode_attention: expected keys of dtype Float, got BFloat16"). The
+    press must compress: under the budget (GVote, whose p = 0.95 keeps all of this flat attention: fewer slots at
+    p = 0.05 than tokens)."""
+    model = tiny("Olmo", attn_implementation="eager").to(dtype)
+    cache, press = DynamicCache(), GVotePress(nucleus_p=0.05) if name == "GVote" else QUERY_PRESSES[name]()
+    with torch.no_grad(), press(model):
+        model(prompt(), past_key_values=cache, use_cache=True)
+    held = [int(torch.isfinite(get_state(layer).log_weights).sum(-1).max()) for layer in cache.layers]
+    assert all(slots < PROMPT for slots in held), held
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("architecture", ["Olmo2", "Cohere"])  # q_norm over all heads; interleaved rotary embedding
 @pytest.mark.parametrize("name", sorted(QUERY_PRESSES))

@@ -174,10 +174,12 @@ def require_bool(press: str, name: str, value) -> None:
 
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries (B, Hq, q, d) for `hidden_states`, as its forward computed them (with q_norm
-    where the model has one; the local query heads of a tensor-parallel layer)."""
+    where the model has one; the local query heads of a tensor-parallel layer), in the queries' dtype: OLMo's rotary
+    tables are float32 in a half-precision model, whose attention casts the turned queries back."""
     queries = prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
-    return rotate_leading_dims(queries, cos.shape[-1], lambda turned: apply_rotary_pos_emb(turned, turned, cos, sin)[0])
+    return rotate_leading_dims(queries, cos.shape[-1],
+                               lambda turned: apply_rotary_pos_emb(turned, turned, cos, sin)[0].to(turned.dtype))
 
 
 def last_query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict, count: int) -> torch.Tensor:
