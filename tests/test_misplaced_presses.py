@@ -647,8 +647,12 @@ def test_one_press_object_on_two_models_at_once_is_refused():
 
 
 def test_models_kvpress_cannot_hook_are_refused(llama):
+    """A bare decoder, GPT-2, and a decoder without one rotary_emb for kvpress to hand every layer (Olmo3 under
+    transformers 4 has one per layer type: kvpress's bare AttributeError came before)."""
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256))
-    for model in (llama.model, gpt2):
+    rotary_per_layer = make_tiny_llama()[0]
+    del rotary_per_layer.model.rotary_emb
+    for model in (llama.model, gpt2, rotary_per_layer):
         with pytest.raises(ValueError, match=rf"ZSMergePress: kvpress's hooks take a causal language model .* got "
                                              rf"{type(model).__name__}"):
             with ZSMergePress(budget=16)(model):

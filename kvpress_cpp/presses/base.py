@@ -776,10 +776,13 @@ class KVCompPress(BasePress):
         fed again and asks the attention for the prompt's scores."""
         name = type(self).__name__
         attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
-        if not attention_modules or not isinstance(getattr(model, "model", None), nn.Module):
+        decoder = getattr(model, "model", None)
+        # kvpress hands every layer the decoder's rotary_emb (Olmo3 under transformers 4 has one per layer type)
+        rotary = getattr(getattr(decoder, "language_model", decoder), "rotary_emb", None)
+        if not attention_modules or not isinstance(decoder, nn.Module) or not isinstance(rotary, nn.Module):
             raise ValueError(f"{name}: kvpress's hooks take a causal language model whose `model` holds the decoder "
-                             f"layers and whose attention modules have `layer_idx` and `scaling` (LlamaForCausalLM, "
-                             f"Mistral, Qwen2/3, Phi-3, Gemma); got {type(model).__name__}")
+                             f"layers and one `rotary_emb`, and whose attention modules have `layer_idx` and "
+                             f"`scaling` (LlamaForCausalLM, Mistral, Qwen2/3, Phi-3, Gemma); got {type(model).__name__}")
         already = next((press for module in attention_modules for press in active_presses(module)), None)
         if already:
             raise ValueError(f"{name}: {already} is already active on this {type(model).__name__}; two kvpress_cpp "
