@@ -23,6 +23,7 @@ CSRC = ROOT / "csrc"
 INSTALL_REQUIRES = [
     "torch>=2.11",
     "transformers>=4.56",
+    "huggingface-hub>=0.34",  # its repo-id rule tells a mistyped local --model folder from a hub name
     "kvpress>=0.5.5",
     "gguf>=0.17",  # the embedded SmolLM2 is a GGUF file
     "safetensors>=0.4",

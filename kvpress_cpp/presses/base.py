@@ -782,7 +782,8 @@ class KVCompPress(BasePress):
         if not attention_modules or not isinstance(decoder, nn.Module) or not isinstance(rotary, nn.Module):
             raise ValueError(f"{name}: kvpress's hooks take a causal language model whose `model` holds the decoder "
                              f"layers and one `rotary_emb`, and whose attention modules have `layer_idx` and "
-                             f"`scaling` (LlamaForCausalLM, Mistral, Qwen2/3, Phi-3, Gemma); got {type(model).__name__}")
+                             f"`scaling` (LlamaForCausalLM, Mistral, Qwen2/3, Phi-3, Gemma); got "
+                             f"{type(model).__name__}")
         already = next((press for module in attention_modules for press in active_presses(module)), None)
         if already:
             raise ValueError(f"{name}: {already} is already active on this {type(model).__name__}; two kvpress_cpp "
