@@ -636,12 +636,25 @@ class PagedLayer(CacheLayerMixin):
     def _new_slot_pool(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(blocks, self.block_size, dtype=dtype, device=self.device)
 
-    def _grown_pools(self, needed: int) -> list[torch.Tensor] | None:
+    def _release_and_reserve(self, released: list[int], count: int) -> None:
+        """Give the blocks `released` back to the free list and grow the pools until it holds at least `count`
+        blocks. The grown pools are allocated before any block changes hands, so that a pool that cannot grow leaves
+        the layer as it was."""
+        needed = count - len(self.free_blocks) - len(released)
+        pools = self._grown_pools(needed) if needed > 0 else None
+        self.free_blocks.extend(released[::-1])  # lowest ids last, so that they are handed out first
+        if pools is None:
+            return
+        capacity, grown = self.key_blocks.shape[0], pools[0].shape[0]
+        self.key_blocks, self.value_blocks = pools[:2]
+        self.slot_blocks = dict(zip(self.slot_blocks, pools[2:]))
+        self._region_views.clear()  # views of the old pools
+        self.free_blocks.extend(range(grown - 1, capacity - 1, -1))
+        self._changed()
+
+    def _grown_pools(self, needed: int) -> list[torch.Tensor]:
         """The key, value and slot pools with at least `needed` more blocks (they double, or grow by `needed` if that
-        is more), not yet the layer's: allocated before any block changes hands, so that a pool that cannot grow
-        leaves the layer as it was. None where no block is needed."""
-        if needed <= 0:
-            return None
+        is more), not yet the layer's."""
         extra = max(needed, self.key_blocks.shape[0])
         try:
             return [torch.cat([pool, pool.new_zeros(extra, *pool.shape[1:])])
@@ -650,16 +663,6 @@ class PagedLayer(CacheLayerMixin):
             raise RuntimeError(f"PagedKVCache: cannot add {extra} blocks of block_size={self.block_size} slots "
                                f"({extra * self._block_bytes()} bytes) to the layer's pools on {self.device}: "
                                f"{str(error).splitlines()[0]}") from error
-
-    def _adopt(self, pools: list[torch.Tensor]) -> None:
-        """Make the pools of :meth:`_grown_pools` the layer's, their new blocks free."""
-        capacity, grown = self.key_blocks.shape[0], pools[0].shape[0]
-        self.key_blocks, self.value_blocks = pools[:2]
-        self.slot_blocks = dict(zip(self.slot_blocks, pools[2:]))
-        self._region_views.clear()  # views of the old pools
-        # Lowest ids last, so that they are handed out first.
-        self.free_blocks.extend(range(grown - 1, capacity - 1, -1))
-        self._changed()
 
     def _resize(self, new_lengths: torch.Tensor) -> None:
         """Give each (batch, kv head) the blocks new_lengths (B, H) need: new blocks from the free list (growing the
@@ -692,13 +695,9 @@ class PagedLayer(CacheLayerMixin):
         released = (entry >= new_blocks.unsqueeze(-1)) & (entry < owned.unsqueeze(-1))
         taken = (entry >= owned.unsqueeze(-1)) & (entry < new_blocks.unsqueeze(-1))
         count = int(taken.sum())
-        pools = self._grown_pools(count - len(self.free_blocks) - int(released.sum()))
+        self._release_and_reserve(self.block_tables[released].tolist(), count)
         self._forget_region()
-        if bool(released.any()):
-            self.free_blocks.extend(self.block_tables[released].tolist()[::-1])  # lowest ids last, as _adopt
-            self.block_tables[released] = -1
-        if pools is not None:
-            self._adopt(pools)
+        self.block_tables[released] = -1
         if count:
             self.block_tables[taken] = self._take(taken, fresh_heads=bool((owned[new_blocks > owned] == 0).all()))
         self._owned_slots = new_blocks * self.block_size
@@ -783,11 +782,8 @@ class PagedLayer(CacheLayerMixin):
         tables = self.block_tables.index_select(0, rows)
         copied = (tables >= 0) & torch.tensor(copies, dtype=torch.bool).view(-1, 1, 1)
         count = int(copied.sum())
-        pools = self._grown_pools(count - len(self.free_blocks) - released.numel())
-        self.free_blocks.extend(released.tolist()[::-1])  # lowest ids last, as _adopt
+        self._release_and_reserve(released.tolist(), count)
         self.block_tables = tables
-        if pools is not None:
-            self._adopt(pools)
         if count:
             sources = self.block_tables[copied]
             # Every copy's head takes all its blocks afresh (as a prefill's do): a run where the free list ends in one.
