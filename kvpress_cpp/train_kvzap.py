@@ -269,8 +269,18 @@ def kvzip_plus_targets(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+NAMED_TEXTS = ("austen", "python-docs")
+
+
+def unknown_text(name: str) -> bool:
+    """Whether :func:`load_text` refuses ``name``: neither a named text nor a file."""
+    return name not in NAMED_TEXTS and not Path(name).is_file()
+
+
 def load_text(name: str) -> str:
     """"austen" (the six novels), "python-docs" (the Python 3.11 docs sources) or the path of a UTF-8 text file."""
+    if unknown_text(name):
+        raise ValueError(f"train_kvzap: unknown text {name!r} (use austen, python-docs or a file path)")
     if name == "austen":
         from kvpress_cpp.texts import austen_text
 
@@ -279,10 +289,7 @@ def load_text(name: str) -> str:
         from kvpress_cpp.texts import python_docs_text
 
         return python_docs_text()
-    path = Path(name)
-    if not path.is_file():
-        raise ValueError(f"train_kvzap: unknown text {name!r} (use austen, python-docs or a file path)")
-    return path.read_text(encoding="utf-8")
+    return Path(name).read_text(encoding="utf-8")
 
 
 def sample_chunks(tokenizer, text: str, n_chunks: int, context_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -934,7 +941,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not names:
         parser.error("--texts names no text")
     if not args.fit_collected and not _cache_complete(args.data_cache):  # else the texts are not read
-        if missing := [t for t in names if t not in ("austen", "python-docs") and not Path(t).is_file()]:
+        if missing := [t for t in names if unknown_text(t)]:
             parser.error(f"--texts: {missing} are neither austen, python-docs nor text files")
     counts = chunks_per_text(args.tokens, args.context_tokens, len(names))
     if min(counts) < 2:
