@@ -215,10 +215,14 @@ def main() -> None:
     print(f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) on "
           f"{args.device}, built in {time.perf_counter() - started:.1f} s")
 
-    # Warm-up: one short generation per press type (allocator, kernels, lazy imports).
+    # Warm-up: one short generation per press type (allocator, kernels, lazy imports), on the fewest slots asked for,
+    # so that a press refusing a budget too small for it does so before the timed runs, naming the options.
     warm = prompt_ids(tokenizer, min(lengths), model.config.vocab_size, args.device)
-    for _, _, press in presses(args.budgets[:1], args.methods):
-        generate(model, warm, press, 4, args.device, pad_token_id)
+    for method, fraction, press in presses([min(args.budgets)], args.methods):
+        try:
+            generate(model, warm, press, 4, args.device, pad_token_id)
+        except ValueError as error:
+            parser.error(f"--methods {method} at --budgets {fraction} of --lengths {min(lengths)}: {error}")
 
     cases = [(length, case) for length in lengths for case in presses(args.budgets, args.methods)]
     rows, reference = [], {}

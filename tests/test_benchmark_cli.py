@@ -81,3 +81,13 @@ def test_a_kept_fraction_outside_zero_to_one_is_refused_before_the_model_is_buil
     model was built (and, in bench_decode, after the rows already measured), in a traceback."""
     assert run_main(monkeypatch, module_name, *arguments).code == 2
     assert f"{arguments[0]}: must be a fraction of the prompt in (0, 1], got {arguments[-1]}" in capsys.readouterr().err
+
+
+def test_a_budget_too_small_for_a_press_is_refused_in_the_warm_up_naming_the_options(monkeypatch, capsys):
+    """5% of 32 tokens is 2 slots, fewer than ZSMerge's recent and residual slots need: the press refuses it. That
+    refusal came as a traceback from the warm-up, or, for a budget not warmed up, after rows were measured."""
+    arguments = ["--model", "random-llama-tiny", "--lengths", "64", "32", "--budgets", "0.25", "0.05",
+                 "--methods", "ZSMerge", "--new-tokens", "2", "--repeats", "1"]
+    assert run_main(monkeypatch, "bench_decode", *arguments).code == 2
+    error = capsys.readouterr().err
+    assert "--methods ZSMerge at --budgets 0.05 of --lengths 32: ZSMergePress: a budget of 2 slots" in error
