@@ -939,6 +939,11 @@ def test_one_folder_holds_one_setting(tmp_path, monkeypatch, capsys):
     write(agnostic, "512__no_press__0.00__niah0", True)  # a folder mixed by the old runner
     with pytest.raises(ValueError, match="query-agnostic: 1 .*question-aware: 1"):
         results.collect(agnostic)
+    monkeypatch.setattr(sys, "argv", ["results", "report", "--out", str(agnostic)])
+    with pytest.raises(SystemExit) as exit_:  # the command line says so without a traceback
+        results.main()
+    assert re.fullmatch(f"results report: {re.escape(str(agnostic))} holds configurations of both settings.*"
+                        f"query-agnostic: 1 .*question-aware: 1.*", exit_.value.code)
 
 
 def test_a_configurations_cpu_seconds_leave_out_the_model_load(tmp_path):

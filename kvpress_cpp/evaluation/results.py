@@ -476,6 +476,11 @@ def _overlapping_batches(out: Path, configurations: dict[str, dict]) -> list[str
     return sorted(set(clashes))
 
 
+class FolderConflict(ValueError):
+    """A results folder whose configurations one table cannot count (both settings, or one example twice): the user
+    moves or deletes files, named in the message."""
+
+
 def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.DataFrame:
     """One row per (method, ratio, length, task family): the n-weighted mean of kvpress's per-task string_match over
     every configuration JSON (the batches of a family are pooled, those every method has finished:
@@ -488,7 +493,7 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     for key, r in configurations.items():
         by_setting.setdefault(bool(r.get("query_aware", False)), []).append(key)
     if len(by_setting) > 1:  # a folder written before run() refused the other setting: one table would pool both
-        raise ValueError(f"{out} holds configurations of both settings, which one table would pool: "
+        raise FolderConflict(f"{out} holds configurations of both settings, which one table would pool: "
                          + "; ".join(f"{_setting_name(aware)}: {len(keys)} (e.g. {sorted(keys)[0]})"
                                      for aware, keys in sorted(by_setting.items()))
                          + "; move one setting's configs/*.json (and their runs/ folders) to a folder of its own")
@@ -496,7 +501,7 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
     partial = {(configurations[key]["length"], configurations[key]["family"]) for key in left_out}
     results_ = [r for key, r in configurations.items() if key not in left_out]
     if overlapping := _overlapping_batches(out, {k: r for k, r in configurations.items() if k not in left_out}):
-        raise ValueError(f"{out}: batches of one cell hold the same examples (a family rerun with another --examples "
+        raise FolderConflict(f"{out}: batches of one cell hold the same examples (a family rerun with another --examples "
                          f"leaves the earlier run's later batches, which would be counted twice): {overlapping}; "
                          f"delete the stale configs/*.json (the older ones) and report again")
     full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
@@ -1020,12 +1025,15 @@ def main() -> None:
             parser.error(f"--lengths {error.length}: {error}")
         failed = len(configs) - len(written)
     if args.action in ("report", "all"):
-        if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
-            collected = {name: _report(folder)[1] for name, (folder, _) in SETTINGS.items()
-                         if (folder / "configs").is_dir()}
-            table = combined_report(collected=collected)
-        else:
-            table = report(args.out)
+        try:
+            if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
+                collected = {name: _report(folder)[1] for name, (folder, _) in SETTINGS.items()
+                             if (folder / "configs").is_dir()}
+                table = combined_report(collected=collected)
+            else:
+                table = report(args.out)
+        except FolderConflict as error:
+            raise SystemExit(f"results {args.action}: {error}") from None
         print(table)
         if args.document is not None and not update_document(args.document, table):
             raise SystemExit(f"{args.document} has no {TABLE_BEGIN} ... {TABLE_END} markers")
