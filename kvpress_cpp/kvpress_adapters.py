@@ -4,8 +4,9 @@
 Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
 ``AdaKVPress.compress``, both presses' ``post_init_from_model``, ``ComposedPress.__call__`` and
 ``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
-press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (a pass without the ``cache_position``
-kvpress's hooks read is refused naming the press, :func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress
+press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (each hooked layer given the rotary
+embedding it turns with, and a pass without the ``cache_position`` kvpress's hooks read refused naming the press,
+:func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress
 press failing on slots of ours is refused naming both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward``
 (several questions with a press of ours that compresses while decoding are refused naming it,
 :func:`patch_pipeline_questions`); kvpress itself is unchanged.
@@ -46,9 +47,11 @@ kvpress.
 from __future__ import annotations
 
 import copy
+import inspect
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
+from torch import nn
 from kvpress import AdaKVPress, BasePress, ComposedPress, DMSPress, PrefillDecodingPress, SnapKVPress
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
@@ -344,9 +347,50 @@ def _with_our_contexts(call, wrapper, model):
         yield
 
 
+class _LayerTypeRotary(nn.Module):
+    """A decoder's rotary embedding holding a table per layer type (transformers 5's Gemma 3), bound to one layer's
+    type, as kvpress's presses use a layer's ``rotary_emb``: called with ``(x, position_ids)``, and ``inv_freq``."""
+
+    def __init__(self, rotary: nn.Module, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self._shared = (rotary,)  # not a submodule: the decoder holds it (its device, its state_dict)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return getattr(self._shared[0], f"{self.layer_type}_inv_freq")
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._shared[0](x, position_ids, self.layer_type)
+
+
+def give_layers_their_rotary(model) -> None:
+    """kvpress gives every layer it hooks the decoder's ``rotary_emb``: KeyRerotationPress re-rotates kept keys with
+    its ``inv_freq``, ExpectedAttention (and GVote) turn queries with it. Gemma 3's sliding layers turn with another
+    base: under transformers 4 with the decoder's ``rotary_emb_local``, which those presses missed (kept keys
+    re-rotated at the global base, silently); from 5 one module holds a table per layer type and wants the layer's
+    type, for want of which they failed. Each layer kvpress gave the shared one now gets the one it turns with."""
+    decoder = getattr(model, "model", None)
+    decoder = getattr(decoder, "language_model", decoder)
+    shared = getattr(decoder, "rotary_emb", None)
+    if not isinstance(shared, nn.Module):
+        return
+    local = getattr(decoder, "rotary_emb_local", None)
+    typed = "layer_type" in inspect.signature(shared.forward).parameters
+    for layer in getattr(decoder, "layers", ()):
+        attention = getattr(layer, "self_attn", None)
+        if attention is None or attention._modules.get("rotary_emb") is not shared:
+            continue
+        if typed:
+            attention.rotary_emb = _LayerTypeRotary(shared, decoder.config.layer_types[attention.layer_idx])
+        elif local is not None and getattr(attention, "is_sliding", False):
+            attention.rotary_emb = local
+
+
 def patch_press_contexts() -> None:
-    """Wrap ``BasePress.__call__``, the context every kvpress press (and wrapper) registers its forward hook in, so that
-    a ``KeyError('cache_position')`` out of a pass inside it is raised as a RuntimeError naming the press and why the
+    """Wrap ``BasePress.__call__``, the context every kvpress press (and wrapper) registers its forward hook in, so
+    that each hooked layer's ``rotary_emb`` is the one it turns with (:func:`give_layers_their_rotary`), and that a
+    ``KeyError('cache_position')`` out of a pass inside it is raised as a RuntimeError naming the press and why the
     attention was not given it (transformers outside the range kvpress declares). kvpress's hooks read it on every
     pass; ours do not, so ours alone or composed only with ours still run there, and our context lets the error
     through to the kvpress press around it. Idempotent; before :func:`patch_wrapper_contexts`, whose
@@ -359,6 +403,7 @@ def patch_press_contexts() -> None:
     def adapted_call(self, model):
         try:
             with call(self, model):
+                give_layers_their_rotary(model)
                 yield
         except KeyError as error:
             if not _missing_cache_position(error) or isinstance(self, KVCompPress):

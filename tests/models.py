@@ -12,6 +12,8 @@ import functools
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -221,3 +223,25 @@ def make_tiny_qwen3(
     common = _common_config(tokenizer, attn_implementation, query_offset)
     config = Qwen3Config(**{**common, "use_sliding_window": False, **config_overrides})
     return _init_model(Qwen3ForCausalLM, config, tokenizer, seed, query_offset), tokenizer
+
+
+def make_tiny_gemma3(layer_types: list[str], rope_bases: dict[str, float]) -> Gemma3ForCausalLM:
+    """A 2-layer random Gemma 3 of `layer_types`, each type turning with the rotary base `rope_bases` gives it (a
+    window longer than any prompt here), its q/k norms scaled up so that attention is peaked (trained ones are)."""
+    if hasattr(Gemma3TextConfig(), "rope_parameters"):  # transformers 5: a rotary table per layer type
+        rope = {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": base}
+                                    for kind, base in rope_bases.items()}}
+    else:
+        rope = {"rope_local_base_freq": rope_bases.get("sliding_attention", 10_000.0),
+                "rope_theta": rope_bases["full_attention"]}
+    config = Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=256, pad_token_id=0, initializer_range=0.2, sliding_window=4096,
+        layer_types=layer_types, attn_implementation="sdpa", **rope)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.fill_(3.0)
+    return model

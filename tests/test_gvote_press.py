@@ -7,14 +7,13 @@ import random
 
 import pytest
 import torch
-import transformers
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.texts import austen_novel
 from tests.generation import TINY_MODELS, greedy, prompt_ids
-from tests.models import make_tiny_llama
+from tests.models import make_tiny_gemma3, make_tiny_llama
 
 
 def kept_per_head(model, input_ids, press) -> torch.Tensor:
@@ -166,36 +165,14 @@ def test_assisted_generation_is_refused_where_gvote_keeps_all_of_the_first_layer
     assert cache.get_seq_length(0) == ids.shape[1] + 4, "the case needs layer 0 kept whole (all 316 tokens)"
 
 
-def tiny_gemma3(layer_types: list[str], rope_bases: dict[str, float]) -> transformers.Gemma3ForCausalLM:
-    """A 2-layer random Gemma 3 of `layer_types`, each type turning with the rotary base `rope_bases` gives it (a
-    window longer than any prompt here), its q/k norms scaled up so that attention is peaked (trained ones are)."""
-    if hasattr(transformers.Gemma3TextConfig(), "rope_parameters"):  # transformers 5: a rotary table per layer type
-        rope = {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": base}
-                                    for kind, base in rope_bases.items()}}
-    else:
-        rope = {"rope_local_base_freq": rope_bases.get("sliding_attention", 10_000.0),
-                "rope_theta": rope_bases["full_attention"]}
-    config = transformers.Gemma3TextConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=256, pad_token_id=0, initializer_range=0.2, sliding_window=4096,
-        layer_types=layer_types, attn_implementation="sdpa", **rope)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                parameter.fill_(3.0)
-    return model
-
-
 def test_gemma3_sliding_layer_samples_turn_with_the_layers_own_rotary_embedding():
     """A Gemma 3 sliding layer turns its queries with the local rotary base (10^4), the full layers with the global
     one (10^6). GVote turned its sampled future queries with the global one on every layer (kvpress hands each
     layer the model's rotary_emb): other slots kept, silently (transformers 4); under 5 the rotary module wants the
     layer's type, and GVote failed with a TypeError. The sliding layer must keep what the same layer keeps as a full
     layer of the model whose global base is 10^4 (same weights; the window is longer than the prompt)."""
-    sliding = tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
-    full = tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
+    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
+    full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
     full.load_state_dict(sliding.state_dict())
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(1))
 

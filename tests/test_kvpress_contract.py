@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
-                     CriticalKVPress, DecodingPress,
+                     CriticalKVPress, DecodingPress, ExpectedAttentionPress,
                      DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
                      ScorerPress, SnapKVPress, ThinKPress)
 from transformers import DynamicCache, pipeline
@@ -24,7 +24,7 @@ from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThres
                                  ZSMergePress)
 from tests import kvpress_hooks
 from tests.generation import greedy, prompt_ids
-from tests.models import make_tiny_llama, make_tiny_qwen3
+from tests.models import make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 
 BUDGET = 16
@@ -665,3 +665,33 @@ def test_gvote_after_a_kvpress_press_on_a_padded_batch(llama, cache):
     knorm_alone, _ = greedy(model, ids, press=KnormPress(0.2), max_new_tokens=8, cache=cache(), attention_mask=mask)
     tokens, _ = greedy(model, ids, press=composed, max_new_tokens=8, cache=cache(), attention_mask=mask)
     assert torch.equal(tokens, knorm_alone)
+
+
+@pytest.mark.skipif(kvpress_transformers_mismatch() is not None, reason="kvpress's hooks need cache_position")
+@pytest.mark.parametrize("make_press", [
+    lambda surrogate: KeyRerotationPress(KVzapPress(0.5, model_type="linear", surrogate_dir=surrogate)),
+    lambda surrogate: KeyRerotationPress(SnapKVPress(0.5, window_size=8)),
+    lambda surrogate: ExpectedAttentionPress(0.5),
+], ids=["KeyRerotation(KVzap)", "KeyRerotation(SnapKV)", "ExpectedAttention"])
+def test_a_gemma3_sliding_layer_is_given_its_own_rotary_embedding(tmp_path, make_press):
+    """kvpress gives every layer the model's rotary_emb, the full layers' (base 10^6), to re-rotate kept keys
+    (KeyRerotationPress) or turn expected queries (ExpectedAttention); a Gemma 3 sliding layer turns at 10^4. Under
+    transformers 4 its kept keys were re-rotated at the global base, silently; under 5 those presses failed for want
+    of the layer's type. The sliding layer's cache must equal the one the same weights leave as a full layer of a
+    model whose global base is 10^4 (the window is longer than the prompt)."""
+    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
+    full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
+    full.load_state_dict(sliding.state_dict())
+    surrogate = write_surrogate(tmp_path / "linear", full, "linear")
+    ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+
+    def layer_0(model):
+        cache = DynamicCache()
+        with torch.no_grad(), make_press(surrogate)(model):
+            model(ids, past_key_values=cache, use_cache=True)
+        return cache.layers[0].keys, cache.layers[0].values
+
+    (keys, values), (expected_keys, expected_values) = layer_0(sliding), layer_0(full)
+    assert keys.shape[-2] < ids.shape[1], "the press must compress layer 0 for the test to compare anything"
+    torch.testing.assert_close(keys, expected_keys)
+    torch.testing.assert_close(values, expected_values)

@@ -20,7 +20,6 @@ budget of a few tokens (README, "Faithfulness to the papers").
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -32,10 +31,6 @@ from kvpress_cpp.presses.base import (KVCompPress, last_query_states, require_bo
                                       rotate_leading_dims)
 
 __all__ = ["GVotePress"]
-
-# On a Gemma 3 sliding layer under transformers 4, the rotary module its attention turns with (the model's
-# rotary_emb_local), where kvpress gives every layer the model's rotary_emb (the global layers').
-_LAYER_ROTARY_ATTR = "_kvcomp_rotary_emb"
 
 
 @dataclass
@@ -124,14 +119,6 @@ class GVotePress(KVCompPress):
             keep[..., -self.recent:] = True
         return compact_to_longest_head(keys, values, keep, log_weights)
 
-    def post_init_from_model(self, model):
-        super().post_init_from_model(model)
-        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        local_rotary = getattr(language_model, "rotary_emb_local", None)
-        for layer in getattr(language_model, "layers", ()) if local_rotary is not None else ():
-            if getattr(layer.self_attn, "is_sliding", False):
-                layer.self_attn.__dict__[_LAYER_ROTARY_ATTR] = local_rotary  # (not registered: no state_dict entry)
-
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
         """Step 1: (B, Hq) top-p sizes of the last prompt query's attention (of the mean attention of the last
         ``budget_queries`` queries)."""
@@ -155,18 +142,9 @@ class GVotePress(KVCompPress):
         queries = prerope_query_states(module, samples)  # this rank's query heads, from replicated samples
         prompt_length = hidden_states.shape[1]
         positions = torch.arange(prompt_length, prompt_length + self.future_positions, device=samples.device)
-        # The model's rotary module sits on its first device; under a device_map this layer may be elsewhere.
-        cos, sin = (table[0].to(queries.device) for table in _layer_rotary(module, samples, positions.unsqueeze(0)))
+        # The model's rotary module sits on its first device; under a device_map this layer may be elsewhere. (The
+        # layer's own: a Gemma 3 sliding layer's turns at another base, kvpress_adapters.give_layers_their_rotary.)
+        cos, sin = (table[0].to(queries.device) for table in module.rotary_emb(samples, positions.unsqueeze(0)))
         # (the dims a partial rotary embedding never turns average to themselves)
         return rotate_leading_dims(queries, cos.shape[-1], lambda turned: ops.averaged_rope(turned, cos, sin))
 
-
-def _layer_rotary(module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) at `positions` (1, n) of the rotary embedding the layer's attention turns with: from transformers 5
-    a rotary module with a table per layer type (Gemma 3's sliding and full layers) is given the layer's, where it
-    failed for want of one; under 4 a Gemma 3 sliding layer's is the local one
-    (:meth:`GVotePress.post_init_from_model`), where the global one turned the samples at another frequency."""
-    rotary = module.__dict__.get(_LAYER_ROTARY_ATTR) or module.rotary_emb
-    if "layer_type" in inspect.signature(rotary.forward).parameters:
-        return rotary(x, positions, module.config.layer_types[module.layer_idx])
-    return rotary(x, positions)
