@@ -119,8 +119,10 @@ def test_passes_over_rows_found_in_order_read_nothing_back_and_keep_the_same_slo
         with torch.no_grad(), press(model):
             token = ids
             for step in range(16):
-                if step == 6:
-                    cache.crop(cache.get_seq_length() - 3)
+                if step == 6:  # the last 3 slots of layer 0 (cache.crop counts tokens, refused this far back)
+                    kept = cache.get_seq_length() - 3
+                    for layer in cache.layers:
+                        layer.crop(kept)
                 if step == 10:
                     token = torch.cat([token, token], dim=-1)
                 token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)

@@ -77,8 +77,9 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     crop(tokens kept) (crop(-tokens rejected) from transformers 5.17 on), a count of tokens; a compressed layer holds
     fewer slots than that, so transformers' crop cut nothing (or the last slots, not the candidates) and the rejected
     candidates, merged or scored into the slots by the candidate pass, stayed: the next tokens were silently others
-    (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held cuts
-    slots from the right, as before."""
+    (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held, which
+    cut slots from the right, is refused too: those are not the last tokens (ZSMerge's recent ring, GVote's layers
+    holding other tokens each) and the count then stood for tokens cut. crop(0) empties the cache (transformers 4)."""
     first_layer_slots = cache.get_seq_length()
     tokens = _tokens_stood_for(cache, first_layer_slots)
     # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
@@ -94,7 +95,7 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     compressed = False
     for layer_idx, state in enumerate(states):
         slots = cache.get_seq_length(layer_idx)
-        refused = dropped > appended_outside if max_length < 0 else slots <= max_length < tokens
+        refused = dropped > appended_outside if max_length < 0 else 0 < max_length < tokens
         layer_compressed = state is not None and slots < tokens
         compressed = compressed or layer_compressed
         if layer_compressed and refused:
