@@ -171,7 +171,8 @@ def test_gemma3_sliding_layer_samples_turn_with_the_layers_own_rotary_embedding(
     layer the model's rotary_emb): other slots kept, silently (transformers 4); under 5 the rotary module wants the
     layer's type, and GVote failed with a TypeError. The sliding layer must keep what the same layer keeps as a full
     layer of the model whose global base is 10^4 (same weights; the window is longer than the prompt)."""
-    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
+    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"],
+                               {"sliding_attention": 1e4, "full_attention": 1e6})
     full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
     full.load_state_dict(sliding.state_dict())
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(1))

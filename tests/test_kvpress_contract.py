@@ -679,7 +679,8 @@ def test_a_gemma3_sliding_layer_is_given_its_own_rotary_embedding(tmp_path, make
     transformers 4 its kept keys were re-rotated at the global base, silently; under 5 those presses failed for want
     of the layer's type. The sliding layer's cache must equal the one the same weights leave as a full layer of a
     model whose global base is 10^4 (the window is longer than the prompt)."""
-    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
+    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"],
+                               {"sliding_attention": 1e4, "full_attention": 1e6})
     full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
     full.load_state_dict(sliding.state_dict())
     surrogate = write_surrogate(tmp_path / "linear", full, "linear")

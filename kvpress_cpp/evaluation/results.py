@@ -494,16 +494,16 @@ def collect(out: Path, configurations: dict[str, dict] | None = None) -> pd.Data
         by_setting.setdefault(bool(r.get("query_aware", False)), []).append(key)
     if len(by_setting) > 1:  # a folder written before run() refused the other setting: one table would pool both
         raise FolderConflict(f"{out} holds configurations of both settings, which one table would pool: "
-                         + "; ".join(f"{_setting_name(aware)}: {len(keys)} (e.g. {sorted(keys)[0]})"
-                                     for aware, keys in sorted(by_setting.items()))
-                         + "; move one setting's configs/*.json (and their runs/ folders) to a folder of its own")
+                             + "; ".join(f"{_setting_name(aware)}: {len(keys)} (e.g. {sorted(keys)[0]})"
+                                         for aware, keys in sorted(by_setting.items()))
+                             + "; move one setting's configs/*.json (and their runs/ folders) to a folder of its own")
     left_out = set(incomplete_batches(configurations))
     partial = {(configurations[key]["length"], configurations[key]["family"]) for key in left_out}
     results_ = [r for key, r in configurations.items() if key not in left_out]
     if overlapping := _overlapping_batches(out, {k: r for k, r in configurations.items() if k not in left_out}):
-        raise FolderConflict(f"{out}: batches of one cell hold the same examples (a family rerun with another --examples "
-                         f"leaves the earlier run's later batches, which would be counted twice): {overlapping}; "
-                         f"delete the stale configs/*.json (the older ones) and report again")
+        raise FolderConflict(f"{out}: batches of one cell hold the same examples (a family rerun with another "
+                             f"--examples leaves the earlier run's later batches, which would be counted twice): "
+                             f"{overlapping}; delete the stale configs/*.json (the older ones) and report again")
     full = {r["fingerprint"]: r for r in results_ if r["method"] == "no_press"}
     # A family run (--families) draws its examples from the same indices as the length's whole-plan run: where both
     # exist for a (method, ratio, length, family), pooling them would count the same examples twice, so the family
