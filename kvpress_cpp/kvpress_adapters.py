@@ -6,10 +6,9 @@ Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` d
 ``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
 press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (each hooked layer given the rotary
 embedding it turns with, and a pass without the ``cache_position`` kvpress's hooks read refused naming the press,
-:func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress
-press failing on slots of ours is refused naming both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward``
-(several questions with a press of ours that compresses while decoding are refused naming it,
-:func:`patch_pipeline_questions`); kvpress itself is unchanged.
+:func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress press failing on slots of ours is refused naming
+both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward`` (several questions with a press of ours that
+compresses while decoding are refused naming it, :func:`patch_pipeline_questions`); kvpress itself is unchanged.
 
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
 head's own queries and keys (:data:`SHARDABLE_SCORERS`): ours read the layer's shard themselves; kvpress's read the
@@ -74,6 +73,7 @@ SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
 _PATCHED_ATTR = "_kvcomp_adapted"
 # Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn.
 _NAMES_MISSING_POSITION_ATTR = "_kvcomp_names_missing_cache_position"
+_LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _LayerTypeRotary
 _MARKS_ATTR = "_kvcomp_marks"  # on the press: layer → [marks added since the prefill, tokens cached]
 
 
@@ -360,8 +360,12 @@ class _LayerTypeRotary(nn.Module):
     def inv_freq(self) -> torch.Tensor:
         return getattr(self._shared[0], f"{self.layer_type}_inv_freq")
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._shared[0](x, position_ids, self.layer_type)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._shared[0](x, position_ids, layer_type or self.layer_type)
+
+    def extra_repr(self) -> str:
+        return f"layer_type={self.layer_type!r}"
 
 
 def give_layers_their_rotary(model) -> None:
@@ -382,7 +386,13 @@ def give_layers_their_rotary(model) -> None:
         if attention is None or attention._modules.get("rotary_emb") is not shared:
             continue
         if typed:
-            attention.rotary_emb = _LayerTypeRotary(shared, decoder.config.layer_types[attention.layer_idx])
+            layer_type = decoder.config.layer_types[attention.layer_idx]
+            # The one of the layer's earlier contexts, kept: a module of its own each time would make torch.compile's
+            # guards on it fail at every context.
+            bound = attention.__dict__.get(_LAYER_ROTARY_ATTR)
+            if bound is None or bound._shared[0] is not shared or bound.layer_type != layer_type:
+                bound = attention.__dict__[_LAYER_ROTARY_ATTR] = _LayerTypeRotary(shared, layer_type)
+            attention.rotary_emb = bound
         elif local is not None and getattr(attention, "is_sliding", False):
             attention.rotary_emb = local
 

@@ -184,3 +184,15 @@ def test_gemma3_sliding_layer_samples_turn_with_the_layers_own_rotary_embedding(
         return torch.isfinite(get_state(cache.layers[0]).log_weights)
 
     assert torch.equal(kept_in_layer_0(sliding), kept_in_layer_0(full))
+
+
+def test_a_layers_own_rotary_embedding_is_one_module_across_contexts():
+    """Each context gives every hooked layer the rotary embedding it turns with (under transformers 5 a module bound
+    to the layer's type); a new module at every `with press(model):` would fail torch.compile's guards on it and
+    recompile the model at every context."""
+    model = make_tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
+    held = []
+    for _ in range(2):
+        with GVotePress()(model):
+            held.append([layer.self_attn.rotary_emb for layer in model.model.layers])
+    assert all(first is second for first, second in zip(*held))
