@@ -269,7 +269,8 @@ def kvzip_plus_targets(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-NAMED_TEXTS = ("austen", "python-docs")
+#: The texts known by name: their loaders in kvpress_cpp.texts (the six Austen novels, the Python 3.11 docs sources).
+NAMED_TEXTS = {"austen": "austen_text", "python-docs": "python_docs_text"}
 
 
 def unknown_text(name: str) -> bool:
@@ -278,17 +279,13 @@ def unknown_text(name: str) -> bool:
 
 
 def load_text(name: str) -> str:
-    """"austen" (the six novels), "python-docs" (the Python 3.11 docs sources) or the path of a UTF-8 text file."""
+    """A text of :data:`NAMED_TEXTS` or the path of a UTF-8 text file."""
     if unknown_text(name):
-        raise ValueError(f"train_kvzap: unknown text {name!r} (use austen, python-docs or a file path)")
-    if name == "austen":
-        from kvpress_cpp.texts import austen_text
+        raise ValueError(f"train_kvzap: unknown text {name!r} (use {', '.join(NAMED_TEXTS)} or a file path)")
+    if name in NAMED_TEXTS:
+        from kvpress_cpp import texts
 
-        return austen_text()
-    if name == "python-docs":
-        from kvpress_cpp.texts import python_docs_text
-
-        return python_docs_text()
+        return getattr(texts, NAMED_TEXTS[name])()
     return Path(name).read_text(encoding="utf-8")
 
 
@@ -891,7 +888,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Compute KVzip+ targets on local text and fit KVzap linear and MLP surrogates (kvpress layout).",
     )
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a local HF path")
-    p.add_argument("--texts", default="austen,python-docs", help="comma list: austen, python-docs or text file paths")
+    p.add_argument("--texts", default=",".join(NAMED_TEXTS),
+                   help=f"comma list: {', '.join(NAMED_TEXTS)} or text file paths")
     p.add_argument("--out", required=True, help="output directory (linear/, mlp/, training_report.json, png)")
     p.add_argument("--tokens", type=int, default=230400, help="total context tokens (train + held out)")
     p.add_argument("--context-tokens", type=int, default=768, help="tokens per context chunk p")
@@ -942,7 +940,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--texts names no text")
     if not args.fit_collected and not _cache_complete(args.data_cache):  # else the texts are not read
         if missing := [t for t in names if unknown_text(t)]:
-            parser.error(f"--texts: {missing} are neither austen, python-docs nor text files")
+            parser.error(f"--texts: {missing} are neither {', '.join(NAMED_TEXTS)} nor text files")
     counts = chunks_per_text(args.tokens, args.context_tokens, len(names))
     if min(counts) < 2:
         parser.error(f"--tokens {args.tokens} gives {len(names)} text(s) {counts} chunk(s) of --context-tokens "
