@@ -222,7 +222,8 @@ def main() -> None:
         try:
             generate(model, warm, press, 4, args.device, pad_token_id)
         except ValueError as error:
-            parser.error(f"--methods {method} at --budgets {fraction} of --lengths {min(lengths)}: {error}")
+            budget = "" if fraction is None else f" at --budgets {fraction}"
+            parser.error(f"--methods {method}{budget} of --lengths {min(lengths)}: {error}")
 
     cases = [(length, case) for length in lengths for case in presses(args.budgets, args.methods)]
     rows, reference = [], {}

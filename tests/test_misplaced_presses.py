@@ -581,8 +581,8 @@ def test_a_question_cropped_after_the_context_closed_leaves_the_compression_rati
 @pytest.mark.parametrize("make", [GVotePress, lambda: ZSMergePress(budget=16)], ids=["GVote", "ZSMerge"])
 def test_a_crop_leaves_the_ratios_of_tokens_the_press_counted(llama, make, crop):
     """crop(-2) cuts two of the tokens fed after the prompt, which GVote (compressing the prompt only) never counted
-    and ZSMerge has merged (refused); crop(0) empties the cache under transformers 4 (no token under 5.17 on), whose
-    last ratios stay readable until the next prefill. Neither changes the ratios the prompt left."""
+    and ZSMerge has merged (refused); crop(0) empties the cache before transformers 5.17 (removes nothing from it
+    on), whose last ratios stay readable until the next prefill. Neither changes the ratios the prompt left."""
     press, cache = make(), DynamicCache()
     with torch.no_grad(), press(llama):
         token = llama(prompt(), past_key_values=cache).logits[:, -1:].argmax(-1)

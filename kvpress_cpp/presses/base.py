@@ -79,7 +79,8 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
     candidates, merged or scored into the slots by the candidate pass, stayed: the next tokens were silently others
     (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held, which
     cut slots from the right, is refused too: those are not the last tokens (ZSMerge's recent ring, GVote's layers
-    holding other tokens each) and the count then stood for tokens cut. crop(0) empties the cache (transformers 4)."""
+    holding other tokens each) and the count then stood for tokens cut. crop(0) empties the cache (before transformers
+    5.17, from which it removes nothing)."""
     first_layer_slots = cache.get_seq_length()
     tokens = _tokens_stood_for(cache, first_layer_slots)
     # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
