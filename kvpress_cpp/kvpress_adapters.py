@@ -380,13 +380,14 @@ def give_layers_their_rotary(model) -> None:
     if not isinstance(shared, nn.Module):
         return
     local = getattr(decoder, "rotary_emb_local", None)
-    typed = "layer_type" in inspect.signature(shared.forward).parameters
+    layer_types = getattr(getattr(decoder, "config", None), "layer_types", None)
+    typed = layer_types is not None and "layer_type" in inspect.signature(shared.forward).parameters
     for layer in getattr(decoder, "layers", ()):
         attention = getattr(layer, "self_attn", None)
         if attention is None or attention._modules.get("rotary_emb") is not shared:
             continue
         if typed:
-            layer_type = decoder.config.layer_types[attention.layer_idx]
+            layer_type = layer_types[attention.layer_idx]
             # The one of the layer's earlier contexts, kept: a module of its own each time would make torch.compile's
             # guards on it fail at every context.
             bound = attention.__dict__.get(_LAYER_ROTARY_ATTR)
