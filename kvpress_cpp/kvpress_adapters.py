@@ -59,7 +59,7 @@ from kvpress_cpp.attention import padding_log_weights
 from kvpress_cpp.cache import get_state, pass_cache
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
 from kvpress_cpp.paged_cache import shared_padding_dropped
-from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs
+from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs, hooked_decoder
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_wrapper_contexts", "patch_press_contexts",
@@ -374,8 +374,7 @@ def give_layers_their_rotary(model) -> None:
     base: under transformers 4 with the decoder's ``rotary_emb_local``, which those presses missed (kept keys
     re-rotated at the global base, silently); from 5 one module holds a table per layer type and wants the layer's
     type, for want of which they failed. Each layer kvpress gave the shared one now gets the one it turns with."""
-    decoder = getattr(model, "model", None)
-    decoder = getattr(decoder, "language_model", decoder)
+    decoder = hooked_decoder(model)
     shared = getattr(decoder, "rotary_emb", None)
     if not isinstance(shared, nn.Module):
         return

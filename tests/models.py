@@ -245,3 +245,14 @@ def make_tiny_gemma3(layer_types: list[str], rope_bases: dict[str, float]) -> Ge
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 parameter.fill_(3.0)
     return model
+
+
+def make_tiny_gemma3_sliding_and_full_twin() -> tuple[Gemma3ForCausalLM, Gemma3ForCausalLM]:
+    """A Gemma 3 whose layer 0 is sliding (local base 10^4, global 10^6), and its twin of the same weights whose layer
+    0 is a full layer at 10^4: with a window longer than the prompt, whatever the first holds in layer 0 the second
+    must hold too, if the sliding layer is turned with its own base."""
+    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"],
+                               {"sliding_attention": 1e4, "full_attention": 1e6})
+    full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
+    full.load_state_dict(sliding.state_dict())
+    return sliding, full

@@ -13,7 +13,7 @@ from kvpress_cpp.cache import get_state
 from kvpress_cpp.presses.gvote import GVotePress
 from kvpress_cpp.texts import austen_novel
 from tests.generation import TINY_MODELS, greedy, prompt_ids
-from tests.models import make_tiny_gemma3, make_tiny_llama
+from tests.models import make_tiny_gemma3_sliding_and_full_twin, make_tiny_llama
 
 
 def kept_per_head(model, input_ids, press) -> torch.Tensor:
@@ -171,10 +171,7 @@ def test_gemma3_sliding_layer_samples_turn_with_the_layers_own_rotary_embedding(
     layer the model's rotary_emb): other slots kept, silently (transformers 4); under 5 the rotary module wants the
     layer's type, and GVote failed with a TypeError. The sliding layer must keep what the same layer keeps as a full
     layer of the model whose global base is 10^4 (same weights; the window is longer than the prompt)."""
-    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"],
-                               {"sliding_attention": 1e4, "full_attention": 1e6})
-    full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
-    full.load_state_dict(sliding.state_dict())
+    sliding, full = make_tiny_gemma3_sliding_and_full_twin()
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(1))
 
     def kept_in_layer_0(model):
@@ -190,7 +187,7 @@ def test_a_layers_own_rotary_embedding_is_one_module_across_contexts():
     """Each context gives every hooked layer the rotary embedding it turns with (under transformers 5 a module bound
     to the layer's type); a new module at every `with press(model):` would fail torch.compile's guards on it and
     recompile the model at every context."""
-    model = make_tiny_gemma3(["sliding_attention", "full_attention"], {"sliding_attention": 1e4, "full_attention": 1e6})
+    model, _ = make_tiny_gemma3_sliding_and_full_twin()
     held = []
     for _ in range(2):
         with GVotePress()(model):

@@ -24,7 +24,7 @@ from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThres
                                  ZSMergePress)
 from tests import kvpress_hooks
 from tests.generation import greedy, prompt_ids
-from tests.models import make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3
+from tests.models import make_tiny_gemma3_sliding_and_full_twin, make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 
 BUDGET = 16
@@ -679,10 +679,7 @@ def test_a_gemma3_sliding_layer_is_given_its_own_rotary_embedding(tmp_path, make
     transformers 4 its kept keys were re-rotated at the global base, silently; under 5 those presses failed for want
     of the layer's type. The sliding layer's cache must equal the one the same weights leave as a full layer of a
     model whose global base is 10^4 (the window is longer than the prompt)."""
-    sliding = make_tiny_gemma3(["sliding_attention", "full_attention"],
-                               {"sliding_attention": 1e4, "full_attention": 1e6})
-    full = make_tiny_gemma3(["full_attention", "full_attention"], {"full_attention": 1e4})
-    full.load_state_dict(sliding.state_dict())
+    sliding, full = make_tiny_gemma3_sliding_and_full_twin()
     surrogate = write_surrogate(tmp_path / "linear", full, "linear")
     ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(1))
 

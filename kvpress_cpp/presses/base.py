@@ -174,6 +174,13 @@ def require_bool(press: str, name: str, value) -> None:
         raise ValueError(f"{press}: {name} must be True or False, got {value!r}")
 
 
+def hooked_decoder(model: nn.Module) -> nn.Module | None:
+    """The decoder stack whose layers kvpress hooks: ``model.model``, or its ``language_model`` (a multimodal model
+    such as Gemma 3's); None where the model has no ``model``."""
+    decoder = getattr(model, "model", None)
+    return getattr(decoder, "language_model", decoder)
+
+
 def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries (B, Hq, q, d) for `hidden_states`, as its forward computed them (with q_norm
     where the model has one; the local query heads of a tensor-parallel layer), in the queries' dtype: OLMo's rotary
@@ -780,7 +787,7 @@ class KVCompPress(BasePress):
         attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
         decoder = getattr(model, "model", None)
         # kvpress hands every layer the decoder's rotary_emb (Olmo3 under transformers 4 has one per layer type)
-        rotary = getattr(getattr(decoder, "language_model", decoder), "rotary_emb", None)
+        rotary = getattr(hooked_decoder(model), "rotary_emb", None)
         if not attention_modules or not isinstance(decoder, nn.Module) or not isinstance(rotary, nn.Module):
             raise ValueError(f"{name}: kvpress's hooks take a causal language model whose `model` holds the decoder "
                              f"layers and one `rotary_emb`, and whose attention modules have `layer_idx` and "

@@ -147,4 +147,3 @@ class GVotePress(KVCompPress):
         cos, sin = (table[0].to(queries.device) for table in module.rotary_emb(samples, positions.unsqueeze(0)))
         # (the dims a partial rotary embedding never turns average to themselves)
         return rotate_leading_dims(queries, cos.shape[-1], lambda turned: ops.averaged_rope(turned, cos, sin))
-
