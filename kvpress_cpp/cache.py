@@ -24,8 +24,8 @@ from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LayerState", "pass_cache", "pass_inputs", "output_cache", "check_cache_layer", "get_state", "set_state",
            "attach", "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error",
-           "attached_layer", "remember_tokens_held", "tokens_held_at_close", "forget_tokens_held", "MethodOf",
-           "UnsavedRef", "beam_rows", "repeated_rows", "selected_rows"]
+           "attached_layer", "slots_appended_since_written", "remember_tokens_held", "tokens_held_at_close",
+           "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows", "repeated_rows", "selected_rows"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -72,6 +72,9 @@ class LayerState:
     # -inf: a decoding step that merges or evicts to a fixed budget): a paged layer then stores it without reading
     # the log-weights back to look for slots to drop, a device sync per layer and step.
     keeps_held_slots: bool = field(default=False, compare=False)
+    # The layer's slots when the press wrote the state: the slots after them were appended since, a token each in
+    # every batch row and kv head, which a crop may take back (slots_appended_since_written). None: not known.
+    slots_written: int | None = field(default=None, compare=False)
     # Whether the press lays each head's slots out at the right end of the cache, after -inf padding (a left-padded
     # batch compressed row by row, which slices each row's slots from its padding on): a paged layer, which stores no
     # padding, then shows each head's slots at the right of its view.
@@ -363,6 +366,14 @@ def attach(module: torch.nn.Module, layer) -> None:
     refs = module.__dict__.get(_LAYER_ATTR, ())
     if not refs or refs[0] is not ref:
         setattr(module, _LAYER_ATTR, (ref, *(other for other in refs if other is not ref and other() is not None)))
+
+
+def slots_appended_since_written(layer, state: LayerState) -> int:
+    """The slots at the right end of `layer` that passes appended, a token each in every batch row and kv head, since
+    a press wrote `state` to it: those tokens took no part in its compression, and a crop can take them back."""
+    if hasattr(layer, "slots_appended_since_written"):  # a paged layer counts each head's own
+        return layer.slots_appended_since_written()
+    return max(layer.get_seq_length() - state.slots_written, 0) if state.slots_written is not None else 0
 
 
 def remember_tokens_held(cache, tokens: int) -> None:

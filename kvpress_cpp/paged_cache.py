@@ -520,6 +520,12 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         return self._state_written if self.has_state else None
 
+    def slots_appended_since_written(self) -> int:
+        """The columns at the right of the view that every head appended since a press last wrote the layer (through
+        the view or in its pools): tokens its compression took no part in."""
+        self.flush()
+        return int((self.lengths - self.bases).min()) if self.is_initialized else 0
+
     def own_appended_slots(self) -> None:
         """The press wrote the state of the slots appended since its last write into its pools itself: they are
         its base slots now, as after a write through the view (``kvcomp_state`` covers them)."""

@@ -149,9 +149,10 @@ def test_smollm2_compresses_repetitive_text_more_than_dense_text(default_model):
 
 def test_assisted_generation_is_refused_where_gvote_keeps_all_of_the_first_layer(default_model):
     """Prompt-lookup decoding on SmolLM2: the first pass compresses the prompt with 4 candidates, of which the model
-    rejects some; GVote keeps every slot of layer 0 here (only the later layers are compressed). The crop that rolls
-    the rejected candidates back asked layer 0 alone, which cut them there while the compressed layers kept them: the
-    answer changed silently ("...lives at the end of the second sentence is"). Every layer is asked now."""
+    rejects some; GVote keeps layer 0 as wide as the tokens here (its longest head keeps every slot). The crop that
+    rolls the rejected candidates back asked layer 0 alone, which cut them there while the narrowed layers kept them:
+    the answer changed silently ("...lives at the end of the second sentence is"). Every layer is asked now, and a
+    layer evicted from in place (layer 0's other heads) refuses too."""
     model, tokenizer = default_model
     context = "Elizabeth Bennet lives at Longbourn with her four sisters. The passphrase is 4417. " * 12
     ids = tokenizer.apply_chat_template([{"role": "user", "content": context + "Repeat the first sentence twice."}],
@@ -159,10 +160,10 @@ def test_assisted_generation_is_refused_where_gvote_keeps_all_of_the_first_layer
     cache = DynamicCache()
     with torch.no_grad(), GVotePress()(model), pytest.raises(ValueError, match=(
             r"GVotePress: crop\(-?\d+\) asks a cache GVotePress compressed to drop \d+ of the \d+ tokens it stands "
-            r"for, in \d+ slots \(layer [1-9]\d*\).* Assisted generation")):
+            r"for, in \d+ slots(, some evicted in place)? \(layer \d+\).* Assisted generation")):
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
                        do_sample=False, prompt_lookup_num_tokens=4)
-    assert cache.get_seq_length(0) == ids.shape[1] + 4, "the case needs layer 0 kept whole (all 316 tokens)"
+    assert cache.get_seq_length(0) == ids.shape[1] + 4, "the case needs layer 0 as wide as the tokens (316)"
 
 
 def test_gemma3_sliding_layer_samples_turn_with_the_layers_own_rotary_embedding():

@@ -598,6 +598,37 @@ def test_a_crop_leaves_the_ratios_of_tokens_the_press_counted(llama, make, crop)
     assert press.layer_compression_ratios == ratios
 
 
+@pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
+@pytest.mark.parametrize("argument", ["tokens removed", "tokens kept"])
+def test_a_crop_of_tokens_decoded_after_gvote_takes_them_back(llama, make_cache, argument):
+    """GVote compresses the prompt only: each token decoded after it is a slot at the right end of every layer,
+    narrowed or not, and a crop takes them back as from any cache (assisted generation's rejected candidates after
+    its first round). The cache then holds what a run that never fed them holds, and the next token sees the same.
+    Where GVote had narrowed a layer, the crop was refused."""
+    decoded = prompt(seed=2, length=4)
+
+    def run(fed: int, crop: int | None = None):
+        cache = make_cache()
+        with torch.no_grad(), GVotePress(nucleus_p=0.9)(llama):
+            llama(prompt(), past_key_values=cache)
+            for column in range(fed):
+                llama(decoded[:, column:column + 1], past_key_values=cache)
+            narrowed = [cache.get_seq_length(layer) < PROMPT + fed for layer in range(len(cache.layers))]
+            if crop is not None:
+                cache.crop(-crop if argument == "tokens removed" else PROMPT + fed - crop)
+            logits = llama(decoded[:, -1:], past_key_values=cache).logits
+        return cache, logits, narrowed
+
+    cropped, cropped_logits, narrowed = run(4, crop=2)
+    uncropped, logits, _ = run(2)
+    assert any(narrowed), "the case needs a layer GVote narrowed"
+    for layer, expected in zip(cropped.layers, uncropped.layers):
+        torch.testing.assert_close(layer.keys, expected.keys, rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, expected.values, rtol=0, atol=0)
+        torch.testing.assert_close(get_state(layer).log_weights, get_state(expected).log_weights, rtol=0, atol=0)
+    torch.testing.assert_close(cropped_logits, logits, rtol=0, atol=0)
+
+
 def test_a_static_cache_is_refused_by_the_press(llama):
     cache = StaticCache(config=llama.config, max_cache_len=64)
     with pytest.raises(TypeError, match=r"ZSMergePress: needs a DynamicCache or a PagedKVCache, got a StaticLayer"), \

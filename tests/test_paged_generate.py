@@ -723,6 +723,23 @@ def test_assisted_generation_under_a_press_is_refused_naming_it(make_cache, name
         model.generate(ids, past_key_values=make_cache(), max_new_tokens=12, do_sample=False, **assisted)
 
 
+@pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
+def test_assisted_generation_is_refused_where_a_head_wise_press_narrowed_no_layer(make_cache):
+    """GVote at nucleus_p=0.999 evicts in some heads while each layer's longest head keeps every slot, so no layer
+    holds fewer slots than tokens. Prompt lookup's first pass is the prompt and its candidates, which GVote compressed
+    together (its budget from a candidate's query); the crop of the rejected candidates was accepted, and the tokens
+    differed from generate without candidates under the same press, silently (a tiny Phi-3, 4.57 and 5.17)."""
+    model, tokenizer = make_tiny_llama()
+    ids = torch.cat([prompt_ids(tokenizer, 48), prompt_ids(tokenizer, 16)], dim=1)  # a repeat: candidates proposed
+    press, cache = GVotePress(nucleus_p=0.999), make_cache()
+    with pytest.raises(ValueError, match=r"GVotePress: crop\(-?\d+\) asks .* some evicted in place .* Assisted "):
+        greedy(model, ids, cache, press, prompt_lookup_num_tokens=3)
+    layers = range(len(cache.layers))
+    assert [cache.get_seq_length(layer) for layer in layers] == [cache.get_seq_length()] * len(layers), (
+        "the case needs every layer as wide as the tokens fed")
+    assert press.compression_ratio > 0, "the case needs GVote to have evicted slots in place"
+
+
 def steps(model, token, cache, count=5):
     """`count` greedy tokens (B, count) fed one by one from `token` (B, 1), as generate's decoding steps."""
     tokens = []

@@ -51,7 +51,8 @@ from kvpress_cpp.attention import (active_presses, count_hook_without_probabilit
                                    set_positions_end, take_prefill_attention, take_prompt_last_query,
                                    tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
-                               get_state, output_cache, pass_cache, pass_inputs, remember_tokens_held, set_state)
+                               get_state, output_cache, pass_cache, pass_inputs, remember_tokens_held, set_state,
+                               slots_appended_since_written)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 
@@ -72,53 +73,60 @@ def _tokens_stood_for(cache, slots: int) -> int:
 
 
 def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
-    """``cache.crop`` on a cache a press of ours compressed: refuse a crop to a token count its compressed layers cannot
-    show. Assisted generation (``prompt_lookup_num_tokens``, ``assistant_model``) rolls rejected candidates back with
-    crop(tokens kept) (crop(-tokens rejected) from transformers 5.17 on), a count of tokens; a compressed layer holds
-    fewer slots than that, so transformers' crop cut nothing (or the last slots, not the candidates) and the rejected
-    candidates, merged or scored into the slots by the candidate pass, stayed: the next tokens were silently others
-    (KeepKV; every press from 5.17), or an error about a second generate call came. A crop below the slots held, which
-    cut slots from the right, is refused too: those are not the last tokens (ZSMerge's recent ring, GVote's layers
-    holding other tokens each) and the count then stood for tokens cut. crop(0) empties the cache (before transformers
-    5.17, from which it removes nothing)."""
-    first_layer_slots = cache.get_seq_length()
-    tokens = _tokens_stood_for(cache, first_layer_slots)
-    # transformers 5.17 on reads a negative argument as the tokens to remove (its assisted generation's crop(-k)):
-    # cutting the last k slots of a compressed layer removes other slots than the candidates the pass merged. The
-    # slots appended by passes outside the press's context since its last pass (a question kvpress's pipeline asks
-    # over the compressed context) are tokens, one a slot, and crop(-k) cuts them as it would any cache's: from 5.24
-    # on, the only way to cut them, as a positive count (a length to keep) is refused there.
+    """``cache.crop`` on a cache a press of ours compressed: cut only tokens its compressed layers hold a slot each
+    for, the ones appended since the press last wrote them. Assisted generation (``prompt_lookup_num_tokens``,
+    ``assistant_model``) rolls rejected candidates back with crop(tokens kept) (crop(-tokens rejected) from
+    transformers 5.17 on), a count of tokens; a compressed layer holds fewer slots than that, so transformers' crop
+    cut nothing (or the last slots, not the candidates) and the rejected candidates, merged or scored into the slots
+    by the pass that compressed them, stayed: the next tokens were silently others (KeepKV; every press from 5.17),
+    or an error about a second generate call came. That crop is refused, and so is one reaching below the slots
+    appended (ZSMerge's recent ring, GVote's layers holding other tokens each). A layer a head-wise press evicted from
+    without narrowing it (GVote, KVzap: the longest head kept every slot) is compressed too: the candidates took part
+    in deciding what the other heads evicted. Tokens fed after a prefill-only press compressed the prompt (GVote's
+    decoding, rejected candidates of later rounds) or outside a press's context (a question kvpress's pipeline asks
+    over the compressed context) are cut as any cache's. crop(0) empties the cache (before transformers 5.17, from
+    which it removes nothing)."""
+    tokens = _tokens_stood_for(cache, cache.get_seq_length())
     dropped = -max_length if max_length < 0 else tokens - max_length
-    appended_outside = first_layer_slots - getattr(cache, _SLOTS_ATTR, first_layer_slots)
+    cuts = max_length < 0 or 0 < max_length < tokens
     # Every layer is asked, not the first alone: a head-wise press may keep all of layer 0 (GVote on SmolLM2), which
     # then cropped as any cache's while the layers it compressed kept the rejected candidates, silently.
     states = [_written_state(layer) for layer in cache.layers]  # a paged layer's tensors not gathered
     compressed = False
-    for layer_idx, state in enumerate(states):
+    for layer_idx, (layer, state) in enumerate(zip(cache.layers, states)):
         slots = cache.get_seq_length(layer_idx)
-        refused = dropped > appended_outside if max_length < 0 else 0 < max_length < tokens
-        layer_compressed = state is not None and slots < tokens
+        layer_compressed = state is not None and (slots < tokens or _evicted_in_place(state, layer_idx))
         compressed = compressed or layer_compressed
-        if layer_compressed and refused:
-            owner = state.owner_name()
+        if layer_compressed and cuts and dropped > slots_appended_since_written(layer, state):
+            owner, in_place = state.owner_name(), ", some evicted in place" if slots >= tokens else ""
             raise ValueError(
                 f"{owner}: crop({max_length}) asks a cache {owner} compressed to drop {dropped} of the {tokens} "
-                f"tokens it stands for, in {slots} slots (layer {layer_idx}): the tokens to drop are merged into (or "
-                f"scored against) the slots it keeps and cannot be taken back. Assisted generation "
+                f"tokens it stands for, in {slots} slots{in_place} (layer {layer_idx}): the tokens to drop are merged "
+                f"into (or scored against) the slots it keeps and cannot be taken back. Assisted generation "
                 f"(prompt_lookup_num_tokens, assistant_model) rolls its rejected candidates back this way: generate "
                 f"without it under {owner}")
+    if compressed and 0 < max_length < tokens:
+        # A count of tokens to keep would read as slots on each layer: the last `dropped` slots are those tokens.
+        max_length = -dropped
     result = type(cache).crop(cache, max_length, *args, **kwargs)
     if not compressed:
         # A slot a token in every layer (the rejected candidates of assisted generation before anything was
         # compressed): the tokens cut leave the counts of the press that counted them. A compressed cache's crop cuts
-        # tokens the press never counted (appended outside its context) or slots of a cache being emptied, whose last
-        # ratios stay readable.
+        # tokens the press never counted (appended outside its context, or after a prefill-only press's prompt) or
+        # slots of a cache being emptied, whose last ratios stay readable.
         kept = _tokens_stood_for(cache, cache.get_seq_length())
         for layer_idx, state in enumerate(states):
             owner = state.owner() if state is not None and state.owner is not None else None
             if isinstance(owner, KVCompPress):
                 owner.tokens_cropped(layer_idx, state, kept)
     return result
+
+
+def _evicted_in_place(state: LayerState, layer_idx: int) -> bool:
+    """Whether the press that wrote `state` evicted tokens from the layer without narrowing it (GVote and KVzap mask
+    a head's slots with -inf and compact to the longest head, which may have kept every one)."""
+    owner = state.owner() if state.owner is not None else None
+    return isinstance(owner, KVCompPress) and owner.holds_every_token_seen(layer_idx, state) is False
 
 
 def _written_state(layer) -> LayerState | None:
@@ -584,7 +592,7 @@ class KVCompPress(BasePress):
             self._compressed_in_context.add(layer_idx)
         layer.keys, layer.values = keys, values
         state.owner, state.owner_type = UnsavedRef(self), type(self)
-        state.keeps_held_slots = keeps_held_slots
+        state.keeps_held_slots, state.slots_written = keeps_held_slots, keys.shape[-2]
         if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
             state.value_probe = layer.values[..., 0].clone()
         set_state(layer, state)
@@ -653,19 +661,27 @@ class KVCompPress(BasePress):
         self._slots_seen.setdefault(layer_idx, [0, 0])[1] += tokens
         self._tokens_counted[layer_idx] = self._tokens_counted.get(layer_idx, 0) + tokens
 
+    def holds_every_token_seen(self, layer_idx: int, state: LayerState) -> bool | None:
+        """Whether the layer holding `state` keeps a slot per token this press saw there, in every batch row and kv
+        head (nothing evicted nor merged): None where `state` is not the one this press last wrote to that layer (a
+        copy of the cache, another cache since), whose counts it does not know."""
+        written, held = self._states_written.get(layer_idx), self._held(layer_idx)
+        if written is None or written() is not state or held is None:
+            return None
+        prompt, later = self._slots_seen[layer_idx]
+        seen = (prompt.unsqueeze(-1) if isinstance(prompt, torch.Tensor) else prompt) + later
+        return bool((held == seen).all())
+
     def tokens_cropped(self, layer_idx: int, state: LayerState, kept: int) -> None:
         """A crop left a layer holding `state`, a slot per token, with its first `kept` tokens: if this press wrote
         that state and evicted nothing from it (every batch row and kv head holding each token it saw), the tokens
         it had counted past them are no longer seen nor held. Where it evicted some, a crop cuts slots of a cache being
         emptied (or tokens it never counted), and its last ratios stay readable until the next prefill."""
-        written, held = self._states_written.get(layer_idx), self._held(layer_idx)
         removed = self._tokens_counted.get(layer_idx, 0) - kept
-        if written is None or written() is not state or held is None or removed <= 0:
+        if removed <= 0 or not self.holds_every_token_seen(layer_idx, state):
             return
         prompt, later = self._slots_seen[layer_idx]
-        seen = (prompt.unsqueeze(-1) if isinstance(prompt, torch.Tensor) else prompt) + later
-        if not bool((held == seen).all()):
-            return
+        held = self._held(layer_idx)
         from_later = min(later, removed)
         self._slots_seen[layer_idx] = [prompt - (removed - from_later), later - from_later]
         self._tokens_counted[layer_idx] = kept
