@@ -9,6 +9,7 @@ import copy
 import inspect
 from contextlib import nullcontext
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -627,6 +628,49 @@ def test_a_crop_of_tokens_decoded_after_gvote_takes_them_back(llama, make_cache,
         torch.testing.assert_close(layer.values, expected.values, rtol=0, atol=0)
         torch.testing.assert_close(get_state(layer).log_weights, get_state(expected).log_weights, rtol=0, atol=0)
     torch.testing.assert_close(cropped_logits, logits, rtol=0, atol=0)
+
+
+def test_a_forward_from_another_thread_while_one_runs_is_refused(llama):
+    """Threads serving requests from one model under one open press context: the attention hands the press each
+    layer's scores through the model's modules, and two forwards at once overwrote them for each other (1-3 of 24
+    requests gave other tokens, silently, or a refusal blaming the model's queries). A forward starting while another
+    thread's runs is refused, naming the press; the running one gives its tokens as alone, and once it is done (or
+    failed) a forward from any thread runs."""
+    press, held, resume, logits = ZSMergePress(budget=16), threading.Event(), threading.Event(), {}
+
+    def hold_the_first_layer(module, args, output):
+        if threading.current_thread() is not threading.main_thread():
+            held.set()
+            resume.wait(timeout=60)
+
+    def forward(name: str, seed: int, grad: bool = False):
+        try:
+            with torch.set_grad_enabled(grad):
+                logits[name] = llama(prompt(seed), past_key_values=DynamicCache()).logits
+        except RuntimeError as error:
+            logits[name] = error
+
+    with press(llama):
+        forward("alone", 1)
+        hook = llama.model.layers[0].register_forward_hook(hold_the_first_layer)
+        worker = threading.Thread(target=forward, args=("held", 1))
+        worker.start()
+        try:
+            assert held.wait(timeout=60), "the worker's forward never reached the first layer"
+            with pytest.raises(RuntimeError, match=r"ZSMergePress: a forward of LlamaModel started in thread \d+ "
+                                                   r"while one of thread \d+ runs under the same `with press"):
+                with torch.no_grad():
+                    llama(prompt(2), past_key_values=DynamicCache())
+        finally:
+            resume.set()
+            worker.join(timeout=60)
+            hook.remove()
+        failing = threading.Thread(target=forward, args=("failed", 1, True))  # refused by the press: gradients on
+        failing.start()
+        failing.join(timeout=60)
+        forward("after", 1)
+    assert isinstance(logits["failed"], RuntimeError) and "outside autograd" in str(logits["failed"])
+    assert torch.equal(logits["held"], logits["alone"]) and torch.equal(logits["after"], logits["alone"])
 
 
 def test_a_static_cache_is_refused_by_the_press(llama):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import threading
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -59,6 +60,10 @@ from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
 __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "score_prompt", "require_bool",
            "require_int", "require_real"]
 
+
+# Guards the check-and-set of a press's forward thread (KVCompPress._claim_forward); a lock on the press itself would
+# not survive copy.deepcopy or pickling of it.
+_FORWARD_CLAIM_LOCK = threading.Lock()
 
 # The positions a cache holds (one past the last token fed) and its slots after the last pass, kept on the cache by
 # KVCompPress._check_resumed_positions and _record_slots.
@@ -360,6 +365,8 @@ class KVCompPress(BasePress):
     _caches_in_context: weakref.WeakSet | None = field(default=None, init=False, repr=False, compare=False)
     # The attention modules kvpress hooked for the press's open context.
     _hooked_modules: list = field(default_factory=list, init=False, repr=False, compare=False)
+    # The thread whose forward of the model runs under the press's open context, None between forwards.
+    _forward_thread: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name, value):
         # The budget is checked at every assignment, not only at construction: a sweep sets it on a built press, and
@@ -714,6 +721,30 @@ class KVCompPress(BasePress):
         """Why this press cannot run on a tensor-parallel model (each rank holding H/N kv heads), or None."""
         return None
 
+    def _claim_forward(self, base_model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder stack, before any other of the press's: refuse a forward that starts while
+        another thread's runs under the same context. The attention hands the press each layer's scores and queries
+        through attributes of the model's modules, which two forwards at once overwrite for each other: other tokens,
+        silently, or a refusal blaming the model. (Released by :meth:`_release_forward`, which runs on errors too.)"""
+        thread = threading.get_ident()
+        with _FORWARD_CLAIM_LOCK:
+            running = self._forward_thread
+            if running is None or running == thread:
+                self._forward_thread = thread
+                return
+        name = type(self).__name__
+        raise RuntimeError(f"{name}: a forward of {type(base_model).__name__} started in thread {thread} while one of "
+                           f"thread {running} runs under the same `with press(model):`. {name} reads each layer's "
+                           f"attention through the model's modules, which concurrent forwards overwrite for each other; "
+                           f"run one forward at a time per model (a lock around generate), or give each thread its "
+                           f"own copy of the model")
+
+    def _release_forward(self, base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """Forward hook of the decoder stack, run when the forward raised too: the next forward may come from any
+        thread."""
+        if self._forward_thread == threading.get_ident():
+            self._forward_thread = None
+
     def _check_resumed_positions(self, base_model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         """Forward pre-hook of the decoder stack: count the positions the cache stands for, tell the hooked attention
         modules (a sliding window is compared with them), and refuse a pass that feeds again tokens a compressed
@@ -826,8 +857,11 @@ class KVCompPress(BasePress):
             request_prefill_scores(module, self.prompt_score_weights(module))
             if not self.reads_decode_probabilities:
                 count_hook_without_probabilities(module, +1)
-        hooks = [model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True),
-                 model.model.register_forward_hook(self._record_slots, with_kwargs=True)]
+        self._forward_thread = None
+        hooks = [model.model.register_forward_pre_hook(self._claim_forward, with_kwargs=True),
+                 model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True),
+                 model.model.register_forward_hook(self._record_slots, with_kwargs=True),
+                 model.model.register_forward_hook(self._release_forward, with_kwargs=True, always_call=True)]
         try:
             with super().__call__(model) if hooking_press is self else nullcontext():
                 # The modules kvpress hooked (not Gemma 3's sliding layers, for one) are the ones the press acts on.
@@ -852,7 +886,7 @@ class KVCompPress(BasePress):
                     # follows to take them off. Slots added since are a pass's that failed once counted.
                     slots = min(cache.get_seq_length(), getattr(cache, _SLOTS_ATTR))
                     remember_tokens_held(cache, _tokens_stood_for(cache, slots))
-            self._compressed_in_context, self._caches_in_context = None, None
+            self._compressed_in_context, self._caches_in_context, self._forward_thread = None, None, None
             for hook in hooks:
                 hook.remove()
             for module in attention_modules:
