@@ -630,6 +630,26 @@ def test_a_crop_of_tokens_decoded_after_gvote_takes_them_back(llama, make_cache,
     torch.testing.assert_close(cropped_logits, logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("make", [lambda: ZSMergePress(budget=16), lambda: WeightedKVPress(cache_size=20)],
+                         ids=["ZSMerge", "WeightedKV"])
+def test_the_ratios_are_the_last_prefilled_caches_while_another_one_steps_in_turn(llama, make):
+    """A serving loop: two requests prefilled, then a decoding step of each in turn, under one press. The press
+    counted every step into the counts of the last prefill (ZSMerge's 1 - 16/(30 + 8) for the first request's steps
+    too). Its ratios are those of the cache it last prefilled, read off that cache's log-weights."""
+    press, first, second = make(), DynamicCache(), DynamicCache()
+    with torch.no_grad(), press(llama):
+        tokens = [llama(prompt(1), past_key_values=first).logits[:, -1:].argmax(-1),
+                  llama(prompt(2, 30), past_key_values=second).logits[:, -1:].argmax(-1)]
+        for _ in range(4):
+            tokens = [llama(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                      for token, cache in zip(tokens, (first, second))]
+    heads, seen = llama.config.num_key_value_heads, 30 + 4
+    held = {layer: int(torch.isfinite(get_state(cache_layer).log_weights).sum())
+            for layer, cache_layer in enumerate(second.layers)}
+    assert press.layer_compression_ratios == pytest.approx({layer: 1 - count / (heads * seen)
+                                                            for layer, count in held.items()}, abs=1e-12)
+
+
 def test_a_forward_from_another_thread_while_one_runs_is_refused(llama):
     """Threads serving requests from one model under one open press context: the attention hands the press each
     layer's scores through the model's modules, and two forwards at once overwrote them for each other (1-3 of 24

@@ -408,9 +408,10 @@ class KVCompPress(BasePress):
 
     @property
     def layer_compression_ratios(self) -> dict[int, float]:
-        """Per layer, the fraction of the (batch, kv head, token) slots seen that are no longer held, after the
-        last forward: the prompt's, plus every later token for presses that compress while decoding. Padding
-        is not counted as seen. Under tensor parallelism every rank reports the model's figure (all kv heads)."""
+        """Per layer, the fraction of the (batch, kv head, token) slots seen that are no longer held in the cache the
+        press last prefilled: the prompt's, plus every later token for presses that compress while decoding (other
+        caches stepped in between are not counted). Padding is not counted as seen. Under tensor parallelism every
+        rank reports the model's figure (all kv heads)."""
         ratios = {}
         for layer, (prompt, later) in sorted(self._slots_seen.items()):
             held = self._held(layer)
@@ -540,11 +541,22 @@ class KVCompPress(BasePress):
         attentions = output[1] if len(output) > 1 else None
         if state is None:
             result, keeps_held_slots = self._prefill_layer(module, layer, hidden_states, attentions, kwargs), False
+            counted = True
         else:
+            # The counts are those of the cache this press last prefilled: a decoding step of another one (a second
+            # request stepped in turn, a copy) is compressed as any, and counted in none of them.
+            counted = self._last_written(module.layer_idx) is state
             result, keeps_held_slots = self._decode_layer(module, layer, state, hidden_states, attentions, kwargs)
+            if result is not None and counted:
+                self._count_later_tokens(module.layer_idx, hidden_states.shape[1])
         if result is not None:
-            self._store(module, layer, *result, keeps_held_slots)
+            self._store(module, layer, *result, keeps_held_slots, counted)
         return self._after_layer(module, output)
+
+    def _last_written(self, layer_idx: int) -> LayerState | None:
+        """The state this press last wrote to layer `layer_idx` and counts the slots of, if it still exists."""
+        written = self._states_written.get(layer_idx)
+        return written() if written is not None else None
 
     def _prefill_layer(self, module: nn.Module, layer, hidden_states: torch.Tensor, attentions, kwargs: dict):
         """The prompt pass over a layer holding no state of ours: its compression (keys, values, state), or None."""
@@ -587,13 +599,12 @@ class KVCompPress(BasePress):
         else:
             result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
             keeps_held_slots = self.decoding_keeps_every_slot
-        if result is not None:
-            self._count_later_tokens(layer_idx, new_tokens)
         return result, keeps_held_slots
 
     def _store(self, module: nn.Module, layer, keys: torch.Tensor, values: torch.Tensor, state: LayerState,
-               keeps_held_slots: bool) -> None:
-        """Write a compressed layer and its state, owned by this press, and note what the figures read later."""
+               keeps_held_slots: bool, counted: bool) -> None:
+        """Write a compressed layer and its state, owned by this press, and note what the figures read later if the
+        state is `counted` (the cache the press last prefilled)."""
         layer_idx = module.layer_idx
         if self._compressed_in_context is not None:
             self._compressed_in_context.add(layer_idx)
@@ -604,9 +615,10 @@ class KVCompPress(BasePress):
             state.value_probe = layer.values[..., 0].clone()
         set_state(layer, state)
         attach(module, layer)
-        self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
-        self._states_written[layer_idx] = UnsavedRef(state)
-        self._held_to_gather.add(layer_idx)
+        if counted:
+            self._slots_held[layer_idx] = state.log_weights.clone()  # counted when read (_held)
+            self._states_written[layer_idx] = UnsavedRef(state)
+            self._held_to_gather.add(layer_idx)
 
     def _refuse_padding_lost(self, layer_idx: int, keys: torch.Tensor, kwargs: dict, prompt_tokens: int) -> None:
         """Raise if a press before this one (in a ComposedPress) shrank a left-padded prompt on a rectangular layer:
@@ -672,8 +684,8 @@ class KVCompPress(BasePress):
         """Whether the layer holding `state` keeps a slot per token this press saw there, in every batch row and kv
         head (nothing evicted nor merged): None where `state` is not the one this press last wrote to that layer (a
         copy of the cache, another cache since), whose counts it does not know."""
-        written, held = self._states_written.get(layer_idx), self._held(layer_idx)
-        if written is None or written() is not state or held is None:
+        held = self._held(layer_idx)
+        if self._last_written(layer_idx) is not state or held is None:
             return None
         prompt, later = self._slots_seen[layer_idx]
         seen = (prompt.unsqueeze(-1) if isinstance(prompt, torch.Tensor) else prompt) + later

@@ -308,11 +308,11 @@ class KVzapThresholdPress(KVCompDecodingPress):
         nothing else rearranged (``PagedLayer.rearrangements``; the slots appended since being the pass's own tokens is
         checked first) read nothing.
         """
-        state, written = layer.written_state(), self._states_written.get(module.layer_idx)
+        state = layer.written_state()
         # Only over the state this press wrote last, whose counts of held slots this step adds to (not another press's
         # state, nor another cache's: two conversations or a copy, of another batch size maybe). The general path
-        # counts afresh.
-        if (state is None or written is None or written() is not state or kv_head_shard(module) is not None
+        # compresses those, counted in none.
+        if (state is None or self._last_written(module.layer_idx) is not state or kv_head_shard(module) is not None
                 or not {"scores", "positions"} <= set(layer.slot_blocks)):
             return False
         new_tokens = hidden_states.shape[1]
