@@ -337,7 +337,8 @@ def nucleus_budget(probs: torch.Tensor, p: float = 0.95) -> torch.Tensor:
     Args:
         probs: (B, Hq, T) float32 attention probabilities of the last prompt query (e.g. ``decode_attention``'s probs
             with q = 1, squeezed). Rows need not sum to exactly 1: the mass is taken relative to the row sum. NaN,
-            negative values and -0 count as mass 0; +inf takes the whole mass.
+            negative values and -0 count as mass 0; +inf takes the whole mass for p < 1 (p = 1 counts the support,
+            as below).
         p: p_nuc in (0, 1] (paper default 0.95).
 
     Returns:

@@ -795,6 +795,46 @@ def test_a_budget_assigned_after_construction_is_refused_where_given(press, budg
         setattr(press, press.budget_field, budget)
 
 
+@pytest.mark.parametrize("make,name,value,message", [
+    (ZSMergePress, "eviction_order", "Paper", r"ZSMergePress: eviction_order must be 'authors' or 'paper', got 'Paper'"),
+    (ZSMergePress, "prefill_merge", "similarty", r"ZSMergePress: prefill_merge must be 'contiguous' or 'similarity'"),
+    (lambda: ZSMergePress(budget=64), "budget", 0.5, r"ZSMergePress: prefill_chunk_size needs a budget in tokens"),
+    (WeightedKVPress, "evict_only", "no", r"WeightedKVPress: evict_only must be True or False, got 'no'"),
+    (KeepKVPress, "recent", -0.5, r"KeepKVPress: recent must be a token count ≥ 1 or a fraction of the budget"),
+    (GVotePress, "num_samples", 0, r"GVotePress: num_samples must be an int ≥ 1, got 0"),
+    (GVotePress, "chunk_size", 2**64, r"GVotePress: chunk_size must fit int64 \(\|chunk_size\| ≤ 2\^63 - 1\)"),
+    (KVzapThresholdPress, "surrogate_dir", 1.5, r"KVzapThresholdPress: surrogate_dir must be a folder's path"),
+], ids=lambda case: case if isinstance(case, str) and case.isidentifier() else None)
+def test_a_parameter_assigned_after_construction_is_checked_and_left_as_it_was(make, name, value, message):
+    """A sweep sets parameters on a built press; only the budget was checked there: eviction_order="Paper" ran as
+    "authors", evict_only="no" as True, KeepKV's recent=-0.5 as 1 and GVote's num_samples=0 emptied every layer,
+    silently. Each assignment is checked as the constructor checks it (with the other parameters: a fractional budget
+    under prefill_chunk_size), and a refused one leaves the press as it was."""
+    press = make()
+    if name == "budget":
+        press.prefill_chunk_size = 16
+    before = copy.deepcopy(press)
+    with pytest.raises(ValueError, match=message):
+        setattr(press, name, value)
+    assert press == before and getattr(press, name) == getattr(before, name)
+
+
+def test_numpy_integers_are_taken_as_ints(llama):
+    """GVotePress(seed=np.int64(5)) was accepted and failed inside generate (torch's generator takes a Python int),
+    which transformers 4.57 retried as a forward that GVote then refused for a wrong reason ('layer 0 already held 40
+    tokens'); KeepKV's recent=np.int64(32) was refused where its budget took numpy's integers."""
+    press = GVotePress(seed=np.int64(5), sinks=np.int64(2))
+    assert type(press.seed) is int and press == GVotePress(seed=5, sinks=2)
+    assert type(KeepKVPress(recent=np.int64(8)).recent) is int
+    caches = []
+    for made in (press, GVotePress(seed=5, sinks=2)):
+        caches.append(DynamicCache())
+        with torch.no_grad(), made(llama):
+            llama(prompt(), past_key_values=caches[-1])
+    assert all(torch.equal(get_state(got).log_weights, get_state(want).log_weights)
+               for got, want in zip(*(cache.layers for cache in caches)))
+
+
 @pytest.mark.parametrize("make", [lambda: ZSMergePress(residual_slots=0), KeepKVPress, WeightedKVPress],
                          ids=["ZSMergePress", "KeepKVPress", "WeightedKVPress"])
 def test_a_budget_assigned_after_construction_is_the_one_kept(llama, make):

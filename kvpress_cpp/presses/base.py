@@ -30,12 +30,13 @@ pipeline can reuse one compressed context for several questions.
 from __future__ import annotations
 
 import copy
+import functools
 import numbers
 import threading
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -157,9 +158,18 @@ def _legacy_cache_without_state(cache, *args, **kwargs):
 
 # Constructor checks shared by the presses: a value of the wrong type or out of range is refused where it is given,
 # with the press and the parameter named, not later inside an op (or, for NaN, never).
+_INT64_MAX = 2**63 - 1  # the ops take int64 arguments, torch's generators int64 seeds
+
+
 def require_int(press: str, name: str, value, minimum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
         raise ValueError(f"{press}: {name} must be an int{'' if minimum is None else f' ≥ {minimum}'}, got {value!r}")
+    _require_int64(press, name, value)
+
+
+def _require_int64(press: str, name: str, value: numbers.Integral) -> None:
+    if abs(value) > _INT64_MAX:
+        raise ValueError(f"{press}: {name} must fit int64 (|{name}| ≤ 2^63 - 1), got {value!r}")
 
 
 def require_real(press: str, name: str, value, interval: str) -> None:
@@ -176,6 +186,7 @@ def budget_value(press: str, name: str, value) -> int | float:
     """A budget as the presses read it: a token count (any integer, numpy's too, as an int ≥ 1) or a fraction of
     the prompt (any other real number, as a float in (0, 1])."""
     if not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1:
+        _require_int64(press, name, value)
         return int(value)
     if not isinstance(value, (bool, numbers.Integral)) and isinstance(value, numbers.Real) and 0 < value <= 1:
         return float(value)
@@ -185,6 +196,12 @@ def budget_value(press: str, name: str, value) -> int | float:
 def require_bool(press: str, name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{press}: {name} must be True or False, got {value!r}")
+
+
+@functools.cache
+def _parameter_names(press_type: type) -> frozenset[str]:
+    """The fields a press is constructed with (its parameters), not the ones it keeps for itself."""
+    return frozenset(field.name for field in fields(press_type) if field.init)
 
 
 def hooked_decoder(model: nn.Module) -> nn.Module | None:
@@ -368,12 +385,35 @@ class KVCompPress(BasePress):
     # The thread whose forward of the model runs under the press's open context, None between forwards.
     _forward_thread: int | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        self.check_parameters()
+        self.__dict__["_parameters_checked"] = True
+
+    def check_parameters(self) -> None:
+        """Raise a ValueError naming the press, the parameter and its value for a parameter outside its domain: at
+        construction and at every later assignment of one."""
+
     def __setattr__(self, name, value):
-        # The budget is checked at every assignment, not only at construction: a sweep sets it on a built press, and
-        # 1.5 had kept every token while compression_ratio read -0.5.
+        if name not in _parameter_names(type(self)):
+            super().__setattr__(name, value)
+            return
+        # Every parameter is checked at every assignment, not only at construction: a sweep sets them on a built
+        # press, where a budget of 1.5 had kept every token while compression_ratio read -0.5, eviction_order="Paper"
+        # ran as "authors" and GVote's num_samples=0 emptied every layer, silently.
         if name == self.budget_field:
             value = budget_value(type(self).__name__, name, value)
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)  # numpy's: torch's generators and the ops take Python ints
+        if not self.__dict__.get("_parameters_checked"):
+            super().__setattr__(name, value)  # (constructing: __post_init__ checks them together)
+            return
+        before = self.__dict__[name]
         super().__setattr__(name, value)
+        try:
+            self.check_parameters()
+        except ValueError:
+            super().__setattr__(name, before)
+            raise
 
     def prompt_score_weights(self, module: nn.Module) -> tuple[float, float] | None:
         """(decay, input_scale) of the score_prompt call compress_prefill makes on `module`, or None if it makes

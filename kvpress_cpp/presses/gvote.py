@@ -69,7 +69,7 @@ class GVotePress(KVCompPress):
     #: Its inputs (the last query's attention, the hidden-state statistics) need no one-slot-per-token prompt.
     compresses_compressed_prompt = True
 
-    def __post_init__(self):
+    def check_parameters(self) -> None:
         require_real("GVotePress", "nucleus_p", self.nucleus_p, "(0, 1]")
         for name in ("num_samples", "future_positions", "chunk_size", "budget_queries"):
             require_int("GVotePress", name, getattr(self, name), 1)

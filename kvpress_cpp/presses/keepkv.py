@@ -63,7 +63,7 @@ class KeepKVPress(KVCompDecodingPress):
     layer_budgets: str = "uniform"
     merge_first: bool = False
 
-    def __post_init__(self):
+    def check_parameters(self) -> None:
         require_int("KeepKVPress", "sinks", self.sinks, 0)
         if isinstance(self.recent, bool) or not ((isinstance(self.recent, int) and self.recent >= 1) or (
                 isinstance(self.recent, float) and 0 < self.recent < 1)):

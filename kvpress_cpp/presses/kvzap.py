@@ -19,6 +19,7 @@ model name ``model.config.name_or_path.split("/")[-1]`` as kvpress names its hub
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,7 @@ def has_packaged_surrogate(model: nn.Module, model_type: str) -> bool:
 def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str | Path | None = None) -> KVzapModel:
     """kvpress's ``KVzapModel`` for `model` from a local directory (``surrogate_dir``, or the packaged default),
     checked against the model's shape. Raises FileNotFoundError naming the expected path when it is missing."""
-    require_model_type("KVzap", model_type)
+    require_surrogate("KVzap", model_type, surrogate_dir)
     if surrogate_dir is None and not str(model.config.name_or_path):
         raise FileNotFoundError(
             f"KVzap: the model has no name (config.name_or_path is empty: a model built in memory), so no packaged "
@@ -113,9 +114,12 @@ def save_surrogate(surrogate: KVzapModel, path: str | Path) -> Path:
     return path
 
 
-def require_model_type(press: str, model_type) -> None:
+def require_surrogate(press: str, model_type, surrogate_dir) -> None:
     if model_type not in ("linear", "mlp"):
         raise ValueError(f"{press}: model_type must be 'linear' or 'mlp', got {model_type!r}")
+    if surrogate_dir is not None and not isinstance(surrogate_dir, (str, os.PathLike)):
+        raise ValueError(f"{press}: surrogate_dir must be a folder's path (a str or os.PathLike) or None, got "
+                         f"{surrogate_dir!r}")
 
 
 def surrogate_tensors(layer: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -157,7 +161,7 @@ class KVzapPress(_KVzapScorer):
 
     def __post_init__(self):
         super().__post_init__()
-        require_model_type("KVzapPress", self.model_type)
+        require_surrogate("KVzapPress", self.model_type, self.surrogate_dir)
 
     def post_init_from_model(self, model):
         if getattr(self, "kvzap_model", None) is not None and self._loaded_from is None:
@@ -261,11 +265,14 @@ class KVzapThresholdPress(KVCompDecodingPress):
     reads_decode_probabilities = False
     scores_prompt_with_queries = False
 
-    def __post_init__(self):
+    def check_parameters(self) -> None:
         require_int("KVzapThresholdPress", "sliding_window", self.sliding_window, 1)
         require_int("KVzapThresholdPress", "compaction_slack", self.compaction_slack, 1)
         require_real("KVzapThresholdPress", "threshold (τ)", self.threshold, "[-inf, inf]")
-        require_model_type("KVzapThresholdPress", self.model_type)
+        require_surrogate("KVzapThresholdPress", self.model_type, self.surrogate_dir)
+
+    def __post_init__(self):
+        super().__post_init__()
         self.scorer = KVzapPress(model_type=self.model_type, surrogate_dir=self.surrogate_dir)
 
     def post_init_from_model(self, model):

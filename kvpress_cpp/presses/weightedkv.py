@@ -48,7 +48,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
     def prompt_score_weights(self, module):
         return 1.0, 1.0 / query_group_size(module)  # plain sums of the group-mean attention
 
-    def __post_init__(self):
+    def check_parameters(self) -> None:
         require_int("WeightedKVPress", "sinks", self.sinks, 0)
         if self.recent is not None:
             require_int("WeightedKVPress", "recent", self.recent, 1)

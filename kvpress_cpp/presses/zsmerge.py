@@ -57,7 +57,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
     def prompt_score_weights(self, module):
         return self.decay, 1.0  # eq. 5: λ-decayed sums over the group's query heads
 
-    def __post_init__(self):
+    def check_parameters(self) -> None:
         require_real("ZSMergePress", "recent_fraction", self.recent_fraction, "(0, 1)")
         require_int("ZSMergePress", "residual_slots", self.residual_slots, 0)
         require_real("ZSMergePress", "decay (λ)", self.decay, "(0, 1]")  # λ = 0 would weigh no query at all
