@@ -835,6 +835,19 @@ def test_numpy_integers_are_taken_as_ints(llama):
                for got, want in zip(*(cache.layers for cache in caches)))
 
 
+def test_a_type_error_inside_the_press_reaches_the_caller(llama, monkeypatch):
+    """transformers 4.57 runs the decoder's forward again after a TypeError in it, and the press then refused that
+    second run for tokens it 'did not compress' (GVotePress(seed=np.int64(5)) did this): the TypeError was lost. It
+    reaches the caller now, as a RuntimeError naming the press and the layer."""
+    def fail(*args, **kwargs):
+        raise TypeError("an argument of the wrong type")
+
+    monkeypatch.setattr(kvpress_cpp.presses.gvote.ops, "gvote_union_mask", fail)
+    with pytest.raises(RuntimeError, match=r"GVotePress: layer 0: an argument of the wrong type"), torch.no_grad(), \
+            GVotePress()(llama):
+        llama.generate(prompt(), past_key_values=DynamicCache(), max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.parametrize("make", [lambda: ZSMergePress(residual_slots=0), KeepKVPress, WeightedKVPress],
                          ids=["ZSMergePress", "KeepKVPress", "WeightedKVPress"])
 def test_a_budget_assigned_after_construction_is_the_one_kept(llama, make):

@@ -554,16 +554,28 @@ class KVCompPress(BasePress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = pass_cache(kwargs)
+        if cache is not None:  # a cache of the wrong kind is a TypeError, raised before anything is written
+            check_cache_layer(cache.layers[module.layer_idx], type(self).__name__)
+        try:
+            return self._compress_pass(module, input, kwargs, output)
+        except TypeError as error:
+            # transformers 4.57 runs a decoder's forward again after a TypeError in it (check_model_inputs, looking
+            # for a missing **kwargs), and that run found the layers already written by this one: the error reported
+            # was a refusal of tokens the press "did not compress", the TypeError lost.
+            raise RuntimeError(f"{type(self).__name__}: layer {module.layer_idx}: {error}") from error
+
+    def _compress_pass(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        """forward_hook's work: compress what the pass over `module`'s layer appended."""
+        cache = pass_cache(kwargs)
         name, layer_idx = type(self).__name__, module.layer_idx
         if cache is None:
             if not self._warned_without_cache:
                 warnings.warn(f"{name}: the model ran without a KV cache (use_cache=False): nothing to compress, "
-                              f"the press did nothing", stacklevel=2)
+                              f"the press did nothing", stacklevel=3)
                 self._warned_without_cache = True
             return output
         self._refuse_head_wise_marks(module)
         layer = cache.layers[layer_idx]
-        check_cache_layer(layer, name)
         hidden_states = kwargs["hidden_states"]
         if hidden_states.requires_grad:
             raise RuntimeError(f"{name}: compresses the cache in place, outside autograd; run the model under "
@@ -576,7 +588,7 @@ class KVCompPress(BasePress):
                     warnings.warn(
                         f"{name}: a pass of {new_tokens} tokens over layers {name} compressed earlier in the same "
                         f"context: {name} compresses a prompt once, whole, so these tokens stay uncompressed (as "
-                        f"generate(prefill_chunk_size=...) leaves every chunk after the first)", stacklevel=2)
+                        f"generate(prefill_chunk_size=...) leaves every chunk after the first)", stacklevel=3)
             return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         attentions = output[1] if len(output) > 1 else None
         if state is None:

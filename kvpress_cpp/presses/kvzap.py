@@ -293,13 +293,13 @@ class KVzapThresholdPress(KVCompDecodingPress):
         state.counters["since_compaction"] = 0
         return keys, values, state
 
-    def forward_hook(self, module, input, kwargs, output):
+    def _compress_pass(self, module, input, kwargs, output):
         self._refuse_head_wise_marks(module)  # before written_state() reads the layer (and evicts them)
         cache = pass_cache(kwargs)
         layer = cache.layers[module.layer_idx] if cache is not None else None
         if isinstance(layer, PagedLayer) and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
             return self._after_layer(module, output)
-        return super().forward_hook(module, input, kwargs, output)
+        return super()._compress_pass(module, input, kwargs, output)
 
     def _step_paged_layer(self, module, layer: PagedLayer, hidden_states: torch.Tensor) -> bool:
         """compress_decoding of the q tokens update() just appended to a paged layer this press prefilled, in the
