@@ -796,7 +796,7 @@ def test_a_budget_assigned_after_construction_is_refused_where_given(press, budg
 
 
 @pytest.mark.parametrize("make,name,value,message", [
-    (ZSMergePress, "eviction_order", "Paper", r"ZSMergePress: eviction_order must be 'authors' or 'paper', got 'Paper'"),
+    (ZSMergePress, "eviction_order", "Paper", r"ZSMergePress: eviction_order must be 'authors' or 'paper', got 'Pa"),
     (ZSMergePress, "prefill_merge", "similarty", r"ZSMergePress: prefill_merge must be 'contiguous' or 'similarity'"),
     (lambda: ZSMergePress(budget=64), "budget", 0.5, r"ZSMergePress: prefill_chunk_size needs a budget in tokens"),
     (WeightedKVPress, "evict_only", "no", r"WeightedKVPress: evict_only must be True or False, got 'no'"),

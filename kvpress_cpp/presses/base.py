@@ -799,9 +799,9 @@ class KVCompPress(BasePress):
         name = type(self).__name__
         raise RuntimeError(f"{name}: a forward of {type(base_model).__name__} started in thread {thread} while one of "
                            f"thread {running} runs under the same `with press(model):`. {name} reads each layer's "
-                           f"attention through the model's modules, which concurrent forwards overwrite for each other; "
-                           f"run one forward at a time per model (a lock around generate), or give each thread its "
-                           f"own copy of the model")
+                           f"attention through the model's modules, which concurrent forwards overwrite for each "
+                           f"other; run one forward at a time per model (a lock around generate), or give each thread "
+                           f"its own copy of the model")
 
     def _release_forward(self, base_model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """Forward hook of the decoder stack, run when the forward raised too: the next forward may come from any
