@@ -91,8 +91,9 @@ def extension():
             "kvpress_cpp._C",
             cpp_sources + sources([("cuda", "*.cu")]),
             include_dirs=include_dirs,
-            # No --use_fast_math: the tests compare CUDA with the CPU exactly (keepkv_match, gvote_union_mask), and
-            # the decode path is memory-bound, so approximate exp / log / division would buy nothing.
+            # No --use_fast_math: the tests compare CUDA's keepkv_match and gvote_union_mask with float64 references
+            # exactly (away from near-ties, csrc/kernels/keepkv.h), and the decode path is memory-bound, so
+            # approximate exp / log / division would buy nothing.
             extra_compile_args={"cxx": cxx_flags + pip_cuda_include_flags(),
                                 "nvcc": ["-O3", "-lineinfo"] + pip_cuda_include_flags()},
             extra_link_args=openmp_link,

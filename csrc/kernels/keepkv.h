@@ -76,8 +76,11 @@ KVCOMP_HOST_DEVICE inline float max_magnitude(float current, float x) {
 
 // Cosines are compared at a resolution of 2^-16: clamped to [-1, 1], then rounded to the nearest multiple of 2^-16.
 // Float32 rounding moves a cosine of d-dimensional keys by about sqrt(d)·2^-24 (at most d·2^-24), differently on
-// the direct and the GEMM path; the grid absorbs that, so a key identical to a retained one has similarity exactly
-// 1 (it merges at threshold 1.0) and equally similar retained keys tie exactly (the lower slot wins) on every path.
+// the direct and the GEMM path (and on CUDA); the grid absorbs that wherever it matters by construction: a key
+// identical to a retained one has similarity exactly 1 (it merges at threshold 1.0), and retained keys along one
+// direction tie exactly (the lower slot wins), on every path. A cosine within that rounding of a grid midpoint can
+// still land one step (2^-16) apart on two paths, and so merge on one and not the other when the threshold or a
+// second-best cosine is that step away: paths agree exactly except on such near-ties.
 constexpr float kCosineResolution = 0x1p-16f;
 
 KVCOMP_HOST_DEVICE inline float rounded_cosine(float cosine) {
