@@ -857,6 +857,10 @@ class PagedLayer(CacheLayerMixin):
         """Indices into the pools viewed as (N * S, ...) of the slots (B, H, X) of each (batch, kv head)."""
         return self._owned_slot_index().gather(-1, self._uploaded(slots))
 
+    def _pool_slots(self, batch_index: torch.Tensor, head_index: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Indices into the pools viewed as (N * S, ...) of the slots listed by three host tensors of one length."""
+        return self._owned_slot_index()[tuple(self._uploaded(index) for index in (batch_index, head_index, slot))]
+
     def _uploaded(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor of the layer's bookkeeping on the pools' device. non_blocking: from pageable memory the copy is
         staged before it returns, without waiting for the work queued on the device (a blocking copy waits for all of
@@ -1244,14 +1248,15 @@ class PagedLayer(CacheLayerMixin):
         in_base = slot < self.bases.unsqueeze(-1)
         new_bases = (keep & in_base).sum(-1)
         new_lengths = keep.sum(-1)
-        source = self._flat_slots(torch.where(keep, slot, 0))[self._uploaded(keep)]
+        # The kept slots are listed on the host, where the mask is: a boolean index on the device would wait for it.
+        batch_index, head_index, kept_slot = keep.nonzero(as_tuple=True)
+        source = self._pool_slots(batch_index, head_index, kept_slot)
         saved = [pool.reshape(-1, *pool.shape[2:]).index_select(0, source)
                  for pool in (self.key_blocks, self.value_blocks, *self.slot_blocks.values())]
         self._resize(new_lengths)
         self.bases = new_bases
         self._changed()
-        target_slot = (keep.cumsum(-1) - 1).clamp(min=0)
-        target = self._flat_slots(target_slot)[self._uploaded(keep)]
+        target = self._pool_slots(batch_index, head_index, keep.cumsum(-1)[keep] - 1)
         for pool, data in zip((self.key_blocks, self.value_blocks, *self.slot_blocks.values()), saved):
             pool.view(-1, *pool.shape[2:])[target] = data
 

@@ -213,9 +213,10 @@ def test_the_recorder_sees_each_kind_of_sync(inference_mode):
 CASES = [(name, kind) for kind in (DynamicCache, PagedKVCache) for name in sorted(PRESSES)]
 
 
-def record_a_step(model, name: str, cache, tmp_path) -> list[str]:
-    """The syncs of one decoding step of the press over a prompt it compressed into `cache`, after two steps."""
-    press = PRESSES[name](model, tmp_path)
+def record_a_step(model, name: str, cache, tmp_path, press=None) -> list[str]:
+    """The syncs of one decoding step of the press (PRESSES[name] unless given) over a prompt it compressed into
+    `cache`, after two steps."""
+    press = press or PRESSES[name](model, tmp_path)
     with torch.inference_mode(), press(model), RecordSyncs(recording=False) as syncs:
         cache = compressed_prompt(model, name, cache)
         step(model, torch.tensor([[3], [4]], device=model.device), cache, visible(model, cache.get_seq_length() + 1))
@@ -229,6 +230,19 @@ def record_a_step(model, name: str, cache, tmp_path) -> list[str]:
 def test_a_decoding_step_waits_on_nothing(model, name, cache_type, tmp_path):
     calls = record_a_step(model, name, cache_type(), tmp_path)
     assert calls == [], f"{name}'s decoding step syncs the host: {calls}"
+
+
+# KVzap's compacting step (one in compaction_slack) reads back one thing per layer, as README lists: its longest head
+# on a DynamicCache, the mask of its dead slots on a PagedKVCache (whose blocks are handed back on the host).
+COMPACTION_READ_BACK = {DynamicCache: "aten.item.default", PagedKVCache: "Tensor.cpu"}
+
+
+@pytest.mark.parametrize("cache_type", list(COMPACTION_READ_BACK), ids=lambda kind: kind.__name__)
+def test_kvzaps_compacting_step_reads_back_one_value_per_layer(model, cache_type, tmp_path):
+    press = PRESSES["KVzap"](model, tmp_path)
+    press.compaction_slack = 1
+    calls = record_a_step(model, "KVzap", cache_type(), tmp_path, press)
+    assert calls == [COMPACTION_READ_BACK[cache_type]] * model.config.num_hidden_layers, calls
 
 
 # A prompt shorter than the budget: the merging presses' steps append without merging (ZSMerge and WeightedKV hand back
