@@ -2,12 +2,13 @@
 ``ComposedPress`` and ``PrefillDecodingPress`` around our presses.
 
 Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
-``AdaKVPress.compress``, both presses' ``post_init_from_model``, ``ComposedPress.__call__`` and
-``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
-press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (each hooked layer given the rotary
-embedding it turns with, and a pass without the ``cache_position`` kvpress's hooks read refused naming the press,
-:func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress press failing on slots of ours is refused naming
-both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward`` (several questions with a press of ours that
+``AdaKVPress.compress``, both presses' ``post_init_from_model``, ``ScorerPress.compress`` (its selection on a paged
+layer, :func:`patch_scorer_press`), ``ComposedPress.__call__`` and ``PrefillDecodingPress.__call__`` (which then
+open the context of each press of ours they hold, as ``with press(model):`` does, :func:`patch_wrapper_contexts`),
+``BasePress.__call__`` (each hooked layer given the rotary embedding it turns with, and a pass without the
+``cache_position`` kvpress's hooks read refused naming the press, :func:`patch_press_contexts`),
+``BasePress.forward_hook`` (a kvpress press failing on slots of ours is refused naming both,
+:func:`patch_presses_after_ours`) and the pipeline's ``_forward`` (several questions with a press of ours that
 compresses while decoding are refused naming it, :func:`patch_pipeline_questions`); kvpress itself is unchanged.
 
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
@@ -39,8 +40,10 @@ Unpadded passes of one process score as before.
 kept tokens, then the bottom-k of all heads' scores. On a tensor-parallel rank it would see only the rank's heads, so
 what each head keeps would depend on the number of ranks. There the scorer's (B, H/N, T) scores are now all-gathered
 to the model's (B, H, T), kvpress's own ``compress`` selects over them as in one process, and each rank keeps the
-marks of its own heads, renumbered to its local heads. Without tensor parallelism ``AdaKVPress`` runs exactly as in
-kvpress.
+marks of its own heads, renumbered to its local heads. Without tensor parallelism, and on a cache other than a paged
+one, ``AdaKVPress`` runs exactly as in kvpress. On a paged layer whose view has holes (columns that show no slot of
+their head), the scorer's scores there are -inf, and its marks, columns of the view, become the positions of the
+tokens those columns show (once marks evicted slots, a head's later slots no longer sit at their tokens' columns).
 """
 
 from __future__ import annotations
@@ -51,14 +54,15 @@ from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
-from kvpress import AdaKVPress, BasePress, ComposedPress, DMSPress, PrefillDecodingPress, SnapKVPress
+from kvpress import AdaKVPress, BasePress, ComposedPress, DMSPress, PrefillDecodingPress, ScorerPress, SnapKVPress
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
+from kvpress.utils import compute_n_kept
 
 from kvpress_cpp.attention import padding_log_weights
 from kvpress_cpp.cache import get_state, pass_cache
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
-from kvpress_cpp.paged_cache import shared_padding_dropped
+from kvpress_cpp.paged_cache import PagedLayer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs, hooked_decoder
 from kvpress_cpp.presses.kvzap import KVzapPress
 
@@ -131,10 +135,12 @@ def _rank_head_counts(module, shard: tuple[int, int]):
 
 class _ScorerStandIn:
     """Stands in for a kvpress wrapper's scorer while the wrapper runs: ``score`` gives the scorer's scores of the kv
-    heads this process holds (a tensor-parallel rank's own, or all of them)."""
+    heads this process holds (a tensor-parallel rank's own, or all of them), -inf at the `holes` of a paged layer's
+    view (:func:`_view_holes`) when given."""
 
-    def __init__(self, scorer):
+    def __init__(self, scorer, holes: torch.Tensor | None = None):
         self.scorer = scorer
+        self.holes = holes
 
     @property
     def compression_ratio(self) -> float:
@@ -144,7 +150,8 @@ class _ScorerStandIn:
         shard = kv_head_shard(module)
         reads_shard = shard is None or isinstance(self.scorer, KVzapPress)
         with nullcontext() if reads_shard else _rank_head_counts(module, shard):
-            return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+            scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+        return scores if self.holes is None else scores.masked_fill(self.holes, float("-inf"))
 
 
 class _RowByRowScorer(_ScorerStandIn):
@@ -273,13 +280,35 @@ def patch_dms_press() -> None:
     DMSPress.post_init_from_model = _refusing_unshardable_scorers(DMSPress.post_init_from_model)
 
 
-def _marked_columns_to_positions(module, kwargs: dict) -> None:
+def _marked_columns_to_positions(module, kwargs: dict, keys: torch.Tensor) -> None:
     """AdaKVPress marks columns of the keys it scored, which kvpress's own cache holds from position 0 on. A paged
-    layer evicts marks as token positions: its column c is position c + the padding it dropped."""
-    dropped = shared_padding_dropped(module, kwargs)
+    layer evicts marks as token positions: those of the slots its view shows at the marked columns
+    (:meth:`PagedLayer.view_positions`; a hole's marks, which evict nothing, are dropped)."""
+    layer = _paged_layer(module, kwargs)
     marks = module.masked_key_indices
-    if dropped and marks is not None:
-        module.masked_key_indices = (*marks[:2], marks[2] + dropped)
+    positions = layer.view_positions(keys) if layer is not None and marks is not None else None
+    if positions is None:
+        return
+    batch, head, column = marks
+    marked = positions[batch.cpu(), head.cpu(), column.cpu()]
+    held = marked >= 0
+    module.masked_key_indices = (batch[held.to(batch.device)], head[held.to(head.device)],
+                                 marked[held].to(column.device))
+
+
+def _paged_layer(module, kwargs: dict) -> PagedLayer | None:
+    """The paged layer of `module` in this pass, None on any other cache."""
+    layers = getattr(pass_cache(kwargs), "layers", None)
+    layer = layers[module.layer_idx] if layers is not None else None
+    return layer if isinstance(layer, PagedLayer) else None
+
+
+def _view_holes(module, kwargs: dict, keys: torch.Tensor) -> tuple[PagedLayer | None, torch.Tensor | None]:
+    """The paged layer of `module` in this pass, and the holes of its view when `keys` are the view's keys
+    (:meth:`PagedLayer.view_holes`); (None, None) on any other cache. A kvpress scorer scores those columns' zeros as
+    tokens (the top score for Knorm, a sink for attention scores), where kvpress's own cache has no such columns."""
+    layer = _paged_layer(module, kwargs)
+    return layer, None if layer is None else layer.view_holes(keys)
 
 
 def patch_adakv_press() -> None:
@@ -290,20 +319,50 @@ def patch_adakv_press() -> None:
 
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         shard = kv_head_shard(module)
-        if shard is None or self.compression_ratio == 0:  # kvpress marks nothing at ratio 0
+        holes = _view_holes(module, kwargs, keys)[1]
+        if self.compression_ratio == 0 or (shard is None and holes is None):  # kvpress marks nothing at ratio 0
             keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        elif shard is None:
+            with _scorer_replaced(self, _ScorerStandIn(self.press, holes)):
+                keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
         else:
-            with _scorer_replaced(self, _AllRanksScorer(self.press)):
+            with _scorer_replaced(self, _AllRanksScorer(self.press, holes)):
                 keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
             batch, head, position = module.masked_key_indices  # the model's heads
             own = (head >= shard[0]) & (head < shard[1])
             module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
-        _marked_columns_to_positions(module, kwargs)
+        _marked_columns_to_positions(module, kwargs, keys)
         return keys, values
 
     setattr(adapted_compress, _PATCHED_ATTR, True)
     AdaKVPress.compress = adapted_compress
     AdaKVPress.post_init_from_model = _refusing_unshardable_scorers(AdaKVPress.post_init_from_model)
+
+
+def patch_scorer_press() -> None:
+    """Wrap ``ScorerPress.compress`` for a paged layer: kvpress's selection of each head's best-scored columns, with the
+    holes of the view (:func:`_view_holes`) scored -inf so that a head keeps its tokens first, and the layer told which
+    columns it took: it drops the holes among them (taken where a head holds fewer tokens than the slots kept) and
+    keeps the tokens' positions, which later head-wise marks are read by.
+    Anywhere else kvpress's own ``compress`` runs. Idempotent."""
+    compress = ScorerPress.compress
+    if getattr(compress, _PATCHED_ATTR, False):
+        return
+
+    def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        layer, holes = _view_holes(module, kwargs, keys)
+        if layer is None or self.compression_ratio == 0:
+            return compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        scores = scores if holes is None else scores.masked_fill(holes, float("-inf"))
+        kept = scores.topk(compute_n_kept(keys.shape[2], self.compression_ratio), dim=-1).indices
+        index = kept.unsqueeze(-1)
+        kept_keys = keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])).contiguous()
+        layer.select_columns(keys, kept, kept_keys)
+        return kept_keys, values.gather(2, index.expand(-1, -1, -1, values.shape[-1])).contiguous()
+
+    setattr(adapted_compress, _PATCHED_ATTR, True)
+    ScorerPress.compress = adapted_compress
 
 
 def _ours_inside(wrapper) -> list[KVCompPress]:
@@ -492,6 +551,7 @@ def patch_pipeline_questions() -> None:
 
 patch_dms_press()
 patch_adakv_press()
+patch_scorer_press()
 patch_press_contexts()
 patch_wrapper_contexts()
 patch_presses_after_ours()

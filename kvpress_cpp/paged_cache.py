@@ -22,7 +22,11 @@ the pools, not a copy. Whatever a press or kvpress writes back through that view
   (KVzap between its compactions) has only its state stored, and the slots it marked -inf stay as dead slots until
   it rewrites the layer or a head holds more than two blocks of them;
 * kvpress's pipeline's cut back to the context (``keys[:, :, :n]``): each head keeps its columns before n;
-* other keys and values (a kvpress press's compression): every column, as plain tokens.
+* other keys and values (a kvpress press's compression): every column, as plain tokens; where the view had holes
+  (columns showing no slot of their head), only a selection that says which columns it took
+  (:meth:`PagedLayer.select_columns`, which kvpress's ``ScorerPress.compress`` does once kvpress_cpp is imported):
+  its holes are dropped and its tokens keep their positions; any other write is refused rather than holding the holes'
+  zeros as tokens.
 
 kvpress's head-wise presses (AdaKVPress, DMSPress, ...) only mark slots in ``module.masked_key_indices`` for its
 attention patch to hide; on a paged layer those slots are evicted for real, the next time the layer is used. The
@@ -166,6 +170,8 @@ class PagedLayer(CacheLayerMixin):
         # The press whose state a write without one (another press's selection of slots) displaced: the next pass is
         # refused, as a DynamicLayer's state probe refuses it, where the layer would otherwise go on as plain tokens.
         self._state_displaced_from: str | None = None
+        # (keys, the columns of the view they are) of a kvpress press's selection, until written (select_columns).
+        self._selection: tuple[torch.Tensor, torch.Tensor] | None = None
         # Whether a real slot may hold a log-weight of -inf (a press's dead slot, stored in place rather than dropped):
         # only where none can is a write that keeps every slot it was given known to hold every slot, unread.
         self._may_hold_dead_slots = False
@@ -1012,8 +1018,53 @@ class PagedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------------------------
     # Writes
 
+    def view_holes(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """(B, H, W) bool on the pools' device when `keys` is the view's keys: its columns that show no slot of their
+        head (a batch row's padding the prefill dropped, slots kvpress's head-wise marks evicted, the gap of a head
+        shorter than the longest), filled with zeros; None where every column shows a slot, as every column of
+        kvpress's own cache does, or for other keys. For keys a kvpress press selected from the view and wrote, not
+        stored yet (what the next press of a ComposedPress reads), the holes among them. A kvpress press ranks them
+        below every token."""
+        if self._view is None or self._evenness() or not bool((self._view_columns() < 0).any()):
+            return None
+        holes = ~self._view_layout()[1]
+        if keys is self._view[0]:
+            return holes
+        selected = self._selection_of(keys)
+        return None if selected is None else holes.gather(-1, selected.to(holes.device))
+
+    def _selection_of(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """The columns (B, H, W') of the view that `keys` are, where a kvpress press selected them (select_columns)."""
+        return self._selection[1] if self._selection is not None and keys is self._selection[0] else None
+
+    def view_positions(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """(B, H, W) int64 on the host when `keys` is the view's keys: the token position of the slot each column
+        shows, -1 for a hole or a slot whose position is unknown; None for other keys. Column c is position c plus
+        the padding the prefill dropped until slots move (marks evicted, a head grew shorter than another). For keys a
+        kvpress press selected from the view, not stored yet, the positions of the columns it selected."""
+        selected = None if self._view is None or keys is self._view[0] else self._selection_of(keys)
+        if self._view is None or (keys is not self._view[0] and selected is None):
+            return None
+        columns = self._view_columns()
+        positions = self._slot_positions()
+        if not positions.shape[-1]:
+            positions = torch.full(columns.shape, -1, dtype=torch.long)
+        else:
+            positions = torch.where(columns >= 0, positions.gather(-1, columns.clamp(min=0)), -1)
+        return positions if selected is None else positions.gather(-1, selected.cpu())
+
+    def select_columns(self, source: torch.Tensor, columns: torch.Tensor, selected: torch.Tensor) -> None:
+        """Say that `selected`, the keys a kvpress press is about to write, are the columns (B, H, W') of `source`: the
+        view's keys, or keys another press selected from them and wrote, not stored yet (a ComposedPress). The write
+        drops those that were holes of the view (:meth:`view_holes`) and keeps the others' token positions."""
+        earlier = self._selection_of(source)
+        if earlier is None and (self._view is None or source is not self._view[0]):
+            return  # keys the layer did not hand out: their columns say nothing of its slots
+        self._selection = selected, columns if earlier is None else earlier.gather(-1, columns.to(earlier.device))
+
     def _write_back(self, keys, values, state) -> None:
         view = self._view
+        selection, self._selection = self._selection, None
         keys = view[0] if keys is _UNSET and view is not None else keys
         values = view[1] if values is _UNSET and view is not None else values
         if keys is _UNSET or values is _UNSET:
@@ -1040,10 +1091,31 @@ class PagedLayer(CacheLayerMixin):
             if self.has_state:
                 self._state_displaced_from = (self._state_written.owner_name() if self._state_written is not None
                                               else "a kvpress_cpp press")
-            state = None
-        else:
-            self._state_displaced_from = None
+            selected = selection[1] if selection is not None and keys is selection[0] else None
+            self._rewrite(keys, values, None, *self._selection_written(keys, view, selected))
+            return
+        self._state_displaced_from = None
         self._rewrite(keys, values, state)
+
+    def _selection_written(self, keys: torch.Tensor, view, selected: torch.Tensor | None):
+        """(dropped, positions) for `keys` written without a state, from the columns of `view` its writer said they are
+        (select_columns): the columns (B, H, W') that were holes (None where none was) and the token positions of the
+        others; (None, None) without a selection over a view without holes (a kvpress press's plain tokens). A view
+        with holes and a writer that did not say is refused: the holes' zeros would be stored and attended as tokens."""
+        holes = self.view_holes(view[0]) if view is not None else None
+        if selected is not None and view is not None:
+            positions = self.view_positions(view[0]).gather(-1, selected.cpu())  # (view[0] is never a selection)
+            dropped = None if holes is None else holes.gather(-1, selected.to(holes.device))
+            return (dropped if dropped is not None and bool(dropped.any()) else None), positions
+        if holes is not None and keys.shape[2]:  # (no column: nothing that could be a hole)
+            raise RuntimeError(
+                f"PagedKVCache: {tuple(keys.shape[:3])} (batch, kv heads, slots) of keys selected by a kvpress press "
+                f"were written to a layer whose view {tuple(view[0].shape[:3])} has holes, columns that hold no slot "
+                f"of their head (a batch row's padding dropped at prefill, slots AdaKVPress or DMSPress evicted, a "
+                f"head shorter than the longest). ScorerPress's own selection leaves them out; a press that selects "
+                f"columns its own way (ChunkPress, BlockPress, KeyRerotationPress, ...) may keep their zeros as "
+                f"tokens. Use a DynamicCache for it, or an unpadded batch without a head-wise press before it")
+        return None, None
 
     def check_state_in_place(self) -> None:
         """Raise if another press's write displaced a press's per-slot state (see ``_state_displaced_from``); a pass
@@ -1090,9 +1162,11 @@ class PagedLayer(CacheLayerMixin):
         first_cut = last + 1 - (self._width() - width)
         return (appended & (positions < first_cut)).sum(-1)
 
-    def _rewrite(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState | None) -> None:
+    def _rewrite(self, keys: torch.Tensor, values: torch.Tensor, state: LayerState | None,
+                 dropped: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         """Store rectangular keys, values (B, H, T, d) and their state: each head keeps its columns whose log-weight
-        is not -inf, in order; without a state, every column is a plain token."""
+        is not -inf, in order; without a state, every column is a plain token except those `dropped` (B, H, T), at
+        its `positions` (B, H, T) where given, else at an unknown position."""
         batch, heads, width = keys.shape[:3]
         if (batch, heads) != tuple(self.lengths.shape):
             raise ValueError(f"PagedKVCache: a press wrote keys of shape {tuple(keys.shape)} to a layer of "
@@ -1101,7 +1175,9 @@ class PagedLayer(CacheLayerMixin):
         self.padding_dropped = 0
         if state is None:
             log_weights = torch.zeros(batch, heads, width, device=keys.device)
-            all_kept = True
+            if dropped is not None:
+                log_weights.masked_fill_(dropped, float("-inf"))
+            all_kept = dropped is None
         elif self._store_state_in_place(keys, values, state):
             return
         else:
@@ -1149,8 +1225,10 @@ class PagedLayer(CacheLayerMixin):
             pools[name] = pool
             store(pool, tensor)
         store(pools[_LOG_WEIGHTS], log_weights.float())
-        # A press may reorder or merge slots: their positions are unknown.
-        if all_kept and self._regular_region() is not None:
+        # A press may reorder or merge slots: their positions are unknown, unless a selection said which they are.
+        if positions is not None:
+            store(pools[_POSITIONS], positions.to(self.device, torch.int32))
+        elif all_kept and self._regular_region() is not None:
             self._region_view(pools[_POSITIONS], width).fill_(-1)
         else:
             store(pools[_POSITIONS], torch.full(log_weights.shape, -1, dtype=torch.int32, device=self.device))

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvpress import AdaKVPress, ComposedPress, DMSPress, KnormPress, SnapKVPress, ThinKPress, TOVAPress
+from kvpress import (AdaKVPress, ChunkPress, ComposedPress, DecodingPress, DMSPress, KnormPress, PrefillDecodingPress,
+                     SnapKVPress, ThinKPress, TOVAPress)
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.attention import patch_eager_attention
@@ -464,6 +465,109 @@ def test_think_prunes_the_blocks_where_the_view_is_a_gathered_copy(before, infer
                                        max_new_tokens=6, attention_mask=mask))  # ThinK changes them
     prompt_keys = cache.layers[0].keys[:, :, :-5]  # (the 5 tokens generated after the prefill last, not pruned)
     assert bool(((prompt_keys == 0).all(dim=-2).sum(-1) >= 8).all())  # half of the 16 channels zero on every head
+
+
+def distinct_token_prompt(model, length: int, seed: int = 0) -> torch.Tensor:
+    """A prompt of `length` different token ids: Knorm scores a layer-0 key by its token alone (the rotary embedding
+    keeps norms), so distinct tokens never tie."""
+    return torch.randperm(model.config.vocab_size - 3, generator=torch.Generator().manual_seed(seed))[:length][None] + 3
+
+
+def layer0_keys(model, sequence: torch.Tensor) -> torch.Tensor:
+    """The first layer's keys (B, H, T, d) of `sequence` uncompressed: they depend on the tokens and positions only."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(sequence, past_key_values=cache)
+    return cache.layers[0].keys
+
+
+def held_positions(layer: PagedLayer) -> list[list[list[int]]]:
+    """Each (batch, kv head)'s token positions, in view order, checking that every slot held knows its position."""
+    layer.flush()  # a press's last write, stored
+    positions = layer.view_positions(layer.keys)
+    assert ((positions >= 0).sum(-1) == layer.lengths).all(), "a held slot lost its position"
+    return [[[p for p in head.tolist() if p >= 0] for head in row] for row in positions]
+
+
+@kvpress_hooks.mark
+def test_adakv_while_decoding_evicts_the_tokens_it_masks_on_the_rectangular_cache():
+    """DecodingPress(AdaKVPress(Knorm)) scores the paged view again at every compression. Once marks had evicted
+    slots, the view's columns no longer were token positions, and its empty columns (zeros, the top Knorm score) were
+    scored as tokens: the marks evicted other tokens and each head kept 2-10 slots of a target of 40. On a
+    DynamicCache kvpress scores the tokens it masked again with the rest; Knorm's scores do not change, so it masks
+    the tokens it would evict: each head must hold exactly its unmasked tokens, and give the same tokens."""
+    model, _ = make_tiny_llama()
+    ids = distinct_token_prompt(model, 150)
+
+    def press():
+        return DecodingPress(AdaKVPress(KnormPress()), compression_interval=3, target_size=40,
+                             hidden_states_buffer_size=3)
+
+    dynamic, paged = DynamicCache(), PagedKVCache(block_size=4)
+    expected = greedy(model, ids, dynamic, press())
+    masks = [layer.self_attn.masked_key_indices for layer in model.model.layers]
+    assert torch.equal(greedy(model, ids, paged, press()), expected)
+    for layer, (batch, head, column), rectangular in zip(paged.layers, masks, dynamic.layers):
+        masked = {(int(b), int(h), int(c)) for b, h, c in zip(batch, head, column)}
+        unmasked = [[[c for c in range(rectangular.keys.shape[2]) if (0, h, c) not in masked]
+                     for h in range(rectangular.keys.shape[1])]]
+        assert [[sorted(head) for head in row] for row in held_positions(layer)] == unmasked
+
+
+@kvpress_hooks.mark
+def test_a_selection_after_head_wise_eviction_holds_no_empty_column():
+    """AdaKVPress at prefill, then DecodingPress(Knorm) while decoding: Knorm ranked the view's empty columns (zero
+    keys: its top score) first and the layer stored 60 of a head's 62 slots as zero keys, attended as tokens
+    (kvpress itself fails on a DynamicCache here). Every slot held is now a token: its key that token's key, and each
+    head keeps the best-scored of the tokens it held."""
+    model, _ = make_tiny_llama()
+    ids = distinct_token_prompt(model, 150)
+    press = PrefillDecodingPress(prefilling_press=AdaKVPress(KnormPress(0.5)),
+                                 decoding_press=DecodingPress(KnormPress(), compression_interval=4, target_size=30,
+                                                              hidden_states_buffer_size=4))
+    cache = PagedKVCache(block_size=4)
+    generated = greedy(model, ids, cache, press, max_new_tokens=9)
+    layer = cache.layers[0]
+    expected_keys = layer0_keys(model, torch.cat([ids, generated[:, :-1]], -1))[0]
+    positions = held_positions(layer)[0]
+    assert layer.lengths.tolist() == [[30] * len(positions)]  # the last compression was the last pass
+    for head, held in enumerate(positions):
+        torch.testing.assert_close(layer.keys[0, head, :30], expected_keys[head, held], rtol=0, atol=1e-6)
+
+
+@kvpress_hooks.mark
+def test_a_scorer_press_on_a_padded_batch_keeps_each_rows_best_tokens():
+    """A padded prefill drops the padding of the shorter rows, which the view shows as empty columns. KnormPress
+    ranked those zero keys first: a row of 28 tokens held 39 slots of which 11 were zero keys. Each head of each row
+    now holds the best-scored of its own tokens: ScorerPress keeps int(52 * 0.75) = 39 columns of the batch, so the
+    short row keeps all 28, the long one its 39 best by Knorm (one layer-0 key per token)."""
+    model, _ = make_tiny_llama()
+    rows = [distinct_token_prompt(model, 28, seed=1), distinct_token_prompt(model, 52, seed=2)]
+    padded = torch.cat([torch.nn.functional.pad(rows[0], (24, 0)), rows[1]])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(rows[0]), (24, 0)), torch.ones_like(rows[1])])
+    cache = PagedKVCache(block_size=4)
+    greedy(model, padded, cache, KnormPress(compression_ratio=0.25), max_new_tokens=1, attention_mask=mask)
+    for row, (ids, padding) in enumerate(zip(rows, (24, 0))):
+        norms = layer0_keys(model, ids)[0].norm(dim=-1)  # (H, T)
+        best = (-norms).topk(min(39, ids.shape[1]), dim=-1).indices
+        expected = [sorted((best[head] + padding).tolist()) for head in range(norms.shape[0])]
+        assert [sorted(head) for head in held_positions(cache.layers[0])[row]] == expected
+
+
+@kvpress_hooks.mark
+def test_a_selection_of_its_own_over_empty_columns_is_refused_naming_them():
+    """ChunkPress selects in each chunk of the view: over a padded batch's empty columns it can keep them as tokens,
+    which the layer cannot tell apart. Refused, saying why; a DynamicCache runs it."""
+    model, _ = make_tiny_llama()
+    padded = torch.cat([torch.nn.functional.pad(distinct_token_prompt(model, 28), (24, 0)),
+                        distinct_token_prompt(model, 52)])
+    mask = (padded > 0).long()
+    mask[0, :24] = 0
+    with pytest.raises(RuntimeError, match="holes, columns that hold no slot of their head"):
+        greedy(model, padded, PagedKVCache(block_size=4), ChunkPress(KnormPress(0.5), chunk_length=16),
+               max_new_tokens=2, attention_mask=mask)
+    greedy(model, padded, DynamicCache(), ChunkPress(KnormPress(0.5), chunk_length=16), max_new_tokens=2,
+           attention_mask=mask)
 
 
 @kvpress_hooks.mark
