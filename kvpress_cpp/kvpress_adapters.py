@@ -54,7 +54,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
-from kvpress import AdaKVPress, BasePress, ComposedPress, DMSPress, PrefillDecodingPress, ScorerPress, SnapKVPress
+from kvpress import (AdaKVPress, BasePress, ComposedPress, CriticalAdaKVPress, DMSPress, PrefillDecodingPress,
+                     PyramidKVPress, ScorerPress, SnapKVPress)
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
 from kvpress.utils import compute_n_kept
@@ -66,8 +67,8 @@ from kvpress_cpp.paged_cache import PagedLayer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs, hooked_decoder
 from kvpress_cpp.presses.kvzap import KVzapPress
 
-__all__ = ["patch_dms_press", "patch_adakv_press", "patch_wrapper_contexts", "patch_press_contexts",
-           "patch_presses_after_ours", "patch_pipeline_questions", "SHARDABLE_SCORERS",
+__all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
+           "patch_press_contexts", "patch_presses_after_ours", "patch_pipeline_questions", "SHARDABLE_SCORERS",
            "kvpress_transformers_mismatch"]
 
 #: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
@@ -280,17 +281,26 @@ def patch_dms_press() -> None:
     DMSPress.post_init_from_model = _refusing_unshardable_scorers(DMSPress.post_init_from_model)
 
 
-def _marked_columns_to_positions(module, kwargs: dict, keys: torch.Tensor) -> None:
-    """AdaKVPress marks columns of the keys it scored, which kvpress's own cache holds from position 0 on. A paged
-    layer evicts marks as token positions: those of the slots its view shows at the marked columns
-    (:meth:`PagedLayer.view_positions`; a hole's marks, which evict nothing, are dropped)."""
+def _marked_columns_to_positions(press, module, kwargs: dict, keys: torch.Tensor) -> None:
+    """AdaKVPress (and CriticalAdaKVPress) mark columns of the keys they scored, which kvpress's own cache holds from
+    position 0 on. A paged layer evicts marks as token positions: those of the slots its view shows at the marked
+    columns (:meth:`PagedLayer.view_positions`; a hole's marks, which evict nothing, are dropped). Marks on slots
+    whose positions the layer does not know (a kvpress press before selected them its own way) are refused."""
     layer = _paged_layer(module, kwargs)
     marks = module.masked_key_indices
     positions = layer.view_positions(keys) if layer is not None and marks is not None else None
     if positions is None:
         return
     batch, head, column = marks
-    marked = positions[batch.cpu(), head.cpu(), column.cpu()]
+    on_host = batch.cpu(), head.cpu(), column.cpu()
+    marked = positions[on_host]
+    holes = layer.view_holes(keys)
+    unknown = (marked < 0) if holes is None else (marked < 0) & ~holes.cpu()[on_host]
+    if bool(unknown.any()):
+        raise RuntimeError(f"{type(press).__name__} marked {int(unknown.sum())} slots of layer {module.layer_idx} of a "
+                           f"PagedKVCache whose token positions it does not know, by which it evicts marks: a kvpress "
+                           f"press before it selected them its own way (ChunkPress, KeyRerotationPress, ...). Use a "
+                           f"DynamicCache, or a ScorerPress's own selection before it")
     held = marked >= 0
     module.masked_key_indices = (batch[held.to(batch.device)], head[held.to(head.device)],
                                  marked[held].to(column.device))
@@ -331,23 +341,49 @@ def patch_adakv_press() -> None:
             batch, head, position = module.masked_key_indices  # the model's heads
             own = (head >= shard[0]) & (head < shard[1])
             module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
-        _marked_columns_to_positions(module, kwargs, keys)
+        _marked_columns_to_positions(self, module, kwargs, keys)
         return keys, values
 
     setattr(adapted_compress, _PATCHED_ATTR, True)
     AdaKVPress.compress = adapted_compress
     AdaKVPress.post_init_from_model = _refusing_unshardable_scorers(AdaKVPress.post_init_from_model)
+    CriticalAdaKVPress.compress = _marks_read_through_the_view(CriticalAdaKVPress.compress)
+
+
+def _marks_read_through_the_view(compress):
+    """A head-wise press's ``compress`` whose marks, columns of the keys it scored, a paged layer then evicts as the
+    tokens those columns show (:func:`_marked_columns_to_positions`). Its scorer scores the holes of the view as
+    tokens (CriticalAdaKVPress weighs scores by the values' norms, which are 0 there): they take no token's place, as
+    its marks on them evict nothing, but they take some of its budget."""
+    if getattr(compress, _PATCHED_ATTR, False):
+        return compress
+
+    def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        _marked_columns_to_positions(self, module, kwargs, keys)
+        return keys, values
+
+    setattr(adapted_compress, _PATCHED_ATTR, True)
+    return adapted_compress
 
 
 def patch_scorer_press() -> None:
-    """Wrap ``ScorerPress.compress`` for a paged layer: kvpress's selection of each head's best-scored columns, with the
-    holes of the view (:func:`_view_holes`) scored -inf so that a head keeps its tokens first, and the layer told which
-    columns it took: it drops the holes among them (taken where a head holds fewer tokens than the slots kept) and
-    keeps the tokens' positions, which later head-wise marks are read by.
-    Anywhere else kvpress's own ``compress`` runs. Idempotent."""
-    compress = ScorerPress.compress
+    """Wrap ``ScorerPress.compress`` and ``PyramidKVPress.compress`` (its per-layer budget) for a paged layer:
+    kvpress's selection of each head's best-scored columns, with the holes of the view (:func:`_view_holes`) scored
+    -inf so that a head keeps its tokens first, and the layer told which columns it took: it drops the holes among
+    them (taken where a head holds fewer tokens than the slots kept) and keeps the tokens' positions, which later
+    head-wise marks are read by. Anywhere else kvpress's own ``compress`` runs. Idempotent."""
+    ScorerPress.compress = _selecting_on_paged_layers(
+        ScorerPress.compress, lambda press, module, k_len: compute_n_kept(k_len, press.compression_ratio))
+    PyramidKVPress.compress = _selecting_on_paged_layers(
+        PyramidKVPress.compress, lambda press, module, k_len: press.get_layer_budget(module, k_len))
+
+
+def _selecting_on_paged_layers(compress, kept_count):
+    """`compress`, kvpress's selection of the `kept_count(press, module, k_len)` best-scored columns of each head, made
+    again on a paged layer with its holes scored -inf, and the columns taken handed to the layer (select_columns)."""
     if getattr(compress, _PATCHED_ATTR, False):
-        return
+        return compress
 
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         layer, holes = _view_holes(module, kwargs, keys)
@@ -355,14 +391,15 @@ def patch_scorer_press() -> None:
             return compress(self, module, hidden_states, keys, values, attentions, kwargs)
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
         scores = scores if holes is None else scores.masked_fill(holes, float("-inf"))
-        kept = scores.topk(compute_n_kept(keys.shape[2], self.compression_ratio), dim=-1).indices
+        kept = scores.topk(kept_count(self, module, keys.shape[2]), dim=-1).indices
         index = kept.unsqueeze(-1)
         kept_keys = keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])).contiguous()
         layer.select_columns(keys, kept, kept_keys)
         return kept_keys, values.gather(2, index.expand(-1, -1, -1, values.shape[-1])).contiguous()
 
     setattr(adapted_compress, _PATCHED_ATTR, True)
-    ScorerPress.compress = adapted_compress
+    adapted_compress.__wrapped__ = compress  # kvpress's own, which tests compare with where both run
+    return adapted_compress
 
 
 def _ours_inside(wrapper) -> list[KVCompPress]:
@@ -520,7 +557,11 @@ def patch_presses_after_ours() -> None:
 
     def adapted_forward_hook(self, module, input, kwargs, output):
         with _naming_our_slots(self, module, kwargs):
-            return forward_hook(self, module, input, kwargs, output)
+            output = forward_hook(self, module, input, kwargs, output)
+        layer = _paged_layer(module, kwargs)
+        if layer is not None and not isinstance(self, KVCompPress):
+            layer.refuse_unknown_selection(type(self).__name__, module.layer_idx)
+        return output
 
     setattr(adapted_forward_hook, _PATCHED_ATTR, True)
     BasePress.forward_hook = adapted_forward_hook

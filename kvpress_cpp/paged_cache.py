@@ -466,9 +466,12 @@ class PagedLayer(CacheLayerMixin):
     def flush(self) -> None:
         """Store what was written through the view since the last call, and evict the slots kvpress's head-wise
         presses marked on the attention module. Every other method calls it first."""
-        if self.is_initialized and self.key_blocks.is_inference() and not torch.is_inference_mode_enabled():
-            self._leave_inference_mode()
         keys, values, state = self._pending_keys, self._pending_values, self._pending_state
+        if self.is_initialized and self.key_blocks.is_inference() and not torch.is_inference_mode_enabled():
+            view = self._view
+            self._leave_inference_mode()
+            if keys is not _UNSET or values is not _UNSET:  # written over that view, whose layout did not change
+                self._view = view
         if keys is not _UNSET or values is not _UNSET or state is not _UNSET:
             self._pending_keys = self._pending_values = self._pending_state = _UNSET
             self._write_back(keys, values, state)
@@ -1108,14 +1111,21 @@ class PagedLayer(CacheLayerMixin):
             dropped = None if holes is None else holes.gather(-1, selected.to(holes.device))
             return (dropped if dropped is not None and bool(dropped.any()) else None), positions
         if holes is not None and keys.shape[2]:  # (no column: nothing that could be a hole)
-            raise RuntimeError(
-                f"PagedKVCache: {tuple(keys.shape[:3])} (batch, kv heads, slots) of keys selected by a kvpress press "
-                f"were written to a layer whose view {tuple(view[0].shape[:3])} has holes, columns that hold no slot "
-                f"of their head (a batch row's padding dropped at prefill, slots AdaKVPress or DMSPress evicted, a "
-                f"head shorter than the longest). ScorerPress's own selection leaves them out; a press that selects "
-                f"columns its own way (ChunkPress, BlockPress, KeyRerotationPress, ...) may keep their zeros as "
-                f"tokens. Use a DynamicCache for it, or an unpadded batch without a head-wise press before it")
+            raise _selection_over_holes_error("a kvpress press", keys, view[0])
         return None, None
+
+    def refuse_unknown_selection(self, press_name: str, layer_idx: int) -> None:
+        """Refuse, naming the press and the layer, the keys `press_name` (a kvpress press, whose hook has just run)
+        wrote without saying which columns of a view with holes they are, as the write itself would when stored
+        (:meth:`_selection_written`); nothing of the write is stored."""
+        keys, view = self._pending_keys, self._view
+        if (keys is _UNSET or self._pending_state is not _UNSET or view is None or keys is view[0]
+                or _is_prefix(keys, view[0]) or self._selection_of(keys) is not None or not keys.shape[2]
+                or self.view_holes(view[0]) is None):
+            return
+        self._pending_keys = self._pending_values = _UNSET
+        self._selection = None
+        raise _selection_over_holes_error(f"{press_name} on layer {layer_idx}", keys, view[0])
 
     def check_state_in_place(self) -> None:
         """Raise if another press's write displaced a press's per-slot state (see ``_state_displaced_from``); a pass
@@ -1405,6 +1415,16 @@ def _unshared(tensor: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     """tensor, or a copy of it when it shares pool's memory (an index_copy_ into pool may not read pool)."""
     shared = tensor.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
     return tensor.clone() if shared else tensor
+
+
+def _selection_over_holes_error(writer: str, keys: torch.Tensor, view: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"PagedKVCache: {writer} wrote {tuple(keys.shape[:3])} (batch, kv heads, slots) of keys selected from a view "
+        f"{tuple(view.shape[:3])} with holes, columns that hold no slot of their head (a batch row's padding dropped "
+        f"at prefill, slots AdaKVPress or DMSPress evicted, a head shorter than the longest). ScorerPress's own "
+        f"selection leaves them out; a press that selects columns its own way (ChunkPress, BlockPress, "
+        f"KeyRerotationPress, ...) may keep their zeros as tokens. Use a DynamicCache for it, or an unpadded batch "
+        f"without a head-wise press before it")
 
 
 def _is_prefix(tensor: torch.Tensor, view: torch.Tensor) -> bool:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvpress import (AdaKVPress, ChunkPress, ComposedPress, DecodingPress, DMSPress, KnormPress, PrefillDecodingPress,
-                     SnapKVPress, ThinKPress, TOVAPress)
+from kvpress import (AdaKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DecodingPress, DMSPress, KnormPress,
+                     PrefillDecodingPress, PyramidKVPress, SnapKVPress, ThinKPress, TOVAPress)
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.attention import patch_eager_attention
@@ -43,11 +43,12 @@ PRESSES = {
     "kvzap": lambda d: KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=d),
     "gvote": lambda d: GVotePress(),
     "snapkv": lambda d: SnapKVPress(compression_ratio=0.5),
+    "pyramidkv": lambda d: PyramidKVPress(compression_ratio=0.5, window_size=8),
     "adakv-snapkv": lambda d: AdaKVPress(SnapKVPress(compression_ratio=0.6)),
     "dms-kvzap": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=8, decoding=True),
 }
 HEAD_WISE_MASKING = ("adakv-snapkv", "dms-kvzap")
-KVPRESS_PRESSES = ("snapkv", *HEAD_WISE_MASKING)
+KVPRESS_PRESSES = ("snapkv", "pyramidkv", *HEAD_WISE_MASKING)
 
 
 def greedy(model, input_ids, cache, press=None, max_new_tokens=12, **kwargs):
@@ -535,18 +536,27 @@ def test_a_selection_after_head_wise_eviction_holds_no_empty_column():
         torch.testing.assert_close(layer.keys[0, head, :30], expected_keys[head, held], rtol=0, atol=1e-6)
 
 
-@kvpress_hooks.mark
-def test_a_scorer_press_on_a_padded_batch_keeps_each_rows_best_tokens():
-    """A padded prefill drops the padding of the shorter rows, which the view shows as empty columns. KnormPress
-    ranked those zero keys first: a row of 28 tokens held 39 slots of which 11 were zero keys. Each head of each row
-    now holds the best-scored of its own tokens: ScorerPress keeps int(52 * 0.75) = 39 columns of the batch, so the
-    short row keeps all 28, the long one its 39 best by Knorm (one layer-0 key per token)."""
-    model, _ = make_tiny_llama()
+def padded_pair(model) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Rows of 28 and 52 distinct tokens, and the batch left-padded to 52 with its attention mask."""
     rows = [distinct_token_prompt(model, 28, seed=1), distinct_token_prompt(model, 52, seed=2)]
     padded = torch.cat([torch.nn.functional.pad(rows[0], (24, 0)), rows[1]])
     mask = torch.cat([torch.nn.functional.pad(torch.ones_like(rows[0]), (24, 0)), torch.ones_like(rows[1])])
+    return rows, padded, mask
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_a_scorer_press_on_a_padded_batch_keeps_each_rows_best_tokens(inference_mode):
+    """A padded prefill drops the padding of the shorter rows, which the view shows as empty columns. KnormPress
+    ranked those zero keys first: a row of 28 tokens held 39 slots of which 11 were zero keys. Each head of each row
+    now holds the best-scored of its own tokens: ScorerPress keeps int(52 * 0.75) = 39 columns of the batch, so the
+    short row keeps all 28, the long one its 39 best by Knorm (one layer-0 key per token). A prefill under
+    inference_mode is stored when the layer is next read outside it, which forgot the view the selection was from."""
+    model, _ = make_tiny_llama()
+    rows, padded, mask = padded_pair(model)
     cache = PagedKVCache(block_size=4)
-    greedy(model, padded, cache, KnormPress(compression_ratio=0.25), max_new_tokens=1, attention_mask=mask)
+    with torch.inference_mode(inference_mode), KnormPress(compression_ratio=0.25)(model):
+        model(padded, attention_mask=mask, past_key_values=cache)
     for row, (ids, padding) in enumerate(zip(rows, (24, 0))):
         norms = layer0_keys(model, ids)[0].norm(dim=-1)  # (H, T)
         best = (-norms).topk(min(39, ids.shape[1]), dim=-1).indices
@@ -555,15 +565,64 @@ def test_a_scorer_press_on_a_padded_batch_keeps_each_rows_best_tokens():
 
 
 @kvpress_hooks.mark
+def test_pyramidkv_on_a_padded_batch_holds_tokens_only():
+    """PyramidKVPress selects as ScorerPress does with a budget per layer: the holes of the shorter row are scored
+    below its tokens, and a slot held is a token (its layer-0 key that token's), at a position of that row."""
+    model, _ = make_tiny_llama()
+    rows, padded, mask = padded_pair(model)
+    cache = PagedKVCache(block_size=4)
+    greedy(model, padded, cache, PyramidKVPress(compression_ratio=0.25, window_size=8), max_new_tokens=1,
+           attention_mask=mask)
+    layer = cache.layers[0]
+    for row, (ids, padding) in enumerate(zip(rows, (24, 0))):
+        expected_keys = layer0_keys(model, ids)[0]
+        for head, held in enumerate(held_positions(layer)[row]):
+            assert min(held) >= padding
+            torch.testing.assert_close(layer.keys[row, head, :len(held)],
+                                       expected_keys[head, [p - padding for p in held]], rtol=0, atol=1e-6)
+
+
+@kvpress_hooks.mark
+def test_critical_adakv_marks_after_a_selection_evict_the_tokens_kvpress_masks():
+    """CriticalAdaKVPress after a ScorerPress in a ComposedPress marks columns of the keys the selection kept, which
+    are in score order. Its marks were evicted as token positions (other tokens: the heads held 46 and 48 tokens
+    where kvpress attends 28 and 32); each head now holds what kvpress leaves unmasked, and gives its greedy tokens
+    (kvpress's ComposedPress takes no AdaKVPress)."""
+    model, _ = make_tiny_llama()
+    ids = distinct_token_prompt(model, 90)
+
+    def press():
+        return ComposedPress([KnormPress(0.3), CriticalAdaKVPress(KnormPress(0.5))])
+
+    dynamic, paged = DynamicCache(), PagedKVCache(block_size=4)
+    expected = greedy(model, ids, dynamic, press(), max_new_tokens=2)
+    batch, head, _ = model.model.layers[0].self_attn.masked_key_indices
+    unmasked = [dynamic.layers[0].keys.shape[2] - int((head == h).sum()) for h in range(2)]
+    assert torch.equal(greedy(model, ids, paged, press(), max_new_tokens=2), expected)
+    assert [len(held) for held in held_positions(paged.layers[0])[0]] == unmasked
+
+
+@kvpress_hooks.mark
+def test_head_wise_marks_on_slots_of_unknown_positions_are_refused():
+    """ChunkPress selects its own way: the paged layer stores its slots without their positions. AdaKVPress's marks,
+    read as the positions of the tokens their columns show, then evicted nothing (60 slots held of a target of 20):
+    refused, naming the press."""
+    model, _ = make_tiny_llama()
+    press = PrefillDecodingPress(prefilling_press=ChunkPress(KnormPress(0.5), chunk_length=16),
+                                 decoding_press=DecodingPress(AdaKVPress(KnormPress()), compression_interval=2,
+                                                              target_size=20, hidden_states_buffer_size=2))
+    with pytest.raises(RuntimeError, match="AdaKVPress marked .* slots of layer 0 of a PagedKVCache whose token "
+                                           "positions it does not know"):
+        greedy(model, distinct_token_prompt(model, 120), PagedKVCache(block_size=4), press, max_new_tokens=4)
+
+
+@kvpress_hooks.mark
 def test_a_selection_of_its_own_over_empty_columns_is_refused_naming_them():
     """ChunkPress selects in each chunk of the view: over a padded batch's empty columns it can keep them as tokens,
-    which the layer cannot tell apart. Refused, saying why; a DynamicCache runs it."""
+    which the layer cannot tell apart. Refused at once, naming the press and the layer; a DynamicCache runs it."""
     model, _ = make_tiny_llama()
-    padded = torch.cat([torch.nn.functional.pad(distinct_token_prompt(model, 28), (24, 0)),
-                        distinct_token_prompt(model, 52)])
-    mask = (padded > 0).long()
-    mask[0, :24] = 0
-    with pytest.raises(RuntimeError, match="holes, columns that hold no slot of their head"):
+    _, padded, mask = padded_pair(model)
+    with pytest.raises(RuntimeError, match="ChunkPress on layer 0 wrote .* holes, columns that hold no slot"):
         greedy(model, padded, PagedKVCache(block_size=4), ChunkPress(KnormPress(0.5), chunk_length=16),
                max_new_tokens=2, attention_mask=mask)
     greedy(model, padded, DynamicCache(), ChunkPress(KnormPress(0.5), chunk_length=16), max_new_tokens=2,
