@@ -43,7 +43,7 @@ PRESSES = {
     "kvzap": lambda d: KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=d),
     "gvote": lambda d: GVotePress(),
     "snapkv": lambda d: SnapKVPress(compression_ratio=0.5),
-    "pyramidkv": lambda d: PyramidKVPress(compression_ratio=0.5, window_size=8),
+    "pyramidkv": lambda d: PyramidKVPress(compression_ratio=0.5),
     "adakv-snapkv": lambda d: AdaKVPress(SnapKVPress(compression_ratio=0.6)),
     "dms-kvzap": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=8, decoding=True),
 }
