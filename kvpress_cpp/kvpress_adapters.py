@@ -63,7 +63,7 @@ from kvpress.utils import compute_n_kept
 from kvpress_cpp.attention import padding_log_weights
 from kvpress_cpp.cache import get_state, pass_cache
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
-from kvpress_cpp.paged_cache import PagedLayer, shared_padding_dropped
+from kvpress_cpp.paged_cache import PagedLayer, pass_paged_layer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs, hooked_decoder
 from kvpress_cpp.presses.kvzap import KVzapPress
 
@@ -286,7 +286,7 @@ def _marked_columns_to_positions(press, module, kwargs: dict, keys: torch.Tensor
     position 0 on. A paged layer evicts marks as token positions: those of the slots its view shows at the marked
     columns (:meth:`PagedLayer.view_positions`; a hole's marks, which evict nothing, are dropped). Marks on slots
     whose positions the layer does not know (a kvpress press before selected them its own way) are refused."""
-    layer = _paged_layer(module, kwargs)
+    layer = pass_paged_layer(module, kwargs)
     marks = module.masked_key_indices
     positions = layer.view_positions(keys) if layer is not None and marks is not None else None
     if positions is None:
@@ -306,18 +306,11 @@ def _marked_columns_to_positions(press, module, kwargs: dict, keys: torch.Tensor
                                  marked[held].to(column.device))
 
 
-def _paged_layer(module, kwargs: dict) -> PagedLayer | None:
-    """The paged layer of `module` in this pass, None on any other cache."""
-    layers = getattr(pass_cache(kwargs), "layers", None)
-    layer = layers[module.layer_idx] if layers is not None else None
-    return layer if isinstance(layer, PagedLayer) else None
-
-
 def _view_holes(module, kwargs: dict, keys: torch.Tensor) -> tuple[PagedLayer | None, torch.Tensor | None]:
     """The paged layer of `module` in this pass, and the holes of its view when `keys` are the view's keys
     (:meth:`PagedLayer.view_holes`); (None, None) on any other cache. A kvpress scorer scores those columns' zeros as
     tokens (the top score for Knorm, a sink for attention scores), where kvpress's own cache has no such columns."""
-    layer = _paged_layer(module, kwargs)
+    layer = pass_paged_layer(module, kwargs)
     return layer, None if layer is None else layer.view_holes(keys)
 
 
@@ -557,7 +550,7 @@ def patch_presses_after_ours() -> None:
     def adapted_forward_hook(self, module, input, kwargs, output):
         with _naming_our_slots(self, module, kwargs):
             output = forward_hook(self, module, input, kwargs, output)
-        layer = _paged_layer(module, kwargs)
+        layer = pass_paged_layer(module, kwargs)
         if layer is not None and not isinstance(self, KVCompPress):
             layer.refuse_unknown_selection(type(self).__name__, module.layer_idx)
         return output

@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpress_cpp import ops
 from kvpress_cpp.cache import (LayerState, UnsavedRef, beam_rows, forget_tokens_held, head_wise_marks_error,
-                               repeated_rows, route_attention_through_kvpress_cpp, selected_rows,
+                               pass_cache, repeated_rows, route_attention_through_kvpress_cpp, selected_rows,
                                slots_rearranged_error)
 
 __all__ = ["PagedKVCache", "PagedLayer", "paged_layer_of", "settle_marks"]
@@ -96,12 +96,19 @@ def _crop_zero_removes_nothing() -> bool:
 _CROP_ZERO_REMOVES_NOTHING = _crop_zero_removes_nothing()
 
 
+def pass_paged_layer(module, kwargs: dict) -> PagedLayer | None:
+    """The paged layer of `module` in the pass whose hook sees `kwargs`, None on any other cache."""
+    layers = getattr(pass_cache(kwargs), "layers", None)
+    layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
+    return layer if isinstance(layer, PagedLayer) else None
+
+
 def shared_padding_dropped(module, kwargs: dict) -> int:
     """The columns of padding every row of the prompt shares that `module`'s cache layer does not hold: a paged
     layer's ``padding_dropped`` (its keys start that many tokens after the prompt's hidden states), 0 on a
     DynamicCache."""
-    layers = getattr(kwargs.get("past_key_values"), "layers", None)
-    return getattr(layers[module.layer_idx], "padding_dropped", 0) if layers else 0
+    layer = pass_paged_layer(module, kwargs)
+    return layer.padding_dropped if layer is not None else 0
 
 
 def settle_marks(module: torch.nn.Module, layer: PagedLayer | None) -> None:

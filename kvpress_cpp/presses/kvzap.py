@@ -31,9 +31,9 @@ from kvpress.presses.kvzap_press import KVzapPress as _KVzapScorer
 from torch import nn
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import compact_to_longest_head, pass_cache
+from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import kv_head_shard
-from kvpress_cpp.paged_cache import PagedLayer, shared_padding_dropped
+from kvpress_cpp.paged_cache import PagedLayer, pass_paged_layer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real
 
 __all__ = ["KVzapPress", "KVzapThresholdPress", "load_surrogate", "save_surrogate", "default_surrogate_dir",
@@ -295,9 +295,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
 
     def _compress_pass(self, module, input, kwargs, output):
         self._refuse_head_wise_marks(module)  # before written_state() reads the layer (and evicts them)
-        cache = pass_cache(kwargs)
-        layer = cache.layers[module.layer_idx] if cache is not None else None
-        if isinstance(layer, PagedLayer) and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
+        layer = pass_paged_layer(module, kwargs)
+        if layer is not None and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
             return self._after_layer(module, output)
         return super()._compress_pass(module, input, kwargs, output)
 
