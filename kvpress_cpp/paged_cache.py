@@ -1102,33 +1102,41 @@ class PagedLayer(CacheLayerMixin):
                 self._state_displaced_from = (self._state_written.owner_name() if self._state_written is not None
                                               else "a kvpress_cpp press")
             selected = selection[1] if selection is not None and keys is selection[0] else None
-            self._rewrite(keys, values, None, *self._selection_written(keys, view, selected))
+            if self._unnamed_columns_over_holes(keys, values, view, selected):
+                raise _selection_over_holes_error("a kvpress press", keys, view[0])
+            self._rewrite(keys, values, None, *self._selection_written(view, selected))
             return
         self._state_displaced_from = None
         self._rewrite(keys, values, state)
 
-    def _selection_written(self, keys: torch.Tensor, view, selected: torch.Tensor | None):
-        """(dropped, positions) for `keys` written without a state, from the columns of `view` its writer said they are
-        (select_columns): the columns (B, H, W') that were holes (None where none was) and the token positions of the
-        others; (None, None) without a selection over a view without holes (a kvpress press's plain tokens). A view
-        with holes and a writer that did not say is refused: the holes' zeros would be stored and attended as tokens."""
-        holes = self.view_holes(view[0]) if view is not None else None
-        if selected is not None and view is not None:
-            positions = self.view_positions(view[0]).gather(-1, selected.cpu())  # (view[0] is never a selection)
-            dropped = None if holes is None else holes.gather(-1, selected.to(holes.device))
-            return (dropped if dropped is not None and bool(dropped.any()) else None), positions
-        if holes is not None and keys.shape[2]:  # (no column: nothing that could be a hole)
-            raise _selection_over_holes_error("a kvpress press", keys, view[0])
-        return None, None
+    def _unnamed_columns_over_holes(self, keys, values, view, selected: torch.Tensor | None) -> bool:
+        """Whether `keys` and `values`, written without a state, are columns of a view with holes that their writer did
+        not name (`selected`, from select_columns): neither the view nor a prefix of it. Stored, the holes' zeros
+        would be attended as tokens, so such a write is refused."""
+        return (view is not None and selected is None and bool(keys.shape[2])
+                and not (_is_prefix(keys, view[0]) and _is_prefix(values, view[1]))
+                and self.view_holes(view[0]) is not None)
+
+    def _selection_written(self, view, selected: torch.Tensor | None):
+        """(dropped, positions) for keys written without a state, from the columns of `view` their writer said they
+        are (select_columns): the columns (B, H, W') that were holes (None where none was) and the token positions of
+        the others; (None, None) without a selection (a kvpress press's plain tokens over a view without holes)."""
+        if selected is None or view is None:
+            return None, None
+        holes = self.view_holes(view[0])
+        positions = self.view_positions(view[0]).gather(-1, selected.cpu())  # (view[0] is never a selection)
+        dropped = None if holes is None else holes.gather(-1, selected.to(holes.device))
+        return (dropped if dropped is not None and bool(dropped.any()) else None), positions
 
     def refuse_unknown_selection(self, press_name: str, layer_idx: int) -> None:
         """Refuse, naming the press and the layer, the keys `press_name` (a kvpress press, whose hook has just run)
         wrote without saying which columns of a view with holes they are, as the write itself would when stored
-        (:meth:`_selection_written`); nothing of the write is stored."""
+        (:meth:`_unnamed_columns_over_holes`); nothing of the write is stored."""
         keys, view = self._pending_keys, self._view
-        if (keys is _UNSET or self._pending_state is not _UNSET or view is None or keys is view[0]
-                or _is_prefix(keys, view[0]) or self._selection_of(keys) is not None or not keys.shape[2]
-                or self.view_holes(view[0]) is None):
+        if keys is _UNSET or self._pending_state is not _UNSET or view is None:
+            return
+        values = view[1] if self._pending_values is _UNSET else self._pending_values
+        if not self._unnamed_columns_over_holes(keys, values, view, self._selection_of(keys)):
             return
         self._pending_keys = self._pending_values = _UNSET
         self._selection = None
