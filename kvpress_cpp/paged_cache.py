@@ -442,8 +442,11 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def kvcomp_state(self) -> LayerState | None:
-        """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. As on a DynamicLayer it covers
-        the view's columns up to the last write (the base part): the tokens appended since are the press's to add."""
+        """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. It covers the view's columns up
+        to the press's last write (the base part): the tokens appended since are the press's to add. A DynamicLayer's
+        per-slot tensors cover the same columns, but its log-weights follow the layer (the attention pads them with
+        0 for each token it appends, LayerState.align): after a prefill-only press (GVote) and decoding, they are
+        wider there than here by the tokens decoded."""
         if not self.is_initialized:
             return None
         self.flush()

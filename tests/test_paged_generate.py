@@ -102,6 +102,22 @@ def test_generate_in_half_precision(name, dtype, surrogate_dir):
 
 
 @kvpress_hooks.mark
+def test_a_prefill_only_press_state_covers_its_write_on_paged_and_the_whole_layer_on_dynamic():
+    """get_state after GVote (no decoding step) and decoding, as paged_cache documents: the paged layer's log-weights
+    are the prefill's columns, the DynamicCache's the same columns padded with 0 for each decoded token."""
+    model, tokenizer = make_tiny_llama()
+    ids, new_tokens = prompt_ids(tokenizer, 120), 4
+    rectangular_cache, paged_cache = DynamicCache(), PagedKVCache(block_size=4)
+    greedy(model, ids, rectangular_cache, GVotePress(nucleus_p=0.6), max_new_tokens=new_tokens)
+    greedy(model, ids, paged_cache, GVotePress(nucleus_p=0.6), max_new_tokens=new_tokens)
+    for rectangular, paged in zip(rectangular_cache.layers, paged_cache.layers):
+        whole = get_state(rectangular).log_weights
+        prefill = whole.shape[-1] - (new_tokens - 1)  # (the last token generated is never attended)
+        assert whole.shape[-1] == rectangular.keys.shape[-2]
+        assert torch.equal(whole[..., prefill:], torch.zeros_like(whole[..., prefill:]))
+        assert torch.equal(get_state(paged).log_weights, whole[..., :prefill])
+
+
 def test_kvpress_imported_after_us_leaves_the_paged_path_outermost():
     """A user who imports kvpress_cpp before kvpress (a fresh process): kvpress's masking wrapper must not end up
     around ours, where it wrote the masked slots an earlier generate left on the modules into a paged layer's key
