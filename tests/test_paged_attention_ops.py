@@ -191,6 +191,14 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.kvcomp.paged_decode_attention, (*inputs, 0.25, True, 23))
 
 
+def test_compile_fullgraph():
+    compiled = torch.compile(ops.paged_decode_attention, fullgraph=True)
+    for lengths in ([[20, 7]], [[3, 41], [16, 0]]):  # (a second shape: traced again or dynamic, never stale)
+        inputs = make_paged(lengths, 4, 2, 16, 8)
+        for got, expected in zip(compiled(*inputs, 0.25), ops.paged_decode_attention(*inputs, 0.25)):
+            assert torch.equal(got, expected)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # max_len: the caller's bound on the lengths, so that a GPU call reads nothing back
 
