@@ -5,6 +5,7 @@ AdaKVPress and pipeline on top. Surrogates are random, written in kvpress's KVza
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from kvpress import (AdaKVPress, ComposedPress, CriticalAdaKVPress, DecodingPres
                      PerLayerCompressionPress)
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
+from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.cache import get_state
@@ -173,6 +175,46 @@ def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
         KVzapPress(model_type="cubic")
     with pytest.raises(ValueError, match=r"sliding_window must be an int ≥ 1, got -1"):
         KVzapThresholdPress(sliding_window=-1)
+
+
+def test_a_press_used_again_checks_its_surrogate_against_the_new_model(llama, surrogates):
+    """The surrogate is loaded once per folder, but checked against every model a press is used on: reused on a
+    model with 4 kv heads, a 2-head surrogate silently dropped heads 2-3 from the cache (KVzapPress), or failed deep
+    in an op (KVzapThresholdPress)."""
+    model, tokenizer = llama
+    wider, _ = make_tiny_llama(num_key_value_heads=4, seed=1)
+    ids = prompt_ids(tokenizer, 40)
+    for press in (KVzapPress(compression_ratio=0.5, surrogate_dir=surrogates["mlp"]),
+                  KVzapThresholdPress(threshold=0.0, sliding_window=4, surrogate_dir=surrogates["mlp"])):
+        if isinstance(press, KVzapThresholdPress) or not kvpress_transformers_mismatch():  # (kvpress's hooks run)
+            with torch.no_grad(), press(model):
+                model(ids, past_key_values=DynamicCache())
+        press.post_init_from_model(model)
+        with pytest.raises(ValueError, match=rf"the surrogate in {surrogates['mlp']} has output_dim = 2, expected 4"):
+            with press(wider):
+                pass
+    scorer = KVzapPress(surrogate_dir=surrogates["mlp"])
+    scorer.post_init_from_model(model)
+    scorer.model_type = "linear"  # the folder unchanged: its surrogate is an MLP all the same
+    with pytest.raises(ValueError, match=r"is an MLP, but model_type = 'linear'"):
+        scorer.post_init_from_model(model)
+    by_hand = KVzapPress()
+    by_hand.kvzap_model = KVzapModel.from_pretrained(surrogates["linear"], local_files_only=True)
+    with pytest.raises(ValueError, match=r"the surrogate set as kvzap_model has output_dim = 2, expected 4"):
+        by_hand.post_init_from_model(wider)
+
+
+def test_a_surrogate_lacking_tensors_is_refused(llama, surrogates, tmp_path):
+    """transformers fills tensors a model.safetensors lacks with new random weights and only logs it: the press then
+    evicted by random scores in those layers."""
+    model, _ = llama
+    partial = tmp_path / "mlp"
+    shutil.copytree(surrogates["mlp"], partial)
+    tensors = load_file(partial / "model.safetensors")
+    save_file({name: t for name, t in tensors.items() if not name.startswith("layers.1.")},
+              partial / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"the surrogate in {partial} lacks 4 tensor\(s\) .*layers\.1\.0\.bias"):
+        KVzapThresholdPress(surrogate_dir=partial).post_init_from_model(model)
 
 
 @pytest.mark.parametrize("value", [1.0, 1.5, -0.2, float("nan")])

@@ -79,7 +79,19 @@ def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str
             f"{path} (kvpress's KVzapModel layout, written by KVzapModel.save_pretrained). Train one with "
             f"`{TRAIN_COMMAND}`, or pass surrogate_dir= to a directory that holds one. Nothing is downloaded."
         )
-    surrogate = KVzapModel.from_pretrained(path, local_files_only=True).eval()
+    surrogate, loading = KVzapModel.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    absent = sorted(loading["missing_keys"])
+    if absent:  # (transformers fills them with new random weights, and only logs it)
+        raise ValueError(f"KVzap: the surrogate in {path} lacks {len(absent)} tensor(s) its config.json calls for: "
+                         f"{', '.join(absent[:4])}{', ...' if len(absent) > 4 else ''} (a partial model.safetensors?)")
+    check_surrogate_fits(surrogate, model, f"in {path}", model_type)
+    return surrogate.eval()
+
+
+def check_surrogate_fits(surrogate: KVzapModel, model: nn.Module, source: str, model_type: str | None) -> None:
+    """Raise a ValueError naming `source` (where the surrogate came from) unless `surrogate` has one layer per layer
+    of `model` (or of the model an attention module belongs to: its config), mapping the hidden size to the kv heads,
+    and (unless `model_type` is None) is of that type."""
     config, model_config = surrogate.config, model.config
     expected = {
         "n_modules": (config.n_modules, model_config.num_hidden_layers, "layers of the model"),
@@ -88,11 +100,10 @@ def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str
     }
     for name, (got, want, meaning) in expected.items():
         if got != want:
-            raise ValueError(f"KVzap: the surrogate in {path} has {name} = {got}, expected {want} ({meaning})")
-    if (config.hidden_dim is None) != (model_type == "linear"):
-        raise ValueError(f"KVzap: the surrogate in {path} is {'linear' if config.hidden_dim is None else 'an MLP'}, "
+            raise ValueError(f"KVzap: the surrogate {source} has {name} = {got}, expected {want} ({meaning})")
+    if model_type is not None and (config.hidden_dim is None) != (model_type == "linear"):
+        raise ValueError(f"KVzap: the surrogate {source} is {'linear' if config.hidden_dim is None else 'an MLP'}, "
                          f"but model_type = {model_type!r}")
-    return surrogate
 
 
 def save_surrogate(surrogate: KVzapModel, path: str | Path) -> Path:
@@ -140,7 +151,7 @@ class KVzapPress(_KVzapScorer):
 
     Use it where kvpress expects a ScorerPress: ``DMSPress(KVzapPress(), threshold=-3.5, decoding=True)``,
     ``AdaKVPress(KVzapPress(compression_ratio=0.5))``. Setting ``kvzap_model`` by hand (a ``KVzapModel``) also
-    works; it is then used as is.
+    works; it is then used as is, checked only against the shape of each model the press is used on.
 
     Attributes:
         model_type: "linear" or "mlp" (paper: KVzap-Linear, KVzap-MLP).
@@ -149,7 +160,7 @@ class KVzapPress(_KVzapScorer):
     """
 
     surrogate_dir: str | Path | None = None
-    _loaded_from: Path | None = field(default=None, init=False, repr=False, compare=False)
+    _loaded_from: tuple[Path, str] | None = field(default=None, init=False, repr=False, compare=False)
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _weights_of: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -164,13 +175,19 @@ class KVzapPress(_KVzapScorer):
         require_surrogate("KVzapPress", self.model_type, self.surrogate_dir)
 
     def post_init_from_model(self, model):
-        if getattr(self, "kvzap_model", None) is not None and self._loaded_from is None:
-            return  # set by hand
+        """Load the surrogate (once per folder and model_type), and check it against `model` at every use: one press
+        object may be used on several models."""
+        surrogate = getattr(self, "kvzap_model", None)
+        if surrogate is not None and self._loaded_from is None:  # set by hand: its type is what it is
+            check_surrogate_fits(surrogate, model, "set as kvzap_model", None)
+            return
         path = Path(self.surrogate_dir) if self.surrogate_dir is not None else default_surrogate_dir(
             model, self.model_type)
-        if path != self._loaded_from:
+        if (path, self.model_type) != self._loaded_from:
             self.kvzap_model = load_surrogate(model, self.model_type, self.surrogate_dir)
-            self._loaded_from = path
+            self._loaded_from = path, self.model_type
+        else:
+            check_surrogate_fits(surrogate, model, f"in {path}", self.model_type)
 
     def layer_weights(self, layer_idx: int, device: torch.device, dtype: torch.dtype,
                       heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
