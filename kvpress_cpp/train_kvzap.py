@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -47,7 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, local_model_problem
-from kvpress_cpp.presses.kvzap import save_surrogate
+from kvpress_cpp.presses.kvzap import load_surrogate, save_surrogate
 
 __all__ = [
     "REPEAT_INSTRUCTION",
@@ -286,11 +287,24 @@ def load_text(name: str) -> str:
         from kvpress_cpp import texts
 
         return getattr(texts, NAMED_TEXTS[name])()
+    if problem := text_file_problem(name):
+        raise ValueError(f"train_kvzap: --texts {name}: {problem}")
     return Path(name).read_text(encoding="utf-8")
 
 
-def sample_chunks(tokenizer, text: str, n_chunks: int, context_tokens: int, rng: random.Random) -> list[list[int]]:
-    """``n_chunks`` non-overlapping chunks of exactly ``context_tokens`` tokens spread over ``text``.
+def text_file_problem(path: str) -> str | None:
+    """Why the file at `path` gives no text to train on (not UTF-8, nothing but white space), or None."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        return f"not UTF-8 text ({error.reason} at byte {error.start})"
+    return None if text.strip() else "the file holds no text"
+
+
+def sample_chunks(tokenizer, text: str, n_chunks: int, context_tokens: int, rng: random.Random,
+                  source: str = "the text") -> list[list[int]]:
+    """``n_chunks`` non-overlapping chunks of exactly ``context_tokens`` tokens spread over ``text`` (named `source` in
+    the error when it is too short).
 
     The text is cut into n_chunks equal character segments; each chunk starts at a random point of the first
     ``seg - 8 * context_tokens`` characters of its segment, moved to the next line start if there is one before that
@@ -318,7 +332,7 @@ def sample_chunks(tokenizer, text: str, n_chunks: int, context_tokens: int, rng:
             window *= 2
         if len(ids) < context_tokens:
             raise ValueError(
-                f"train_kvzap: the text is too short for {n_chunks} chunks of {context_tokens} tokens "
+                f"train_kvzap: {source} is too short for {n_chunks} chunks of {context_tokens} tokens "
                 f"(chunk {k} has {len(ids)})"
             )
         chunks.append(ids[:context_tokens])
@@ -369,7 +383,7 @@ def plan_chunks(
     for name, count in zip(names, per_text):
         if count == 0:
             continue
-        ids = sample_chunks(tokenizer, texts[name], count, context_tokens, rng)
+        ids = sample_chunks(tokenizer, texts[name], count, context_tokens, rng, f"text {name!r}")
         n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
         val = set(rng.sample(range(count), n_val))
         chunks += [(chunk, name, k in val) for k, chunk in enumerate(ids)]
@@ -803,15 +817,24 @@ def train_surrogates(
 
 
 @torch.no_grad()
-def surrogate_r2(surrogate_root: str | Path, data: Dataset) -> dict:
-    """R² of existing surrogates (``<surrogate_root>/{linear,mlp}``, kvpress layout) on ``data``'s held-out chunks:
-    {kind: {"summary": ..., "r2_layer_mean": per-layer means}}, to compare runs on the same held-out text."""
-    from kvpress.presses.kvzap_press import KVzapModel
+def load_surrogates_to_compare(surrogate_root: str | Path, layers: int, hidden_size: int, kv_heads: int) -> dict:
+    """{kind: KVzapModel} of the surrogates in ``<surrogate_root>/{linear,mlp}``, refused (ValueError naming the folder
+    and the mismatch) unless they map `hidden_size` features to `kv_heads` scores in `layers` layers, as the
+    surrogates being trained: checked before the collection and the fit, not after them."""
+    shape = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden_size,
+                                                   num_key_value_heads=kv_heads, name_or_path=""))
+    try:
+        return {kind: load_surrogate(shape, kind, Path(surrogate_root) / kind) for kind in ("linear", "mlp")}
+    except ValueError as error:
+        raise ValueError(f"train_kvzap: --compare-with {surrogate_root}: {error}") from error
 
+
+def surrogate_r2(surrogates: dict, data: Dataset) -> dict:
+    """R² of existing surrogates ({kind: KVzapModel}, :func:`load_surrogates_to_compare`) on ``data``'s held-out
+    chunks: {kind: {"summary": ..., "r2_layer_mean": per-layer means}}, to compare runs on the same held-out text."""
     val = data.token_mask(val=True)
     result = {}
-    for kind in ("linear", "mlp"):
-        surrogate = KVzapModel.from_pretrained(Path(surrogate_root) / kind, local_files_only=True).eval()
+    for kind, surrogate in surrogates.items():
         r2 = torch.stack([
             r2_scores(module(data.features[layer, val].float()), data.targets[layer, val])[0]
             for layer, module in enumerate(surrogate.layers)
@@ -941,6 +964,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not args.fit_collected and not _cache_complete(args.data_cache):  # else the texts are not read
         if missing := [t for t in names if unknown_text(t)]:
             parser.error(f"--texts: {missing} are neither {', '.join(NAMED_TEXTS)} nor text files")
+        for name in names:
+            if name not in NAMED_TEXTS and (problem := text_file_problem(name)):
+                parser.error(f"--texts {name}: {problem}")
     counts = chunks_per_text(args.tokens, args.context_tokens, len(names))
     if min(counts) < 2:
         parser.error(f"--tokens {args.tokens} gives {len(names)} text(s) {counts} chunk(s) of --context-tokens "
@@ -985,12 +1011,17 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
             raise ValueError(f"train_kvzap: {cache} holds targets for {cached_settings}, not {data_settings}")
         model_name = DEFAULT_MODEL_NAME if args.model == "default" else Path(args.model).name
         print(f"loaded targets from {cache} (collected in {t_collect:.0f} s)")
+        (layers, _, hidden_size), kv_heads = data.features.shape, data.targets.shape[2]
+        compared = args.compare_with and load_surrogates_to_compare(args.compare_with, layers, hidden_size, kv_heads)
     else:
         if model is None:
             model, tokenizer, model_name = _load_model(args.model, args.device, getattr(torch, args.dtype))
         else:
             model_name = args.model
         t_load = time.perf_counter() - t0
+        config = model.config
+        compared = args.compare_with and load_surrogates_to_compare(
+            args.compare_with, config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
         t1 = time.perf_counter()
         texts = {name: load_text(name) for name in text_names}
         plan = plan_chunks(tokenizer, texts, args.tokens, args.context_tokens, args.val_fraction, args.seed)
@@ -1002,8 +1033,8 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
         data, hidden_dim, args.epochs, args.batch_size, args.lr, args.weight_decay, args.seed, progress=progress
     )
     t_fit = time.perf_counter() - t2
-    if args.compare_with:
-        metrics["compared"] = {"label": "before", "dir": args.compare_with, **surrogate_r2(args.compare_with, data)}
+    if compared:
+        metrics["compared"] = {"label": "before", "dir": args.compare_with, **surrogate_r2(compared, data)}
     save_surrogate(build_kvzap_model(linears, None), out / "linear")
     save_surrogate(build_kvzap_model(mlps, hidden_dim), out / "mlp")
     val = data.token_mask(val=True)

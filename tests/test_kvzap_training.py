@@ -329,6 +329,43 @@ def test_cli_refuses_what_would_fail_after_the_collection(capsys, extra, message
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_cli_refuses_a_text_file_without_text_naming_it(tmp_path, capsys):
+    """An empty file failed after the model load as "the text is too short ... (chunk 0 has 0)", a file not in
+    UTF-8 with a bare UnicodeDecodeError; neither named the file."""
+    empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
+    empty.write_text("\n  \n")
+    binary.write_bytes(ENGLISH_PROSE.encode()[:100] + b"\xff\xfe\x00" + ENGLISH_PROSE.encode()[100:200])
+    for path, problem in ((empty, "the file holds no text"),
+                          (binary, r"not UTF-8 text \(invalid start byte at byte 100\)")):
+        with pytest.raises(SystemExit):
+            tk.parse_args(["--out", "x", "--texts", f"austen,{path}"])
+        assert re.search(rf"--texts {path}: {problem}", capsys.readouterr().err)
+        with pytest.raises(ValueError, match=rf"train_kvzap: --texts {path}: {problem}"):
+            tk.load_text(str(path))
+    with pytest.raises(ValueError, match=r"train_kvzap: text 'short' is too short for 2 chunks of 400 tokens"):
+        tk.plan_chunks(make_tiny_llama()[1], {"short": ENGLISH_PROSE[:300]}, 800, 400, 0.5, 0)
+
+
+def test_cli_refuses_surrogates_to_compare_of_another_shape_before_collecting(tmp_path, monkeypatch):
+    """--compare-with surrogates of another model passed the parser (their files exist) and failed in the R² after
+    the collection and the fit, with nothing saved."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    model, tokenizer = make_tiny_llama()  # 2 layers, hidden size 64, 2 kv heads
+    other = tmp_path / "other"
+    for kind, hidden_dim in (("linear", None), ("mlp", 8)):
+        save_surrogate(KVzapModel(KVzapConfig(input_dim=64, output_dim=3, n_modules=2, hidden_dim=hidden_dim)),
+                       other / kind)
+    monkeypatch.setattr(tk, "collect_dataset", lambda *args: pytest.fail("collected before refusing"))
+    with pytest.raises(ValueError, match=rf"train_kvzap: --compare-with {other}: KVzap: the surrogate in "
+                                         rf"{other / 'linear'} has output_dim = 3, expected 2 \(kv heads"):
+        tk.main(["--model", "tiny", "--texts", "austen", "--out", str(tmp_path / "out"), "--tokens", "240",
+                 "--context-tokens", "60", "--no-progress", "--compare-with", str(other)],
+                model=model, tokenizer=tokenizer)
+
+
+
+
 def test_cli_end_to_end_on_tiny_model(tmp_path):
     from kvpress.presses.kvzap_press import KVzapModel
 
