@@ -50,7 +50,7 @@ def inputs(total_len, dtype, device, seed=0):
     return keys, queries, probs, emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
 
-def peak_extra_bytes(fn, device):
+def peak_extra_bytes(fn):
     """Peak bytes allocated by fn beyond what was live before (GPU only)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -95,9 +95,8 @@ def main() -> None:
                 rows_total = QUERY_HEADS * SAMPLES
                 if device == "cuda":
                     op_bytes = peak_extra_bytes(
-                        lambda: torch.ops.kvcomp.gvote_union_mask(keys, sampled, budgets, SINKS, scale, CHUNK), device)
-                    plain_bytes = peak_extra_bytes(lambda: plain_union_mask(keys, sampled, budgets, SINKS, scale),
-                                                   device)
+                        lambda: torch.ops.kvcomp.gvote_union_mask(keys, sampled, budgets, SINKS, scale, CHUNK))
+                    plain_bytes = peak_extra_bytes(lambda: plain_union_mask(keys, sampled, budgets, SINKS, scale))
                     memory = "measured"
                 else:
                     # float32 logits of at most CHUNK rows (whole kv heads: 64 // 24 = 2 heads = 48 rows) + one key row

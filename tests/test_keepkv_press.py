@@ -65,6 +65,7 @@ def test_budget_and_vote_invariants_over_long_generation(make_model, attn_implem
     press = CheckedKeepKVPress(budget=32, recent=8, similarity_threshold=0.3, **options)
     tokens, cache = greedy(model, prompt_ids(tokenizer, 96, batch=2), press=press, max_new_tokens=320)
     assert tokens.shape == (2, 320)
+    assert press.prefills_checked == model.config.num_hidden_layers
     assert press.steps_checked == 319 * model.config.num_hidden_layers
     for layer in cache.layers:
         state = get_state(layer)

@@ -258,14 +258,11 @@ PromptLayout make_layout(const PromptScoresShape& shape, const at::Tensor& query
           static_cast<float>(scale)};
 }
 
-// Any strides over (B, H, T) are read in place; d must be contiguous, otherwise the tensor is copied.
-at::Tensor unit_stride_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
-
 at::Tensor prompt_log_sum_exp_cpu(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& log_weights,
                                   double scale) {
   const PromptScoresShape shape = check_prompt_log_sum_exp(query, keys, log_weights, scale);
   at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous();
   const PromptLayout layout = make_layout(shape, query_c, keys_c, scale);
   const int64_t query_tiles = layout.query_tiles();
@@ -412,7 +409,7 @@ at::Tensor prompt_scores_cpu(const at::Tensor& query, const at::Tensor& keys, co
   const PromptScoresShape shape =
       check_prompt_scores(query, keys, log_weights, log_sum_exp, scale, decay, input_scale);
   at::Tensor scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous(), lse_c = log_sum_exp.contiguous();
   const PromptLayout layout = make_layout(shape, query_c, keys_c, scale);
   const int64_t key_tiles = layout.key_tiles();
@@ -513,7 +510,7 @@ at::Tensor prompt_log_unnormalised_scores_cpu(const at::Tensor& query, const at:
   const PromptScoresShape shape =
       check_prompt_log_unnormalised_scores(query, keys, log_weights, scale, decay, input_scale);
   at::Tensor log_scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous();
   const PromptLayout layout = make_layout(shape, query_c, keys_c, scale);
   const int64_t key_tiles = layout.key_tiles();
@@ -738,8 +735,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_attention_with_scores_cpu(
     double scale, double decay, double input_scale) {
   const PromptScoresShape shape =
       check_prompt_attention_with_scores(query, keys, values, log_weights, scale, decay, input_scale);
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
-  const at::Tensor values_c = unit_stride_last(values), log_weights_c = log_weights.contiguous();
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
+  const at::Tensor values_c = with_unit_stride_last(values), log_weights_c = log_weights.contiguous();
   at::Tensor output = at::empty({shape.batch, shape.num_queries, shape.query_heads, shape.head_dim}, query.options());
   at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
   const FusedLayout layout{make_layout(shape, query_c, keys_c, scale),

@@ -875,8 +875,6 @@ Layout make_layout(const PromptScoresShape& shape, const at::Tensor& query, cons
   return layout;
 }
 
-at::Tensor unit_stride_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
-
 // What the launch shapes bound: the shared tiles (d) and gridDim.y, one (batch, kv head) pair each.
 void check_cuda_limits(const char* op, const PromptScoresShape& shape) {
   TORCH_CHECK(shape.head_dim <= kMaxHeadDim, op, ": the CUDA kernel supports head dims up to ", kMaxHeadDim,
@@ -928,7 +926,7 @@ at::Tensor prompt_log_sum_exp_cuda(const at::Tensor& query, const at::Tensor& ke
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor lse = at::empty({shape.batch, shape.query_heads, shape.num_queries}, query.options().dtype(at::kFloat));
   if (shape.batch == 0) return lse;  // a grid of 0 blocks is an invalid launch
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous();
   const Layout layout = make_layout(shape, query_c, keys_c, scale);
   const dim3 grid(static_cast<unsigned>((shape.group_size * shape.num_queries + kTile - 1) / kTile),
@@ -963,7 +961,7 @@ at::Tensor prompt_scores_cuda(const at::Tensor& query, const at::Tensor& keys, c
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
   if (shape.batch == 0) return scores;
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous(), lse_c = log_sum_exp.contiguous();
   const Layout layout = make_layout(shape, query_c, keys_c, scale);
   const dim3 grid(static_cast<unsigned>((shape.total_len + kTile - 1) / kTile),
@@ -1003,7 +1001,7 @@ at::Tensor prompt_log_unnormalised_scores_cuda(const at::Tensor& query, const at
   const c10::cuda::OptionalCUDAGuard device_guard(query.device());
   at::Tensor log_scores = at::empty({shape.batch, shape.kv_heads, shape.total_len}, query.options().dtype(at::kFloat));
   if (shape.batch == 0) return log_scores;
-  const at::Tensor query_c = unit_stride_last(query), keys_c = unit_stride_last(keys);
+  const at::Tensor query_c = with_unit_stride_last(query), keys_c = with_unit_stride_last(keys);
   const at::Tensor log_weights_c = log_weights.contiguous();
   const Layout layout = make_layout(shape, query_c, keys_c, scale);
   const dim3 grid(static_cast<unsigned>((shape.total_len + kTile - 1) / kTile),

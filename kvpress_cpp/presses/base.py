@@ -461,6 +461,12 @@ class KVCompPress(BasePress):
                 ratios[layer] = 1.0 - float(held.sum()) / (seen * heads) if seen else 0.0
         return ratios
 
+    def budget_slots(self, prompt_length: int) -> int:
+        """The slots :attr:`budget_field` keeps for a prompt of this length: the count itself, or the fraction of the
+        prompt rounded (at least 1)."""
+        budget = getattr(self, self.budget_field)
+        return budget if isinstance(budget, int) else max(1, round(budget * prompt_length))
+
     @property
     def compression_ratio(self) -> float:
         """kvpress's meaning: the fraction of the context removed. ``1 - budget`` for a budget given as a fraction;

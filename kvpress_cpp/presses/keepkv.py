@@ -94,7 +94,7 @@ class KeepKVPress(KVCompDecodingPress):
 
     def layer_budget(self, prompt_length: int, layer_idx: int, num_layers: int) -> int:
         """M of one layer for a prompt of this length."""
-        budget = self.budget if isinstance(self.budget, int) else max(1, round(self.budget * prompt_length))
+        budget = self.budget_slots(prompt_length)
         if self.layer_budgets == "uniform" or num_layers == 1:
             return budget
         return pyramid_budgets(budget, num_layers)[layer_idx]

@@ -57,7 +57,7 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
 
     def regions(self, prompt_length: int) -> tuple[int, int, int]:
         """(m, sinks, recent) for a prompt of this length."""
-        size = self.cache_size if isinstance(self.cache_size, int) else max(1, round(self.cache_size * prompt_length))
+        size = self.budget_slots(prompt_length)
         recent = self.recent if self.recent is not None else max(1, size // 2 - 4)
         if self.sinks + recent >= size:
             raise ValueError(f"WeightedKVPress: a cache of {size} slots has no middle region after {self.sinks} "

@@ -70,7 +70,7 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
 
     def split(self, prompt_length: int) -> tuple[int, int, int]:
         """(Bp, Bc, Br) for a prompt of this length."""
-        budget = self.budget if isinstance(self.budget, int) else max(1, round(self.budget * prompt_length))
+        budget = self.budget_slots(prompt_length)
         recent = max(1, round(self.recent_fraction * budget))
         context = budget - recent - self.residual_slots
         if context < 1:

@@ -250,6 +250,38 @@ TEST(KeepKVKernels, LogAddExpOfOnePair) {
   EXPECT_NEAR(k::log_add_exp(-100.0f, 0.0f), 0.0f, 1e-6f);  // no underflow of the smaller term's share to NaN
 }
 
+TEST(KeepKVKernels, LogOneMinusExpIsAccurateAtBothEnds) {
+  // ln(1 - e^x) in double as the reference: near 0 the naive float form loses every digit (1 - e^x cancels), far
+  // below it e^x underflows its share; the bias correction ln(1 - β^age) meets both (age 1 and age 10^4).
+  for (const double x : {-1e-7, -1e-3, -0.5, -0.69314718, -0.7, -2.0, -20.0, -80.0}) {
+    const double exact = std::log(-std::expm1(x));
+    EXPECT_NEAR(k::log_one_minus_exp(static_cast<float>(x)), exact, 2e-6 * std::max(1.0, std::abs(exact))) << x;
+  }
+  EXPECT_EQ(k::log_one_minus_exp(0.0f), -kInf);  // age 0: nothing averaged yet
+  EXPECT_EQ(k::log_one_minus_exp(-kInf), 0.0f);  // β^age underflowed: no correction
+  EXPECT_TRUE(std::isnan(k::log_one_minus_exp(kNan)));
+}
+
+TEST(KeepKVKernels, EvictionKeyRanksProtectedLastAndMergedAwayFirst) {
+  EXPECT_EQ(k::keepkv_eviction_key(-3.0f, 2.0f, false), -3.0f);
+  EXPECT_EQ(k::keepkv_eviction_key(-3.0f, 2.0f, true), kInf);   // a sink or a recent slot
+  EXPECT_EQ(k::keepkv_eviction_key(kNan, 1.0f, true), kInf);
+  EXPECT_EQ(k::keepkv_eviction_key(5.0f, 0.0f, false), -kInf);  // no votes left: merged into another slot
+  EXPECT_EQ(k::keepkv_eviction_key(kNan, 1.0f, false), -kInf);  // a NaN score never outranks a real one
+  EXPECT_EQ(k::keepkv_eviction_key(-kInf, 1.0f, false), -kInf);
+}
+
+TEST(KeepKVKernels, ZipWeightIsTheVoteTimesTheShiftedScore) {
+  EXPECT_FLOAT_EQ(k::zip_weight(3.0f, std::log(2.0f), std::log(4.0f)), 1.5f);  // 3 · 2/4
+  EXPECT_FLOAT_EQ(k::zip_weight(1.0f, 7.0f, 7.0f), 1.0f);
+  EXPECT_EQ(k::zip_weight(0.0f, 1.0f, 1.0f), 0.0f);    // no votes
+  EXPECT_EQ(k::zip_weight(-1.0f, 1.0f, 1.0f), 0.0f);
+  EXPECT_EQ(k::zip_weight(2.0f, -kInf, 1.0f), 0.0f);   // never attended
+  EXPECT_EQ(k::zip_weight(kNan, 1.0f, 1.0f), 0.0f);
+  EXPECT_EQ(k::zip_weight(1.0f, kNan, 1.0f), 0.0f);
+  EXPECT_EQ(k::zip_weight(1.0f, -200.0f, 0.0f), 0.0f);  // underflows to 0, not NaN
+}
+
 // The packing of a row after a step: the retained slots in order from 0, each moved down (never up), as a stable
 // partition of the slots into retained and evicted would place them.
 TEST(KeepKVKernels, PackedPositionsArePartitionOrder) {

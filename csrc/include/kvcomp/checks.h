@@ -125,6 +125,9 @@ inline kernels::RowStrides row_strides(const at::Tensor& t, int64_t elements) {
 // contiguous (a paged cache's view is read where it lies), otherwise a contiguous copy.
 inline at::Tensor with_contiguous_rows(const at::Tensor& t) { return has_contiguous_rows(t) ? t : t.contiguous(); }
 
+// Any strides over the leading dims are read in place; the last dim must be contiguous, otherwise t is copied.
+inline at::Tensor with_unit_stride_last(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 // Sums of size arguments (slot budgets) computed without overflow: a wrapped sum would pass the size checks and let a
 // kernel read wild memory.
 inline int64_t checked_sum(const char* op, std::initializer_list<std::pair<const char*, int64_t>> terms) {
