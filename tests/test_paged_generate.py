@@ -21,7 +21,7 @@ from kvpress_cpp.cache import cache_bytes, get_state
 from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer
 from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
                                  ZSMergePress)
-from tests import kvpress_hooks
+from tests import generation, kvpress_hooks
 from tests.generation import TINY_MODELS, prompt_ids
 from tests.models import make_tiny_llama
 from tests.test_kvzap_press import write_surrogate
@@ -52,10 +52,8 @@ KVPRESS_PRESSES = ("snapkv", "pyramidkv", *HEAD_WISE_MASKING)
 
 
 def greedy(model, input_ids, cache, press=None, max_new_tokens=12, **kwargs):
-    with torch.no_grad(), press(model) if press is not None else nullcontext():
-        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens, **kwargs)
-    return out[:, input_ids.shape[-1]:]
+    """generation.greedy's tokens, into `cache` (each test here compares two caches)."""
+    return generation.greedy(model, input_ids, press, max_new_tokens, cache, **kwargs)[0]
 
 
 @pytest.mark.parametrize("make_model,attn", TINY_MODELS)
