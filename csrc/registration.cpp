@@ -1,8 +1,12 @@
 // Every kvcomp operator schema, in one place. Kernels live in csrc/cpu/<family>.cpp and csrc/cuda/<family>.cu,
 // shared validation in csrc/include/kvcomp/<family>.h, device-free math in csrc/kernels/<family>.h, Python fakes in
 // kvpress_cpp/_fake.py and typed wrappers in kvpress_cpp/ops.py.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
+
+#include <string_view>
 
 TORCH_LIBRARY(kvcomp, m) {
   // scores family: fold the attention probabilities of q new queries (B, Hq, q, T) into per-kv-head float32 scores
@@ -147,16 +151,45 @@ TORCH_LIBRARY(kvcomp, m) {
         "float input_scale) -> Tensor");
 }
 
+namespace {
+
+// Every kvcomp op, and which of them update their inputs in place.
+constexpr const char* kOps[] = {
+    "update_scores",  "merge_count_bias",    "decode_attention",     "paged_decode_attention",
+    "zsmerge_prefill", "zsmerge_decode_step", "weightedkv_evict",     "keepkv_match",
+    "keepkv_zip_merge", "keepkv_decode_step", "nucleus_budget",       "averaged_rope",
+    "gvote_union_mask", "kvzap_score",        "kvzap_threshold",      "kvzap_decode_step",
+    "kvzap_paged_step", "prompt_log_sum_exp", "prompt_scores",        "prompt_attention_with_scores",
+    "prompt_log_unnormalised_scores"};
+
+bool updates_in_place(std::string_view op) {
+  return op == "weightedkv_evict" || op == "zsmerge_decode_step" || op == "keepkv_decode_step" ||
+         op == "kvzap_paged_step";
+}
+
+// Under torch.autocast an op computes in the dtypes it is given, as its fake and its reference do: the ATen GEMMs
+// inside some kernels (gvote_union_mask's scores, kvzap_score's surrogate, keepkv_match's similarities) would
+// otherwise run in the autocast dtype, silently less precise or refused by the kernel reading their result.
+void run_outside_autocast(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  op.redispatchBoxed(keys - c10::autocast_dispatch_keyset, stack);
+}
+
+}  // namespace
+
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
 // "derivative for kvcomp::<op> is not implemented" when backward reaches it (instead of torch's default warning and
-// silently wrong gradients). The in-place weightedkv_evict, zsmerge_decode_step, keepkv_decode_step and
-// kvzap_paged_step are not listed: they refuse inputs that require grad.
+// silently wrong gradients). The ops that update in place are not listed: they refuse inputs that require grad.
 TORCH_LIBRARY_IMPL(kvcomp, Autograd, m) {
-  for (const char* op : {"update_scores", "merge_count_bias", "decode_attention", "zsmerge_prefill",
-                         "keepkv_match", "keepkv_zip_merge", "nucleus_budget", "averaged_rope", "gvote_union_mask",
-                         "kvzap_score", "kvzap_threshold", "kvzap_decode_step", "prompt_log_sum_exp", "prompt_scores",
-                         "paged_decode_attention", "prompt_attention_with_scores",
-                         "prompt_log_unnormalised_scores"}) {
-    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : kOps) {
+    if (!updates_in_place(op)) m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
+}
+
+TORCH_LIBRARY_IMPL(kvcomp, AutocastCPU, m) {
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&run_outside_autocast>());
+}
+
+TORCH_LIBRARY_IMPL(kvcomp, AutocastCUDA, m) {
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&run_outside_autocast>());
 }

@@ -252,6 +252,11 @@ class PagedLayer(CacheLayerMixin):
             if states.dim() != 4 or not states.shape[-1]:  # (the pools hold slots of one head dim ≥ 1)
                 raise ValueError(f"PagedKVCache: expected {name} states of (batch, kv heads, tokens, head dim ≥ 1), "
                                  f"got {tuple(states.shape)}")
+        if key_states.dtype != value_states.dtype and all(s.is_floating_point() for s in (key_states, value_states)):
+            # Under torch.autocast the rotary embedding's float32 cos/sin leave the keys float32 and the values in the
+            # autocast dtype. The pools hold slots of one dtype: the wider (a DynamicLayer ends up holding both so).
+            common = torch.promote_types(key_states.dtype, value_states.dtype)
+            key_states, value_states = key_states.to(common), value_states.to(common)
         if not self.is_initialized:
             from kvpress_cpp.attention import refuse_attention_outside_the_registry  # (it imports this module)
 

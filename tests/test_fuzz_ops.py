@@ -987,6 +987,29 @@ def test_every_size_set_to_zero_gives_the_reference_or_the_ops_error(name, devic
             getattr(torch.ops.kvcomp, name)(*on_device)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA"))])
+@pytest.mark.parametrize("name", sorted(FUZZ))
+def test_autocast_changes_nothing(name, device):
+    """Under torch.autocast an op computes in the dtypes it is given, as its reference: the ATen GEMMs inside
+    gvote_union_mask, kvzap_score and keepkv_match ran in bfloat16 there (the first then refused its own result)."""
+    if device == "cuda" and name in CPU_ONLY_OPS:
+        pytest.skip("a CPU-only op")
+    fuzz = FUZZ[name]
+    for k in range(8):
+        r = random.Random(f"{SEED}:{name}:autocast:{k}")
+        args = fuzz.build(r, fuzz.sizes(r, {}), torch.float32)
+        if _contract_rejects(CONTRACTS[name], args) is None:
+            break
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    expected = _as_tuple(_call(name, args))
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = _as_tuple(_call(name, args))
+    for out, want in zip(got, expected, strict=True):
+        assert out.dtype == want.dtype
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
     monkeypatch.setenv("KVCOMP_FUZZ_CRASH_AT", "merge_count_bias:3")
     results, _ = run_fuzz(["merge_count_bias", "nucleus_budget"])

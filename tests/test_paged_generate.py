@@ -116,6 +116,22 @@ def test_a_prefill_only_press_state_covers_its_write_on_paged_and_the_whole_laye
         assert torch.equal(get_state(paged).log_weights, whole[..., :prefill])
 
 
+@pytest.mark.parametrize("name", ["none", "zsmerge", "keepkv", "gvote"])
+def test_generate_under_autocast(name, surrogate_dir):
+    """A float32 model under torch.autocast leaves float32 keys (the rotary's float32 tables) beside values in the
+    autocast dtype: the paged layer refused the values as "another model's pass" (and GVote's nucleus step failed
+    on either cache). Both pools hold the wider dtype; the tokens are the rectangular cache's."""
+    model, tokenizer = make_tiny_llama()
+    ids = prompt_ids(tokenizer, 96)
+    rectangular_cache, paged_cache = DynamicCache(), PagedKVCache(block_size=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = greedy(model, ids, rectangular_cache, PRESSES[name](surrogate_dir))
+        got = greedy(model, ids, paged_cache, PRESSES[name](surrogate_dir))
+    assert torch.equal(got, expected)
+    assert {layer.key_blocks.dtype for layer in paged_cache.layers} == {torch.float32}
+    assert {layer.value_blocks.dtype for layer in paged_cache.layers} == {torch.float32}
+
+
 def test_kvpress_imported_after_us_leaves_the_paged_path_outermost():
     """A user who imports kvpress_cpp before kvpress (a fresh process): kvpress's masking wrapper must not end up
     around ours, where it wrote the masked slots an earlier generate left on the modules into a paged layer's key
