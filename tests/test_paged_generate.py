@@ -116,12 +116,16 @@ def test_a_prefill_only_press_state_covers_its_write_on_paged_and_the_whole_laye
         assert torch.equal(get_state(paged).log_weights, whole[..., :prefill])
 
 
-@pytest.mark.parametrize("name", ["none", "zsmerge", "keepkv", "gvote"])
-def test_generate_under_autocast(name, surrogate_dir):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["none", "zsmerge", "weightedkv", "keepkv", "gvote"])
+def test_generate_under_autocast(name, attn, surrogate_dir):
     """A float32 model under torch.autocast leaves float32 keys (the rotary's float32 tables) beside values in the
-    autocast dtype: the paged layer refused the values as "another model's pass" (and GVote's nucleus step failed
-    on either cache). Both pools hold the wider dtype; the tokens are the rectangular cache's."""
+    autocast dtype: the paged layer refused the values as "another model's pass", and the presses that recompute the
+    prompt's queries (GVote; the others under eager attention) passed them in the projection's bfloat16 beside the
+    float32 keys, on either cache. Both pools hold the wider dtype; the tokens are the rectangular cache's."""
     model, tokenizer = make_tiny_llama()
+    model.set_attn_implementation(attn)
+    patch_eager_attention(model)
     ids = prompt_ids(tokenizer, 96)
     rectangular_cache, paged_cache = DynamicCache(), PagedKVCache(block_size=4)
     with torch.autocast("cpu", dtype=torch.bfloat16):

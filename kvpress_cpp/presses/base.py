@@ -211,20 +211,26 @@ def hooked_decoder(model: nn.Module) -> nn.Module | None:
     return getattr(decoder, "language_model", decoder)
 
 
-def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+def query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """The layer's post-RoPE queries (B, Hq, q, d) for `hidden_states`, as its forward computed them (with q_norm
-    where the model has one; the local query heads of a tensor-parallel layer), in the queries' dtype: OLMo's rotary
-    tables are float32 in a half-precision model, whose attention casts the turned queries back."""
+    where the model has one; the local query heads of a tensor-parallel layer), in `dtype`, that of the keys they
+    meet (None: the projection's): OLMo's rotary tables are float32 in a half-precision model, whose attention casts
+    the turned queries back, while under torch.autocast a Llama's stay float32, as its keys, beside a bfloat16
+    projection."""
     queries = prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
-    return rotate_leading_dims(queries, cos.shape[-1],
-                               lambda turned: apply_rotary_pos_emb(turned, turned, cos, sin)[0].to(turned.dtype))
+    dtype = dtype or queries.dtype
+    return rotate_leading_dims(queries.to(dtype), cos.shape[-1],
+                               lambda turned: apply_rotary_pos_emb(turned, turned, cos, sin)[0].to(dtype))
 
 
-def last_query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict, count: int) -> torch.Tensor:
+def last_query_states(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict, count: int,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`query_states` (B, Hq, count, d) of the pass's last `count` tokens only."""
     cos, sin = kwargs["position_embeddings"]
-    return query_states(module, hidden_states[:, -count:], {"position_embeddings": (cos[:, -count:], sin[:, -count:])})
+    return query_states(module, hidden_states[:, -count:], {"position_embeddings": (cos[:, -count:], sin[:, -count:])},
+                        dtype)
 
 
 def rotate_leading_dims(queries: torch.Tensor, rotated: int, rotate) -> torch.Tensor:
@@ -248,7 +254,7 @@ def check_recomputed_queries(press: str, module: nn.Module, hidden_states: torch
     scored with the attention of other queries, and its eager and sdpa runs, or a padded row and its run alone,
     compress differently. Entries that are not finite in either (a NaN or inf reaching the layer: the model's output
     is garbage with or without the press) are left out of the comparison, which they would fail whatever the model."""
-    recomputed, used = last_query_states(module, hidden_states, kwargs, 1).float(), used.float()
+    recomputed, used = last_query_states(module, hidden_states, kwargs, 1, used.dtype).float(), used.float()
     finite = recomputed.isfinite() & used.isfinite()
     recomputed, used = recomputed[finite], used[finite]
     difference = float((recomputed - used).norm() / used.norm().clamp_min(torch.finfo(torch.float32).tiny))
@@ -273,7 +279,7 @@ def score_prompt(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Ten
     kept = take_prefill_attention(module, keys.shape[-2])
     if kept is not None and kept.scores is not None and kept.weights == (decay, input_scale):
         return kept.scores
-    queries, lse = kept[:2] if kept is not None else (query_states(module, hidden_states, kwargs), None)
+    queries, lse = kept[:2] if kept is not None else (query_states(module, hidden_states, kwargs, keys.dtype), None)
     return ops.prompt_scores(queries, keys, log_weights, module.scaling, decay, input_scale, log_sum_exp=lse)
 
 

@@ -122,9 +122,9 @@ class GVotePress(KVCompPress):
     def _nucleus_budgets(self, module, hidden_states, keys, values, log_weights, kwargs) -> torch.Tensor:
         """Step 1: (B, Hq) top-p sizes of the last prompt query's attention (of the mean attention of the last
         ``budget_queries`` queries)."""
-        last = last_query_states(module, hidden_states, kwargs, min(self.budget_queries, hidden_states.shape[1]))
-        # (under torch.autocast the projection gives the autocast dtype, the cached keys are the rotary's float32)
-        _, probs = ops.decode_attention(last.to(keys.dtype), keys, values, log_weights, module.scaling)
+        last = last_query_states(module, hidden_states, kwargs, min(self.budget_queries, hidden_states.shape[1]),
+                                 keys.dtype)
+        _, probs = ops.decode_attention(last, keys, values, log_weights, module.scaling)
         return ops.nucleus_budget(probs.mean(2), self.nucleus_p)
 
     def _sample_future_queries(self, module, hidden_states) -> torch.Tensor:

@@ -110,7 +110,7 @@ class KeepKVPress(KVCompDecodingPress):
         # The last `recent` prompt queries initialise the EMA: S_i = Σ_j (1-β) β^(T-1-j) s̄_j,i over the window's
         # queries j at or after slot i, s̄ the group mean of exp(q·k·scale), in the log domain by one tile-bounded op.
         window = min(recent, length)
-        queries = self._window_queries(module, hidden_states, kwargs, window)
+        queries = self._window_queries(module, hidden_states, kwargs, window, keys.dtype)
         group = queries.shape[1] // keys.shape[1]
         log_ema = ops.prompt_log_unnormalised_scores(queries, keys, log_weights, module.scaling, self.ema_decay,
                                                      (1 - self.ema_decay) / group)
@@ -138,7 +138,7 @@ class KeepKVPress(KVCompDecodingPress):
         log_weights = state.align(keys.shape[-2] - new_tokens, new_tokens)  # the new tokens' b = 0 included
         queries = take_decode_query(module, new_tokens)
         if queries is None or queries.shape[0] != keys.shape[0]:  # a padded batch's row (RowStates): its own queries
-            queries = query_states(module, hidden_states, kwargs)
+            queries = query_states(module, hidden_states, kwargs, keys.dtype)
         # One op folds the new queries into every slot's EMA (their logits recovered from the attention's
         # probabilities, not recomputed over the keys) and, past the budget, evicts, merges and packs the layer in
         # place: a paged cache's view is updated in its blocks, and its write-back finds the slots there.
@@ -159,13 +159,13 @@ class KeepKVPress(KVCompDecodingPress):
         return 1.0, 0.0
 
     @staticmethod
-    def _window_queries(module, hidden_states, kwargs, window: int) -> torch.Tensor:
+    def _window_queries(module, hidden_states, kwargs, window: int, dtype: torch.dtype) -> torch.Tensor:
         """The post-RoPE queries (B, Hq, window, d) of the prompt's last `window` tokens: those the layer's prompt
         pass kept (:meth:`prompt_score_weights`), else recomputed for the window only."""
         kept = take_prefill_attention(module, hidden_states.shape[1])
         if kept is not None:
             return kept.queries[:, :, -window:]
-        return last_query_states(module, hidden_states, kwargs, window)
+        return last_query_states(module, hidden_states, kwargs, window, dtype)
 
     def log_estimate(self, state: LayerState) -> torch.Tensor:
         """ln ŝ (B, H, T): the bias-corrected EMA of each slot's per-token score, corrected by its own age."""
