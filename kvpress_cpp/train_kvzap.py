@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig
 
 from kvpress_cpp.models import DEFAULT_MODEL_NAME, local_model_problem
 from kvpress_cpp.presses.kvzap import load_surrogate, save_surrogate
@@ -821,8 +822,8 @@ def load_surrogates_to_compare(surrogate_root: str | Path, layers: int, hidden_s
     """{kind: KVzapModel} of the surrogates in ``<surrogate_root>/{linear,mlp}``, refused (ValueError naming the folder
     and the mismatch) unless they map `hidden_size` features to `kv_heads` scores in `layers` layers, as the
     surrogates being trained: checked before the collection and the fit, not after them."""
-    shape = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden_size,
-                                                   num_key_value_heads=kv_heads, name_or_path=""))
+    shape = SimpleNamespace(config=PretrainedConfig(num_hidden_layers=layers, hidden_size=hidden_size,
+                                                    num_key_value_heads=kv_heads))
     try:
         return {kind: load_surrogate(shape, kind, Path(surrogate_root) / kind) for kind in ("linear", "mlp")}
     except ValueError as error:
@@ -977,7 +978,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.fit_collected and not (Path(args.data_cache) / "index.json").is_file():
         parser.error(f"--data-cache {args.data_cache}: no collection there (no index.json) for --fit-collected")
     if args.compare_with is not None:
-        missing = [kind for kind in ("linear", "mlp") if not (Path(args.compare_with) / kind / "config.json").is_file()]
+        files = ("config.json", "model.safetensors")
+        missing = [kind for kind in ("linear", "mlp")
+                   if not all((Path(args.compare_with) / kind / name).is_file() for name in files)]
         if missing:
             parser.error(f"--compare-with {args.compare_with}: expected surrogates in {', '.join(missing)}/ "
                          f"(config.json + model.safetensors, as --out writes them)")

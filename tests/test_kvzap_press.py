@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from kvpress import (AdaKVPress, ComposedPress, CriticalAdaKVPress, DecodingPres
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache, pipeline
+from transformers import DynamicCache, Gemma3Config, pipeline
 
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
@@ -198,10 +199,16 @@ def test_a_press_used_again_checks_its_surrogate_against_the_new_model(llama, su
     scorer.model_type = "linear"  # the folder unchanged: its surrogate is an MLP all the same
     with pytest.raises(ValueError, match=r"is an MLP, but model_type = 'linear'"):
         scorer.post_init_from_model(model)
-    by_hand = KVzapPress()
-    by_hand.kvzap_model = KVzapModel.from_pretrained(surrogates["linear"], local_files_only=True)
+    scorer.kvzap_model = KVzapModel.from_pretrained(surrogates["linear"], local_files_only=True)  # set by hand since
+    scorer.post_init_from_model(model)
     with pytest.raises(ValueError, match=r"the surrogate set as kvzap_model has output_dim = 2, expected 4"):
-        by_hand.post_init_from_model(wider)
+        scorer.post_init_from_model(wider)
+    # A multimodal model's surrogate maps its decoder's hidden states (Gemma 3's config nests them in text_config).
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 128, "vocab_size": 300}
+    scorer.post_init_from_model(SimpleNamespace(config=Gemma3Config(text_config=text)))
+    with pytest.raises(ValueError, match=r"has n_modules = 2, expected 3 \(layers of the model\)"):
+        scorer.post_init_from_model(SimpleNamespace(config=Gemma3Config(text_config={**text, "num_hidden_layers": 3})))
 
 
 def test_a_surrogate_lacking_tensors_is_refused(llama, surrogates, tmp_path):

@@ -346,7 +346,7 @@ def test_cli_refuses_a_text_file_without_text_naming_it(tmp_path, capsys):
         tk.plan_chunks(make_tiny_llama()[1], {"short": ENGLISH_PROSE[:300]}, 800, 400, 0.5, 0)
 
 
-def test_cli_refuses_surrogates_to_compare_of_another_shape_before_collecting(tmp_path, monkeypatch):
+def test_cli_refuses_surrogates_to_compare_of_another_shape_before_collecting(tmp_path, monkeypatch, capsys):
     """--compare-with surrogates of another model passed the parser (their files exist) and failed in the R² after
     the collection and the fit, with nothing saved."""
     from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
@@ -362,6 +362,11 @@ def test_cli_refuses_surrogates_to_compare_of_another_shape_before_collecting(tm
         tk.main(["--model", "tiny", "--texts", "austen", "--out", str(tmp_path / "out"), "--tokens", "240",
                  "--context-tokens", "60", "--no-progress", "--compare-with", str(other)],
                 model=model, tokenizer=tokenizer)
+    (other / "mlp" / "model.safetensors").unlink()  # (the parser looked for config.json only)
+    with pytest.raises(SystemExit):
+        tk.parse_args(["--out", "x", "--compare-with", str(other)])
+    expected = f"--compare-with {other}: expected surrogates in mlp/ (config.json + model.safetensors"
+    assert expected in capsys.readouterr().err
 
 
 

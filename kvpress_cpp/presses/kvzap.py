@@ -92,7 +92,7 @@ def check_surrogate_fits(surrogate: KVzapModel, model: nn.Module, source: str, m
     """Raise a ValueError naming `source` (where the surrogate came from) unless `surrogate` has one layer per layer
     of `model` (or of the model an attention module belongs to: its config), mapping the hidden size to the kv heads,
     and (unless `model_type` is None) is of that type."""
-    config, model_config = surrogate.config, model.config
+    config, model_config = surrogate.config, model.config.get_text_config()  # (a multimodal model's decoder)
     expected = {
         "n_modules": (config.n_modules, model_config.num_hidden_layers, "layers of the model"),
         "input_dim": (config.input_dim, model_config.hidden_size, "hidden size of the model"),
@@ -160,7 +160,8 @@ class KVzapPress(_KVzapScorer):
     """
 
     surrogate_dir: str | Path | None = None
-    _loaded_from: tuple[Path, str] | None = field(default=None, init=False, repr=False, compare=False)
+    # (folder, model_type, the surrogate loaded from there), to tell it from one set by hand since
+    _loaded: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _weights_of: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -178,14 +179,14 @@ class KVzapPress(_KVzapScorer):
         """Load the surrogate (once per folder and model_type), and check it against `model` at every use: one press
         object may be used on several models."""
         surrogate = getattr(self, "kvzap_model", None)
-        if surrogate is not None and self._loaded_from is None:  # set by hand: its type is what it is
-            check_surrogate_fits(surrogate, model, "set as kvzap_model", None)
+        if surrogate is not None and (self._loaded is None or surrogate is not self._loaded[2]):
+            check_surrogate_fits(surrogate, model, "set as kvzap_model", None)  # set by hand: its type is what it is
             return
         path = Path(self.surrogate_dir) if self.surrogate_dir is not None else default_surrogate_dir(
             model, self.model_type)
-        if (path, self.model_type) != self._loaded_from:
+        if self._loaded is None or (path, self.model_type) != self._loaded[:2]:
             self.kvzap_model = load_surrogate(model, self.model_type, self.surrogate_dir)
-            self._loaded_from = path, self.model_type
+            self._loaded = path, self.model_type, self.kvzap_model
         else:
             check_surrogate_fits(surrogate, model, f"in {path}", self.model_type)
 
