@@ -254,9 +254,12 @@ class PagedLayer(CacheLayerMixin):
                                  f"got {tuple(states.shape)}")
         if key_states.dtype != value_states.dtype and all(s.is_floating_point() for s in (key_states, value_states)):
             # Under torch.autocast the rotary embedding's float32 cos/sin leave the keys float32 and the values in the
-            # autocast dtype. The pools hold slots of one dtype: the wider (a DynamicLayer ends up holding both so).
-            common = torch.promote_types(key_states.dtype, value_states.dtype)
-            key_states, value_states = key_states.to(common), value_states.to(common)
+            # autocast dtype. The pools hold slots of one dtype: the wider (a DynamicLayer ends up holding both so),
+            # into which the narrower is cast; a state wider than the pools is refused below as it came.
+            pools = self.key_blocks.dtype if self.is_initialized else torch.promote_types(key_states.dtype,
+                                                                                          value_states.dtype)
+            key_states, value_states = (states.to(pools) if torch.promote_types(states.dtype, pools) == pools
+                                        else states for states in (key_states, value_states))
         if not self.is_initialized:
             from kvpress_cpp.attention import refuse_attention_outside_the_registry  # (it imports this module)
 

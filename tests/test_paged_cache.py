@@ -381,6 +381,21 @@ def test_write_of_the_wrong_shape():
         layer.flush()
 
 
+def test_keys_and_values_of_two_dtypes_are_held_in_the_wider_or_refused_as_they_came():
+    """torch.autocast leaves float32 keys beside bfloat16 values: both are stored in float32 (values exactly). Values
+    wider than a float16 layer's pools are refused naming the dtype passed, not one they were promoted to."""
+    cache, keys = PagedKVCache(block_size=4), torch.randn(1, 2, 5, 8)
+    values = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
+    cache.update(keys, values, 0)
+    assert cache.layers[0].value_blocks.dtype == torch.float32
+    assert torch.equal(cache.layers[0].values, values.float())
+    half = PagedKVCache(block_size=4)
+    half.update(keys.half(), keys.half(), 0)
+    with pytest.raises(ValueError, match=r"expected value states of head dim 8, torch.float16 on cpu \(the layer's "
+                                         r"pool\), got \(1, 2, 5, 8\), torch.float32 on cpu"):
+        half.update(keys.half(), keys, 0)
+
+
 @pytest.mark.parametrize("states,refused", [
     (torch.randn(1, 2, 5, 4), r"head dim 8, torch.float32 on cpu \(the layer's pool\), got \(1, 2, 5, 4\)"),
     (torch.randn(1, 2, 5, 8, dtype=torch.bfloat16), r"head dim 8, torch.float32 on cpu .* torch.bfloat16 on cpu"),
