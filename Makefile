@@ -65,8 +65,10 @@ cpp-test: build system-deps
 	cmake --build build/cmake -j $(MAX_JOBS)
 	ctest --test-dir build/cmake --output-on-failure
 
+# Two pytest workers of one thread each, as the transformers 5 runs below: on CI's two cores one process took 10.4
+# min, most of it Python on one core, of a CI run that must stay under 45.
 py-test: build
-	$(PYTHON) -m pytest tests -q
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q -n 2 -p no:cacheprovider
 
 # The suite again under transformers 5: 5.2 (the newest kvpress 0.5.5 allows, what a `pip install` resolves) and 5.17
 # (the offline GPU machine's). Each runs in a venv holding only the pins of requirements-transformers<version>.txt,
