@@ -99,7 +99,6 @@ def test_generate_in_half_precision(name, dtype, surrogate_dir):
             assert all(t.dtype == torch.float32 for t in state.per_slot.values() if t.is_floating_point())
 
 
-@kvpress_hooks.mark
 def test_a_prefill_only_press_state_covers_its_write_on_paged_and_the_whole_layer_on_dynamic():
     """get_state after GVote (no decoding step) and decoding, as paged_cache documents: the paged layer's log-weights
     are the prefill's columns, the DynamicCache's the same columns padded with 0 for each decoded token."""
@@ -136,6 +135,7 @@ def test_generate_under_autocast(name, attn, surrogate_dir):
     assert {layer.value_blocks.dtype for layer in paged_cache.layers} == {torch.float32}
 
 
+@kvpress_hooks.mark
 def test_kvpress_imported_after_us_leaves_the_paged_path_outermost():
     """A user who imports kvpress_cpp before kvpress (a fresh process): kvpress's masking wrapper must not end up
     around ours, where it wrote the masked slots an earlier generate left on the modules into a paged layer's key
