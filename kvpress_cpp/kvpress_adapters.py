@@ -82,6 +82,17 @@ _LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _Laye
 _MARKS_ATTR = "_kvcomp_marks"  # on the press: layer → [marks added since the prefill, tokens cached]
 
 
+def _adapt(owner: type, name: str, adapter, marker: str = _PATCHED_ATTR) -> None:
+    """Replace ``owner.<name>`` by ``adapter(original)``, marked with `marker`: a method already adapted (by an earlier
+    call, or inherited from an adapted class) is left as it is, so that every ``patch_*`` function is idempotent."""
+    original = getattr(owner, name)
+    if getattr(original, marker, False):
+        return
+    adapted = adapter(original)
+    setattr(adapted, marker, True)
+    setattr(owner, name, adapted)
+
+
 def kvpress_transformers_mismatch() -> str | None:
     """Why kvpress's own forward hooks cannot run here, or None: the installed transformers is outside the range
     kvpress declares (kvpress 0.5.5: <5.3; later transformers stop passing the ``cache_position`` its hooks read).
@@ -262,10 +273,11 @@ def _refuse_scores_of_cut_tokens(press: DMSPress, module, kwargs: dict) -> None:
 
 def patch_dms_press() -> None:
     """Wrap ``DMSPress.forward_hook`` and ``DMSPress.post_init_from_model`` (see the module). Idempotent."""
-    forward_hook = DMSPress.forward_hook
-    if getattr(forward_hook, _PATCHED_ATTR, False):
-        return
+    _adapt(DMSPress, "forward_hook", _dms_forward_hook)
+    _adapt(DMSPress, "post_init_from_model", _refusing_unshardable_scorers)
 
+
+def _dms_forward_hook(forward_hook):
     def adapted_forward_hook(self, module, input, kwargs, output):
         _refuse_scores_of_cut_tokens(self, module, kwargs)
         marked_before = _mark_count(module)
@@ -276,9 +288,7 @@ def patch_dms_press() -> None:
         _count_marks(self, module, kwargs, marked_before)
         return output
 
-    setattr(adapted_forward_hook, _PATCHED_ATTR, True)
-    DMSPress.forward_hook = adapted_forward_hook
-    DMSPress.post_init_from_model = _refusing_unshardable_scorers(DMSPress.post_init_from_model)
+    return adapted_forward_hook
 
 
 def _marked_columns_to_positions(press, module, kwargs: dict, keys: torch.Tensor) -> None:
@@ -315,11 +325,14 @@ def _view_holes(module, kwargs: dict, keys: torch.Tensor) -> tuple[PagedLayer | 
 
 
 def patch_adakv_press() -> None:
-    """Wrap ``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model`` (see the module). Idempotent."""
-    compress = AdaKVPress.compress
-    if getattr(compress, _PATCHED_ATTR, False):
-        return
+    """Wrap ``AdaKVPress.compress`` and ``AdaKVPress.post_init_from_model`` (see the module), and
+    ``CriticalAdaKVPress.compress`` (:func:`_marks_read_through_the_view`). Idempotent."""
+    _adapt(AdaKVPress, "compress", _adakv_compress)
+    _adapt(AdaKVPress, "post_init_from_model", _refusing_unshardable_scorers)
+    _adapt(CriticalAdaKVPress, "compress", _marks_read_through_the_view)
 
+
+def _adakv_compress(compress):
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         shard = kv_head_shard(module)
         holes = _view_holes(module, kwargs, keys)[1]
@@ -337,10 +350,7 @@ def patch_adakv_press() -> None:
         _marked_columns_to_positions(self, module, kwargs, keys)
         return keys, values
 
-    setattr(adapted_compress, _PATCHED_ATTR, True)
-    AdaKVPress.compress = adapted_compress
-    AdaKVPress.post_init_from_model = _refusing_unshardable_scorers(AdaKVPress.post_init_from_model)
-    CriticalAdaKVPress.compress = _marks_read_through_the_view(CriticalAdaKVPress.compress)
+    return adapted_compress
 
 
 def _marks_read_through_the_view(compress):
@@ -348,15 +358,12 @@ def _marks_read_through_the_view(compress):
     tokens those columns show (:func:`_marked_columns_to_positions`). Its scorer scores the holes of the view as
     tokens (CriticalAdaKVPress weighs scores by the values' norms, which are 0 there): they take no token's place, as
     its marks on them evict nothing, but they take some of its budget."""
-    if getattr(compress, _PATCHED_ATTR, False):
-        return compress
 
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
         _marked_columns_to_positions(self, module, kwargs, keys)
         return keys, values
 
-    setattr(adapted_compress, _PATCHED_ATTR, True)
     return adapted_compress
 
 
@@ -366,17 +373,15 @@ def patch_scorer_press() -> None:
     -inf so that a head keeps its tokens first, and the layer told which columns it took: it drops the holes among
     them (taken where a head holds fewer tokens than the slots kept) and keeps the tokens' positions, which later
     head-wise marks are read by. Anywhere else kvpress's own ``compress`` runs. Idempotent."""
-    ScorerPress.compress = _selecting_on_paged_layers(
-        ScorerPress.compress, lambda press, module, k_len: compute_n_kept(k_len, press.compression_ratio))
-    PyramidKVPress.compress = _selecting_on_paged_layers(
-        PyramidKVPress.compress, lambda press, module, k_len: press.get_layer_budget(module, k_len))
+    _adapt(ScorerPress, "compress", lambda compress: _selecting_on_paged_layers(
+        compress, lambda press, module, k_len: compute_n_kept(k_len, press.compression_ratio)))
+    _adapt(PyramidKVPress, "compress", lambda compress: _selecting_on_paged_layers(
+        compress, lambda press, module, k_len: press.get_layer_budget(module, k_len)))
 
 
 def _selecting_on_paged_layers(compress, kept_count):
     """`compress`, kvpress's selection of the `kept_count(press, module, k_len)` best-scored columns of each head, made
     again on a paged layer with its holes scored -inf, and the columns taken handed to the layer (select_columns)."""
-    if getattr(compress, _PATCHED_ATTR, False):
-        return compress
 
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         layer, holes = _view_holes(module, kwargs, keys)
@@ -390,7 +395,6 @@ def _selecting_on_paged_layers(compress, kept_count):
         layer.select_columns(keys, kept, kept_keys)
         return kept_keys, values.gather(2, index.expand(-1, -1, -1, values.shape[-1])).contiguous()
 
-    setattr(adapted_compress, _PATCHED_ATTR, True)
     return adapted_compress
 
 
@@ -416,23 +420,18 @@ def patch_wrapper_contexts() -> None:
     slot count (rotated as the wrong positions) and a second ``generate`` fed the context again, silently, where the
     bare press refuses it. Idempotent."""
     for wrapper in (ComposedPress, PrefillDecodingPress):
-        call = wrapper.__call__
-        if getattr(call, _PATCHED_ATTR, False):
-            continue
-
-        def adapted_call(self, model, call=call):
-            return _with_our_contexts(call, self, model)
-
-        setattr(adapted_call, _PATCHED_ATTR, True)
-        wrapper.__call__ = adapted_call
+        _adapt(wrapper, "__call__", _with_our_contexts)
 
 
-@contextmanager
-def _with_our_contexts(call, wrapper, model):
-    with call(wrapper, model), ExitStack() as contexts:
-        for press in _ours_inside(wrapper):
-            contexts.enter_context(press.context_under(wrapper, model))
-        yield
+def _with_our_contexts(call):
+    @contextmanager
+    def adapted_call(self, model):
+        with call(self, model), ExitStack() as contexts:
+            for press in _ours_inside(self):
+                contexts.enter_context(press.context_under(self, model))
+            yield
+
+    return adapted_call
 
 
 class _LayerTypeRotary(nn.Module):
@@ -493,10 +492,10 @@ def patch_press_contexts() -> None:
     pass; ours do not, so ours alone or composed only with ours still run there, and our context lets the error
     through to the kvpress press around it. Idempotent; before :func:`patch_wrapper_contexts`, whose
     ``ComposedPress.__call__`` is this one."""
-    call = BasePress.__call__
-    if getattr(call, _NAMES_MISSING_POSITION_ATTR, False):
-        return
+    _adapt(BasePress, "__call__", _naming_missing_cache_position, marker=_NAMES_MISSING_POSITION_ATTR)
 
+
+def _naming_missing_cache_position(call):
     @contextmanager
     def adapted_call(self, model):
         try:
@@ -510,8 +509,7 @@ def patch_press_contexts() -> None:
             raise RuntimeError(f"{type(self).__name__}: kvpress's hooks read each pass's cache_position, which the "
                                f"model's attention was not given: {why}") from error
 
-    setattr(adapted_call, _NAMES_MISSING_POSITION_ATTR, True)
-    BasePress.__call__ = adapted_call
+    return adapted_call
 
 
 def _missing_cache_position(error: Exception) -> bool:
@@ -543,10 +541,10 @@ def _naming_our_slots(press, module, kwargs: dict):
 def patch_presses_after_ours() -> None:
     """Wrap ``BasePress.forward_hook``, the prefill hook of kvpress's scorer presses, in :func:`_naming_our_slots`
     (``DMSPress``'s own hook is wrapped in :func:`patch_dms_press`). Idempotent."""
-    forward_hook = BasePress.forward_hook
-    if getattr(forward_hook, _PATCHED_ATTR, False):
-        return
+    _adapt(BasePress, "forward_hook", _naming_our_slots_in_the_hook)
 
+
+def _naming_our_slots_in_the_hook(forward_hook):
     def adapted_forward_hook(self, module, input, kwargs, output):
         with _naming_our_slots(self, module, kwargs):
             output = forward_hook(self, module, input, kwargs, output)
@@ -555,18 +553,17 @@ def patch_presses_after_ours() -> None:
             layer.refuse_unknown_selection(type(self).__name__, module.layer_idx)
         return output
 
-    setattr(adapted_forward_hook, _PATCHED_ATTR, True)
-    BasePress.forward_hook = adapted_forward_hook
+    return adapted_forward_hook
 
 
 def patch_pipeline_questions() -> None:
     """Wrap ``KVPressTextGenerationPipeline._forward`` so that several questions with a press of ours that compresses
     while decoding are refused naming the press and why: kvpress refuses them as "DecodingPress is not compatible",
     which names neither. Idempotent."""
-    forward = KVPressTextGenerationPipeline._forward
-    if getattr(forward, _PATCHED_ATTR, False):
-        return
+    _adapt(KVPressTextGenerationPipeline, "_forward", _one_question_for_decoding_presses)
 
+
+def _one_question_for_decoding_presses(forward):
     def adapted_forward(self, input_tensors, *args, **kwargs):
         press, questions = kwargs.get("press"), len(input_tensors["questions_ids"])  # transformers passes by keyword
         if isinstance(press, KVCompDecodingPress) and questions > 1:
@@ -578,8 +575,7 @@ def patch_pipeline_questions() -> None:
                              f"prompt only (ComposedPress([{name}(...)]), GVotePress, kvpress's)")
         return forward(self, input_tensors, *args, **kwargs)
 
-    setattr(adapted_forward, _PATCHED_ATTR, True)
-    KVPressTextGenerationPipeline._forward = adapted_forward
+    return adapted_forward
 
 
 patch_dms_press()

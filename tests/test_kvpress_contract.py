@@ -693,3 +693,24 @@ def test_a_gemma3_sliding_layer_is_given_its_own_rotary_embedding(tmp_path, make
     assert keys.shape[-2] < ids.shape[1], "the press must compress layer 0 for the test to compare anything"
     torch.testing.assert_close(keys, expected_keys)
     torch.testing.assert_close(values, expected_values)
+
+
+def test_adapting_kvpress_again_wraps_nothing_twice():
+    """kvpress_adapters wraps kvpress's methods at import; running its patches again (a module reloaded, a second
+    import path) must leave every method as it is: wrapped twice, DMSPress would count its marks twice and every
+    kvpress context would open ours twice."""
+    from kvpress import BasePress, PyramidKVPress
+    from kvpress.pipeline import KVPressTextGenerationPipeline
+
+    from kvpress_cpp import kvpress_adapters
+
+    methods = [(DMSPress, "forward_hook"), (DMSPress, "post_init_from_model"), (AdaKVPress, "compress"),
+               (AdaKVPress, "post_init_from_model"), (CriticalAdaKVPress, "compress"), (ScorerPress, "compress"),
+               (PyramidKVPress, "compress"), (BasePress, "__call__"), (BasePress, "forward_hook"),
+               (ComposedPress, "__call__"), (PrefillDecodingPress, "__call__"),
+               (KVPressTextGenerationPipeline, "_forward")]
+    adapted = [owner.__dict__[name] for owner, name in methods]
+    for patch in kvpress_adapters.__all__:
+        if patch.startswith("patch_"):
+            getattr(kvpress_adapters, patch)()
+    assert [owner.__dict__[name] for owner, name in methods] == adapted
