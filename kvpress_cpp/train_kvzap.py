@@ -288,18 +288,24 @@ def load_text(name: str) -> str:
         from kvpress_cpp import texts
 
         return getattr(texts, NAMED_TEXTS[name])()
-    if problem := text_file_problem(name):
+    text, problem = _read_text_file(name)
+    if problem:
         raise ValueError(f"train_kvzap: --texts {name}: {problem}")
-    return Path(name).read_text(encoding="utf-8")
+    return text
 
 
 def text_file_problem(path: str) -> str | None:
     """Why the file at `path` gives no text to train on (not UTF-8, nothing but white space), or None."""
+    return _read_text_file(path)[1]
+
+
+def _read_text_file(path: str) -> tuple[str, str | None]:
+    """The text of the file at `path` (read once), and :func:`text_file_problem`'s answer."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        return f"not UTF-8 text ({error.reason} at byte {error.start})"
-    return None if text.strip() else "the file holds no text"
+        return "", f"not UTF-8 text ({error.reason} at byte {error.start})"
+    return text, None if text.strip() else "the file holds no text"
 
 
 def sample_chunks(tokenizer, text: str, n_chunks: int, context_tokens: int, rng: random.Random,
