@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -297,6 +298,13 @@ def load_text(name: str) -> str:
 def text_file_problem(path: str) -> str | None:
     """Why the file at `path` gives no text to train on (not UTF-8, nothing but white space), or None."""
     return _read_text_file(path)[1]
+
+
+def text_file_digests(names: Sequence[str]) -> dict[str, str]:
+    """The sha256 of each file among the --texts `names` that exists (a named text is fixed by its Debian package):
+    a --data-cache holding targets of a file's earlier contents is then refused, not reused."""
+    return {name: hashlib.sha256(Path(name).read_bytes()).hexdigest()
+            for name in names if name not in NAMED_TEXTS and Path(name).is_file()}
 
 
 def _read_text_file(path: str) -> tuple[str, str | None]:
@@ -1012,12 +1020,20 @@ def main(argv: Sequence[str] | None = None, model=None, tokenizer=None) -> dict:
     data_settings = {
         k: getattr(args, k) for k in ("model", "texts", "tokens", "context_tokens", "val_fraction", "h_norm", "seed")
     }
+    data_settings["text_sha256"] = text_file_digests(text_names)
     t0 = time.perf_counter()
     t_load = 0.0
     if cache is not None and (_cache_complete(cache) or args.fit_collected):
         data, cached_settings, t_collect = load_data_cache(cache, allow_partial=args.fit_collected)
+        # A text file gone since the collection is not read again: its targets stand as collected.
+        gone = {name: digest for name, digest in cached_settings.get("text_sha256", {}).items()
+                if not Path(name).is_file()}
+        data_settings["text_sha256"] = {**data_settings["text_sha256"], **gone}
         if cached_settings != data_settings:
-            raise ValueError(f"train_kvzap: {cache} holds targets for {cached_settings}, not {data_settings}")
+            differing = sorted(k for k in {**cached_settings, **data_settings}
+                               if cached_settings.get(k) != data_settings.get(k))
+            raise ValueError(f"train_kvzap: {cache} holds targets collected with other {', '.join(differing)}: "
+                             f"{cached_settings}, not {data_settings}")
         model_name = DEFAULT_MODEL_NAME if args.model == "default" else Path(args.model).name
         print(f"loaded targets from {cache} (collected in {t_collect:.0f} s)")
         (layers, _, hidden_size), kv_heads = data.features.shape, data.targets.shape[2]

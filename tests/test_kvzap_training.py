@@ -371,6 +371,32 @@ def test_cli_refuses_surrogates_to_compare_of_another_shape_before_collecting(tm
 
 
 
+def test_data_cache_of_an_edited_text_file_is_refused(tmp_path):
+    """--data-cache was keyed by the texts' names: after the file was edited, a rerun fitted the old file's targets
+    silently (complete cache) or mixed both files' chunks (resumed cache). Both are refused now, naming the texts'
+    digests; a text file gone since a complete collection still refits from the cache."""
+    model, tokenizer = make_tiny_llama(attn_implementation="eager")
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    paragraphs = ENGLISH_PROSE.split("\n\n")
+    text = tmp_path / "prose.txt"
+    text.write_text("\n\n".join(paragraphs * 3))
+    cache = tmp_path / "data"
+    argv = ["--model", str(model_dir), "--texts", str(text), "--out", str(tmp_path / "out"), "--tokens", "240",
+            "--context-tokens", "60", "--epochs", "1", "--no-progress", "--data-cache", str(cache)]
+    tk.main(argv)
+    text.write_text("\n\n".join(paragraphs[::-1] * 3))
+    with pytest.raises(ValueError, match="collected with other text_sha256"):
+        tk.main(argv)
+    tk._chunk_file(cache, 3).unlink()  # as a stopped collection leaves it, to be resumed
+    with pytest.raises(ValueError, match="holds chunks for other settings"):
+        tk.main(argv)
+    tk.main(argv[:-2] + ["--data-cache", str(tmp_path / "data2")])
+    text.unlink()
+    assert tk.main(argv[:-2] + ["--data-cache", str(tmp_path / "data2")])["data"]["chunks"] == 4
+
+
 def test_cli_end_to_end_on_tiny_model(tmp_path):
     from kvpress.presses.kvzap_press import KVzapModel
 
