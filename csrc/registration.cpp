@@ -3,10 +3,12 @@
 // kvpress_cpp/_fake.py and typed wrappers in kvpress_cpp/ops.py.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
-#include <string_view>
+#include <string>
+#include <vector>
 
 TORCH_LIBRARY(kvcomp, m) {
   // scores family: fold the attention probabilities of q new queries (B, Hq, q, T) into per-kv-head float32 scores
@@ -153,7 +155,7 @@ TORCH_LIBRARY(kvcomp, m) {
 
 namespace {
 
-// Every kvcomp op, and which of them update their inputs in place.
+// Every kvcomp op.
 constexpr const char* kOps[] = {
     "update_scores",  "merge_count_bias",    "decode_attention",     "paged_decode_attention",
     "zsmerge_prefill", "zsmerge_decode_step", "weightedkv_evict",     "keepkv_match",
@@ -162,9 +164,10 @@ constexpr const char* kOps[] = {
     "kvzap_paged_step", "prompt_log_sum_exp", "prompt_scores",        "prompt_attention_with_scores",
     "prompt_log_unnormalised_scores"};
 
-bool updates_in_place(std::string_view op) {
-  return op == "weightedkv_evict" || op == "zsmerge_decode_step" || op == "keepkv_decode_step" ||
-         op == "kvzap_paged_step";
+// Whether `op` updates arguments in place: a Tensor(a!) in its schema (TORCH_LIBRARY above has defined it by now).
+bool updates_in_place(const char* op) {
+  const std::string name = std::string("kvcomp::") + op;
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").schema().is_mutable();
 }
 
 // Under torch.autocast an op computes in the dtypes it is given, as its fake and its reference do: the ATen GEMMs
@@ -175,7 +178,34 @@ void run_outside_autocast(const c10::OperatorHandle& op, c10::DispatchKeySet key
   op.redispatchBoxed(keys - c10::autocast_dispatch_keyset, stack);
 }
 
+// An op that updates tensors in place bumps their version counters, as torch's in-place ops do: autograd then refuses
+// a backward through a tensor it saved before the update, and a paged cache notices an edit of the view it handed
+// out (PagedLayer._view_edited_in_place). torch's autogradNotImplementedInplaceOrViewFallback bumps only returned
+// tensors, and these ops return none of those they update.
+void bump_versions_of_updated(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  std::vector<at::Tensor> updated;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[stack->size() - arguments.size() + i];
+    const auto* alias = arguments[i].alias_info();
+    if (alias != nullptr && alias->isWrite() && value.isTensor()) updated.push_back(value.toTensor());
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& tensor : updated) {
+    if (!tensor.is_inference()) torch::autograd::increment_version(tensor);  // inference tensors keep no version
+  }
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(kvcomp, ADInplaceOrView, m) {
+  for (const char* op : kOps) {
+    if (updates_in_place(op)) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_updated>());
+  }
+}
 
 // No op has a backward: an output computed from inputs that require grad carries a node that raises
 // "derivative for kvcomp::<op> is not implemented" when backward reaches it (instead of torch's default warning and

@@ -1010,6 +1010,39 @@ def test_autocast_changes_nothing(name, device):
         torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
 
 
+UPDATING_OPS = sorted(name for name in FUZZ if getattr(torch.ops.kvcomp, name).default._schema.is_mutable)
+
+
+def test_updating_ops_are_the_four_that_update_in_place():
+    assert UPDATING_OPS == ["keepkv_decode_step", "kvzap_paged_step", "weightedkv_evict", "zsmerge_decode_step"]
+
+
+@pytest.mark.parametrize("name", UPDATING_OPS)
+def test_an_update_in_place_bumps_the_versions_of_what_it_updates(name):
+    """As torch's in-place ops: each tensor the schema marks written (Tensor(a!)) has its version counter bumped, the
+    others keep theirs. Then autograd refuses a backward through a tensor it saved before the update, and a paged
+    cache notices an edit of the view it handed out, where both used the stale or the edited tensor silently."""
+    fuzz = FUZZ[name]
+    for k in range(8):
+        r = random.Random(f"{SEED}:{name}:version:{k}")
+        args = fuzz.build(r, fuzz.sizes(r, {}), torch.float32)
+        if _contract_rejects(CONTRACTS[name], args) is None:
+            break
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    schema = getattr(torch.ops.kvcomp, name).default._schema
+    written = [argument.alias_info is not None and argument.alias_info.is_write for argument in schema.arguments]
+    updated = next(a for a, write in zip(args, written) if write)
+    weight = torch.ones((), requires_grad=True)
+    saved = (weight * updated).sum()  # autograd saves `updated` for the weight's gradient
+    before = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+    getattr(torch.ops.kvcomp, name)(*args)
+    for argument, write, version, arg in zip(schema.arguments, written, before, args):
+        if isinstance(arg, torch.Tensor):
+            assert (arg._version > version) == write, (argument.name, version, arg._version)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
 def test_a_crash_names_its_case_and_the_other_cases_still_run(monkeypatch):
     monkeypatch.setenv("KVCOMP_FUZZ_CRASH_AT", "merge_count_bias:3")
     results, _ = run_fuzz(["merge_count_bias", "nucleus_budget"])
