@@ -8,8 +8,10 @@ Every forward that attends to a cache layer with state (see :mod:`kvpress_cpp.ca
 mask over the new tokens, through ``kvcomp::decode_attention`` (GQA-native: keys are never repeated). transformers'
 attention mask is not used there: it is built once for all layers from layer 0's length, which no longer matches
 layers compacted to different lengths. Padding is folded into b instead, as -inf, when the press writes the state at
-prefill (:func:`padding_log_weights`). A press that scores the prompt tells a layer's sdpa prompt pass (no padding)
-the weights it scores with (:func:`request_prefill_scores`). On CPU the pass then runs
+prefill (:func:`padding_log_weights`); padding in a later pass is refused by the press (:func:`new_token_padding`),
+and hidden by a paged layer no press compressed, whose columns transformers' mask still describes. A press that scores
+the prompt tells a layer's sdpa prompt pass (no padding) the weights it scores with (:func:`request_prefill_scores`).
+On CPU the pass then runs
 ``kvcomp::prompt_attention_with_scores``, which computes the attention output, its log-sum-exp and the press's scores
 from one QKᵀ (SmolLM2 layer, one thread, T = 8k: 0.69 s against 1.32 s for sdpa + ``prompt_scores``, and faster than
 sdpa alone), and keeps them for the press. Where that op's workspace would pass
@@ -65,13 +67,39 @@ def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_head
     if attention_mask is None:
         return log_weights
     row = attention_mask[:, 0, -1, :total] if attention_mask.dim() == 4 else attention_mask[:, :total]
-    if row.dtype == torch.bool:
-        visible = row
-    elif attention_mask.dim() == 4:
-        visible = row == 0  # additive float mask: 0 where visible, a very negative value elsewhere
-    else:
-        visible = row != 0  # flash attention's 0/1 padding mask
+    visible = _visible(row, attention_mask.dim() == 4)
     return log_weights.masked_fill(~visible.unsqueeze(1).to(device), float("-inf"))
+
+
+def new_token_padding(attention_mask: torch.Tensor | None, new_tokens: int) -> torch.Tensor | None:
+    """(B, q) bool: the new tokens of a later pass that transformers' mask hides as padding (a batched next turn whose
+    rows differ in length is padded inside the sequence), or None where it hides none. A 4-D mask is read at each new
+    token's own row and column, which a causal or sliding-window mask always shows."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 4 and attention_mask.shape[-2] == new_tokens:
+        own = attention_mask[:, 0].diagonal(offset=attention_mask.shape[-1] - new_tokens, dim1=-2, dim2=-1)
+    else:
+        own = attention_mask[:, 0, -1, -new_tokens:] if attention_mask.dim() == 4 else attention_mask[:, -new_tokens:]
+    padding = ~_visible(own, attention_mask.dim() == 4)
+    return padding if bool(padding.any()) else None
+
+
+def _visible(mask: torch.Tensor, four_d: bool) -> torch.Tensor:
+    """Where entries of transformers' mask let a query see a key: sdpa's bool mask as it is, eager's additive float
+    mask where 0 (a very negative value elsewhere), flash attention's (B, T) 0/1 padding mask where 1."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask == 0 if four_d else mask != 0
+
+
+def padding_after_prefill_error(user: str, padding: torch.Tensor) -> ValueError:
+    rows = padding.any(-1).nonzero().flatten().tolist()
+    return ValueError(f"{user}: the attention mask hides {int(padding.sum())} of this pass's {padding.shape[-1]} new "
+                      f"tokens in batch rows {rows} (padding after the prompt: a batched next turn or question whose "
+                      f"rows differ in length). Over a cache a press compressed or keeps state for, padding is read "
+                      f"at prefill only: these tokens would be attended, and decoded by the press, as text. Run those "
+                      f"rows one at a time, or give every row's new tokens one length")
 
 
 class PrefillAttention(NamedTuple):
@@ -332,6 +360,12 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
             if prompt_states is None:
                 if not presses and paged_layer.has_state:
                     _refuse_tokens_fed_again(paged_layer, query, kwargs)
+                # A later pass's padding (several tokens: generate never pads a decoding step), read from transformers'
+                # mask where its columns are the layer's: no press compressed the layer (one refuses padding there).
+                if (query.shape[-2] > 1 and not presses and not paged_layer.has_state
+                        and paged_layer.holds_every_token()
+                        and (padding := new_token_padding(attention_mask, query.shape[-2])) is not None):
+                    paged_layer.hide_new_tokens(padding)  # as a DynamicCache's mask hides them from every query
                 return _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)

@@ -189,6 +189,8 @@ class PagedLayer(CacheLayerMixin):
         # rectangular cache's width), where a second call resumes and what a rejected candidate is cropped to. Until
         # something rewrites the layer, whose width is then what it wrote.
         self.padding_dropped = 0
+        # The tokens appended since the prompt, padding included, less those cut (holds_every_token).
+        self.tokens_appended = 0
         # The columns of the view that the evictions of kvpress's head-wise marks emptied (no head holds a slot there),
         # which the view keeps as padding: generate resumes a second call and crops at the view's width, and kvpress's
         # pipeline cuts each answer at it (keys[:, :, :n]), all counted as the rectangular cache, whose masked slots
@@ -304,6 +306,7 @@ class PagedLayer(CacheLayerMixin):
             self._forget_prompt()
             self.rearrangements += 1
             forget_tokens_held(self)
+        self.tokens_appended += new_tokens
         if even:  # every head appends at column even[0]
             slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
         else:
@@ -387,7 +390,7 @@ class PagedLayer(CacheLayerMixin):
         self.has_state, self.counters, self._state_displaced_from = False, {}, None
         self.slot_blocks = {name: self.slot_blocks[name] for name in (_LOG_WEIGHTS, _POSITIONS)}
         self._may_hold_dead_slots = self._bases_at_right = False
-        self.padding_dropped = 0
+        self.padding_dropped = self.tokens_appended = 0
         self._forget_marks()
 
     def _forget_marks(self) -> None:
@@ -662,6 +665,20 @@ class PagedLayer(CacheLayerMixin):
             b, h, c = padding.nonzero(as_tuple=True)
             evicted[b, h, columns[b, h, c]] = True
             self._evict(evicted)
+
+    def holds_every_token(self) -> bool:
+        """Whether the view has a column for every token appended since the prompt (padding included), as a
+        DynamicLayer that nothing compressed: transformers' mask, built for the view's width, then describes it."""
+        return self.tokens_appended == self._width()
+
+    def hide_new_tokens(self, padding: torch.Tensor) -> None:
+        """Give the last pass's new tokens that `padding` (B, q) bool marks the log-weight -inf in every head, so that
+        no query attends to them, then or later: the padding a later pass's mask hides (a batched next turn whose rows
+        differ in length), which a DynamicCache's mask hides from every later query too."""
+        new_tokens = padding.shape[-1]
+        slot = self.lengths.unsqueeze(-1) - new_tokens + torch.arange(new_tokens)
+        hidden = self._uploaded(padding.cpu().unsqueeze(1).expand_as(slot))
+        self.slot_blocks[_LOG_WEIGHTS].view(-1)[self._flat_slots(slot)[hidden]] = float("-inf")
 
     # ------------------------------------------------------------------------------------------------------------
     # Allocation
@@ -1161,6 +1178,7 @@ class PagedLayer(CacheLayerMixin):
 
     def _cut(self, width: int) -> None:
         """Keep each head's columns of the view before `width` (kvpress's pipeline dropping an answer)."""
+        self.tokens_appended -= self._width() - width
         if self._next_position is not None:  # the tokens counted on the host: the cut ones are no longer held
             self._next_position -= self._width() - width
         else:

@@ -714,3 +714,25 @@ def test_adapting_kvpress_again_wraps_nothing_twice():
         if patch.startswith("patch_"):
             getattr(kvpress_adapters, patch)()
     assert [owner.__dict__[name] for owner, name in methods] == adapted
+
+
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_later_pass_padded_inside_the_sequence_is_refused(llama, make_press, name, cache_type):
+    """A batch's next turn whose rows differ in length is padded inside the sequence. Over a cache a press compressed
+    (or keeps state for), the model's mask is built for the slots, not the tokens, and the press would decode the
+    padding as text: row 1's logits differed from its run alone by up to 0.63, silently. Refused, naming the press."""
+    model, _ = llama
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    padding = 3
+    new = torch.cat([torch.randint(3, 256, (1, 8)), torch.cat([torch.zeros(1, padding, dtype=torch.long),
+                                                             torch.randint(3, 256, (1, 8 - padding))], 1)])
+    mask = torch.ones(2, 48, dtype=torch.long)
+    mask[1, 40:40 + padding] = 0
+    cache = cache_type()
+    with torch.no_grad(), make_press(name)(model):
+        model(ids, past_key_values=cache)
+        with pytest.raises(ValueError, match=rf"{name}: the attention mask hides 3 of this pass's 8 new tokens in "
+                                             rf"batch rows \[1\]"):
+            model(new, attention_mask=mask, past_key_values=cache)
+

@@ -1241,3 +1241,39 @@ def test_a_cut_or_reorder_of_non_integer_indices_is_refused_as_a_dynamic_cache_r
     with pytest.raises(TypeError, match=r"PagedKVCache"):
         cut(cache)
     assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, -keys)
+
+
+def _next_turn_padded_inside(first_turn: torch.Tensor, row_0: torch.Tensor, row_1: torch.Tensor):
+    """The input ids and mask of a batch's next turn whose row 1 is shorter: padded inside the sequence, where the
+    cached tokens end (a batched chat's second generate)."""
+    padding = row_0.shape[-1] - row_1.shape[-1]
+    new = torch.cat([row_0, torch.cat([torch.zeros(1, padding, dtype=torch.long), row_1], 1)])
+    mask = torch.ones(2, first_turn.shape[1] + new.shape[1], dtype=torch.long)
+    mask[1, first_turn.shape[1]:first_turn.shape[1] + padding] = 0
+    return torch.cat([first_turn, new], 1), mask
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_next_turn_padded_inside_the_sequence_is_generated_as_on_a_dynamic_cache(attn_implementation):
+    """A later pass's padding (a batch's next turn whose rows differ in length) was attended on a PagedKVCache, which
+    reads padding at prefill only: row 1's tokens differed from the DynamicCache's, silently. The paged layer now gives
+    the padding its mask hides the log-weight -inf, for that pass and every later one."""
+    model, _ = make_tiny_llama()
+    model.set_attn_implementation(attn_implementation)
+    patch_eager_attention(model)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    turns = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def two_turns(cache):
+        with torch.no_grad():
+            first = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                                   suppress_tokens=[0])
+            second, mask = _next_turn_padded_inside(first, turns[:1], turns[1:, 3:])
+            out = model.generate(second, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+                                 do_sample=False, suppress_tokens=[0], output_scores=True, return_dict_in_generate=True)
+        return out.sequences[:, second.shape[1]:], torch.stack(out.scores)
+
+    expected_tokens, expected_scores = two_turns(DynamicCache())
+    tokens, scores = two_turns(PagedKVCache(block_size=4))
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-4, atol=1e-4)

@@ -49,9 +49,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
-                                   padding_log_weights, patch_eager_attention, request_prefill_scores,
-                                   set_positions_end, take_prefill_attention, take_prompt_last_query,
-                                   tokens_fed_again_error)
+                                   new_token_padding, padding_after_prefill_error, padding_log_weights,
+                                   patch_eager_attention, request_prefill_scores, set_positions_end,
+                                   take_prefill_attention, take_prompt_last_query, tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
                                get_state, output_cache, pass_cache, pass_inputs, remember_tokens_held, set_state,
                                slots_appended_since_written)
@@ -870,6 +870,13 @@ class KVCompPress(BasePress):
                 else:
                     note = ""
                 raise tokens_fed_again_error(type(self).__name__, new_tokens, first, processed, slots, note=note)
+        # Padding among a later pass's tokens: the model's mask of the pass is built for the slots (a compressed
+        # layer's columns are not the mask's), and the press would decode it as tokens; only this mask tells.
+        mask = kwargs.get("attention_mask")
+        if (new_tokens > 1 and slots and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                and (padding := new_token_padding(mask, new_tokens)) is not None
+                and any(get_state(layer) is not None for layer in cache.layers)):
+            raise padding_after_prefill_error(type(self).__name__, padding)
         setattr(cache, _POSITIONS_ATTR, after)
         for module in self._hooked_modules:
             set_positions_end(module, after)
