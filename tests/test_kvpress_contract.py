@@ -7,6 +7,7 @@ padded batches, each row equal to its run alone. A press either acts where it is
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -736,3 +737,30 @@ def test_a_later_pass_padded_inside_the_sequence_is_refused(llama, make_press, n
                                              rf"batch rows \[1\]"):
             model(new, attention_mask=mask, past_key_values=cache)
 
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_press_copied_inside_its_context_is_a_press_of_its_own(llama, make_press, name):
+    """A press deep-copied (or pickled) while its context was open: the copy was refused as active on another model,
+    for good, and carried a copy of the model's attention modules; pickle failed on a weak reference."""
+    import pickle
+
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    press = make_press(name)
+    with press(model):
+        copied, pickled = copy.deepcopy(press), pickle.loads(pickle.dumps(press))
+    expected = greedy(model, ids, press=make_press(name), max_new_tokens=4)[0]
+    for other in (copied, pickled):
+        assert other._hooked_modules == []
+        assert torch.equal(greedy(model, ids, press=other, max_new_tokens=4)[0], expected)
+
+
+@kvpress_hooks.mark
+def test_a_kvpress_press_around_ours_is_named_as_such(llama, make_press):
+    """A kvpress press whose context is opened around ours compresses the prompt first; the refusal said "in a
+    ComposedPress", where none was used."""
+    model, tokenizer = llama
+    with pytest.raises(ValueError, match=r"a press before ZSMergePress \(in a ComposedPress, or a context opened "
+                                         r"around ZSMergePress's\) already compressed it"):
+        with KnormPress(compression_ratio=0.5)(model):
+            greedy(model, prompt_ids(tokenizer, 48), press=make_press("ZSMergePress"), max_new_tokens=2)

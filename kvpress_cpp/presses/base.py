@@ -395,6 +395,14 @@ class KVCompPress(BasePress):
         self.check_parameters()
         self.__dict__["_parameters_checked"] = True
 
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy, pickle) is a press with no context open, whatever the original's: the modules,
+        caches and thread an open context holds stay with the original (a copy made inside it was refused as active
+        on another model for good, and held a copy of the model's attention modules; pickle failed on the caches'
+        weak references)."""
+        return {**self.__dict__, "_compressed_in_context": None, "_caches_in_context": None, "_hooked_modules": [],
+                "_forward_thread": None}
+
     def check_parameters(self) -> None:
         """Raise a ValueError naming the press, the parameter and its value for a parameter outside its domain: at
         construction and at every later assignment of one."""
@@ -518,8 +526,9 @@ class KVCompPress(BasePress):
             if not self.compresses_compressed_prompt:
                 raise ValueError(
                     f"{name}: layer {layer_idx} holds {keys.shape[-2]} slots for this prompt's "
-                    f"{hidden_states.shape[1]} tokens: a press before {name} (in a ComposedPress) already compressed "
-                    f"it. {name} scores every prompt token from the prompt's causal attention, so it must come first")
+                    f"{hidden_states.shape[1]} tokens: a press before {name} (in a ComposedPress, or a context opened "
+                    f"around {name}'s) already compressed it. {name} scores every prompt token from the prompt's "
+                    f"causal attention, so it must come first")
             log_weights = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
             self._slots_seen[layer_idx] = [torch.full(keys.shape[:1], keys.shape[-2], device=keys.device), 0]
             return self.compress_prefill(module, hidden_states, keys, values, attentions, log_weights, kwargs)
@@ -695,9 +704,9 @@ class KVCompPress(BasePress):
             raise ValueError(
                 f"{name}: layer {layer_idx} holds {keys.shape[-2]} slots of a left-padded batch's {prompt_tokens}-token "
                 f"prompt (batch rows {padded.nonzero().flatten().tolist()} are padded), which a press before {name} "
-                f"(in a ComposedPress) already compressed on a DynamicCache: which of those slots are padding is lost "
-                f"there, and {name} would attend them as tokens. Use a PagedKVCache, which drops the padding before "
-                f"any press runs, or batches without padding")
+                f"(in a ComposedPress, or a context opened around {name}'s) already compressed on a DynamicCache: "
+                f"which of those slots are padding is lost there, and {name} would attend them as tokens. Use a "
+                f"PagedKVCache, which drops the padding before any press runs, or batches without padding")
 
     def _refuse_head_wise_marks(self, module: nn.Module) -> None:
         """Raise if a kvpress head-wise press before ours in this pass marked tokens (``module.masked_key_indices``;
@@ -926,7 +935,7 @@ class KVCompPress(BasePress):
         already = next((press for module in attention_modules for press in active_presses(module)), None)
         if already:
             raise ValueError(f"{name}: {already} is already active on this {type(model).__name__}; two kvpress_cpp "
-                             f"presses cannot compress one cache (nest or compose {name} with kvpress presses only)")
+                             f"presses cannot compress one cache: open one of them per model")
         if self._compressed_in_context is not None:
             # The open context's state lives on the press (the modules it marked active, the layers it compressed,
             # KVzap's surrogate loaded for its model): a second model would take it over, and closing either context
