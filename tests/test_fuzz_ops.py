@@ -987,6 +987,17 @@ def test_every_size_set_to_zero_gives_the_reference_or_the_ops_error(name, devic
             getattr(torch.ops.kvcomp, name)(*on_device)
 
 
+def _valid_float32_case(name: str, purpose: str) -> tuple:
+    """The first of a few random float32 cases of op `name` that its contract accepts."""
+    fuzz = FUZZ[name]
+    for k in range(8):
+        r = random.Random(f"{SEED}:{name}:{purpose}:{k}")
+        args = fuzz.build(r, fuzz.sizes(r, {}), torch.float32)
+        if _contract_rejects(CONTRACTS[name], args) is None:
+            return args
+    raise AssertionError(f"no valid float32 case of {name} in 8 draws")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA"))])
 @pytest.mark.parametrize("name", sorted(FUZZ))
@@ -995,13 +1006,7 @@ def test_autocast_changes_nothing(name, device):
     gvote_union_mask, kvzap_score and keepkv_match ran in bfloat16 there (the first then refused its own result)."""
     if device == "cuda" and name in CPU_ONLY_OPS:
         pytest.skip("a CPU-only op")
-    fuzz = FUZZ[name]
-    for k in range(8):
-        r = random.Random(f"{SEED}:{name}:autocast:{k}")
-        args = fuzz.build(r, fuzz.sizes(r, {}), torch.float32)
-        if _contract_rejects(CONTRACTS[name], args) is None:
-            break
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _valid_float32_case(name, "autocast"))
     expected = _as_tuple(_call(name, args))
     with torch.autocast(device, dtype=torch.bfloat16):
         got = _as_tuple(_call(name, args))
@@ -1022,13 +1027,7 @@ def test_an_update_in_place_bumps_the_versions_of_what_it_updates(name):
     """As torch's in-place ops: each tensor the schema marks written (Tensor(a!)) has its version counter bumped, the
     others keep theirs. Then autograd refuses a backward through a tensor it saved before the update, and a paged
     cache notices an edit of the view it handed out, where both used the stale or the edited tensor silently."""
-    fuzz = FUZZ[name]
-    for k in range(8):
-        r = random.Random(f"{SEED}:{name}:version:{k}")
-        args = fuzz.build(r, fuzz.sizes(r, {}), torch.float32)
-        if _contract_rejects(CONTRACTS[name], args) is None:
-            break
-    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    args = _valid_float32_case(name, "version")
     schema = getattr(torch.ops.kvcomp, name).default._schema
     written = [argument.alias_info is not None and argument.alias_info.is_write for argument in schema.arguments]
     updated = next(a for a, write in zip(args, written) if write)
