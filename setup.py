@@ -80,6 +80,18 @@ def sources(pattern_dirs):
     return sorted(str(p.relative_to(ROOT)) for d, pattern in pattern_dirs for p in (CSRC / d).glob(pattern))
 
 
+class BuildExtensionNamingArchitectures(BuildExtension):
+    """torch reads the GPU architectures to compile for from TORCH_CUDA_ARCH_LIST, else from the GPUs it sees; with
+    neither it stopped on a bare IndexError."""
+
+    def build_extensions(self):
+        if build_cuda() and not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+            raise SystemExit("kvpress_cpp: building the CUDA kernels (a CUDA torch and nvcc are here) with no GPU to "
+                             "read the architecture from: set TORCH_CUDA_ARCH_LIST (e.g. 9.0 for H100/H200, 8.0 for "
+                             "A100), or KVCOMP_FORCE_CPU=1 for a CPU-only build")
+        super().build_extensions()
+
+
 def extension():
     cpp_sources = sources([(".", "*.cpp"), ("cpu", "*.cpp")])
     include_dirs = [str(CSRC), str(CSRC / "include")]
@@ -112,7 +124,7 @@ setup(
     packages=find_packages(include=["kvpress_cpp", "kvpress_cpp.*"]),
     package_data={"kvpress_cpp": ["surrogates/**/*", "evaluation/*.yaml"]},
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionNamingArchitectures},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -155,3 +157,21 @@ def test_cpu_kernels_run_on_torchs_openmp_threads():
     loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
               if any(name in line.split()[-1] for name in runtimes)}
     assert len(loaded) == 1, loaded
+
+
+def test_the_sdist_holds_everything_its_build_and_tests_read(tmp_path):
+    """setuptools alone packed only the .cpp files setup.py lists and the tests' test_*.py files: the sdist had no
+    header (its build stopped on cpu/attention_rows.h), no .cu file (a CUDA build from it would have been silently
+    CPU-only), no CMakeLists.txt and none of the tests' helpers. MANIFEST.in grafts them."""
+    done = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path), "sdist",
+                           "--dist-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KVCOMP_FORCE_CPU": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    (archive,) = tmp_path.glob("kvpress_cpp-*.tar.gz")
+    with tarfile.open(archive) as sdist:
+        packed = {Path(*Path(name).parts[1:]) for name in sdist.getnames()}
+    needed = {path.relative_to(ROOT) for folder in ("csrc", "tests") for path in (ROOT / folder).rglob("*")
+              if path.is_file() and "__pycache__" not in path.parts}
+    needed |= {Path("CMakeLists.txt"), Path("setup.py"), Path("README.md"), Path("requirements.txt")}
+    assert needed - packed == set()
+    assert not [path for path in packed if path.suffix in (".so", ".pyc")]
