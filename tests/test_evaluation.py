@@ -1259,3 +1259,38 @@ def test_a_row_outside_the_length_tolerance_is_warned_about(tokenizer):
         rows = generate(tokenizer, 256, {"niah_multikey_1": 1})
     total = n_tokens(tokenizer, rows.iloc[0]["context"]) + n_tokens(tokenizer, rows.iloc[0]["question"])
     assert total > 256 * (1 + LENGTH_TOLERANCE)
+
+
+def test_installed_from_a_wheel_results_go_to_the_working_directory(tmp_path, monkeypatch):
+    """From a wheel, the package's parent is site-packages: `results run` wrote a top-level benchmarks/ folder there
+    (left behind by pip uninstall, refused on a read-only install), and `report` failed writing into it."""
+    monkeypatch.chdir(tmp_path)
+    assert results.results_root(tmp_path / "site-packages") == tmp_path
+    checkout = Path(results.__file__).resolve().parents[2]
+    assert results.results_root(checkout) == checkout
+
+
+def test_report_in_the_default_folder_without_results_says_so(tmp_path, monkeypatch):
+    """The default --out, where no setting has results: a FileNotFoundError writing report.md, not the message."""
+    empty = tmp_path / "evaluation"
+    monkeypatch.setattr(results, "REPO", tmp_path)
+    monkeypatch.setattr(results, "DEFAULT_OUT", empty)
+    monkeypatch.setattr(results, "QUESTION_AWARE_OUT", empty / "question_aware")
+    monkeypatch.setattr(results, "SETTINGS", {name: (empty if name == "query-agnostic" else empty / "question_aware",
+                                                     why) for name, (_, why) in results.SETTINGS.items()})
+    monkeypatch.setattr(sys, "argv", ["results", "report"])
+    with pytest.raises(SystemExit) as exit_:
+        results.main()
+    assert "no results to report" in str(exit_.value.code)
+
+
+def test_evaluation_without_its_extra_names_the_missing_package():
+    """Without kvpress_cpp[evaluation], kvpress's evaluation failed on a bare ModuleNotFoundError for jieba."""
+    code = ("import sys; sys.modules['jieba'] = None\n"
+            "from kvpress_cpp.evaluation import launch\n"
+            "launch._import_evaluation(launch.evaluation_dir())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0
+    assert "kvpress's evaluation needs 'jieba', which is not installed: pip install 'kvpress_cpp[evaluation]'" in \
+        done.stderr, done.stderr[-2000:]

@@ -123,6 +123,10 @@ def _import_evaluation(folder: Path) -> tuple[ModuleType, ModuleType]:
         evaluate = importlib.util.module_from_spec(spec)
         sys.modules["kvpress_evaluate"] = evaluate
         spec.loader.exec_module(evaluate)
+    except ModuleNotFoundError as error:  # kvpress's scorers' own imports (jieba, rouge, ...)
+        sys.modules.pop("kvpress_evaluate", None)
+        raise SystemExit(f"kvpress's evaluation needs {error.name!r}, which is not installed: pip install "
+                         f"'kvpress_cpp[evaluation]' (the packages of setup.py's evaluation extra)") from error
     finally:
         sys.path.remove(str(folder))
         for name in [n for n in sys.modules if _is_ours(n)]:

@@ -68,7 +68,14 @@ from kvpress_cpp.models import local_model_problem
 
 __all__ = ["KVPRESS_METHODS", "Config", "plan", "run", "other_setting", "collect", "report", "markdown_table", "family"]
 
-REPO = Path(__file__).resolve().parents[2]
+
+def results_root(package_parent: Path) -> Path:
+    """The checkout this package runs from (an editable install), whose benchmarks/results hold the committed
+    results; installed from a wheel, the working directory (the package's parent is then site-packages)."""
+    return package_parent if (package_parent / "setup.py").is_file() else Path.cwd()
+
+
+REPO = results_root(Path(__file__).resolve().parents[2])
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "evaluation"
 #: kvpress's presses compared against, by PRESS_REGISTRY name → label.
 KVPRESS_METHODS = {
@@ -1029,7 +1036,7 @@ def main() -> None:
             if args.out.resolve() in (DEFAULT_OUT, QUESTION_AWARE_OUT):  # the committed settings: both, side by side
                 collected = {name: _report(folder)[1] for name, (folder, _) in SETTINGS.items()
                              if (folder / "configs").is_dir()}
-                table = combined_report(collected=collected)
+                table = combined_report(collected=collected) if collected else report(args.out)
             else:
                 table = report(args.out)
         except FolderConflict as error:
