@@ -73,7 +73,9 @@ py-test: build
 # The suite again under transformers 5: 5.2 (the newest kvpress 0.5.5 allows, what a `pip install` resolves) and 5.17
 # (the offline GPU machine's). Each runs in a venv holding only the pins of requirements-transformers<version>.txt,
 # which sees .venv's packages and built extension behind them (a .pth that adds .venv's site-packages), on two pytest
-# workers of one thread each (two workers of two threads on two cores run 1.6x slower than one process).
+# workers of one thread each (two workers of two threads on two cores run 1.6x slower than one process). The modules
+# marked independent_of_transformers (the ops against their references, ~150 s of test time) run in the first pass
+# only: they run no transformers code (tests/test_suite_marks.py).
 define transformers5_run
 .venv-transformers$(1)/.installed: requirements-transformers$(1).txt $$(VENV)/.installed
 	test -x .venv-transformers$(1)/bin/python || python3 -m venv .venv-transformers$(1)
@@ -86,7 +88,8 @@ define transformers5_run
 	touch $$@
 
 py-test-transformers$(1): build .venv-transformers$(1)/.installed
-	OMP_NUM_THREADS=1 .venv-transformers$(1)/bin/python -m pytest tests -q -n 2 -p no:cacheprovider
+	OMP_NUM_THREADS=1 .venv-transformers$(1)/bin/python -m pytest tests -q -n 2 -p no:cacheprovider \
+	  -m "not independent_of_transformers"
 endef
 $(foreach version,$(TRANSFORMERS5_VERSIONS) $(TRANSFORMERS5_BY_HAND),$(eval $(call transformers5_run,$(version))))
 py-test-transformers5: $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS))

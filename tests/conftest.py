@@ -19,6 +19,9 @@ _NEEDS_A_GPU = re.compile(r"CUDA|GPU")
 def pytest_configure(config):
     config.addinivalue_line("markers", "kvpress_hooks: runs kvpress's own forward hooks, which need the transformers "
                                        "range kvpress declares (tests/kvpress_hooks.py)")
+    config.addinivalue_line("markers", "independent_of_transformers: a module that runs no transformers (or kvpress) "
+                                       "code, left out of `make test`'s transformers 5 runs "
+                                       "(tests/test_suite_marks.py checks the claim)")
     config.addinivalue_line("markers", "cuda: runs only where CUDA is (set on every test skipped without it), so that "
                                        "`make gpu-check`'s `-k cuda` selects it whatever its name")
 

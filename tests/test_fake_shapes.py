@@ -11,6 +11,8 @@ import torch
 from kvpress_cpp._contract import CONTRACTS
 from tests.test_fuzz_ops import CACHE, FUZZ, _as_tuple, _contract_rejects
 
+pytestmark = pytest.mark.independent_of_transformers
+
 CASES = 24
 
 

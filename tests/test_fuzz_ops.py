@@ -40,6 +40,8 @@ from kvpress_cpp import ops
 from kvpress_cpp._contract import CONTRACTS, Contract, Scalar, Tensor
 from tests import reference
 
+pytestmark = pytest.mark.independent_of_transformers
+
 SEED = int(os.environ.get("KVCOMP_FUZZ_SEED", "17"))
 VALID_CASES = int(os.environ.get("KVCOMP_FUZZ_VALID", "12"))  # random valid inputs per op
 CUDA_VALID_CASES = 8  # per op, on the GPU

@@ -15,6 +15,8 @@ import torch
 
 import kvpress_cpp  # noqa: F401  (registers torch.ops.kvcomp)
 
+pytestmark = pytest.mark.independent_of_transformers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

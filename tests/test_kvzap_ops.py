@@ -8,6 +8,8 @@ import torch
 from kvpress_cpp import ops
 from tests import reference
 
+pytestmark = pytest.mark.independent_of_transformers
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -18,6 +18,8 @@ from tests import reference
 from tests.test_attention_ops import CUDA, DEVICES, DTYPES, INF, LONG_ROW_OUT_TOL, OUT_TOL, PROBS_TOL
 from tests.threads import at_one_and_two_threads
 
+pytestmark = pytest.mark.independent_of_transformers
+
 
 def make_paged(lengths, query_heads, num_queries, head_dim, block_size, dtype=torch.float32, device="cpu", seed=0,
                spare_blocks=3, evicted=0.1):

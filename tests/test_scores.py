@@ -6,6 +6,8 @@ import torch
 from kvpress_cpp import ops
 from tests import reference
 
+pytestmark = pytest.mark.independent_of_transformers
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -10,6 +10,8 @@ from kvpress_cpp import ops
 from tests import reference
 from tests.layouts import in_strided_rows, outside
 
+pytestmark = pytest.mark.independent_of_transformers
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

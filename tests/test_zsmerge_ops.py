@@ -13,6 +13,8 @@ from kvpress_cpp import ops
 from tests import reference
 from tests.layouts import in_strided_rows, outside
 
+pytestmark = pytest.mark.independent_of_transformers
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BUDGETS = [(3, 4, 2), (2, 3, 0), (4, 5, 1), (3, 4, 5), (1, 1, 3)]  # (recent, context, residual)
