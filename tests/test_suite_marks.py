@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.independent_of_transformers
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 MARK = "independent_of_transformers"
