@@ -22,6 +22,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "independent_of_transformers: a module that runs no transformers (or kvpress) "
                                        "code, left out of `make test`'s transformers 5 runs "
                                        "(tests/test_suite_marks.py checks the claim)")
+    config.addinivalue_line("markers", "default_model_answers: what SmolLM2 answers (or keeps) under a press, a "
+                                       "measurement of the method taking up to a minute, left out of `make test`'s "
+                                       "transformers 5 runs, which check the same presses on SmolLM2 token by token "
+                                       "against the rectangular cache (test_paged_generate)")
     config.addinivalue_line("markers", "cuda: runs only where CUDA is (set on every test skipped without it), so that "
                                        "`make gpu-check`'s `-k cuda` selects it whatever its name")
 

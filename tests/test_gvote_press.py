@@ -132,6 +132,7 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
         GVotePress(**kwargs)
 
 
+@pytest.mark.default_model_answers
 def test_smollm2_compresses_repetitive_text_more_than_dense_text(default_model):
     """The paper's adaptivity claim: no budget is set, and a repetitive text is compressed more than a dense one
     (Austen's words shuffled: nothing repeats in order). (The demo question is not answered at the paper's defaults on

@@ -217,6 +217,7 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
         KeepKVPress(**kwargs)
 
 
+@pytest.mark.default_model_answers
 def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model):
     """At 90% of the prompt. (At 25% the fact is lost: the README's demo output.)"""
     model, tokenizer = default_model

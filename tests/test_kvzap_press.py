@@ -500,6 +500,7 @@ def test_default_model_runs_with_a_random_surrogate(default_model, tmp_path):
     assert press.scorer.kvzap_model.config.hidden_dim == 72
 
 
+@pytest.mark.default_model_answers
 @pytest.mark.parametrize("model_type", ["linear", "mlp"])
 def test_shipped_surrogates_answer_the_demo_question_while_pruning(default_model, model_type):
     """The packaged SmolLM2 surrogates (no surrogate_dir) at the default τ on the demo: the hidden fact survives the

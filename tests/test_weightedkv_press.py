@@ -114,6 +114,7 @@ def test_too_small_cache_is_refused_clearly():
         greedy(model, prompt_ids(tokenizer, 40), press=WeightedKVPress(cache_size=8, recent=4), max_new_tokens=2)
 
 
+@pytest.mark.default_model_answers
 def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model):
     """At 90% of the prompt. (At 60-75% the needle's digits have the lowest average attention of the prompt's own
     queries and are evicted: SmolLM2 then answers a wrong number, with and without the value merge.)"""

@@ -219,6 +219,7 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
         ZSMergePress(**kwargs)
 
 
+@pytest.mark.default_model_answers
 def test_smollm2_answers_the_demo_question_with_a_generous_budget(default_model):
     """At 75% of the prompt. (At 50% one digit of the needle is lost: SmolLM2 answers 7291.)"""
     model, tokenizer = default_model
