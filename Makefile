@@ -19,6 +19,7 @@ export HF_HUB_OFFLINE := 1
 # The transformers 5 versions the suite runs under again (py-test-transformers5, below), and those it can be run
 # under by hand (make py-test-transformers5.24: the newest release, outside CI's time).
 TRANSFORMERS5_VERSIONS := 5.2 5.17
+TRANSFORMERS5_VENVS := $(foreach version,$(TRANSFORMERS5_VERSIONS),.venv-transformers$(version)/.installed)
 TRANSFORMERS5_BY_HAND := 5.24
 
 .PHONY: demo test build cpp-test py-test py-test-transformers5 $(addprefix py-test-transformers,$(TRANSFORMERS5_VERSIONS) $(TRANSFORMERS5_BY_HAND)) system-deps clean eval eval-report eval-smoke gpu-check gpu-prebuild gpu-wheels
@@ -26,7 +27,11 @@ TRANSFORMERS5_BY_HAND := 5.24
 demo: build
 	$(PYTHON) examples/demo.py
 
-test: build cpp-test py-test py-test-transformers5
+# What waits on the network or apt (the transformers 5 venvs, GoogleTest's package) runs beside the extension's
+# compile, which waits on the CPU; the tests then run one after another.
+test:
+	$(MAKE) -j 4 --output-sync=target $(EXTENSION) system-deps $(TRANSFORMERS5_VENVS)
+	$(MAKE) cpp-test py-test py-test-transformers5
 
 # EVAL_ARGS: e.g. --model meta-llama/Llama-3.1-8B-Instruct --device cuda:0 --lengths 4096 16384 --examples 20
 # --out results/llama (a hub model also needs `make eval HF_HUB_OFFLINE=0 ...`). One CPU thread: CPU time is what
@@ -50,8 +55,19 @@ $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m pip install --quiet -r requirements.txt
 	touch $@
 
-build: $(VENV)/.installed
+# The extension is rebuilt when a source, setup.py, the venv or a build setting changes, not by every target that
+# needs it: pip's editable build compiles from scratch each time (5-11 minutes on two cores), which every `make demo`
+# paid. The settings are written to a file (only when they change) for make to compare.
+EXTENSION := kvpress_cpp/_C.abi3.so
+EXTENSION_SETTINGS := build/extension-settings
+$(shell mkdir -p build; settings='$(PYTHON) CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) \
+  KVCOMP_FORCE_CPU=$(KVCOMP_FORCE_CPU) KVCOMP_CPU_ARCH=$(KVCOMP_CPU_ARCH)'; \
+  [ "$$(cat $(EXTENSION_SETTINGS) 2>/dev/null)" = "$$settings" ] || echo "$$settings" > $(EXTENSION_SETTINGS))
+build: $(EXTENSION)
+
+$(EXTENSION): $(VENV)/.installed setup.py $(EXTENSION_SETTINGS) $(shell find csrc -type f)
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
 
 system-deps:
 	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -63,7 +79,7 @@ system-deps:
 # GoogleTest against the extension `build` made (KVCOMP_OPS_LIBRARY): the ops pytest loads, compiled once.
 cpp-test: build system-deps
 	mkdir -p build && cmake -S . -B build/cmake -DPython3_EXECUTABLE=$(abspath $(PYTHON)) -DCMAKE_BUILD_TYPE=Release \
-	  -DKVCOMP_OPS_LIBRARY=$(abspath $(wildcard kvpress_cpp/_C*.so)) > build/cmake-configure.log 2>&1 \
+	  -DKVCOMP_OPS_LIBRARY=$(abspath $(EXTENSION)) > build/cmake-configure.log 2>&1 \
 	  || (cat build/cmake-configure.log; exit 1)
 	cmake --build build/cmake -j $(MAX_JOBS)
 	ctest --test-dir build/cmake --output-on-failure
