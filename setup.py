@@ -7,6 +7,7 @@ vectorised for the CPU that builds them (KVCOMP_CPU_ARCH, default "native"; set 
 Build with `pip install --no-build-isolation .` so the extension compiles against the torch you run.
 """
 
+import ast
 import os
 from pathlib import Path
 
@@ -38,6 +39,14 @@ EXTRAS_REQUIRE = {
                    "fire>=0.6", "rouge>=1.0", "nltk>=3.8", "jieba>=0.42", "fuzzywuzzy>=0.18", "bert-score>=0.3.13"],
     "test": ["pytest>=8", "pytest-xdist>=3.5"],
 }
+
+
+def package_version() -> str:
+    """kvpress_cpp.__version__, read from its source."""
+    for node in ast.parse((ROOT / "kvpress_cpp" / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__version__"]:
+            return ast.literal_eval(node.value)
+    raise SystemExit("setup.py: kvpress_cpp/__init__.py assigns no __version__")
 
 
 def build_cuda() -> bool:
@@ -119,7 +128,7 @@ def extension():
 
 setup(
     name="kvpress_cpp",
-    version="0.1.0",
+    version=package_version(),
     description="KV-cache compression methods (ZSMerge, KeepKV, WeightedKV, KVzap, GVote) as PyTorch C++/CUDA ops",
     packages=find_packages(include=["kvpress_cpp", "kvpress_cpp.*"]),
     package_data={"kvpress_cpp": ["surrogates/**/*", "evaluation/*.yaml"]},

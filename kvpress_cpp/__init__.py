@@ -10,6 +10,10 @@ from kvpress_cpp import _C  # noqa: F401  (registers torch.ops.kvcomp)
 from kvpress_cpp import _fake  # noqa: F401  (shape functions for torch.compile / meta tensors)
 from kvpress_cpp import ops
 
+# The one place the version is written: setup.py reads it from here (importing the package there would need the
+# extension it is about to build).
+__version__ = "0.1.0"
+
 __all__ = ["ops", "cuda_kernels_built"]
 
 

@@ -100,6 +100,13 @@ def test_installed_versions_satisfy_install_requires():
     assert not unmet, f"installed versions outside setup.py's ranges: {unmet}"
 
 
+def test_the_installed_version_is_kvpress_cpp_version():
+    """kvpress_cpp.__version__, written once in the package, is the version pip installed it as (setup.py's)."""
+    import kvpress_cpp
+
+    assert kvpress_cpp.__version__ == importlib.metadata.version("kvpress_cpp")
+
+
 def test_readme_press_signatures_are_the_constructors():
     """The Presses table shows each press's constructor with its defaults: the same parameters, in the same order,
     with the same defaults as the class (a parameter the table omits or names wrongly fails here)."""
