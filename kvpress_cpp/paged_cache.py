@@ -341,8 +341,10 @@ class PagedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
         """(kv length, kv offset) of a pass of `query` tokens: transformers 4 passes the pass's cache_position,
-        transformers 5 its length."""
-        return self.get_seq_length() + (query if isinstance(query, int) else query.shape[0]), 0
+        transformers 5 its length. The length counts the padding the prefill dropped (``padding_dropped``), as
+        PagedKVCache.get_seq_length does: the mask then has the columns of the attention mask generate passes (the
+        prompt's padding included), and the pass's tokens are its last columns."""
+        return self.get_seq_length() + self.padding_dropped + (query if isinstance(query, int) else query.shape[0]), 0
 
     def get_max_length(self) -> int:
         return -1  # no maximum: the pool grows
@@ -667,9 +669,10 @@ class PagedLayer(CacheLayerMixin):
             self._evict(evicted)
 
     def holds_every_token(self) -> bool:
-        """Whether the view has a column for every token appended since the prompt (padding included), as a
-        DynamicLayer that nothing compressed: transformers' mask, built for the view's width, then describes it."""
-        return self.tokens_appended == self._width()
+        """Whether the view has a column for every token appended since the prompt, padding included (the left
+        padding every row has, which the prefill dropped, counted as held), as a DynamicLayer that nothing compressed:
+        transformers' mask, built for that width (get_mask_sizes), then describes it."""
+        return self.tokens_appended == self._width() + self.padding_dropped
 
     def hide_new_tokens(self, padding: torch.Tensor) -> None:
         """Give the last pass's new tokens that `padding` (B, q) bool marks the log-weight -inf in every head, so that

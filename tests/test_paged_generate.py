@@ -1254,21 +1254,28 @@ def _next_turn_padded_inside(first_turn: torch.Tensor, row_0: torch.Tensor, row_
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_a_next_turn_padded_inside_the_sequence_is_generated_as_on_a_dynamic_cache(attn_implementation):
+@pytest.mark.parametrize("prompt_padding", [0, 3])
+def test_a_next_turn_padded_inside_the_sequence_is_generated_as_on_a_dynamic_cache(attn_implementation,
+                                                                                   prompt_padding):
     """A later pass's padding (a batch's next turn whose rows differ in length) was attended on a PagedKVCache, which
     reads padding at prefill only: row 1's tokens differed from the DynamicCache's, silently. The paged layer now gives
-    the padding its mask hides the log-weight -inf, for that pass and every later one."""
+    the padding its mask hides the log-weight -inf, for that pass and every later one. With left padding on every
+    row of the prompt (which the prefill drops) the layer built transformers' mask that many columns short, and read
+    the next turn's padding off the wrong columns: it attended it again (scores 0.32 from the DynamicCache's)."""
     model, _ = make_tiny_llama()
     model.set_attn_implementation(attn_implementation)
     patch_eager_attention(model)
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    ids[:, :prompt_padding] = 0
+    prompt_mask = (torch.arange(40) >= prompt_padding).long().expand(2, 40)
     turns = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(1))
 
     def two_turns(cache):
         with torch.no_grad():
-            first = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False,
-                                   suppress_tokens=[0])
+            first = model.generate(ids, attention_mask=prompt_mask, past_key_values=cache, max_new_tokens=4,
+                                   do_sample=False, suppress_tokens=[0])
             second, mask = _next_turn_padded_inside(first, turns[:1], turns[1:, 3:])
+            mask[:, :prompt_padding] = 0
             out = model.generate(second, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
                                  do_sample=False, suppress_tokens=[0], output_scores=True, return_dict_in_generate=True)
         return out.sequences[:, second.shape[1]:], torch.stack(out.scores)
