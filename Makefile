@@ -57,17 +57,24 @@ $(VENV)/.installed: requirements.txt
 
 # The extension is rebuilt when a source, setup.py, the venv or a build setting changes, not by every target that
 # needs it: pip's editable build compiles from scratch each time (5-11 minutes on two cores), which every `make demo`
-# paid. The settings are written to a file (only when they change) for make to compare.
+# paid. The settings (with the package version, which the install records) name a file under build/extension-settings/
+# that their rule writes there alone: a make with other settings, or back with earlier ones, finds its file missing
+# and rebuilds. pip names the extension otherwise on some Pythons (3.15's platform tag, free-threaded builds): then
+# the build stops rather than leave a stale file.
 EXTENSION := kvpress_cpp/_C.abi3.so
-EXTENSION_SETTINGS := build/extension-settings
-$(shell mkdir -p build; settings='$(PYTHON) CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) \
-  KVCOMP_FORCE_CPU=$(KVCOMP_FORCE_CPU) KVCOMP_CPU_ARCH=$(KVCOMP_CPU_ARCH)'; \
-  [ "$$(cat $(EXTENSION_SETTINGS) 2>/dev/null)" = "$$settings" ] || echo "$$settings" > $(EXTENSION_SETTINGS))
+EXTENSION_SETTINGS_TEXT := $(PYTHON) CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) \
+  KVCOMP_FORCE_CPU=$(KVCOMP_FORCE_CPU) KVCOMP_CPU_ARCH=$(KVCOMP_CPU_ARCH) \
+  $(shell grep '^__version__' kvpress_cpp/__init__.py)
+EXTENSION_SETTINGS := build/extension-settings/$(firstword $(shell echo '$(EXTENSION_SETTINGS_TEXT)' | md5sum))
 build: $(EXTENSION)
 
+$(EXTENSION_SETTINGS):
+	rm -rf $(@D) && mkdir -p $(@D) && echo '$(EXTENSION_SETTINGS_TEXT)' > $@
+
 $(EXTENSION): $(VENV)/.installed setup.py $(EXTENSION_SETTINGS) $(shell find csrc -type f)
+	rm -f $@
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
-	touch $@
+	@test -f $@ || { echo "make: pip built no $@ (this Python names the extension otherwise)"; exit 1; }
 
 system-deps:
 	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
