@@ -149,6 +149,16 @@ def tokens_fed_again_error(user: str, new_tokens: int, first: int, processed: in
         f"also compresses while decoding){note}")
 
 
+def positions_behind_the_cache_error(user: str, new_tokens: int, first: int, held: int) -> ValueError:
+    return ValueError(
+        f"{user}: this pass's {new_tokens} tokens start at position {first}, but the cache holds {held} tokens, none "
+        f"compressed, so the next position is {held}: the pass's positions count {held - first} token(s) fewer than "
+        f"the cache holds. `generate` derives positions from the attention mask, and when it is given none it infers "
+        f"one from pad_token_id: a pad id among the ids already in the cache (one an earlier turn generated, say) is "
+        f"then taken for padding. Pass generate the attention mask of the whole sequence (ones where the tokens are "
+        f"real), or continue with forwards at positions {held} on (position_ids)")
+
+
 def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict) -> None:
     """Outside any press, over a layer holding a press's state (this pass's tokens appended): raise if a pass of
     several tokens starts before the tokens the layer stands for (a second ``generate`` on the cache once the press's
@@ -166,6 +176,8 @@ def _refuse_tokens_fed_again(layer, query: torch.Tensor, kwargs: dict) -> None:
         state = get_state(layer)
         owner = state.owner_name() if state is not None else "a kvpress_cpp press"
         layer.crop(-new_tokens)  # the one argument every transformers version reads alike
+        if slots == processed:  # generate resumed after every token held: the positions, not the tokens, are off
+            raise positions_behind_the_cache_error(f"{owner} (its context closed)", new_tokens, first, processed)
         raise tokens_fed_again_error(f"{owner} (its context closed)", new_tokens, first, processed, slots)
 
 

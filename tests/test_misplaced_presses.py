@@ -377,6 +377,29 @@ def test_a_second_generate_after_the_press_context_closed_is_refused(llama, name
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+def test_a_pad_id_among_the_held_ids_is_named_as_what_put_a_second_generate_behind(llama, cache_type):
+    """An uncompressed cache (a budget above the prompt) continued by a second generate once the press's context
+    closed, over ids holding the pad id after the prompt (as a turn that generated it): generate infers a mask that
+    hides it and gives the new tokens positions one short. The refusal said the pass fed a token again and that
+    get_seq_length counts a compressed cache's slots, of a cache nothing had compressed and a pass that fed nothing
+    again. It now names the positions and the inferred mask; the mask it advises runs."""
+    pad = llama.generation_config.pad_token_id
+    cache = cache_type()
+    with torch.no_grad():
+        with ZSMergePress(budget=200)(llama):
+            first = llama.generate(prompt(), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        first[0, PROMPT] = pad
+        second = torch.cat([first, prompt(3, 5)], dim=1)
+        with pytest.raises(ValueError, match=rf"ZSMergePress \(its context closed\): this pass's 6 tokens start at "
+                                             rf"position {PROMPT + 1}, but the cache holds {PROMPT + 2} tokens, none "
+                                             r"compressed.*infers one from pad_token_id"):
+            llama.generate(second, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=pad)
+        llama.generate(second, attention_mask=torch.ones_like(second), past_key_values=cache, max_new_tokens=1,
+                       do_sample=False, pad_token_id=pad)
+    assert cache.get_seq_length() == second.shape[1]
+
+
 @pytest.mark.parametrize("refill", ["plain", "same press", "composed"])
 @pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
 @pytest.mark.parametrize("name", sorted(POSITION_PRESSES))
