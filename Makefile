@@ -73,6 +73,7 @@ $(EXTENSION_SETTINGS):
 
 $(EXTENSION): $(VENV)/.installed setup.py $(EXTENSION_SETTINGS) $(shell find csrc -type f)
 	rm -f $@
+	@echo "make: compiling the extension (CPU kernels, and CUDA ones with a CUDA torch): 5-11 minutes on two cores"
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	@test -f $@ || { echo "make: pip built no $@ (this Python names the extension otherwise)"; exit 1; }
 
