@@ -339,12 +339,17 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         return self._width()
 
+    def tokens_counted(self) -> int:
+        """The tokens generate counts the layer as holding: the view's width plus the left padding every row of the
+        prefill had, which the prefill dropped (``padding_dropped``), as a DynamicLayer's width holds it."""
+        return self.get_seq_length() + self.padding_dropped
+
     def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
         """(kv length, kv offset) of a pass of `query` tokens: transformers 4 passes the pass's cache_position,
-        transformers 5 its length. The length counts the padding the prefill dropped (``padding_dropped``), as
-        PagedKVCache.get_seq_length does: the mask then has the columns of the attention mask generate passes (the
-        prompt's padding included), and the pass's tokens are its last columns."""
-        return self.get_seq_length() + self.padding_dropped + (query if isinstance(query, int) else query.shape[0]), 0
+        transformers 5 its length. The length is counted as generate counts (``tokens_counted``): the mask then has
+        the columns of the attention mask generate passes (the prompt's padding included), and the pass's tokens
+        are its last columns."""
+        return self.tokens_counted() + (query if isinstance(query, int) else query.shape[0]), 0
 
     def get_max_length(self) -> int:
         return -1  # no maximum: the pool grows
@@ -362,7 +367,7 @@ class PagedLayer(CacheLayerMixin):
             return
         # Counted as generate counts, with the padding the prefill dropped (a DynamicLayer holds it): a cache emptied
         # for the next prompt counts no token.
-        held = self.get_seq_length() + self.padding_dropped
+        held = self.tokens_counted()
         max_length = max(held + max_length, 0) if max_length < 0 else max_length  # past all of it: emptied
         if max_length >= held:
             return
@@ -1505,8 +1510,7 @@ class PagedKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens generate counts as held: the view's width, plus the padding every row of the prefill had (see
         ``PagedLayer.padding_dropped``), as a DynamicCache's width holds it."""
-        length = super().get_seq_length(layer_idx)
-        return length + self.layers[layer_idx].padding_dropped if layer_idx < len(self.layers) else length
+        return self.layers[layer_idx].tokens_counted() if layer_idx < len(self.layers) else 0
 
     def bytes_held(self) -> int:
         """Bytes of the blocks in use over all layers (keys, values, log-weights, positions, press state)."""

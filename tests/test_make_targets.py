@@ -65,7 +65,6 @@ def project(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).touch()
         os.utime(tmp_path / name, (1_000_000 + age,) * 2)
-    os.utime(tmp_path / "kvpress_cpp/__init__.py", (1_000_000,) * 2)
     build_with(tmp_path, at=1_000_010)
     return tmp_path
 
