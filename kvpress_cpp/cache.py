@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, QuantizedLayer
 
 __all__ = ["LayerState", "pass_cache", "pass_inputs", "output_cache", "check_cache_layer", "get_state", "set_state",
            "attach", "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error",
@@ -205,7 +205,9 @@ def output_cache(output):
 
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:
     """Raise unless `layer` can hold a press's per-slot state (a DynamicCache's layer, or a PagedKVCache's)."""
-    if not isinstance(layer, DynamicLayer) and not getattr(layer, "holds_kvcomp_state", False):
+    # QuantizedLayer is a DynamicLayer whose keys and values stay empty (its data is quantized elsewhere).
+    if isinstance(layer, QuantizedLayer) or (not isinstance(layer, DynamicLayer)
+                                             and not getattr(layer, "holds_kvcomp_state", False)):
         raise TypeError(
             f"{user}: needs a DynamicCache or a PagedKVCache, got a {type(layer).__name__} layer: quantized, static, "
             f"offloaded and sliding-window caches are not supported"

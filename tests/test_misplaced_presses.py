@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import Cache, QuantizedLayer
 
 import kvpress_cpp.attention
 import kvpress_cpp.presses  # noqa: F401  (wraps transformers' attention functions, as any use of a press does)
@@ -720,6 +721,27 @@ def test_a_static_cache_is_refused_by_the_press(llama):
     cache = StaticCache(config=llama.config, max_cache_len=64)
     with pytest.raises(TypeError, match=r"ZSMergePress: needs a DynamicCache or a PagedKVCache, got a StaticLayer"), \
             torch.no_grad(), ZSMergePress(budget=16)(llama):
+        llama.generate(prompt(), past_key_values=cache, max_new_tokens=2)
+
+
+class IdentityQuantizedLayer(QuantizedLayer):
+    """A QuantizedLayer as quanto's and HQQ's are (keys and values held elsewhere, `keys` left empty), with the
+    identity for a quantizer: neither backend is installed here."""
+
+    def _quantize(self, tensor, axis):
+        return tensor.clone()
+
+    def _dequantize(self, quantized):
+        return quantized
+
+
+@pytest.mark.parametrize("press", [ZSMergePress(budget=16), GVotePress()], ids=["ZSMerge", "GVote"])
+def test_a_quantized_cache_is_refused_by_the_press(llama, press):
+    """QuantizedLayer subclasses DynamicLayer, so the cache check let it through, and the press stopped on a bare
+    IndexError reading the empty `keys` of its layers."""
+    cache = Cache(layers=[IdentityQuantizedLayer(residual_length=8) for _ in range(llama.config.num_hidden_layers)])
+    with pytest.raises(TypeError, match=rf"{type(press).__name__}: needs a DynamicCache or a PagedKVCache, got an? "
+                                        r"IdentityQuantizedLayer layer: quantized"), torch.no_grad(), press(llama):
         llama.generate(prompt(), past_key_values=cache, max_new_tokens=2)
 
 
