@@ -162,8 +162,10 @@ class PagedLayer(CacheLayerMixin):
     moves_state_with_slots = True
 
     def __init__(self, block_size: int = 16):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"PagedKVCache: block_size must be a positive integer, got {block_size!r}")
+        # Token positions are int32: a head never holds more slots than that, so a larger block could never fill
+        # (2**62 got as far as the first forward, then stopped on a stride overflow naming neither).
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size < 2**31:
+            raise ValueError(f"PagedKVCache: block_size must be an integer in [1, 2**31), got {block_size!r}")
         self.block_size = block_size
         self.is_initialized = False
         self.key_blocks = self.value_blocks = None

@@ -365,9 +365,10 @@ def test_pool_grows_and_reuses_freed_blocks():
     torch.testing.assert_close(layer.keys[0, 0], torch.cat([keys[0, 0, :1], keys[0, 0, :3], keys[0, 0]]))
 
 
-@pytest.mark.parametrize("block_size", [0, -3, 1.5, True])
-def test_block_size_must_be_a_positive_integer(block_size):
-    with pytest.raises(ValueError, match=rf"PagedKVCache: block_size must be a positive integer, got {block_size!r}"):
+@pytest.mark.parametrize("block_size", [0, -3, 1.5, True, 2**31, 2**62])
+def test_block_size_must_be_a_positive_int32(block_size):
+    with pytest.raises(ValueError, match=rf"PagedKVCache: block_size must be an integer in \[1, 2\*\*31\), "
+                                         rf"got {block_size!r}"):
         PagedKVCache(block_size=block_size)
 
 
@@ -446,12 +447,13 @@ def test_a_write_back_of_another_head_dim_is_refused_naming_the_pool():
 
 def test_a_block_too_large_to_allocate_is_refused_naming_the_block_size():
     """block_size=2**40 was accepted, and the first append failed in the allocator, naming neither the cache nor
-    the block size."""
-    keys = torch.randn(1, 1, 1, 4)
-    block_bytes = 2**40 * (4 + 4 + 1 + 1) * 4  # keys, values, a float32 log-weight and an int32 position per slot
-    with pytest.raises(RuntimeError, match=rf"PagedKVCache: cannot add 1 blocks of block_size={2**40} slots "
+    the block size. The largest block size allowed, with 1024-dim heads: 16 TiB per block."""
+    keys, block_size = torch.randn(1, 1, 1, 1024), 2**31 - 1
+    # keys, values, a float32 log-weight and an int32 position per slot
+    block_bytes = block_size * (1024 + 1024 + 1 + 1) * 4
+    with pytest.raises(RuntimeError, match=rf"PagedKVCache: cannot add 1 blocks of block_size={block_size} slots "
                                            rf"\({block_bytes} bytes\) to the layer's pools on cpu"):
-        PagedKVCache(block_size=2**40).update(keys, keys, 0)
+        PagedKVCache(block_size=block_size).update(keys, keys, 0)
 
 
 def test_a_pool_that_cannot_grow_leaves_the_layer_as_it_was(monkeypatch):
