@@ -225,8 +225,12 @@ def has_contiguous_rows(t: torch.Tensor) -> bool:
     return bool(ordered)
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _finite(x) -> bool:
-    return math.isfinite(x)
+    """Finite as the kernels use it: in float32 (a Python float of 1e39 is inf there)."""
+    return math.isfinite(x) and abs(x) <= _FLOAT32_MAX
 
 
 def _gqa(query_heads: str, kv_heads: str, query_arg: str, kv_arg: str, allow_empty: bool = True) -> Rule:
@@ -295,7 +299,7 @@ _declare(Contract(
      Scalar("input_scale")],
     rules=[
         Rule(lambda v: 0.0 <= v["decay"] <= 1.0, lambda v: f"expected decay in [0, 1], got {v['decay']}"),
-        Rule(lambda v: _finite(v["input_scale"]), lambda v: f"expected a finite input_scale, got {v['input_scale']}"),
+        Rule(lambda v: _finite(v["input_scale"]), lambda v: f"expected a finite float32 input_scale, got {v['input_scale']}"),
         _gqa("Hq", "H", "attn", "scores"),
         Rule(lambda v: v["T"] == v["T_old"] + v["q"],
              lambda v: f"expected attn.size(3) == {v['T_old'] + v['q']} (T_old + q: old slots plus the new queries), "
@@ -308,7 +312,7 @@ _declare(Contract(
     "merge_count_bias",
     [Tensor("counts", "B H T", F32), Scalar("alpha")],
     rules=[Rule(lambda v: _finite(v["alpha"]) and v["alpha"] >= 0,
-                lambda v: f"expected a finite alpha >= 0, got {v['alpha']}")],
+                lambda v: f"expected a finite float32 alpha >= 0, got {v['alpha']}")],
     outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
 ))
 
@@ -318,7 +322,7 @@ _declare(Contract(
      Tensor("values", "B H T d", "query"), Tensor("log_weights", "B H T", F32), Scalar("scale")],
     rules=[
         Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
-             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+             lambda v: f"expected a finite float32 scale > 0, got {v['scale']}"),
         _gqa("Hq", "H", "query", "keys", allow_empty=False),
         Rule(lambda v: v["d"] > 0,
              lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
@@ -411,7 +415,7 @@ _declare(Contract(
         Rule(lambda v: v["S"] == v["T"] - v["q"],
              lambda v: f"expected log_ema.size(2) == {v['T'] - v['q']} (the slots before the q new tokens, T - q), "
              f"got log_ema of shape {tuple(v['log_ema'].shape)}"),
-        Rule(lambda v: _finite(v["scale"]), lambda v: f"expected a finite scale, got {v['scale']}"),
+        Rule(lambda v: _finite(v["scale"]), lambda v: f"expected a finite float32 scale, got {v['scale']}"),
         Rule(lambda v: 0.0 < v["ema_decay"] < 1.0, lambda v: f"expected ema_decay in (0, 1), got {v['ema_decay']}"),
         _at_least("sinks", 0),
         _at_least("recent", 1),
@@ -454,7 +458,7 @@ _declare(Contract(
         _slots_fit_32_bits("T"),
         _at_least("sinks", 0),
         Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
-             lambda v: f"expected a finite scale > 0, got scale = {v['scale']}"),
+             lambda v: f"expected a finite float32 scale > 0, got scale = {v['scale']}"),
         _at_least("chunk_size", 1),
     ],
     outputs=lambda v: [((v["B"], v["H"], v["T"]), BOOL)],
@@ -541,7 +545,7 @@ def _prompt_attention_args() -> list:
 def _prompt_attention_rules() -> list:
     return [
         Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
-             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+             lambda v: f"expected a finite float32 scale > 0, got {v['scale']}"),
         _gqa("Hq", "H", "query", "keys", allow_empty=False),
         Rule(lambda v: v["d"] > 0,
              lambda v: f"expected a head dim d >= 1, got query of shape {tuple(v['query'].shape)}"),
@@ -564,7 +568,7 @@ def _prompt_score_weight_rules() -> list:
     return [
         Rule(lambda v: 0.0 < v["decay"] <= 1.0, lambda v: f"expected decay in (0, 1], got {v['decay']}"),
         Rule(lambda v: _finite(v["input_scale"]) and v["input_scale"] >= 0,
-             lambda v: f"expected a finite input_scale >= 0, got {v['input_scale']}"),
+             lambda v: f"expected a finite float32 input_scale >= 0, got {v['input_scale']}"),
     ]
 
 
@@ -591,7 +595,7 @@ _declare(Contract(
     rules=_prompt_attention_rules() + [
         Rule(lambda v: 0.0 < v["decay"] < 1.0, lambda v: f"expected decay in (0, 1), got {v['decay']}"),
         Rule(lambda v: _finite(v["input_scale"]) and v["input_scale"] > 0,
-             lambda v: f"expected a finite input_scale > 0, got {v['input_scale']}"),
+             lambda v: f"expected a finite float32 input_scale > 0, got {v['input_scale']}"),
     ],
     outputs=lambda v: [((v["B"], v["H"], v["T"]), F32)],
 ))
@@ -626,7 +630,7 @@ _declare(Contract(
      Scalar("return_probs", True), Scalar("max_len")],
     rules=[
         Rule(lambda v: _finite(v["scale"]) and v["scale"] > 0,
-             lambda v: f"expected a finite scale > 0, got {v['scale']}"),
+             lambda v: f"expected a finite float32 scale > 0, got {v['scale']}"),
         Rule(lambda v: v["S"] >= 1, lambda v: f"expected a block size (key_blocks.size(1)) >= 1, got {v['S']}"),
         _gqa("Hq", "H", "query", "block_tables", allow_empty=False),
         Rule(lambda v: v["d"] > 0,

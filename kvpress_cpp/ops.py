@@ -568,7 +568,8 @@ def prompt_log_sum_exp(query: torch.Tensor, keys: torch.Tensor, log_weights: tor
 
     Returns:
         (B, Hq, q) float32: ``log Σ_i exp(scale * q·k_i + b_i)`` over the slots each row sees (float32 online softmax
-        over key tiles, no (q, T) matrix); -inf for a row whose visible slots are all -inf.
+        over key tiles, no (q, T) matrix); -inf for a row whose visible slots are all -inf. A -inf slot's key is not
+        read (NaN there changes nothing).
     """
     if scale is None:
         scale = _default_scale("prompt_log_sum_exp", "query", query)

@@ -598,10 +598,10 @@ def kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, score
 def kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tables, lengths, new_scores, threshold,
                      window, tokens_before, check_tables_on_device=False):
     """The paged decoding pass row by row, on each row's slot list: the new tokens' positions and scores written to its
-    last q slots; then, if the row holds the tokens leaving the window at slots length - window - D .. in order, its
-    log-weights are :func:`kvzap_threshold` of its gathered row, and held counts its slots of those positions still
-    held; otherwise held is -1 and its log-weights stay. Returns (held, log_weight_blocks, score_blocks,
-    position_blocks), the pools as new tensors."""
+    last q slots; then, if the row holds the D tokens leaving the window at slots length - window - D .. in order,
+    those slots are decided by :func:`kvzap_threshold` and held counts those still held (an earlier slot claiming
+    one of their positions too, in a row decoding did not make, is left alone); otherwise held is -1 and its
+    log-weights stay. Returns (held, log_weight_blocks, score_blocks, position_blocks), the pools as new tensors."""
     pools = [t.clone().cpu() for t in (log_weight_blocks, score_blocks, position_blocks)]
     flat_log_weights, flat_scores, flat_positions = (t.view(-1) for t in pools)
     block_size, new_tokens = log_weight_blocks.shape[1], new_scores.shape[-1]
@@ -614,15 +614,15 @@ def kvzap_paged_step(log_weight_blocks, score_blocks, position_blocks, block_tab
                               for t in range(length)], dtype=torch.int64)
         flat_positions[slots[length - new_tokens:]] = torch.arange(tokens_before, tokens_after)
         flat_scores[slots[length - new_tokens:]] = new_scores[b, h].cpu()
-        leaving = slots[length - window - (end - begin):length - window] if length >= window + end - begin else None
-        if end > begin and (leaving is None or flat_positions[leaving].tolist() != list(range(begin, end))):
+        decided = end - begin
+        leaving = slots[length - window - decided:length - window] if length >= window + decided else slots[:0]
+        if decided and flat_positions[leaving].tolist() != list(range(begin, end)):
             held[b, h] = -1
             continue
-        row = (t[slots].view(1, 1, -1) for t in (flat_log_weights, flat_scores, flat_positions))
+        row = (t[leaving].view(1, 1, -1) for t in (flat_log_weights, flat_scores, flat_positions))
         row_log_weights, _ = kvzap_threshold(*row, threshold, window, tokens_before, tokens_after)
-        flat_log_weights[slots] = row_log_weights.view(-1)
-        deciding = (flat_positions[slots] >= begin) & (flat_positions[slots] < end)
-        held[b, h] = int((row_log_weights.view(-1)[deciding] != float("-inf")).sum())
+        flat_log_weights[leaving] = row_log_weights.view(-1)
+        held[b, h] = int((row_log_weights != float("-inf")).sum())
     return (held, *pools)
 
 

@@ -396,10 +396,10 @@ BAD_ATTENTION_INPUTS = [
      r"expected 1 <= q <= T .*query.size\(2\) = 7 and T = .* = 6"),
     (lambda q, k, v, b: (q[:, :, :0], k, v, b, 0.25),
      r"expected 1 <= q <= T .*query.size\(2\) = 0 and T = .* = 6"),
-    (lambda q, k, v, b: (q, k, v, b, 0.0), r"expected a finite scale > 0, got 0"),
-    (lambda q, k, v, b: (q, k, v, b, -0.25), r"expected a finite scale > 0, got -0.25"),
-    (lambda q, k, v, b: (q, k, v, b, float("nan")), r"expected a finite scale > 0, got nan"),
-    (lambda q, k, v, b: (q, k, v, b, float("inf")), r"expected a finite scale > 0, got inf"),
+    (lambda q, k, v, b: (q, k, v, b, 0.0), r"expected a finite float32 scale > 0, got 0"),
+    (lambda q, k, v, b: (q, k, v, b, -0.25), r"expected a finite float32 scale > 0, got -0.25"),
+    (lambda q, k, v, b: (q, k, v, b, float("nan")), r"expected a finite float32 scale > 0, got nan"),
+    (lambda q, k, v, b: (q, k, v, b, float("inf")), r"expected a finite float32 scale > 0, got inf"),
 ]
 
 
@@ -414,9 +414,9 @@ BAD_BIAS_INPUTS = [
     (lambda c: (c[0], 0.6), r"expected counts of shape \(B, H, T\), got a 2-d tensor"),
     (lambda c: (c.to(torch.int32), 0.6), r"expected counts of dtype Float, got Int"),
     (lambda c: (c.half(), 0.6), r"expected counts of dtype Float, got Half"),
-    (lambda c: (c, -0.5), r"expected a finite alpha >= 0, got -0.5"),
-    (lambda c: (c, float("nan")), r"expected a finite alpha >= 0, got nan"),
-    (lambda c: (c, float("inf")), r"expected a finite alpha >= 0, got inf"),
+    (lambda c: (c, -0.5), r"expected a finite float32 alpha >= 0, got -0.5"),
+    (lambda c: (c, float("nan")), r"expected a finite float32 alpha >= 0, got nan"),
+    (lambda c: (c, float("inf")), r"expected a finite float32 alpha >= 0, got inf"),
 ]
 
 

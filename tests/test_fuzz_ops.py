@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CACHE = (torch.float32, torch.float16, torch.bfloat16)
 BAD_INTS = (-1, 0, 1, 2**31, 2**62, -(2**62), 2**63 - 1)
-BAD_FLOATS = (math.nan, math.inf, -math.inf, -0.5, 0.0, 1.0, 1.5, 1e30)
+BAD_FLOATS = (math.nan, math.inf, -math.inf, -0.5, 0.0, 1.0, 1.5, 1e30, 1e39, -1e39)  # ±1e39: inf in float32
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,9 +154,24 @@ def _prompt_scores_given_lse(query, keys, log_weights, log_sum_exp, scale, decay
     return reference.prompt_scores(query, keys, log_weights, scale, decay, input_scale, log_sum_exp=log_sum_exp)
 
 
+def _decode_attention_nonfinite(query, keys, values, log_weights, scale):
+    """The documented attention with NaN / inf entries (ops.decode_attention): a slot of log-weight -inf is not read,
+    its key and value whatever they hold (a paged cache's dead slots), and a slot a row gives probability 0 adds
+    nothing to that row's output (no 0 · inf or 0 · NaN)."""
+    dead = (log_weights == -math.inf).unsqueeze(-1)
+    logits = reference.prompt_attention(query, keys.masked_fill(dead, 0.0), log_weights, scale)
+    probs = reference.softmax_or_zero(logits)
+    group_values = values.double().masked_fill(dead, 0.0).repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+    terms = probs.unsqueeze(-1) * group_values.unsqueeze(2)  # (B, Hq, q, T, d)
+    out = terms.masked_fill((probs == 0).unsqueeze(-1), 0.0).sum(-2)
+    return out.to(query.dtype), probs.float()
+
+
 def _prompt_lse_nonfinite(query, keys, log_weights, scale):
-    """The documented log-sum-exp with non-finite logits: NaN where the exact value is +inf (no softmax exists)."""
-    lse = reference.prompt_log_sum_exp(query, keys, log_weights, scale)
+    """The documented log-sum-exp with non-finite logits: NaN where the exact value is +inf (no softmax exists), and
+    the keys of slots of log-weight -inf not read."""
+    dead = (log_weights == -math.inf).unsqueeze(-1)
+    lse = reference.prompt_log_sum_exp(query, keys.masked_fill(dead, 0.0), log_weights, scale)
     return lse.masked_fill(lse == math.inf, math.nan)
 
 
@@ -494,11 +509,12 @@ def _kvzap_paged_step_build(r, s, dtype):
     position_blocks = torch.randint(-5, 50, (blocks, s["S"]), generator=_g(r))
     log_weight_blocks = _randn(r, (blocks, s["S"]))
     log_weight_blocks[torch.rand(log_weight_blocks.shape, generator=_g(r)) < 0.2] = -math.inf
+    row_tables = tables.view(len(rows), max_blocks)  # not view(-1, ...): with max_blocks 0, -1 is ambiguous
     for row, positions in enumerate(rows):
         used = -(-len(positions) // block_size)
-        tables.view(-1, max_blocks)[row, :used] = torch.tensor([pool.pop() for _ in range(used)], dtype=torch.int64)
+        row_tables[row, :used] = torch.tensor([pool.pop() for _ in range(used)], dtype=torch.int64)
         for t, position in enumerate(positions[:len(positions) - new_tokens] if s["S"] else []):
-            position_blocks[tables.view(-1, max_blocks)[row, t // block_size], t % block_size] = position
+            position_blocks[row_tables[row, t // block_size], t % block_size] = position
     lengths = torch.tensor([len(p) for p in rows], dtype=torch.int64).view(s["B"], s["H"])
     return (log_weight_blocks, _randn(r, (blocks, s["S"])), position_blocks, tables, lengths,
             _randn(r, (s["B"], s["H"], new_tokens)), r.gauss(0, 1), window, before, False)
@@ -523,7 +539,8 @@ FUZZ: dict[str, OpFuzz] = {
     "update_scores": OpFuzz(_update_scores_sizes, _update_scores_build, reference.update_scores),
     "merge_count_bias": OpFuzz(_merge_count_bias_sizes, _merge_count_bias_build, reference.merge_count_bias),
     "decode_attention": OpFuzz(_decode_attention_sizes, _decode_attention_build, reference.decode_attention,
-                               tolerance=lambda dtype: _low_precision(dtype, 3e-2)),
+                               tolerance=lambda dtype: _low_precision(dtype, 3e-2),
+                               nonfinite_reference=_decode_attention_nonfinite),
     "prompt_log_sum_exp": OpFuzz(_decode_attention_sizes, _prompt_attention_build, reference.prompt_log_sum_exp,
                                  tolerance=lambda dtype: _low_precision(dtype, 3e-2),
                                  nonfinite_reference=_prompt_lse_nonfinite),

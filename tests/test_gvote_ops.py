@@ -440,9 +440,9 @@ def bad_union_cases():
          r"expected the query heads of queries \(5\) to be a multiple of the kv heads of keys \(3\)"),
         ((k, q, b[:, :3], 1, 1.0, 4), r"expected budgets.size\(1\) == 6 \(query heads of queries\)"),
         ((k, q, b, -1, 1.0, 4), r"expected sinks >= 0, got sinks = -1"),
-        ((k, q, b, 1, 0.0, 4), r"expected a finite scale > 0, got scale = 0"),
-        ((k, q, b, 1, NAN, 4), r"expected a finite scale > 0, got scale = nan"),
-        ((k, q, b, 1, -1.0, 4), r"expected a finite scale > 0, got scale = -1"),
+        ((k, q, b, 1, 0.0, 4), r"expected a finite float32 scale > 0, got scale = 0"),
+        ((k, q, b, 1, NAN, 4), r"expected a finite float32 scale > 0, got scale = nan"),
+        ((k, q, b, 1, -1.0, 4), r"expected a finite float32 scale > 0, got scale = -1"),
         ((k, q, b, 1, 1.0, 0), r"expected chunk_size >= 1, got chunk_size = 0"),
     ]
 

@@ -150,8 +150,8 @@ def test_autograd_is_refused():
     (dict(log_weights=torch.zeros(1, 2, 33, dtype=torch.float16)), "expected log_weights of dtype Float"),
     (dict(decay=0.0), "kvcomp::prompt_attention_with_scores: expected decay in (0, 1], got 0"),
     (dict(decay=math.nan), "expected decay in (0, 1], got nan"),
-    (dict(input_scale=-1.0), "expected a finite input_scale >= 0, got -1"),
-    (dict(scale=math.inf), "expected a finite scale > 0, got inf"),
+    (dict(input_scale=-1.0), "expected a finite float32 input_scale >= 0, got -1"),
+    (dict(scale=math.inf), "expected a finite float32 scale > 0, got inf"),
     (dict(query=torch.zeros(1, 4, 34, 16)), "expected 1 <= q <= T (the q queries are the last q of the T prompt "
      "tokens), got q = query.size(2) = 34 and T = keys.size(2) = 33"),
     (dict(query=torch.zeros(1, 3, 20, 16)), "the 3 query heads of query to be a positive multiple of the 2 kv heads"),

@@ -243,8 +243,8 @@ def test_compile_fullgraph():
     (dict(decay=1.5), "expected decay in (0, 1], got 1.5"),
     (dict(decay=1.0000001), "expected decay in (0, 1], got 1.0000001"),  # (not rounded to 1)
     (dict(decay=math.nan), "expected decay in (0, 1], got nan"),
-    (dict(input_scale=-1.0), "expected a finite input_scale >= 0, got -1"),
-    (dict(scale=0.0), "expected a finite scale > 0, got 0"),
+    (dict(input_scale=-1.0), "expected a finite float32 input_scale >= 0, got -1"),
+    (dict(scale=0.0), "expected a finite float32 scale > 0, got 0"),
     (dict(query=torch.zeros(1, 4, 34, 16)), "expected 1 <= q <= T (the q queries are the last q of the T prompt "
      "tokens), got q = query.size(2) = 34 and T = keys.size(2) = 33"),
     (dict(query=torch.zeros(1, 3, 20, 16)), "the 3 query heads of query to be a positive multiple of the 2 kv heads"),
@@ -388,9 +388,9 @@ def test_log_unnormalised_scores_opcheck(device):
     (dict(decay=0.0), "expected decay in (0, 1), got 0"),
     (dict(decay=1.0), "expected decay in (0, 1), got 1"),
     (dict(decay=math.nan), "expected decay in (0, 1), got nan"),
-    (dict(input_scale=0.0), "expected a finite input_scale > 0, got 0"),
-    (dict(input_scale=math.inf), "expected a finite input_scale > 0, got inf"),
-    (dict(scale=-1.0), "expected a finite scale > 0, got -1"),
+    (dict(input_scale=0.0), "expected a finite float32 input_scale > 0, got 0"),
+    (dict(input_scale=math.inf), "expected a finite float32 input_scale > 0, got inf"),
+    (dict(scale=-1.0), "expected a finite float32 scale > 0, got -1"),
     (dict(query=torch.zeros(1, 4, 34, 16)), "expected 1 <= q <= T (the q queries are the last q of the T prompt "
      "tokens), got q = query.size(2) = 34 and T = keys.size(2) = 33"),
     (dict(query=torch.zeros(1, 4, 0, 16)), "expected 1 <= q <= T"),

@@ -82,7 +82,7 @@ BAD_INPUTS = [
     (lambda s, a: (s, a, -0.1, 1.0), r"expected decay in \[0, 1\], got -0.1"),
     (lambda s, a: (s, a, 1.0000001, 1.0), r"expected decay in \[0, 1\], got 1.0000001"),  # (not rounded to 1)
     (lambda s, a: (s, a, float("nan"), 1.0), r"expected decay in \[0, 1\], got nan"),
-    (lambda s, a: (s, a, 0.9, float("inf")), r"expected a finite input_scale, got inf"),
+    (lambda s, a: (s, a, 0.9, float("inf")), r"expected a finite float32 input_scale, got inf"),
 ]
 
 

@@ -65,8 +65,14 @@ inline void check_range(const char* op, const char* name, double value, double l
               Exact{value});
 }
 
+// Scalars arrive as Python floats (double) and the kernels compute with them in float32, where a double beyond
+// float32's range (about 3.4e38) is inf: a scale of 1e39 passed std::isfinite and gave NaN probabilities.
+inline bool is_finite_float32(double value) {
+  return std::isfinite(value) && std::fabs(value) <= static_cast<double>(std::numeric_limits<float>::max());
+}
+
 inline void check_finite(const char* op, const char* name, double value) {
-  TORCH_CHECK(std::isfinite(value), op, ": expected a finite ", name, ", got ", Exact{value});
+  TORCH_CHECK(is_finite_float32(value), op, ": expected a finite float32 ", name, ", got ", Exact{value});
 }
 
 inline void check_at_least(const char* op, const char* name, int64_t value, int64_t low) {

@@ -92,7 +92,8 @@ inline GVoteUnionShape check_gvote_union_mask(const at::Tensor& keys, const at::
   TORCH_CHECK(shape.len <= std::numeric_limits<int32_t>::max(), op, ": expected at most 2^31 - 1 slots, got T = ",
               shape.len);
   TORCH_CHECK(sinks >= 0, op, ": expected sinks >= 0, got sinks = ", sinks);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, op, ": expected a finite scale > 0, got scale = ", Exact{scale});
+  TORCH_CHECK(is_finite_float32(scale) && scale > 0.0, op, ": expected a finite float32 scale > 0, got scale = ",
+              Exact{scale});
   TORCH_CHECK(chunk_size >= 1, op, ": expected chunk_size >= 1, got chunk_size = ", chunk_size);
   return shape;
 }
