@@ -536,14 +536,15 @@ def kvzap_paged_step(
         log_weight_blocks, score_blocks: (N, S) float32 pools of N blocks of S slots, contiguous, updated in place.
         position_blocks: (N, S) int64 pool of the slots' absolute positions, contiguous, updated in place.
         block_tables: (B, H, max_blocks) int64; slot t of (b, h) is slot t % S of block block_tables[b, h, t // S]. Each
-            block belongs to one (b, h).
+            block belongs to one (b, h): a block two used entries name is refused (not in the kernel's own check).
         lengths: (B, H) int64 slots per (b, h), in [q, max_blocks * S], the new tokens included.
         new_scores: (B, H, q) float32 the new tokens' surrogate scores, q ≥ 1.
         threshold: τ, not NaN. window: w ≥ 0. tokens_before: the tokens seen before this pass, ≥ 0.
         check_tables_on_device: on a GPU, check the tables' contents (the lengths, the blocks each row's step touches)
             in the kernel, a bad entry stopping the stream with a device-side assert, rather than before it on the host
-            (one host sync); for tables the caller built itself (:class:`~kvpress_cpp.paged_cache.PagedKVCache`). A CPU
-            call checks them on the host either way (nothing to wait for).
+            (one host sync; shared blocks are found only there); for tables the caller built itself
+            (:class:`~kvpress_cpp.paged_cache.PagedKVCache`). A CPU call checks them on the host either way (nothing
+            to wait for).
 
     Returns:
         (B, H) int64: per row, how many of the D tokens leaving the window it holds (not -inf) after the keep rule;

@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CACHE = (torch.float32, torch.float16, torch.bfloat16)
 BAD_INTS = (-1, 0, 1, 2**31, 2**62, -(2**62), 2**63 - 1)
+BAD_VALUE_CASES = 6  # the most an op's bad_values lists; each is its own case
 BAD_FLOATS = (math.nan, math.inf, -math.inf, -0.5, 0.0, 1.0, 1.5, 1e30, 1e39, -1e39)  # ±1e39: inf in float32
 
 
@@ -532,6 +533,11 @@ def _kvzap_paged_step_bad(r, args):
              for value in (-1, args[0].shape[0], 2**62)]
     cases += [("index", "lengths", _replace(args, 4, _with(lengths, (0, 0), value)))
               for value in (new_tokens - 1, tables.shape[2] * args[0].shape[1] + 1)]
+    named = (tables.flatten() >= 0).nonzero().flatten().tolist()  # the used entries: build leaves the others -1
+    if len(named) >= 2:  # two entries naming one block: rows that would overwrite each other's slots
+        first, later = sorted(r.sample(named, 2))
+        shared = _with(tables.flatten(), later, int(tables.flatten()[first])).view_as(tables)
+        cases.append(("shared", "block_tables", _replace(args, 3, shared)))
     return cases
 
 
@@ -858,9 +864,10 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
         add("backward", backward)
 
     if fuzz.bad_values:
-        for k in range(3):
+        for k in range(BAD_VALUE_CASES):
             def bad_value(r, k=k):
                 cases_ = fuzz.bad_values(r, valid(r, dtype=torch.float32)[0])
+                assert len(cases_) <= BAD_VALUE_CASES, f"{len(cases_)} bad values: raise BAD_VALUE_CASES"
                 if k < len(cases_):
                     _, arg_name, args = cases_[k]
                     try:

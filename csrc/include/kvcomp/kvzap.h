@@ -203,8 +203,9 @@ struct KVzapPagedStepShape {
 };
 
 // Checks shapes, dtypes, devices and the in-place pools, and the block tables' contents (check_block_table_contents,
-// every length in [q, max_blocks * block_size]: the q new tokens are each row's last slots): one host sync on a GPU,
-// unless check_tables_on_device leaves the contents to the kernel there.
+// every length in [q, max_blocks * block_size]: the q new tokens are each row's last slots; no block shared, as the op
+// writes through the tables): one host sync on a GPU, unless check_tables_on_device leaves the contents to the kernel
+// there (lengths and ranges only: tables a PagedKVCache built, whose allocator gives each block one owner).
 inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_blocks, const at::Tensor& score_blocks,
                                                   const at::Tensor& position_blocks, const at::Tensor& block_tables,
                                                   const at::Tensor& lengths, const at::Tensor& new_scores,
@@ -252,7 +253,8 @@ inline KVzapPagedStepShape check_kvzap_paged_step(const at::Tensor& log_weight_b
                      {{"block_tables", &block_tables}, {"lengths", &lengths}, {"new_scores", &new_scores}});
   if (!check_tables_on_device || lengths.is_cpu()) {
     check_block_table_contents(op, block_tables, lengths, log_weight_blocks.size(0), shape.block_size,
-                               shape.new_tokens, "the q new tokens to max_blocks * block size");
+                               shape.new_tokens, "the q new tokens to max_blocks * block size",
+                               /*exclusive_blocks=*/true);
   }
   return shape;
 }
