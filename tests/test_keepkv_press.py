@@ -197,10 +197,27 @@ def test_recent_window_as_a_fraction_of_the_budget():
         torch.testing.assert_close(layer.keys[..., -12:, :], uncompressed.keys[..., 64 - 12:64, :], **tolerance)
 
 
-def test_budget_without_room_for_heavy_hitters_is_refused():
+def test_a_fractional_recent_window_leaves_room_for_a_heavy_hitter():
+    """The defaults on a 55-token prompt: M = round(0.25 · 55) = 14 and 0.8 · M = 11 recent slots left none after 4
+    sinks, and the prompt was refused. The window is cut to M - 4 - 1 = 9, one heavy hitter beside it: the press
+    then runs as KeepKVPress(recent=9) does."""
     model, tokenizer = make_tiny_llama()
-    with pytest.raises(ValueError, match="KeepKVPress: a budget of 16 slots .* leaves no heavy hitter"):
-        greedy(model, prompt_ids(tokenizer, 64), press=KeepKVPress(budget=16, recent=12))
+    input_ids = prompt_ids(tokenizer, 55)
+    tokens, cache = greedy(model, input_ids, press=KeepKVPress())
+    tokens_nine, cache_nine = greedy(model, input_ids, press=KeepKVPress(recent=9))
+    assert torch.equal(tokens, tokens_nine)
+    for layer, same in zip(cache.layers, cache_nine.layers):
+        assert get_state(layer).counters["recent"] == 9 and layer.keys.shape[-2] == 14
+        torch.testing.assert_close(layer.keys, same.keys, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("length,press", [(64, KeepKVPress(budget=16, recent=12)), (20, KeepKVPress())],
+                         ids=["count", "fraction"])
+def test_budget_without_room_for_heavy_hitters_is_refused(length, press):
+    model, tokenizer = make_tiny_llama()
+    budget = press.budget if isinstance(press.budget, int) else round(press.budget * length)
+    with pytest.raises(ValueError, match=f"KeepKVPress: a budget of {budget} slots .* leaves no heavy hitter"):
+        greedy(model, prompt_ids(tokenizer, length), press=press)
 
 
 @pytest.mark.parametrize("kwargs,message", [

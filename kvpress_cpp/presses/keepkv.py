@@ -38,7 +38,8 @@ class KeepKVPress(KVCompDecodingPress):
         sinks: leading tokens never evicted (paper: 4).
         recent: R, the recent window never evicted; the last R prompt queries initialise the EMA. A token count
             (int ≥ 1) or a fraction of the layer's budget M (float in (0, 1)), the form of the paper's appendix
-            ("the ratio between the recent window and the heavy hitter varies between 5:1 and 4:1": 0.8).
+            ("the ratio between the recent window and the heavy hitter varies between 5:1 and 4:1": 0.8); a
+            fraction is cut to M - sinks - 1 where it would leave no heavy hitter (short prompts).
         similarity_threshold: an evicted slot merges only if its best key cosine reaches it (paper: 0.8).
         ema_decay: β of the EMA score estimate (not given by the paper: 0.9).
         convex: merge keys convexly, ``Σ w k / Σ w`` (the authors' released code) instead of eq. 7's ZIP key.
@@ -99,10 +100,17 @@ class KeepKVPress(KVCompDecodingPress):
             return budget
         return pyramid_budgets(budget, num_layers)[layer_idx]
 
+    def recent_slots(self, budget: int) -> int:
+        """R for a layer of budget M: a count as given; a fraction of M, cut where it would leave no heavy hitter
+        after the sinks (the default 0.8 of a 55-token prompt's M = 14 is 11, and 4 sinks + 11 refused the prompt)."""
+        if isinstance(self.recent, int):
+            return self.recent
+        return max(1, min(round(self.recent * budget), budget - self.sinks - 1))
+
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
         length = keys.shape[-2]
         budget = self.layer_budget(length, module.layer_idx, module.config.num_hidden_layers)
-        recent = self.recent if isinstance(self.recent, int) else max(1, round(self.recent * budget))
+        recent = self.recent_slots(budget)
         if self.sinks + recent >= budget:
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
                              f"hitter after {self.sinks} sinks and a recent window of {recent}; raise the budget "
