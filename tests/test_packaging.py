@@ -107,6 +107,20 @@ def test_the_installed_version_is_kvpress_cpp_version():
     assert kvpress_cpp.__version__ == importlib.metadata.version("kvpress_cpp")
 
 
+def test_an_unbuilt_extension_is_named_with_how_to_build_it(tmp_path):
+    """Without the compiled extension, `import kvpress_cpp` said only "cannot import name '_C' from partially
+    initialized module 'kvpress_cpp' (most likely due to a circular import)"."""
+    shutil.copytree(PACKAGE, tmp_path / "kvpress_cpp", ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    # The copy is found first; the editable install's finder, which would hand it the built extension, is removed.
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            "import kvpress_cpp")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert run.returncode == 1
+    assert (f"ImportError: kvpress_cpp: its compiled extension (kvpress_cpp._C) is not built in "
+            f"{tmp_path / 'kvpress_cpp'}. Build it against the torch you run: `make build`") in run.stderr, run.stderr
+
+
 def test_readme_press_signatures_are_the_constructors():
     """The Presses table shows each press's constructor with its defaults: the same parameters, in the same order,
     with the same defaults as the class (a parameter the table omits or names wrongly fails here)."""
