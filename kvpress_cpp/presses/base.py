@@ -608,8 +608,10 @@ class KVCompPress(BasePress):
                 if layer_idx == min(self._compressed_in_context):  # once a pass
                     warnings.warn(
                         f"{name}: a pass of {new_tokens} tokens over layers {name} compressed earlier in the same "
-                        f"context: {name} compresses a prompt once, whole, so these tokens stay uncompressed (as "
-                        f"generate(prefill_chunk_size=...) leaves every chunk after the first)", stacklevel=3)
+                        f"context: {name} compresses a prompt once, whole, so these tokens stay uncompressed (a "
+                        f"prompt streamed by generate(prefill_chunk_size=...) keeps every chunk after the first so; "
+                        f"assisted generation's draft checks are such passes, their tokens kept as decoded ones "
+                        f"are)", stacklevel=3)
             return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         attentions = output[1] if len(output) > 1 else None
         if state is None:
