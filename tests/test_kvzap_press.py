@@ -174,6 +174,12 @@ def test_missing_or_mismatched_surrogate_errors(llama, surrogates, tmp_path):
         KVzapPress(model_type="linear", surrogate_dir=tmp_path / "three_heads").post_init_from_model(model)
     with pytest.raises(ValueError, match=r"model_type must be 'linear' or 'mlp'"):
         KVzapPress(model_type="cubic")
+    scorer = KVzapPress(model_type="linear")
+    with pytest.raises(ValueError, match=r"KVzapPress: model_type must be 'linear' or 'mlp', got 'cubic'"):
+        scorer.model_type = "cubic"  # assigned later (a sweep): refused then, not at the first load
+    with pytest.raises(ValueError, match=r"KVzapPress: surrogate_dir must be a folder's path"):
+        scorer.surrogate_dir = 3
+    assert (scorer.model_type, scorer.surrogate_dir) == ("linear", None)
     with pytest.raises(ValueError, match=r"sliding_window must be an int ≥ 1, got -1"):
         KVzapThresholdPress(sliding_window=-1)
 

@@ -169,6 +169,9 @@ class KVzapPress(_KVzapScorer):
         # Checked at every assignment, not only at construction: kvpress's evaluation sets it on a built press.
         if name == "compression_ratio":
             require_real("KVzapPress", "compression_ratio", value, "[0, 1)")
+        elif name in ("model_type", "surrogate_dir") and "surrogate_dir" in self.__dict__:  # constructed
+            fields = {"model_type": self.model_type, "surrogate_dir": self.surrogate_dir, name: value}
+            require_surrogate("KVzapPress", fields["model_type"], fields["surrogate_dir"])
         super().__setattr__(name, value)
 
     def __post_init__(self):
