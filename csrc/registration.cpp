@@ -128,7 +128,8 @@ TORCH_LIBRARY(kvcomp, m) {
   // decided as kvzap_threshold decides them. -> held (B, H) int64: how many of them each (b, h) holds, or -1 where they
   // are not there (log-weights untouched; kvzap_threshold over the (b, h)'s view then decides them, as it would have).
   // check_tables_on_device: on a GPU, the tables' contents are checked in the kernel (a device-side assert) rather than
-  // before it on the host (one host sync); a CPU call checks them on the host either way.
+  // before it on the host (one host sync), lengths and ranges only: blocks shared between (b, h) are found by the host
+  // check alone. A CPU call checks them on the host either way.
   m.def("kvzap_paged_step(Tensor(a!) log_weight_blocks, Tensor(b!) score_blocks, Tensor(c!) position_blocks, "
         "Tensor block_tables, Tensor lengths, Tensor new_scores, float threshold, int window, int tokens_before, "
         "bool check_tables_on_device=False) -> Tensor");

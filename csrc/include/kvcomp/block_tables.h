@@ -49,18 +49,16 @@ inline BlockTableSummary block_table_summary_with_tensor_ops(const at::Tensor& b
                                                              int64_t num_blocks, int64_t block_size,
                                                              bool exclusive_blocks) {
   const int64_t max_blocks = block_tables.size(2), entries = block_tables.numel();
-  if (entries == 0) {  // no table entries (max_blocks = 0): nothing to check but the lengths; min() of nothing throws
-    return {lengths.max().item<int64_t>(), lengths.min().item<int64_t>(), entries, entries};
-  }
+  // With no table entries (max_blocks = 0) only the lengths are checked: min() of nothing throws.
+  at::Tensor first_out_of_range = at::full({}, entries, lengths.options()), first_shared = first_out_of_range;
   const at::Tensor blocks_used = (lengths + (block_size - 1)).div(block_size, "floor");
   const at::Tensor used =
       (at::arange(max_blocks, lengths.options()).view({1, 1, -1}) < blocks_used.unsqueeze(-1)).flatten();
   const at::Tensor blocks = block_tables.flatten();
   const at::Tensor in_range = (blocks >= 0) & (blocks < num_blocks);
   const at::Tensor entry = at::arange(entries, lengths.options());
-  const at::Tensor first_out_of_range = at::where(used & ~in_range, entry, entries).min();
-  at::Tensor first_shared = at::full({}, entries, lengths.options());
-  if (exclusive_blocks) {
+  if (entries > 0) first_out_of_range = at::where(used & ~in_range, entry, entries).min();
+  if (exclusive_blocks && entries > 0) {
     // Each block's earliest naming entry, by a scatter of the entries' indices with "amin"; an entry is shared where
     // its block's earliest naming entry is another (earlier) one. Unused or out-of-range entries go to a spare slot.
     const at::Tensor named = used & in_range;
