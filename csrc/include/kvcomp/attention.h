@@ -15,8 +15,7 @@ inline void check_merge_count_bias(const at::Tensor& counts, double alpha) {
   constexpr const char* op = "kvcomp::merge_count_bias";
   check_dim(op, "counts", counts, 3, "(B, H, T)");
   check_dtype(op, "counts", counts, at::kFloat);
-  TORCH_CHECK(is_finite_float32(alpha) && alpha >= 0.0, op, ": expected a finite float32 alpha >= 0, got ",
-              Exact{alpha});
+  check_finite_positive(op, "alpha", alpha, /*zero_allowed=*/true);
 }
 
 struct DecodeAttentionShape {
@@ -49,7 +48,7 @@ inline DecodeAttentionShape check_decode_attention(const at::Tensor& query, cons
   check_same_device(op, "keys", keys, "query", query);
   check_same_device(op, "values", values, "query", query);
   check_same_device(op, "log_weights", log_weights, "query", query);
-  TORCH_CHECK(is_finite_float32(scale) && scale > 0.0, op, ": expected a finite float32 scale > 0, got ", Exact{scale});
+  check_finite_positive(op, "scale", scale);
 
   DecodeAttentionShape shape{query.size(0), query.size(1), keys.size(1), 0,
                              query.size(2), keys.size(2),  query.size(3)};

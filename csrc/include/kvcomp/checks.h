@@ -75,6 +75,12 @@ inline void check_finite(const char* op, const char* name, double value) {
   TORCH_CHECK(is_finite_float32(value), op, ": expected a finite float32 ", name, ", got ", Exact{value});
 }
 
+// A finite float32 value > 0, or >= 0 where zero_allowed (an attention scale, a score weight).
+inline void check_finite_positive(const char* op, const char* name, double value, bool zero_allowed = false) {
+  TORCH_CHECK(is_finite_float32(value) && (zero_allowed ? value >= 0.0 : value > 0.0), op,
+              ": expected a finite float32 ", name, zero_allowed ? " >= 0" : " > 0", ", got ", Exact{value});
+}
+
 inline void check_at_least(const char* op, const char* name, int64_t value, int64_t low) {
   TORCH_CHECK(value >= low, op, ": expected ", name, " >= ", low, ", got ", value);
 }

@@ -48,7 +48,7 @@ inline PagedAttentionShape check_paged_decode_attention(const at::Tensor& query,
   check_same_device(op, "log_weight_blocks", log_weight_blocks, "query", query);
   check_same_device(op, "block_tables", block_tables, "query", query);
   check_same_device(op, "lengths", lengths, "query", query);
-  TORCH_CHECK(is_finite_float32(scale) && scale > 0.0, op, ": expected a finite float32 scale > 0, got ", Exact{scale});
+  check_finite_positive(op, "scale", scale);
 
   PagedAttentionShape shape{query.size(0),      query.size(1),      block_tables.size(1), 0, query.size(2),
                             query.size(3),      key_blocks.size(0), key_blocks.size(1),   block_tables.size(2), 0};

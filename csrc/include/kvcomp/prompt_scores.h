@@ -28,7 +28,7 @@ inline PromptScoresShape check_prompt_attention(const char* op, const at::Tensor
   check_dtype(op, "log_weights", log_weights, at::kFloat);
   check_same_device(op, "keys", keys, "query", query);
   check_same_device(op, "log_weights", log_weights, "query", query);
-  TORCH_CHECK(is_finite_float32(scale) && scale > 0.0, op, ": expected a finite float32 scale > 0, got ", Exact{scale});
+  check_finite_positive(op, "scale", scale);
 
   PromptScoresShape shape{query.size(0), query.size(1), keys.size(1), 0, query.size(2), keys.size(2), query.size(3)};
   check_size(op, "keys", keys, 0, shape.batch, "batch of query");
@@ -58,8 +58,7 @@ inline void check_shaped_like(const char* op, const char* name, const at::Tensor
 // The query weights input_scale * decay^age of the scores.
 inline void check_prompt_score_weights(const char* op, double decay, double input_scale) {
   TORCH_CHECK(decay > 0.0 && decay <= 1.0, op, ": expected decay in (0, 1], got ", Exact{decay});
-  TORCH_CHECK(is_finite_float32(input_scale) && input_scale >= 0.0, op,
-              ": expected a finite float32 input_scale >= 0, got ", Exact{input_scale});
+  check_finite_positive(op, "input_scale", input_scale, /*zero_allowed=*/true);
 }
 
 inline PromptScoresShape check_prompt_log_sum_exp(const at::Tensor& query, const at::Tensor& keys,
@@ -95,8 +94,7 @@ inline PromptScoresShape check_prompt_log_unnormalised_scores(const at::Tensor& 
   constexpr const char* op = "kvcomp::prompt_log_unnormalised_scores";
   const PromptScoresShape shape = check_prompt_attention(op, query, keys, log_weights, scale);
   TORCH_CHECK(decay > 0.0 && decay < 1.0, op, ": expected decay in (0, 1), got ", Exact{decay});
-  TORCH_CHECK(is_finite_float32(input_scale) && input_scale > 0.0, op,
-              ": expected a finite float32 input_scale > 0, got ", Exact{input_scale});
+  check_finite_positive(op, "input_scale", input_scale);
   return shape;
 }
 
