@@ -411,7 +411,7 @@ def keepkv_zip_merge_vectorised(keys, values, votes, log_scores, targets, convex
 
 
 def keepkv_step_selection(keys, queries, probabilities, log_weights, log_ema, age, votes, scale, ema_decay, budget,
-                          sinks, recent, threshold):
+                          sinks, recent, threshold, logits_from="probabilities"):
     """The first half of a KeepKV decoding step (see ops.keepkv_decode_step) from the formulas, float64: per slot of
     keys (B, H, T, d) whose last q are the new tokens, the EMA ln S (eq. 8, folding the q new queries in order, each
     s̄ the group mean of exp(ℓ)), the age (+ the causal count of new queries, min(q, T - t)), the votes (1 for new
@@ -419,19 +419,23 @@ def keepkv_step_selection(keys, queries, probabilities, log_weights, log_ema, ag
     the T - budget slots of lowest ŝ (NaN lowest, no-vote slots first, ties to the lower slot), neither sinks nor
     recent. ℓ is what the attention that gave `probabilities` (B, Hq, q, T) computed: ℓ = ln p - b + LSE, the row's
     LSE = q·k·scale + b - ln p at its slot of largest p (-inf where p = 0); for a consistent softmax this is
-    q·k·scale itself."""
+    q·k·scale itself, which ``logits_from="queries"`` takes directly (-inf where b = -inf or causally masked)."""
     batch, kv_heads, slots, head_dim = keys.shape
     new_tokens, old_slots = queries.shape[2], slots - queries.shape[2]
     group = queries.shape[1] // kv_heads
-    grouped = queries.double().reshape(batch, kv_heads, group, new_tokens, head_dim)
-    p = probabilities.double().reshape(batch, kv_heads, group, new_tokens, slots)
     bias = log_weights.double()[:, :, None, None]
-    top = p.argmax(-1, keepdim=True)
-    top_keys = keys.double()[:, :, None, None].expand(-1, -1, group, new_tokens, -1, -1).gather(
-        -2, top.unsqueeze(-1).expand(*top.shape, head_dim)).squeeze(-2)
-    top_logit = ((grouped * top_keys).sum(-1, keepdim=True) * scale).float().double()  # a float32 logit, as attention's
-    log_sum_exp = top_logit + bias.expand_as(p).gather(-1, top) - p.gather(-1, top).log()
-    logits = torch.where(p > 0, p.log() - bias + log_sum_exp, float("-inf"))  # (B, H, G, q, T)
+    if logits_from == "queries":
+        logits = (prompt_attention(queries, keys, log_weights, scale).reshape(batch, kv_heads, group, new_tokens, slots)
+                  - bias).nan_to_num(nan=float("-inf"))  # -inf - (-inf) where b = -inf: a slot no query sees
+    else:
+        grouped = queries.double().reshape(batch, kv_heads, group, new_tokens, head_dim)
+        p = probabilities.double().reshape(batch, kv_heads, group, new_tokens, slots)
+        top = p.argmax(-1, keepdim=True)
+        top_keys = keys.double()[:, :, None, None].expand(-1, -1, group, new_tokens, -1, -1).gather(
+            -2, top.unsqueeze(-1).expand(*top.shape, head_dim)).squeeze(-2)
+        top_logit = ((grouped * top_keys).sum(-1, keepdim=True) * scale).float().double()  # float32, as attention's
+        log_sum_exp = top_logit + bias.expand_as(p).gather(-1, top) - p.gather(-1, top).log()
+        logits = torch.where(p > 0, p.log() - bias + log_sum_exp, float("-inf"))  # (B, H, G, q, T)
     log_mean = torch.logsumexp(logits, dim=2) - math.log(group)  # (B, H, q, T)
     log_s = F.pad(log_ema.double(), (0, new_tokens), value=float("-inf"))
     for j in range(new_tokens):
@@ -451,13 +455,13 @@ def keepkv_step_selection(keys, queries, probabilities, log_weights, log_ema, ag
 
 
 def keepkv_decode_step(keys, values, queries, probabilities, log_weights, log_ema, age, votes, scale, ema_decay,
-                       budget, sinks, recent, threshold, convex):
+                       budget, sinks, recent, threshold, convex, logits_from="probabilities"):
     """A KeepKV decoding step (ops.keepkv_decode_step) from the formulas, float64 inside: the selection above, eq. 7's set merge fed
     ln ŝ (keepkv_zip_merge), a merged slot's ŝ the vote-weighted mean Σ p ŝ / Σ p of its set and its age the oldest
     member's (ln S = ln ŝ + ln(1 - β^age)), then the retained slots in order."""
     log_s, new_age, new_votes, log_estimate, targets = keepkv_step_selection(
         keys, queries, probabilities, log_weights, log_ema, age, votes, scale, ema_decay, budget, sinks, recent,
-        threshold)
+        threshold, logits_from)
     batch, kv_heads, slots, _ = keys.shape
     out_keys, out_values, merged_votes = keepkv_zip_merge(keys, values, new_votes, log_estimate.float(), targets,
                                                           convex)

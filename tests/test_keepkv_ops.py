@@ -708,6 +708,31 @@ def test_decode_step_at_a_real_head_size_matches_reference(device, dtype, new_to
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_step_scores_are_the_logits_q_k_scale(device, seed):
+    """The op recovers each logit from the attention's probabilities (ln p - b + the row's LSE) rather than recompute
+    q·k over the keys; the reference above recovers them the same way. Here the reference takes ℓ = q·k·scale from
+    the queries and keys instead, eq. 8's own input: for probabilities the softmax of q·k·scale + b gave, the step's
+    EMA, ages, evictions and merges are the same (a sign of b or an LSE off by a constant would not be)."""
+    import random
+
+    from tests.test_fuzz_ops import FUZZ, _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random(f"logits-from-queries:{seed}")
+    sizes = _keepkv_step_sizes(r, {"B": 2, "H": 2, "Hq": 6, "q": 1 + seed % 3, "d": 32, "S": 40})
+    args = list(_keepkv_step_build(r, sizes, torch.float32))
+    args[10:13] = [40 + sizes["q"] - 1 - seed % 4, 2, 6]  # budget (1 to 4 slots evicted), sinks, recent
+    args[13] = 0.0  # merge every evicted slot whose cosine reaches 0: merges with their b and votes in play
+    expected = reference.keepkv_decode_step(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
+                                            logits_from="queries")
+    got = ops.keepkv_decode_step(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    atol, rtol = FUZZ["keepkv_decode_step"].tolerance(torch.float32)
+    for name, g, e in zip(("keys", "values", "log_ema", "age", "votes", "log_weights", "dropped"), got, expected):
+        torch.testing.assert_close(g.cpu().float(), e.float(), atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("edge", ["first recent slot", "last sink"])
 def test_decode_step_never_evicts_the_protected_slot_with_the_lowest_score(device, edge):
     """The slot at the edge of the recent window (or the last sink) holds the lowest ŝ of the row, by far: the step
