@@ -372,16 +372,17 @@ class GVote:
         batch, kv_heads, tokens, head_dim = x.keys.shape
         group = x.queries.shape[1] // kv_heads
         config = x.module.config
-        # The draws are seeded per layer (the press's documented seed + layer index), so both sample the same points.
+        # The draws are seeded per layer (the press's documented seed + layer index), one draw for every row (a prompt
+        # is compressed as when run alone, wherever it sits in a batch), so both sample the same points.
         generator = torch.Generator().manual_seed(self.seed + x.layer_idx)
-        noise = torch.randn(batch, self.samples, x.hidden.shape[-1], generator=generator)
+        noise = torch.randn(self.samples, x.hidden.shape[-1], generator=generator)
         # transformers 4 keeps θ on the config, transformers 5 in its rope_parameters
         theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
         cos, sin = rotary_tables(torch.arange(tokens, tokens + self.future), head_dim, theta)
         cos, sin = cos.mean(0), sin.mean(0)
         for b in range(batch):
             body = x.hidden[b, self.sinks:].double()
-            samples = (body.mean(0) + body.var(0, unbiased=False).sqrt() * noise[b].double()).float()
+            samples = (body.mean(0) + body.var(0, unbiased=False).sqrt() * noise.double()).float()
             queries = x.module.q_proj(samples.to(x.module.q_proj.weight.dtype)).view(self.samples, -1, head_dim)
             if hasattr(x.module, "q_norm"):  # "q_proj (+ q_norm)" (methods.md): Qwen3 normalises each head's query
                 queries = x.module.q_norm(queries)

@@ -33,6 +33,8 @@ from tests.models import make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 
 PROMPT_TOKENS = 48
+#: A batch's rows: the text from every ROW_OFFSET-th token on.
+ROW_OFFSET = 5
 NEW_TOKENS = 10
 #: The model dtypes of the merging presses' tests: float32, and the half precisions models run in on GPUs.
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16"),
@@ -68,7 +70,10 @@ def run_in_lock_step(model, press, make_reference, read_press_cache, batch: int 
     """Greedy generation under `press` (or, with `pass_sizes`, the prompt then passes of that many tokens of the
     text after it, as kvpress's question pass feeds them); after every forward of every layer the press's cache of
     every (batch, kv head) is compared with the layer's reference. Returns the references."""
-    input_ids = prompt_ids(model.tokenizer, prompt_tokens + sum(pass_sizes or []), batch=batch)
+    length = prompt_tokens + sum(pass_sizes or [])
+    text = prompt_ids(model.tokenizer, length + ROW_OFFSET * (batch - 1))
+    input_ids = torch.cat([text[:, ROW_OFFSET * row:ROW_OFFSET * row + length] for row in range(batch)])
+    assert len({tuple(row.tolist()) for row in input_ids}) == batch  # rows that differ: a mixed-up row would show
     cache = DynamicCache()
     references = {}
     compared = []
@@ -120,6 +125,23 @@ def llama():
     model, tokenizer = make_tiny_llama()
     model.tokenizer = tokenizer
     return model
+
+
+@pytest.fixture(scope="module")
+def llama_eager():
+    model, tokenizer = make_tiny_llama(attn_implementation="eager")
+    model.tokenizer = tokenizer
+    return model
+
+
+#: The other ways a user's model runs a press, each method once: a batch of two different prompts (the runs above are
+#: one row each), and eager attention, whose prompt pass materialises the probabilities the presses score from.
+SETTINGS = ["two prompts", "eager attention"]
+
+
+@pytest.fixture
+def model_and_batch(request, llama, llama_eager):
+    return (llama, 2) if request.param == "two prompts" else (llama_eager, 1)
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +259,15 @@ def test_multi_token_passes_match_the_reference(llama, name, prompt_tokens):
     run_in_lock_step(llama, make_press(), make_reference, read, prompt_tokens=prompt_tokens, pass_sizes=PASS_SIZES)
 
 
+@pytest.mark.parametrize("model_and_batch", SETTINGS, indirect=True)
+@pytest.mark.parametrize("name", list(MULTI_TOKEN_CASES))
+def test_merging_presses_match_the_reference_in_a_batch_and_under_eager_attention(model_and_batch, name):
+    model, batch = model_and_batch
+    make_press, make_reference, read = MULTI_TOKEN_CASES[name]
+    references = run_in_lock_step(model, make_press(), make_reference, read, batch=batch)
+    assert {b for reference in references.values() for b, _ in reference.heads} == set(range(batch))
+
+
 def live_slots(layer, state, b, h) -> torch.Tensor:
     log_weights = torch.nn.functional.pad(state.log_weights, (0, layer.keys.shape[-2] - state.log_weights.shape[-1]))
     return torch.isfinite(log_weights[b, h])
@@ -251,6 +282,11 @@ def test_gvote_matches_the_paper(llama, options, prompt_tokens):
     check_gvote(llama, options, prompt_tokens)
 
 
+@pytest.mark.parametrize("model_and_batch", SETTINGS, indirect=True)
+def test_gvote_matches_the_paper_in_a_batch_and_under_eager_attention(model_and_batch):
+    check_gvote(model_and_batch[0], {}, PROMPT_TOKENS, batch=model_and_batch[1])
+
+
 def test_gvote_matches_the_paper_with_normalised_queries():
     """Qwen3 normalises each head's query (q_norm) before RoPE: GVote's sampled queries are projected the same way."""
     model, tokenizer = make_tiny_qwen3()
@@ -258,20 +294,29 @@ def test_gvote_matches_the_paper_with_normalised_queries():
     check_gvote(model, {}, PROMPT_TOKENS)
 
 
-def check_gvote(model, options, prompt_tokens):
+def check_gvote(model, options, prompt_tokens, batch: int = 1):
     def read(press, layer, state, b, h):
         live = live_slots(layer, state, b, h)
         return {"keys": layer.keys[b, h][live], "values": layer.values[b, h][live]}
 
     references = run_in_lock_step(model, GVotePress(**options), lambda: paper_reference.GVote(**options), read,
-                                  prompt_tokens=prompt_tokens)
+                                  prompt_tokens=prompt_tokens, batch=batch)
     assert any(len(head["keys"]) < prompt_tokens for reference in references.values()
                for head in reference.heads.values()), "GVote evicted nothing: the test would not tell"
 
 
 @pytest.mark.parametrize("model_type", ["linear", "mlp"])
 def test_kvzap_matches_the_paper(llama, tmp_path, model_type):
-    directory = write_surrogate(tmp_path / model_type, llama, model_type, scale=4.0)
+    check_kvzap(llama, tmp_path, model_type)
+
+
+@pytest.mark.parametrize("model_and_batch", SETTINGS, indirect=True)
+def test_kvzap_matches_the_paper_in_a_batch_and_under_eager_attention(model_and_batch, tmp_path):
+    check_kvzap(model_and_batch[0], tmp_path, "mlp", batch=model_and_batch[1])
+
+
+def check_kvzap(model, tmp_path, model_type, batch: int = 1):
+    directory = write_surrogate(tmp_path / model_type, model, model_type, scale=4.0)
     surrogates = list(KVzapModel.from_pretrained(directory, local_files_only=True).layers)
     press = KVzapThresholdPress(threshold=0.0, sliding_window=16, model_type=model_type, surrogate_dir=directory)
 
@@ -280,6 +325,6 @@ def test_kvzap_matches_the_paper(llama, tmp_path, model_type):
         return {"keys": layer.keys[b, h][live], "values": layer.values[b, h][live],
                 "positions": state.per_slot["positions"][b, h][live]}
 
-    references = run_in_lock_step(llama, press, lambda: paper_reference.KVzap(surrogates, 0.0, 16), read)
+    references = run_in_lock_step(model, press, lambda: paper_reference.KVzap(surrogates, 0.0, 16), read, batch=batch)
     assert any(len(head["keys"]) < PROMPT_TOKENS for reference in references.values()
                for head in reference.heads.values()), "KVzap evicted nothing: the test would not tell"
