@@ -739,11 +739,13 @@ def gather_paged(blocks: torch.Tensor, block_tables: torch.Tensor, lengths: torc
     return out
 
 
-def paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, block_tables, lengths, scale):
+def paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, block_tables, lengths, scale,
+                           head_attention=None):
     """Float64 paged decode attention: each (b, h) gathered to its own lengths[b, h] slots, then
-    :func:`decode_attention` per (b, h) with its own causal limit (query j sees slots 0 .. L - q + j; a head shorter
-    than q leaves its first queries empty: output 0). Returns (out in the query dtype, probs float32 padded with 0 to
-    max(lengths))."""
+    :func:`decode_attention` (or `head_attention`, of the same arguments) per (b, h) with its own causal limit (query j
+    sees slots 0 .. L - q + j; a head shorter than q leaves its first queries empty: output 0). Returns (out in the
+    query dtype, probs float32 padded with 0 to max(lengths))."""
+    head_attention = head_attention or decode_attention
     keys = gather_paged(key_blocks, block_tables, lengths)
     values = gather_paged(value_blocks, block_tables, lengths)
     log_weights = gather_paged(log_weight_blocks, block_tables, lengths, float("-inf"))
@@ -755,7 +757,7 @@ def paged_decode_attention(query, key_blocks, value_blocks, log_weight_blocks, b
         for h in range(heads):
             length, rows = int(lengths[b, h]), slice(h * group, (h + 1) * group)
             one_head = (slice(b, b + 1), slice(h, h + 1), slice(0, length))
-            head_out, head_probs = decode_attention(query[b:b + 1, rows], keys[one_head], values[one_head],
-                                                    log_weights[one_head], scale)
+            head_out, head_probs = head_attention(query[b:b + 1, rows], keys[one_head], values[one_head],
+                                                  log_weights[one_head], scale)
             out[b, rows], probs[b, rows, :, :length] = head_out[0], head_probs[0]
     return out, probs

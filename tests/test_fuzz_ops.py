@@ -160,7 +160,8 @@ def _decode_attention_nonfinite(query, keys, values, log_weights, scale):
     its key and value whatever they hold (a paged cache's dead slots), and a slot a row gives probability 0 adds
     nothing to that row's output (no 0 · inf or 0 · NaN)."""
     dead = (log_weights == -math.inf).unsqueeze(-1)
-    logits = reference.prompt_attention(query, keys.masked_fill(dead, 0.0), log_weights, scale)
+    logits = _unread_dead_slots(reference.prompt_attention(query, keys, log_weights, scale), log_weights,
+                                query.shape[1])
     probs = reference.softmax_or_zero(logits)
     group_values = values.double().masked_fill(dead, 0.0).repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
     terms = probs.unsqueeze(-1) * group_values.unsqueeze(2)  # (B, Hq, q, T, d)
@@ -171,9 +172,15 @@ def _decode_attention_nonfinite(query, keys, values, log_weights, scale):
 def _prompt_lse_nonfinite(query, keys, log_weights, scale):
     """The documented log-sum-exp with non-finite logits: NaN where the exact value is +inf (no softmax exists), and
     the keys of slots of log-weight -inf not read."""
-    dead = (log_weights == -math.inf).unsqueeze(-1)
-    lse = reference.prompt_log_sum_exp(query, keys.masked_fill(dead, 0.0), log_weights, scale)
+    lse = _unread_dead_slots(reference.prompt_attention(query, keys, log_weights, scale), log_weights,
+                             query.shape[1]).logsumexp(-1)
     return lse.masked_fill(lse == math.inf, math.nan)
+
+
+def _unread_dead_slots(logits, log_weights, query_heads):
+    """-inf at every slot of log-weight -inf, whatever the query (a NaN query times any key is NaN)."""
+    dead = (log_weights == -math.inf).repeat_interleave(query_heads // log_weights.shape[1], dim=1).unsqueeze(2)
+    return logits.masked_fill(dead, -math.inf)
 
 
 def _paged_sizes(r, o):
@@ -204,11 +211,17 @@ def _paged_build(r, s, dtype):
             max_len)
 
 
-def _paged_reference(*args):
+def _paged_reference(*args, head_attention=None):
     """The float64 reference, its probabilities widened with zero columns to max_len."""
-    out, probs = reference.paged_decode_attention(*args[:7])
+    out, probs = reference.paged_decode_attention(*args[:7], head_attention=head_attention)
     max_len = args[8]
     return out, probs if max_len is None else torch.nn.functional.pad(probs, (0, max_len - probs.shape[-1]))
+
+
+def _paged_nonfinite(*args):
+    """decode_attention's documented non-finite behaviour per (b, h) over the slots its block table holds: nothing
+    outside a head's lengths[b, h] slots (another head's blocks, free blocks, a block's tail) is read."""
+    return _paged_reference(*args, head_attention=_decode_attention_nonfinite)
 
 
 def _with(t: torch.Tensor, index: tuple, value) -> torch.Tensor:
@@ -566,8 +579,7 @@ FUZZ: dict[str, OpFuzz] = {
     "paged_decode_attention": OpFuzz(_paged_sizes, _paged_build,
                                      _paged_reference,
                                      tolerance=lambda dtype: _low_precision(dtype, 3e-2), bad_values=_paged_bad,
-                                     meta_shapes=False,
-                                     nonfinite_unchecked="NaN placement over blocks not yet specified (issue 21)"),
+                                     meta_shapes=False, nonfinite_reference=_paged_nonfinite),
     "weightedkv_evict": OpFuzz(_weightedkv_sizes, _weightedkv_build, reference.weightedkv_evict,
                                tolerance=lambda dtype: _low_precision(dtype), run=_weightedkv_run),
     "zsmerge_prefill": OpFuzz(_zsmerge_prefill_sizes, _zsmerge_prefill_build, reference.zsmerge_prefill,
