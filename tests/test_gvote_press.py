@@ -30,6 +30,7 @@ def test_same_seed_same_cache_other_seed_other_samples():
     first = kept_per_head(model, ids, GVotePress(seed=3))
     assert torch.equal(first, kept_per_head(model, ids, GVotePress(seed=3)))
     assert bool((first < 200).any()), "nothing was compressed: the test says nothing"
+    assert not torch.equal(first, kept_per_head(model, ids, GVotePress(seed=4))), "the seed draws no other samples"
 
 
 @pytest.mark.parametrize("low,high", [({"nucleus_p": 0.8}, {"nucleus_p": 0.95}), ({"num_samples": 2}, {"num_samples": 8})])

@@ -23,15 +23,24 @@ from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThres
                                  ZSMergePress)
 from tests import generation, kvpress_hooks
 from tests.generation import TINY_MODELS, prompt_ids
-from tests.models import make_tiny_llama
+from tests.models import make_tiny_llama, make_tiny_qwen3
 from tests.test_kvzap_press import write_surrogate
 from tests.test_paged_cache import check_allocator
 
 
+def write_tiny_surrogate(tmp_path_factory, make_model) -> Path:
+    model, _ = make_model()
+    return write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", model, "mlp", seed=0, scale=4.0)
+
+
 @pytest.fixture(scope="module")
 def surrogate_dir(tmp_path_factory):
-    model, _ = make_tiny_llama()
-    return write_surrogate(tmp_path_factory.mktemp("surrogate") / "mlp", model, "mlp", seed=0, scale=4.0)
+    return write_tiny_surrogate(tmp_path_factory, make_tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def qwen3_surrogate_dir(tmp_path_factory):
+    return write_tiny_surrogate(tmp_path_factory, make_tiny_qwen3)
 
 
 # Every press we ship, and kvpress's head-wise ones (which only mask on a rectangular cache).
@@ -58,11 +67,10 @@ def greedy(model, input_ids, cache, press=None, max_new_tokens=12, **kwargs):
 
 @pytest.mark.parametrize("make_model,attn", TINY_MODELS)
 @pytest.mark.parametrize("name", kvpress_hooks.cases(PRESSES, KVPRESS_PRESSES))
-def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate_dir):
+def test_generate_equals_the_rectangular_cache(make_model, attn, name, surrogate_dir, qwen3_surrogate_dir):
     if name in HEAD_WISE_MASKING and attn == "eager":
         pytest.skip("kvpress's head-wise presses refuse eager attention")
-    if name.startswith(("kvzap", "dms")) and make_model is not make_tiny_llama:
-        pytest.skip("the surrogate is the tiny Llama's")
+    surrogate_dir = surrogate_dir if make_model is make_tiny_llama else qwen3_surrogate_dir
     model, tokenizer = make_model()
     model.set_attn_implementation(attn)
     patch_eager_attention(model)

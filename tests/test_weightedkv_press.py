@@ -3,6 +3,7 @@ demo question on SmolLM2."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -42,12 +43,19 @@ def test_cache_bounded_over_long_generation(make_model, attn_implementation, evi
 
 def test_merging_and_evict_only_differ_only_in_values():
     """After the prompt's reduction (one generated token: no decoding step yet) both variants evicted the same
-    keys, chosen from the same attention; only the merge changed the kept values."""
+    keys, chosen from the same attention; evict-only kept each key's own value, as the full cache holds it, and only
+    the merge changed the kept values."""
     model, tokenizer = make_tiny_llama()
     input_ids = prompt_ids(tokenizer, 96)
+    _, full = greedy(model, input_ids, max_new_tokens=1)
     _, merged = greedy(model, input_ids, press=WeightedKVPress(cache_size=24), max_new_tokens=1)
     _, evicted = greedy(model, input_ids, press=WeightedKVPress(cache_size=24, evict_only=True), max_new_tokens=1)
     assert torch.equal(merged.layers[0].keys, evicted.layers[0].keys), "the same keys must be evicted"
+    for b, h in itertools.product(range(full.layers[0].keys.shape[0]), range(full.layers[0].keys.shape[1])):
+        kept_keys, all_keys = evicted.layers[0].keys[b, h], full.layers[0].keys[b, h]
+        slots = (kept_keys[:, None] == all_keys[None]).all(-1).int().argmax(-1)  # each kept key's token
+        assert torch.equal(all_keys[slots], kept_keys)
+        assert torch.equal(evicted.layers[0].values[b, h], full.layers[0].values[b, h, slots]), (b, h)
     assert not torch.equal(merged.layers[0].values, evicted.layers[0].values), "values were not merged"
 
 
