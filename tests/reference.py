@@ -586,12 +586,13 @@ def kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_be
 
 
 def kvzap_decode_step(hidden, weight1, bias1, weight2, bias2, log_weights, scores, positions, threshold, window,
-                      tokens_before):
-    """A decoding pass on a rectangular cache: the new tokens' scores (:func:`kvzap_score`) and positions appended to
-    the state's, then :func:`kvzap_threshold` over the grown state. Returns (log_weights, scores, positions, held)."""
+                      tokens_before, score=kvzap_score):
+    """A decoding pass on a rectangular cache: the new tokens' scores (:func:`kvzap_score`, or `score` of the same
+    arguments) and positions appended to the state's, then :func:`kvzap_threshold` over the grown state. Returns
+    (log_weights, scores, positions, held)."""
     batch, heads = log_weights.shape[:2]
     new_tokens = hidden.shape[1]
-    grown_scores = torch.cat([scores.cpu(), kvzap_score(hidden, weight1, bias1, weight2, bias2)], -1)
+    grown_scores = torch.cat([scores.cpu(), score(hidden, weight1, bias1, weight2, bias2)], -1)
     new_positions = torch.arange(tokens_before, tokens_before + new_tokens).expand(batch, heads, new_tokens)
     grown_positions = torch.cat([positions.cpu(), new_positions], -1)
     out, held = kvzap_threshold(log_weights.cpu(), grown_scores, grown_positions, threshold, window, tokens_before,

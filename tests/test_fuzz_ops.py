@@ -451,6 +451,15 @@ def _kvzap_score_build(r, s, dtype):
     return hidden, weight1, bias1, _randn(r, (s["H"], s["W"]), dtype) * 0.3, _randn(r, (s["H"],), dtype)
 
 
+def _kvzap_score_nonfinite(hidden, weight1, bias1, weight2=None, bias2=None):
+    """The surrogate with NaN or ±inf inputs: its formula in float64, the exact GELU as written, 0.5·x·(1 + erf(x/√2)):
+    +inf at +inf, NaN at -inf (-inf · 0). (torch's float32 GELU kernel also gives NaN at +inf, its scalar path +inf.)"""
+    out = hidden.double() @ weight1.double().T + bias1.double()
+    if weight2 is not None:
+        out = 0.5 * out * (1 + torch.erf(out / math.sqrt(2))) @ weight2.double().T + bias2.double()
+    return out.float().transpose(1, 2).contiguous()
+
+
 def _kvzap_threshold_sizes(r, o):
     return {k: o.get(k, r.randint(1, n)) for k, n in (("B", 2), ("H", 3), ("T", 20))}
 
@@ -602,11 +611,14 @@ FUZZ: dict[str, OpFuzz] = {
     "gvote_union_mask": OpFuzz(_gvote_sizes, _gvote_build, lambda k, q, b, sinks, scale, chunk:
                                reference.gvote_union_mask(k, q, b, sinks, scale), odd_values=_extreme_indices(2)),
     "kvzap_score": OpFuzz(_kvzap_score_sizes, _kvzap_score_build, reference.kvzap_score,
-                          tolerance=lambda dtype: _low_precision(dtype, 5e-2)),
+                          tolerance=lambda dtype: _low_precision(dtype, 5e-2),
+                          nonfinite_reference=_kvzap_score_nonfinite),
     "kvzap_threshold": OpFuzz(_kvzap_threshold_sizes, _kvzap_threshold_build, reference.kvzap_threshold,
                               odd_values=_extreme_indices(2)),
     "kvzap_decode_step": OpFuzz(_kvzap_decode_step_sizes, _kvzap_decode_step_build, reference.kvzap_decode_step,
-                                tolerance=lambda dtype: _low_precision(dtype, 5e-2), odd_values=_extreme_indices(7)),
+                                tolerance=lambda dtype: _low_precision(dtype, 5e-2), odd_values=_extreme_indices(7),
+                                nonfinite_reference=lambda *args: reference.kvzap_decode_step(
+                                    *args, score=_kvzap_score_nonfinite)),
     "kvzap_paged_step": OpFuzz(_kvzap_paged_step_sizes, _kvzap_paged_step_build, reference.kvzap_paged_step,
                                run=_kvzap_paged_step_run, bad_values=_kvzap_paged_step_bad,
                                odd_values=_extreme_indices(2)),
@@ -717,14 +729,30 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
         k = len(cases)
         cases.append((label, lambda: body(random.Random(f"{SEED}:{name}:{k}"))))
 
-    def valid(r: random.Random, overrides=None, dtype=None, needs: int | None = None):
-        """Valid arguments; with `needs`, redrawn until that (optional) argument is given."""
-        for _ in range(20):
+    def valid(r: random.Random, overrides=None, dtype=None, needs: int | None = None, until=None, what: str = ""):
+        """Valid arguments; with `needs`, redrawn until that (optional) argument is given; with `until`, until the
+        arguments satisfy it (a case that needs, e.g., two tensors of one shape must not pass by doing nothing)."""
+        for _ in range(50):
             s = fuzz.sizes(r, overrides or {})
             args = fuzz.build(r, s, dtype or r.choice(CACHE))
-            if needs is None or args[needs] is not None:
+            if (needs is None or args[needs] is not None) and (until is None or until(args)):
                 return args, s
-        raise AssertionError(f"the generator of {name} never gives argument {needs}")
+        raise AssertionError(f"the generator of {name} never gives {what or f'argument {needs}'}")
+
+    def alike(i: int, j: int, min_numel: int = 0):
+        """A predicate on arguments: tensors i and j of one shape and dtype, with at least min_numel elements."""
+        return lambda args: (args[i] is not None and args[j] is not None and args[i].shape == args[j].shape
+                             and args[i].dtype == args[j].dtype and args[i].numel() >= min_numel)
+
+    def sizes_where(until, what: str) -> dict | None:
+        """Sizes under which the generator gives arguments satisfying `until` (None if 100 draws find none): a case
+        needing them is added with them, or not at all, rather than pass without testing anything."""
+        r = random.Random(f"{SEED}:{name}:sizes where {what}")
+        for _ in range(100):
+            s = fuzz.sizes(r, {})
+            if until(fuzz.build(r, s, torch.float32)):
+                return s
+        return None
 
     def valid_case(r):
         args, _ = valid(r)
@@ -824,19 +852,23 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
         add(f"nan-inf:{arg.name}", nan_inf)
 
     inplace = [(i, a) for i, a in tensors if a.inplace]
+    # Pairs of in-place tensors, where the generator can give them one shape: drawn at such sizes.
     for (i, a), (j, b) in ((x, y) for n, x in enumerate(inplace) for y in inplace[n + 1:]):
-        def same_tensor(r, i=i, j=j, a=a, b=b):
-            args = valid(r, dtype=torch.float32)[0]
-            if args[i].shape == args[j].shape and args[i].dtype == args[j].dtype:
-                _expect(name, _replace(args, j, args[i]), (a.name, b.name), must_reject=args[i].numel() > 0)
+        what = f"{a.name} and {b.name} alike"
+        sizes = sizes_where(alike(i, j, 2), what)
+        if sizes is None:
+            continue
+
+        def same_tensor(r, i=i, j=j, a=a, b=b, sizes=sizes, what=what):
+            args = valid(r, sizes, dtype=torch.float32, until=alike(i, j, 1), what=what)[0]
+            _expect(name, _replace(args, j, args[i]), (a.name, b.name), must_reject=True)
         add(f"alias:{a.name}={b.name}", same_tensor)
 
-        def overlapping(r, i=i, j=j, a=a, b=b):
-            args = valid(r, dtype=torch.float32)[0]
-            if args[i].shape == args[j].shape and args[i].dtype == args[j].dtype and args[i].numel() > 1:
-                buffer = torch.randn(args[i].numel() + 1)
-                first, second = buffer[:-1].view(args[i].shape), buffer[1:].view(args[i].shape)
-                _expect(name, _replace(_replace(args, i, first), j, second), (a.name, b.name), must_reject=True)
+        def overlapping(r, i=i, j=j, a=a, b=b, sizes=sizes, what=what):
+            args = valid(r, sizes, dtype=torch.float32, until=alike(i, j, 2), what=what)[0]
+            buffer = torch.randn(args[i].numel() + 1)
+            first, second = buffer[:-1].view(args[i].shape), buffer[1:].view(args[i].shape)
+            _expect(name, _replace(_replace(args, i, first), j, second), (a.name, b.name), must_reject=True)
         add(f"overlap:{a.name}~{b.name}", overlapping)
     # An op that updates tensors in place has no backward: every floating input requiring grad is refused, read or
     # updated (what it writes from a read one would silently lose its graph).
@@ -852,12 +884,17 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
             if probe[i].dtype != torch.float32:
                 continue
 
-            def functional_alias(r, i=i):  # read-only arguments may alias: the result is the reference's
-                args = valid(r, dtype=torch.float32, needs=i)[0]
-                same = [j for j, _ in float_args if j != i and args[j] is not None and args[j].shape == args[i].shape
-                        and args[j].dtype == args[i].dtype]
-                if same:
-                    _expect(name, _replace(args, same[0], args[i]), arg_names)
+            def with_partner(args, i=i):
+                return any(alike(i, j)(args) for j, _ in float_args if j != i)
+            sizes = sizes_where(with_partner, f"{arg.name} alike another")
+            if sizes is None:
+                continue
+
+            def functional_alias(r, i=i, sizes=sizes, with_partner=with_partner):  # read-only arguments may alias:
+                args = valid(r, sizes, dtype=torch.float32, needs=i, until=with_partner,  # the result is the
+                             what=f"{contract.args[i].name} alike another")[0]  # reference's
+                same = next(j for j, _ in float_args if j != i and alike(i, j)(args))
+                _expect(name, _replace(args, same, args[i]), arg_names)
             add(f"alias:{arg.name}", functional_alias)
 
         def backward(r):
