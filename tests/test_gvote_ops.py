@@ -337,27 +337,29 @@ def test_pipeline_from_decode_attention():
     assert torch.equal(mask, expected_mask(keys, sampled, budgets, 4, 64**-0.5))
 
 
-@CUDA
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("total_len", [1000, 4096, 8191])
-def test_union_mask_cuda_matches_cpu_at_scale(dtype, total_len):
-    """Long rows (skipped and used slot bytes of the radix select), SmolLM2 / Llama-shaped heads, several chunkings."""
+def test_union_mask_at_scale_matches_python_set_union(device, dtype, total_len):
+    """Long rows (on CUDA the skipped and used slot bytes of the radix select), SmolLM2 / Llama-shaped heads, several
+    chunkings, against the reference's set union of top-k slots."""
     for kv_heads, group, dim in ((3, 3, 64), (8, 4, 128)):
-        keys, queries, budgets = union_inputs(2, kv_heads, group, 8, total_len, dtype, "cuda", dim=dim, seed=total_len,
+        keys, queries, budgets = union_inputs(2, kv_heads, group, 8, total_len, dtype, device, dim=dim, seed=total_len,
                                               budget_range=(0, total_len // 4))
-        expected = ops.gvote_union_mask(keys.cpu(), queries.cpu(), budgets.cpu(), 4, dim**-0.5, 10_000)
+        expected = expected_mask(keys, queries, budgets, 4, dim**-0.5)
         for chunk in (5, 64, 10_000):
             assert torch.equal(ops.gvote_union_mask(keys, queries, budgets, 4, dim**-0.5, chunk).cpu(), expected)
 
 
-@CUDA
-def test_union_mask_cuda_many_ties():
-    """Quantised keys: masses of exactly equal logits, where only the slot decides (all 8 radix passes used)."""
-    keys = torch.randint(-2, 3, (1, 2, 70_000, 8), device="cuda").float()
-    queries = torch.randint(-1, 2, (1, 4, 4, 8), device="cuda").float()
-    budgets = torch.tensor([[5, 1000, 33_333, 69_999]], device="cuda")
+@pytest.mark.parametrize("device", DEVICES)
+def test_union_mask_many_ties(device):
+    """Quantised keys: masses of exactly equal logits, where only the slot decides (on CUDA all 8 radix passes)."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randint(-2, 3, (1, 2, 70_000, 8), generator=generator).float().to(device)
+    queries = torch.randint(-1, 2, (1, 4, 4, 8), generator=generator).float().to(device)
+    budgets = torch.tensor([[5, 1000, 33_333, 69_999]], device=device)
     got = ops.gvote_union_mask(keys, queries, budgets, 0, 1.0, 3)
-    assert torch.equal(got.cpu(), ops.gvote_union_mask(keys.cpu(), queries.cpu(), budgets.cpu(), 0, 1.0, 3))
+    assert torch.equal(got.cpu(), expected_mask(keys, queries, budgets, 0, 1.0))
 
 
 @CUDA

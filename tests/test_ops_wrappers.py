@@ -12,6 +12,8 @@ import torch
 from kvpress_cpp import ops
 from kvpress_cpp._contract import has_contiguous_rows
 
+pytestmark = pytest.mark.independent_of_transformers
+
 
 def _head_dim_zero_calls():
     """Each wrapper deriving a default scale, called by keyword with every tensor of head dim 0: name -> kwargs."""
