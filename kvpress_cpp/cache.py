@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from transformers.cache_utils import DynamicLayer, QuantizedLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 __all__ = ["LayerState", "pass_cache", "pass_inputs", "output_cache", "check_cache_layer", "get_state", "set_state",
            "attach", "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error",
@@ -204,14 +204,23 @@ def output_cache(output):
 
 
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:
-    """Raise unless `layer` can hold a press's per-slot state (a DynamicCache's layer, or a PagedKVCache's)."""
-    # QuantizedLayer is a DynamicLayer whose keys and values stay empty (its data is quantized elsewhere).
-    if isinstance(layer, QuantizedLayer) or (not isinstance(layer, DynamicLayer)
-                                             and not getattr(layer, "holds_kvcomp_state", False)):
+    """Raise unless `layer` can hold a press's per-slot state: a DynamicCache's layer, whose update the press replaces
+    with one in place (:func:`set_state`), or a PagedKVCache's."""
+    # DynamicLayer's subclasses keep their keys and values their own way in their update: a QuantizedLayer elsewhere
+    # (its `keys` stay empty), a DynamicSlidingWindowLayer in a copy cut to the window.
+    if getattr(layer, "holds_kvcomp_state", False) or (isinstance(layer, DynamicLayer)
+                                                       and type(layer).update is DynamicLayer.update):
+        return
+    if isinstance(layer, DynamicSlidingWindowLayer):
         raise TypeError(
-            f"{user}: needs a DynamicCache or a PagedKVCache, got a {type(layer).__name__} layer: quantized, static, "
-            f"offloaded and sliding-window caches are not supported"
-        )
+            f"{user}: needs a DynamicCache or a PagedKVCache, got a {type(layer).__name__} layer, which generate "
+            f"builds from the model's config (sliding_window={getattr(layer, 'sliding_window', None)}) when no cache "
+            f"is given: pass past_key_values=DynamicCache() (or PagedKVCache()) to generate; a sequence that outgrows "
+            f"the window is then refused at that pass")
+    raise TypeError(
+        f"{user}: needs a DynamicCache or a PagedKVCache, got a {type(layer).__name__} layer: quantized, static, "
+        f"offloaded and sliding-window caches are not supported"
+    )
 
 
 def get_state(layer) -> LayerState | None:

@@ -73,6 +73,26 @@ def test_sliding_window_layers_are_refused(press):
         model.generate(prompt(), max_new_tokens=2, past_key_values=DynamicCache())
 
 
+@pytest.mark.parametrize("name", ["ZSMerge", "KeepKV", "WeightedKV", "GVote", "KVzap"])
+def test_the_sliding_window_cache_generate_builds_is_refused_with_what_to_pass(name, tmp_path):
+    """Given no cache, generate builds one from the config, whose layers for a model with a sliding window (Mistral
+    7B's 4096, Phi-3's 2047) are DynamicSlidingWindowLayers, even for a prompt far shorter than the window: they keep
+    their own copy of the keys, so the press's state went unread. ZSMerge, KeepKV and WeightedKV stopped on a bare
+    op error at the first decoding step, GVote and KVzap gave other tokens than over a DynamicCache, silently."""
+    model = tiny("Mistral", sliding_window=4096)
+    press = {"ZSMerge": lambda: ZSMergePress(budget=16), "KeepKV": lambda: KeepKVPress(budget=16, recent=4),
+             "WeightedKV": lambda: WeightedKVPress(cache_size=16), "GVote": lambda: GVotePress(nucleus_p=0.5),
+             "KVzap": lambda: KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=write_surrogate(
+                 tmp_path / "mlp", model, "mlp", scale=4.0))}[name]()
+    with pytest.raises(TypeError, match=rf"{type(press).__name__}: needs a DynamicCache or a PagedKVCache, got a "
+                                        r"DynamicSlidingWindowLayer layer, which generate builds from the model's "
+                                        r"config \(sliding_window=4096\) when no cache is given: pass "
+                                        r"past_key_values=DynamicCache\(\)"), torch.no_grad(), press(model):
+        model.generate(prompt(), max_new_tokens=4, do_sample=False)
+    with torch.no_grad(), press(model):  # as the refusal says
+        model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=DynamicCache())
+
+
 def test_paged_cache_refuses_a_sliding_window_layer_without_a_press():
     model = tiny("Mistral", sliding_window=16)
     with pytest.raises(ValueError, match=r"PagedKVCache: layer 0 .* sliding_window=16"), torch.no_grad():
