@@ -25,7 +25,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 __all__ = ["LayerState", "pass_cache", "pass_inputs", "output_cache", "check_cache_layer", "get_state", "set_state",
            "attach", "state_for_attention", "compact_to_longest_head", "cache_bytes", "slots_rearranged_error",
            "attached_layer", "slots_appended_since_written", "remember_tokens_held", "tokens_held_at_close",
-           "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows", "repeated_rows", "selected_rows"]
+           "forget_tokens_held", "MethodOf", "UnsavedRef", "beam_rows", "repeated_rows", "selected_rows", "ROWS_KEPT",
+           "rearrange_batch"]
 
 _STATE_ATTR = "kvcomp_state"
 _LAYER_ATTR = "_kvcomp_cache_layer"
@@ -354,14 +355,22 @@ def selected_rows(batch: int, indices) -> torch.Tensor:
     return torch.arange(batch, device=device)[indices]
 
 
+#: The cache layer methods that rearrange the batch rows, and the rows each keeps.
+ROWS_KEPT = {"reorder_cache": beam_rows, "batch_repeat_interleave": repeated_rows,
+             "batch_select_indices": selected_rows}
 # The DynamicLayer methods that rearrange the batch rows, as a layer holding a state answers them (module-level
 # functions, so that a cache holding them can be saved).
-_BATCH_METHODS = {
-    "reorder_cache": functools.partial(_with_state_rows, DynamicLayer.reorder_cache, beam_rows),
-    "batch_repeat_interleave": functools.partial(_with_state_rows, DynamicLayer.batch_repeat_interleave,
-                                                 repeated_rows),
-    "batch_select_indices": functools.partial(_with_state_rows, DynamicLayer.batch_select_indices, selected_rows),
-}
+_BATCH_METHODS = {name: functools.partial(_with_state_rows, getattr(DynamicLayer, name), rows_kept)
+                  for name, rows_kept in ROWS_KEPT.items()}
+
+
+def rearrange_batch(layer, name: str, argument) -> None:
+    """`layer`'s batch method `name` (a key of :data:`ROWS_KEPT`), its state's rows taken along on a DynamicLayer as
+    :func:`set_state` has it (a PagedLayer's own methods take them)."""
+    if isinstance(layer, DynamicLayer):
+        _BATCH_METHODS[name](layer, argument)
+    else:
+        getattr(type(layer), name)(layer, argument)
 
 
 def attach(module: torch.nn.Module, layer) -> None:

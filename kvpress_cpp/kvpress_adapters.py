@@ -36,6 +36,10 @@ counts. Any other scorer is refused on a tensor-parallel model, naming the press
 
 Unpadded passes of one process score as before.
 
+Both keep their decisions outside the cache (the marks on the attention module, DMSPress's recent scores on the
+press): a cache layer they marked takes both along when it rearranges its batch (beam search, num_return_sequences;
+:func:`_follow_batch_rows`), where kvpress left them on the old rows.
+
 ``AdaKVPress`` shares one budget across the heads it sees: a safeguard of the best ``alpha_safeguard`` of each head's
 kept tokens, then the bottom-k of all heads' scores. On a tensor-parallel rank it would see only the rank's heads, so
 what each head keeps would depend on the number of ranks. There the scorer's (B, H/N, T) scores are now all-gathered
@@ -49,11 +53,13 @@ tokens those columns show (once marks evicted slots, a head's later slots no lon
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 from kvpress import (AdaKVPress, BasePress, ComposedPress, CriticalAdaKVPress, DMSPress, PrefillDecodingPress,
                      PyramidKVPress, ScorerPress, SnapKVPress)
 from kvpress.pipeline import KVPressTextGenerationPipeline
@@ -61,7 +67,7 @@ from kvpress.presses.base_press import is_prefilling
 from kvpress.utils import compute_n_kept
 
 from kvpress_cpp.attention import padding_log_weights
-from kvpress_cpp.cache import get_state, pass_cache
+from kvpress_cpp.cache import ROWS_KEPT, MethodOf, UnsavedRef, get_state, pass_cache, rearrange_batch
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard
 from kvpress_cpp.paged_cache import PagedLayer, pass_paged_layer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwargs, hooked_decoder
@@ -271,6 +277,47 @@ def _refuse_scores_of_cut_tokens(press: DMSPress, module, kwargs: dict) -> None:
                          f"decoding=False, or one question per context")
 
 
+_FOLLOWS_ROWS_ATTR = "_kvcomp_kvpress_rows_follow"  # on a cache layer: its batch methods take kvpress's along
+
+
+def _follow_batch_rows(press, module, kwargs: dict) -> None:
+    """kvpress keeps what a head-wise press decided outside the cache: its marks on the attention module
+    (``masked_key_indices``: batch, head and column of each) and DMSPress's scores of the last tokens of each layer
+    (``scores_buffer``, (B, H, w)). A cache rearranging its batch (beam search's ``reorder_cache``,
+    ``batch_repeat_interleave`` for num_return_sequences, ``batch_select_indices``) left both behind: each row's marks
+    and scores then belonged to another sequence, or to none (the repeated rows ran unmasked). The layer's batch
+    methods now take them along."""
+    cache = pass_cache(kwargs)
+    if cache is None or module.layer_idx >= len(cache.layers):
+        return
+    layer = cache.layers[module.layer_idx]
+    if layer.__dict__.get(_FOLLOWS_ROWS_ATTR):
+        return
+    for name in ROWS_KEPT:
+        function = functools.partial(_rearranged_with_kvpress_rows, name, UnsavedRef(module), UnsavedRef(press))
+        setattr(layer, name, MethodOf(function, layer))
+    setattr(layer, _FOLLOWS_ROWS_ATTR, True)
+
+
+def _rearranged_with_kvpress_rows(name: str, module_ref, press_ref, layer, argument) -> None:
+    """`layer`'s batch method `name` (:func:`~kvpress_cpp.cache.rearrange_batch`), then the module's marks and the
+    press's score buffer of the layer (see :func:`_follow_batch_rows`)."""
+    keys = getattr(layer, "keys", None)
+    batch = keys.shape[0] if isinstance(layer, DynamicLayer) and isinstance(keys, torch.Tensor) and keys.dim() == 4 \
+        else None
+    rearrange_batch(layer, name, argument)
+    module, press = module_ref(), press_ref()
+    buffers = getattr(press, "scores_buffer", None) if module is not None else None
+    if buffers and buffers.get(module.layer_idx) is not None:
+        buffer = buffers[module.layer_idx]
+        buffers[module.layer_idx] = buffer[ROWS_KEPT[name](buffer.shape[0], argument).to(buffer.device)]
+    marks = getattr(module, "masked_key_indices", None) if module is not None else None
+    if marks is not None and batch is not None:  # a paged layer evicted its marks for real
+        rows = ROWS_KEPT[name](batch, argument).to(marks[0].device)
+        new_row, mark = (marks[0][None, :] == rows[:, None]).nonzero(as_tuple=True)
+        module.masked_key_indices = type(marks)((new_row, marks[1][mark], marks[2][mark]))
+
+
 def patch_dms_press() -> None:
     """Wrap ``DMSPress.forward_hook`` and ``DMSPress.post_init_from_model`` (see the module). Idempotent."""
     _adapt(DMSPress, "forward_hook", _dms_forward_hook)
@@ -286,6 +333,7 @@ def _dms_forward_hook(forward_hook):
         with _scorer_replaced(self, stand_in), _naming_our_slots(self, module, kwargs):
             output = forward_hook(self, module, input, kwargs, output)
         _count_marks(self, module, kwargs, marked_before)
+        _follow_batch_rows(self, module, kwargs)
         return output
 
     return adapted_forward_hook
@@ -348,6 +396,7 @@ def _adakv_compress(compress):
             own = (head >= shard[0]) & (head < shard[1])
             module.masked_key_indices = (batch[own.to(batch.device)], head[own] - shard[0], position[own])
         _marked_columns_to_positions(self, module, kwargs, keys)
+        _follow_batch_rows(self, module, kwargs)
         return keys, values
 
     return adapted_compress
@@ -362,6 +411,7 @@ def _marks_read_through_the_view(compress):
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         keys, values = compress(self, module, hidden_states, keys, values, attentions, kwargs)
         _marked_columns_to_positions(self, module, kwargs, keys)
+        _follow_batch_rows(self, module, kwargs)
         return keys, values
 
     return adapted_compress
