@@ -124,25 +124,42 @@ def test_a_window_the_decoding_outgrows_is_refused_at_that_pass(new_tokens, refu
         model.generate(prompt(), max_new_tokens=new_tokens, do_sample=False, past_key_values=DynamicCache())
 
 
-def test_gemma3_sliding_layers_kvpress_leaves_alone_are_not_refused():
-    """kvpress hooks only Gemma 3's full-attention layers; its sliding layers keep every token, under the model's own
-    window. A press that keeps every token gives the model's tokens."""
+def tiny_gemma3(layer_types: list[str], sliding_window: int) -> transformers.Gemma3ForConditionalGeneration:
     text = transformers.Gemma3TextConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=300, sliding_window=16, pad_token_id=0,
-        layer_types=["sliding_attention", "full_attention"] * 2)
+        hidden_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=300, sliding_window=sliding_window, pad_token_id=0, layer_types=layer_types)
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=32, patch_size=8)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+    return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4, image_token_index=299,
         boi_token_index=297, eoi_token_index=298)).eval()
+
+
+def test_gemma3_sliding_layers_kvpress_leaves_alone_are_not_refused():
+    """kvpress hooks only Gemma 3's full-attention layers; its sliding layers keep every token, under the model's own
+    window. A press that keeps every token gives the model's tokens."""
+    model = tiny_gemma3(["sliding_attention", "full_attention"] * 2, sliding_window=16)
     ids = prompt(length=60) % 290
     with torch.no_grad():
         plain = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
         with ZSMergePress(budget=10_000)(model):
             pressed = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
     assert torch.equal(pressed, plain)
+
+
+def test_gvote_reports_the_memory_held_when_the_last_layer_is_one_kvpress_leaves_alone():
+    """Gemma 3 4B and 27B end on a sliding layer, which kvpress does not hook: GVote gathered its memory ratios at
+    the model's last layer, so it reported a memory_compression_ratio of 0 and no layer's. Each hooked layer's ratio
+    is the share of the prompt's columns its longest head gave up."""
+    model = tiny_gemma3(["sliding_attention", "full_attention", "full_attention", "sliding_attention"], 512)
+    ids, press, cache = prompt(length=60) % 290, GVotePress(nucleus_p=0.5), DynamicCache()
+    with torch.no_grad(), press(model):
+        model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=cache)
+    held = {layer: cache.layers[layer].keys.shape[-2] - 2 for layer in (1, 2)}  # two tokens appended after the prompt
+    assert press.layer_memory_compression_ratios == pytest.approx({layer: 1 - columns / 60
+                                                                   for layer, columns in held.items()})
+    assert 0 < press.memory_compression_ratio <= press.compression_ratio
 
 
 def test_soft_capped_attention_is_refused():

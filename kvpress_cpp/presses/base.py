@@ -736,10 +736,17 @@ class KVCompPress(BasePress):
                     f"while {name}'s context was closed, and it has no scores for them. Run every pass over a cache "
                     f"{name} compresses while decoding inside `with press(model):`")
 
+    def _is_last_hooked_layer(self, module: nn.Module) -> bool:
+        """Whether `module` is the last attention layer the press hooks in the model (Gemma 3's last layer, sliding,
+        is not hooked by kvpress: the layer before it is)."""
+        if self._hooked_modules:
+            return module is self._hooked_modules[-1]
+        return module.layer_idx == module.config.num_hidden_layers - 1
+
     def _after_layer(self, module: nn.Module, output):
-        """The end of every forward hook: after the last layer, the held counts of a tensor-parallel model's layers
-        gathered over its ranks."""
-        if module.layer_idx != module.config.num_hidden_layers - 1:
+        """The end of every forward hook: after the last layer hooked, the held counts of a tensor-parallel model's
+        layers gathered over its ranks."""
+        if not self._is_last_hooked_layer(module):
             return output
         if self._held_to_gather and kv_head_shard(module):
             # One all-gather per forward makes every layer's counts the model's on every rank (same layers on all).

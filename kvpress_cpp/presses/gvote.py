@@ -97,9 +97,9 @@ class GVotePress(KVCompPress):
         return result
 
     def _after_layer(self, module, output):
-        """At the last layer, the memory ratios of the layers compressed in this forward, over every rank's heads
-        (one all-gather; each rank holds its heads at its own longest)."""
-        if module.layer_idx == module.config.num_hidden_layers - 1 and self._held_columns:
+        """At the last layer hooked, the memory ratios of the layers compressed in this forward, over every rank's
+        heads (one all-gather; each rank holds its heads at its own longest)."""
+        if self._is_last_hooked_layer(module) and self._held_columns:
             layers = sorted(self._held_columns)
             # On the last layer's device: under a device_map the layers' fractions lie on their own devices.
             device = output[0].device
