@@ -639,6 +639,20 @@ def test_a_question_cropped_after_the_context_closed_leaves_the_compression_rati
     assert press.layer_compression_ratios == ratios == {layer: 1 - 16 / PROMPT for layer in range(len(cache.layers))}
 
 
+def test_a_press_used_on_another_model_before_reports_this_model_s_layers_only(llama):
+    """A press reused on a one-layer model after the two-layer tiny Llama averaged the larger model's layer 1 into
+    its compression_ratio."""
+    small = make_tiny_llama(query_offset=0.0, num_hidden_layers=1)[0]
+    press = ZSMergePress(budget=16)
+    with torch.no_grad():
+        with press(llama):
+            llama(prompt(), past_key_values=DynamicCache())
+        with press(small):
+            small(prompt(length=30), past_key_values=DynamicCache())
+    assert press.layer_compression_ratios == {0: 1 - 16 / 30}
+    assert press.compression_ratio == pytest.approx(1 - 16 / 30)
+
+
 @pytest.mark.parametrize("crop", [-2, 0], ids=["last two", "all or none"])
 @pytest.mark.parametrize("make", [GVotePress, lambda: ZSMergePress(budget=16)], ids=["GVote", "ZSMerge"])
 def test_a_crop_leaves_the_ratios_of_tokens_the_press_counted(llama, make, crop):

@@ -736,9 +736,22 @@ class KVCompPress(BasePress):
                     f"while {name}'s context was closed, and it has no scores for them. Run every pass over a cache "
                     f"{name} compresses while decoding inside `with press(model):`")
 
+    def _forget_layers_not_hooked(self) -> None:
+        """Drop the counts of layers this context does not hook: a press used on another model before would
+        otherwise average that model's layers into its ratios."""
+        hooked = {module.layer_idx for module in self._hooked_modules}
+        for counts in (self._slots_seen, self._tokens_counted, self._slots_held, self._states_written):
+            for layer in set(counts) - hooked:
+                del counts[layer]
+
+    def _is_first_hooked_layer(self, module: nn.Module) -> bool:
+        """Whether `module` is the first attention layer the press hooks in the model (kvpress does not hook Gemma 3's
+        sliding layers, the first of which is layer 0)."""
+        return module is self._hooked_modules[0] if self._hooked_modules else module.layer_idx == 0
+
     def _is_last_hooked_layer(self, module: nn.Module) -> bool:
-        """Whether `module` is the last attention layer the press hooks in the model (Gemma 3's last layer, sliding,
-        is not hooked by kvpress: the layer before it is)."""
+        """Whether `module` is the last attention layer the press hooks in the model (Gemma 3 4B's and 27B's last,
+        sliding, is not)."""
         if self._hooked_modules:
             return module is self._hooked_modules[-1]
         return module.layer_idx == module.config.num_hidden_layers - 1
@@ -968,6 +981,7 @@ class KVCompPress(BasePress):
                 # The modules kvpress hooked (not Gemma 3's sliding layers, for one) are the ones the press acts on.
                 self._hooked_modules = [module for module in attention_modules if any(
                     getattr(hook, "__self__", None) is hooking_press for hook in module._forward_hooks.values())]
+                self._forget_layers_not_hooked()
                 for module in self._hooked_modules:
                     mark_press_active(module, name, True)
                 try:

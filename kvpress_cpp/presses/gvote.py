@@ -89,7 +89,7 @@ class GVotePress(KVCompPress):
     def _compress_prompt(self, module, hidden_states, keys, values, attentions, kwargs):
         """The base's, then the share of the prompt's columns the layer holds, from the width it holds: a padded
         batch's rows are compressed one by one and stacked to the longest row's longest head."""
-        if module.layer_idx == 0:  # (and nothing a forward stopped by an error left to gather)
+        if self._is_first_hooked_layer(module):  # (and nothing a forward stopped by an error left to gather)
             self.layer_memory_compression_ratios, self._held_columns = {}, {}
         result = super()._compress_prompt(module, hidden_states, keys, values, attentions, kwargs)
         self._held_columns[module.layer_idx] = torch.full(keys.shape[:2], result[0].shape[-2] / keys.shape[-2],
