@@ -571,16 +571,13 @@ def kvzap_score(hidden, weight1, bias1, weight2=None, bias2=None) -> torch.Tenso
 
 
 def kvzap_threshold(log_weights, scores, positions, threshold, window, tokens_before, tokens_after):
-    """The keep rule slot by slot, in Python: a slot whose position left the window in this pass is evicted iff its
-    (float32) score < threshold."""
+    """The keep rule: a slot whose position left the window in this pass (tokens_before - window <= position <
+    tokens_after - window) is evicted iff its (float32) score < threshold (NaN is not); held counts what is left."""
     begin, end = max(0, tokens_before - window), max(0, tokens_after - window)
-    out = log_weights.clone().cpu()
-    tau = torch.tensor(threshold, dtype=torch.float32)
-    for index in torch.cartesian_prod(*(torch.arange(n) for n in log_weights.shape)).tolist():
-        b, h, t = index
-        position = int(positions[b, h, t])
-        if begin <= position < end and bool(scores[b, h, t].cpu() < tau):
-            out[b, h, t] = float("-inf")
+    positions, scores = positions.cpu(), scores.cpu().float()
+    leaving = (positions >= begin) & (positions < end)
+    out = log_weights.cpu().masked_fill(leaving & (scores < torch.tensor(threshold, dtype=torch.float32)),
+                                        float("-inf"))
     held = (out != float("-inf")).sum(-1)
     return out, held
 

@@ -196,15 +196,16 @@ def test_threshold_non_contiguous_and_empty(device):
     assert out.shape == (3, 4, 0) and held.tolist() == [[0] * 4] * 3
 
 
-@CUDA
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch,heads,length", [(4, 8, 20_000), (1, 2, 50_001), (1, 1, 1025)])
-def test_threshold_cuda_matches_cpu_at_scale(batch, heads, length):
-    """Rows long enough to be split over several blocks (few rows: batch 1), each adding its held count."""
+def test_threshold_at_scale_matches_reference(device, batch, heads, length):
+    """Rows long enough to be split over several blocks on CUDA (few rows: batch 1), each adding its held count."""
     log_weights, scores, positions = threshold_inputs(batch, heads, length, "cpu", seed=11)
     total = int(positions.max()) + 1
     for before, after in [(0, total), (total - 5, total)]:
-        got = ops.kvzap_threshold(log_weights.cuda(), scores.cuda(), positions.cuda(), -4.0, 128, before, after)
-        expected = ops.kvzap_threshold(log_weights, scores, positions, -4.0, 128, before, after)
+        got = ops.kvzap_threshold(log_weights.to(device), scores.to(device), positions.to(device), -4.0, 128, before,
+                                  after)
+        expected = reference.kvzap_threshold(log_weights, scores, positions, -4.0, 128, before, after)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected))
 
 
