@@ -207,10 +207,10 @@ def output_cache(output):
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:
     """Raise unless `layer` can hold a press's per-slot state: a DynamicCache's layer, whose update the press replaces
     with one in place (:func:`set_state`), or a PagedKVCache's."""
-    # DynamicLayer's subclasses keep their keys and values their own way in their update: a QuantizedLayer elsewhere
-    # (its `keys` stay empty), a DynamicSlidingWindowLayer in a copy cut to the window.
-    if getattr(layer, "holds_kvcomp_state", False) or (isinstance(layer, DynamicLayer)
-                                                       and type(layer).update is DynamicLayer.update):
+    # DynamicLayer's subclasses keep their keys and values, or more per token, their own way: a QuantizedLayer
+    # elsewhere (its `keys` stay empty), a DynamicSlidingWindowLayer in a copy cut to the window, transformers 5.17's
+    # DynamicIndexedLayer an indexer's keys beside them; a press compressing `keys` would leave those out of step.
+    if getattr(layer, "holds_kvcomp_state", False) or type(layer) is DynamicLayer:
         return
     if isinstance(layer, DynamicSlidingWindowLayer):
         raise TypeError(
@@ -330,12 +330,12 @@ def _room_after(held: torch.Tensor, new: torch.Tensor) -> bool:
     return first_column + slots + new.shape[2] <= capacity
 
 
-def _with_state_rows(layer_method, rows_kept, layer: DynamicLayer, argument) -> None:
-    """`layer_method`, a DynamicLayer method that rearranges the batch, followed on the layer's state: `rows_kept`
-    (batch size, the method's argument) names the rows the method keeps, in order."""
+def _with_state_rows(name: str, rows_kept, layer: DynamicLayer, argument) -> None:
+    """The layer class's batch method `name` (its own, not an instance's stand-in), followed on the layer's state:
+    `rows_kept` (batch size, the method's argument) names the rows the method keeps, in order."""
     state = get_state(layer)
     rows = rows_kept(state.log_weights.shape[0], argument) if state is not None else None
-    layer_method(layer, argument)
+    getattr(type(layer), name)(layer, argument)
     if state is not None:
         state.take_rows(rows)
 
@@ -360,8 +360,7 @@ ROWS_KEPT = {"reorder_cache": beam_rows, "batch_repeat_interleave": repeated_row
              "batch_select_indices": selected_rows}
 # The DynamicLayer methods that rearrange the batch rows, as a layer holding a state answers them (module-level
 # functions, so that a cache holding them can be saved).
-_BATCH_METHODS = {name: functools.partial(_with_state_rows, getattr(DynamicLayer, name), rows_kept)
-                  for name, rows_kept in ROWS_KEPT.items()}
+_BATCH_METHODS = {name: functools.partial(_with_state_rows, name, rows_kept) for name, rows_kept in ROWS_KEPT.items()}
 
 
 def rearrange_batch(layer, name: str, argument) -> None:

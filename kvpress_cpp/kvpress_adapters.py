@@ -277,7 +277,10 @@ def _refuse_scores_of_cut_tokens(press: DMSPress, module, kwargs: dict) -> None:
                          f"decoding=False, or one question per context")
 
 
-_FOLLOWS_ROWS_ATTR = "_kvcomp_kvpress_rows_follow"  # on a cache layer: its batch methods take kvpress's along
+# On a cache layer: [(module, press)] whose marks and score buffers its batch methods take along; on a module or a
+# press: the layer its marks (per layer index: score buffer) were last written for.
+_ROW_FOLLOWERS_ATTR, _MARKED_FOR_ATTR, _BUFFERED_FOR_ATTR = (
+    "_kvcomp_row_followers", "_kvcomp_marks_written_for", "_kvcomp_scores_buffered_for")
 
 
 def _follow_batch_rows(press, module, kwargs: dict) -> None:
@@ -285,37 +288,62 @@ def _follow_batch_rows(press, module, kwargs: dict) -> None:
     (``masked_key_indices``: batch, head and column of each) and DMSPress's scores of the last tokens of each layer
     (``scores_buffer``, (B, H, w)). A cache rearranging its batch (beam search's ``reorder_cache``,
     ``batch_repeat_interleave`` for num_return_sequences, ``batch_select_indices``) left both behind: each row's marks
-    and scores then belonged to another sequence, or to none (the repeated rows ran unmasked). The layer's batch
-    methods now take them along."""
+    and scores then belonged to another sequence, or to none (the repeated rows ran unmasked). After a pass of `press`
+    over `module`'s layer, that layer's batch methods take them along, for every press that marked it (a
+    PrefillDecodingPress's two, a ComposedPress's), while the marks and scores are still this layer's."""
     cache = pass_cache(kwargs)
     if cache is None or module.layer_idx >= len(cache.layers):
         return
     layer = cache.layers[module.layer_idx]
-    if layer.__dict__.get(_FOLLOWS_ROWS_ATTR):
-        return
+    module.__dict__[_MARKED_FOR_ATTR] = UnsavedRef(layer)
+    press.__dict__.setdefault(_BUFFERED_FOR_ATTR, {})[module.layer_idx] = UnsavedRef(layer)
+    followers = [(m, p) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
+    if not any(m() is module and p() is press for m, p in followers):
+        followers.append((UnsavedRef(module), UnsavedRef(press)))
+    layer.__dict__[_ROW_FOLLOWERS_ATTR] = followers
     for name in ROWS_KEPT:
-        function = functools.partial(_rearranged_with_kvpress_rows, name, UnsavedRef(module), UnsavedRef(press))
-        setattr(layer, name, MethodOf(function, layer))
-    setattr(layer, _FOLLOWS_ROWS_ATTR, True)
+        if not isinstance(layer.__dict__.get(name), MethodOf) or \
+                layer.__dict__[name].function.func is not _rearranged_with_kvpress_rows:
+            setattr(layer, name, MethodOf(functools.partial(_rearranged_with_kvpress_rows, name), layer))
 
 
-def _rearranged_with_kvpress_rows(name: str, module_ref, press_ref, layer, argument) -> None:
-    """`layer`'s batch method `name` (:func:`~kvpress_cpp.cache.rearrange_batch`), then the module's marks and the
-    press's score buffer of the layer (see :func:`_follow_batch_rows`)."""
+def _alive(reference) -> bool:
+    """Whether an UnsavedRef still points somewhere (torch.load gives None for one, a dropped object a dead one)."""
+    return reference is not None and reference() is not None
+
+
+def _written_for(owner, layer, attr: str, layer_idx: int | None = None) -> bool:
+    reference = owner.__dict__.get(attr) if layer_idx is None else owner.__dict__.get(attr, {}).get(layer_idx)
+    return reference is not None and reference() is layer
+
+
+def _rearranged_with_kvpress_rows(name: str, layer, argument) -> None:
+    """`layer`'s batch method `name` (:func:`~kvpress_cpp.cache.rearrange_batch`), then the marks and score buffers
+    its followers last wrote for it (see :func:`_follow_batch_rows`); a follower a saved cache lost (torch.load) or
+    that wrote for another cache since is left alone."""
     keys = getattr(layer, "keys", None)
     batch = keys.shape[0] if isinstance(layer, DynamicLayer) and isinstance(keys, torch.Tensor) and keys.dim() == 4 \
         else None
     rearrange_batch(layer, name, argument)
-    module, press = module_ref(), press_ref()
-    buffers = getattr(press, "scores_buffer", None) if module is not None else None
-    if buffers and buffers.get(module.layer_idx) is not None:
-        buffer = buffers[module.layer_idx]
-        buffers[module.layer_idx] = buffer[ROWS_KEPT[name](buffer.shape[0], argument).to(buffer.device)]
-    marks = getattr(module, "masked_key_indices", None) if module is not None else None
-    if marks is not None and batch is not None:  # a paged layer evicted its marks for real
+    followers = [(m(), p()) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
+    for module, press in followers:
+        buffers = getattr(press, "scores_buffer", None)
+        if buffers and buffers.get(module.layer_idx) is not None and \
+                _written_for(press, layer, _BUFFERED_FOR_ATTR, module.layer_idx):
+            buffer = buffers[module.layer_idx]
+            buffers[module.layer_idx] = buffer[ROWS_KEPT[name](buffer.shape[0], argument).to(buffer.device)]
+    # Each module's marks once, whichever presses left them (a paged layer evicted its marks for real).
+    for module in {id(module): module for module, _ in followers}.values():
+        marks = getattr(module, "masked_key_indices", None)
+        if marks is None or batch is None or not _written_for(module, layer, _MARKED_FOR_ATTR):
+            continue
         rows = ROWS_KEPT[name](batch, argument).to(marks[0].device)
         new_row, mark = (marks[0][None, :] == rows[:, None]).nonzero(as_tuple=True)
         module.masked_key_indices = type(marks)((new_row, marks[1][mark], marks[2][mark]))
+        for _, press in followers:
+            counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
+            if counts is not None and counts[0] == len(marks[0]):  # DMSPress's count, when every mark is its own
+                counts[0] = len(new_row)
 
 
 def patch_dms_press() -> None:

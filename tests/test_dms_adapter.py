@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import AdaKVPress, DMSPress, ExpectedAttentionPress, KnormPress, SnapKVPress
+from kvpress import AdaKVPress, ComposedPress, DMSPress, ExpectedAttentionPress, KnormPress, SnapKVPress
 from transformers import DynamicCache
 
 from kvpress_cpp.paged_cache import PagedKVCache
@@ -160,6 +160,10 @@ REARRANGED_PRESSES = {
                                              decoding=True),
     "dms-kvzap prefill": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=4),
     "adakv-snapkv": lambda d: AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=8)),
+    # two presses marking one layer: the decoding one's buffer follows too
+    "two dms decoding": lambda d: ComposedPress([
+        DMSPress(KnormPress(), threshold=-4.0, sliding_window_size=6, decoding=True),
+        DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=4, decoding=True)]),
 }
 #: A batch rearrangement on two rows of different prompts, and the prompt rows (of those two) the batch it leaves holds.
 REARRANGEMENTS = {
@@ -197,3 +201,28 @@ def test_a_batch_rearranged_after_the_prompt_decodes_as_that_batch_from_the_star
         return torch.stack(steps, 1)
 
     torch.testing.assert_close(decode(rows, rearrange), decode(rows[kept]), atol=1e-4, rtol=1e-4)
+
+
+def test_a_rearranged_cache_leaves_the_marks_of_a_later_cache_and_a_saved_one_rearranges(model_and_prompts, tmp_path):
+    """The marks live on the module, the scores on the press: an earlier cache rearranged after a later one's prefill
+    leaves the later cache's marks as they are; a cache saved and loaded (its references to the module and the press
+    saved as None) rearranges its own rows and nothing else."""
+    model, prompts, surrogate = model_and_prompts
+    press = DMSPress(KVzapPress(surrogate_dir=surrogate), threshold=0.0, sliding_window_size=4, decoding=True)
+    rows = torch.stack([prompts[0][:36], prompts[2][:36]])
+    earlier, later = DynamicCache(), DynamicCache()
+    with torch.no_grad(), press(model):
+        model(rows, past_key_values=earlier)
+        model(rows, past_key_values=later)
+        modules = [layer.self_attn for layer in model.model.layers]
+        marks = [tuple(t.clone() for t in module.masked_key_indices) for module in modules]
+        buffers = {layer: buffer.clone() for layer, buffer in press.scores_buffer.items()}
+        earlier.batch_select_indices(torch.tensor([1]))
+        assert all(torch.equal(a, b) for module, kept in zip(modules, marks)
+                   for a, b in zip(module.masked_key_indices, kept))
+        assert all(torch.equal(press.scores_buffer[layer], buffer) for layer, buffer in buffers.items())
+        torch.save(later, tmp_path / "cache.pt")
+        loaded = torch.load(tmp_path / "cache.pt", weights_only=False)
+        loaded.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(loaded.layers[0].keys, later.layers[0].keys[[1, 0]])
+        assert all(torch.equal(press.scores_buffer[layer], buffer) for layer, buffer in buffers.items())

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from kvpress_cpp.cache import LayerState, get_state, set_state
+from kvpress_cpp.cache import LayerState, get_state, rearrange_batch, set_state
 
 
 def _cache_with_state(batch: int, heads: int = 2, slots: int = 5, dim: int = 3):
@@ -79,3 +80,17 @@ def test_a_new_prefill_over_a_layer_forgets_the_tokens_a_closed_context_held():
     slots = layer.keys.shape[-2]
     assert state_for_attention(module, torch.zeros(1, 4, slots, 3), layer.keys) is None
     assert get_state(layer) is None and tokens_held_at_close(layer) is None
+
+
+def test_batch_rearrangements_run_the_layer_class_s_own_method():
+    """A layer's batch method stood in for (our state's rows, kvpress's marks) calls the layer's class's own
+    method, not DynamicLayer's: transformers 5.17's DynamicIndexedLayer rearranges its indexer keys in its own."""
+    class Tagged(DynamicLayer):
+        def batch_repeat_interleave(self, repeats):
+            super().batch_repeat_interleave(repeats)
+            self.repeated = repeats
+
+    layer = Tagged()
+    layer.update(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))
+    rearrange_batch(layer, "batch_repeat_interleave", 3)
+    assert layer.repeated == 3 and layer.keys.shape[0] == 6

@@ -743,6 +743,7 @@ class KVCompPress(BasePress):
         for counts in (self._slots_seen, self._tokens_counted, self._slots_held, self._states_written):
             for layer in set(counts) - hooked:
                 del counts[layer]
+        self._held_to_gather.intersection_update(hooked)
 
     def _is_first_hooked_layer(self, module: nn.Module) -> bool:
         """Whether `module` is the first attention layer the press hooks in the model (kvpress does not hook Gemma 3's
