@@ -561,6 +561,31 @@ def test_use_cache_false_with_a_cache_is_refused_naming_use_cache(llama):
         llama.generate(prompt(), use_cache=False, past_key_values=DynamicCache(), max_new_tokens=2, do_sample=False)
 
 
+@pytest.mark.parametrize("make_press", [lambda: ZSMergePress(budget=0.5), lambda: WeightedKVPress(cache_size=0.5),
+                                        lambda: KeepKVPress(budget=0.5, recent=8)],
+                         ids=["ZSMerge", "WeightedKV", "KeepKV"])
+def test_generate_s_own_chunked_prefill_under_a_fractional_budget_is_refused(llama, make_press):
+    """generate(prefill_chunk_size=16) makes the first chunk the press's prefill: a fractional budget kept half of
+    16 tokens, not of the 64-token prompt, and held every later chunk to those 8 slots, while compression_ratio still
+    said 0.5. The press's own prefill_chunk_size refuses a fraction; generate's now does too (and transformers 5.2's
+    chunks, positioned as the last one, are refused as with the press's own option)."""
+    press = make_press()
+    with pytest.raises(ValueError, match=rf"{type(press).__name__}: generate\(prefill_chunk_size=16\) streams the "
+                                         r"prompt (in chunks, the first of which is .*(budget|cache_size)=0\.5|through transformers 5\.2)"
+                       ), torch.no_grad(), press(llama):
+        llama.generate(prompt(length=64), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache())
+    assert "generate" not in llama.__dict__  # the context put generate back
+
+
+@needs_chunked_prefill
+def test_generate_s_own_chunked_prefill_under_a_budget_in_tokens_streams_the_prompt(llama):
+    press = KeepKVPress(budget=24, recent=8)
+    with torch.no_grad(), press(llama):
+        llama.generate(prompt(length=64), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache(),
+                       do_sample=False)
+    assert press.compression_ratio == pytest.approx(1 - 24 / 65)  # 64 prompt tokens and a decoded one, 24 held
+
+
 @needs_chunked_prefill
 def test_a_prefill_press_says_a_chunked_prompt_stays_partly_uncompressed(llama):
     with pytest.warns(UserWarning, match=r"GVotePress: a pass of 16 tokens over layers GVotePress compressed earlier"), \

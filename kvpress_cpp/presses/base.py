@@ -939,6 +939,51 @@ class KVCompPress(BasePress):
             yield
 
     @contextmanager
+    def _checking_generate_chunks(self, model):
+        """`model.generate` refusing, while the context is open, a prompt streamed in chunks
+        (``generate(prefill_chunk_size=...)``, or a generation_config holding one) where this press cannot compress
+        it so (:meth:`check_generate_chunks`)."""
+        generate = model.__dict__.get("generate")
+        original = getattr(model, "generate", None)
+        if original is None:
+            yield
+            return
+
+        @functools.wraps(original)
+        def checked_generate(*args, **kwargs):
+            config = kwargs.get("generation_config")
+            chunk = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+            if chunk is not None:
+                self.check_generate_chunks(chunk)
+            return original(*args, **kwargs)
+
+        model.generate = checked_generate
+        try:
+            yield
+        finally:
+            if generate is None:
+                del model.generate
+            else:
+                model.generate = generate
+
+    def check_generate_chunks(self, chunk: int) -> None:
+        """Raise if generate's chunked prefill of `chunk` tokens cannot stream the prompt into this press: its first
+        chunk is the press's prefill and every later one a pass over it, so a press compressing while decoding would
+        take a fractional budget of the first chunk alone; and transformers 5.2's chunked prefill positions every
+        chunk as the prompt's last."""
+        name = type(self).__name__
+        if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
+            raise ValueError(f"{name}: generate(prefill_chunk_size={chunk}) streams the prompt through transformers "
+                             f"{transformers.__version__}'s chunked prefill, which gives every chunk the positions of "
+                             f"the prompt's last chunk; leave it out, or use transformers 5.1 or 4.57")
+        budget = getattr(self, self.budget_field) if self.budget_field else None
+        if isinstance(self, KVCompDecodingPress) and isinstance(budget, float):
+            raise ValueError(f"{name}: generate(prefill_chunk_size={chunk}) streams the prompt in chunks, the first of "
+                             f"which is {name}'s prefill: {self.budget_field}={budget!r} would keep that fraction of "
+                             f"its {chunk} tokens, not of the prompt's, and hold every later chunk to it. Use a "
+                             f"{self.budget_field} in tokens, or leave prefill_chunk_size out")
+
+    @contextmanager
     def context_under(self, hooking_press: BasePress, model):
         """The press's context on `model`, its forward hook run by `hooking_press`: the press itself (``with
         press(model):``, where kvpress registers the hook here), or a kvpress wrapper holding it (``ComposedPress``,
@@ -978,7 +1023,8 @@ class KVCompPress(BasePress):
                  model.model.register_forward_hook(self._record_slots, with_kwargs=True),
                  model.model.register_forward_hook(self._release_forward, with_kwargs=True, always_call=True)]
         try:
-            with super().__call__(model) if hooking_press is self else nullcontext():
+            with super().__call__(model) if hooking_press is self else nullcontext(), \
+                    self._checking_generate_chunks(model):
                 # The modules kvpress hooked (not Gemma 3's sliding layers, for one) are the ones the press acts on.
                 self._hooked_modules = [module for module in attention_modules if any(
                     getattr(hook, "__self__", None) is hooking_press for hook in module._forward_hooks.values())]
