@@ -89,8 +89,9 @@ def test_the_sliding_window_cache_generate_builds_is_refused_with_what_to_pass(n
                                         r"config \(sliding_window=4096\) when no cache is given: pass "
                                         r"past_key_values=DynamicCache\(\)"), torch.no_grad(), press(model):
         model.generate(prompt(), max_new_tokens=4, do_sample=False)
-    with torch.no_grad(), press(model):  # as the refusal says
-        model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=DynamicCache())
+    for cache in (DynamicCache(), PagedKVCache()):  # as the refusal says
+        with torch.no_grad(), press(model):
+            model.generate(prompt(), max_new_tokens=4, do_sample=False, past_key_values=cache)
 
 
 def test_paged_cache_refuses_a_sliding_window_layer_without_a_press():
@@ -570,9 +571,9 @@ def test_generate_s_own_chunked_prefill_under_a_fractional_budget_is_refused(lla
     said 0.5. The press's own prefill_chunk_size refuses a fraction; generate's now does too (and transformers 5.2's
     chunks, positioned as the last one, are refused as with the press's own option)."""
     press = make_press()
-    with pytest.raises(ValueError, match=rf"{type(press).__name__}: generate\(prefill_chunk_size=16\) streams the "
-                                         r"prompt (in chunks, the first of which is .*(budget|cache_size)=0\.5|through transformers 5\.2)"
-                       ), torch.no_grad(), press(llama):
+    refused = (rf"{type(press).__name__}: generate\(prefill_chunk_size=16\) streams the prompt (in chunks, the "
+               r"first of which is .*(budget|cache_size)=0\.5|through transformers 5\.2)")
+    with pytest.raises(ValueError, match=refused), torch.no_grad(), press(llama):
         llama.generate(prompt(length=64), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache())
     assert "generate" not in llama.__dict__  # the context put generate back
 
