@@ -732,7 +732,7 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
     def valid(r: random.Random, overrides=None, dtype=None, needs: int | None = None, until=None, what: str = ""):
         """Valid arguments; with `needs`, redrawn until that (optional) argument is given; with `until`, until the
         arguments satisfy it (a case that needs, e.g., two tensors of one shape must not pass by doing nothing)."""
-        for _ in range(50):
+        for _ in range(100):
             s = fuzz.sizes(r, overrides or {})
             args = fuzz.build(r, s, dtype or r.choice(CACHE))
             if (needs is None or args[needs] is not None) and (until is None or until(args)):
@@ -747,12 +747,10 @@ def _cases(name: str) -> list[tuple[str, Callable]]:
     def sizes_where(until, what: str) -> dict | None:
         """Sizes under which the generator gives arguments satisfying `until` (None if 100 draws find none): a case
         needing them is added with them, or not at all, rather than pass without testing anything."""
-        r = random.Random(f"{SEED}:{name}:sizes where {what}")
-        for _ in range(100):
-            s = fuzz.sizes(r, {})
-            if until(fuzz.build(r, s, torch.float32)):
-                return s
-        return None
+        try:
+            return valid(random.Random(f"{SEED}:{name}:sizes where {what}"), dtype=torch.float32, until=until)[1]
+        except AssertionError:
+            return None
 
     def valid_case(r):
         args, _ = valid(r)

@@ -572,7 +572,8 @@ def test_generate_s_own_chunked_prefill_under_a_fractional_budget_is_refused(lla
     chunks, positioned as the last one, are refused as with the press's own option)."""
     press = make_press()
     refused = (rf"{type(press).__name__}: generate\(prefill_chunk_size=16\) streams the prompt (in chunks, the "
-               r"first of which is .*(budget|cache_size)=0\.5|through transformers 5\.2)")
+               r"first of which is .*(budget|cache_size)=0\.5|through generate's chunked prefill, which in "
+               r"transformers 5\.2)")
     with pytest.raises(ValueError, match=refused), torch.no_grad(), press(llama):
         llama.generate(prompt(length=64), prefill_chunk_size=16, max_new_tokens=2, past_key_values=DynamicCache())
     assert "generate" not in llama.__dict__  # the context put generate back

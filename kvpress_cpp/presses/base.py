@@ -56,7 +56,7 @@ from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_c
                                get_state, output_cache, pass_cache, pass_inputs, remember_tokens_held, set_state,
                                slots_appended_since_written)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
-from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS
+from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS, check_chunk_positions
 
 __all__ = ["KVCompPress", "KVCompDecodingPress", "RowStates", "query_states", "score_prompt", "require_bool",
            "require_int", "require_real"]
@@ -972,10 +972,7 @@ class KVCompPress(BasePress):
         take a fractional budget of the first chunk alone; and transformers 5.2's chunked prefill positions every
         chunk as the prompt's last."""
         name = type(self).__name__
-        if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
-            raise ValueError(f"{name}: generate(prefill_chunk_size={chunk}) streams the prompt through transformers "
-                             f"{transformers.__version__}'s chunked prefill, which gives every chunk the positions of "
-                             f"the prompt's last chunk; leave it out, or use transformers 5.1 or 4.57")
+        check_chunk_positions(name, f"generate(prefill_chunk_size={chunk})", "generate without it")
         budget = getattr(self, self.budget_field) if self.budget_field else None
         if isinstance(self, KVCompDecodingPress) and isinstance(budget, float):
             raise ValueError(f"{name}: generate(prefill_chunk_size={chunk}) streams the prompt in chunks, the first of "

@@ -20,7 +20,8 @@ from packaging.version import Version
 
 from kvpress_cpp.cache import pass_cache, pass_inputs
 
-__all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS", "CHUNKED_PREFILL_IGNORES_PADDING"]
+__all__ = ["StreamingPrefill", "CHUNKED_PREFILL_REPEATS_LAST_POSITIONS", "CHUNKED_PREFILL_IGNORES_PADDING",
+           "check_chunk_positions"]
 
 #: transformers 5.2.0's chunked prefill gives every chunk the position ids of the prompt's last chunk (its generate
 #: computes them once from the whole attention mask): logits off by 5.1 on a tiny Llama, with or without a press.
@@ -30,6 +31,15 @@ CHUNKED_PREFILL_REPEATS_LAST_POSITIONS = Version(transformers.__version__).relea
 #: ignoring a left-padded row's padding: the row then differs from its run alone, with or without a press. 5 takes
 #: each row's positions from the attention mask.
 CHUNKED_PREFILL_IGNORES_PADDING = Version(transformers.__version__).major < 5
+
+
+def check_chunk_positions(name: str, option: str, instead: str) -> None:
+    """Raise where the installed transformers' chunked prefill, which `option` asks for, positions every chunk as the
+    prompt's last (:data:`CHUNKED_PREFILL_REPEATS_LAST_POSITIONS`)."""
+    if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
+        raise ValueError(f"{name}: {option} streams the prompt through generate's chunked prefill, which in "
+                         f"transformers {transformers.__version__} gives every chunk the positions of the prompt's "
+                         f"last chunk; use {instead}, or transformers 5.1 or 4.57 (kvpress 0.5.5 allows 4.56 to 5.2)")
 
 
 class StreamingPrefill:
@@ -100,11 +110,7 @@ class StreamingPrefill:
             with super().__call__(model):
                 yield
             return
-        if CHUNKED_PREFILL_REPEATS_LAST_POSITIONS:
-            raise ValueError(f"{type(self).__name__}: prefill_chunk_size streams the prompt through generate's chunked "
-                             f"prefill, which in transformers {transformers.__version__} gives every chunk the "
-                             f"positions of the prompt's last chunk; use prefill_chunk_size=None, or transformers "
-                             f"5.1 or 4.57 (kvpress 0.5.5 allows 4.56 to 5.2)")
+        check_chunk_positions(type(self).__name__, "prefill_chunk_size", "prefill_chunk_size=None")
         config = getattr(model, "generation_config", None)
         if config is None:
             raise ValueError(f"{type(self).__name__}: prefill_chunk_size streams the prompt through `generate`, which "
