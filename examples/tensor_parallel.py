@@ -30,7 +30,7 @@ from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
 
 
 def presses(kvzap: bool) -> list[tuple[str, object]]:
-    """(name, press); None is the full cache. KVzap only where a surrogate exists for the model (SmolLM2's ship)."""
+    """(name, press); None is the full cache. KVzap for --model smollm2 only, whose surrogates ship with the package."""
     chosen = [
         ("full cache", None),
         ("ZSMerge 25%", ZSMergePress(budget=0.25)),

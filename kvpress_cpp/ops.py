@@ -713,7 +713,7 @@ def paged_decode_attention(
         lengths: (B, H) int64 in [0, max_blocks * S].
         scale: attention scale, finite and > 0; default ``d ** -0.5``.
         return_probs: also return the probabilities (else probs has width 0).
-        max_len: where the caller knows it without reading the device (``PagedKVCache.longest_length()``), a bound
+        max_len: where the caller knows it without reading the device (``PagedLayer.longest_length()``), a bound
             in [1, max_blocks * S] on every length and the width of probs. Without it the op finds max(lengths)
             itself and checks the tables before the kernel: one host sync on a GPU. With it a GPU call syncs nothing:
             a kernel checks the tables' contents on the device and stops the stream with a device-side assert

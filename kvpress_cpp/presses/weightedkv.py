@@ -33,7 +33,8 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
         recent: the recent window never evicted (paper default m/2 - 4 when None).
         evict_only: the paper's ablation: evict the key and the value, merge nothing.
         prefill_chunk_size: stream the prompt through ``generate`` in chunks of this many tokens, compressing
-            as it goes (``kvpress_cpp.presses.streaming``); None: one forward, compressed at its end.
+            as it goes (``kvpress_cpp.presses.streaming``; ``cache_size`` must then be a token count, an int: a
+            fraction of a prompt not seen whole is refused); None: one forward, compressed at its end.
     """
 
     budget_field = "cache_size"  # compression_ratio = 1 - cache_size (kvpress: fraction removed)

@@ -39,7 +39,8 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
             score of the context as it stands, before the token leaving the recent window joins it) or "paper"
             (Algorithm 1: the leaving token joins the context first and may be the one evicted).
         prefill_chunk_size: stream the prompt through ``generate`` in chunks of this many tokens, compressing
-            as it goes (``kvpress_cpp.presses.streaming``); None: one forward, compressed at its end.
+            as it goes (``kvpress_cpp.presses.streaming``; ``budget`` must then be a token count, an int: a
+            fraction of a prompt not seen whole is refused); None: one forward, compressed at its end.
     """
 
     budget_field = "budget"  # compression_ratio = 1 - budget (kvpress: fraction removed)
