@@ -27,6 +27,7 @@ from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, We
 from tests import kvpress_hooks
 from tests.generation import greedy, prompt_ids
 from tests.models import make_tiny_llama, make_tokenizer
+from tests.test_kvzap_press import write_surrogate
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 768
@@ -243,6 +244,52 @@ def test_launcher_runs_kvpress_evaluate_on_a_tiny_model(tiny_model_dir, tokenize
     assert set(metrics) == {"niah_depth_50", "niah_single_1", "vt"}
     config = (folder / "config.yaml").read_text()
     assert "ZSMergePress(budget=0.5" in config and "press_name: zsmerge" in config
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("name", ["zsmerge", "kvzap_linear", "gvote"])
+def test_several_questions_on_one_context_get_the_answers_the_pipeline_gives_each_alone(name, evaluation, tiny_llama,
+                                                                                        monkeypatch, tmp_path):
+    """evaluate.py sends every press but kvpress's DecodingPress all the questions on a context in one pipeline call
+    (LooGLE has several per document), which the pipeline refuses for a press compressing while decoding: such
+    presses answer one question per call, each row's ratio recorded; GVote keeps evaluate.py's grouped call."""
+    from kvpress import DecodingPress
+    from transformers import pipeline
+
+    evaluate, _ = evaluation
+    model, tokenizer = tiny_llama
+    surrogate = write_surrogate(tmp_path / "linear", model, "linear", scale=4.0) if name == "kvzap_linear" else None
+
+    def press():
+        made = evaluation_press(METHODS[name])
+        made.compression_ratio = 0.5  # what evaluate.py does (KVzap and GVote ignore it)
+        if surrogate is not None:
+            made.surrogate_dir = surrogate
+        return made
+
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    first, second = ("The vault code is 4812. " * 12, "The gate code is 9377. " * 12)
+    rows = pd.DataFrame({"context": [first, second, first], "question": ["What is the vault code?", "And the gate?",
+                                                                        "Say the vault code twice."],
+                         "answer_prefix": ["Answer:"] * 3, "max_new_tokens": [4] * 3})
+    runner = object.__new__(evaluate.EvaluationRunner)  # evaluate.py's inference step alone, on the tiny model
+    runner.config = evaluate.EvaluationConfig(max_new_tokens=4)
+    runner.df, runner.pipeline = rows.copy(), pipe
+    runner.press = press()
+    calls = []
+    monkeypatch.setattr(runner, "pipeline", lambda *args, **kwargs: calls.append(kwargs) or pipe(*args, **kwargs))
+    runner._run_inference()
+    assert evaluate.DecodingPress is DecodingPress  # evaluate.py's own check restored
+    if name == "gvote":  # not a decoding press: evaluate.py's grouped call, unchanged
+        assert sorted(len(call["questions"]) for call in calls) == [1, 2]
+        return
+    assert [call["question"] for call in calls] == list(rows["question"])
+    for row in rows.itertuples():
+        fresh = press()
+        alone = pipe(row.context, question=row.question, answer_prefix=row.answer_prefix, press=fresh,
+                     max_new_tokens=4)
+        assert runner.df.loc[row.Index, "predicted_answer"] == alone["answer"]
+        assert runner.df.loc[row.Index, "compression_ratio"] == pytest.approx(fresh.compression_ratio)
 
 
 @kvpress_hooks.mark

@@ -26,6 +26,8 @@ What the launcher does, in order:
 4. Replaces the module-level ``pipeline`` evaluate.py calls by :func:`kvpress_cpp.evaluation.models.kvpress_pipeline`
    (which also knows the embedded default model by name and loads each model once per process), then calls
    evaluate.py's ``CliEntryPoint`` as its ``__main__`` does.
+5. Runs our presses that compress while decoding one question per pipeline call, as evaluate.py runs kvpress's
+   ``DecodingPress`` (:func:`_one_question_per_call_for_decoding_presses`).
 """
 
 from __future__ import annotations
@@ -170,7 +172,45 @@ def load_evaluation(local_data: Path | None = None, model: str | None = None) ->
     registry.DATASET_REGISTRY[GENERATED_DATASET] = str(generated_root(local_data, model or DEFAULT_MODEL_NAME))
     registry.SCORER_REGISTRY[GENERATED_DATASET] = registry.SCORER_REGISTRY["ruler"]
     evaluate.pipeline = kvpress_pipeline
+    _one_question_per_call_for_decoding_presses(evaluate)
     return evaluate, registry
+
+
+def _one_question_per_call_for_decoding_presses(evaluate: ModuleType) -> None:
+    """Make evaluate.py's inference run our presses that compress while decoding on one question per pipeline call.
+
+    evaluate.py asks one question per call only with kvpress's ``DecodingPress`` and sends every other press all the
+    questions on a context at once, which the pipeline refuses for ours (the cache an answer was decoded into no
+    longer holds the context as compressed: ``kvpress_adapters.patch_pipeline_questions``), so a dataset with
+    several questions per context (LooGLE) stopped the run. Those presses go through evaluate.py's own loop for
+    ``DecodingPress``, and each row gets the ratio its call measured, as the grouped loop records it. Idempotent."""
+    from kvpress_cpp.presses.base import KVCompDecodingPress
+
+    runner = evaluate.EvaluationRunner
+    run_inference = runner._run_inference
+    if getattr(run_inference, "_kvcomp_adapted", False):
+        return
+
+    def adapted_run_inference(self):
+        if not isinstance(self.press, KVCompDecodingPress):
+            return run_inference(self)
+        pipeline, decoding_press, ratios = self.pipeline, evaluate.DecodingPress, []
+
+        def one_question(*args, **kwargs):
+            output = pipeline(*args, **kwargs)
+            ratios.append(self.press.compression_ratio)
+            return output
+
+        # evaluate.py reads its module's DecodingPress when it chooses the loop: ours join it for this run only.
+        self.pipeline, evaluate.DecodingPress = one_question, (decoding_press, type(self.press))
+        try:
+            run_inference(self)
+        finally:
+            self.pipeline, evaluate.DecodingPress = pipeline, decoding_press
+        self.df["compression_ratio"] = ratios  # the loop visits the rows in order, one call each
+
+    adapted_run_inference._kvcomp_adapted = True
+    runner._run_inference = adapted_run_inference
 
 
 def main(argv: list[str] | None = None) -> None:
