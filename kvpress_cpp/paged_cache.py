@@ -331,7 +331,8 @@ class PagedLayer(CacheLayerMixin):
         self.slot_blocks[_LOG_WEIGHTS].view(-1).index_fill_(0, slots, 0)
         self.slot_blocks[_POSITIONS].view(-1).index_copy_(
             0, slots, positions.to(self.device, torch.int32).expand(batch, heads, -1).flatten())
-        _LAYERS_BY_POOL[id(self.key_blocks)] = self
+        if _LAYERS_BY_POOL.get(id(self.key_blocks)) is not self:  # a lookup: setting makes a weak reference each step
+            _LAYERS_BY_POOL[id(self.key_blocks)] = self
         return self.key_blocks, self.value_blocks
 
     def get_seq_length(self) -> int:
