@@ -453,12 +453,16 @@ def test_dms_and_adakv_accept_our_scorer_under_generate(llama, surrogates):
         assert torch.equal(got, expected)
 
 
-@kvpress_hooks.mark
-@pytest.mark.parametrize("wrapper", [
+#: kvpress wrappers that never call their scorer's post_init_from_model.
+WRAPPERS_SKIPPING_POST_INIT = [
     pytest.param(lambda s: CriticalAdaKVPress(press=s), id="CriticalAdaKVPress"),
     pytest.param(lambda s: PerLayerCompressionPress(press=s, compression_ratios=[0.3, 0.7]),
                  id="PerLayerCompressionPress"),
-])
+]
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("wrapper", WRAPPERS_SKIPPING_POST_INIT)
 def test_wrappers_that_skip_the_scorers_post_init_load_the_surrogate(llama, surrogates, wrapper):
     """These kvpress wrappers never call their scorer's post_init_from_model, where our scorer loads its surrogate
     (it raised 'no surrogate loaded' under `with press(model):`): it loads at its first score instead, and scores
@@ -471,6 +475,35 @@ def test_wrappers_that_skip_the_scorers_post_init_load_the_surrogate(llama, surr
     expected, _ = greedy(model, ids, press=wrapper(theirs_scorer), max_new_tokens=12)
     got, _ = greedy(model, ids, press=wrapper(ours_scorer), max_new_tokens=12)
     assert torch.equal(got, expected)
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("wrapper", WRAPPERS_SKIPPING_POST_INIT)
+def test_wrappers_that_skip_the_scorers_post_init_score_a_second_model_with_its_own_surrogate(llama, tmp_path,
+                                                                                             monkeypatch, wrapper):
+    """A scorer reused through these wrappers on another model kept the first model's surrogate: the packaged one of
+    another model name scored it silently, and one of another shape failed in an op or an IndexError. It now scores as
+    kvpress's own KVzapPress holding the second model's surrogate, and refuses a surrogate that does not fit."""
+    model, tokenizer = llama
+    other, _ = make_tiny_llama(seed=1)
+    wider, _ = make_tiny_llama(num_key_value_heads=4, seed=2)
+    monkeypatch.setattr(kvzap_module, "SURROGATES_DIR", tmp_path)
+    for name, each in (("Model-A", model), ("Model-B", other), ("Model-C", wider)):
+        monkeypatch.setattr(each.config, "name_or_path", f"SomeOrg/{name}")
+    write_surrogate(tmp_path / "Model-A" / "linear", model, "linear", seed=0, scale=4.0)
+    write_surrogate(tmp_path / "Model-B" / "linear", other, "linear", seed=5, scale=4.0)
+    write_surrogate(tmp_path / "Model-C" / "linear", model, "linear", seed=6)  # 2 kv heads: Model-A's shape
+    ids = prompt_ids(tokenizer, 96)
+    reused = KVzapPress(compression_ratio=0.5, model_type="linear")
+    greedy(model, ids, press=wrapper(reused), max_new_tokens=2)
+    theirs = kvpress_scorer(other, "linear", tmp_path / "Model-B" / "linear")
+    theirs.compression_ratio = 0.5
+    expected, expected_cache = greedy(other, ids, press=wrapper(theirs), max_new_tokens=4)
+    got, cache = greedy(other, ids, press=wrapper(reused), max_new_tokens=4)
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, expected_cache.layers))
+    with pytest.raises(ValueError, match=r"output_dim = 2, expected 4 \(kv heads of the model\)"):
+        greedy(wider, ids, press=wrapper(reused), max_new_tokens=1)
 
 
 def test_pipeline_compresses_prefill_and_decoding(llama, surrogates):

@@ -164,6 +164,9 @@ class KVzapPress(_KVzapScorer):
     _loaded: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _weights_of: object = field(default=None, init=False, repr=False, compare=False)
+    # The decoder config of the model the surrogate was last loaded or checked for (layer_surrogate's test of a new
+    # model)
+    _fitted_config: object = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name, value):
         # Checked at every assignment, not only at construction: kvpress's evaluation sets it on a built press.
@@ -184,14 +187,15 @@ class KVzapPress(_KVzapScorer):
         surrogate = getattr(self, "kvzap_model", None)
         if surrogate is not None and (self._loaded is None or surrogate is not self._loaded[2]):
             check_surrogate_fits(surrogate, model, "set as kvzap_model", None)  # set by hand: its type is what it is
-            return
-        path = Path(self.surrogate_dir) if self.surrogate_dir is not None else default_surrogate_dir(
-            model, self.model_type)
-        if self._loaded is None or (path, self.model_type) != self._loaded[:2]:
-            self.kvzap_model = load_surrogate(model, self.model_type, self.surrogate_dir)
-            self._loaded = path, self.model_type, self.kvzap_model
         else:
-            check_surrogate_fits(surrogate, model, f"in {path}", self.model_type)
+            path = Path(self.surrogate_dir) if self.surrogate_dir is not None else default_surrogate_dir(
+                model, self.model_type)
+            if self._loaded is None or (path, self.model_type) != self._loaded[:2]:
+                self.kvzap_model = load_surrogate(model, self.model_type, self.surrogate_dir)
+                self._loaded = path, self.model_type, self.kvzap_model
+            else:
+                check_surrogate_fits(surrogate, model, f"in {path}", self.model_type)
+        self._fitted_config = model.config.get_text_config()  # what the attention modules hold (a decoder's config)
 
     def layer_weights(self, layer_idx: int, device: torch.device, dtype: torch.dtype,
                       heads: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
@@ -215,9 +219,10 @@ class KVzapPress(_KVzapScorer):
         """(weight1, bias1, weight2, bias2) of attention layer `module`'s surrogate (weight2 = bias2 = None for a linear
         one) on hidden_states' device and dtype, for the kv heads it holds (all of them, or a tensor-parallel rank's
         own)."""
-        if getattr(self, "kvzap_model", None) is None:
+        if getattr(self, "kvzap_model", None) is None or module.config is not self._fitted_config:
             # Some kvpress wrappers (CriticalAdaKVPress, PerLayerCompressionPress) never pass post_init_from_model on
-            # to their scorer; it reads only the model's config, which the attention module shares.
+            # to their scorer, even on another model than the last (whose surrogate would score this one's layers);
+            # it reads only the model's config, which the attention module shares.
             self.post_init_from_model(module)
         weights = self.layer_weights(module.layer_idx, hidden_states.device, hidden_states.dtype,
                                      kv_head_shard(module))
