@@ -25,7 +25,8 @@ from kvpress_cpp.cache import get_state
 from kvpress_cpp.paged_cache import PagedKVCache
 from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
                                  ZSMergePress)
-from tests.generation import needs_chunked_prefill
+from tests import kvpress_hooks
+from tests.generation import greedy, needs_chunked_prefill
 from tests.models import make_tiny_llama
 from tests.test_kvzap_press import write_surrogate
 
@@ -623,6 +624,30 @@ def test_a_streaming_press_refuses_a_prompt_given_in_one_forward(llama, make_pre
         llama(prompt(length=9), past_key_values=DynamicCache())
     with pytest.raises(ValueError, match=refused), torch.no_grad(), press(llama):
         llama(prompt(length=48), use_cache=True)
+
+
+@needs_chunked_prefill
+@kvpress_hooks.mark
+@pytest.mark.parametrize("make_press", [lambda: ZSMergePress(budget=16, prefill_chunk_size=8),
+                                        lambda: WeightedKVPress(cache_size=16, prefill_chunk_size=8)],
+                         ids=["ZSMerge", "WeightedKV"])
+def test_a_streaming_press_streams_in_a_composed_press_and_is_refused_by_prefill_decoding_press(llama, make_press):
+    """kvpress's wrappers open the press without its own __call__, where prefill_chunk_size was handed to generate:
+    inside ComposedPress the same generate was refused as "a prompt in one forward". ComposedPress passes every chunk
+    to the press, so it streams as the press alone; PrefillDecodingPress would give every chunk after the first to
+    its decoding_press, which leaves those chunks uncompressed: refused, naming both."""
+    from kvpress import ComposedPress, PrefillDecodingPress
+
+    ids = prompt(length=48)
+    alone, alone_cache = greedy(llama, ids, press=make_press(), max_new_tokens=4)
+    composed, composed_cache = greedy(llama, ids, press=ComposedPress([make_press()]), max_new_tokens=4)
+    assert torch.equal(composed, alone)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(composed_cache.layers, alone_cache.layers))
+    assert llama.generation_config.prefill_chunk_size is None  # restored
+    press = make_press()
+    with pytest.raises(ValueError, match=rf"{type(press).__name__}: prefill_chunk_size streams the prompt .* which "
+                                         r"PrefillDecodingPress hands to its decoding_press"):
+        greedy(llama, ids, press=PrefillDecodingPress(prefilling_press=press), max_new_tokens=1)
 
 
 def test_speculative_decoding_rolls_back_the_position_count(llama):

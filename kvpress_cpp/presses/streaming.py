@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 import transformers
+from kvpress import PrefillDecodingPress
 from packaging.version import Version
 
 from kvpress_cpp.cache import pass_cache, pass_inputs
@@ -105,20 +106,28 @@ class StreamingPrefill:
                       f"output, can differ from that run", stacklevel=2)
 
     @contextmanager
-    def __call__(self, model):
+    def context_under(self, hooking_press, model):
+        # Here, not in __call__: kvpress's wrappers (ComposedPress, PrefillDecodingPress) open the press through it.
         if self.prefill_chunk_size is None:
-            with super().__call__(model):
+            with super().context_under(hooking_press, model):
                 yield
             return
-        check_chunk_positions(type(self).__name__, "prefill_chunk_size", "prefill_chunk_size=None")
+        name = type(self).__name__
+        check_chunk_positions(name, "prefill_chunk_size", "prefill_chunk_size=None")
+        if hooking_press is not self and isinstance(hooking_press, PrefillDecodingPress):
+            # kvpress's PrefillDecodingPress sends a pass on a cache already holding tokens to its decoding_press.
+            raise ValueError(f"{name}: prefill_chunk_size streams the prompt as a prefill of its first chunk and a "
+                             f"pass per later chunk, which {type(hooking_press).__name__} hands to its decoding_press, "
+                             f"not to its prefilling_press: only the first chunk would be compressed. Use {name} alone "
+                             f"or in a ComposedPress, which streams every chunk into it")
         config = getattr(model, "generation_config", None)
         if config is None:
-            raise ValueError(f"{type(self).__name__}: prefill_chunk_size streams the prompt through `generate`, which "
+            raise ValueError(f"{name}: prefill_chunk_size streams the prompt through `generate`, which "
                              f"{type(model).__name__} does not have (use a *ForCausalLM model)")
         before = config.prefill_chunk_size
         config.prefill_chunk_size = self.prefill_chunk_size
         try:
-            with super().__call__(model):
+            with super().context_under(hooking_press, model):
                 yield
         finally:
             config.prefill_chunk_size = before
