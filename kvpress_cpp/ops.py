@@ -7,6 +7,9 @@ import torch
 
 from kvpress_cpp._contract import has_contiguous_rows
 
+#: The dtypes of the keys, values and queries the ops compute on (their schemas refuse the others).
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def _default_scale(op: str, name: str, t: torch.Tensor) -> float:
     """The attention scale d ** -0.5 from the head dim of ``t`` (its last size), which must be >= 1."""

@@ -267,6 +267,11 @@ class PagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             from kvpress_cpp.attention import refuse_attention_outside_the_registry  # (it imports this module)
 
+            if key_states.dtype not in ops.CACHE_DTYPES:  # else a bare error of the attention op, after this write
+                raise ValueError(f"PagedKVCache: holds float32, float16 or bfloat16 keys and values (the dtypes its "
+                                 f"attention ops compute in), got {key_states.dtype} key states: load the model in "
+                                 f"one of those (model.float())")
+
             refuse_attention_outside_the_registry(inspect.currentframe().f_back)
             self.lazy_initialization(key_states, value_states)
         route_attention_through_kvpress_cpp()  # the attention must read this layer through its block tables

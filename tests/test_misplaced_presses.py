@@ -66,6 +66,32 @@ def test_importing_the_presses_leaves_other_models_alone():
         torch.testing.assert_close(sdpa(ids).logits, eager(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("make_press", [
+    lambda model, path: ZSMergePress(budget=0.5), lambda model, path: WeightedKVPress(cache_size=0.5),
+    lambda model, path: KeepKVPress(budget=0.5), lambda model, path: GVotePress(),
+    lambda model, path: KVzapThresholdPress(surrogate_dir=write_surrogate(path, model, "mlp")),
+    lambda model, path: None], ids=["ZSMerge", "WeightedKV", "KeepKV", "GVote", "KVzap", "no press"])
+def test_a_float64_model_is_refused_by_the_press_and_the_paged_cache_before_anything_is_written(make_press, tmp_path):
+    """The ops compute in float32, float16 or bfloat16: a float64 model stopped mid-forward on the error of an op the
+    user never called (prompt_attention_with_scores, decode_attention, kvzap_score, paged_decode_attention)."""
+    model = tiny("Llama").double()
+    press = make_press(model, tmp_path / "surrogate")
+    if press is None:
+        cache = PagedKVCache()
+        with pytest.raises(ValueError, match=r"PagedKVCache: holds float32, float16 or bfloat16 keys and values .*"
+                                             r"got torch.float64 key states"), torch.no_grad():
+            model(prompt(length=8), past_key_values=cache)
+        assert cache.get_seq_length() == 0
+        return
+    cache = DynamicCache()
+    with pytest.raises(ValueError, match=rf"{type(press).__name__}: compresses float32, float16 or bfloat16 models .*"
+                                         r"got a torch.float64 LlamaForCausalLM"), torch.no_grad(), press(model):
+        model(prompt(length=8), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad(), press(model.float()):  # the advice works
+        model(prompt(length=48), past_key_values=cache)
+
+
 @pytest.mark.parametrize("press", [ZSMergePress(budget=10_000), GVotePress()], ids=["ZSMerge", "GVote"])
 def test_sliding_window_layers_are_refused(press):
     model = tiny("Mistral", sliding_window=16)

@@ -997,6 +997,10 @@ class KVCompPress(BasePress):
                              f"layers and one `rotary_emb`, and whose attention modules have `layer_idx` and "
                              f"`scaling` (LlamaForCausalLM, Mistral, Qwen2/3, Phi-3, Gemma); got "
                              f"{type(model).__name__}")
+        dtype = getattr(model, "dtype", None)
+        if dtype is not None and dtype not in ops.CACHE_DTYPES:  # else a bare error of an op it calls, mid-forward
+            raise ValueError(f"{name}: compresses float32, float16 or bfloat16 models (the dtypes of its ops), got a "
+                             f"{dtype} {type(model).__name__}: load it in one of those (model.float())")
         already = next((press for module in attention_modules for press in active_presses(module)), None)
         if already:
             raise ValueError(f"{name}: {already} is already active on this {type(model).__name__}; two kvpress_cpp "
