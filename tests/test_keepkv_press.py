@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kvpress import KnormPress
+from kvpress import KnormPress, SnapKVPress
 
 from kvpress_cpp.cache import LayerState, get_state
 from kvpress_cpp.presses.base import query_states
@@ -122,6 +122,16 @@ def test_scorer_chooses_the_prompt_heavy_hitters():
                                                                                similarity_threshold=1.0),
                           max_new_tokens=1)
     assert not torch.equal(ema_cache.layers[0].keys[..., :24, :], cache.layers[0].keys[..., :24, :])
+
+
+def test_a_scorer_that_fails_is_named_with_keepkv():
+    """kvpress's SnapKVPress asserts a prompt longer than its window (64): as KeepKV's scorer on 40 tokens its bare
+    AssertionError named neither press."""
+    model, tokenizer = make_tiny_llama()
+    press = KeepKVPress(budget=0.5, scorer=SnapKVPress())
+    with pytest.raises(ValueError, match=r"KeepKVPress: its scorer SnapKVPress failed at layer 0 on a prompt of 40 "
+                                         r"tokens: Query length 40 should be greater than the window size 64"):
+        greedy(model, prompt_ids(tokenizer, 40), press=press, max_new_tokens=1)
 
 
 def test_merge_first_merges_the_lower_half_by_score_into_heavier_tokens(monkeypatch):

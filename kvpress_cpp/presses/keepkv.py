@@ -137,7 +137,12 @@ class KeepKVPress(KVCompDecodingPress):
             return keys, values, state
         ranking = None
         if self.scorer is not None:
-            ranking = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+            try:
+                ranking = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+            except (AssertionError, IndexError, RuntimeError, ValueError) as error:  # kvpress's scorers assert
+                raise ValueError(f"KeepKVPress: its scorer {type(self.scorer).__name__} failed at layer "
+                                 f"{module.layer_idx} on a prompt of {length} tokens: "
+                                 f"{error or type(error).__name__}") from error
         elif self.merge_first:
             keys, values, state = self._merge_first(keys, values, state)
         return self._evict(keys, values, state, ranking)
