@@ -976,7 +976,9 @@ def test_a_budget_assigned_after_construction_is_refused_where_given(press, budg
     (WeightedKVPress, "evict_only", "no", r"WeightedKVPress: evict_only must be True or False, got 'no'"),
     (KeepKVPress, "recent", -0.5, r"KeepKVPress: recent must be a token count ≥ 1 or a fraction of the budget"),
     (GVotePress, "num_samples", 0, r"GVotePress: num_samples must be an int ≥ 1, got 0"),
-    (GVotePress, "chunk_size", 2**64, r"GVotePress: chunk_size must fit int64 \(\|chunk_size\| ≤ 2\^63 - 1\)"),
+    (GVotePress, "chunk_size", 2**64, r"GVotePress: chunk_size must fit int64 \(\[-2\^63, 2\^63 - 1\]\)"),
+    (GVotePress, "seed", -2**63 - 1, r"GVotePress: seed must fit int64 \(\[-2\^63, 2\^63 - 1\]\), got -92233"),
+    (GVotePress, "future_positions", 10**12, r"GVotePress: future_positions must be an int in \[1, 1048576\], got 1"),
     (KVzapThresholdPress, "surrogate_dir", 1.5, r"KVzapThresholdPress: surrogate_dir must be a folder's path"),
 ], ids=lambda case: case if isinstance(case, str) and case.isidentifier() else None)
 def test_a_parameter_assigned_after_construction_is_checked_and_left_as_it_was(make, name, value, message):
@@ -991,6 +993,14 @@ def test_a_parameter_assigned_after_construction_is_checked_and_left_as_it_was(m
     with pytest.raises(ValueError, match=message):
         setattr(press, name, value)
     assert press == before and getattr(press, name) == getattr(before, name)
+
+
+def test_the_ends_of_the_int_ranges_are_taken():
+    """-2^63 fits int64 (a seed was refused as not fitting it); GVote averages at most 2^20 future positions (10^12
+    asked for 8 TB in the first forward, naming neither the press nor the parameter)."""
+    assert GVotePress(seed=-2**63, future_positions=2**20).seed == -2**63
+    with pytest.raises(ValueError, match=r"GVotePress: future_positions must be an int in \[1, 1048576\]"):
+        GVotePress(future_positions=2**20 + 1)
 
 
 def test_numpy_integers_are_taken_as_ints(llama):

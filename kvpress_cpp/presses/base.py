@@ -158,18 +158,20 @@ def _legacy_cache_without_state(cache, *args, **kwargs):
 
 # Constructor checks shared by the presses: a value of the wrong type or out of range is refused where it is given,
 # with the press and the parameter named, not later inside an op (or, for NaN, never).
-_INT64_MAX = 2**63 - 1  # the ops take int64 arguments, torch's generators int64 seeds
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1  # the ops take int64 arguments, torch's generators int64 seeds
 
 
-def require_int(press: str, name: str, value, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
-        raise ValueError(f"{press}: {name} must be an int{'' if minimum is None else f' ≥ {minimum}'}, got {value!r}")
+def require_int(press: str, name: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
+        bounds = f" in [{minimum}, {maximum}]" if maximum is not None else "" if minimum is None else f" ≥ {minimum}"
+        raise ValueError(f"{press}: {name} must be an int{bounds}, got {value!r}")
     _require_int64(press, name, value)
 
 
 def _require_int64(press: str, name: str, value: numbers.Integral) -> None:
-    if abs(value) > _INT64_MAX:
-        raise ValueError(f"{press}: {name} must fit int64 (|{name}| ≤ 2^63 - 1), got {value!r}")
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError(f"{press}: {name} must fit int64 ([-2^63, 2^63 - 1]), got {value!r}")
 
 
 def require_real(press: str, name: str, value, interval: str) -> None:

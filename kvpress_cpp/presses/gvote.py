@@ -30,7 +30,10 @@ from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
 from kvpress_cpp.presses.base import (KVCompPress, last_query_states, require_bool, require_int, require_real,
                                       rotate_leading_dims)
 
-__all__ = ["GVotePress"]
+__all__ = ["GVotePress", "MAX_FUTURE_POSITIONS"]
+
+#: The most future positions whose rotary tables GVote averages (the paper: 512).
+MAX_FUTURE_POSITIONS = 2**20
 
 
 @dataclass
@@ -40,7 +43,7 @@ class GVotePress(KVCompPress):
     Attributes:
         nucleus_p: p_nuc of the budget (paper default 0.95).
         num_samples: S sampled future queries per layer (paper default 8).
-        future_positions: n_f positions after the prompt whose rotary tables are averaged (512).
+        future_positions: n_f positions after the prompt whose rotary tables are averaged (512; at most 2^20).
         sinks: n_s, leading tokens left out of the hidden-state statistics (paper step 2; it gives no value: 4).
         keep_sinks: also keep those n_s tokens in every head (methods.md's form; the paper, and the default, keep the
             union alone: the demo's needle benchmark measured no difference, README "Faithfulness to the papers").
@@ -71,8 +74,10 @@ class GVotePress(KVCompPress):
 
     def check_parameters(self) -> None:
         require_real("GVotePress", "nucleus_p", self.nucleus_p, "(0, 1]")
-        for name in ("num_samples", "future_positions", "chunk_size", "budget_queries"):
+        for name in ("num_samples", "chunk_size", "budget_queries"):
             require_int("GVotePress", name, getattr(self, name), 1)
+        # Their rotary tables are materialised (the model's own rotary module, any scaling): 2^20 of d = 128 take 1 GB.
+        require_int("GVotePress", "future_positions", self.future_positions, 1, MAX_FUTURE_POSITIONS)
         for name in ("sinks", "recent"):
             require_int("GVotePress", name, getattr(self, name), 0)
         require_int("GVotePress", "seed", self.seed)
