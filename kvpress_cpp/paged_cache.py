@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import operator
 import weakref
 from typing import Any
@@ -164,9 +165,9 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, block_size: int = 16):
         # Token positions are int32: a head never holds more slots than that, so a larger block could never fill
         # (2**62 got as far as the first forward, then stopped on a stride overflow naming neither).
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size < 2**31:
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or not 1 <= block_size < 2**31:
             raise ValueError(f"PagedKVCache: block_size must be an integer in [1, 2**31), got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = int(block_size)  # (numpy's integers too, as the presses take them)
         self.is_initialized = False
         self.key_blocks = self.value_blocks = None
         self.slot_blocks: dict[str, torch.Tensor] = {}
@@ -1511,9 +1512,8 @@ class PagedKVCache(Cache):
         # (it imports this module, hence here); kvpress_adapters adapts kvpress's DMSPress and AdaKVPress.
         from kvpress_cpp import attention, kvpress_adapters  # noqa: F401
 
-        PagedLayer(block_size)  # validates block_size before any layer exists
-        self.block_size = block_size
-        super().__init__(layer_class_to_replicate=functools.partial(PagedLayer, block_size))
+        self.block_size = PagedLayer(block_size).block_size  # validated (and an int) before any layer exists
+        super().__init__(layer_class_to_replicate=functools.partial(PagedLayer, self.block_size))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens generate counts as held: the view's width, plus the padding every row of the prefill had (see

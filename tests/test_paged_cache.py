@@ -7,6 +7,7 @@ import math
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -370,6 +371,15 @@ def test_block_size_must_be_a_positive_int32(block_size):
     with pytest.raises(ValueError, match=rf"PagedKVCache: block_size must be an integer in \[1, 2\*\*31\), "
                                          rf"got {block_size!r}"):
         PagedKVCache(block_size=block_size)
+
+
+def test_a_numpy_block_size_is_taken_as_an_int():
+    """As the presses take numpy's integers (a sweep's np.arange): PagedKVCache(block_size=np.int64(4)) was refused."""
+    cache = PagedKVCache(block_size=np.int64(4))
+    keys = torch.randn(1, 2, 6, 8)
+    cache.update(keys, keys, 0)
+    assert type(cache.block_size) is int and cache.layers[0].block_size == 4 and type(cache.layers[0].block_size) is int
+    assert cache.layers[0].blocks_in_use() == 2 * 2  # 6 slots of each of 2 heads in blocks of 4
 
 
 def test_write_of_the_wrong_shape():
