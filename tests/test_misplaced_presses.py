@@ -995,6 +995,24 @@ def test_a_parameter_assigned_after_construction_is_checked_and_left_as_it_was(m
     assert press == before and getattr(press, name) == getattr(before, name)
 
 
+@pytest.mark.parametrize("make", [ZSMergePress, WeightedKVPress, KeepKVPress], ids=lambda make: make.__name__)
+def test_a_fraction_too_few_slots_for_a_short_prompt_is_told_to_be_a_token_count(llama, make):
+    """A budget of 1.0 (compression_ratio 0) on a 2-token prompt was refused with "raise the budget", which a fraction
+    cannot be raised past; the advice is now a count in tokens, and such a count keeps the prompt whole."""
+    field = make.budget_field
+    with pytest.raises(ValueError, match=rf"{make.__name__}: .*; give {field} in tokens \(1.0 of this 2-token prompt "
+                                         r"is 2 slots; a count above the prompt's length keeps it whole\)"), \
+            torch.no_grad(), make(**{field: 1.0})(llama):
+        llama(prompt(length=2), past_key_values=DynamicCache())
+    cache = DynamicCache()
+    with torch.no_grad(), make(**{field: 16})(llama):
+        llama.generate(prompt(length=2), past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [16, 16]
+    with pytest.raises(ValueError, match=rf"{make.__name__}: .*; raise {field} or lower"), torch.no_grad(), \
+            make(**{field: 2})(llama):
+        llama(prompt(length=8), past_key_values=DynamicCache())
+
+
 def test_the_ends_of_the_int_ranges_are_taken():
     """-2^63 fits int64 (a seed was refused as not fitting it); GVote averages at most 2^20 future positions (10^12
     asked for 8 TB in the first forward, naming neither the press nor the parameter)."""

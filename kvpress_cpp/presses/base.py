@@ -483,6 +483,15 @@ class KVCompPress(BasePress):
         budget = getattr(self, self.budget_field)
         return budget if isinstance(budget, int) else max(1, round(budget * prompt_length))
 
+    def raise_budget(self, prompt_length: int) -> str:
+        """The advice of a refusal of too few slots: raise the budget, which for a fraction of a short prompt (1.0
+        keeps all of it already) means giving it in tokens."""
+        field, budget = self.budget_field, getattr(self, self.budget_field)
+        if isinstance(budget, int):
+            return f"raise {field}"
+        return (f"give {field} in tokens ({budget!r} of this {prompt_length}-token prompt is "
+                f"{self.budget_slots(prompt_length)} slots; a count above the prompt's length keeps it whole)")
+
     @property
     def compression_ratio(self) -> float:
         """kvpress's meaning: the fraction of the context removed. ``1 - budget`` for a budget given as a fraction;

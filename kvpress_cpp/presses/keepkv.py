@@ -114,8 +114,8 @@ class KeepKVPress(KVCompDecodingPress):
         if self.sinks + recent >= budget:
             lower = "sinks / recent" if isinstance(self.recent, int) else "sinks"  # a fractional window is cut already
             raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
-                             f"hitter after {self.sinks} sinks and a recent window of {recent}; raise the budget "
-                             f"or lower {lower}")
+                             f"hitter after {self.sinks} sinks and a recent window of {recent}; "
+                             f"{self.raise_budget(length)} or lower {lower}")
         # The last `recent` prompt queries initialise the EMA: S_i = Σ_j (1-β) β^(T-1-j) s̄_j,i over the window's
         # queries j at or after slot i, s̄ the group mean of exp(q·k·scale), in the log domain by one tile-bounded op.
         window = min(recent, length)
