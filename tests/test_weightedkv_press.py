@@ -117,9 +117,15 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
 
 
 def test_too_small_cache_is_refused_clearly():
+    """A count is every prompt's m: refused where it is given (it was at the first prompt); a fraction of a short
+    prompt at its prefill."""
+    with pytest.raises(ValueError, match=r"WeightedKVPress: a cache of 8 slots has no middle region after 4 sinks and "
+                                         r"a recent window of 4; raise cache_size"):
+        WeightedKVPress(cache_size=8, recent=4)
     model, tokenizer = make_tiny_llama()
-    with pytest.raises(ValueError, match="has no middle region"):
-        greedy(model, prompt_ids(tokenizer, 40), press=WeightedKVPress(cache_size=8, recent=4), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"WeightedKVPress: a cache of 4 slots has no middle region .*; give "
+                                         r"cache_size in tokens"):
+        greedy(model, prompt_ids(tokenizer, 40), press=WeightedKVPress(cache_size=0.1, recent=4), max_new_tokens=2)
 
 
 @pytest.mark.default_model_answers

@@ -80,6 +80,8 @@ class KeepKVPress(KVCompDecodingPress):
             raise ValueError(f"KeepKVPress: layer_budgets must be 'uniform' or 'pyramid', got {self.layer_budgets!r}")
         if self.merge_first and self.scorer is not None:
             raise ValueError("KeepKVPress: merge_first ranks the merged slots by ŝ; it cannot be combined with a scorer")
+        if isinstance(self.budget, int) and self.layer_budgets == "uniform":  # every prompt's M: refused here
+            self.checked_recent_slots(self.budget, self.budget)
 
     def post_init_from_model(self, model):
         super().post_init_from_model(model)
@@ -107,15 +109,20 @@ class KeepKVPress(KVCompDecodingPress):
             return self.recent
         return max(1, min(round(self.recent * budget), budget - self.sinks - 1))
 
-    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
-        length = keys.shape[-2]
-        budget = self.layer_budget(length, module.layer_idx, module.config.num_hidden_layers)
+    def checked_recent_slots(self, budget: int, prompt_length: int, where: str = "") -> int:
+        """R for a layer of budget M, which must leave a heavy hitter after the sinks and R."""
         recent = self.recent_slots(budget)
         if self.sinks + recent >= budget:
             lower = "sinks / recent" if isinstance(self.recent, int) else "sinks"  # a fractional window is cut already
-            raise ValueError(f"KeepKVPress: a budget of {budget} slots (layer {module.layer_idx}) leaves no heavy "
-                             f"hitter after {self.sinks} sinks and a recent window of {recent}; "
-                             f"{self.raise_budget(length)} or lower {lower}")
+            raise ValueError(f"KeepKVPress: a budget of {budget} slots{where} leaves no heavy hitter after "
+                             f"{self.sinks} sinks and a recent window of {recent}; {self.raise_budget(prompt_length)} "
+                             f"or lower {lower}")
+        return recent
+
+    def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):
+        length = keys.shape[-2]
+        budget = self.layer_budget(length, module.layer_idx, module.config.num_hidden_layers)
+        recent = self.checked_recent_slots(budget, length, f" (layer {module.layer_idx})")
         # The last `recent` prompt queries initialise the EMA: S_i = Σ_j (1-β) β^(T-1-j) s̄_j,i over the window's
         # queries j at or after slot i, s̄ the group mean of exp(q·k·scale), in the log domain by one tile-bounded op.
         window = min(recent, length)

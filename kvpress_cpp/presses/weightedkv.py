@@ -55,6 +55,8 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
             require_int("WeightedKVPress", "recent", self.recent, 1)
         require_bool("WeightedKVPress", "evict_only", self.evict_only)
         self.check_prefill_chunk_size(self.cache_size)
+        if isinstance(self.cache_size, int):  # a count splits alike for every prompt: refused here, not at the first
+            self.regions(self.cache_size)
 
     def regions(self, prompt_length: int) -> tuple[int, int, int]:
         """(m, sinks, recent) for a prompt of this length."""

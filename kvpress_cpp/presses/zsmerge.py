@@ -68,6 +68,8 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         if self.eviction_order not in ("authors", "paper"):
             raise ValueError(f"ZSMergePress: eviction_order must be 'authors' or 'paper', got {self.eviction_order!r}")
         self.check_prefill_chunk_size(self.budget)
+        if isinstance(self.budget, int):  # a count splits alike for every prompt: refused here, not at the first one
+            self.split(self.budget)
 
     def split(self, prompt_length: int) -> tuple[int, int, int]:
         """(Bp, Bc, Br) for a prompt of this length."""
