@@ -1515,6 +1515,19 @@ class PagedKVCache(Cache):
         self.block_size = PagedLayer(block_size).block_size  # validated (and an int) before any layer exists
         super().__init__(layer_class_to_replicate=functools.partial(PagedLayer, self.block_size))
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        first = self.layers[0] if self.layers else None
+        if (layer_idx > 0 and (layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized)
+                and first.is_initialized and first.tokens_appended > key_states.shape[-2]):
+            # Layer 0 held tokens before this pass, which a layer written for the first time never received: it
+            # would start empty in the middle of the text (and its attention read none of it).
+            earlier = first.tokens_appended - key_states.shape[-2]
+            raise ValueError(f"PagedKVCache: layer {layer_idx} is first written by a pass of {key_states.shape[-2]} "
+                             f"tokens, while layer 0 holds {earlier} earlier tokens it never received: a model with "
+                             f"more layers than the one that filled this cache? Use one cache per model, or "
+                             f"cache.reset() before a new prompt")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens generate counts as held: the view's width, plus the padding every row of the prefill had (see
         ``PagedLayer.padding_dropped``), as a DynamicCache's width holds it."""

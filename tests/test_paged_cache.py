@@ -373,6 +373,26 @@ def test_block_size_must_be_a_positive_int32(block_size):
         PagedKVCache(block_size=block_size)
 
 
+def test_a_layer_first_written_after_layer_0_held_tokens_is_refused():
+    """A cache filled by a 2-layer model and continued by a 3-layer one of the same head shapes: its layer 2 started
+    empty at position 40 while layers 0-1 held the prompt, and attended none of it, silently. A new prompt after
+    reset() gives every layer the prompt: accepted."""
+    from tests.models import make_tiny_llama
+
+    two, _ = make_tiny_llama()
+    three, _ = make_tiny_llama(num_hidden_layers=3, seed=1)
+    cache, ids = PagedKVCache(), torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        two(ids, past_key_values=cache)
+        with pytest.raises(ValueError, match=r"PagedKVCache: layer 2 is first written by a pass of 3 tokens, while "
+                                             r"layer 0 holds 40 earlier tokens it never received"):
+            three(ids[:, :3], past_key_values=cache)
+        assert len(cache.layers) == 2
+        cache.reset()
+        three(ids, past_key_values=cache)
+    assert [cache.get_seq_length(layer) for layer in range(3)] == [40, 40, 40]
+
+
 def test_a_numpy_block_size_is_taken_as_an_int():
     """As the presses take numpy's integers (a sweep's np.arange): PagedKVCache(block_size=np.int64(4)) was refused."""
     cache = PagedKVCache(block_size=np.int64(4))
