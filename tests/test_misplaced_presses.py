@@ -1013,6 +1013,27 @@ def test_a_fraction_too_few_slots_for_a_short_prompt_is_told_to_be_a_token_count
         llama(prompt(length=8), past_key_values=DynamicCache())
 
 
+@pytest.mark.parametrize("make,valid,field,value,message", [
+    (ZSMergePress, {"budget": 8}, "budget", 2, r"ZSMergePress: a budget of 2 slots leaves no context slot after 1 "
+                                               r"recent and 1 residual slots; raise budget or lower recent_fraction"),
+    (WeightedKVPress, {"cache_size": 16, "recent": 4}, "cache_size", 8, r"WeightedKVPress: a cache of 8 slots has no "
+                                                                       r"middle region after 4 sinks and a recent "
+                                                                       r"window of 4; raise cache_size"),
+    (KeepKVPress, {"budget": 16, "recent": 8}, "recent", 12, r"KeepKVPress: a budget of 16 slots leaves no heavy "
+                                                             r"hitter after 4 sinks and a recent window of 12; raise "
+                                                             r"budget or lower sinks / recent"),
+], ids=["ZSMerge", "WeightedKV", "KeepKV"])
+def test_a_token_count_without_room_is_refused_where_it_is_given(make, valid, field, value, message):
+    """A budget in tokens splits alike for every prompt: ZSMergePress(budget=2) and the others were refused only inside
+    the first forward. Constructed or assigned (a sweep), refused at once; a refused assignment changes nothing."""
+    with pytest.raises(ValueError, match=message):
+        make(**{**valid, field: value})
+    press = make(**valid)
+    with pytest.raises(ValueError, match=message):
+        setattr(press, field, value)
+    assert getattr(press, field) == valid[field]
+
+
 def test_the_ends_of_the_int_ranges_are_taken():
     """-2^63 fits int64 (a seed was refused as not fitting it); GVote averages at most 2^20 future positions (10^12
     asked for 8 TB in the first forward, naming neither the press nor the parameter)."""

@@ -116,12 +116,8 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
         WeightedKVPress(**kwargs)
 
 
-def test_too_small_cache_is_refused_clearly():
-    """A count is every prompt's m: refused where it is given (it was at the first prompt); a fraction of a short
-    prompt at its prefill."""
-    with pytest.raises(ValueError, match=r"WeightedKVPress: a cache of 8 slots has no middle region after 4 sinks and "
-                                         r"a recent window of 4; raise cache_size"):
-        WeightedKVPress(cache_size=8, recent=4)
+def test_too_small_a_fraction_of_a_short_prompt_is_refused_clearly():
+    """(A count is refused where it is given: test_misplaced_presses.)"""
     model, tokenizer = make_tiny_llama()
     with pytest.raises(ValueError, match=r"WeightedKVPress: a cache of 4 slots has no middle region .*; give "
                                          r"cache_size in tokens"):

@@ -179,22 +179,6 @@ def test_passes_of_several_tokens_keep_the_recent_window_unmerged(eviction_order
         assert bool((distance.min(-1).values <= 1e-6).all()), f"head {head}: the recent tokens held {distance.min(-1)}"
 
 
-def test_a_budget_without_a_context_slot_is_refused_where_it_is_given():
-    """A count splits alike for every prompt: ZSMergePress(budget=2) was refused only at the first prompt; a fraction
-    of a short prompt is refused at its prefill."""
-    with pytest.raises(ValueError, match=r"ZSMergePress: a budget of 2 slots leaves no context slot after 1 recent and "
-                                         r"1 residual slots; raise budget or lower recent_fraction / residual_slots"):
-        ZSMergePress(budget=2)
-    press = ZSMergePress(budget=8)
-    with pytest.raises(ValueError, match=r"ZSMergePress: a budget of 2 slots"):
-        press.budget = 2  # (a sweep's assignment, checked as the constructor checks)
-    assert press.budget == 8
-    model, tokenizer = make_tiny_llama()
-    with pytest.raises(ValueError, match=r"ZSMergePress: a budget of 2 slots .*; give budget in tokens \(0.25 of "
-                                         r"this 8-token prompt is 2 slots"):
-        greedy(model, prompt_ids(tokenizer, 8), press=ZSMergePress(), max_new_tokens=1)
-
-
 def test_merge_count_bias_is_alpha_log_w():
     model, tokenizer = make_tiny_llama()
     _, cache = greedy(model, prompt_ids(tokenizer, 96), press=ZSMergePress(budget=24, alpha=0.6), max_new_tokens=8)
