@@ -164,8 +164,7 @@ class KVzapPress(_KVzapScorer):
     _loaded: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _weights_of: object = field(default=None, init=False, repr=False, compare=False)
-    # The decoder config of the model the surrogate was last loaded or checked for (layer_surrogate's test of a new
-    # model)
+    # The decoder config of the model the surrogate was last loaded or checked for: layer_surrogate refits on another
     _fitted_config: object = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name, value):
