@@ -452,17 +452,27 @@ def tiny_model(architecture: str, **config):
     return model_class(config).eval()
 
 
-def test_a_model_whose_attention_skips_the_registry_is_refused_before_it_reads_the_pools():
-    """Falcon computes its attention itself (no transformers attention registry): on a PagedKVCache it took the block
-    pools for its keys (different greedy tokens from the second step on, no error). Its first append is refused,
-    naming the layer, before any output is computed from the pools; its DynamicCache run is left alone."""
-    model = tiny_model("Falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       new_decoder_architecture=True, num_kv_heads=2)
+@pytest.mark.parametrize("architecture,config", [
+    ("Falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
+                    num_kv_heads=2)),
+    ("Bloom", dict(hidden_size=64, n_layer=2, n_head=4)),
+])
+def test_a_model_whose_attention_skips_the_registry_is_refused_before_it_reads_the_pools(architecture, config):
+    """Falcon (up to transformers 5.24) and Bloom compute their attention themselves (no transformers attention
+    registry): on a PagedKVCache Falcon took the block pools for its keys (different greedy tokens from the second
+    step on, no error). Their first append is refused, naming the layer, before any output is computed from the
+    pools; their DynamicCache run is left alone. Where the model's file dispatches through the registry (Falcon from
+    transformers 5.25), the paged cache gives the DynamicCache's tokens."""
+    model = tiny_model(architecture, **config)
     ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(5))
+    run = lambda cache: model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)  # noqa: E731
     with torch.no_grad():
-        model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=3, do_sample=False)
-        with pytest.raises(ValueError, match=r"PagedKVCache: layer 0 \(FalconAttention\) computes its attention "
-                                             r"itself, not through transformers' attention registry"):
+        if "ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[type(model).__module__]):
+            assert torch.equal(run(PagedKVCache()), run(DynamicCache()))
+            return
+        run(DynamicCache())
+        with pytest.raises(ValueError, match=rf"PagedKVCache: layer 0 \({architecture}Attention\) computes its "
+                                             r"attention itself, not through transformers' attention registry"):
             model(ids, past_key_values=PagedKVCache())
 
 
