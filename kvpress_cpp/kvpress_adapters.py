@@ -584,14 +584,16 @@ def _naming_missing_cache_position(call):
             if not _missing_cache_position(error) or isinstance(self, KVCompPress):
                 raise
             why = kvpress_transformers_mismatch() or "a model or transformers that does not pass it"
-            raise RuntimeError(f"{type(self).__name__}: kvpress's hooks read each pass's cache_position, which the "
-                               f"model's attention was not given: {why}") from error
+            raise RuntimeError(f"{type(self).__name__}: kvpress's hooks read each pass's cache_position, and its cache "
+                               f"as past_key_values, which the model's attention was not given so: {why}") from error
 
     return adapted_call
 
 
 def _missing_cache_position(error: Exception) -> bool:
-    return isinstance(error, KeyError) and error.args == ("cache_position",)
+    """kvpress 0.5.5's hook reading a keyword the attention no longer gets: cache_position (transformers 5.17 on), or
+    past_key_values, which it reads first (transformers 5.24 on pass the cache as `cache`)."""
+    return isinstance(error, KeyError) and error.args in (("cache_position",), ("past_key_values",))
 
 
 @contextmanager

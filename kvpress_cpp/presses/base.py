@@ -111,6 +111,8 @@ def _crop_counting_tokens(cache, max_length: int, *args, **kwargs):
                 f"into (or scored against) the slots it keeps and cannot be taken back. Assisted generation "
                 f"(prompt_lookup_num_tokens, assistant_model) rolls its rejected candidates back this way: generate "
                 f"without it under {owner}")
+    if max_length > 0 and not cuts:
+        return None  # nothing to cut, which transformers from 5.24 refuses to be asked for (a positive crop)
     if compressed and 0 < max_length < tokens:
         # A count of tokens to keep would read as slots on each layer: the last `dropped` slots are those tokens.
         max_length = -dropped
