@@ -40,7 +40,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp import ops
-from kvpress_cpp.cache import (attached_layer, get_state, head_wise_marks_error, state_for_attention,
+from kvpress_cpp.cache import (attached_layer, get_state, head_wise_marks_error, in_one_dtype, state_for_attention,
                                tokens_held_at_close)
 from kvpress_cpp.paged_cache import PagedLayer, paged_layer_of, settle_marks
 
@@ -392,6 +392,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
             _refuse_unsupported_variant(module, kwargs, "kvpress_cpp", lambda: key.shape[-2])
             _refuse_tokens_fed_again(attached_layer(module, key), query, kwargs)
+        key, value = in_one_dtype(key, value)  # (after the layer was found by its key)
         if log_weights is None:
             # kvpress's own wrapper, when it wraps this one, passes dropout positionally (as its 6th argument).
             if (keeps_prompt_scores and len(args) <= 1

@@ -204,6 +204,17 @@ def output_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+def in_one_dtype(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values in the wider of their dtypes, which the ops take one of. Under torch.autocast the rotary's
+    float32 tables leave the keys float32 beside values in the autocast dtype; a DynamicLayer up to transformers 5.17
+    held both as float32 (its first tensor was the keys' dtype), from 5.24 it keeps the values narrower (a paged
+    layer's pools hold the wider)."""
+    if keys.dtype == values.dtype or not (keys.is_floating_point() and values.is_floating_point()):
+        return keys, values
+    common = torch.promote_types(keys.dtype, values.dtype)
+    return keys.to(common), values.to(common)
+
+
 def check_cache_layer(layer, user: str = "kvpress_cpp presses") -> None:
     """Raise unless `layer` can hold a press's per-slot state: a DynamicCache's layer, whose update the press replaces
     with one in place (:func:`set_state`), or a PagedKVCache's."""

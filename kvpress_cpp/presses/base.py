@@ -53,8 +53,8 @@ from kvpress_cpp.attention import (active_presses, count_hook_without_probabilit
                                    patch_eager_attention, request_prefill_scores, set_positions_end,
                                    take_prefill_attention, take_prompt_last_query, tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
-                               get_state, output_cache, pass_cache, pass_inputs, remember_tokens_held, set_state,
-                               slots_appended_since_written)
+                               get_state, in_one_dtype, output_cache, pass_cache, pass_inputs, remember_tokens_held,
+                               set_state, slots_appended_since_written)
 from kvpress_cpp.distributed import check_tensor_parallel, gather_kv_heads, kv_head_shard, prerope_query_states
 from kvpress_cpp.presses.streaming import CHUNKED_PREFILL_REPEATS_LAST_POSITIONS, check_chunk_positions
 
@@ -649,7 +649,7 @@ class KVCompPress(BasePress):
     def _prefill_layer(self, module: nn.Module, layer, hidden_states: torch.Tensor, attentions, kwargs: dict):
         """The prompt pass over a layer holding no state of ours: its compression (keys, values, state), or None."""
         name, layer_idx, new_tokens = type(self).__name__, module.layer_idx, hidden_states.shape[1]
-        keys, values = layer.keys, layer.values
+        keys, values = in_one_dtype(layer.keys, layer.values)
         if keys.shape[-2] > new_tokens:
             raise ValueError(
                 f"{name}: layer {layer_idx} already held {keys.shape[-2] - new_tokens} tokens that {name} did not "
@@ -675,7 +675,7 @@ class KVCompPress(BasePress):
         """A later pass over a layer holding this press's state: (its compression or None, whether every slot held
         before the pass is kept)."""
         name, layer_idx, new_tokens = type(self).__name__, module.layer_idx, hidden_states.shape[1]
-        keys, values = layer.keys, layer.values
+        keys, values = in_one_dtype(layer.keys, layer.values)
         owner = state.owner() if state.owner is not None else None
         if state.owner_type is not type(self) or (owner is not None and owner is not self):
             raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
