@@ -1518,7 +1518,7 @@ class PagedKVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         first = self.layers[0] if self.layers else None
         if (layer_idx > 0 and (layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized)
-                and first.is_initialized and first.tokens_appended > key_states.shape[-2]):
+                and first is not None and first.is_initialized and first.tokens_appended > key_states.shape[-2]):
             # Layer 0 held tokens before this pass, which a layer written for the first time never received: it
             # would start empty in the middle of the text (and its attention read none of it).
             earlier = first.tokens_appended - key_states.shape[-2]

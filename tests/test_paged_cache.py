@@ -391,6 +391,10 @@ def test_a_layer_first_written_after_layer_0_held_tokens_is_refused():
         cache.reset()
         three(ids, past_key_values=cache)
     assert [cache.get_seq_length(layer) for layer in range(3)] == [40, 40, 40]
+    stage = PagedKVCache()  # a pipeline stage's cache: its first write is to a later layer
+    keys = torch.randn(1, 2, 5, 8)
+    stage.update(keys, keys, 1)
+    assert stage.get_seq_length(1) == 5
 
 
 def test_a_numpy_block_size_is_taken_as_an_int():
