@@ -392,17 +392,16 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         if log_weights is not None and not presses:  # a compressed context answered outside its press's context
             _refuse_unsupported_variant(module, kwargs, "kvpress_cpp", lambda: key.shape[-2])
             _refuse_tokens_fed_again(attached_layer(module, key), query, kwargs)
-        key, value = in_one_dtype(key, value)  # (after the layer was found by its key)
         if log_weights is None:
             # kvpress's own wrapper, when it wraps this one, passes dropout positionally (as its 6th argument).
             if (keeps_prompt_scores and len(args) <= 1
                     and _keeps_prompt_scores(module, query, key, attention_mask, args[0] if args else
                                              kwargs.get("dropout"), kwargs)):
-                kept = _prompt_attention_keeping_scores(module, query, key, value, kwargs)
+                kept = _prompt_attention_keeping_scores(module, query, *in_one_dtype(key, value), kwargs)
                 if kept is not None:
                     return kept
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
-        output, probs = ops.decode_attention(query, key, value, log_weights, _scaling(module, kwargs))
+        output, probs = ops.decode_attention(query, *in_one_dtype(key, value), log_weights, _scaling(module, kwargs))
         _hand_decode_query(module, query)  # for the press's hook (take_decode_query): no second projection
         return output.transpose(1, 2).contiguous(), probs
 
