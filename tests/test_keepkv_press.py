@@ -126,12 +126,19 @@ def test_scorer_chooses_the_prompt_heavy_hitters():
 
 def test_a_scorer_that_fails_is_named_with_keepkv():
     """kvpress's SnapKVPress asserts a prompt longer than its window (64): as KeepKV's scorer on 40 tokens its bare
-    AssertionError named neither press."""
+    AssertionError named neither press. Running out of memory stays what it is, which a caller backs off on."""
     model, tokenizer = make_tiny_llama()
     press = KeepKVPress(budget=0.5, scorer=SnapKVPress())
     with pytest.raises(ValueError, match=r"KeepKVPress: its scorer SnapKVPress failed at layer 0 on a prompt of 40 "
                                          r"tokens: Query length 40 should be greater than the window size 64"):
         greedy(model, prompt_ids(tokenizer, 40), press=press, max_new_tokens=1)
+
+    class OutOfMemory(KnormPress):
+        def score(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        greedy(model, prompt_ids(tokenizer, 40), press=KeepKVPress(budget=0.5, scorer=OutOfMemory()), max_new_tokens=1)
 
 
 def test_merge_first_merges_the_lower_half_by_score_into_heavier_tokens(monkeypatch):

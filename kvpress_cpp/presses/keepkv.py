@@ -146,6 +146,8 @@ class KeepKVPress(KVCompDecodingPress):
         if self.scorer is not None:
             try:
                 ranking = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+            except torch.OutOfMemoryError:
+                raise  # as it came: a caller backs off on it
             except (AssertionError, IndexError, RuntimeError, ValueError) as error:  # kvpress's scorers assert
                 raise ValueError(f"KeepKVPress: its scorer {type(self.scorer).__name__} failed at layer "
                                  f"{module.layer_idx} on a prompt of {length} tokens: "
