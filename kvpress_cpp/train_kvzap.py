@@ -49,7 +49,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from kvpress_cpp.models import DEFAULT_MODEL_NAME, local_model_problem
+from kvpress_cpp.models import DEFAULT_MODEL_NAME, NO_HUB_KERNELS, local_model_problem
 from kvpress_cpp.presses.kvzap import load_surrogate, save_surrogate
 
 __all__ = [
@@ -916,7 +916,8 @@ def _load_model(name: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
+                                                 **NO_HUB_KERNELS).to(device).eval()
     return model, tokenizer, Path(name).name or name
 
 
