@@ -585,7 +585,8 @@ def _naming_missing_cache_position(call):
                 raise
             why = kvpress_transformers_mismatch() or "a model or transformers that does not pass it"
             raise RuntimeError(f"{type(self).__name__}: kvpress's hooks read each pass's cache_position, and its cache "
-                               f"as past_key_values, which the model's attention was not given so: {why}") from error
+                               f"as past_key_values, neither of which the model's attention was given: "
+                               f"{why}") from error
 
     return adapted_call
 

@@ -6,6 +6,7 @@ does not touch) give the results a reference gives.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from contextlib import nullcontext
 import sys
@@ -390,11 +391,12 @@ def test_after_the_context_closed_a_pass_is_refused_exactly_when_it_starts_befor
 
 
 @pytest.mark.parametrize("keep", [1, 15, 16, 39, 40, -1])
-def test_a_crop_of_a_compressed_cache_is_refused_exactly_when_it_would_drop_merged_tokens(llama, keep):
+def test_a_crop_of_a_compressed_cache_is_refused_exactly_when_it_would_drop_merged_tokens(llama, keep, monkeypatch):
     """40 tokens compressed to 16 slots: crop(n) keeps n tokens. Any n from 1 up to the 39th token asks for tokens
-    merged into (or scored against) the slots kept, refused; n = 40 drops nothing; crop(-1) (transformers 5.17's
-    count of tokens to remove) drops the last token, merged. Below the slots, crop cut the last slots, which in
-    ZSMerge's recent ring are not the last tokens, and the cache then stood for fewer tokens than it held."""
+    merged into (or scored against) the slots kept, refused; n = 40 drops nothing, and is not passed on (transformers
+    from 5.24 refuses a positive crop, which it was asked); crop(-1) (transformers 5.17's count of tokens to remove)
+    drops the last token, merged. Below the slots, crop cut the last slots, which in ZSMerge's recent ring are not
+    the last tokens, and the cache then stood for fewer tokens than it held."""
     cache = DynamicCache()
     with torch.no_grad(), ZSMergePress(budget=16)(llama):
         llama(prompt(), past_key_values=cache)
@@ -405,6 +407,14 @@ def test_a_crop_of_a_compressed_cache_is_refused_exactly_when_it_would_drop_merg
             cache.crop(keep)
         assert cache.get_seq_length() == 16
     else:
+        original = DynamicCache.crop
+
+        def refusing_a_positive_crop(self, max_length, *args, **kwargs):  # as transformers from 5.24
+            if max_length > 0:
+                raise ValueError(f"Calling crop with a positive value ({max_length}) is not supported")
+            return original(self, max_length, *args, **kwargs)
+
+        monkeypatch.setattr(DynamicCache, "crop", refusing_a_positive_crop)
         cache.crop(keep)
         assert cache.get_seq_length() == min(keep, 16)
 
@@ -1008,30 +1018,34 @@ def test_a_fraction_too_few_slots_for_a_short_prompt_is_told_to_be_a_token_count
     with torch.no_grad(), make(**{field: 16})(llama):
         llama.generate(prompt(length=2), past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert [layer.keys.shape[-2] for layer in cache.layers] == [16, 16]
-    with pytest.raises(ValueError, match=rf"{make.__name__}: .*; raise {field} or lower"), torch.no_grad(), \
-            make(**{field: 2})(llama):
-        llama(prompt(length=8), past_key_values=DynamicCache())
 
 
-@pytest.mark.parametrize("make,valid,field,value,message", [
-    (ZSMergePress, {"budget": 8}, "budget", 2, r"ZSMergePress: a budget of 2 slots leaves no context slot after 1 "
-                                               r"recent and 1 residual slots; raise budget or lower recent_fraction"),
-    (WeightedKVPress, {"cache_size": 16, "recent": 4}, "cache_size", 8, r"WeightedKVPress: a cache of 8 slots has no "
-                                                                       r"middle region after 4 sinks and a recent "
-                                                                       r"window of 4; raise cache_size"),
-    (KeepKVPress, {"budget": 16, "recent": 8}, "recent", 12, r"KeepKVPress: a budget of 16 slots leaves no heavy "
-                                                             r"hitter after 4 sinks and a recent window of 12; raise "
-                                                             r"budget or lower sinks / recent"),
+REPLACE_ADVICE = r"\(dataclasses.replace\(press, ...\) sets it with the parameters it must fit\)"
+
+
+@pytest.mark.parametrize("make,valid,field,value,fitting,message", [
+    (ZSMergePress, {"budget": 8}, "budget", 2, {"residual_slots": 0},
+     r"ZSMergePress: a budget of 2 slots leaves no context slot after 1 recent and 1 residual slots; raise budget "
+     rf"{REPLACE_ADVICE} or lower recent_fraction"),
+    (WeightedKVPress, {"cache_size": 16, "recent": 4}, "cache_size", 8, {"recent": 3},
+     rf"WeightedKVPress: a cache of 8 slots has no middle region after 4 sinks and a recent window of 4; raise "
+     rf"cache_size {REPLACE_ADVICE} or lower sinks / recent"),
+    (KeepKVPress, {"budget": 16, "recent": 8}, "recent", 12, {"budget": 20},
+     rf"KeepKVPress: a budget of 16 slots leaves no heavy hitter after 4 sinks and a recent window of 12; raise budget "
+     rf"{REPLACE_ADVICE} or lower sinks / recent"),
 ], ids=["ZSMerge", "WeightedKV", "KeepKV"])
-def test_a_token_count_without_room_is_refused_where_it_is_given(make, valid, field, value, message):
+def test_a_token_count_without_room_is_refused_where_it_is_given(make, valid, field, value, fitting, message):
     """A budget in tokens splits alike for every prompt: ZSMergePress(budget=2) and the others were refused only inside
-    the first forward. Constructed or assigned (a sweep), refused at once; a refused assignment changes nothing."""
+    the first forward. Constructed or assigned (a sweep), refused at once; a refused assignment changes nothing, and
+    dataclasses.replace, which the message names, sets the parameters together."""
     with pytest.raises(ValueError, match=message):
         make(**{**valid, field: value})
     press = make(**valid)
     with pytest.raises(ValueError, match=message):
         setattr(press, field, value)
     assert getattr(press, field) == valid[field]
+    replaced = dataclasses.replace(press, **{field: value, **fitting})  # with a parameter that makes room
+    assert getattr(replaced, field) == value
 
 
 def test_the_ends_of_the_int_ranges_are_taken():

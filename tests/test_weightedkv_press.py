@@ -119,8 +119,8 @@ def test_bad_hyperparameters_are_refused(kwargs, message):
 def test_too_small_a_fraction_of_a_short_prompt_is_refused_clearly():
     """(A count is refused where it is given: test_misplaced_presses.)"""
     model, tokenizer = make_tiny_llama()
-    with pytest.raises(ValueError, match=r"WeightedKVPress: a cache of 4 slots has no middle region .*; give "
-                                         r"cache_size in tokens"):
+    with pytest.raises(ValueError, match=r"WeightedKVPress: a cache of 4 slots has no middle region .*; raise "
+                                         r"cache_size or give it in tokens \(0.1 of this 40-token prompt is 4 slots"):
         greedy(model, prompt_ids(tokenizer, 40), press=WeightedKVPress(cache_size=0.1, recent=4), max_new_tokens=2)
 
 

@@ -166,7 +166,8 @@ _INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1  # the ops take int64 arguments, torc
 def require_int(press: str, name: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum)
             or (maximum is not None and value > maximum)):
-        bounds = f" in [{minimum}, {maximum}]" if maximum is not None else "" if minimum is None else f" ≥ {minimum}"
+        bounds = ("" if minimum is None and maximum is None else f" ≥ {minimum}" if maximum is None
+                  else f" ≤ {maximum}" if minimum is None else f" in [{minimum}, {maximum}]")
         raise ValueError(f"{press}: {name} must be an int{bounds}, got {value!r}")
     _require_int64(press, name, value)
 
@@ -486,13 +487,16 @@ class KVCompPress(BasePress):
         return budget if isinstance(budget, int) else max(1, round(budget * prompt_length))
 
     def raise_budget(self, prompt_length: int) -> str:
-        """The advice of a refusal of too few slots: raise the budget, which for a fraction of a short prompt (1.0
-        keeps all of it already) means giving it in tokens."""
+        """The advice of a refusal of too few slots: raise the budget; a fraction of a short prompt can also be given
+        in tokens (the only way at 1.0, which keeps all of it already). A count is refused where it is assigned, so a
+        sweep setting it before the parameters it must fit is told how to set them together."""
         field, budget = self.budget_field, getattr(self, self.budget_field)
         if isinstance(budget, int):
-            return f"raise {field}"
-        return (f"give {field} in tokens ({budget!r} of this {prompt_length}-token prompt is "
-                f"{self.budget_slots(prompt_length)} slots; a count above the prompt's length keeps it whole)")
+            return f"raise {field} (dataclasses.replace(press, ...) sets it with the parameters it must fit)"
+        slots = self.budget_slots(prompt_length)
+        in_tokens = (f"in tokens ({budget!r} of this {prompt_length}-token prompt is {slots} slots; a count above the "
+                     f"prompt's length keeps it whole)")
+        return f"give {field} {in_tokens}" if budget == 1.0 else f"raise {field} or give it {in_tokens}"
 
     @property
     def compression_ratio(self) -> float:
