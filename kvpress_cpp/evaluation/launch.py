@@ -184,33 +184,31 @@ def _one_question_per_call_for_decoding_presses(evaluate: ModuleType) -> None:
     longer holds the context as compressed: ``kvpress_adapters.patch_pipeline_questions``), so a dataset with
     several questions per context (LooGLE) stopped the run. Those presses go through evaluate.py's own loop for
     ``DecodingPress``, and each row gets the ratio its call measured, as the grouped loop records it. Idempotent."""
+    from kvpress_cpp.kvpress_adapters import _adapt
     from kvpress_cpp.presses.base import KVCompDecodingPress
 
-    runner = evaluate.EvaluationRunner
-    run_inference = runner._run_inference
-    if getattr(run_inference, "_kvcomp_adapted", False):
-        return
+    def one_question_per_call(run_inference):
+        def adapted_run_inference(self):
+            if not isinstance(self.press, KVCompDecodingPress):
+                return run_inference(self)
+            pipeline, decoding_press, ratios = self.pipeline, evaluate.DecodingPress, []
 
-    def adapted_run_inference(self):
-        if not isinstance(self.press, KVCompDecodingPress):
-            return run_inference(self)
-        pipeline, decoding_press, ratios = self.pipeline, evaluate.DecodingPress, []
+            def one_question(*args, **kwargs):
+                output = pipeline(*args, **kwargs)
+                ratios.append(self.press.compression_ratio)
+                return output
 
-        def one_question(*args, **kwargs):
-            output = pipeline(*args, **kwargs)
-            ratios.append(self.press.compression_ratio)
-            return output
+            # evaluate.py reads its module's DecodingPress when it chooses the loop: ours join it for this run only.
+            self.pipeline, evaluate.DecodingPress = one_question, (decoding_press, type(self.press))
+            try:
+                run_inference(self)
+            finally:
+                self.pipeline, evaluate.DecodingPress = pipeline, decoding_press
+            self.df["compression_ratio"] = ratios  # the loop visits the rows in order, one call each
 
-        # evaluate.py reads its module's DecodingPress when it chooses the loop: ours join it for this run only.
-        self.pipeline, evaluate.DecodingPress = one_question, (decoding_press, type(self.press))
-        try:
-            run_inference(self)
-        finally:
-            self.pipeline, evaluate.DecodingPress = pipeline, decoding_press
-        self.df["compression_ratio"] = ratios  # the loop visits the rows in order, one call each
+        return adapted_run_inference
 
-    adapted_run_inference._kvcomp_adapted = True
-    runner._run_inference = adapted_run_inference
+    _adapt(evaluate.EvaluationRunner, "_run_inference", one_question_per_call)
 
 
 def main(argv: list[str] | None = None) -> None:
