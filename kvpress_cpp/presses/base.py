@@ -486,7 +486,7 @@ class KVCompPress(BasePress):
         budget = getattr(self, self.budget_field)
         return budget if isinstance(budget, int) else max(1, round(budget * prompt_length))
 
-    def raise_budget(self, prompt_length: int) -> str:
+    def larger_budget_advice(self, prompt_length: int) -> str:
         """The advice of a refusal of too few slots: raise the budget; a fraction of a short prompt can also be given
         in tokens (the only way at 1.0, which keeps all of it already). A count is refused where it is assigned, so a
         sweep setting it before the parameters it must fit is told how to set them together."""

@@ -115,8 +115,8 @@ class KeepKVPress(KVCompDecodingPress):
         if self.sinks + recent >= budget:
             lower = "sinks / recent" if isinstance(self.recent, int) else "sinks"  # a fractional window is cut already
             raise ValueError(f"KeepKVPress: a budget of {budget} slots{where} leaves no heavy hitter after "
-                             f"{self.sinks} sinks and a recent window of {recent}; {self.raise_budget(prompt_length)} "
-                             f"or lower {lower}")
+                             f"{self.sinks} sinks and a recent window of {recent}; "
+                             f"{self.larger_budget_advice(prompt_length)} or lower {lower}")
         return recent
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):

@@ -64,8 +64,8 @@ class WeightedKVPress(StreamingPrefill, KVCompDecodingPress):
         recent = self.recent if self.recent is not None else max(1, size // 2 - 4)
         if self.sinks + recent >= size:
             raise ValueError(f"WeightedKVPress: a cache of {size} slots has no middle region after {self.sinks} "
-                             f"sinks and a recent window of {recent}; {self.raise_budget(prompt_length)} or lower "
-                             f"sinks / recent")
+                             f"sinks and a recent window of {recent}; {self.larger_budget_advice(prompt_length)} "
+                             f"or lower sinks / recent")
         return size, self.sinks, recent
 
     def compress_prefill(self, module, hidden_states, keys, values, attentions, log_weights, kwargs):

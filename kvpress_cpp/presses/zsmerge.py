@@ -79,8 +79,8 @@ class ZSMergePress(StreamingPrefill, KVCompDecodingPress):
         if context < 1:
             raise ValueError(
                 f"ZSMergePress: a budget of {budget} slots leaves no context slot after {recent} recent and "
-                f"{self.residual_slots} residual slots; {self.raise_budget(prompt_length)} or lower recent_fraction / "
-                f"residual_slots"
+                f"{self.residual_slots} residual slots; {self.larger_budget_advice(prompt_length)} or lower "
+                f"recent_fraction / residual_slots"
             )
         return recent, context, self.residual_slots
 
