@@ -302,8 +302,9 @@ def keepkv_decode_step(
     packing in one call (no ATen launch per part), keys and values updated in place.
 
     1. The logits ℓ = q·k·scale of every (query head, new token, slot) come from the attention's probabilities:
-       ``ℓ = ln p - b + LSE``, the row's LSE from its slot of largest p (one dot product per row); ℓ = -inf where
-       p = 0. s̄ = exp(ℓ) averaged over the G query heads of each kv head.
+       ``ℓ = ln p - b + LSE``, the row's LSE from its slot of largest p (one dot product per row; NaN counts as
+       -inf there, so a NaN p makes only its own slot's ℓ NaN); ℓ = -inf where p = 0. s̄ = exp(ℓ) averaged over the
+       G query heads of each kv head.
     2. EMA (eq. 8, log domain): ``ln S ← ln(β^q S + Σ_j (1-β) β^(q-1-j) s̄_j)``, the new tokens starting at S = 0,
        age 0, vote 1; every slot's age grows by the new queries that see it (slot t: min(q, T - t)).
     3. If T > budget: the T - budget slots of lowest ``ln ŝ = ln S - ln(1 - β^age)`` (NaN lowest, slots without

@@ -418,8 +418,9 @@ def keepkv_step_selection(keys, queries, probabilities, log_weights, log_ema, ag
     tokens), ln ŝ = ln(S / (1 - β^age)), and the targets (keepkv_match; all -1 when T <= budget) of the eviction of
     the T - budget slots of lowest ŝ (NaN lowest, no-vote slots first, ties to the lower slot), neither sinks nor
     recent. ℓ is what the attention that gave `probabilities` (B, Hq, q, T) computed: ℓ = ln p - b + LSE, the row's
-    LSE = q·k·scale + b - ln p at its slot of largest p (-inf where p = 0); for a consistent softmax this is
-    q·k·scale itself, which ``logits_from="queries"`` takes directly (-inf where b = -inf or causally masked)."""
+    LSE = q·k·scale + b - ln p at its slot of largest p (NaN as -inf, the first of equals; ℓ = -inf where p = 0);
+    for a consistent softmax this is q·k·scale itself, which ``logits_from="queries"`` takes directly (-inf where
+    b = -inf or causally masked)."""
     batch, kv_heads, slots, head_dim = keys.shape
     new_tokens, old_slots = queries.shape[2], slots - queries.shape[2]
     group = queries.shape[1] // kv_heads
@@ -430,7 +431,7 @@ def keepkv_step_selection(keys, queries, probabilities, log_weights, log_ema, ag
     else:
         grouped = queries.double().reshape(batch, kv_heads, group, new_tokens, head_dim)
         p = probabilities.double().reshape(batch, kv_heads, group, new_tokens, slots)
-        top = p.argmax(-1, keepdim=True)
+        top = p.nan_to_num(nan=float("-inf")).argmax(-1, keepdim=True)  # a NaN p poisons its own slot only
         top_keys = keys.double()[:, :, None, None].expand(-1, -1, group, new_tokens, -1, -1).gather(
             -2, top.unsqueeze(-1).expand(*top.shape, head_dim)).squeeze(-2)
         top_logit = ((grouped * top_keys).sum(-1, keepdim=True) * scale).float().double()  # float32, as attention's

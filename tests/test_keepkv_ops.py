@@ -733,6 +733,38 @@ def test_decode_step_scores_are_the_logits_q_k_scale(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("evicted", [1, 12], ids=["fused", "aten"])  # the two CUDA paths
+def test_decode_step_a_nan_probability_poisons_only_its_own_slot(device, evicted):
+    """A NaN in the attention's probabilities (an overflow upstream, say) makes that slot's logit NaN, nothing more:
+    the row's LSE comes from its largest non-NaN probability. A NaN at slot 0 once chose slot 0 as the CPU op's
+    anchor, and every logit of the row became NaN. Compared with the float64 reference, which skips NaN the same
+    way, and checked directly: every other slot's EMA stays finite."""
+    import random
+
+    from tests.test_fuzz_ops import FUZZ, _keepkv_step_build, _keepkv_step_sizes
+
+    r = random.Random(f"nan-probability:{evicted}")
+    sizes = _keepkv_step_sizes(r, {"B": 2, "H": 2, "Hq": 4, "q": 2, "d": 16, "S": 40})
+    args = list(_keepkv_step_build(r, sizes, torch.float32))
+    args[4].fill_(0.0)  # log-weights: every slot seen, so that a -inf EMA can only come from a NaN
+    args[3] = reference.decode_attention(args[2], args[0], args[1], args[4], args[8])[1]
+    poisoned = [(0, 0, 0, 0), (1, 3, 1, 17)]  # (batch, query head, new token, slot)
+    for index in poisoned:
+        args[3][index] = float("nan")
+    args[10:13] = [42 - evicted, 2, 6]  # budget, sinks, recent
+    args[14] = False
+    expected = reference.keepkv_decode_step(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    stepped = ops.keepkv_decode_step(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    atol, rtol = FUZZ["keepkv_decode_step"].tolerance(torch.float32)
+    for name, g, e in zip(("keys", "values", "log_ema", "age", "votes", "log_weights", "dropped"), stepped, expected):
+        torch.testing.assert_close(g.cpu().float(), e.float(), atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    log_ema = stepped[2].cpu()
+    assert int(log_ema.isnan().sum()) <= len(poisoned)  # the poisoned slots, where they were kept
+    assert bool(log_ema.nan_to_num(nan=0.0).isfinite().all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("edge", ["first recent slot", "last sink"])
 def test_decode_step_never_evicts_the_protected_slot_with_the_lowest_score(device, edge):
     """The slot at the edge of the recent window (or the last sink) holds the lowest ŝ of the row, by far: the step

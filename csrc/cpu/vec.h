@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common.h"
+
 namespace kvcomp::cpu {
 
 using FloatVec = at::vec::Vectorized<float>;
@@ -65,14 +67,20 @@ inline void store_from_float(const FloatVec& lanes, scalar_t* out, int64_t count
   }
 }
 
-// Index of the first largest of count > 0 values, as std::max_element and torch.argmax: a vectorised maximum, then the
-// first value equal to it (std::max_element compares one value at a time). A NaN maximum matches nothing, so that
-// case is left to std::max_element's ordering.
+// Index of the first largest of count > 0 values, NaN counting as -inf (kernels::MergesFirst's order, which the CUDA
+// kernels reduce with): 0 when every value is NaN or -inf. A vectorised maximum, then the first value equal to it; a
+// NaN maximum (at::vec::maximum propagates NaN) matches nothing and takes the scalar scan.
 inline int64_t first_argmax(const float* values, int64_t count) {
   const float largest =
       at::vec::reduce_all<float>([](FloatVec& a, FloatVec& b) { return at::vec::maximum(a, b); }, values, count);
-  const float* first = std::find(values, values + count, largest);
-  return (first != values + count ? first : std::max_element(values, values + count)) - values;
+  const float* found = std::find(values, values + count, largest);
+  if (found != values + count) return found - values;
+  const auto key = [](float value) { return kernels::is_nan(value) ? -kernels::infinity() : value; };
+  int64_t first = 0;
+  for (int64_t i = 1; i < count; ++i) {
+    if (key(values[i]) > key(values[first])) first = i;
+  }
+  return first;
 }
 
 }  // namespace kvcomp::cpu

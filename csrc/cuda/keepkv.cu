@@ -940,7 +940,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> keepkv_de
   const double inf = std::numeric_limits<double>::infinity();
   // ℓ = ln p - b + LSE (B, H, G, q, T), the row's LSE from its slot of largest p.
   const at::Tensor p = probabilities.reshape({batch, kv_heads, group, q, slots});
-  const at::Tensor top = p.argmax(-1, /*keepdim=*/true);
+  // NaN as -inf (the fused kernel's MergesFirst order): a NaN probability poisons its own slot only.
+  const at::Tensor top = p.nan_to_num(-inf).argmax(-1, /*keepdim=*/true);
   const at::Tensor grouped = queries.to(at::kFloat).reshape({batch, kv_heads, group, q, head_dim});
   // The top slots' keys gathered before the conversion: the whole cache in float32 would be twice its bytes again.
   const at::Tensor top_keys = keys.unsqueeze(2).expand({batch, kv_heads, group, slots, head_dim})

@@ -324,7 +324,8 @@ TEST(KeepKVSets, MembersAreGroupedByTarget) {
 }
 
 // The decoding step's slot of largest probability (its log-normaliser recovery): the first largest, as
-// std::max_element, whatever the length against the vector width, with ties, -inf rows and a NaN.
+// std::max_element, whatever the length against the vector width, with ties and -inf rows; NaN counts as -inf, as
+// k::MergesFirst orders the CUDA kernels' reduction (a NaN at slot 0 once took the row).
 TEST(KeepKVKernels, FirstArgmaxIsTheFirstLargest) {
   std::mt19937 generator(3);
   std::uniform_int_distribution<int> level(0, 3);  // few distinct values: many ties
@@ -334,13 +335,23 @@ TEST(KeepKVKernels, FirstArgmaxIsTheFirstLargest) {
       for (float& v : values) v = static_cast<float>(level(generator)) - 4.0f;
       EXPECT_EQ(kvcomp::cpu::first_argmax(values.data(), count),
                 std::max_element(values.begin(), values.end()) - values.begin()) << "count " << count;
+      values[trial % count] = kNan;  // NaN anywhere: the first largest of the others, under MergesFirst too
+      k::SlotChoice best = k::MergesFirst::none();
+      for (int64_t t = 0; t < count; ++t) {
+        const k::SlotChoice candidate{values[t], t};
+        if (k::MergesFirst{}(candidate, best)) best = candidate;
+      }
+      EXPECT_EQ(kvcomp::cpu::first_argmax(values.data(), count), best.slot) << "count " << count;
     }
   }
   const std::vector<float> none(19, -kInf);
   EXPECT_EQ(kvcomp::cpu::first_argmax(none.data(), 19), 0);
-  const std::vector<float> with_nan = {0.1f, kNan, 0.7f, 0.7f, 0.2f};
-  EXPECT_EQ(kvcomp::cpu::first_argmax(with_nan.data(), 5),
-            std::max_element(with_nan.begin(), with_nan.end()) - with_nan.begin());
+  const std::vector<float> with_nan = {kNan, 0.1f, kNan, 0.7f, 0.7f, 0.2f};
+  EXPECT_EQ(kvcomp::cpu::first_argmax(with_nan.data(), 6), 3);
+  const std::vector<float> nan_then_minus_inf = {kNan, -kInf, kNan};
+  EXPECT_EQ(kvcomp::cpu::first_argmax(nan_then_minus_inf.data(), 3), 0);  // all -inf: the first
+  const std::vector<float> all_nan(21, kNan);
+  EXPECT_EQ(kvcomp::cpu::first_argmax(all_nan.data(), 21), 0);
 }
 
 TEST(KeepKVSets, PartitionPutsEvictedFirstInOrder) {
