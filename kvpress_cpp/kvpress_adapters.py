@@ -85,7 +85,8 @@ _PATCHED_ATTR = "_kvcomp_adapted"
 # Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn.
 _NAMES_MISSING_POSITION_ATTR = "_kvcomp_names_missing_cache_position"
 _LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _LayerTypeRotary
-_MARKS_ATTR = "_kvcomp_marks"  # on the press: layer → [marks added since the prefill, tokens cached]
+# On the press: layer → [marks added since the prefill, tokens cached, each row's left padding (B,) int64 on the CPU].
+_MARKS_ATTR = "_kvcomp_marks"
 
 
 def _adapt(owner: type, name: str, adapter, marker: str = _PATCHED_ATTR) -> None:
@@ -237,8 +238,9 @@ def _mark_count(module) -> int:
     return 0 if marked is None else len(marked[0])
 
 
-def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int) -> None:
-    """Record the marks this pass added on `module`'s layer and set ``press.compression_ratios`` from the counts."""
+def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int, padding: list[int] | None) -> None:
+    """Record the marks this pass added on `module`'s layer and set ``press.compression_ratios`` from the counts: the
+    fraction of the tokens cached that were removed, a padded prefill's padding (never marked) counted in neither."""
     hidden_states = kwargs["hidden_states"]
     new_tokens, layer_idx = hidden_states.shape[1], module.layer_idx
     prefilling = is_prefilling(kwargs["cache_position"], new_tokens)
@@ -247,17 +249,25 @@ def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int) -> N
     marks = press.__dict__.setdefault(_MARKS_ATTR, {})
     added = _mark_count(module) - marked_before
     tokens = int(kwargs["cache_position"][-1]) + 1
-    marks[layer_idx] = [added if prefilling else marks.get(layer_idx, [0])[0] + added, tokens]
-    config = module.config
-    slots = hidden_states.shape[0] * config.num_key_value_heads
+    if prefilling:
+        rows_padding = torch.tensor(padding if padding is not None else [0] * hidden_states.shape[0])
+        marks[layer_idx] = [added, tokens, rows_padding]
+    else:
+        marks[layer_idx][:2] = [marks[layer_idx][0] + added, tokens]
+    kv_heads = module.config.num_key_value_heads
     if kv_head_shard(module) is None:
-        press.compression_ratios[layer_idx] = marks[layer_idx][0] / (slots * tokens)
-    elif layer_idx == config.num_hidden_layers - 1:  # every rank's marks, for every layer, once per pass
+        press.compression_ratios[layer_idx] = marks[layer_idx][0] / (kv_heads * _real_tokens(*marks[layer_idx][1:]))
+    elif layer_idx == module.config.num_hidden_layers - 1:  # every rank's marks, for every layer, once per pass
         layers = sorted(marks)
         counts = torch.tensor([[marks[layer][0]] for layer in layers], device=hidden_states.device)
         totals = gather_kv_heads(counts, module, dim=-1).sum(-1).tolist()
-        press.compression_ratios.update({layer: total / (slots * marks[layer][1])
+        press.compression_ratios.update({layer: total / (kv_heads * _real_tokens(*marks[layer][1:]))
                                          for layer, total in zip(layers, totals)})
+
+
+def _real_tokens(tokens: int, padding: torch.Tensor) -> int:
+    """The tokens a batch's rows hold in `tokens` columns, their left padding left out."""
+    return int(len(padding) * tokens - padding.sum())
 
 
 def _refuse_scores_of_cut_tokens(press: DMSPress, module, kwargs: dict) -> None:
@@ -327,11 +337,15 @@ def _rearranged_with_kvpress_rows(name: str, layer, argument) -> None:
     rearrange_batch(layer, name, argument)
     followers = [(m(), p()) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
     for module, press in followers:
+        if not _written_for(press, layer, _BUFFERED_FOR_ATTR, module.layer_idx):
+            continue
         buffers = getattr(press, "scores_buffer", None)
-        if buffers and buffers.get(module.layer_idx) is not None and \
-                _written_for(press, layer, _BUFFERED_FOR_ATTR, module.layer_idx):
+        if buffers and buffers.get(module.layer_idx) is not None:
             buffer = buffers[module.layer_idx]
             buffers[module.layer_idx] = buffer[ROWS_KEPT[name](buffer.shape[0], argument).to(buffer.device)]
+        counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
+        if counts is not None:  # each row's padding, for the ratio's tokens
+            counts[2] = counts[2][ROWS_KEPT[name](len(counts[2]), argument).cpu()]
     # Each module's marks once, whichever presses left them (a paged layer evicted its marks for real).
     for module in {id(module): module for module, _ in followers}.values():
         marks = getattr(module, "masked_key_indices", None)
@@ -360,7 +374,7 @@ def _dms_forward_hook(forward_hook):
         stand_in = _ScorerStandIn(self.press) if padding is None else _RowByRowScorer(self.press, padding)
         with _scorer_replaced(self, stand_in), _naming_our_slots(self, module, kwargs):
             output = forward_hook(self, module, input, kwargs, output)
-        _count_marks(self, module, kwargs, marked_before)
+        _count_marks(self, module, kwargs, marked_before, padding)
         _follow_batch_rows(self, module, kwargs)
         return output
 
