@@ -829,8 +829,10 @@ class PagedLayer(CacheLayerMixin):
         only the dropped rows held are kept empty (``evicted_columns``)."""
         if rows.dtype == torch.bool or rows.dtype.is_floating_point or rows.dtype.is_complex:
             raise TypeError(f"PagedKVCache: expected integer batch rows (a beam index), got {rows.dtype} {rows}")
+        if rows.dim() != 1:  # a DynamicLayer's keys[rows] would grow a dimension, not select rows
+            raise IndexError(f"PagedKVCache: expected batch rows as a 1-D index, got shape {tuple(rows.shape)}")
         self.flush()  # what was written through the view, and kvpress's marks, name the rows as they were
-        rows = rows.to("cpu", torch.long).reshape(-1)
+        rows = rows.to("cpu", torch.long)
         order = rows.tolist()
         batch = self.lengths.shape[0]
         if any(not 0 <= row < batch for row in order):  # refused before any block changes hands

@@ -451,6 +451,26 @@ def test_an_append_of_other_states_is_refused_and_leaves_the_layer_as_it_was(sta
     assert torch.equal(cache.layers[0].keys, torch.cat([keys, more], dim=2))
 
 
+ONE_D = "expected batch rows as a 1-D index, got shape "
+
+
+@pytest.mark.parametrize("method, argument, error, message", [
+    ("batch_select_indices", torch.tensor([[1, 2]]), IndexError, ONE_D + r"\(1, 2\)"),
+    ("batch_select_indices", 1, IndexError, ONE_D + r"\(\)"),
+    ("reorder_cache", torch.tensor([0, 3]), IndexError, r"batch rows \[0, 3\] asked of a batch of 3"),
+    ("reorder_cache", torch.tensor([0.0, 1.0]), TypeError, r"expected integer batch rows \(a beam index\), got torch.float32"),
+], ids=["2-D", "0-D", "out of range", "float"])
+def test_batch_rows_a_rectangular_cache_would_not_select_are_refused(method, argument, error, message):
+    """A 2-D index kept the rows it named, flattened, where a DynamicCache's keys[index] grows a dimension; each
+    refusal leaves every row and block where it was."""
+    cache, keys = PagedKVCache(block_size=4), torch.randn(3, 2, 5, 8)
+    cache.update(keys, -keys, 0)
+    with pytest.raises(error, match=f"PagedKVCache: {message}"):
+        getattr(cache, method)(argument)
+    assert torch.equal(cache.layers[0].keys, keys)
+    assert cache.layers[0].blocks_in_use() == 3 * 2 * 2
+
+
 @pytest.mark.parametrize("value_shape", [(1, 2, 8, 8), (1, 1, 6, 8)], ids=["more tokens", "fewer heads"])
 def test_values_of_another_shape_than_the_keys_are_refused_and_leave_the_layer_as_it_was(value_shape):
     """Values of other tokens or heads than the keys failed inside index_copy_ after the keys were written and the
