@@ -793,6 +793,35 @@ def test_a_crop_of_tokens_decoded_after_gvote_takes_them_back(llama, make_cache,
     torch.testing.assert_close(cropped_logits, logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("make_cache", [DynamicCache, lambda: PagedKVCache(block_size=4)], ids=["dynamic", "paged"])
+@pytest.mark.parametrize("make", [lambda: GVotePress(nucleus_p=0.9), lambda: ZSMergePress(budget=64),
+                                  lambda: WeightedKVPress(cache_size=64), lambda: KeepKVPress(budget=64, recent=8)],
+                         ids=["GVote", "ZSMerge under budget", "WeightedKV under budget", "KeepKV under budget"])
+def test_a_crop_of_a_padded_batchs_tokens_held_one_to_a_slot_takes_them_back(llama, make_cache, make):
+    """A left-padded batch, compressed row by row: a crop of the tokens decoded after the prompt, each still a slot of
+    its own (GVote's decoding; a budget no row has reached), takes them back from every row. The rectangular cache
+    refused the next pass ("its rows cannot follow the cut"); the paged one blamed tokens fed outside the press's
+    context, which was never closed."""
+    short, long = prompt(seed=3, length=PROMPT - 12), prompt(seed=4)
+    batch = torch.cat([torch.nn.functional.pad(short, (12, 0)), long])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(short), (12, 0)), torch.ones_like(long)])
+    decoded = prompt(seed=2, length=8).view(2, 4)
+
+    def run(fed: int, crop: int | None = None):
+        cache = make_cache()
+        with torch.no_grad(), make()(llama):
+            llama(batch, attention_mask=mask, past_key_values=cache)
+            for column in range(fed):
+                llama(decoded[:, column:column + 1], past_key_values=cache,
+                      attention_mask=torch.nn.functional.pad(mask, (0, column + 1), value=1))
+            if crop is not None:
+                cache.crop(-crop)
+            attention_mask = torch.nn.functional.pad(mask, (0, fed - (crop or 0) + 1), value=1)
+            return llama(decoded[:, -1:], past_key_values=cache, attention_mask=attention_mask).logits
+
+    torch.testing.assert_close(run(4, crop=2), run(2), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("make", [lambda: ZSMergePress(budget=16), lambda: WeightedKVPress(cache_size=20)],
                          ids=["ZSMerge", "WeightedKV"])
 def test_the_ratios_are_the_last_prefilled_caches_while_another_one_steps_in_turn(llama, make):

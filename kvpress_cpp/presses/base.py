@@ -299,9 +299,22 @@ class RowStates(LayerState):
     left_padded = True
 
     def align(self, slots_before: int, new_tokens: int) -> torch.Tensor:
-        if self.log_weights.shape[-1] > slots_before:
-            raise ValueError("kvpress_cpp: a padded batch's compressed cache was cut; its rows cannot follow the cut")
+        self.follow_cut(slots_before)
         return super().align(slots_before, new_tokens)
+
+    def follow_cut(self, slots_before: int) -> None:
+        """Cut each row's state to the layer's `slots_before` slots, less its padding: a cut from the right (the
+        pipeline dropping an answer, assisted generation's rollback: a crop refuses any cut of slots a press merged or
+        scored) takes the last slots of every row alike. A paged layer cuts the stacked tensors in its pools; the rows'
+        own states follow here."""
+        for row, padding in zip(self.rows, self.padding):
+            held = slots_before - padding
+            if held < 1:
+                raise ValueError(f"{self.owner_name()}: a cut left {slots_before} slots of a padded batch's layer, "
+                                 f"fewer than a row's {padding} slots of padding: that row would hold no token; crop "
+                                 f"fewer tokens, or prefill the batch again")
+            if row.log_weights.shape[-1] > held:
+                row.align(held, 0)
 
     def take_rows(self, rows: torch.Tensor) -> None:
         super().take_rows(rows)
@@ -684,6 +697,8 @@ class KVCompPress(BasePress):
         if state.owner_type is not type(self) or (owner is not None and owner is not self):
             raise ValueError(f"{name}: layer {layer_idx} holds the state of {state.owner_name()}; two kvpress_cpp "
                              f"presses cannot compress one cache (compose {name} with kvpress presses only)")
+        if isinstance(state, RowStates):
+            state.follow_cut(keys.shape[-2] - new_tokens)
         self._check_state_covers_held_slots(layer_idx, state, keys.shape[-2] - new_tokens)
         if isinstance(state, RowStates):
             result, keeps_held_slots = (
