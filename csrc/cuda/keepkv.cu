@@ -57,11 +57,6 @@ constexpr int kMatchSlotsInFlight = 4;  // warp_best_retained: slots whose keys 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return a > b ? a : b; }
 };
-struct ZipSumsOp {
-  __device__ kernels::ZipSums operator()(const kernels::ZipSums& a, const kernels::ZipSums& b) const {
-    return kernels::ZipSums::combine(a, b);
-  }
-};
 
 // ---------------------------------------------------------------------------------------------------------------
 // keepkv_match, direct path: block (row, y, piece) handles the evicted slots of ranks y, y + gridDim.y, ... of the row
@@ -365,11 +360,7 @@ __global__ void __launch_bounds__(kThreads)
                             float* __restrict__ out_votes,            // [R, T]
                             int64_t slots, int64_t head_dim, bool convex) {
   using MaxReduce = cub::BlockReduce<float, kThreads>;
-  using SumsReduce = cub::BlockReduce<kernels::ZipSums, kThreads>;
-  __shared__ union {
-    typename MaxReduce::TempStorage max;
-    typename SumsReduce::TempStorage sums;
-  } storage;
+  __shared__ typename MaxReduce::TempStorage storage;
   __shared__ float shared_max;
   __shared__ kernels::ZipCoefficients shared_coefficients;
   const int64_t flat = blockIdx.x;  // row * T + c
@@ -385,17 +376,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = k < 0 ? flat : set[k];
     local_max = kernels::zip_max_log(local_max, votes[i], log_scores[i]);
   }
-  const float block_max = MaxReduce(storage.max).Reduce(local_max, MaxOp{});
+  const float block_max = MaxReduce(storage).Reduce(local_max, MaxOp{});
   if (threadIdx.x == 0) shared_max = block_max;
   __syncthreads();
   const float max_log = shared_max;
-  kernels::ZipSums local;
-  for (int64_t k = static_cast<int64_t>(threadIdx.x) - 1; k < count; k += kThreads) {
-    const int64_t i = k < 0 ? flat : set[k];
-    local.add(votes[i], log_scores[i], max_log);
-  }
-  const kernels::ZipSums sums = SumsReduce(storage.sums).Reduce(local, ZipSumsOp{});
   if (threadIdx.x == 0) {
+    // c, then its members in order, one after another, as the CPU op and the fused decoding step add them: the sums
+    // round alike on every path, so the ZIP key's guard (zip_guard_passes) decides alike near its thresholds.
+    kernels::ZipSums sums;
+    sums.add(votes[flat], log_scores[flat], max_log);
+    for (int64_t k = 0; k < count; ++k) sums.add(votes[set[k]], log_scores[set[k]], max_log);
     shared_coefficients = kernels::zip_coefficients(max_log, sums, convex);
     out_votes[flat] = sums.votes;
   }

@@ -151,14 +151,6 @@ struct ZipSums {
       max_abs_log = magnitude > max_abs_log ? magnitude : max_abs_log;
     }
   }
-  KVCOMP_HOST_DEVICE static ZipSums combine(const ZipSums& a, const ZipSums& b) {
-    ZipSums out;
-    out.weight = a.weight + b.weight;
-    out.votes = a.votes + b.votes;
-    out.weighted_log = a.weighted_log + b.weighted_log;
-    out.max_abs_log = a.max_abs_log > b.max_abs_log ? a.max_abs_log : b.max_abs_log;
-    return out;
-  }
 };
 
 // The merged row is k_r = key_scale · Σ w k and v_r = value_scale · Σ w v.
