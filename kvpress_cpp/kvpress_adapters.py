@@ -315,6 +315,8 @@ def _follow_batch_rows(press, module, kwargs: dict) -> None:
         if not isinstance(layer.__dict__.get(name), MethodOf) or \
                 layer.__dict__[name].function.func is not _rearranged_with_kvpress_rows:
             setattr(layer, name, MethodOf(functools.partial(_rearranged_with_kvpress_rows, name), layer))
+    if isinstance(layer, DynamicLayer) and not isinstance(layer.__dict__.get("crop"), MethodOf):
+        layer.crop = MethodOf(_cropped_with_kvpress_marks, layer)  # a paged layer evicted its marks before a cut
 
 
 def _alive(reference) -> bool:
@@ -358,6 +360,25 @@ def _rearranged_with_kvpress_rows(name: str, layer, argument) -> None:
             counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
             if counts is not None and counts[0] == len(marks[0]):  # DMSPress's count, when every mark is its own
                 counts[0] = len(new_row)
+
+
+def _cropped_with_kvpress_marks(layer, max_length: int, *args, **kwargs) -> None:
+    """A DynamicLayer's ``crop``, then its followers' marks on the columns it cut dropped (and DMSPress's count of
+    them): kvpress's attention wrapper read them as marks of the tokens appended there next, and hid those (an
+    IndexError once the marks reached past the layer's end)."""
+    type(layer).crop(layer, max_length, *args, **kwargs)
+    width = layer.keys.shape[-2] if isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4 else 0
+    followers = [(m(), p()) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
+    for module in {id(module): module for module, _ in followers}.values():
+        marks = getattr(module, "masked_key_indices", None)
+        if marks is None or not _written_for(module, layer, _MARKED_FOR_ATTR):
+            continue
+        kept = marks[2] < width
+        module.masked_key_indices = type(marks)(indices[kept] for indices in marks)
+        for _, press in followers:
+            counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
+            if counts is not None and counts[0] == len(marks[0]):  # DMSPress's count, when every mark is its own
+                counts[0] = int(kept.sum())
 
 
 def patch_dms_press() -> None:

@@ -682,6 +682,32 @@ def test_a_selection_of_its_own_over_empty_columns_is_refused_naming_them():
 
 
 @kvpress_hooks.mark
+def test_head_wise_marks_on_tokens_a_crop_cut_do_not_hide_the_tokens_appended_there():
+    """AdaKVPress marks prompt columns of the DynamicCache; a crop into the prompt, then a token, three times. The
+    marks of the cut columns stayed on the attention module and hid the token appended at the same column next (the
+    logits off by 1.35 from the paged cache's, which evicts the marks before a cut), then reached past the layer's end
+    (an IndexError in kvpress's attention wrapper)."""
+    model, tokenizer = make_tiny_llama()
+    prompt = prompt_ids(tokenizer, 200)[:, 88:137]
+
+    def cropped_steps(cache):
+        logits = []
+        with torch.no_grad(), AdaKVPress(KnormPress(compression_ratio=0.6))(model):
+            model(prompt, past_key_values=cache)
+            marks = model.model.layers[0].self_attn.masked_key_indices
+            for token in (123, 45, 67):
+                cache.crop(-2)
+                logits.append(model(torch.tensor([[token]]), past_key_values=cache).logits[0, -1])
+        return marks, logits
+
+    marks, rectangular = cropped_steps(DynamicCache())
+    assert bool((marks[2] >= prompt.shape[1] - 2).any()), "the case needs marks on the columns the first crop cuts"
+    _, paged = cropped_steps(PagedKVCache(block_size=4))
+    for got, expected in zip(rectangular, paged):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@kvpress_hooks.mark
 @pytest.mark.parametrize("second", ["paged", "dynamic"])
 def test_head_wise_marks_stay_with_their_cache_when_two_caches_take_turns(second):
     """kvpress's AdaKVPress leaves its marks on the attention module. Prefill a paged cache A, prefill cache B, then
