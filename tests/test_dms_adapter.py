@@ -138,3 +138,93 @@ def test_compression_ratio_is_the_fraction_evicted(model_and_prompts, rows):
     assert 0 < min(evicted.values())
     assert ratios[PagedKVCache] == pytest.approx(evicted, abs=1e-9)
     assert ratios[DynamicCache] == pytest.approx(evicted, abs=1e-9)
+
+
+def test_a_decoding_dms_press_refuses_a_pass_after_a_cut_of_one_token(model_and_prompts):
+    """Cut back by a single token (a rejected candidate), the next pass starts at the last position DMSPress scored:
+    its buffer still holds that token's score, so the pass is refused as after a longer cut."""
+    model, prompts, surrogate = model_and_prompts
+    press = DMSPress(KVzapPress(surrogate_dir=surrogate), threshold=-3.0, sliding_window_size=8, decoding=True)
+    cache = PagedKVCache()
+    with torch.no_grad(), press(model):
+        token = model(prompts[0][:32].unsqueeze(0), past_key_values=cache).logits[:, -1:].argmax(-1)
+        model(token, past_key_values=cache)  # scores position 32
+        cache.crop(-1)  # position 32 cut
+        with pytest.raises(ValueError, match=r"a pass from position 32 on layer 0, which it has scored up to "
+                                             r"position 32: the cache was cut back"):
+            model(token, past_key_values=cache)
+
+
+#: Head-wise kvpress presses that keep their decisions outside the cache: marks on the module (all three) and a score
+#: buffer per layer (DMSPress with decoding=True).
+REARRANGED_PRESSES = {
+    "dms-kvzap decoding": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=4,
+                                             decoding=True),
+    "dms-kvzap prefill": lambda d: DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=4),
+    "adakv-snapkv": lambda d: AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=8)),
+    # two presses marking one layer: the decoding one's buffer follows too
+    "two dms decoding": lambda d: ComposedPress([
+        DMSPress(KnormPress(), threshold=-4.0, sliding_window_size=6, decoding=True),
+        DMSPress(KVzapPress(surrogate_dir=d), threshold=0.0, sliding_window_size=4, decoding=True)]),
+}
+#: A batch rearrangement on two rows of different prompts, and the prompt rows (of those two) the batch it leaves holds.
+REARRANGEMENTS = {
+    "reorder_cache (beam search)": (lambda cache: cache.reorder_cache(torch.tensor([1, 0])), [1, 0]),
+    "batch_repeat_interleave (num_return_sequences)": (lambda cache: cache.batch_repeat_interleave(2), [0, 0, 1, 1]),
+    "batch_select_indices": (lambda cache: cache.batch_select_indices(torch.tensor([1])), [1]),
+}
+
+
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("rearrangement", list(REARRANGEMENTS))
+@pytest.mark.parametrize("name", list(REARRANGED_PRESSES))
+def test_a_batch_rearranged_after_the_prompt_decodes_as_that_batch_from_the_start(model_and_prompts, name,
+                                                                                  rearrangement, cache_type):
+    """kvpress keeps a head-wise press's marks on the attention module and DMSPress's recent scores on the press;
+    a cache rearranging its rows (beam search, num_return_sequences) left both behind, so rows were masked with
+    another sequence's marks, or none (beam scores that no sequence's forced scoring gave)."""
+    model, prompts, surrogate = model_and_prompts
+    rows = torch.stack([prompts[0][:36], prompts[2][:36]])
+    rearrange, kept = REARRANGEMENTS[rearrangement]
+
+    def decode(input_ids, rearrange=None) -> torch.Tensor:
+        """Logits of 10 greedy steps after the prompt (B, 10, V), the batch rearranged after the prompt."""
+        cache, steps = cache_type(), []
+        with torch.no_grad(), REARRANGED_PRESSES[name](surrogate)(model):
+            token = model(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            if rearrange is not None:
+                rearrange(cache)
+                token = token[kept]
+            for position in range(input_ids.shape[1], input_ids.shape[1] + 10):
+                logits = model(token, past_key_values=cache, cache_position=torch.tensor([position]),
+                               position_ids=torch.full((token.shape[0], 1), position)).logits[:, -1]
+                steps.append(logits)
+                token = logits.argmax(-1, keepdim=True)
+        return torch.stack(steps, 1)
+
+    torch.testing.assert_close(decode(rows, rearrange), decode(rows[kept]), atol=1e-4, rtol=1e-4)
+
+
+def test_a_rearranged_cache_leaves_the_marks_of_a_later_cache_and_a_saved_one_rearranges(model_and_prompts, tmp_path):
+    """The marks live on the module, the scores on the press: an earlier cache rearranged after a later one's prefill
+    leaves the later cache's marks as they are; a cache saved and loaded (its references to the module and the press
+    saved as None) rearranges its own rows and nothing else."""
+    model, prompts, surrogate = model_and_prompts
+    press = DMSPress(KVzapPress(surrogate_dir=surrogate), threshold=0.0, sliding_window_size=4, decoding=True)
+    rows = torch.stack([prompts[0][:36], prompts[2][:36]])
+    earlier, later = DynamicCache(), DynamicCache()
+    with torch.no_grad(), press(model):
+        model(rows, past_key_values=earlier)
+        model(rows, past_key_values=later)
+        modules = [layer.self_attn for layer in model.model.layers]
+        marks = [tuple(t.clone() for t in module.masked_key_indices) for module in modules]
+        buffers = {layer: buffer.clone() for layer, buffer in press.scores_buffer.items()}
+        earlier.batch_select_indices(torch.tensor([1]))
+        assert all(torch.equal(a, b) for module, kept in zip(modules, marks)
+                   for a, b in zip(module.masked_key_indices, kept))
+        assert all(torch.equal(press.scores_buffer[layer], buffer) for layer, buffer in buffers.items())
+        torch.save(later, tmp_path / "cache.pt")
+        loaded = torch.load(tmp_path / "cache.pt", weights_only=False)
+        loaded.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(loaded.layers[0].keys, later.layers[0].keys[[1, 0]])
+        assert all(torch.equal(press.scores_buffer[layer], buffer) for layer, buffer in buffers.items())
