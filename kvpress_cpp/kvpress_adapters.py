@@ -337,7 +337,7 @@ def _rearranged_with_kvpress_rows(name: str, layer, argument) -> None:
     batch = keys.shape[0] if isinstance(layer, DynamicLayer) and isinstance(keys, torch.Tensor) and keys.dim() == 4 \
         else None
     rearrange_batch(layer, name, argument)
-    followers = [(m(), p()) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
+    followers = _followers(layer)
     for module, press in followers:
         if not _written_for(press, layer, _BUFFERED_FOR_ATTR, module.layer_idx):
             continue
@@ -348,18 +348,14 @@ def _rearranged_with_kvpress_rows(name: str, layer, argument) -> None:
         counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
         if counts is not None:  # each row's padding, for the ratio's tokens
             counts[2] = counts[2][ROWS_KEPT[name](len(counts[2]), argument).cpu()]
-    # Each module's marks once, whichever presses left them (a paged layer evicted its marks for real).
-    for module in {id(module): module for module, _ in followers}.values():
-        marks = getattr(module, "masked_key_indices", None)
-        if marks is None or batch is None or not _written_for(module, layer, _MARKED_FOR_ATTR):
-            continue
-        rows = ROWS_KEPT[name](batch, argument).to(marks[0].device)
-        new_row, mark = (marks[0][None, :] == rows[:, None]).nonzero(as_tuple=True)
-        module.masked_key_indices = type(marks)((new_row, marks[1][mark], marks[2][mark]))
-        for _, press in followers:
-            counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
-            if counts is not None and counts[0] == len(marks[0]):  # DMSPress's count, when every mark is its own
-                counts[0] = len(new_row)
+    if batch is not None:  # a paged layer evicted its marks for real
+
+        def rows_kept(marks):
+            rows = ROWS_KEPT[name](batch, argument).to(marks[0].device)
+            new_row, mark = (marks[0][None, :] == rows[:, None]).nonzero(as_tuple=True)
+            return type(marks)((new_row, marks[1][mark], marks[2][mark]))
+
+        _rewrite_marks(layer, followers, rows_kept)
 
 
 def _cropped_with_kvpress_marks(layer, max_length: int, *args, **kwargs) -> None:
@@ -368,17 +364,26 @@ def _cropped_with_kvpress_marks(layer, max_length: int, *args, **kwargs) -> None
     IndexError once the marks reached past the layer's end)."""
     type(layer).crop(layer, max_length, *args, **kwargs)
     width = layer.keys.shape[-2] if isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4 else 0
-    followers = [(m(), p()) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
+    _rewrite_marks(layer, _followers(layer), lambda marks: type(marks)(indices[marks[2] < width] for indices in marks))
+
+
+def _followers(layer) -> list:
+    """The (attention module, press) pairs whose marks and score buffers follow `layer` (:func:`_follow_batch_rows`)."""
+    return [(m(), p()) for m, p in layer.__dict__.get(_ROW_FOLLOWERS_ATTR, []) if _alive(m) and _alive(p)]
+
+
+def _rewrite_marks(layer, followers: list, rewrite) -> None:
+    """Each follower module's marks, once whichever presses left them, replaced by ``rewrite(marks)`` where they were
+    written for `layer`, and DMSPress's count of them with them."""
     for module in {id(module): module for module, _ in followers}.values():
         marks = getattr(module, "masked_key_indices", None)
         if marks is None or not _written_for(module, layer, _MARKED_FOR_ATTR):
             continue
-        kept = marks[2] < width
-        module.masked_key_indices = type(marks)(indices[kept] for indices in marks)
+        module.masked_key_indices = rewritten = rewrite(marks)
         for _, press in followers:
             counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
             if counts is not None and counts[0] == len(marks[0]):  # DMSPress's count, when every mark is its own
-                counts[0] = int(kept.sum())
+                counts[0] = len(rewritten[0])
 
 
 def patch_dms_press() -> None:
