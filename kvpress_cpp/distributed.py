@@ -7,11 +7,11 @@ head, so each rank compresses its own heads; what they must not do is read a hea
 (global) and apply it to the keys (local), or report a figure that covers only one rank's heads. This module says
 which heads a layer holds and gathers per-head figures over the ranks.
 
-The shard is read from the layer's weights, not from the process group, so a model loaded without ``tp_plan`` in a
-distributed job is treated as unsharded. transformers 4.5x and >= 5.3 keep a sharded weight as a ``DTensor``, which
-carries its mesh; 5.0-5.2 (kvpress's range includes them) keep a plain local tensor, whose rows are a fraction of
-the configured heads', and the mesh on the model (``model._device_mesh``), which a press notes for each attention
-layer when it enters its context (:func:`check_tensor_parallel`).
+Some plans shard the weights but gather the projection's output on every rank (Phi-3's packed q/k/v, sliced after
+the projection, and OLMo-2's q/k norms over all heads: "colwise_rep", "colwise_gather_output"): there every rank holds
+every kv head, and the layer counts as unsharded. So the shard is read from what the key projection returns, once per
+layer when a press enters its context (:func:`check_tensor_parallel`); a model loaded without ``tp_plan`` in a
+distributed job is unsharded. The model's mesh is ``model._device_mesh`` (:func:`model_tensor_parallel_mesh`).
 """
 
 from __future__ import annotations
@@ -30,35 +30,25 @@ __all__ = ["kv_head_shard", "gather_kv_heads", "query_group_size", "prerope_quer
 #: An attention layer's key projection: separate, or packed with the queries and values (Phi-3).
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj")
 
-#: attention layer → its model's tensor-parallel mesh, noted by :func:`check_tensor_parallel` for the transformers
-#: versions whose sharded weights are plain local tensors.
+#: attention layer → its model's tensor-parallel mesh where the layer's kv heads are split over its ranks, None where
+#: every rank holds them all: noted by :func:`check_tensor_parallel` (once a layer: it runs the key projection).
 _LAYER_MESHES: WeakKeyDictionary = WeakKeyDictionary()
 
 
 def _tensor_parallel_mesh(module: nn.Module):
-    """The tensor-parallel mesh over which attention layer `module`'s projections are column-sharded, or None when
-    the layer is unsharded."""
-    from torch.distributed.tensor import DTensor, Shard
+    """The tensor-parallel mesh over whose ranks attention layer `module`'s kv heads are split, or None when every
+    rank holds all of them (noted by :func:`check_tensor_parallel`)."""
+    return _LAYER_MESHES.get(module) if _LAYER_MESHES else None
 
-    # Read through the modules' dicts where they have them (kvpress's tests pass stand-ins that do not):
-    # nn.Module.__getattr__ costs 1 µs a lookup and 2-3 µs a missing name (a raised AttributeError), twice per layer
-    # and decoding step.
-    submodules = getattr(module, "_modules", None)
-    for name in _KEY_PROJECTIONS:
-        projection = submodules.get(name) if submodules is not None else getattr(module, name, None)
-        if projection is None:
-            continue
-        parameters = getattr(projection, "_parameters", None) or {}
-        weight = parameters["weight"] if "weight" in parameters else getattr(projection, "weight", None)
-        if isinstance(weight, DTensor):
-            return weight.device_mesh if any(isinstance(p, Shard) for p in weight.placements) else None
-        mesh = _LAYER_MESHES.get(module) if _LAYER_MESHES else None
-        if mesh is None or weight is None:
-            return None
-        config, packed = module.config, name == "qkv_proj"  # a packed projection's rows: q, k and v heads
-        heads = config.num_key_value_heads + (config.num_attention_heads + config.num_key_value_heads if packed else 0)
-        return mesh if weight.shape[0] < heads * module.head_dim else None
-    return None
+
+def _key_projection_shards_heads(module: nn.Module, projection: nn.Module, packed: bool, model: nn.Module) -> bool:
+    """Whether attention layer `module`'s key `projection` returns fewer heads than the model has: its output stays
+    column-sharded. One token through it on every rank (a plan gathering the output all-gathers in it)."""
+    config = module.config
+    heads = config.num_key_value_heads + (config.num_attention_heads + config.num_key_value_heads if packed else 0)
+    probe = torch.zeros(1, 1, config.hidden_size, dtype=model.dtype, device=model.device)
+    with torch.no_grad():
+        return projection(probe).shape[-1] < heads * module.head_dim
 
 
 def kv_head_shard(module: nn.Module) -> tuple[int, int] | None:
@@ -114,8 +104,8 @@ def model_tensor_parallel_mesh(model: nn.Module):
 
 def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | None = None) -> None:
     """Raise a ValueError naming the press when `model` is tensor-parallel and the press cannot run on it: the kv or
-    query heads do not split evenly over the ranks, or `unsupported` gives the press's own reason. Otherwise note the
-    model's mesh for its attention layers, where their weights do not carry it."""
+    query heads do not split evenly over the ranks, or `unsupported` gives the press's own reason. Otherwise note
+    which of its attention layers split their kv heads over the ranks."""
     ranks = getattr(model, "tp_size", None) or 1
     if ranks == 1:
         return
@@ -129,7 +119,10 @@ def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | 
     if unsupported is not None:
         raise ValueError(f"{press_name} cannot run on a tensor-parallel model ({ranks} ranks): {unsupported}")
     mesh = model_tensor_parallel_mesh(model)
-    if mesh is not None:
-        for module in model.modules():
-            if any(name in module._modules for name in _KEY_PROJECTIONS):
-                _LAYER_MESHES[module] = mesh
+    if mesh is None:
+        return
+    for module in model.modules():
+        name = next((name for name in _KEY_PROJECTIONS if name in module._modules), None)
+        if name is not None and module not in _LAYER_MESHES:
+            shards = _key_projection_shards_heads(module, module._modules[name], name == "qkv_proj", model)
+            _LAYER_MESHES[module] = mesh if shards else None

@@ -16,6 +16,8 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -223,6 +225,15 @@ def make_tiny_qwen3(
     common = _common_config(tokenizer, attn_implementation, query_offset)
     config = Qwen3Config(**{**common, "use_sliding_window": False, **config_overrides})
     return _init_model(Qwen3ForCausalLM, config, tokenizer, seed, query_offset), tokenizer
+
+
+def make_tiny_phi3(seed: int = 0, **config_overrides) -> tuple[Phi3ForCausalLM, PreTrainedTokenizerFast]:
+    """A 2-layer random Phi-3 (queries, keys and values from one packed projection) with GQA (4 query heads, 2 kv
+    heads, head_dim 16), without biases. Its tensor-parallel plan shards the packed projection's weights but gathers
+    its output on every rank. ``config_overrides`` are passed to ``Phi3Config``."""
+    tokenizer = make_tokenizer()
+    config = Phi3Config(**{**_common_config(tokenizer, "sdpa", query_offset=0.0), **config_overrides})
+    return _init_model(Phi3ForCausalLM, config, tokenizer, seed, query_offset=0.0), tokenizer
 
 
 def make_tiny_gemma3(layer_types: list[str], rope_bases: dict[str, float]) -> Gemma3ForCausalLM:

@@ -7,7 +7,8 @@ same weights without sharding. Per case: the greedy tokens are equal, rank r's c
 out: keys, values, log-weights and the press's per-slot state such as scores, merge counts, votes), each rank holds at
 most half of the single-process bytes, and ratios the presses report (GVote, KVzap, kvpress's DMSPress) are the
 model's on every rank and on either cache.
-Configurations that cannot run sharded are refused with an error naming the press.
+Configurations that cannot run sharded are refused with an error naming the press. A plan that gathers the
+projections' output (Phi-3's) leaves every rank the whole single-process cache.
 
 Caches: :data:`CACHES` lists the cache kinds the worker runs the cases on (``--cache``); a new kind joins the
 comparison by adding it there with its per-head slack (a paged cache may hold up to one partly filled block per head).
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from tests import kvpress_hooks
 from tests.models import make_tiny_llama
-from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, NEW_TOKENS, PROMPT_TOKENS, run_case, write_assets
+from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, NEW_TOKENS, PROMPT_TOKENS, TP_SHAPE, run_case, write_assets
 
 RANKS = 2
 RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp", "kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms"]
@@ -54,36 +55,44 @@ def assets(tmp_path_factory):
     return *write_assets(root), root / "uneven"
 
 
-@pytest.fixture(scope="module", params=list(CACHES))
-def sharded(request, assets, tmp_path_factory):
-    """Each rank's results ([rank 0, rank 1]) of one torchrun launch running every case, and the cache kind."""
-    model_dir, surrogates, uneven = assets
-    out = tmp_path_factory.mktemp(f"ranks_{request.param}")
+def launch(model_dir: Path, surrogates: Path, out: Path, cache: str, cases: list[str], *extra: str) -> list[dict]:
+    """Each rank's results ([rank 0, rank 1]) of one torchrun launch of tests/tp_worker.py running `cases`."""
     # torchrun's module, run by this interpreter: its script need not be on PATH or beside it (a venv layered on
     # another, as make test's transformers 5 run, has it only in the base venv).
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     command = [*torchrun, "--standalone", f"--nproc-per-node={RANKS}", str(Path(__file__).with_name("tp_worker.py")),
-               str(model_dir), str(out), "--surrogates", str(surrogates), "--uneven-model", str(uneven),
-               "--cache", request.param, "--cases", *RUN_CASES]
+               str(model_dir), str(out), "--surrogates", str(surrogates), *extra, "--cache", cache, "--cases", *cases]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     results = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
     assert [r["rank"] for r in results] == list(range(RANKS)) and all(r["ranks"] == RANKS for r in results)
-    return results, request.param
+    return results
+
+
+def run_alone(model_dir: Path, surrogates: Path, cache: str, cases: list[str]) -> dict[str, dict]:
+    """The results of `cases` in this process, on the same weights, unsharded."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        return {name: run_case(model, tokenizer, name, surrogates, cache) for name in cases}
+
+
+@pytest.fixture(scope="module", params=list(CACHES))
+def sharded(request, assets, tmp_path_factory):
+    """Each rank's results ([rank 0, rank 1]) of one torchrun launch running every case, and the cache kind."""
+    model_dir, surrogates, uneven = assets
+    out = tmp_path_factory.mktemp(f"ranks_{request.param}")
+    return launch(model_dir, surrogates, out, request.param, RUN_CASES, "--uneven-model", str(uneven)), request.param
 
 
 @pytest.fixture(scope="module")
 def single(assets):
     """The results of every case in this process, on the same weights, unsharded, on each cache kind."""
     model_dir, surrogates, _ = assets
-    from transformers import AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with torch.no_grad():
-        return {kind: {name: run_case(model, tokenizer, name, surrogates, kind) for name in RUN_CASES}
-                for kind in CACHES}
+    return {kind: run_alone(model_dir, surrogates, kind, RUN_CASES) for kind in CACHES}
 
 
 def attended(layer: dict, head: int) -> dict[str, torch.Tensor]:
@@ -191,15 +200,54 @@ def test_configurations_that_cannot_run_sharded_are_refused(sharded):
                                                           "its scorer TOVAPress is not known to score each kv head")
 
 
+#: One case of each press family, run on a tiny Phi-3.
+GATHERED_CASES = kvpress_hooks.runnable(["zsmerge", "weightedkv", "keepkv", "kvzap-linear", "gvote", "adakv-kvzap",
+                                         "kvzap-in-kvpress-dms"], KVPRESS_HOOK_CASES)
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    """([rank 0's, rank 1's], single process's) results of :data:`GATHERED_CASES` on a tiny Phi-3, whose plan shards
+    the packed q/k/v projection's weights over the ranks but gathers its output on every rank."""
+    root = tmp_path_factory.mktemp("gathered_heads")
+    model_dir, surrogates = write_assets(root, "phi3")
+    return (launch(model_dir, surrogates, root / "ranks", "dynamic", GATHERED_CASES),
+            run_alone(model_dir, surrogates, "dynamic", GATHERED_CASES))
+
+
+@pytest.mark.parametrize("case", kvpress_hooks.cases(GATHERED_CASES, KVPRESS_HOOK_CASES))
+def test_a_plan_gathering_the_projection_leaves_each_rank_the_whole_cache(gathered, case):
+    """Every rank holds all kv heads and compresses them as one process does. Read from the sharded weights, the
+    layers counted as split: each rank took its heads for heads [2r, 2r+2), so kvpress's AdaKV and DMS around KVzap
+    kept other tokens than the single process, and ours stopped ("no query projection to read on a sharded
+    Phi3Attention")."""
+    ranks, alone = gathered
+    expected = alone[case]
+    for rank in ranks:
+        got, where = rank["cases"][case], f"{case}, rank {rank['rank']}"
+        assert got["tokens"].tolist() == expected["tokens"].tolist(), where
+        for index, (layer, reference) in enumerate(zip(got["layers"], expected["layers"])):
+            assert layer["keys"].shape[1] == reference["keys"].shape[1] == TP_SHAPE["num_key_value_heads"], where
+            for head in range(reference["keys"].shape[1]):
+                ours, theirs = attended(layer, head), attended(reference, head)
+                assert ours.keys() == theirs.keys(), where
+                for name in theirs:
+                    close(ours[name], theirs[name], f"{where}, layer {index}, kv head {head}, {name}")
+        if expected["ratios"] is not None:
+            assert got["ratios"]["overall"] == pytest.approx(expected["ratios"]["overall"], abs=1e-6), where
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# One rank's view of an attention layer, in this process: the layer's q/k/v projections cut to a rank's rows as
-# transformers 5.0-5.2 keep them (plain local tensors, the mesh noted by check_tensor_parallel), so each rank's shard
-# and queries are checked against the unsharded layer without a launch.
+# One rank's view of a model, in this process: its attention layers' q/k/v projections cut to a rank's rows (or left
+# whole, as a plan gathering their output leaves them), so each rank's shard and queries are checked against the
+# unsharded layer without a launch.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 class _StandInMesh:
     """What kvpress_cpp.distributed reads of a 1-D tensor-parallel mesh: its size and this process's rank in it."""
+
+    ndim = 1
 
     def __init__(self, size: int, rank: int) -> None:
         self._size, self._rank = size, rank
@@ -211,21 +259,24 @@ class _StandInMesh:
         return self._rank
 
 
-def _rank_view(attn: torch.nn.Module, ranks: int, rank: int) -> torch.nn.Module:
-    """A copy of `attn` holding rank `rank`'s rows of q_proj, k_proj and v_proj (column sharding over `ranks`)."""
+def _rank_view(model: torch.nn.Module, ranks: int, rank: int, cut: bool = True) -> torch.nn.Module:
+    """A copy of `model` on rank `rank` of `ranks`: its attention layers holding that rank's rows of q_proj, k_proj
+    and v_proj (column sharding), or all rows where not `cut`."""
     import copy
 
-    shard = copy.deepcopy(attn)
-    for name in ("q_proj", "k_proj", "v_proj"):
-        full = getattr(attn, name)
-        rows = full.out_features // ranks
-        part = torch.nn.Linear(full.in_features, rows, bias=full.bias is not None)
-        with torch.no_grad():
-            part.weight.copy_(full.weight[rank * rows : (rank + 1) * rows])
-            if full.bias is not None:
-                part.bias.copy_(full.bias[rank * rows : (rank + 1) * rows])
-        setattr(shard, name, part)
-    return shard
+    view = copy.deepcopy(model)
+    view._tp_size, view._device_mesh = ranks, _StandInMesh(ranks, rank)
+    for decoder in view.model.layers if cut else ():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            full = getattr(decoder.self_attn, name)
+            rows = full.out_features // ranks
+            part = torch.nn.Linear(full.in_features, rows, bias=full.bias is not None)
+            with torch.no_grad():
+                part.weight.copy_(full.weight[rank * rows : (rank + 1) * rows])
+                if full.bias is not None:
+                    part.bias.copy_(full.bias[rank * rows : (rank + 1) * rows])
+            setattr(decoder.self_attn, name, part)
+    return view
 
 
 @pytest.mark.parametrize("maker", ["llama", "qwen3"])
@@ -240,16 +291,15 @@ def test_a_ranks_heads_and_queries_are_those_of_its_rows(maker, ranks):
     d, n_kv, n_q = attn.head_dim, 4, 8
     hidden = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(0))
     assert distributed.kv_head_shard(attn) is None  # unsharded: every head
-    # A layer holding every head's rows is unsharded even where its model's mesh is noted (a model loaded without
-    # tp_plan in a distributed job).
-    distributed._LAYER_MESHES[attn] = _StandInMesh(ranks, 0)
-    try:
-        assert distributed.kv_head_shard(attn) is None
-    finally:
-        del distributed._LAYER_MESHES[attn]
+    # A layer whose projection returns every head is unsharded on a tensor-parallel model: its plan gathers the
+    # output (Phi-3's, OLMo-2's).
+    whole = _rank_view(model, ranks, 0, cut=False)
+    distributed.check_tensor_parallel("ZSMergePress", whole)
+    assert distributed.kv_head_shard(whole.model.layers[0].self_attn) is None
     for rank in range(ranks):
-        shard = _rank_view(attn, ranks, rank)
-        distributed._LAYER_MESHES[shard] = _StandInMesh(ranks, rank)
+        view = _rank_view(model, ranks, rank)
+        distributed.check_tensor_parallel("ZSMergePress", view)
+        shard = view.model.layers[0].self_attn
         first, stop = distributed.kv_head_shard(shard)
         # The heads whose keys this rank's k_proj computes: the unsharded keys' heads equal to them.
         with torch.no_grad():

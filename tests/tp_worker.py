@@ -1,6 +1,6 @@
 """Every press on a tensor-parallel model: the cases of ``tests/test_tensor_parallel.py`` and the worker that runs them.
 
-``torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR --surrogates DIR --uneven-model DIR`` loads the
+``torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR --surrogates DIR [--uneven-model DIR]`` loads the
 model with ``tp_plan="auto"`` (gloo on CPU, NCCL on GPUs), runs every case of :data:`CASES` (greedy generation under the
 press) and writes each rank's results to ``OUT_DIR/rank<r>.pt``: tokens, the cache it holds (keys, values,
 log-weights and the press's per-slot state per layer, and the slots kvpress's head-wise presses mask), its bytes and
@@ -83,13 +83,19 @@ CASES = {
 KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap"}
 
 
-def write_assets(root: Path) -> tuple[Path, Path]:
-    """(model dir, surrogate root): the tiny Llama of shape :data:`TP_SHAPE` saved with save_pretrained (with its
-    tokenizer), and random KVzap surrogates for it (linear and MLP)."""
-    from tests.models import make_tiny_llama
+#: --architecture of :func:`write_assets` → (maker in tests.models, its config beyond :data:`TP_SHAPE`). Llama's plan
+#: shards the kv heads over the ranks; Phi-3's gathers its packed projection's output, so every rank holds them all.
+ARCHITECTURES = {"llama": ("make_tiny_llama", {}), "phi3": ("make_tiny_phi3", {"hidden_size": 128})}
+
+
+def write_assets(root: Path, architecture: str = "llama") -> tuple[Path, Path]:
+    """(model dir, surrogate root): the tiny model of `architecture` and shape :data:`TP_SHAPE` saved with
+    save_pretrained (with its tokenizer), and random KVzap surrogates for it (linear and MLP)."""
+    from tests import models
     from tests.test_kvzap_press import write_surrogate
 
-    model, tokenizer = make_tiny_llama(**TP_SHAPE)
+    maker, config = ARCHITECTURES[architecture]
+    model, tokenizer = getattr(models, maker)(**TP_SHAPE, **config)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     for kind in ("linear", "mlp"):
@@ -171,7 +177,7 @@ def main() -> None:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--surrogates", type=Path, required=True)
-    parser.add_argument("--uneven-model", type=Path, required=True)
+    parser.add_argument("--uneven-model", type=Path, help="run the refusals, this model's heads among them")
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--cache", choices=list(CACHE_TYPES), default="dynamic")
     args = parser.parse_args()
@@ -184,7 +190,8 @@ def main() -> None:
     for name in args.cases:
         with torch.no_grad():
             results["cases"][name] = run_case(model, tokenizer, name, args.surrogates, args.cache)
-    results["refusals"] = refusals(model, args.uneven_model)
+    if args.uneven_model is not None:
+        results["refusals"] = refusals(model, args.uneven_model)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(results, args.out_dir / f"rank{int(os.environ['RANK'])}.pt")
     torch.distributed.destroy_process_group()
