@@ -103,13 +103,25 @@ def model_tensor_parallel_mesh(model: nn.Module):
 
 
 def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | None = None) -> None:
-    """Raise a ValueError naming the press when `model` is tensor-parallel and the press cannot run on it: the kv or
-    query heads do not split evenly over the ranks, or `unsupported` gives the press's own reason. Otherwise note
-    which of its attention layers split their kv heads over the ranks."""
-    ranks = getattr(model, "tp_size", None) or 1
-    if ranks == 1:
+    """Note which attention layers of `model` split their kv heads over its tensor-parallel ranks; where some do,
+    raise a ValueError naming the press when it cannot run so: the kv or query heads do not split evenly over the
+    ranks, or `unsupported` gives the press's own reason. Every rank must call it (the first call runs each key
+    projection once)."""
+    mesh = model_tensor_parallel_mesh(model) if (getattr(model, "tp_size", None) or 1) > 1 else None
+    if mesh is None:
         return
-    config = model.config.get_text_config()
+    split = False
+    for module in model.modules():
+        name = next((name for name in _KEY_PROJECTIONS if name in module._modules), None)
+        if name is None:
+            continue
+        if module not in _LAYER_MESHES:
+            shards = _key_projection_shards_heads(module, module._modules[name], name == "qkv_proj", model)
+            _LAYER_MESHES[module] = mesh if shards else None
+        split = split or _LAYER_MESHES[module] is not None
+    if not split:
+        return
+    ranks, config = mesh.size(), model.config.get_text_config()
     for what in ("num_key_value_heads", "num_attention_heads"):
         heads = getattr(config, what)
         if heads % ranks:
@@ -118,11 +130,3 @@ def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | 
                              f"ranks that divides {heads}")
     if unsupported is not None:
         raise ValueError(f"{press_name} cannot run on a tensor-parallel model ({ranks} ranks): {unsupported}")
-    mesh = model_tensor_parallel_mesh(model)
-    if mesh is None:
-        return
-    for module in model.modules():
-        name = next((name for name in _KEY_PROJECTIONS if name in module._modules), None)
-        if name is not None and module not in _LAYER_MESHES:
-            shards = _key_projection_shards_heads(module, module._modules[name], name == "qkv_proj", model)
-            _LAYER_MESHES[module] = mesh if shards else None

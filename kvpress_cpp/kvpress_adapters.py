@@ -3,12 +3,13 @@
 
 Importing this module (``kvpress_cpp.presses`` and ``kvpress_cpp.paged_cache`` do) wraps ``DMSPress.forward_hook``,
 ``AdaKVPress.compress``, both presses' ``post_init_from_model``, ``ScorerPress.compress`` (its selection on a paged
-layer, :func:`patch_scorer_press`), ``ComposedPress.__call__`` and ``PrefillDecodingPress.__call__`` (which then
-open the context of each press of ours they hold, as ``with press(model):`` does, :func:`patch_wrapper_contexts`),
-``BasePress.__call__`` (each hooked layer given the rotary embedding it turns with, and a pass without the
-``cache_position`` kvpress's hooks read refused naming the press, :func:`patch_press_contexts`),
-``BasePress.forward_hook`` (a kvpress press failing on slots of ours is refused naming both,
-:func:`patch_presses_after_ours`) and the pipeline's ``_forward`` (several questions with a press of ours that
+layer, and a tensor-parallel rank's heads, :func:`patch_scorer_press`), ``ComposedPress.__call__`` and
+``PrefillDecodingPress.__call__`` (which then open the context of each press of ours they hold, as ``with
+press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (a press that cannot run on a model
+splitting its kv heads over tensor-parallel ranks refused naming it, each hooked layer given the rotary embedding it
+turns with, and a pass without the ``cache_position`` kvpress's hooks read refused naming the press,
+:func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress press failing on slots of ours is refused naming
+both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward`` (several questions with a press of ours that
 compresses while decoding are refused naming it, :func:`patch_pipeline_questions`); kvpress itself is unchanged.
 
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
@@ -75,15 +76,16 @@ from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
            "patch_press_contexts", "patch_presses_after_ours", "patch_pipeline_questions", "SHARDABLE_SCORERS",
-           "kvpress_transformers_mismatch"]
+           "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
 
-#: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank: each scores a kv head from that head's own
-#: queries and keys. Ours read the layer's shard themselves; kvpress's (the others) score under the rank's head counts.
+#: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank, and the presses of kvpress that run there
+#: alone: each scores a kv head from that head's own queries and keys. Ours read the layer's shard themselves;
+#: kvpress's (the others) score under the rank's head counts.
 SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
 
 _PATCHED_ATTR = "_kvcomp_adapted"
 # Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn.
-_NAMES_MISSING_POSITION_ATTR = "_kvcomp_names_missing_cache_position"
+_PRESS_CONTEXT_ATTR = "_kvcomp_press_context"
 _LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _LayerTypeRotary
 # On the press: layer → [marks added since the prefill, tokens cached, each row's left padding (B,) int64 on the CPU].
 _MARKS_ATTR = "_kvcomp_marks"
@@ -152,6 +154,14 @@ def _rank_head_counts(module, shard: tuple[int, int]):
         module.config = config
 
 
+def _scoring_the_rank_heads(scorer, module):
+    """The block in which `scorer` scores the kv heads this process holds of `module`'s layer: kvpress's scorers
+    under the rank's head counts on a tensor-parallel rank (:func:`_rank_head_counts`); ours read the shard
+    themselves."""
+    shard = kv_head_shard(module)
+    return nullcontext() if shard is None or isinstance(scorer, KVzapPress) else _rank_head_counts(module, shard)
+
+
 class _ScorerStandIn:
     """Stands in for a kvpress wrapper's scorer while the wrapper runs: ``score`` gives the scorer's scores of the kv
     heads this process holds (a tensor-parallel rank's own, or all of them), -inf at the `holes` of a paged layer's
@@ -166,9 +176,7 @@ class _ScorerStandIn:
         return self.scorer.compression_ratio
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        shard = kv_head_shard(module)
-        reads_shard = shard is None or isinstance(self.scorer, KVzapPress)
-        with nullcontext() if reads_shard else _rank_head_counts(module, shard):
+        with _scoring_the_rank_heads(self.scorer, module):
             scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
         return scores if self.holes is None else scores.masked_fill(self.holes, float("-inf"))
 
@@ -486,26 +494,30 @@ def _marks_read_through_the_view(compress):
 
 
 def patch_scorer_press() -> None:
-    """Wrap ``ScorerPress.compress`` and ``PyramidKVPress.compress`` (its per-layer budget) for a paged layer:
-    kvpress's selection of each head's best-scored columns, with the holes of the view (:func:`_view_holes`) scored
-    -inf so that a head keeps its tokens first, and the layer told which columns it took: it drops the holes among
-    them (taken where a head holds fewer tokens than the slots kept) and keeps the tokens' positions, which later
-    head-wise marks are read by. Anywhere else kvpress's own ``compress`` runs. Idempotent."""
-    _adapt(ScorerPress, "compress", lambda compress: _selecting_on_paged_layers(
+    """Wrap ``ScorerPress.compress`` and ``PyramidKVPress.compress`` (its per-layer budget): on a tensor-parallel rank
+    the press scores the rank's heads (:func:`_scoring_the_rank_heads`; :func:`refuse_unshardable_presses` lets only
+    :data:`SHARDABLE_SCORERS` get there); on a paged layer kvpress's selection of each head's best-scored columns is
+    made again with the holes of the view (:func:`_view_holes`) scored -inf, so that a head keeps its tokens first,
+    and the layer told which columns it took: it drops the holes among them (taken where a head holds fewer tokens
+    than the slots kept) and keeps the tokens' positions, which later head-wise marks are read by. Anywhere else
+    kvpress's own ``compress`` runs. Idempotent."""
+    _adapt(ScorerPress, "compress", lambda compress: _scorer_compress(
         compress, lambda press, module, k_len: compute_n_kept(k_len, press.compression_ratio)))
-    _adapt(PyramidKVPress, "compress", lambda compress: _selecting_on_paged_layers(
+    _adapt(PyramidKVPress, "compress", lambda compress: _scorer_compress(
         compress, lambda press, module, k_len: press.get_layer_budget(module, k_len)))
 
 
-def _selecting_on_paged_layers(compress, kept_count):
-    """`compress`, kvpress's selection of the `kept_count(press, module, k_len)` best-scored columns of each head, made
-    again on a paged layer with its holes scored -inf, and the columns taken handed to the layer (select_columns)."""
+def _scorer_compress(compress, kept_count):
+    """`compress`, kvpress's selection of the `kept_count(press, module, k_len)` best-scored columns of each head, run
+    on the rank's heads, and made again on a paged layer with its holes scored -inf, the columns taken handed to the
+    layer (select_columns)."""
 
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         layer, holes = _view_holes(module, kwargs, keys)
-        if layer is None or self.compression_ratio == 0:
-            return compress(self, module, hidden_states, keys, values, attentions, kwargs)
-        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        with _scoring_the_rank_heads(self, module):
+            if layer is None or self.compression_ratio == 0:
+                return compress(self, module, hidden_states, keys, values, attentions, kwargs)
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
         scores = scores if holes is None else scores.masked_fill(holes, float("-inf"))
         kept = scores.topk(kept_count(self, module, keys.shape[2]), dim=-1).indices
         index = kept.unsqueeze(-1)
@@ -604,18 +616,47 @@ def give_layers_their_rotary(model) -> None:
 
 def patch_press_contexts() -> None:
     """Wrap ``BasePress.__call__``, the context every kvpress press (and wrapper) registers its forward hook in, so
-    that each hooked layer's ``rotary_emb`` is the one it turns with (:func:`give_layers_their_rotary`), and that a
-    ``KeyError('cache_position')`` out of a pass inside it is raised as a RuntimeError naming the press and why the
-    attention was not given it (transformers outside the range kvpress declares). kvpress's hooks read it on every
-    pass; ours do not, so ours alone or composed only with ours still run there, and our context lets the error
-    through to the kvpress press around it. Idempotent; before :func:`patch_wrapper_contexts`, whose
-    ``ComposedPress.__call__`` is this one."""
-    _adapt(BasePress, "__call__", _naming_missing_cache_position, marker=_NAMES_MISSING_POSITION_ATTR)
+    that a press that cannot run on a model splitting its kv heads over tensor-parallel ranks is refused there
+    (:func:`refuse_unshardable_presses`), that each hooked layer's ``rotary_emb`` is the one it turns with
+    (:func:`give_layers_their_rotary`), and that a ``KeyError('cache_position')`` out of a pass inside it is raised as
+    a RuntimeError naming the press and why the attention was not given it (transformers outside the range kvpress
+    declares). kvpress's hooks read it on every pass; ours do not, so ours alone or composed only with ours still run
+    there, and our context lets the error through to the kvpress press around it. Idempotent; before
+    :func:`patch_wrapper_contexts`, whose ``ComposedPress.__call__`` is this one."""
+    _adapt(BasePress, "__call__", _adapted_press_context, marker=_PRESS_CONTEXT_ATTR)
 
 
-def _naming_missing_cache_position(call):
+#: Why :func:`refuse_unshardable_presses` refuses a press.
+_UNSHARDABLE = (f"it is not known to compress each kv head from that head's own queries and keys, all a rank holds; "
+                f"use {', '.join(cls.__name__ for cls in SHARDABLE_SCORERS)}, kvpress's AdaKVPress or DMSPress around "
+                f"them, or kvpress_cpp's presses")
+
+
+def refuse_unshardable_presses(press, model) -> None:
+    """Raise a ValueError naming the kvpress press `press` holds (itself, or inside ``ComposedPress`` and
+    ``PrefillDecodingPress``) that cannot run on `model` where it splits its kv heads over tensor-parallel ranks. A
+    rank holds its heads only; kvpress's presses are written for one process holding them all. They run sharded
+    where each kv head is scored from that head's own queries and keys (:data:`SHARDABLE_SCORERS`, scored as the
+    rank sees them by the adapted ``ScorerPress.compress``); ours, ``AdaKVPress`` and ``DMSPress`` check themselves
+    (their scorers included) when they set up on the model."""
+    if isinstance(press, (KVCompPress, AdaKVPress, DMSPress)):
+        return
+    if isinstance(press, ComposedPress):
+        held = press.presses
+    elif isinstance(press, PrefillDecodingPress):
+        held = [inner for inner in (press.prefilling_press, press.decoding_press) if inner is not None]
+    else:
+        check_tensor_parallel(type(press).__name__, model,
+                              None if isinstance(press, SHARDABLE_SCORERS) else _UNSHARDABLE)
+        return
+    for inner in held:
+        refuse_unshardable_presses(inner, model)
+
+
+def _adapted_press_context(call):
     @contextmanager
     def adapted_call(self, model):
+        refuse_unshardable_presses(self, model)
         try:
             with call(self, model):
                 give_layers_their_rotary(model)

@@ -27,13 +27,24 @@ from transformers import AutoModelForCausalLM
 
 from tests import kvpress_hooks
 from tests.models import make_tiny_llama
-from tests.tp_worker import CASES, KVPRESS_HOOK_CASES, NEW_TOKENS, PROMPT_TOKENS, TP_SHAPE, run_case, write_assets
+from tests.tp_worker import (
+    ALL_HEADS_CASES,
+    CASES,
+    KVPRESS_HOOK_CASES,
+    NEW_TOKENS,
+    PROMPT_TOKENS,
+    TP_SHAPE,
+    run_case,
+    write_assets,
+)
 
 RANKS = 2
+#: The cases of tests/tp_worker.py a model splitting its kv heads runs.
+SHARDED_CASES = [name for name in CASES if name not in ALL_HEADS_CASES]
 RATIO_CASES = ["gvote", "kvzap-linear", "kvzap-mlp", "kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms"]
 #: The cases the launches run: kvpress's hooks fail (and would take every case of a launch down) where the
 #: installed transformers is outside kvpress's range; their tests skip there.
-RUN_CASES = kvpress_hooks.runnable(CASES, KVPRESS_HOOK_CASES)
+RUN_CASES = kvpress_hooks.runnable(SHARDED_CASES, KVPRESS_HOOK_CASES)
 #: cache kind → bytes a rank may hold beyond 1/N of the single-process cache, per (layer, kv head).
 #: A paged rank may hold one partly filled block more per head: 16 slots of keys and values (head_dim 16, float32)
 #: plus at most 8 float32 / int64 per-slot state entries.
@@ -113,14 +124,14 @@ def close(actual, expected, what):
     torch.testing.assert_close(actual, expected, atol=2e-4, rtol=2e-4, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("case", kvpress_hooks.cases(CASES, KVPRESS_HOOK_CASES))
+@pytest.mark.parametrize("case", kvpress_hooks.cases(SHARDED_CASES, KVPRESS_HOOK_CASES))
 def test_tokens_equal_single_process(sharded, single, case):
     results, kind = sharded
     for rank in results:
         assert rank["cases"][case]["tokens"].tolist() == single[kind][case]["tokens"].tolist(), f"rank {rank['rank']}"
 
 
-@pytest.mark.parametrize("case", kvpress_hooks.cases(CASES, KVPRESS_HOOK_CASES))
+@pytest.mark.parametrize("case", kvpress_hooks.cases(SHARDED_CASES, KVPRESS_HOOK_CASES))
 def test_each_rank_holds_its_heads_of_the_single_process_cache(sharded, single, case):
     results, kind = sharded
     whole = single[kind][case]["layers"]
@@ -143,7 +154,7 @@ def test_each_rank_holds_its_heads_of_the_single_process_cache(sharded, single, 
                     close(ours[name], theirs[name], f"{where}, {name}")
 
 
-@pytest.mark.parametrize("case", kvpress_hooks.cases(CASES, KVPRESS_HOOK_CASES))
+@pytest.mark.parametrize("case", kvpress_hooks.cases(SHARDED_CASES, KVPRESS_HOOK_CASES))
 def test_kv_bytes_per_rank_at_most_a_share(sharded, single, case):
     results, kind = sharded
     slack = CACHES[kind] * sum(layer["keys"].shape[1] for layer in single[kind][case]["layers"]) // RANKS
@@ -198,11 +209,16 @@ def test_configurations_that_cannot_run_sharded_are_refused(sharded):
                                                             "kv head from that head's own queries and keys")
         assert errors["dms-cross-head-scorer"].startswith("DMSPress cannot run on a tensor-parallel model (2 ranks): "
                                                           "its scorer TOVAPress is not known to score each kv head")
+        # kvpress's presses alone, composed and wrapped: a shape error in the first pass before.
+        unshardable = "cannot run on a tensor-parallel model (2 ranks): it is not known to compress each kv head"
+        assert errors["cross-head-press"].startswith(f"TOVAPress {unshardable}")
+        assert errors["composed-cross-head-press"].startswith(f"TOVAPress {unshardable}")
+        assert errors["wrapped-scorer"].startswith(f"CriticalKVPress {unshardable}")
 
 
-#: One case of each press family, run on a tiny Phi-3.
+#: One case of each press family, and those a split model refuses, run on a tiny Phi-3.
 GATHERED_CASES = kvpress_hooks.runnable(["zsmerge", "weightedkv", "keepkv", "kvzap-linear", "gvote", "adakv-kvzap",
-                                         "kvzap-in-kvpress-dms"], KVPRESS_HOOK_CASES)
+                                         "kvzap-in-kvpress-dms", *sorted(ALL_HEADS_CASES)], KVPRESS_HOOK_CASES)
 
 
 @pytest.fixture(scope="module")

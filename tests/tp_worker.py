@@ -21,9 +21,18 @@ import torch
 if __package__ in (None, ""):  # run as a script by torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpress import AdaKVPress, DMSPress, SnapKVPress, TOVAPress  # noqa: E402
+from kvpress import (  # noqa: E402
+    AdaKVPress,
+    ComposedPress,
+    CriticalKVPress,
+    DMSPress,
+    PyramidKVPress,
+    SnapKVPress,
+    TOVAPress,
+)
 
 from kvpress_cpp.cache import cache_bytes, get_state  # noqa: E402
+from kvpress_cpp import distributed  # noqa: E402
 from kvpress_cpp.distributed import model_tensor_parallel_mesh  # noqa: E402
 from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer  # noqa: E402
 from kvpress_cpp.presses import (  # noqa: E402
@@ -78,9 +87,16 @@ CASES = {
     "adakv-snapkv": lambda model, surrogates: AdaKVPress(SnapKVPress(compression_ratio=0.6, window_size=16)),
     "adakv-kvzap": lambda model, surrogates: AdaKVPress(KVzapPress(compression_ratio=0.6, model_type="mlp",
                                                                    surrogate_dir=surrogates / "mlp")),
+    # kvpress's scorers alone: each head's own queries and keys (SnapKV), or every head's attention (TOVA).
+    "snapkv": lambda model, surrogates: SnapKVPress(compression_ratio=0.6, window_size=16),
+    "pyramidkv": lambda model, surrogates: PyramidKVPress(compression_ratio=0.6, window_size=16),
+    "tova": lambda model, surrogates: TOVAPress(compression_ratio=0.6),
 }
-#: The cases whose forward hook is kvpress's own code (its DMSPress and AdaKVPress wrap the press).
-KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap"}
+#: The cases whose forward hook is kvpress's own code (its presses, and its DMSPress and AdaKVPress around ours).
+KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap", "snapkv",
+                      "pyramidkv", "tova"}
+#: The cases a model splitting its kv heads over the ranks refuses (:func:`refusals`); one gathering them runs them.
+ALL_HEADS_CASES = {"tova"}
 
 
 #: --architecture of :func:`write_assets` → (maker in tests.models, its config beyond :data:`TP_SHAPE`). Llama's plan
@@ -115,6 +131,7 @@ def run_case(model, tokenizer, name: str, surrogates: Path, cache_kind: str = "d
     attention_layers = [decoder.self_attn for decoder in model.model.layers]
     for attention in attention_layers:
         attention.masked_key_indices = None  # a previous case's marks
+    distributed._LAYER_MESHES.clear()  # what a previous case's press noted of the layers: each press reads them
     with press(model) if press is not None else nullcontext():
         out = model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False)
@@ -158,7 +175,10 @@ def refusals(model, uneven_model_dir: Path) -> dict[str, str]:
     cases = {"uneven-heads": (uneven, ZSMergePress(budget=32)),
              "kvpress-scorer": (model, KeepKVPress(budget=40, recent=8, scorer=SnapKVPress())),
              "adakv-cross-head-scorer": (model, AdaKVPress(TOVAPress(compression_ratio=0.5))),
-             "dms-cross-head-scorer": (model, DMSPress(TOVAPress(), threshold=0.01))}
+             "dms-cross-head-scorer": (model, DMSPress(TOVAPress(), threshold=0.01)),
+             "cross-head-press": (model, TOVAPress(compression_ratio=0.6)),
+             "composed-cross-head-press": (model, ComposedPress([SnapKVPress(0.2), TOVAPress(0.2)])),
+             "wrapped-scorer": (model, CriticalKVPress(SnapKVPress(0.5)))}
     errors = {}
     for name, (target, press) in cases.items():
         errors[name] = ""
