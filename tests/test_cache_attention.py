@@ -131,6 +131,26 @@ def test_cache_bytes_count_every_tensor_a_layer_holds(press, batch):
     assert cache_bytes(cache) == expected
 
 
+@pytest.mark.parametrize("press", ["ZSMerge", "WeightedKV", "KeepKV"])
+def test_a_compressed_prompt_leaves_no_storage_of_the_whole_prompt_behind(press):
+    """The slots a prefill keeps must not be views of the prompt's keys and values: their storage would hold all T
+    slots until the first decoding step rewrites them (cache_bytes, which counts what the tensors show, would not
+    see it). A quarter of the prompt kept: the storages behind the cache hold under half of the prompt's bytes."""
+    from kvpress_cpp.presses import KeepKVPress, WeightedKVPress, ZSMergePress
+
+    model, tokenizer = make_tiny_llama()
+    press = {"ZSMerge": ZSMergePress(budget=0.25), "WeightedKV": WeightedKVPress(cache_size=0.25),
+             "KeepKV": KeepKVPress(budget=0.25)}[press]
+    ids, cache = prompt_ids(tokenizer, 256), DynamicCache()
+    with torch.no_grad(), press(model):
+        model(ids, past_key_values=cache)
+    for index, layer in enumerate(cache.layers):
+        storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                    for tensor in tensors_reachable([layer.keys, layer.values, get_state(layer)], set())}
+        prompt_bytes = 2 * layer.keys[..., :1, :].nbytes * ids.shape[1]  # the prompt's keys and values
+        assert sum(storages.values()) < prompt_bytes / 2, f"layer {index}"
+
+
 def test_compaction_shrinks_memory_to_longest_head():
     model, tokenizer = make_tiny_llama()
     input_ids = prompt_ids(tokenizer, 400)
