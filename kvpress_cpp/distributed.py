@@ -113,7 +113,9 @@ def check_tensor_parallel(press_name: str, model: nn.Module, unsupported: str | 
     split = False
     for module in model.modules():
         name = next((name for name in _KEY_PROJECTIONS if name in module._modules), None)
-        if name is None:
+        # Only a decoder's attention layers, the ones presses hook: not a vision tower's (Gemma 3's SigLIP), whose
+        # configuration has no kv heads.
+        if name is None or not hasattr(getattr(module, "config", None), "num_key_value_heads"):
             continue
         if module not in _LAYER_MESHES:
             shards = _key_projection_shards_heads(module, module._modules[name], name == "qkv_proj", model)

@@ -15,7 +15,8 @@ compresses while decoding are refused naming it, :func:`patch_pipeline_questions
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
 head's own queries and keys (:data:`SHARDABLE_SCORERS`): ours read the layer's shard themselves; kvpress's read the
 model's head counts from ``module.config`` to reshape the rank's queries, and score under a copy of it with the rank's
-counts. Any other scorer is refused on a tensor-parallel model, naming the press and the reason.
+counts (SnapKV's ``score`` is adapted so, wherever it runs). Any other scorer is refused on a tensor-parallel model,
+naming the press and the reason.
 
 ``DMSPress``:
 
@@ -61,8 +62,9 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
-from kvpress import (AdaKVPress, BasePress, ComposedPress, CriticalAdaKVPress, DMSPress, PrefillDecodingPress,
-                     PyramidKVPress, ScorerPress, SnapKVPress)
+from kvpress import (AdaKVPress, BasePress, ChunkPress, ComposedPress, CriticalAdaKVPress, DMSPress, FastKVzipPress,
+                     KeyRerotationPress, KnormPress, KVComposePress, KVzipPress, PerLayerCompressionPress,
+                     PrefillDecodingPress, PyramidKVPress, ScorerPress, SnapKVPress, StreamingLLMPress)
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
 from kvpress.utils import compute_n_kept
@@ -76,12 +78,17 @@ from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
            "patch_press_contexts", "patch_presses_after_ours", "patch_pipeline_questions", "SHARDABLE_SCORERS",
-           "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
+           "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
 
-#: The scorers DMSPress and AdaKVPress can use on a tensor-parallel rank, and the presses of kvpress that run there
-#: alone: each scores a kv head from that head's own queries and keys. Ours read the layer's shard themselves;
-#: kvpress's (the others) score under the rank's head counts.
-SHARDABLE_SCORERS = (KVzapPress, SnapKVPress)
+#: The scorers that run on a tensor-parallel rank, alone, inside DMSPress and AdaKVPress, or inside
+#: :data:`HEAD_WISE_WRAPPERS`: each scores a kv head from that head's own queries, keys or position. Ours read the
+#: layer's shard themselves; SnapKV's ``score`` runs under the rank's head counts (:func:`patch_scorer_press`); Knorm
+#: and StreamingLLM read no head count.
+SHARDABLE_SCORERS = (KVzapPress, SnapKVPress, KnormPress, StreamingLLMPress)
+#: kvpress's wrappers that act on each kv head alone with the presses they hold (the attributes naming them): on a
+#: tensor-parallel rank they run where those presses do.
+HEAD_WISE_WRAPPERS = {ComposedPress: ("presses",), PrefillDecodingPress: ("prefilling_press", "decoding_press"),
+                      KeyRerotationPress: ("press",), PerLayerCompressionPress: ("press",), ChunkPress: ("press",)}
 
 _PATCHED_ATTR = "_kvcomp_adapted"
 # Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn.
@@ -154,12 +161,16 @@ def _rank_head_counts(module, shard: tuple[int, int]):
         module.config = config
 
 
-def _scoring_the_rank_heads(scorer, module):
-    """The block in which `scorer` scores the kv heads this process holds of `module`'s layer: kvpress's scorers
-    under the rank's head counts on a tensor-parallel rank (:func:`_rank_head_counts`); ours read the shard
-    themselves."""
-    shard = kv_head_shard(module)
-    return nullcontext() if shard is None or isinstance(scorer, KVzapPress) else _rank_head_counts(module, shard)
+def _scoring_the_rank_heads(score):
+    """SnapKV's `score` of the kv heads this process holds: under the rank's head counts on a tensor-parallel rank
+    (:func:`_rank_head_counts`), which it reads to reshape the rank's queries and group them."""
+
+    def adapted_score(self, module, hidden_states, keys, values, attentions, kwargs):
+        shard = kv_head_shard(module)
+        with nullcontext() if shard is None else _rank_head_counts(module, shard):
+            return score(self, module, hidden_states, keys, values, attentions, kwargs)
+
+    return adapted_score
 
 
 class _ScorerStandIn:
@@ -176,8 +187,7 @@ class _ScorerStandIn:
         return self.scorer.compression_ratio
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        with _scoring_the_rank_heads(self.scorer, module):
-            scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+        scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
         return scores if self.holes is None else scores.masked_fill(self.holes, float("-inf"))
 
 
@@ -494,30 +504,28 @@ def _marks_read_through_the_view(compress):
 
 
 def patch_scorer_press() -> None:
-    """Wrap ``ScorerPress.compress`` and ``PyramidKVPress.compress`` (its per-layer budget): on a tensor-parallel rank
-    the press scores the rank's heads (:func:`_scoring_the_rank_heads`; :func:`refuse_unshardable_presses` lets only
-    :data:`SHARDABLE_SCORERS` get there); on a paged layer kvpress's selection of each head's best-scored columns is
-    made again with the holes of the view (:func:`_view_holes`) scored -inf, so that a head keeps its tokens first,
-    and the layer told which columns it took: it drops the holes among them (taken where a head holds fewer tokens
-    than the slots kept) and keeps the tokens' positions, which later head-wise marks are read by. Anywhere else
-    kvpress's own ``compress`` runs. Idempotent."""
-    _adapt(ScorerPress, "compress", lambda compress: _scorer_compress(
+    """Wrap ``SnapKVPress.score`` (the rank's heads on a tensor-parallel rank, :func:`_scoring_the_rank_heads`), and
+    ``ScorerPress.compress`` and ``PyramidKVPress.compress`` (its per-layer budget) for a paged layer: kvpress's
+    selection of each head's best-scored columns, with the holes of the view (:func:`_view_holes`) scored -inf so
+    that a head keeps its tokens first, and the layer told which columns it took: it drops the holes among them
+    (taken where a head holds fewer tokens than the slots kept) and keeps the tokens' positions, which later
+    head-wise marks are read by. Anywhere else kvpress's own ``compress`` runs. Idempotent."""
+    _adapt(SnapKVPress, "score", _scoring_the_rank_heads)
+    _adapt(ScorerPress, "compress", lambda compress: _selecting_on_paged_layers(
         compress, lambda press, module, k_len: compute_n_kept(k_len, press.compression_ratio)))
-    _adapt(PyramidKVPress, "compress", lambda compress: _scorer_compress(
+    _adapt(PyramidKVPress, "compress", lambda compress: _selecting_on_paged_layers(
         compress, lambda press, module, k_len: press.get_layer_budget(module, k_len)))
 
 
-def _scorer_compress(compress, kept_count):
-    """`compress`, kvpress's selection of the `kept_count(press, module, k_len)` best-scored columns of each head, run
-    on the rank's heads, and made again on a paged layer with its holes scored -inf, the columns taken handed to the
-    layer (select_columns)."""
+def _selecting_on_paged_layers(compress, kept_count):
+    """`compress`, kvpress's selection of the `kept_count(press, module, k_len)` best-scored columns of each head, made
+    again on a paged layer with its holes scored -inf, and the columns taken handed to the layer (select_columns)."""
 
     def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
         layer, holes = _view_holes(module, kwargs, keys)
-        with _scoring_the_rank_heads(self, module):
-            if layer is None or self.compression_ratio == 0:
-                return compress(self, module, hidden_states, keys, values, attentions, kwargs)
-            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        if layer is None or self.compression_ratio == 0:
+            return compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
         scores = scores if holes is None else scores.masked_fill(holes, float("-inf"))
         kept = scores.topk(kept_count(self, module, keys.shape[2]), dim=-1).indices
         index = kept.unsqueeze(-1)
@@ -615,42 +623,57 @@ def give_layers_their_rotary(model) -> None:
 
 
 def patch_press_contexts() -> None:
-    """Wrap ``BasePress.__call__``, the context every kvpress press (and wrapper) registers its forward hook in, so
-    that a press that cannot run on a model splitting its kv heads over tensor-parallel ranks is refused there
-    (:func:`refuse_unshardable_presses`), that each hooked layer's ``rotary_emb`` is the one it turns with
-    (:func:`give_layers_their_rotary`), and that a ``KeyError('cache_position')`` out of a pass inside it is raised as
-    a RuntimeError naming the press and why the attention was not given it (transformers outside the range kvpress
-    declares). kvpress's hooks read it on every pass; ours do not, so ours alone or composed only with ours still run
-    there, and our context lets the error through to the kvpress press around it. Idempotent; before
-    :func:`patch_wrapper_contexts`, whose ``ComposedPress.__call__`` is this one."""
+    """Wrap ``BasePress.__call__``, the context every kvpress press (and wrapper) registers its forward hook in, so that
+    a press that cannot run on a model splitting its kv heads over tensor-parallel ranks is refused there
+    (:func:`refuse_unshardable_presses`; also where KVzip's family and KVCompose enter their own context instead), that
+    each hooked layer's ``rotary_emb`` is the one it turns with (:func:`give_layers_their_rotary`), and that a
+    ``KeyError('cache_position')`` out of a pass inside it is raised as a RuntimeError naming the press and why the
+    attention was not given it (transformers outside the range kvpress declares). kvpress's hooks read it on every pass;
+    ours do not, so ours alone or composed only with ours still run there, and our context lets the error through to the
+    kvpress press around it. Idempotent; before :func:`patch_wrapper_contexts`, whose ``ComposedPress.__call__`` is this
+    one."""
     _adapt(BasePress, "__call__", _adapted_press_context, marker=_PRESS_CONTEXT_ATTR)
+    for own_context in (KVzipPress, KVComposePress, FastKVzipPress):
+        _adapt(own_context, "__call__", _refusing_unshardable_presses)
 
 
 #: Why :func:`refuse_unshardable_presses` refuses a press.
 _UNSHARDABLE = (f"it is not known to compress each kv head from that head's own queries and keys, all a rank holds; "
-                f"use {', '.join(cls.__name__ for cls in SHARDABLE_SCORERS)}, kvpress's AdaKVPress or DMSPress around "
-                f"them, or kvpress_cpp's presses")
+                f"use {', '.join(cls.__name__ for cls in SHARDABLE_SCORERS)} (alone, or in kvpress's AdaKVPress, "
+                f"DMSPress, {', '.join(cls.__name__ for cls in HEAD_WISE_WRAPPERS)}), or kvpress_cpp's presses")
 
 
 def refuse_unshardable_presses(press, model) -> None:
-    """Raise a ValueError naming the kvpress press `press` holds (itself, or inside ``ComposedPress`` and
-    ``PrefillDecodingPress``) that cannot run on `model` where it splits its kv heads over tensor-parallel ranks. A
-    rank holds its heads only; kvpress's presses are written for one process holding them all. They run sharded
-    where each kv head is scored from that head's own queries and keys (:data:`SHARDABLE_SCORERS`, scored as the
-    rank sees them by the adapted ``ScorerPress.compress``); ours, ``AdaKVPress`` and ``DMSPress`` check themselves
-    (their scorers included) when they set up on the model."""
+    """Raise a ValueError naming the kvpress press `press` holds (itself, or inside :data:`HEAD_WISE_WRAPPERS`) that
+    cannot run on `model` where it splits its kv heads over tensor-parallel ranks. A rank holds its heads only;
+    kvpress's presses are written for one process holding them all. They run sharded where each kv head is scored
+    from that head's own queries and keys (:data:`SHARDABLE_SCORERS`); ours, ``AdaKVPress`` and ``DMSPress`` check
+    themselves (their scorers included) when they set up on the model."""
     if isinstance(press, (KVCompPress, AdaKVPress, DMSPress)):
         return
-    if isinstance(press, ComposedPress):
-        held = press.presses
-    elif isinstance(press, PrefillDecodingPress):
-        held = [inner for inner in (press.prefilling_press, press.decoding_press) if inner is not None]
-    else:
+    wrapper = next((cls for cls in HEAD_WISE_WRAPPERS if isinstance(press, cls)), None)
+    if wrapper is None:
         check_tensor_parallel(type(press).__name__, model,
                               None if isinstance(press, SHARDABLE_SCORERS) else _UNSHARDABLE)
         return
-    for inner in held:
-        refuse_unshardable_presses(inner, model)
+    for name in HEAD_WISE_WRAPPERS[wrapper]:
+        held = getattr(press, name)
+        for inner in held if isinstance(held, (list, tuple)) else [held]:
+            if inner is not None:
+                refuse_unshardable_presses(inner, model)
+
+
+def _refusing_unshardable_presses(call):
+    """The context of a kvpress press whose ``__call__`` does not enter ``BasePress.__call__`` (KVzip's family),
+    refusing it first on a model splitting its kv heads (:func:`refuse_unshardable_presses`)."""
+
+    @contextmanager
+    def adapted_call(self, model):
+        refuse_unshardable_presses(self, model)
+        with call(self, model):
+            yield
+
+    return adapted_call
 
 
 def _adapted_press_context(call):

@@ -214,6 +214,7 @@ def test_configurations_that_cannot_run_sharded_are_refused(sharded):
         assert errors["cross-head-press"].startswith(f"TOVAPress {unshardable}")
         assert errors["composed-cross-head-press"].startswith(f"TOVAPress {unshardable}")
         assert errors["wrapped-scorer"].startswith(f"CriticalKVPress {unshardable}")
+        assert errors["own-context"].startswith(f"KVzipPress {unshardable}")  # entered without BasePress.__call__
 
 
 #: One case of each press family, and those a split model refuses, run on a tiny Phi-3.
@@ -334,6 +335,19 @@ def test_a_ranks_heads_and_queries_are_those_of_its_rows(maker, ranks):
             expected = queries.transpose(1, 2)[:, rank * n_q // ranks : (rank + 1) * n_q // ranks]
             torch.testing.assert_close(distributed.prerope_query_states(shard, hidden), expected)
         assert distributed.query_group_size(shard) == n_q // n_kv
+
+
+def test_a_vision_towers_attention_is_not_read_for_kv_heads():
+    """Gemma 3's SigLIP tower has k_proj too, and a configuration without kv heads: reading it for a shard stopped
+    every press on a tensor-parallel Gemma 3 (AttributeError: 'SiglipVisionConfig' object has no attribute
+    'num_key_value_heads'). Only the decoder's layers are read; here they hold every head (no rows cut)."""
+    from kvpress_cpp import distributed
+    from tests.test_misplaced_presses import tiny_gemma3
+
+    model = tiny_gemma3(["sliding_attention", "full_attention"], sliding_window=16)
+    model._tp_size, model._device_mesh = 2, _StandInMesh(2, 0)
+    distributed.check_tensor_parallel("ZSMergePress", model)
+    assert all(distributed.kv_head_shard(layer.self_attn) is None for layer in model.model.language_model.layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -23,11 +23,17 @@ if __package__ in (None, ""):  # run as a script by torchrun
 
 from kvpress import (  # noqa: E402
     AdaKVPress,
+    ChunkPress,
     ComposedPress,
     CriticalKVPress,
     DMSPress,
+    KeyRerotationPress,
+    KnormPress,
+    KVzipPress,
+    PerLayerCompressionPress,
     PyramidKVPress,
     SnapKVPress,
+    StreamingLLMPress,
     TOVAPress,
 )
 
@@ -91,10 +97,16 @@ CASES = {
     "snapkv": lambda model, surrogates: SnapKVPress(compression_ratio=0.6, window_size=16),
     "pyramidkv": lambda model, surrogates: PyramidKVPress(compression_ratio=0.6, window_size=16),
     "tova": lambda model, surrogates: TOVAPress(compression_ratio=0.6),
+    # kvpress's wrappers that act per head, around scorers that score each head alone.
+    "snapkv-rerotated": lambda model, surrogates: KeyRerotationPress(SnapKVPress(compression_ratio=0.6,
+                                                                                 window_size=16)),
+    "knorm-in-chunks": lambda model, surrogates: ChunkPress(KnormPress(compression_ratio=0.5), chunk_length=32),
+    "streamingllm-per-layer": lambda model, surrogates: PerLayerCompressionPress(
+        StreamingLLMPress(), compression_ratios=[0.4, 0.6]),
 }
 #: The cases whose forward hook is kvpress's own code (its presses, and its DMSPress and AdaKVPress around ours).
 KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap", "snapkv",
-                      "pyramidkv", "tova"}
+                      "pyramidkv", "tova", "snapkv-rerotated", "knorm-in-chunks", "streamingllm-per-layer"}
 #: The cases a model splitting its kv heads over the ranks refuses (:func:`refusals`); one gathering them runs them.
 ALL_HEADS_CASES = {"tova"}
 
@@ -178,7 +190,8 @@ def refusals(model, uneven_model_dir: Path) -> dict[str, str]:
              "dms-cross-head-scorer": (model, DMSPress(TOVAPress(), threshold=0.01)),
              "cross-head-press": (model, TOVAPress(compression_ratio=0.6)),
              "composed-cross-head-press": (model, ComposedPress([SnapKVPress(0.2), TOVAPress(0.2)])),
-             "wrapped-scorer": (model, CriticalKVPress(SnapKVPress(0.5)))}
+             "wrapped-scorer": (model, CriticalKVPress(SnapKVPress(0.5))),
+             "own-context": (model, KVzipPress(compression_ratio=0.5))}
     errors = {}
     for name, (target, press) in cases.items():
         errors[name] = ""
