@@ -9,8 +9,10 @@ press(model):`` does, :func:`patch_wrapper_contexts`), ``BasePress.__call__`` (a
 splitting its kv heads over tensor-parallel ranks refused naming it, each hooked layer given the rotary embedding it
 turns with, and a pass without the ``cache_position`` kvpress's hooks read refused naming the press,
 :func:`patch_press_contexts`), ``BasePress.forward_hook`` (a kvpress press failing on slots of ours is refused naming
-both, :func:`patch_presses_after_ours`) and the pipeline's ``_forward`` (several questions with a press of ours that
-compresses while decoding are refused naming it, :func:`patch_pipeline_questions`); kvpress itself is unchanged.
+both, :func:`patch_presses_after_ours`), ``PrefillDecodingPress.__call__`` again and ``BlockPress``'s (presses they
+cannot run refused naming both, :func:`patch_wrapper_placements`) and the pipeline's ``_forward`` (several questions
+with a press of ours that compresses while decoding are refused naming it, :func:`patch_pipeline_questions`); kvpress
+itself is unchanged.
 
 Both wrap a scorer (``press.press``). On a tensor-parallel rank a scorer runs only if it scores each kv head from that
 head's own queries and keys (:data:`SHARDABLE_SCORERS`): ours read the layer's shard themselves; kvpress's read the
@@ -62,9 +64,11 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
-from kvpress import (AdaKVPress, BasePress, ChunkPress, ComposedPress, CriticalAdaKVPress, DMSPress, FastKVzipPress,
-                     KeyRerotationPress, KnormPress, KVComposePress, KVzipPress, PerLayerCompressionPress,
-                     PrefillDecodingPress, PyramidKVPress, ScorerPress, SnapKVPress, StreamingLLMPress)
+from kvpress import (AdaKVPress, BasePress, BlockPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DMSPress,
+                     FastKVzipPress, KeyRerotationPress, KnormPress, KVComposePress, KVzipPress,
+                     PerLayerCompressionPress, PrefillDecodingPress, PyramidKVPress, ScorerPress, SnapKVPress,
+                     StreamingLLMPress)
+from kvpress import KVzapPress as KVzapScorer
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
 from kvpress.utils import compute_n_kept
@@ -77,8 +81,8 @@ from kvpress_cpp.presses.base import KVCompDecodingPress, KVCompPress, _row_kwar
 from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
-           "patch_press_contexts", "patch_presses_after_ours", "patch_pipeline_questions", "SHARDABLE_SCORERS",
-           "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
+           "patch_press_contexts", "patch_presses_after_ours", "patch_wrapper_placements", "patch_pipeline_questions",
+           "SHARDABLE_SCORERS", "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
 
 #: The scorers that run on a tensor-parallel rank, alone, inside DMSPress and AdaKVPress, or inside
 #: :data:`HEAD_WISE_WRAPPERS`: each scores a kv head from that head's own queries, keys or position. Ours read the
@@ -91,8 +95,11 @@ HEAD_WISE_WRAPPERS = {ComposedPress: ("presses",), PrefillDecodingPress: ("prefi
                       KeyRerotationPress: ("press",), PerLayerCompressionPress: ("press",), ChunkPress: ("press",)}
 
 _PATCHED_ATTR = "_kvcomp_adapted"
-# Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn.
+# Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn, and
+# PrefillDecodingPress.__call__ is wrapped by patch_wrapper_contexts and patch_wrapper_placements.
 _PRESS_CONTEXT_ATTR = "_kvcomp_press_context"
+_PLACEMENT_ATTR = "_kvcomp_placement_checked"
+_MARKERS = (_PATCHED_ATTR, _PRESS_CONTEXT_ATTR, _PLACEMENT_ATTR)
 _LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _LayerTypeRotary
 # On the press: layer → [marks added since the prefill, tokens cached, each row's left padding (B,) int64 on the CPU].
 _MARKS_ATTR = "_kvcomp_marks"
@@ -100,11 +107,15 @@ _MARKS_ATTR = "_kvcomp_marks"
 
 def _adapt(owner: type, name: str, adapter, marker: str = _PATCHED_ATTR) -> None:
     """Replace ``owner.<name>`` by ``adapter(original)``, marked with `marker`: a method already adapted (by an earlier
-    call, or inherited from an adapted class) is left as it is, so that every ``patch_*`` function is idempotent."""
+    call, or inherited from an adapted class) is left as it is, so that every ``patch_*`` function is idempotent. An
+    adapter over another carries its marks too, whatever order the patches run in."""
     original = getattr(owner, name)
     if getattr(original, marker, False):
         return
     adapted = adapter(original)
+    for carried in _MARKERS:
+        if getattr(original, carried, False):
+            setattr(adapted, carried, True)
     setattr(adapted, marker, True)
     setattr(owner, name, adapted)
 
@@ -547,8 +558,9 @@ def _ours_inside(wrapper) -> list[KVCompPress]:
         inner = [wrapper.prefilling_press, wrapper.decoding_press]
     else:
         return []
-    return [press for press in inner if isinstance(press, KVCompPress)] + [
+    found = [press for press in inner if isinstance(press, KVCompPress)] + [
         ours for press in inner if not isinstance(press, KVCompPress) for ours in _ours_inside(press)]
+    return list({id(press): press for press in found}.values())  # one press given for both phases: one context
 
 
 def patch_wrapper_contexts() -> None:
@@ -741,6 +753,70 @@ def _naming_our_slots_in_the_hook(forward_hook):
     return adapted_forward_hook
 
 
+def patch_wrapper_placements() -> None:
+    """Wrap ``PrefillDecodingPress.__call__``, ``BlockPress.post_init_from_model`` and ``BlockPress.compress`` so that
+    presses placed where kvpress's wrapper cannot run them are refused naming both, where kvpress compressed nothing,
+    scored other tokens, or stopped on an AttributeError or a shape error:
+
+    * ``PrefillDecodingPress``'s ``decoding_press`` must be a decoding press (it calls its ``reset()``): a scorer
+      there compressed nothing while decoding and failed at the end ("no attribute 'reset'").
+    * ``BlockPress`` splices each block's hidden states across kv heads (a head's slice of the hidden size from its own
+      kept tokens), so a scorer that reads each token's whole hidden state (KVzap) scored states of no token.
+    * ``BlockPress`` on a paged layer that dropped the padding every row of the prompt starts with: its hidden states
+      no longer line up with the layer's keys.
+
+    Idempotent."""
+    _adapt(PrefillDecodingPress, "__call__", _refusing_non_decoding_presses, marker=_PLACEMENT_ATTR)
+    _adapt(BlockPress, "post_init_from_model", _refusing_hidden_state_scorers)
+    _adapt(BlockPress, "compress", _refusing_dropped_padding)
+
+
+def _refusing_non_decoding_presses(call):
+    """PrefillDecodingPress's context, refusing first a ``decoding_press`` that is no decoding press (before kvpress's
+    context, whose ``finally`` calls its ``reset()`` and would raise an AttributeError over the refusal)."""
+
+    @contextmanager
+    def adapted_call(self, model):
+        press = self.decoding_press
+        if press is not None and not callable(getattr(press, "reset", None)):
+            name = type(press).__name__
+            raise ValueError(f"PrefillDecodingPress: its decoding_press {name} is not a decoding press (kvpress's "
+                             f"DecodingPress, or one of kvpress_cpp's): it compresses nothing while decoding, and has "
+                             f"no reset() for PrefillDecodingPress to call. Wrap it in kvpress's DecodingPress, or use "
+                             f"a press that compresses while decoding (for KVzap: DMSPress({name}(...), "
+                             f"decoding=True) or kvpress_cpp's KVzapThresholdPress)")
+        with call(self, model):
+            yield
+
+    return adapted_call
+
+
+def _refusing_hidden_state_scorers(post_init_from_model):
+    def adapted_post_init_from_model(self, model):
+        if isinstance(self.press, KVzapScorer):
+            raise ValueError(f"BlockPress: its scorer {type(self.press).__name__} scores each token from its whole "
+                             f"hidden state, which BlockPress splices across kv heads after the first block (each "
+                             f"head's slice from its own kept tokens): it would score the states of no token. Use "
+                             f"{type(self.press).__name__} alone, whose selection over the whole prompt BlockPress's "
+                             f"blocks stand in for")
+        post_init_from_model(self, model)
+
+    return adapted_post_init_from_model
+
+
+def _refusing_dropped_padding(compress):
+    def adapted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        dropped = shared_padding_dropped(module, kwargs)
+        if dropped and self.compression_ratio:
+            raise RuntimeError(f"BlockPress: layer {module.layer_idx}'s PagedKVCache holds no slots for the {dropped} "
+                               f"columns of padding every row of this batch starts with, so BlockPress's hidden states "
+                               f"({hidden_states.shape[1]} tokens) do not line up with its keys ({keys.shape[2]}). Use "
+                               f"a DynamicCache for BlockPress on a padded batch, or a batch without shared padding")
+        return compress(self, module, hidden_states, keys, values, attentions, kwargs)
+
+    return adapted_compress
+
+
 def patch_pipeline_questions() -> None:
     """Wrap ``KVPressTextGenerationPipeline._forward`` so that several questions with a press of ours that compresses
     while decoding are refused naming the press and why: kvpress refuses them as "DecodingPress is not compatible",
@@ -769,4 +845,5 @@ patch_scorer_press()
 patch_press_contexts()
 patch_wrapper_contexts()
 patch_presses_after_ours()
+patch_wrapper_placements()
 patch_pipeline_questions()

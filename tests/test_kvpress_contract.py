@@ -394,6 +394,39 @@ SCORER_WRAPPERS = {
 }
 
 
+@pytest.mark.parametrize("scorer", ["KnormPress", "KVzapPress"])
+def test_a_scorer_as_prefill_decoding_press_decoding_press_is_refused_naming_it(llama, surrogate, scorer):
+    """A ScorerPress compresses nothing while decoding, and PrefillDecodingPress calls its decoding press's reset()
+    at the end: it stopped on "'KVzapPress' object has no attribute 'reset'" after a generation left uncompressed."""
+    model, tokenizer = llama
+    press = {"KnormPress": lambda: KnormPress(compression_ratio=0.5),
+             "KVzapPress": lambda: KVzapPress(compression_ratio=0.5, surrogate_dir=surrogate)}[scorer]()
+    with pytest.raises(ValueError, match=f"PrefillDecodingPress: its decoding_press {scorer} is not a decoding press"):
+        greedy(model, prompt_ids(tokenizer, 48), press=PrefillDecodingPress(decoding_press=press), max_new_tokens=2)
+
+
+@kvpress_hooks.mark
+@pytest.mark.parametrize("name", sorted(DECODING_PRESSES))
+def test_one_press_given_for_both_phases_runs_as_itself(llama, make_press, name):
+    """PrefillDecodingPress(prefilling_press=p, decoding_press=p) prefills and decodes with p: the press alone. Its
+    context was entered twice, refused as "already active ... two kvpress_cpp presses cannot compress one cache"."""
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    press = make_press(name)
+    both = greedy(model, ids, press=PrefillDecodingPress(prefilling_press=press, decoding_press=press))
+    assert torch.equal(both[0], run_alone(llama, make_press, name, ids, max_new_tokens=24)[0])
+    assert held_slots(both[1]) == held_slots(run_alone(llama, make_press, name, ids, max_new_tokens=24)[1])
+
+
+def test_blockpress_refuses_kvzap_whose_hidden_states_it_splices(llama, surrogate):
+    """BlockPress hands its scorer each block's hidden states spliced across kv heads (a head's slice from its own kept
+    tokens): KVzap scored states of no token, and kept other slots than alone, with nothing said."""
+    with pytest.raises(ValueError, match="BlockPress: its scorer KVzapPress scores each token from its whole hidden "
+                                         "state"):
+        greedy(llama[0], prompt_ids(llama[1], 48), max_new_tokens=1,
+               press=BlockPress(KVzapPress(compression_ratio=0.5, surrogate_dir=surrogate), block_size=16))
+
+
 @pytest.mark.parametrize("wrapper", list(SCORER_WRAPPERS))
 @pytest.mark.parametrize("name", NAMES)
 def test_wrappers_of_scorer_presses_refuse_ours(make_press, name, wrapper):

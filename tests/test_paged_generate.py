@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvpress import (AdaKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DecodingPress, DMSPress, KnormPress,
-                     PrefillDecodingPress, PyramidKVPress, SnapKVPress, ThinKPress, TOVAPress)
+from kvpress import (AdaKVPress, BlockPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DecodingPress, DMSPress,
+                     KnormPress, PrefillDecodingPress, PyramidKVPress, SnapKVPress, ThinKPress, TOVAPress)
 from transformers import DynamicCache, pipeline
 
 from kvpress_cpp.attention import patch_eager_attention
@@ -614,6 +614,20 @@ def test_a_scorer_press_on_a_padded_batch_keeps_each_rows_best_tokens(inference_
         best = (-norms).topk(min(39, ids.shape[1]), dim=-1).indices
         expected = [sorted((best[head] + padding).tolist()) for head in range(norms.shape[0])]
         assert [sorted(head) for head in held_positions(cache.layers[0])[row]] == expected
+
+
+@kvpress_hooks.mark
+def test_blockpress_where_every_row_starts_with_padding_is_refused_naming_it():
+    """The paged cache holds no slots for the padding every row shares, so BlockPress's hidden states no longer line up
+    with the layer's keys: it stopped on "shape '[2, 54, 2, -1]' is invalid" (where one row is unpadded, the cache
+    refuses the selection over the view's holes, naming BlockPress)."""
+    model, _ = make_tiny_llama()
+    _, padded, mask = padded_pair(model)
+    shared = torch.nn.functional.pad(padded, (4, 0)), torch.nn.functional.pad(mask, (4, 0))
+    with pytest.raises(RuntimeError, match="BlockPress: layer 0's PagedKVCache holds no slots for the 4 columns of "
+                                           "padding every row of this batch starts with"):
+        greedy(model, shared[0], PagedKVCache(block_size=4), BlockPress(KnormPress(0.5), block_size=16),
+               max_new_tokens=1, attention_mask=shared[1])
 
 
 @kvpress_hooks.mark
