@@ -101,7 +101,8 @@ _PRESS_CONTEXT_ATTR = "_kvcomp_press_context"
 _PLACEMENT_ATTR = "_kvcomp_placement_checked"
 _MARKERS = (_PATCHED_ATTR, _PRESS_CONTEXT_ATTR, _PLACEMENT_ATTR)
 _LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _LayerTypeRotary
-# On the press: layer → [marks added since the prefill, tokens cached, each row's left padding (B,) int64 on the CPU].
+# On the press: layer → [each row's marks added since the prefill, tokens cached, each row's left padding]; the per-row
+# counts (B,) int64 on the CPU, so that they follow the batch's rows as the cache rearranges them.
 _MARKS_ATTR = "_kvcomp_marks"
 
 
@@ -276,19 +277,22 @@ def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int, padd
     if not prefilling and not press.decoding:
         return  # DMSPress did nothing on this pass
     marks = press.__dict__.setdefault(_MARKS_ATTR, {})
-    added = _mark_count(module) - marked_before
+    batch = hidden_states.shape[0]
+    added_rows = module.masked_key_indices[0][marked_before:].cpu() if _mark_count(module) > marked_before else None
+    added = torch.zeros(batch, dtype=torch.int64) if added_rows is None else torch.bincount(added_rows, minlength=batch)
     tokens = int(kwargs["cache_position"][-1]) + 1
     if prefilling:
-        rows_padding = torch.tensor(padding if padding is not None else [0] * hidden_states.shape[0])
+        rows_padding = torch.tensor(padding if padding is not None else [0] * batch)
         marks[layer_idx] = [added, tokens, rows_padding]
     else:
         marks[layer_idx][:2] = [marks[layer_idx][0] + added, tokens]
     kv_heads = module.config.num_key_value_heads
     if kv_head_shard(module) is None:
-        press.compression_ratios[layer_idx] = marks[layer_idx][0] / (kv_heads * _real_tokens(*marks[layer_idx][1:]))
+        count, layer_marks = marks[layer_idx][0], marks[layer_idx]
+        press.compression_ratios[layer_idx] = int(count.sum()) / (kv_heads * _real_tokens(*layer_marks[1:]))
     elif layer_idx == module.config.num_hidden_layers - 1:  # every rank's marks, for every layer, once per pass
         layers = sorted(marks)
-        counts = torch.tensor([[marks[layer][0]] for layer in layers], device=hidden_states.device)
+        counts = torch.tensor([[int(marks[layer][0].sum())] for layer in layers], device=hidden_states.device)
         totals = gather_kv_heads(counts, module, dim=-1).sum(-1).tolist()
         press.compression_ratios.update({layer: total / (kv_heads * _real_tokens(*marks[layer][1:]))
                                          for layer, total in zip(layers, totals)})
@@ -375,8 +379,9 @@ def _rearranged_with_kvpress_rows(name: str, layer, argument) -> None:
             buffer = buffers[module.layer_idx]
             buffers[module.layer_idx] = buffer[ROWS_KEPT[name](buffer.shape[0], argument).to(buffer.device)]
         counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
-        if counts is not None:  # each row's padding, for the ratio's tokens
-            counts[2] = counts[2][ROWS_KEPT[name](len(counts[2]), argument).cpu()]
+        if counts is not None:  # each row's marks and padding, for the ratio
+            rows = ROWS_KEPT[name](len(counts[2]), argument).cpu()
+            counts[0], counts[2] = counts[0][rows], counts[2][rows]
     if batch is not None:  # a paged layer evicted its marks for real
 
         def rows_kept(marks):
@@ -403,7 +408,8 @@ def _followers(layer) -> list:
 
 def _rewrite_marks(layer, followers: list, rewrite) -> None:
     """Each follower module's marks, once whichever presses left them, replaced by ``rewrite(marks)`` where they were
-    written for `layer`, and DMSPress's count of them with them."""
+    written for `layer`, and DMSPress's count of each row's marks with them (a crop's; a rearrangement has moved the
+    counts with the rows already)."""
     for module in {id(module): module for module, _ in followers}.values():
         marks = getattr(module, "masked_key_indices", None)
         if marks is None or not _written_for(module, layer, _MARKED_FOR_ATTR):
@@ -411,8 +417,8 @@ def _rewrite_marks(layer, followers: list, rewrite) -> None:
         module.masked_key_indices = rewritten = rewrite(marks)
         for _, press in followers:
             counts = press.__dict__.get(_MARKS_ATTR, {}).get(module.layer_idx)
-            if counts is not None and counts[0] == len(marks[0]):  # DMSPress's count, when every mark is its own
-                counts[0] = len(rewritten[0])
+            if counts is not None and torch.equal(counts[0], torch.bincount(marks[0].cpu(), minlength=len(counts[0]))):
+                counts[0] = torch.bincount(rewritten[0].cpu(), minlength=len(counts[0]))  # every mark its own
 
 
 def patch_dms_press() -> None:

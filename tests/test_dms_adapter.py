@@ -140,6 +140,40 @@ def test_compression_ratio_is_the_fraction_evicted(model_and_prompts, rows):
     assert ratios[DynamicCache] == pytest.approx(evicted, abs=1e-9)
 
 
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("decoding", [False, True], ids=["prefill only", "decoding"])
+def test_repeated_rows_leave_the_ratio_and_a_prefill_only_ratio_is_the_prompts(model_and_prompts, cache_type,
+                                                                                decoding):
+    """Rows repeated for num_return_sequences are the same sequences (marks and padding both repeated): the ratio is
+    that of the batch decoded unrepeated. Without decoding, DMSPress marks the prompt only, so its ratio stays the
+    prompt's: decoding steps add no mark to count and no token to count them against."""
+    model, prompts, surrogate = model_and_prompts
+    width = max(LENGTHS)
+    input_ids = torch.stack([torch.nn.functional.pad(p, (width - len(p), 0)) for p in prompts])
+    prompt_mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+
+    def ratios(repeats: int) -> tuple[dict, dict]:
+        """The ratios after the prompt and after three steps, the rows repeated `repeats` times after the prompt."""
+        press = DMSPress(KVzapPress(surrogate_dir=surrogate), threshold=0.0, sliding_window_size=4, decoding=decoding)
+        cache, mask = cache_type(), prompt_mask
+        with torch.no_grad(), press(model):
+            token = model(input_ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+            after_prompt = dict(press.compression_ratios)
+            cache.batch_repeat_interleave(repeats)
+            token, mask = token.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
+            for position in range(width, width + 3):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                token = model(token, attention_mask=mask, past_key_values=cache,
+                              cache_position=torch.tensor([position])).logits[:, -1:].argmax(-1)
+        return after_prompt, dict(press.compression_ratios)
+
+    after_prompt, unrepeated = ratios(1)
+    assert 0 < min(after_prompt.values())
+    assert ratios(2)[1] == pytest.approx(unrepeated, abs=1e-9)
+    if not decoding:
+        assert unrepeated == pytest.approx(after_prompt, abs=1e-9)
+
+
 def test_a_decoding_dms_press_refuses_a_pass_after_a_cut_of_one_token(model_and_prompts):
     """Cut back by a single token (a rejected candidate), the next pass starts at the last position DMSPress scored:
     its buffer still holds that token's score, so the pass is refused as after a longer cut."""
