@@ -119,6 +119,15 @@ def test_right_padding_is_refused(model_and_prompts):
             model(input_ids, attention_mask=mask, past_key_values=PagedKVCache())
 
 
+def test_a_row_of_padding_only_is_refused_naming_it(model_and_prompts):
+    model, prompts, surrogate = model_and_prompts
+    input_ids = torch.stack([prompts[0], torch.zeros_like(prompts[0])])
+    mask = torch.stack([torch.ones_like(prompts[0]), torch.zeros_like(prompts[0])])
+    with pytest.raises(ValueError, match=r"DMSPress: batch rows \[1\] hold padding only \(an empty prompt\)"):
+        with torch.no_grad(), PRESSES["knorm"](surrogate)(model):
+            model(input_ids, attention_mask=mask, past_key_values=DynamicCache())
+
+
 @pytest.mark.parametrize("rows", [1, 3], ids=["one row", "left-padded batch"])
 def test_compression_ratio_is_the_fraction_evicted(model_and_prompts, rows):
     """The ratio DMSPress reports equals the fraction of the tokens fed that the paged cache evicted, as on the

@@ -729,6 +729,17 @@ def test_a_gemma3_sliding_layer_is_given_its_own_rotary_embedding(tmp_path, make
     torch.testing.assert_close(values, expected_values)
 
 
+def test_each_gemma3_layer_turns_with_its_own_rotary_embedding_under_a_press():
+    """The sliding layer is given the local base's (10^4) rotary embedding and the full layer keeps the decoder's
+    (10^6): a full layer given the local one would have its kept keys re-rotated at the wrong base, silently."""
+    sliding, _ = make_tiny_gemma3_sliding_and_full_twin()
+    head_dim = sliding.config.head_dim
+    with KnormPress(compression_ratio=0.5)(sliding):
+        for layer, base in zip(sliding.model.layers, (1e4, 1e6)):
+            expected = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+            torch.testing.assert_close(layer.self_attn.rotary_emb.inv_freq, expected, msg=f"base {base:g}")
+
+
 def test_adapting_kvpress_again_wraps_nothing_twice():
     """kvpress_adapters wraps kvpress's methods at import; running its patches again (a module reloaded, a second
     import path) must leave every method as it is: wrapped twice, DMSPress would count its marks twice and every

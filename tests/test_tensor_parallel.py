@@ -337,6 +337,30 @@ def test_a_ranks_heads_and_queries_are_those_of_its_rows(maker, ranks):
         assert distributed.query_group_size(shard) == n_q // n_kv
 
 
+def test_the_tensor_parallel_mesh_is_the_tp_dimension_of_a_model_mesh():
+    """transformers 5.24 keeps the model's whole ("fsdp", "tp") mesh as ``_device_mesh``: the kv heads split over its
+    "tp" dimension, not over every rank of the job; a model mesh without one is no tensor-parallel mesh."""
+    from types import SimpleNamespace
+
+    from kvpress_cpp.distributed import model_tensor_parallel_mesh
+
+    tp = _StandInMesh(2, 1)
+
+    class _ModelMesh:
+        ndim = 2
+
+        def __init__(self, names):
+            self.mesh_dim_names = names
+
+        def __getitem__(self, name):
+            assert name == "tp", name
+            return tp
+
+    assert model_tensor_parallel_mesh(SimpleNamespace(_device_mesh=_ModelMesh(("fsdp", "tp")))) is tp
+    assert model_tensor_parallel_mesh(SimpleNamespace(_device_mesh=_ModelMesh(("pp", "fsdp")))) is None
+    assert model_tensor_parallel_mesh(SimpleNamespace(_device_mesh=tp)) is tp  # transformers before 5.24
+
+
 def test_a_vision_towers_attention_is_not_read_for_kv_heads():
     """Gemma 3's SigLIP tower has k_proj too, and a configuration without kv heads: reading it for a shard stopped
     every press on a tensor-parallel Gemma 3 (AttributeError: 'SiglipVisionConfig' object has no attribute
