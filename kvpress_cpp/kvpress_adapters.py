@@ -82,17 +82,21 @@ from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
            "patch_press_contexts", "patch_presses_after_ours", "patch_wrapper_placements", "patch_pipeline_questions",
-           "SHARDABLE_SCORERS", "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
+           "SHARDABLE_SCORERS", "CONTEXT_WRAPPERS", "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses",
+           "kvpress_transformers_mismatch"]
 
 #: The scorers that run on a tensor-parallel rank, alone, inside DMSPress and AdaKVPress, or inside
 #: :data:`HEAD_WISE_WRAPPERS`: each scores a kv head from that head's own queries, keys or position. Ours read the
 #: layer's shard themselves; SnapKV's ``score`` runs under the rank's head counts (:func:`patch_scorer_press`); Knorm
 #: and StreamingLLM read no head count.
 SHARDABLE_SCORERS = (KVzapPress, SnapKVPress, KnormPress, StreamingLLMPress)
+#: kvpress's wrappers that run each press they hold through its own forward hook (the attributes naming them): they
+#: open the context of each press of ours inside (:func:`patch_wrapper_contexts`).
+CONTEXT_WRAPPERS = {ComposedPress: ("presses",), PrefillDecodingPress: ("prefilling_press", "decoding_press")}
 #: kvpress's wrappers that act on each kv head alone with the presses they hold (the attributes naming them): on a
 #: tensor-parallel rank they run where those presses do.
-HEAD_WISE_WRAPPERS = {ComposedPress: ("presses",), PrefillDecodingPress: ("prefilling_press", "decoding_press"),
-                      KeyRerotationPress: ("press",), PerLayerCompressionPress: ("press",), ChunkPress: ("press",)}
+HEAD_WISE_WRAPPERS = {**CONTEXT_WRAPPERS, KeyRerotationPress: ("press",), PerLayerCompressionPress: ("press",),
+                      ChunkPress: ("press",)}
 
 _PATCHED_ATTR = "_kvcomp_adapted"
 # Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn, and
@@ -104,6 +108,17 @@ _LAYER_ROTARY_ATTR = "_kvcomp_layer_rotary"  # on an attention module: its _Laye
 # On the press: layer → [each row's marks added since the prefill, tokens cached, each row's left padding]; the per-row
 # counts (B,) int64 on the CPU, so that they follow the batch's rows as the cache rearranges them.
 _MARKS_ATTR = "_kvcomp_marks"
+
+
+def _presses_held(press, wrappers: dict) -> list | None:
+    """The presses `press` holds, in order, if it is one of `wrappers` (class → the attributes holding them: a press,
+    a list of them, or None); None otherwise."""
+    attributes = next((names for cls, names in wrappers.items() if isinstance(press, cls)), None)
+    if attributes is None:
+        return None
+    held = [getattr(press, name) for name in attributes]
+    return [inner for item in held for inner in (item if isinstance(item, (list, tuple)) else [item])
+            if inner is not None]
 
 
 def _adapt(owner: type, name: str, adapter, marker: str = _PATCHED_ATTR) -> None:
@@ -278,8 +293,8 @@ def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int, padd
         return  # DMSPress did nothing on this pass
     marks = press.__dict__.setdefault(_MARKS_ATTR, {})
     batch = hidden_states.shape[0]
-    added_rows = module.masked_key_indices[0][marked_before:].cpu() if _mark_count(module) > marked_before else None
-    added = torch.zeros(batch, dtype=torch.int64) if added_rows is None else torch.bincount(added_rows, minlength=batch)
+    added_rows = module.masked_key_indices[0][marked_before:].cpu() if _mark_count(module) else torch.zeros(0).long()
+    added = torch.bincount(added_rows, minlength=batch)
     tokens = int(kwargs["cache_position"][-1]) + 1
     if prefilling:
         rows_padding = torch.tensor(padding if padding is not None else [0] * batch)
@@ -288,8 +303,8 @@ def _count_marks(press: DMSPress, module, kwargs: dict, marked_before: int, padd
         marks[layer_idx][:2] = [marks[layer_idx][0] + added, tokens]
     kv_heads = module.config.num_key_value_heads
     if kv_head_shard(module) is None:
-        count, layer_marks = marks[layer_idx][0], marks[layer_idx]
-        press.compression_ratios[layer_idx] = int(count.sum()) / (kv_heads * _real_tokens(*layer_marks[1:]))
+        count, tokens_cached, rows_padding = marks[layer_idx]
+        press.compression_ratios[layer_idx] = int(count.sum()) / (kv_heads * _real_tokens(tokens_cached, rows_padding))
     elif layer_idx == module.config.num_hidden_layers - 1:  # every rank's marks, for every layer, once per pass
         layers = sorted(marks)
         counts = torch.tensor([[int(marks[layer][0].sum())] for layer in layers], device=hidden_states.device)
@@ -556,13 +571,8 @@ def _selecting_on_paged_layers(compress, kept_count):
 def _ours_inside(wrapper) -> list[KVCompPress]:
     """The presses of ours a kvpress wrapper runs through its forward hook, nested wrappers included. Our own
     decoding presses are PrefillDecodingPresses too, with neither field set: they open their context themselves."""
-    if isinstance(wrapper, KVCompPress):
-        return []
-    if isinstance(wrapper, ComposedPress):
-        inner = wrapper.presses
-    elif isinstance(wrapper, PrefillDecodingPress):
-        inner = [wrapper.prefilling_press, wrapper.decoding_press]
-    else:
+    inner = None if isinstance(wrapper, KVCompPress) else _presses_held(wrapper, CONTEXT_WRAPPERS)
+    if inner is None:
         return []
     found = [press for press in inner if isinstance(press, KVCompPress)] + [
         ours for press in inner if not isinstance(press, KVCompPress) for ours in _ours_inside(press)]
@@ -575,7 +585,7 @@ def patch_wrapper_contexts() -> None:
     then never counted the positions its cache stands for, so a hand-written decoding loop placed new tokens at the
     slot count (rotated as the wrong positions) and a second ``generate`` fed the context again, silently, where the
     bare press refuses it. Idempotent."""
-    for wrapper in (ComposedPress, PrefillDecodingPress):
+    for wrapper in CONTEXT_WRAPPERS:
         _adapt(wrapper, "__call__", _with_our_contexts)
 
 
@@ -669,16 +679,13 @@ def refuse_unshardable_presses(press, model) -> None:
     themselves (their scorers included) when they set up on the model."""
     if isinstance(press, (KVCompPress, AdaKVPress, DMSPress)):
         return
-    wrapper = next((cls for cls in HEAD_WISE_WRAPPERS if isinstance(press, cls)), None)
-    if wrapper is None:
+    held = _presses_held(press, HEAD_WISE_WRAPPERS)
+    if held is None:
         check_tensor_parallel(type(press).__name__, model,
                               None if isinstance(press, SHARDABLE_SCORERS) else _UNSHARDABLE)
         return
-    for name in HEAD_WISE_WRAPPERS[wrapper]:
-        held = getattr(press, name)
-        for inner in held if isinstance(held, (list, tuple)) else [held]:
-            if inner is not None:
-                refuse_unshardable_presses(inner, model)
+    for inner in held:
+        refuse_unshardable_presses(inner, model)
 
 
 def _refusing_unshardable_presses(call):

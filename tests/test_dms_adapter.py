@@ -48,12 +48,19 @@ def model_and_prompts(tmp_path_factory):
     return model, prompts, surrogate
 
 
-def generate(model, press, prompts, cache, shared_padding=0):
-    """Greedy tokens (B, NEW_TOKENS) of the prompts, left-padded with 0 into one batch (every row by at least
+def left_padded(prompts, shared_padding=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the prompts left-padded with 0 into one batch (every row by at least
     `shared_padding`)."""
     width = max(len(prompt) for prompt in prompts) + shared_padding
     input_ids = torch.stack([torch.nn.functional.pad(p, (width - len(p), 0)) for p in prompts])
-    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    return input_ids, torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+
+
+def generate(model, press, prompts, cache, shared_padding=0):
+    """Greedy tokens (B, NEW_TOKENS) of the prompts, left-padded with 0 into one batch (every row by at least
+    `shared_padding`)."""
+    input_ids, mask = left_padded(prompts, shared_padding)
+    width = input_ids.shape[1]
     with torch.no_grad(), press(model):
         out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False)
@@ -157,9 +164,8 @@ def test_repeated_rows_leave_the_ratio_and_a_prefill_only_ratio_is_the_prompts(m
     that of the batch decoded unrepeated. Without decoding, DMSPress marks the prompt only, so its ratio stays the
     prompt's: decoding steps add no mark to count and no token to count them against."""
     model, prompts, surrogate = model_and_prompts
-    width = max(LENGTHS)
-    input_ids = torch.stack([torch.nn.functional.pad(p, (width - len(p), 0)) for p in prompts])
-    prompt_mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    input_ids, prompt_mask = left_padded(prompts)
+    width = input_ids.shape[1]
 
     def ratios(repeats: int) -> tuple[dict, dict]:
         """The ratios after the prompt and after three steps, the rows repeated `repeats` times after the prompt."""

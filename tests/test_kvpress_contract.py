@@ -413,9 +413,10 @@ def test_one_press_given_for_both_phases_runs_as_itself(llama, make_press, name)
     model, tokenizer = llama
     ids = prompt_ids(tokenizer, 48)
     press = make_press(name)
-    both = greedy(model, ids, press=PrefillDecodingPress(prefilling_press=press, decoding_press=press))
-    assert torch.equal(both[0], run_alone(llama, make_press, name, ids, max_new_tokens=24)[0])
-    assert held_slots(both[1]) == held_slots(run_alone(llama, make_press, name, ids, max_new_tokens=24)[1])
+    tokens, cache = greedy(model, ids, press=PrefillDecodingPress(prefilling_press=press, decoding_press=press))
+    alone_tokens, alone_cache = run_alone(llama, make_press, name, ids, max_new_tokens=24)
+    assert torch.equal(tokens, alone_tokens)
+    assert held_slots(cache) == held_slots(alone_cache)
 
 
 def test_blockpress_refuses_kvzap_whose_hidden_states_it_splices(llama, surrogate):

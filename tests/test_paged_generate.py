@@ -623,11 +623,11 @@ def test_blockpress_where_every_row_starts_with_padding_is_refused_naming_it():
     refuses the selection over the view's holes, naming BlockPress)."""
     model, _ = make_tiny_llama()
     _, padded, mask = padded_pair(model)
-    shared = torch.nn.functional.pad(padded, (4, 0)), torch.nn.functional.pad(mask, (4, 0))
+    ids, attention_mask = torch.nn.functional.pad(padded, (4, 0)), torch.nn.functional.pad(mask, (4, 0))
     with pytest.raises(RuntimeError, match="BlockPress: layer 0's PagedKVCache holds no slots for the 4 columns of "
                                            "padding every row of this batch starts with"):
-        greedy(model, shared[0], PagedKVCache(block_size=4), BlockPress(KnormPress(0.5), block_size=16),
-               max_new_tokens=1, attention_mask=shared[1])
+        greedy(model, ids, PagedKVCache(block_size=4), BlockPress(KnormPress(0.5), block_size=16),
+               max_new_tokens=1, attention_mask=attention_mask)
 
 
 @kvpress_hooks.mark

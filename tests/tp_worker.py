@@ -111,7 +111,7 @@ KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-sn
 ALL_HEADS_CASES = {"tova"}
 
 
-#: --architecture of :func:`write_assets` → (maker in tests.models, its config beyond :data:`TP_SHAPE`). Llama's plan
+#: `architecture` of :func:`write_assets` → (maker in tests.models, its config beyond :data:`TP_SHAPE`). Llama's plan
 #: shards the kv heads over the ranks; Phi-3's gathers its packed projection's output, so every rank holds them all.
 ARCHITECTURES = {"llama": ("make_tiny_llama", {}), "phi3": ("make_tiny_phi3", {"hidden_size": 128})}
 
