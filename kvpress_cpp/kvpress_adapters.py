@@ -64,8 +64,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
-from kvpress import (AdaKVPress, BasePress, BlockPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DMSPress,
-                     FastKVzipPress, KeyRerotationPress, KnormPress, KVComposePress, KVzipPress,
+from kvpress import (AdaKVPress, BasePress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
+                     CriticalKVPress, DecodingPress, DMSPress, FastKVzipPress, KeyRerotationPress, KnormPress, KVComposePress, KVzipPress,
                      PerLayerCompressionPress, PrefillDecodingPress, PyramidKVPress, ScorerPress, SnapKVPress,
                      StreamingLLMPress)
 from kvpress import KVzapPress as KVzapScorer
@@ -82,7 +82,7 @@ from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
            "patch_press_contexts", "patch_presses_after_ours", "patch_wrapper_placements", "patch_pipeline_questions",
-           "SHARDABLE_SCORERS", "CONTEXT_WRAPPERS", "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses",
+           "SHARDABLE_SCORERS", "CONTEXT_WRAPPERS", "SCORER_WRAPPERS", "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses",
            "kvpress_transformers_mismatch"]
 
 #: The scorers that run on a tensor-parallel rank, alone, inside DMSPress and AdaKVPress, or inside
@@ -97,6 +97,12 @@ CONTEXT_WRAPPERS = {ComposedPress: ("presses",), PrefillDecodingPress: ("prefill
 #: tensor-parallel rank they run where those presses do.
 HEAD_WISE_WRAPPERS = {**CONTEXT_WRAPPERS, KeyRerotationPress: ("press",), PerLayerCompressionPress: ("press",),
                       ChunkPress: ("press",)}
+
+#: kvpress's wrappers that re-rank or re-select the tokens a ScorerPress scores (the argument naming it): they assert
+#: that they hold one.
+SCORER_WRAPPERS = {DecodingPress: "base_press", AdaKVPress: "press", ChunkPress: "press", ChunkKVPress: "press",
+                   BlockPress: "press", KeyRerotationPress: "press", CriticalKVPress: "press",
+                   CriticalAdaKVPress: "press"}
 
 _PATCHED_ATTR = "_kvcomp_adapted"
 # Apart from _PATCHED_ATTR: ComposedPress inherits BasePress.__call__, which patch_wrapper_contexts wraps in turn, and
@@ -777,11 +783,35 @@ def patch_wrapper_placements() -> None:
       kept tokens), so a scorer that reads each token's whole hidden state (KVzap) scored states of no token.
     * ``BlockPress`` on a paged layer that dropped the padding every row of the prompt starts with: its hidden states
       no longer line up with the layer's keys.
+    * kvpress's :data:`SCORER_WRAPPERS` around a press of ours that is no ScorerPress: kvpress asserts it, with a
+      bare ``AssertionError`` for KeyRerotationPress and none at all under ``python -O``.
 
     Idempotent."""
+    for wrapper, argument in SCORER_WRAPPERS.items():
+        _adapt(wrapper, "__init__", functools.partial(_refusing_our_presses_in, argument=argument),
+               marker=_PLACEMENT_ATTR)
     _adapt(PrefillDecodingPress, "__call__", _refusing_non_decoding_presses, marker=_PLACEMENT_ATTR)
     _adapt(BlockPress, "post_init_from_model", _refusing_hidden_state_scorers)
     _adapt(BlockPress, "compress", _refusing_dropped_padding)
+
+
+def _refusing_our_presses_in(init, argument: str):
+    """A scorer wrapper's ``__init__``, refusing first a press of ours that is no ScorerPress (all but KVzapPress)."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def adapted_init(self, *args, **kwargs):
+        press = signature.bind_partial(self, *args, **kwargs).arguments.get(argument)
+        if isinstance(press, KVCompPress) and not isinstance(press, ScorerPress):
+            wrapper, name = type(self).__name__, type(press).__name__
+            raise ValueError(f"{wrapper}: its {argument} {name} is a kvpress_cpp press, not a kvpress ScorerPress: "
+                             f"{wrapper} re-ranks the tokens a ScorerPress scores, and {name} chooses, merges and "
+                             f"weighs its slots itself. Use {name} alone (it compresses the prompt"
+                             f"{' and every decoding step' if isinstance(press, KVCompDecodingPress) else ''}), or "
+                             f"wrap kvpress_cpp's KVzapPress, which is a ScorerPress")
+        init(self, *args, **kwargs)
+
+    return adapted_init
 
 
 def _refusing_non_decoding_presses(call):

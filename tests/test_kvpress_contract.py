@@ -390,7 +390,7 @@ SCORER_WRAPPERS = {
     "BlockPress": BlockPress,
     "KeyRerotationPress": KeyRerotationPress,
     "CriticalKVPress": CriticalKVPress,
-    "PerLayerCompressionPress": lambda press: PerLayerCompressionPress(press, compression_ratios=[0.5, 0.5]),
+    "CriticalAdaKVPress": CriticalAdaKVPress,
 }
 
 
@@ -430,10 +430,19 @@ def test_blockpress_refuses_kvzap_whose_hidden_states_it_splices(llama, surrogat
 
 @pytest.mark.parametrize("wrapper", list(SCORER_WRAPPERS))
 @pytest.mark.parametrize("name", NAMES)
-def test_wrappers_of_scorer_presses_refuse_ours(make_press, name, wrapper):
-    """kvpress's wrappers that re-rank a ScorerPress's scores assert they get one."""
-    with pytest.raises(AssertionError):
+def test_wrappers_of_scorer_presses_refuse_ours_naming_both(make_press, name, wrapper):
+    """kvpress's wrappers that re-rank a ScorerPress's scores assert they get one: KeyRerotationPress with a bare
+    AssertionError, and none of them under ``python -O``. Ours are refused naming the wrapper and the press."""
+    with pytest.raises(ValueError, match=f"{wrapper}: its (base_)?press {name} is a kvpress_cpp press, not a kvpress "
+                                         f"ScorerPress"):
         SCORER_WRAPPERS[wrapper](make_press(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_per_layer_compression_refuses_ours(make_press, name):
+    """PerLayerCompressionPress sets each layer's compression_ratio, which our presses take as a budget field."""
+    with pytest.raises(AssertionError, match=f"compression_ratio can't be set in the provided press: .*{name}"):
+        PerLayerCompressionPress(make_press(name), compression_ratios=[0.5, 0.5])
 
 
 @kvpress_hooks.mark
