@@ -224,34 +224,38 @@ REARRANGEMENTS = {
 }
 
 
+@pytest.mark.parametrize("decoded_before", [0, 3])
 @pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
 @pytest.mark.parametrize("rearrangement", list(REARRANGEMENTS))
 @pytest.mark.parametrize("name", list(REARRANGED_PRESSES))
-def test_a_batch_rearranged_after_the_prompt_decodes_as_that_batch_from_the_start(model_and_prompts, name,
-                                                                                  rearrangement, cache_type):
+def test_a_rearranged_batch_decodes_as_that_batch_from_the_start(model_and_prompts, name, rearrangement, cache_type,
+                                                                  decoded_before):
     """kvpress keeps a head-wise press's marks on the attention module and DMSPress's recent scores on the press;
     a cache rearranging its rows (beam search, num_return_sequences) left both behind, so rows were masked with
-    another sequence's marks, or none (beam scores that no sequence's forced scoring gave)."""
+    another sequence's marks, or none (beam scores that no sequence's forced scoring gave). Rearranged after some
+    decoding steps too, as beam search does at every step: each pass over a layer must take them along once."""
     model, prompts, surrogate = model_and_prompts
     rows = torch.stack([prompts[0][:36], prompts[2][:36]])
     rearrange, kept = REARRANGEMENTS[rearrangement]
 
-    def decode(input_ids, rearrange=None) -> torch.Tensor:
-        """Logits of 10 greedy steps after the prompt (B, 10, V), the batch rearranged after the prompt."""
+    def decode(input_ids, rearrange=None) -> list[torch.Tensor]:
+        """Logits (B, V) of 10 greedy steps after the prompt, the batch rearranged after `decoded_before` of them."""
         cache, steps = cache_type(), []
         with torch.no_grad(), REARRANGED_PRESSES[name](surrogate)(model):
             token = model(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-            if rearrange is not None:
-                rearrange(cache)
-                token = token[kept]
-            for position in range(input_ids.shape[1], input_ids.shape[1] + 10):
+            for step, position in enumerate(range(input_ids.shape[1], input_ids.shape[1] + 10)):
+                if rearrange is not None and step == decoded_before:
+                    rearrange(cache)
+                    token = token[kept]
                 logits = model(token, past_key_values=cache, cache_position=torch.tensor([position]),
                                position_ids=torch.full((token.shape[0], 1), position)).logits[:, -1]
                 steps.append(logits)
                 token = logits.argmax(-1, keepdim=True)
-        return torch.stack(steps, 1)
+        return steps
 
-    torch.testing.assert_close(decode(rows, rearrange), decode(rows[kept]), atol=1e-4, rtol=1e-4)
+    rearranged, alone = decode(rows, rearrange), decode(rows[kept])
+    torch.testing.assert_close(torch.stack(rearranged[decoded_before:], 1), torch.stack(alone[decoded_before:], 1),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_a_rearranged_cache_leaves_the_marks_of_a_later_cache_and_a_saved_one_rearranges(model_and_prompts, tmp_path):
