@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import AdaKVPress, ComposedPress, DMSPress, ExpectedAttentionPress, KnormPress, SnapKVPress
+from kvpress import (AdaKVPress, ComposedPress, CriticalAdaKVPress, DMSPress, ExpectedAttentionPress, KnormPress,
+                     SnapKVPress)
 from transformers import DynamicCache
 
 from kvpress_cpp.paged_cache import PagedKVCache
@@ -224,6 +225,24 @@ REARRANGEMENTS = {
 }
 
 
+def decode(model, press, input_ids, cache_type, rearrangement=None, decoded_before=0) -> list[torch.Tensor]:
+    """Logits (B, V) of 10 greedy steps after the prompt, the batch rearranged (a (rearrange, rows kept) pair as in
+    REARRANGEMENTS) after `decoded_before` of them."""
+    cache, steps = cache_type(), []
+    with torch.no_grad(), press(model):
+        token = model(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for step, position in enumerate(range(input_ids.shape[1], input_ids.shape[1] + 10)):
+            if rearrangement is not None and step == decoded_before:
+                rearrange, kept = rearrangement
+                rearrange(cache)
+                token = token[kept]
+            logits = model(token, past_key_values=cache, cache_position=torch.tensor([position]),
+                           position_ids=torch.full((token.shape[0], 1), position)).logits[:, -1]
+            steps.append(logits)
+            token = logits.argmax(-1, keepdim=True)
+    return steps
+
+
 @pytest.mark.parametrize("decoded_before", [0, 3])
 @pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
 @pytest.mark.parametrize("rearrangement", list(REARRANGEMENTS))
@@ -236,26 +255,26 @@ def test_a_rearranged_batch_decodes_as_that_batch_from_the_start(model_and_promp
     decoding steps too, as beam search does at every step: each pass over a layer must take them along once."""
     model, prompts, surrogate = model_and_prompts
     rows = torch.stack([prompts[0][:36], prompts[2][:36]])
-    rearrange, kept = REARRANGEMENTS[rearrangement]
-
-    def decode(input_ids, rearrange=None) -> list[torch.Tensor]:
-        """Logits (B, V) of 10 greedy steps after the prompt, the batch rearranged after `decoded_before` of them."""
-        cache, steps = cache_type(), []
-        with torch.no_grad(), REARRANGED_PRESSES[name](surrogate)(model):
-            token = model(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-            for step, position in enumerate(range(input_ids.shape[1], input_ids.shape[1] + 10)):
-                if rearrange is not None and step == decoded_before:
-                    rearrange(cache)
-                    token = token[kept]
-                logits = model(token, past_key_values=cache, cache_position=torch.tensor([position]),
-                               position_ids=torch.full((token.shape[0], 1), position)).logits[:, -1]
-                steps.append(logits)
-                token = logits.argmax(-1, keepdim=True)
-        return steps
-
-    rearranged, alone = decode(rows, rearrange), decode(rows[kept])
+    kept = REARRANGEMENTS[rearrangement][1]
+    rearranged = decode(model, REARRANGED_PRESSES[name](surrogate), rows, cache_type, REARRANGEMENTS[rearrangement],
+                        decoded_before)
+    alone = decode(model, REARRANGED_PRESSES[name](surrogate), rows[kept], cache_type)
     torch.testing.assert_close(torch.stack(rearranged[decoded_before:], 1), torch.stack(alone[decoded_before:], 1),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+def test_critical_adakv_marks_follow_repeated_rows(model_and_prompts, cache_type):
+    """CriticalAdaKVPress marks the prompt's columns as AdaKVPress does, through its own compress. kvpress's
+    CriticalAdaKVPress fails on a batch of several prompts, so one prompt's rows are repeated (num_return_sequences):
+    each copy decodes as the prompt alone, none unmasked."""
+    model, prompts, _ = model_and_prompts
+    press = lambda: CriticalAdaKVPress(KnormPress(compression_ratio=0.5))  # noqa: E731
+    row = prompts[0][None, :36]
+    repeated = decode(model, press(), row, cache_type, (lambda cache: cache.batch_repeat_interleave(2), [0, 0]))
+    alone = decode(model, press(), row, cache_type)
+    torch.testing.assert_close(torch.stack(repeated, 1), torch.stack(alone, 1).expand(2, -1, -1), atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_a_rearranged_cache_leaves_the_marks_of_a_later_cache_and_a_saved_one_rearranges(model_and_prompts, tmp_path):
