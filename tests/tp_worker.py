@@ -93,6 +93,9 @@ CASES = {
     "adakv-snapkv": lambda model, surrogates: AdaKVPress(SnapKVPress(compression_ratio=0.6, window_size=16)),
     "adakv-kvzap": lambda model, surrogates: AdaKVPress(KVzapPress(compression_ratio=0.6, model_type="mlp",
                                                                    surrogate_dir=surrogates / "mlp")),
+    # at ratio 0 kvpress marks nothing, and leaves no marks to take the rank's heads from
+    "adakv-kvzap-ratio-0": lambda model, surrogates: AdaKVPress(KVzapPress(compression_ratio=0.0, model_type="mlp",
+                                                                           surrogate_dir=surrogates / "mlp")),
     # kvpress's scorers alone: each head's own queries and keys (SnapKV), or every head's attention (TOVA).
     "snapkv": lambda model, surrogates: SnapKVPress(compression_ratio=0.6, window_size=16),
     "pyramidkv": lambda model, surrogates: PyramidKVPress(compression_ratio=0.6, window_size=16),
@@ -105,7 +108,8 @@ CASES = {
         StreamingLLMPress(), compression_ratios=[0.4, 0.6]),
 }
 #: The cases whose forward hook is kvpress's own code (its presses, and its DMSPress and AdaKVPress around ours).
-KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap", "snapkv",
+KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap",
+                      "adakv-kvzap-ratio-0", "snapkv",
                       "pyramidkv", "tova", "snapkv-rerotated", "knorm-in-chunks", "streamingllm-per-layer"}
 #: The cases a model splitting its kv heads over the ranks refuses (:func:`refusals`); one gathering them runs them.
 ALL_HEADS_CASES = {"tova"}
