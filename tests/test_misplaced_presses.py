@@ -892,6 +892,18 @@ def test_a_static_cache_is_refused_by_the_press(llama):
         llama.generate(prompt(), past_key_values=cache, max_new_tokens=2)
 
 
+def test_a_static_cache_is_refused_before_any_layer_writes_it(llama):
+    """The layers' hooks refused a static cache after the layer had written it, inside transformers 4.57's
+    check_model_inputs, which runs the forward again after a TypeError: with a prompt over half the cache's length
+    the second run overflowed it first, and kvpress's pipeline stopped on a bare IndexError from index_copy_."""
+    ids = prompt()
+    cache = StaticCache(config=llama.config, max_cache_len=ids.shape[1] + 4)
+    with pytest.raises(TypeError, match=r"ZSMergePress: needs a DynamicCache or a PagedKVCache, got a StaticLayer"), \
+            torch.no_grad(), ZSMergePress(budget=16)(llama):
+        llama(ids, past_key_values=cache)
+    assert all(layer.keys is None or not layer.keys.any() for layer in cache.layers)
+
+
 class IdentityQuantizedLayer(QuantizedLayer):
     """A QuantizedLayer as quanto's and HQQ's are (keys and values held elsewhere, `keys` left empty), with the
     identity for a quantizer: neither backend is installed here."""

@@ -903,6 +903,12 @@ class KVCompPress(BasePress):
         cache, inputs = pass_cache(kwargs), pass_inputs(args, kwargs)
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
+        # A cache of the wrong kind, refused before any layer writes to it. The layers' forward hook refuses it too,
+        # but only after the layer wrote it, and inside transformers 4.57's check_model_inputs, which runs the forward
+        # again after a TypeError: a static cache then overflowed first (a bare IndexError).
+        for module in self._hooked_modules:
+            if module.layer_idx < len(cache.layers):
+                check_cache_layer(cache.layers[module.layer_idx], type(self).__name__)
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
         processed = _tokens_stood_for(cache, slots) if slots else 0
         placed = None
