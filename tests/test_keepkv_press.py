@@ -133,6 +133,15 @@ def test_a_scorer_that_fails_is_named_with_keepkv():
                                          r"tokens: Query length 40 should be greater than the window size 64"):
         greedy(model, prompt_ids(tokenizer, 40), press=press, max_new_tokens=1)
 
+    class SilentAssertion(KnormPress):
+        def score(self, *args, **kwargs):
+            raise AssertionError  # no message: the error's name stands for it
+
+    with pytest.raises(ValueError, match=r"KeepKVPress: its scorer SilentAssertion failed at layer 0 on a prompt of "
+                                         r"40 tokens: AssertionError$"):
+        greedy(model, prompt_ids(tokenizer, 40), press=KeepKVPress(budget=0.5, scorer=SilentAssertion()),
+               max_new_tokens=1)
+
     class OutOfMemory(KnormPress):
         def score(self, *args, **kwargs):
             raise torch.OutOfMemoryError("out of memory")

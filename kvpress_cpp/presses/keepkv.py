@@ -151,7 +151,7 @@ class KeepKVPress(KVCompDecodingPress):
             except (AssertionError, IndexError, RuntimeError, ValueError) as error:  # kvpress's scorers assert
                 raise ValueError(f"KeepKVPress: its scorer {type(self.scorer).__name__} failed at layer "
                                  f"{module.layer_idx} on a prompt of {length} tokens: "
-                                 f"{error or type(error).__name__}") from error
+                                 f"{str(error) or type(error).__name__}") from error
         elif self.merge_first:
             keys, values, state = self._merge_first(keys, values, state)
         return self._evict(keys, values, state, ranking)
