@@ -230,6 +230,22 @@ def test_a_surrogate_lacking_tensors_is_refused(llama, surrogates, tmp_path):
         KVzapThresholdPress(surrogate_dir=partial).post_init_from_model(model)
 
 
+@pytest.mark.parametrize("damage", [
+    lambda folder: (folder / "model.safetensors").write_bytes(b""),  # safetensors: "header too small", no path
+    lambda folder: (folder / "config.json").write_text("{}"),  # "KVzapConfig.__init__() missing 3 ... arguments"
+    lambda folder: (folder / "config.json").write_text("{"),
+], ids=["empty safetensors", "empty config", "truncated config"])
+def test_an_unreadable_surrogate_is_refused_naming_its_folder(llama, surrogates, tmp_path, damage):
+    """A damaged surrogate folder stopped on safetensors' or transformers' own error, naming neither KVzap nor the
+    folder."""
+    model, _ = llama
+    damaged = tmp_path / "mlp"
+    shutil.copytree(surrogates["mlp"], damaged)
+    damage(damaged)
+    with pytest.raises(ValueError, match=rf"KVzap: the mlp surrogate in {damaged} cannot be read"):
+        KVzapThresholdPress(surrogate_dir=damaged).post_init_from_model(model)
+
+
 @pytest.mark.parametrize("value", [1.0, 1.5, -0.2, float("nan")])
 def test_compression_ratio_is_checked_when_set_on_a_built_scorer(value):
     """kvpress's evaluation sets compression_ratio on a built press: 1.0 once dropped the whole prompt silently."""

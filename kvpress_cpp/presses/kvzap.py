@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 from kvpress.presses.kvzap_press import KVzapModel
 from kvpress.presses.kvzap_press import KVzapPress as _KVzapScorer
+from safetensors import SafetensorError
 from torch import nn
 
 from kvpress_cpp import ops
@@ -80,8 +81,12 @@ def load_surrogate(model: nn.Module, model_type: str = "mlp", surrogate_dir: str
             f"{path} (kvpress's KVzapModel layout, written by KVzapModel.save_pretrained). Train one with "
             f"`{TRAIN_COMMAND}`, or pass surrogate_dir= to a directory that holds one. Nothing is downloaded."
         )
-    surrogate, loading = KVzapModel.from_pretrained(path, local_files_only=True, output_loading_info=True,
-                                                    **NO_HUB_KERNELS)
+    try:
+        surrogate, loading = KVzapModel.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                        **NO_HUB_KERNELS)
+    except (OSError, ValueError, TypeError, KeyError, SafetensorError) as error:
+        raise ValueError(f"KVzap: the {model_type} surrogate in {path} cannot be read (a damaged or partly written "
+                         f"config.json or model.safetensors?): {type(error).__name__}: {error}") from error
     absent = sorted(loading["missing_keys"])
     if absent:  # (transformers fills them with new random weights, and only logs it)
         raise ValueError(f"KVzap: the surrogate in {path} lacks {len(absent)} tensor(s) its config.json calls for: "
