@@ -123,7 +123,8 @@ def test_memory_ratio_of_a_padded_batch_is_the_width_the_cache_holds(longest_fir
 
 @pytest.mark.parametrize("kwargs,message", [({"nucleus_p": 0}, r"nucleus_p must be a number in \(0, 1\], got 0"),
                                             ({"num_samples": 0}, "num_samples"),
-                                            ({"num_samples": 2.5}, "num_samples must be an int ≥ 1, got 2.5"),
+                                            ({"num_samples": 2.5}, r"num_samples must be an int in \[1, 65536\], "
+                                                                   r"got 2.5"),
                                             ({"sinks": -1}, "sinks must be"), ({"recent": -1}, "recent must be"),
                                             ({"seed": float("nan")}, "seed must be an int, got nan"),
                                             ({"keep_sinks": "yes"}, "keep_sinks must be True or False"),

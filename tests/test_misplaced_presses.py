@@ -24,8 +24,8 @@ import kvpress_cpp.attention
 import kvpress_cpp.presses  # noqa: F401  (wraps transformers' attention functions, as any use of a press does)
 from kvpress_cpp.cache import get_state
 from kvpress_cpp.paged_cache import PagedKVCache
-from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVzapPress, KVzapThresholdPress, WeightedKVPress,
-                                 ZSMergePress)
+from kvpress_cpp.presses import (GVotePress, KeepKVPress, KVCompDecodingPress, KVCompPress, KVzapPress,
+                                 KVzapThresholdPress, WeightedKVPress, ZSMergePress)
 from tests import kvpress_hooks
 from tests.generation import greedy, needs_chunked_prefill
 from tests.models import make_tiny_llama
@@ -1026,10 +1026,17 @@ def test_a_budget_assigned_after_construction_is_refused_where_given(press, budg
     (lambda: ZSMergePress(budget=64), "budget", 0.5, r"ZSMergePress: prefill_chunk_size needs a budget in tokens"),
     (WeightedKVPress, "evict_only", "no", r"WeightedKVPress: evict_only must be True or False, got 'no'"),
     (KeepKVPress, "recent", -0.5, r"KeepKVPress: recent must be a token count ≥ 1 or a fraction of the budget"),
-    (GVotePress, "num_samples", 0, r"GVotePress: num_samples must be an int ≥ 1, got 0"),
+    (GVotePress, "num_samples", 0, r"GVotePress: num_samples must be an int in \[1, 65536\], got 0"),
     (GVotePress, "chunk_size", 2**64, r"GVotePress: chunk_size must fit int64 \(\[-2\^63, 2\^63 - 1\]\)"),
     (GVotePress, "seed", -2**63 - 1, r"GVotePress: seed must fit int64 \(\[-2\^63, 2\^63 - 1\]\), got -92233"),
     (GVotePress, "future_positions", 10**12, r"GVotePress: future_positions must be an int in \[1, 1048576\], got 1"),
+    # each sample's attention is materialised: 2^62 overflowed torch's storage sizes
+    (GVotePress, "num_samples", 2**62, r"GVotePress: num_samples must be an int in \[1, 65536\], got 4611686018427"),
+    # passed to generate as an int64: "Overflow when unpacking long long"
+    (lambda: ZSMergePress(budget=64), "prefill_chunk_size", 2**63,
+     r"ZSMergePress: prefill_chunk_size must be None or an int in \[1, 2\^63 - 1\], got 9223372036854775808"),
+    (lambda: WeightedKVPress(cache_size=64), "prefill_chunk_size", 10**30,
+     r"WeightedKVPress: prefill_chunk_size must be None or an int in \[1, 2\^63 - 1\], got 10000"),
     (KVzapThresholdPress, "surrogate_dir", 1.5, r"KVzapThresholdPress: surrogate_dir must be a folder's path"),
 ], ids=lambda case: case if isinstance(case, str) and case.isidentifier() else None)
 def test_a_parameter_assigned_after_construction_is_checked_and_left_as_it_was(make, name, value, message):
@@ -1044,6 +1051,39 @@ def test_a_parameter_assigned_after_construction_is_checked_and_left_as_it_was(m
     with pytest.raises(ValueError, match=message):
         setattr(press, name, value)
     assert press == before and getattr(press, name) == getattr(before, name)
+
+
+@pytest.mark.parametrize("make,name,value", [
+    (lambda surrogate: KeepKVPress(budget=16), "sinks", 8),  # took effect at once
+    (lambda surrogate: KeepKVPress(budget=16), "recent", 2),  # ignored until the next prompt
+    (lambda surrogate: ZSMergePress(budget=16), "recent_fraction", 0.5),  # ignored until the next prompt
+    (lambda surrogate: WeightedKVPress(cache_size=16), "cache_size", 8),
+    # ignored for good: the surrogate was loaded when the context opened
+    (lambda surrogate: KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogate), "model_type",
+     "linear"),
+], ids=["KeepKV-sinks", "KeepKV-recent", "ZSMerge-recent_fraction", "WeightedKV-cache_size", "KVzap-model_type"])
+def test_a_parameter_changed_inside_the_context_is_refused(llama, tmp_path, make, name, value):
+    """Parameters changed inside ``with press(model):`` took effect at once (KeepKV's sinks, failing in the op), at
+    the next prompt (windows) or never (KVzap's surrogate): refused, naming the press and both values; the press
+    takes them again once the context has closed."""
+    press = make(write_surrogate(tmp_path / "mlp", llama, "mlp", scale=4.0))
+    before = getattr(press, name)
+    cache = DynamicCache()
+    with torch.no_grad(), press(llama):
+        llama(prompt(), past_key_values=cache)
+        with pytest.raises(ValueError, match=rf"{type(press).__name__}: {name} cannot change from {before!r} to "
+                                             rf"{value!r} while the press's context is open"):
+            setattr(press, name, value)
+        assert getattr(press, name) == before
+    setattr(press, name, value)
+    assert getattr(press, name) == value
+
+
+@pytest.mark.parametrize("base", [KVCompPress, KVCompDecodingPress], ids=lambda base: base.__name__)
+def test_the_base_classes_are_refused_as_presses(base):
+    """Exported for subclassing, they ran as presses and stopped at the first prompt on a blank NotImplementedError."""
+    with pytest.raises(TypeError, match=rf"{base.__name__} is a base class, with no compression of its own"):
+        base()
 
 
 @pytest.mark.parametrize("make", [ZSMergePress, WeightedKVPress, KeepKVPress], ids=lambda make: make.__name__)

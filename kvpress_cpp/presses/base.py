@@ -204,9 +204,18 @@ def require_bool(press: str, name: str, value) -> None:
 
 
 @functools.cache
+@functools.cache
 def _parameter_names(press_type: type) -> frozenset[str]:
     """The fields a press is constructed with (its parameters), not the ones it keeps for itself."""
     return frozenset(field.name for field in fields(press_type) if field.init)
+
+
+@functools.cache
+def _library_parameter_names(press_type: type) -> frozenset[str]:
+    """The parameters of the nearest of kvpress_cpp's presses `press_type` is, or derives from: those its context
+    reads (a subclass's own fields are its own to use)."""
+    library = next(cls for cls in press_type.__mro__ if cls.__module__.startswith("kvpress_cpp."))
+    return _parameter_names(library)
 
 
 def hooked_decoder(model: nn.Module) -> nn.Module | None:
@@ -410,6 +419,9 @@ class KVCompPress(BasePress):
     _forward_thread: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if type(self).compress_prefill is KVCompPress.compress_prefill:
+            raise TypeError(f"{type(self).__name__} is a base class, with no compression of its own: use one of "
+                            f"kvpress_cpp.presses' presses, or subclass it and implement compress_prefill")
         self.check_parameters()
         self.__dict__["_parameters_checked"] = True
 
@@ -439,6 +451,12 @@ class KVCompPress(BasePress):
         if not self.__dict__.get("_parameters_checked"):
             super().__setattr__(name, value)  # (constructing: __post_init__ checks them together)
             return
+        if self._hooked_modules and name in _library_parameter_names(type(self)):
+            # Parameters are read when the context opens (surrogates loaded), at the prompt (windows, chunk sizes)
+            # or at every step: changed inside, some took effect at once, others at the next prompt, others never.
+            raise ValueError(f"{type(self).__name__}: {name} cannot change from {self.__dict__[name]!r} to "
+                             f"{value!r} while the press's context is open (`with press(model):`): set it before "
+                             f"the context opens")
         before = self.__dict__[name]
         super().__setattr__(name, value)
         try:

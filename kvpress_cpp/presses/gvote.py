@@ -30,10 +30,12 @@ from kvpress_cpp.distributed import gather_kv_heads, prerope_query_states
 from kvpress_cpp.presses.base import (KVCompPress, last_query_states, require_bool, require_int, require_real,
                                       rotate_leading_dims)
 
-__all__ = ["GVotePress", "MAX_FUTURE_POSITIONS"]
+__all__ = ["GVotePress", "MAX_FUTURE_POSITIONS", "MAX_NUM_SAMPLES"]
 
 #: The most future positions whose rotary tables GVote averages (the paper: 512).
 MAX_FUTURE_POSITIONS = 2**20
+#: The most sampled future queries per layer: each is a (Hq, T) attention over the prompt.
+MAX_NUM_SAMPLES = 2**16
 
 
 @dataclass
@@ -74,8 +76,10 @@ class GVotePress(KVCompPress):
 
     def check_parameters(self) -> None:
         require_real("GVotePress", "nucleus_p", self.nucleus_p, "(0, 1]")
-        for name in ("num_samples", "chunk_size", "budget_queries"):
+        for name in ("chunk_size", "budget_queries"):
             require_int("GVotePress", name, getattr(self, name), 1)
+        # The samples are materialised, each with its attention over the prompt (2^62 overflowed torch's sizes).
+        require_int("GVotePress", "num_samples", self.num_samples, 1, MAX_NUM_SAMPLES)
         # Their rotary tables are materialised (the model's own rotary module, any scaling): 2^20 of d = 128 take 1 GB.
         require_int("GVotePress", "future_positions", self.future_positions, 1, MAX_FUTURE_POSITIONS)
         for name in ("sinks", "recent"):

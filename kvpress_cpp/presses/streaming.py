@@ -54,8 +54,8 @@ class StreamingPrefill:
         chunk, name = self.prefill_chunk_size, type(self).__name__
         if chunk is None:
             return
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"{name}: prefill_chunk_size must be None or an int ≥ 1, got {chunk!r}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk.bit_length() > 63:  # int64
+            raise ValueError(f"{name}: prefill_chunk_size must be None or an int in [1, 2^63 - 1], got {chunk!r}")
         if isinstance(budget, float):
             raise ValueError(f"{name}: prefill_chunk_size needs a budget in tokens, got the fraction {budget!r} (the "
                              f"prompt's length is unknown while it streams in)")
