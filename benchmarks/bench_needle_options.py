@@ -1,7 +1,7 @@
 """Options of our presses on the demo's needle question (a passphrase hidden in Austen, asked through SmolLM2's chat
 template: kvpress_cpp.tasks), question-aware: the question is part of the compressed prompt, as the papers measure
 (LongBench style). Each configuration answers the question at several needle depths; reported per configuration:
-how many were answered, and for GVote the paper's kept fraction (mean over heads) and the memory the compacted cache
+each answer, how many were answered, and for GVote the paper's kept fraction (mean over heads) and the memory the compacted cache
 holds.
 
     python -m benchmarks.bench_needle_options --group gvote         # GVote's sinks / recent window / budget options
@@ -87,20 +87,22 @@ def main() -> None:
     fact = HiddenFact()
     rows = []
     for name, make_press in GROUPS[args.group].items():
-        answered, kept, held = [], [], []
+        answers, kept, held = [], [], []
         for depth in args.depths:
             inputs = tokenizer(hidden_fact_prompt(tokenizer, args.context_tokens, depth, fact), return_tensors="pt")
             press = make_press(inputs.input_ids.shape[1])
             with torch.no_grad(), press(model):
                 out = model.generate(**inputs, past_key_values=DynamicCache(), max_new_tokens=12, do_sample=False)
             answer = tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
-            answered.append(fact.answer in answer)
+            answers.append(answer)
             if isinstance(press, GVotePress):
                 kept.append(1 - press.compression_ratio)
                 held.append(1 - press.memory_compression_ratio)
             print(f"{name} depth {depth}: {answer!r}", flush=True)
+        answered = [fact.answer in answer for answer in answers]
         row = {"configuration": name, "context_tokens": args.context_tokens, "depths": args.depths,
-               "answered": sum(answered), "examples": len(answered), "answered_per_depth": answered}
+               "answered": sum(answered), "examples": len(answered), "answered_per_depth": answered,
+               "answers_per_depth": answers}
         if kept:
             row |= {"kept_mean_over_heads": round(sum(kept) / len(kept), 3),
                     "memory_held": round(sum(held) / len(held), 3)}
