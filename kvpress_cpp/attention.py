@@ -346,9 +346,12 @@ def _tokens_held(module: torch.nn.Module, presses, paged_layer: PagedLayer | Non
     return paged_layer.get_seq_length() if paged_layer is not None else key.shape[-2]
 
 
-def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns_weights: bool = False):
+def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns_weights: bool = False,
+                        continuous_batching: str | None = None):
     """`returns_weights`: the function always returns the attention probabilities (eager attention, whose are what
-    output_attentions=True reports), so a paged pass returns them too."""
+    output_attentions=True reports), so a paged pass returns them too. `continuous_batching`: the name of one of
+    transformers' continuous-batching attentions, which read their own cache, refused under a press or on a paged
+    layer."""
     if getattr(attention_fn, _WRAPPED_ATTR, False):
         return attention_fn
 
@@ -358,6 +361,11 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         presses = module.__dict__.get(_ACTIVE_PRESSES_ATTR)
         if presses or paged_layer is not None:
             user = presses[-1] if presses else "PagedKVCache"
+            if continuous_batching is not None:
+                raise ValueError(f"{user}: layer {getattr(module, 'layer_idx', '?')} runs transformers' "
+                                 f"continuous-batching attention ({continuous_batching!r}), which reads its own "
+                                 f"PagedAttentionCache (generate_batch), not a cache kvpress_cpp compressed or paged; "
+                                 f"load the model with attn_implementation='sdpa', 'eager' or 'flash_attention_2'")
             if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
                 implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
                 raise ValueError(f"{user}: layer {getattr(module, 'layer_idx', '?')} runs its attention "
@@ -441,7 +449,8 @@ def _paged_attention(layer: PagedLayer, module: torch.nn.Module, query: torch.Te
 def patch_attention_functions() -> None:
     """Wrap every attention function registered with transformers (sdpa, flash attention, ...). Idempotent."""
     for name, attention_fn in list(ALL_ATTENTION_FUNCTIONS.items()):
-        ALL_ATTENTION_FUNCTIONS[name] = _honour_log_weights(attention_fn, keeps_prompt_scores=name == "sdpa")
+        ALL_ATTENTION_FUNCTIONS[name] = _honour_log_weights(attention_fn, keeps_prompt_scores=name == "sdpa",
+                                                            continuous_batching=name if "paged" in name else None)
 
 
 def _wrap_eager_attention(model_file) -> None:

@@ -5,6 +5,7 @@ slots."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from contextlib import ExitStack, nullcontext
@@ -15,6 +16,7 @@ import torch
 from kvpress import (AdaKVPress, BlockPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DecodingPress, DMSPress,
                      KnormPress, PrefillDecodingPress, PyramidKVPress, SnapKVPress, ThinKPress, TOVAPress)
 from transformers import DynamicCache, pipeline
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress_cpp.attention import patch_eager_attention
 from kvpress_cpp.cache import cache_bytes, get_state
@@ -800,6 +802,25 @@ def test_flex_attention_on_a_paged_cache_is_refused_naming_it():
     cache = PagedKVCache()
     with torch.no_grad(), pytest.raises(ValueError, match=r"PagedKVCache: layer 0 runs its attention "
                                                           r"\(flex_attention\) with a BlockMask mask"):
+        model.generate(prompt_ids(tokenizer, 20), past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+#: transformers' continuous-batching attentions (4.57: paged_attention, sdpa_paged, eager_paged; 5.x: paged|sdpa, ...),
+#: whose cache is its own PagedAttentionCache (generate_batch); those over flash attention need its package to load.
+CONTINUOUS_BATCHING = [name for name in ALL_ATTENTION_FUNCTIONS if "paged" in name and "flash" not in name]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["ZSMerge on a DynamicCache", "PagedKVCache"])
+@pytest.mark.parametrize("implementation", CONTINUOUS_BATCHING)
+def test_continuous_batching_attention_is_refused_naming_it(implementation, paged):
+    """They read the cache their own way: under a press sdpa_paged ran and left the compressed cache's log-weights
+    out (other tokens, silently), eager_paged on a paged cache was refused as a layer holding tokens the press did
+    not compress, paged_attention stopped on "'float' object has no attribute 'update'"."""
+    model, tokenizer = make_tiny_llama(attn_implementation=implementation)
+    cache, press = (PagedKVCache(), nullcontext()) if paged else (DynamicCache(), ZSMergePress(budget=8)(model))
+    message = rf"{'PagedKVCache' if paged else 'ZSMergePress'}: layer 0 runs transformers' continuous-batching " \
+              rf"attention \('{re.escape(implementation)}'\)"
+    with torch.no_grad(), press, pytest.raises(ValueError, match=message):
         model.generate(prompt_ids(tokenizer, 20), past_key_values=cache, max_new_tokens=2, do_sample=False)
 
 
