@@ -1,8 +1,8 @@
 """Options of our presses on the demo's needle question (a passphrase hidden in Austen, asked through SmolLM2's chat
 template: kvpress_cpp.tasks), question-aware: the question is part of the compressed prompt, as the papers measure
 (LongBench style). Each configuration answers the question at several needle depths; reported per configuration:
-each answer, how many were answered, and for GVote the paper's kept fraction (mean over heads) and the memory the compacted cache
-holds.
+each answer, how many were answered, and for GVote the paper's kept fraction (mean over heads) and the memory the
+compacted cache holds.
 
     python -m benchmarks.bench_needle_options --group gvote         # GVote's sinks / recent window / budget options
     python -m benchmarks.bench_needle_options --group streaming     # one-shot vs streamed prefill, ZSMerge order

@@ -65,9 +65,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 from kvpress import (AdaKVPress, BasePress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
-                     CriticalKVPress, DecodingPress, DMSPress, FastKVzipPress, KeyRerotationPress, KnormPress, KVComposePress, KVzipPress,
-                     PerLayerCompressionPress, PrefillDecodingPress, PyramidKVPress, ScorerPress, SnapKVPress,
-                     StreamingLLMPress)
+                     CriticalKVPress, DecodingPress, DMSPress, FastKVzipPress, KeyRerotationPress, KnormPress,
+                     KVComposePress, KVzipPress, PerLayerCompressionPress, PrefillDecodingPress, PyramidKVPress,
+                     ScorerPress, SnapKVPress, StreamingLLMPress)
 from kvpress import KVzapPress as KVzapScorer
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import is_prefilling
@@ -82,8 +82,8 @@ from kvpress_cpp.presses.kvzap import KVzapPress
 
 __all__ = ["patch_dms_press", "patch_adakv_press", "patch_scorer_press", "patch_wrapper_contexts",
            "patch_press_contexts", "patch_presses_after_ours", "patch_wrapper_placements", "patch_pipeline_questions",
-           "SHARDABLE_SCORERS", "CONTEXT_WRAPPERS", "SCORER_WRAPPERS", "HEAD_WISE_WRAPPERS", "refuse_unshardable_presses",
-           "kvpress_transformers_mismatch"]
+           "SHARDABLE_SCORERS", "CONTEXT_WRAPPERS", "SCORER_WRAPPERS", "HEAD_WISE_WRAPPERS",
+           "refuse_unshardable_presses", "kvpress_transformers_mismatch"]
 
 #: The scorers that run on a tensor-parallel rank, alone, inside DMSPress and AdaKVPress, or inside
 #: :data:`HEAD_WISE_WRAPPERS`: each scores a kv head from that head's own queries, keys or position. Ours read the

@@ -204,7 +204,6 @@ def require_bool(press: str, name: str, value) -> None:
 
 
 @functools.cache
-@functools.cache
 def _parameter_names(press_type: type) -> frozenset[str]:
     """The fields a press is constructed with (its parameters), not the ones it keeps for itself."""
     return frozenset(field.name for field in fields(press_type) if field.init)
