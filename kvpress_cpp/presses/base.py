@@ -622,7 +622,7 @@ class KVCompPress(BasePress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = pass_cache(kwargs)
-        if cache is not None:  # a cache of the wrong kind is a TypeError, raised before anything is written
+        if cache is not None:  # layers a cache creates during the pass, which the decoder's pre-hook did not see
             check_cache_layer(cache.layers[module.layer_idx], type(self).__name__)
         try:
             return self._compress_pass(module, input, kwargs, output)
@@ -902,6 +902,17 @@ class KVCompPress(BasePress):
         if self._forward_thread == threading.get_ident():
             self._forward_thread = None
 
+    def _refuse_cache_of_the_wrong_kind(self, base_model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder stack: refuse a cache whose hooked layers cannot hold a press's state
+        before any layer writes to it. The layers' forward hook refuses too, but after the layer wrote, and inside
+        transformers 4.57's check_model_inputs, which runs the forward again after a TypeError: a static cache then
+        overflowed first (a bare IndexError)."""
+        cache = pass_cache(kwargs)
+        layers = getattr(cache, "layers", [])
+        for module in self._hooked_modules:
+            if module.layer_idx < len(layers):
+                check_cache_layer(layers[module.layer_idx], type(self).__name__)
+
     def _check_resumed_positions(self, base_model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         """Forward pre-hook of the decoder stack: count the positions the cache stands for, tell the hooked attention
         modules (a sliding window is compared with them), and refuse a pass that feeds again tokens a compressed
@@ -920,12 +931,6 @@ class KVCompPress(BasePress):
         cache, inputs = pass_cache(kwargs), pass_inputs(args, kwargs)
         if cache is None or inputs is None or not hasattr(cache, "layers"):
             return
-        # A cache of the wrong kind, refused before any layer writes to it. The layers' forward hook refuses it too,
-        # but only after the layer wrote it, and inside transformers 4.57's check_model_inputs, which runs the forward
-        # again after a TypeError: a static cache then overflowed first (a bare IndexError).
-        for module in self._hooked_modules:
-            if module.layer_idx < len(cache.layers):
-                check_cache_layer(cache.layers[module.layer_idx], type(self).__name__)
         new_tokens, slots = inputs.shape[1], cache.get_seq_length()
         processed = _tokens_stood_for(cache, slots) if slots else 0
         placed = None
@@ -1075,6 +1080,7 @@ class KVCompPress(BasePress):
                 count_hook_without_probabilities(module, +1)
         self._forward_thread = None
         hooks = [model.model.register_forward_pre_hook(self._claim_forward, with_kwargs=True),
+                 model.model.register_forward_pre_hook(self._refuse_cache_of_the_wrong_kind, with_kwargs=True),
                  model.model.register_forward_pre_hook(self._check_resumed_positions, with_kwargs=True),
                  model.model.register_forward_hook(self._record_slots, with_kwargs=True),
                  model.model.register_forward_hook(self._release_forward, with_kwargs=True, always_call=True)]
