@@ -30,6 +30,7 @@ from tests.models import make_tiny_llama
 from tests.tp_worker import (
     ALL_HEADS_CASES,
     CASES,
+    KEEP_EVERY_TOKEN_CASES,
     KVPRESS_HOOK_CASES,
     NEW_TOKENS,
     PROMPT_TOKENS,
@@ -135,7 +136,7 @@ def test_tokens_equal_single_process(sharded, single, case):
 def test_each_rank_holds_its_heads_of_the_single_process_cache(sharded, single, case):
     results, kind = sharded
     whole = single[kind][case]["layers"]
-    if case not in ("no-press", "adakv-kvzap-ratio-0"):
+    if case not in KEEP_EVERY_TOKEN_CASES:
         fed = PROMPT_TOKENS + NEW_TOKENS - 1  # the last token is generated, never fed back
         assert any(min(len(attended(layer, head)["keys"]) for head in range(layer["keys"].shape[1])) < fed
                    for layer in whole), "the case compresses nothing"

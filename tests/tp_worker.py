@@ -107,6 +107,8 @@ CASES = {
     "streamingllm-per-layer": lambda model, surrogates: PerLayerCompressionPress(
         StreamingLLMPress(), compression_ratios=[0.4, 0.6]),
 }
+#: The cases that keep every token: the others must compress something for their comparison to mean anything.
+KEEP_EVERY_TOKEN_CASES = {"no-press", "adakv-kvzap-ratio-0"}
 #: The cases whose forward hook is kvpress's own code (its presses, and its DMSPress and AdaKVPress around ours).
 KVPRESS_HOOK_CASES = {"kvzap-in-kvpress-dms", "snapkv-in-kvpress-dms", "adakv-snapkv", "adakv-kvzap",
                       "adakv-kvzap-ratio-0", "snapkv",
