@@ -105,8 +105,13 @@ class LayerState:
         missing = slots_before + new_tokens - self.log_weights.shape[-1]
         if missing:
             self.log_weights = torch.nn.functional.pad(self.log_weights, (0, missing))
-        self._aligned = self._alignment(slots_before, new_tokens)
+        self.mark_aligned(slots_before, new_tokens)
         return self.log_weights
+
+    def mark_aligned(self, slots_before: int, new_tokens: int) -> None:
+        """Say that the log-weights already cover `new_tokens` plain slots (b = 0) after `slots_before`, with the
+        per-slot tensors covering those before: the next ``align(slots_before, new_tokens)`` copies nothing."""
+        self._aligned = self._alignment(slots_before, new_tokens)
 
     def _tensors(self) -> tuple:
         return self.log_weights, self.value_probe, *self.per_slot.values()

@@ -469,11 +469,11 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def kvcomp_state(self) -> LayerState | None:
-        """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. It covers the view's columns up
-        to the press's last write (the base part): the tokens appended since are the press's to add. A DynamicLayer's
-        per-slot tensors cover the same columns, but its log-weights follow the layer (the attention pads them with
-        0 for each token it appends, LayerState.align): after a prefill-only press (GVote) and decoding, they are
-        wider there than here by the tokens decoded."""
+        """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. Its per-slot tensors cover the
+        view's columns up to the press's last write (the base part): the tokens appended since are the press's to add.
+        Its log-weights cover the same columns, or, in the usual decoding step (heads of one length, laid out in
+        order), the whole view, aligned for the pass (the appended slots hold b = 0 from update), as a DynamicLayer's
+        are once the attention has padded them: the press's align then copies nothing."""
         if not self.is_initialized:
             return None
         self.flush()
@@ -484,15 +484,19 @@ class PagedLayer(CacheLayerMixin):
         width = even[1] if even else int(self.bases.max()) + self.evicted_columns
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
-        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width)
+        appended = even[0] - even[1] if even and self._regular_region() is not None else 0
+        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width + appended)
         if self._state_written is None:
-            return LayerState(log_weights, per_slot, self.counters)
-        # The press's own fields (its owner, a padded batch's rows) come back as written, in the object it wrote (as a
-        # DynamicLayer hands back its state); the tensors from the blocks. No value probe: the blocks move slots by
-        # design (masked evictions, cuts), which the probe would report.
-        state = self._state_written
-        state.log_weights, state.per_slot, state.counters, state.value_probe = (log_weights, per_slot, self.counters,
-                                                                                None)
+            state = LayerState(log_weights, per_slot, self.counters)
+        else:
+            # The press's own fields (its owner, a padded batch's rows) come back as written, in the object it wrote (as
+            # a DynamicLayer hands back its state); the tensors from the blocks. No value probe: the blocks move slots
+            # by design (masked evictions, cuts), which the probe would report.
+            state = self._state_written
+            state.log_weights, state.per_slot, state.counters, state.value_probe = (log_weights, per_slot,
+                                                                                    self.counters, None)
+        if appended:
+            state.mark_aligned(width, appended)
         return state
 
     @kvcomp_state.setter

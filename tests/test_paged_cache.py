@@ -222,13 +222,17 @@ def test_random_appends_evictions_and_cuts(seed, block_size, ops):
             assert torch.equal(view_ids(layer), model.rect), f"step {step} ({op})"
         assert layer.lengths.tolist() == [[len(row) for row in head] for head in model.held()]
         state = get_state(layer)
-        if state is not None:  # as on a DynamicLayer, the state covers the columns up to its last write
+        if state is not None:  # as on a DynamicLayer, the per-slot state covers the columns up to its last write
             scores = state.per_slot["scores"]
-            written_ids = view_ids(layer)[..., :scores.shape[-1]]
+            written = scores.shape[-1]
+            written_ids = view_ids(layer)[..., :written]
             assert torch.equal(scores.long(), written_ids)
             is_dead = torch.isin(written_ids, torch.tensor(sorted(dead), dtype=torch.long)) & (written_ids > 0)
-            assert bool((state.log_weights[(written_ids == 0) | is_dead] == -INF).all())
-            assert bool((state.log_weights[(written_ids > 0) & ~is_dead] == 0).all())
+            assert bool((state.log_weights[..., :written][(written_ids == 0) | is_dead] == -INF).all())
+            assert bool((state.log_weights[..., :written][(written_ids > 0) & ~is_dead] == 0).all())
+            # Log-weights beyond it (the tokens appended since, where the getter hands the whole view) are plain.
+            assert state.log_weights.shape[-1] in (written, layer.get_seq_length())
+            assert bool((state.log_weights[..., written:] == 0).all())
 
 
 @pytest.mark.parametrize("heads,positions,kept", [
