@@ -45,6 +45,7 @@ from tqdm import tqdm
 from benchmarks.common import RESULTS_DIR, copy_bandwidth_gbs, median_seconds, print_table, pyplot, save_figure, write_results
 
 NAME = "paged"
+DECODE_PRESSES = ("ZSMerge", "WeightedKV", "KeepKV", "KVzap")  # decode: the presses that compress while decoding
 
 
 def full_cache_bytes(model, tokens: int, batch: int = 1) -> int:
@@ -148,27 +149,20 @@ def batch_rows(model, tokenizer, kept: float = 0.25, layers: int = 2) -> list[di
 
 
 def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 121, presses: dict | None = None,
-                references: dict[str, str] | None = None) -> list[dict]:
+                references: dict[str, str] | None = None, only: list[str] | None = None) -> list[dict]:
     """Every (press, cache) pair prefilled once, then decoded one token at a time in turns (pair after pair, `steps`
     rounds), so that a change in the machine's load falls on all of them alike; the median step of each. `presses`:
-    {name: press factory} in place of the default set. `references`: {column: press name} whose rectangular run each
-    row is compared with, as ``column`` (ratio of medians) and ``column_paired`` (:func:`paired_ratio`); by default
-    ``vs_tova`` against "TOVA (prefill only)"."""
-    from kvpress import TOVAPress
+    {name: press factory} in place of the default set (:func:`decode_presses`, `only` those named). `references`:
+    {column: press name} whose rectangular run each row is compared with, as ``column`` (ratio of medians) and
+    ``column_paired`` (:func:`paired_ratio`); by default ``vs_tova`` against "TOVA (prefill only)"."""
     from transformers import DynamicCache
 
     from kvpress_cpp.cache import attach
     from kvpress_cpp.paged_cache import PagedKVCache
-    from kvpress_cpp.presses import KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
-    from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
     from kvpress_cpp.texts import austen_novel
 
     text = tokenizer(austen_novel("prideprejudice")[:40000]).input_ids
-    presses = presses if presses is not None else {
-               "TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
-               "ZSMerge": lambda: ZSMergePress(budget=0.25), "WeightedKV": lambda: WeightedKVPress(cache_size=0.25),
-               "KeepKV": lambda: KeepKVPress(budget=0.25),
-               f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}": KVzapThresholdPress}
+    presses = presses if presses is not None else decode_presses(only)
     references = references or {"vs_tova": "TOVA (prefill only)"}
     caches = {"rectangular": DynamicCache, "paged": PagedKVCache}
     rows = []
@@ -212,6 +206,22 @@ def decode_rows(model, tokenizer, prompt_lengths=(2048, 4096), steps: int = 121,
                 row[f"{column}_paired"] = paired_ratio(timed, reference)
             rows.append(row)
     return rows
+
+
+def decode_presses(only: list[str] | None = None) -> dict:
+    """{row name: press factory} of the decode part: kvpress's TOVA, to which every row is compared, and our presses
+    that compress while decoding, at 25% kept; `only`: those of DECODE_PRESSES named, beside TOVA."""
+    from kvpress import TOVAPress
+
+    from kvpress_cpp.presses import KeepKVPress, KVzapThresholdPress, WeightedKVPress, ZSMergePress
+    from kvpress_cpp.presses.kvzap import DEFAULT_THRESHOLD
+
+    ours = {"ZSMerge": ("ZSMerge", lambda: ZSMergePress(budget=0.25)),
+            "WeightedKV": ("WeightedKV", lambda: WeightedKVPress(cache_size=0.25)),
+            "KeepKV": ("KeepKV", lambda: KeepKVPress(budget=0.25)),
+            "KVzap": (f"KVzap-MLP τ={DEFAULT_THRESHOLD:g}", KVzapThresholdPress)}
+    return {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
+            **dict(row for press, row in ours.items() if only is None or press in only)}
 
 
 def paired_ratio(times: list[float], reference: list[float]) -> float:
@@ -372,6 +382,8 @@ def main():
                         choices=["memory", "batch", "decode", "kernel"])
     parser.add_argument("--name", default=NAME, help="results/<NAME>.json (another name keeps the committed results)")
     add_decode_size_arguments(parser)
+    parser.add_argument("--decode-presses", nargs="+", choices=DECODE_PRESSES, metavar="PRESS",
+                        help=f"decode: only these presses, beside TOVA ({', '.join(DECODE_PRESSES)}; default: all)")
     parser.add_argument("--merge", nargs="+", metavar="NAME",
                         help="only merge the rows of earlier runs (results/NAME.json) into results/<--name>.json")
     args = check_decode_sizes(parser, parser.parse_args())
@@ -398,7 +410,8 @@ def measured_rows(args: argparse.Namespace) -> list[dict]:
 
         torch.set_num_threads(1)
         model, tokenizer = load_default_model()
-        decode = functools.partial(decode_rows, prompt_lengths=args.decode_lengths, steps=args.steps)
+        decode = functools.partial(decode_rows, prompt_lengths=args.decode_lengths, steps=args.steps,
+                                   only=args.decode_presses)
         for part, fn in (("memory", memory_rows), ("batch", batch_rows), ("decode", decode)):
             if part in args.parts:
                 rows += fn(model, tokenizer)

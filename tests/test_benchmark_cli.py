@@ -62,6 +62,7 @@ def test_help_explains_and_exits(monkeypatch, capsys, module_name):
     ("bench_streaming_ppl", ["--tokens", "40", "--cache-sizes", "64"], "--cache-sizes [64]"),  # nothing beyond m
     ("bench_streaming_ppl", ["--tokens", "40", "--cache-sizes", "16"], "--cache-sizes [16]"),  # one block beyond
     ("bench_cache", ["--bogus"], "--bogus"),
+    ("bench_paged", ["--decode-presses", "TOVA"], "--decode-presses"),  # always there: every row is compared with it
 ])
 def test_bad_arguments_are_refused_naming_the_option(monkeypatch, capsys, module_name, arguments, option):
     assert run_main(monkeypatch, module_name, *arguments).code == 2
@@ -91,3 +92,13 @@ def test_a_budget_too_small_for_a_press_is_refused_in_the_warm_up_naming_the_opt
     assert run_main(monkeypatch, "bench_decode", *arguments).code == 2
     error = capsys.readouterr().err
     assert "--methods ZSMerge at --budgets 0.05 of --lengths 32: ZSMergePress: a budget of 2 slots" in error
+
+
+def test_the_decode_part_runs_the_presses_named_beside_tova():
+    from benchmarks.bench_paged import DECODE_PRESSES, decode_presses
+
+    rows = list(decode_presses())
+    assert rows[0] == "TOVA (prefill only)" and len(rows) == 1 + len(DECODE_PRESSES)
+    assert list(decode_presses(["KeepKV", "ZSMerge"])) == ["TOVA (prefill only)", "ZSMerge", "KeepKV"]
+    assert [type(make()).__name__ for make in decode_presses(["KVzap"]).values()] == ["TOVAPress",
+                                                                                     "KVzapThresholdPress"]
