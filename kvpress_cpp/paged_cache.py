@@ -471,9 +471,9 @@ class PagedLayer(CacheLayerMixin):
     def kvcomp_state(self) -> LayerState | None:
         """The press's state (:func:`kvpress_cpp.cache.get_state`), None without one. Its per-slot tensors cover the
         view's columns up to the press's last write (the base part): the tokens appended since are the press's to add.
-        Its log-weights cover the same columns, or, in the usual decoding step (heads of one length, laid out in
-        order), the whole view, aligned for the pass (the appended slots hold b = 0 from update), as a DynamicLayer's
-        are once the attention has padded them: the press's align then copies nothing."""
+        Its log-weights cover the whole view (-inf in its holes), aligned for the pass, as a DynamicLayer's are once
+        the attention has padded them: the appended slots hold b = 0 in the pool (update), so the press's align
+        copies nothing."""
         if not self.is_initialized:
             return None
         self.flush()
@@ -484,8 +484,7 @@ class PagedLayer(CacheLayerMixin):
         width = even[1] if even else int(self.bases.max()) + self.evicted_columns
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
-        appended = even[0] - even[1] if even and self._regular_region() is not None else 0
-        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), width + appended)
+        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"))
         if self._state_written is None:
             state = LayerState(log_weights, per_slot, self.counters)
         else:
@@ -495,8 +494,7 @@ class PagedLayer(CacheLayerMixin):
             state = self._state_written
             state.log_weights, state.per_slot, state.counters, state.value_probe = (log_weights, per_slot,
                                                                                     self.counters, None)
-        if appended:
-            state.mark_aligned(width, appended)
+        state.mark_aligned(width, log_weights.shape[-1] - width)
         return state
 
     @kvcomp_state.setter

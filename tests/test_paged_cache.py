@@ -224,15 +224,14 @@ def test_random_appends_evictions_and_cuts(seed, block_size, ops):
         state = get_state(layer)
         if state is not None:  # as on a DynamicLayer, the per-slot state covers the columns up to its last write
             scores = state.per_slot["scores"]
-            written = scores.shape[-1]
-            written_ids = view_ids(layer)[..., :written]
-            assert torch.equal(scores.long(), written_ids)
-            is_dead = torch.isin(written_ids, torch.tensor(sorted(dead), dtype=torch.long)) & (written_ids > 0)
-            assert bool((state.log_weights[..., :written][(written_ids == 0) | is_dead] == -INF).all())
-            assert bool((state.log_weights[..., :written][(written_ids > 0) & ~is_dead] == 0).all())
-            # Log-weights beyond it (the tokens appended since, where the getter hands the whole view) are plain.
-            assert state.log_weights.shape[-1] in (written, layer.get_seq_length())
-            assert bool((state.log_weights[..., written:] == 0).all())
+            ids = view_ids(layer)
+            assert torch.equal(scores.long(), ids[..., :scores.shape[-1]])
+            # ... and the log-weights the whole view: -inf in its holes and on dead slots, 0 (the tokens appended
+            # since the write included) on every other slot.
+            assert state.log_weights.shape == ids.shape
+            is_dead = torch.isin(ids, torch.tensor(sorted(dead), dtype=torch.long)) & (ids > 0)
+            assert bool((state.log_weights[(ids == 0) | is_dead] == -INF).all())
+            assert bool((state.log_weights[(ids > 0) & ~is_dead] == 0).all())
 
 
 @pytest.mark.parametrize("heads,positions,kept", [
