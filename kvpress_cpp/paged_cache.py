@@ -333,7 +333,7 @@ class PagedLayer(CacheLayerMixin):
         else:
             self._next_position, self._positions_given, self._cut_since_positions_given = None, positions, 0
         # The press's own per-slot pools are left as they are: a press reads a slot's state only once it has
-        # written it (get_state covers the columns of its last write).
+        # written it (get_state's per-slot tensors cover the columns of its last write). The log-weights are b = 0.
         self.slot_blocks[_LOG_WEIGHTS].view(-1).index_fill_(0, slots, 0)
         self.slot_blocks[_POSITIONS].view(-1).index_copy_(
             0, slots, positions.to(self.device, torch.int32).expand(batch, heads, -1).flatten())
