@@ -484,7 +484,8 @@ class PagedLayer(CacheLayerMixin):
         width = even[1] if even else int(self.bases.max()) + self.evicted_columns
         per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
                     if name not in (_LOG_WEIGHTS, _POSITIONS)}
-        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"))
+        # The width named: the holes are filled through a mask, not at positions a nonzero would read back to the host.
+        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), self._width())
         if self._state_written is None:
             state = LayerState(log_weights, per_slot, self.counters)
         else:

@@ -30,7 +30,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import DynamicCache
 
 from kvpress_cpp.paged_cache import PagedKVCache
-from kvpress_cpp.presses import KeepKVPress, WeightedKVPress, ZSMergePress
+from kvpress_cpp.presses import GVotePress, KeepKVPress, WeightedKVPress, ZSMergePress
 from tests.decoding_step import PRESSES, PROMPT, compressed_prompt, make_model, step, visible
 
 aten = torch.ops.aten
@@ -268,6 +268,24 @@ def test_a_step_under_the_budget_waits_on_nothing(model, name, cache_type):
             step(model, torch.tensor(token, device=model.device), cache, visible(model, slots + 1))
     assert cache.get_seq_length() == PROMPT + 2  # nothing merged
     assert syncs.calls == [], f"{name}'s decoding step under its budget syncs the host: {syncs.calls}"
+
+
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache], ids=lambda kind: kind.__name__)
+def test_a_prefill_only_press_step_waits_on_nothing(model, cache_type):
+    """GVote compresses the prompt only, each head to its own length: a decoding step reads its state (on a paged
+    layer, a view of heads of different lengths) and compresses nothing, without a read back."""
+    cache = cache_type()
+    prompt = torch.randint(2, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    # (the random model attends almost evenly: a small nucleus leaves its heads of different lengths)
+    with torch.inference_mode(), GVotePress(nucleus_p=0.3)(model), RecordSyncs(recording=False) as syncs:
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        for token in ([[3], [4]], [[5], [7]]):
+            slots = cache.get_seq_length()
+            syncs.recording = token == [[5], [7]]
+            step(model, torch.tensor(token, device=model.device), cache, visible(model, slots + 1))
+    if cache_type is PagedKVCache:
+        assert any(len(set(layer.lengths.flatten().tolist())) > 1 for layer in cache.layers)  # heads of their own
+    assert syncs.calls == [], f"GVote's decoding step syncs the host: {syncs.calls}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
