@@ -146,6 +146,30 @@ def test_paired_ratio_is_the_median_of_each_rounds_step_over_the_references():
     assert paired_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 4.0]) == 2.5
 
 
+def test_paged_decode_step_is_timed_up_to_its_write_back(monkeypatch):
+    """bench_paged's decode step on a PagedKVCache under KeepKV: every layer stores what the press wrote to it (which
+    generate pays at the next step) between the step's two clock reads, not after them."""
+    from benchmarks import bench_paged
+    from kvpress_cpp.paged_cache import PagedKVCache, PagedLayer
+    from kvpress_cpp.presses import KeepKVPress
+    from tests.models import make_tiny_llama
+
+    model, _ = make_tiny_llama(num_hidden_layers=3)
+    cache, press = PagedKVCache(), KeepKVPress(budget=8, recent=2)
+    with torch.no_grad(), press(model):
+        token = model(torch.arange(5, 25)[None], past_key_values=cache).logits[:, -1:].argmax(-1)
+    clock_reads, write_backs = [], []
+    monkeypatch.setattr(bench_paged, "time", SimpleNamespace(perf_counter=lambda: clock_reads.append(0) or 0.0))
+    write_back = PagedLayer._write_back
+    monkeypatch.setattr(PagedLayer, "_write_back",
+                        lambda layer, *args: write_backs.append(len(clock_reads)) or write_back(layer, *args))
+    with torch.no_grad(), press(model):
+        next_token, seconds = bench_paged.timed_step(model, token, cache)
+    assert next_token.shape == (1, 1) and seconds == 0.0
+    # The step's own write-backs, one a layer, all after the first clock read and before the second.
+    assert write_backs[:3] == [1, 1, 1] and len(clock_reads) == 2
+
+
 def test_paged_kernel_row_counts_the_blocks_it_reads_by_hand(monkeypatch):
     """bench_paged's kernel row at B = 2, H = 2, T = 32, d = 8, blocks of 16, bfloat16: the kernel reads 8 key blocks
     and 8 value blocks of 16 x 8 x 2 bytes and their 8 float32 log-weight blocks of 16 x 4: 4608 bytes, in the time
