@@ -54,6 +54,7 @@ _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 _ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 _POSITIONS_END_ATTR = "_kvcomp_positions_end"
 _PROMPT_LAST_QUERY_ATTR = "_kvcomp_prompt_last_query"
+_COMPRESS_AFTER_ATTENTION_ATTR = "_kvcomp_compress_after_attention"
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -229,6 +230,21 @@ def _hand_decode_query(module: torch.nn.Module, query: torch.Tensor | None) -> N
     module.__dict__[_DECODE_QUERY_ATTR] = query
 
 
+def compress_after_attention(module: torch.nn.Module, press, kwargs: dict | None) -> None:
+    """Have the pass over `module` now starting call ``press.compress_after_attention(module, kwargs, probabilities)``
+    as soon as its decoding attention has read the layer (None: not this pass). The layer's keys and values are then
+    still in the CPU's caches: the module's output projection, which the forward hook waits for, streams 1.3 MB of
+    weights through a 2 MB L2 on SmolLM2 and left KeepKV's step reading them back from L3."""
+    module.__dict__[_COMPRESS_AFTER_ATTENTION_ATTR] = (press, kwargs) if kwargs is not None else None
+
+
+def _compress_after_attention(module: torch.nn.Module, probabilities: torch.Tensor | None) -> None:
+    held = module.__dict__.pop(_COMPRESS_AFTER_ATTENTION_ATTR, None)
+    if held is not None:
+        press, kwargs = held
+        press.compress_after_attention(module, kwargs, probabilities)
+
+
 def take_decode_query(module: torch.nn.Module, new_tokens: int) -> torch.Tensor | None:
     """The post-RoPE queries (B, Hq, q, d) of the later pass of `new_tokens` tokens that just attended to `module`'s
     layer with state (the ones its probabilities come from), or None. Taken once."""
@@ -386,7 +402,9 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
                         and paged_layer.holds_every_token()
                         and (padding := new_token_padding(attention_mask, query.shape[-2])) is not None):
                     paged_layer.hide_new_tokens(padding)  # as a DynamicCache's mask hides them from every query
-                return _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
+                output, probs = _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
+                _compress_after_attention(module, probs)
+                return output, probs
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
         if log_weights is None and query.shape[-2] == key.shape[-2]:
@@ -411,7 +429,9 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
             return attention_fn(module, query, key, value, attention_mask, *args, **kwargs)
         output, probs = ops.decode_attention(query, *in_one_dtype(key, value), log_weights, _scaling(module, kwargs))
         _hand_decode_query(module, query)  # for the press's hook (take_decode_query): no second projection
-        return output.transpose(1, 2).contiguous(), probs
+        output = output.transpose(1, 2).contiguous()
+        _compress_after_attention(module, probs)
+        return output, probs
 
     setattr(attention, _WRAPPED_ATTR, True)
     return attention

@@ -188,6 +188,35 @@ def test_composed_alone_acts_as_the_press(llama, make_press, name):
     assert composed.compression_ratio > 0
 
 
+@pytest.mark.parametrize("cache_type", [DynamicCache, PagedKVCache])
+@pytest.mark.parametrize("name", sorted(DECODING_PRESSES))
+def test_a_decoding_step_compressed_right_after_its_attention_equals_the_hooks(llama, make_press, name, cache_type,
+                                                                                monkeypatch):
+    """A press hooking the model itself compresses each decoding pass from the attention path, before the output
+    projection; inside a ComposedPress, from its forward hook. The same tokens and the same cache, slot for slot."""
+    from kvpress_cpp.presses.base import KVCompPress
+
+    model, tokenizer = llama
+    ids = prompt_ids(tokenizer, 48)
+    calls = []
+    compress_after_attention = KVCompPress.compress_after_attention
+    monkeypatch.setattr(KVCompPress, "compress_after_attention",
+                        lambda press, module, *args: calls.append(module.layer_idx)
+                        or compress_after_attention(press, module, *args))
+    runs = {}
+    for how, wrap in (("alone", lambda press: press), ("composed", lambda press: ComposedPress([press]))):
+        calls.clear()
+        runs[how] = greedy(model, ids, press=wrap(make_press(name)), max_new_tokens=6, cache=cache_type())
+        runs[how + " calls"] = list(calls)
+    layers = model.config.num_hidden_layers
+    assert runs["alone calls"] == list(range(layers)) * 5 and runs["composed calls"] == []  # 5 passes after the prompt
+    (tokens, cache), (composed_tokens, composed_cache) = runs["alone"], runs["composed"]
+    assert torch.equal(tokens, composed_tokens)
+    for layer, composed_layer in zip(cache.layers, composed_cache.layers):
+        assert torch.equal(layer.keys, composed_layer.keys) and torch.equal(layer.values, composed_layer.values)
+        assert torch.equal(get_state(layer).log_weights, get_state(composed_layer).log_weights)
+
+
 WRAPPERS = {"ComposedPress": lambda press: ComposedPress([press]),
             "PrefillDecodingPress": lambda press: PrefillDecodingPress(prefilling_press=press),
             "nested": lambda press: PrefillDecodingPress(prefilling_press=ComposedPress([press]))}

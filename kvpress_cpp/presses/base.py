@@ -48,9 +48,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, mark_press_active,
-                                   new_token_padding, padding_after_prefill_error, padding_log_weights,
-                                   patch_eager_attention, request_prefill_scores, set_positions_end,
+from kvpress_cpp.attention import (active_presses, compress_after_attention, count_hook_without_probabilities,
+                                   mark_press_active, new_token_padding, padding_after_prefill_error,
+                                   padding_log_weights, patch_eager_attention, request_prefill_scores, set_positions_end,
                                    take_prefill_attention, take_prompt_last_query, tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
                                get_state, in_one_dtype, output_cache, pass_cache, pass_inputs, remember_tokens_held,
@@ -69,6 +69,10 @@ _FORWARD_CLAIM_LOCK = threading.Lock()
 # The positions a cache holds (one past the last token fed) and its slots after the last pass, kept on the cache by
 # KVCompPress._check_resumed_positions and _record_slots.
 _POSITIONS_ATTR, _SLOTS_ATTR = "_kvcomp_positions", "_kvcomp_slots"
+
+# Set on an attention module whose pass its press compressed right after the attention (compress_after_attention), for
+# the forward hook of the same pass.
+_COMPRESSED_AFTER_ATTENTION_ATTR = "_kvcomp_compressed_after_attention"
 
 
 def _tokens_stood_for(cache, slots: int) -> int:
@@ -621,27 +625,50 @@ class KVCompPress(BasePress):
         return _stack_rows(results) if acted else None
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        if not module.__dict__.pop(_COMPRESSED_AFTER_ATTENTION_ATTR, False):
+            compress_after_attention(module, self, None)  # a pass whose attention did not (a prefill)
+            self._compress_checked(module, kwargs, output[1] if len(output) > 1 else None)
+        return self._after_layer(module, output)
+
+    def _hold_pass_for_its_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of each attention module, when this press hooks the model itself (no kvpress wrapper runs
+        other presses' hooks around it, in an order that must hold): a decoding pass compresses the layer as soon as
+        its attention has read it (:func:`compress_after_attention`), rather than in the forward hook. Not where the
+        module has other forward hooks: one registered before the press's reads the layer before the press compresses
+        it, as kvpress's hook order promises."""
+        module.__dict__[_COMPRESSED_AFTER_ATTENTION_ATTR] = False
+        alone = len(module._forward_hooks) == 1
+        compress_after_attention(module, self, kwargs if alone and "hidden_states" in kwargs else None)
+
+    def compress_after_attention(self, module: nn.Module, kwargs: dict, probabilities: torch.Tensor | None) -> None:
+        """The forward hook's compression of a decoding pass, called by the attention path with the attention's
+        probabilities (the module's output projection has not run: nothing the press reads depends on it)."""
+        self._compress_checked(module, kwargs, probabilities)
+        module.__dict__[_COMPRESSED_AFTER_ATTENTION_ATTR] = True
+
+    def _compress_checked(self, module: nn.Module, kwargs: dict, attentions: torch.Tensor | None) -> None:
         cache = pass_cache(kwargs)
         if cache is not None:  # layers a cache creates during the pass, which the decoder's pre-hook did not see
             check_cache_layer(cache.layers[module.layer_idx], type(self).__name__)
         try:
-            return self._compress_pass(module, input, kwargs, output)
+            self._compress_pass(module, kwargs, attentions)
         except TypeError as error:
             # transformers 4.57 runs a decoder's forward again after a TypeError in it (check_model_inputs, looking
             # for a missing **kwargs), and that run found the layers already written by this one: the error reported
             # was a refusal of tokens the press "did not compress", the TypeError lost.
             raise RuntimeError(f"{type(self).__name__}: layer {module.layer_idx}: {error}") from error
 
-    def _compress_pass(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        """forward_hook's work: compress what the pass over `module`'s layer appended."""
+    def _compress_pass(self, module: nn.Module, kwargs: dict, attentions: torch.Tensor | None) -> None:
+        """Compress what the pass over `module`'s layer appended, reading the attention's probabilities
+        `attentions` where the press asked for them."""
         cache = pass_cache(kwargs)
         name, layer_idx = type(self).__name__, module.layer_idx
         if cache is None:
             if not self._warned_without_cache:
                 warnings.warn(f"{name}: the model ran without a KV cache (use_cache=False): nothing to compress, "
-                              f"the press did nothing", stacklevel=3)
+                              f"the press did nothing", stacklevel=4)
                 self._warned_without_cache = True
-            return output
+            return
         self._refuse_head_wise_marks(module)
         layer = cache.layers[layer_idx]
         hidden_states = kwargs["hidden_states"]
@@ -658,9 +685,8 @@ class KVCompPress(BasePress):
                         f"context: {name} compresses a prompt once, whole, so these tokens stay uncompressed (a "
                         f"prompt streamed by generate(prefill_chunk_size=...) keeps every chunk after the first so; "
                         f"assisted generation's draft checks are such passes, their tokens kept as decoded ones "
-                        f"are)", stacklevel=3)
-            return output  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
-        attentions = output[1] if len(output) > 1 else None
+                        f"are)", stacklevel=4)
+            return  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         if state is None:
             result, keeps_held_slots = self._prefill_layer(module, layer, hidden_states, attentions, kwargs), False
             counted = True
@@ -673,7 +699,6 @@ class KVCompPress(BasePress):
                 self._count_later_tokens(module.layer_idx, hidden_states.shape[1])
         if result is not None:
             self._store(module, layer, *result, keeps_held_slots, counted)
-        return self._after_layer(module, output)
 
     def _last_written(self, layer_idx: int) -> LayerState | None:
         """The state this press last wrote to layer `layer_idx` and counts the slots of, if it still exists."""
@@ -1093,6 +1118,9 @@ class KVCompPress(BasePress):
                 self._forget_layers_not_hooked()
                 for module in self._hooked_modules:
                     mark_press_active(module, name, True)
+                    if hooking_press is self and isinstance(self, KVCompDecodingPress):
+                        hooks.append(module.register_forward_pre_hook(self._hold_pass_for_its_attention,
+                                                                      with_kwargs=True))
                 try:
                     yield
                 except BaseException:
@@ -1101,6 +1129,8 @@ class KVCompPress(BasePress):
                 finally:
                     for module in self._hooked_modules:
                         mark_press_active(module, name, False)
+                        compress_after_attention(module, self, None)
+                        module.__dict__.pop(_COMPRESSED_AFTER_ATTENTION_ATTR, None)
                     self._hooked_modules = []
         finally:
             for cache in self._caches_in_context:

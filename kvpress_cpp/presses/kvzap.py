@@ -325,12 +325,11 @@ class KVzapThresholdPress(KVCompDecodingPress):
         state.counters["since_compaction"] = 0
         return keys, values, state
 
-    def _compress_pass(self, module, input, kwargs, output):
+    def _compress_pass(self, module, kwargs, attentions):
         self._refuse_head_wise_marks(module)  # before written_state() reads the layer (and evicts them)
         layer = pass_paged_layer(module, kwargs)
-        if layer is not None and self._step_paged_layer(module, layer, kwargs["hidden_states"]):
-            return self._after_layer(module, output)
-        return super()._compress_pass(module, input, kwargs, output)
+        if layer is None or not self._step_paged_layer(module, layer, kwargs["hidden_states"]):
+            super()._compress_pass(module, kwargs, attentions)
 
     def _step_paged_layer(self, module, layer: PagedLayer, hidden_states: torch.Tensor) -> bool:
         """compress_decoding of the q tokens update() just appended to a paged layer this press prefilled, in the
