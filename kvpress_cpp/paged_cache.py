@@ -222,10 +222,13 @@ class PagedLayer(CacheLayerMixin):
         self._positions_given: torch.Tensor | None = None
         self._cut_since_positions_given = 0
         self._view = self._device_tables = self._layout = self._rows = self._columns = None
+        # The gathered view's version counters (None: a view of the pools, or one made in inference mode).
         self._view_versions: tuple[int, ...] | None = None
         self._widest = self._state_index = self._slot_index = self._region = None
         self._even = self._even_blocks = None
         self._region_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (widths, pools, per-slot views, log-weights view) of _state_views, on a layout that views the pools.
+        self._state_view_cache: tuple | None = None
         self._even_lengths: dict[int, torch.Tensor] = {}
         self._module = None
 
@@ -315,13 +318,26 @@ class PagedLayer(CacheLayerMixin):
             self.rearrangements += 1
             forget_tokens_held(self)
         self.tokens_appended += new_tokens
-        if even:  # every head appends at column even[0]
-            slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
+        # store(pool, tensor or number): the new tokens' slots of `pool` (B, H, q, ...) set to it, broadcast.
+        if even and self._regular_region() is not None:  # every head appends at column even[0] of the pools' view
+            def store(pool, tensor):
+                appended = self._region_view(pool, even[0] + new_tokens)[:, :, even[0]:]
+                appended.copy_(tensor) if isinstance(tensor, torch.Tensor) else appended.fill_(tensor)
         else:
-            slots = self._flat_slots(before.unsqueeze(-1) + torch.arange(new_tokens)).flatten()
-        self.key_blocks.view(-1, self.key_blocks.shape[-1]).index_copy_(0, slots, key_states.reshape(-1, key_states.shape[-1]))
-        self.value_blocks.view(-1, self.value_blocks.shape[-1]).index_copy_(
-            0, slots, value_states.reshape(-1, value_states.shape[-1]))
+            if even:
+                slots = self._owned_slot_index()[..., even[0]:even[0] + new_tokens].flatten()
+            else:
+                slots = self._flat_slots(before.unsqueeze(-1) + torch.arange(new_tokens)).flatten()
+
+            def store(pool, tensor):
+                flat = pool.view(-1, *pool.shape[2:])
+                if not isinstance(tensor, torch.Tensor):
+                    flat.index_fill_(0, slots, tensor)
+                else:
+                    tensor = tensor.to(pool.device, pool.dtype).expand(batch, heads, new_tokens, *pool.shape[2:])
+                    flat.index_copy_(0, slots, tensor.flatten(0, 2))
+        store(self.key_blocks, key_states)
+        store(self.value_blocks, value_states)
         positions = (cache_kwargs or {}).get("cache_position")
         if positions is None:  # (transformers 5.17 passes none) the tokens follow the last one appended
             if is_prefill:
@@ -334,9 +350,8 @@ class PagedLayer(CacheLayerMixin):
             self._next_position, self._positions_given, self._cut_since_positions_given = None, positions, 0
         # The press's own per-slot pools are left as they are: a press reads a slot's state only once it has
         # written it (get_state's per-slot tensors cover the columns of its last write). The log-weights are b = 0.
-        self.slot_blocks[_LOG_WEIGHTS].view(-1).index_fill_(0, slots, 0)
-        self.slot_blocks[_POSITIONS].view(-1).index_copy_(
-            0, slots, positions.to(self.device, torch.int32).expand(batch, heads, -1).flatten())
+        store(self.slot_blocks[_LOG_WEIGHTS], 0)
+        store(self.slot_blocks[_POSITIONS], positions)
         if _LAYERS_BY_POOL.get(id(self.key_blocks)) is not self:  # a lookup: setting makes a weak reference each step
             _LAYERS_BY_POOL[id(self.key_blocks)] = self
         return self.key_blocks, self.value_blocks
@@ -482,10 +497,7 @@ class PagedLayer(CacheLayerMixin):
         even = self._evenness()
         # The base part, with the columns only rows a rearrangement dropped held (marks evict nothing under a state).
         width = even[1] if even else int(self.bases.max()) + self.evicted_columns
-        per_slot = {name: self._gather_view(pool, 0, width) for name, pool in self.slot_blocks.items()
-                    if name not in (_LOG_WEIGHTS, _POSITIONS)}
-        # The width named: the holes are filled through a mask, not at positions a nonzero would read back to the host.
-        log_weights = self._gather_view(self.slot_blocks[_LOG_WEIGHTS], float("-inf"), self._width())
+        per_slot, log_weights = self._state_views(width)
         if self._state_written is None:
             state = LayerState(log_weights, per_slot, self.counters)
         else:
@@ -497,6 +509,23 @@ class PagedLayer(CacheLayerMixin):
                                                                                     self.counters, None)
         state.mark_aligned(width, log_weights.shape[-1] - width)
         return state
+
+    def _state_views(self, width: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The press's per-slot tensors over the view's first `width` columns, by name, and the log-weights over the
+        whole view (-inf in its holes). On an even, regular layout they view the pools, and are kept while the pools
+        and the tables stay: a decoding step of a press keeping M slots reads the same ones every time."""
+        pools, widths = self.slot_blocks, (width, self._width())
+        cached = self._state_view_cache
+        if (cached is not None and cached[0] == widths and self._evenness() and len(cached[1]) == len(pools)
+                and all(cached[1].get(name) is pool for name, pool in pools.items())):
+            return dict(cached[2]), cached[3]
+        per_slot = {name: self._gather_view(pool, 0, width) for name, pool in pools.items()
+                    if name not in (_LOG_WEIGHTS, _POSITIONS)}
+        # The width named: the holes are filled through a mask, not at positions a nonzero would read back to the host.
+        log_weights = self._gather_view(pools[_LOG_WEIGHTS], float("-inf"), self._width())
+        shares_pools = self._evenness() and self._regular_region() is not None
+        self._state_view_cache = (widths, dict(pools), per_slot, log_weights) if shares_pools else None
+        return dict(per_slot), log_weights
 
     @kvcomp_state.setter
     def kvcomp_state(self, state: LayerState | None) -> None:
@@ -881,7 +910,7 @@ class PagedLayer(CacheLayerMixin):
 
     def _forget_region(self) -> None:
         """Forget what was derived from the block tables (their layout changed)."""
-        self._slot_index = self._region = self._even_blocks = None
+        self._slot_index = self._region = self._even_blocks = self._state_view_cache = None
         self._region_views.clear()
 
     def _changed(self) -> None:
@@ -1072,7 +1101,8 @@ class PagedLayer(CacheLayerMixin):
         self.flush()
         if self._view is None:
             self._view = (self._gather_view(self.key_blocks, 0), self._gather_view(self.value_blocks, 0))
-            self._view_versions = _versions(self._view)
+            # A view of the pools' memory holds every edit made through it already: nothing to track.
+            self._view_versions = None if self._view_shares_pools() else _versions(self._view)
         return self._view
 
     # ------------------------------------------------------------------------------------------------------------
@@ -1386,10 +1416,12 @@ class PagedLayer(CacheLayerMixin):
     def _view_edited_in_place(self) -> bool:
         """Whether the view, handed back as it was read, may hold edits made in place that the pools lack: a gathered
         copy (not the pools' memory) whose version counters moved since, or that keeps none (inference mode)."""
-        keys = self._view[0]
-        if keys.untyped_storage().data_ptr() == self.key_blocks.untyped_storage().data_ptr():
+        if self._view_shares_pools():
             return False
         return self._view_versions is None or self._view_versions != _versions(self._view)
+
+    def _view_shares_pools(self) -> bool:
+        return self._view[0].untyped_storage().data_ptr() == self.key_blocks.untyped_storage().data_ptr()
 
     def _evict(self, evicted: torch.Tensor) -> None:
         """Remove the slots evicted (B, H, max length) bool of each head, keeping the others in order; the view
