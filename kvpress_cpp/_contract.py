@@ -212,17 +212,20 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def has_contiguous_rows(t: torch.Tensor) -> bool:
     """Whether each (b, h) row of t (B, H, ...) is contiguous and the rows are in order (checks.h
     check_contiguous_rows). An empty tensor is, whatever its strides: nothing in it moves."""
-    if t.numel() == 0:
-        return t.dim() >= 2
-    row, ordered = 1, t.dim() >= 2
-    for dim in range(t.dim() - 1, 1, -1):
-        ordered &= t.shape[dim] <= 1 or t.stride(dim) == row
-        row *= t.shape[dim]
-    if ordered:
-        ordered &= t.shape[1] <= 1 or t.stride(1) >= row
-        heads_span = row if t.shape[1] <= 1 else (t.shape[1] - 1) * t.stride(1) + row
-        ordered &= t.shape[0] <= 1 or t.stride(0) >= heads_span
-    return bool(ordered)
+    shape, strides = t.shape, t.stride()  # (once: a decoding step asks for every layer's keys and values)
+    if len(shape) < 2:
+        return False
+    if 0 in shape:
+        return True
+    row = 1
+    for size, stride in zip(shape[:1:-1], strides[:1:-1]):
+        if size > 1 and stride != row:
+            return False
+        row *= size
+    if shape[1] > 1 and strides[1] < row:
+        return False
+    heads_span = row if shape[1] <= 1 else (shape[1] - 1) * strides[1] + row
+    return shape[0] <= 1 or strides[0] >= heads_span
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
