@@ -50,8 +50,9 @@ from kvpress_cpp import ops
 
 from kvpress_cpp.attention import (active_presses, compress_after_attention, count_hook_without_probabilities,
                                    mark_press_active, new_token_padding, padding_after_prefill_error,
-                                   padding_log_weights, patch_eager_attention, request_prefill_scores, set_positions_end,
-                                   take_prefill_attention, take_prompt_last_query, tokens_fed_again_error)
+                                   padding_log_weights, patch_eager_attention, request_prefill_scores,
+                                   set_positions_end, take_prefill_attention, take_prompt_last_query,
+                                   tokens_fed_again_error)
 from kvpress_cpp.cache import (LayerState, MethodOf, UnsavedRef, attach, check_cache_layer, forget_tokens_held,
                                get_state, in_one_dtype, output_cache, pass_cache, pass_inputs, remember_tokens_held,
                                set_state, slots_appended_since_written)
@@ -626,7 +627,7 @@ class KVCompPress(BasePress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         if not module.__dict__.pop(_COMPRESSED_AFTER_ATTENTION_ATTR, False):
-            compress_after_attention(module, self, None)  # a pass whose attention did not (a prefill)
+            compress_after_attention(module, self, None)  # unused: the pass's attention did not compress (a prefill)
             self._compress_checked(module, kwargs, output[1] if len(output) > 1 else None)
         return self._after_layer(module, output)
 
