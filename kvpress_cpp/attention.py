@@ -232,10 +232,14 @@ def _hand_decode_query(module: torch.nn.Module, query: torch.Tensor | None) -> N
 
 def compress_after_attention(module: torch.nn.Module, press, kwargs: dict | None) -> None:
     """Have the pass over `module` now starting call ``press.compress_after_attention(module, kwargs, probabilities)``
-    as soon as its decoding attention has read the layer (None: not this pass). The layer's keys and values are then
-    still in the CPU's caches: the module's output projection, which the forward hook waits for, streams 1.3 MB of
-    weights through a 2 MB L2 on SmolLM2 and left KeepKV's step reading them back from L3."""
-    module.__dict__[_COMPRESS_AFTER_ATTENTION_ATTR] = (press, kwargs) if kwargs is not None else None
+    as soon as its decoding attention has read the layer (None: not this pass, and nothing held is left on the
+    module). The layer's keys and values are then still in the CPU's caches: the module's output projection, which
+    the forward hook waits for, streams 1.3 MB of weights through a 2 MB L2 on SmolLM2 and left KeepKV's step reading
+    them back from L3."""
+    if kwargs is None:
+        module.__dict__.pop(_COMPRESS_AFTER_ATTENTION_ATTR, None)
+    else:
+        module.__dict__[_COMPRESS_AFTER_ATTENTION_ATTR] = (press, kwargs)
 
 
 def _compress_after_attention(module: torch.nn.Module, probabilities: torch.Tensor | None) -> None:
