@@ -17,7 +17,7 @@ from kvpress.presses.kvzap_press import KVzapPress as KvpressKVzapPress
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, Gemma3Config, pipeline
 
-from kvpress_cpp.cache import get_state
+from kvpress_cpp.cache import LayerState, get_state
 from kvpress_cpp.kvpress_adapters import kvpress_transformers_mismatch
 from kvpress_cpp.presses import KVzapPress, KVzapThresholdPress
 from kvpress_cpp.presses import kvzap as kvzap_module
@@ -416,6 +416,38 @@ def test_compression_ratio_is_read_only_and_memory_shrinks(llama, surrogates):
     with pytest.raises(AttributeError, match="cannot be set"):
         press.compression_ratio = 0.5
     assert all(layer.keys.shape[-2] < 209 for layer in cache.layers)
+
+
+def test_decoding_steps_that_only_append_probe_their_new_slots_as_a_full_probe_would(llama, surrogates, monkeypatch):
+    """A decoding step that appends (no compaction) extends the value probe by its new slots instead of reading every
+    slot again: after every pass, through compactions, a cut of the cache (kvpress's pipeline dropping an answer) and a
+    two-token pass, each layer's probe must equal the first value channel of every slot it holds; and a selection
+    among the slots two such steps in a row probed must still be refused."""
+    model, tokenizer = llama
+    press = KVzapThresholdPress(threshold=0.0, sliding_window=8, surrogate_dir=surrogates["mlp"], compaction_slack=5)
+    unchanged = []  # per probe, in layer order each pass: the slots it took as they were (0: it read every slot)
+    probe_slots = LayerState.probe_slots
+    monkeypatch.setattr(LayerState, "probe_slots",
+                        lambda state, values, kept=0: unchanged.append(kept) or probe_slots(state, values, kept))
+    cache, layers = DynamicCache(), len(model.model.layers)
+    with torch.no_grad(), press(model):
+        token = prompt_ids(tokenizer, 64)
+        for step in range(12):
+            if step == 5:
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, :-3], layer.values[:, :, :-3]
+            if step == 8:
+                token = torch.cat([token, token], dim=-1)
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for layer_idx, layer in enumerate(cache.layers):
+                assert torch.equal(get_state(layer).value_probe, layer.values[..., 0]), f"step {step} layer {layer_idx}"
+        read_all = [step for step in range(12) if unchanged[step * layers] == 0]  # layer 0's
+        assert read_all[0] == 0 and len(read_all) > 1 and read_all[-1] < 10  # the prefill, a compaction; 2 appends
+        layer = cache.layers[0]
+        others = [slot for slot in range(layer.keys.shape[-2]) if slot != layer.keys.shape[-2] - 2]
+        layer.keys, layer.values = layer.keys[:, :, others], layer.values[:, :, others]
+        with pytest.raises(RuntimeError, match="KVzapThresholdPress: another press rearranged the slots"):
+            model(token, past_key_values=cache)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -394,6 +394,9 @@ class KVCompPress(BasePress):
     #: Whether compress_decoding holds every slot it is given (it merges or evicts down to its budget, never marking a
     #: slot -inf): a paged layer then stores its write without reading the log-weights back.
     decoding_keeps_every_slot: ClassVar[bool] = False
+    #: Whether compress_decoding may move or rewrite, in place, the slots it is given (a merge, an eviction). False: a
+    #: step that hands back the layer's own values and state only appended to them, so their probe is extended.
+    decoding_rewrites_slots: ClassVar[bool] = True
     #: Whether the press recomputes the prompt's queries from the layer's input (query_states) to score it: checked
     #: against the ones the attention used at each prefill.
     scores_prompt_with_queries: ClassVar[bool] = True
@@ -690,16 +693,17 @@ class KVCompPress(BasePress):
             return  # a later pass of a prefill-only press: read no keys (a PagedKVCache would gather the layer)
         if state is None:
             result, keeps_held_slots = self._prefill_layer(module, layer, hidden_states, attentions, kwargs), False
-            counted = True
+            counted, slots_unchanged = True, 0
         else:
             # The counts are those of the cache this press last prefilled: a decoding step of another one (a second
             # request stepped in turn, a copy) is compressed as any, and counted in none of them.
             counted = self._last_written(module.layer_idx) is state
-            result, keeps_held_slots = self._decode_layer(module, layer, state, hidden_states, attentions, kwargs)
+            result, keeps_held_slots, slots_unchanged = self._decode_layer(module, layer, state, hidden_states,
+                                                                           attentions, kwargs)
             if result is not None and counted:
                 self._count_later_tokens(module.layer_idx, hidden_states.shape[1])
         if result is not None:
-            self._store(module, layer, *result, keeps_held_slots, counted)
+            self._store(module, layer, *result, keeps_held_slots, counted, slots_unchanged)
 
     def _last_written(self, layer_idx: int) -> LayerState | None:
         """The state this press last wrote to layer `layer_idx` and counts the slots of, if it still exists."""
@@ -733,7 +737,7 @@ class KVCompPress(BasePress):
     def _decode_layer(self, module: nn.Module, layer, state: LayerState, hidden_states: torch.Tensor, attentions,
                       kwargs: dict):
         """A later pass over a layer holding this press's state: (its compression or None, whether every slot held
-        before the pass is kept)."""
+        before the pass is kept, how many of the layer's first slots the compression left as they were)."""
         name, layer_idx, new_tokens = type(self).__name__, module.layer_idx, hidden_states.shape[1]
         keys, values = in_one_dtype(layer.keys, layer.values)
         owner = state.owner() if state.owner is not None else None
@@ -744,17 +748,17 @@ class KVCompPress(BasePress):
             state.follow_cut(keys.shape[-2] - new_tokens)
         self._check_state_covers_held_slots(layer_idx, state, keys.shape[-2] - new_tokens)
         if isinstance(state, RowStates):
-            result, keeps_held_slots = (
-                self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs), False)
-        else:
-            result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
-            keeps_held_slots = self.decoding_keeps_every_slot
-        return result, keeps_held_slots
+            return self._compress_rows(module, hidden_states, keys, values, attentions, state, kwargs), False, 0
+        result = self.compress_decoding(module, hidden_states, keys, values, attentions, state, kwargs)
+        appended_only = (not self.decoding_rewrites_slots and result is not None and result[1] is values
+                         and result[2] is state)
+        return result, self.decoding_keeps_every_slot, keys.shape[-2] - new_tokens if appended_only else 0
 
     def _store(self, module: nn.Module, layer, keys: torch.Tensor, values: torch.Tensor, state: LayerState,
-               keeps_held_slots: bool, counted: bool) -> None:
+               keeps_held_slots: bool, counted: bool, slots_unchanged: int = 0) -> None:
         """Write a compressed layer and its state, owned by this press, and note what the figures read later if the
-        state is `counted` (the cache the press last prefilled)."""
+        state is `counted` (the cache the press last prefilled). The first `slots_unchanged` slots are those the state
+        described before the pass, as they were."""
         layer_idx = module.layer_idx
         if self._compressed_in_context is not None:
             self._compressed_in_context.add(layer_idx)
@@ -762,7 +766,7 @@ class KVCompPress(BasePress):
         state.owner, state.owner_type = UnsavedRef(self), type(self)
         state.keeps_held_slots, state.slots_written = keeps_held_slots, keys.shape[-2]
         if not getattr(layer, "moves_state_with_slots", False):  # a DynamicLayer: probe for rearranged slots
-            state.value_probe = layer.values[..., 0].clone()
+            state.probe_slots(values, slots_unchanged)
         set_state(layer, state)
         attach(module, layer)
         if counted:

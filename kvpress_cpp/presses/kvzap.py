@@ -295,6 +295,8 @@ class KVzapThresholdPress(KVCompDecodingPress):
     handles_padding = True
     #: The keep rule reads the surrogate's scores only, never the attention or the queries.
     reads_decode_probabilities = False
+    #: A step marks slots -inf in the log-weights only; a compaction gathers the keys and values into new tensors.
+    decoding_rewrites_slots = False
     scores_prompt_with_queries = False
 
     def check_parameters(self) -> None:
