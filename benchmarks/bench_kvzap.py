@@ -25,8 +25,10 @@ Random surrogate weights: the timings do not depend on trained values.
     linear at LINEAR_TAUS. The paper's comparable figure is LongBench (real text): 34-43% kept at its chosen τ
     (Table 2).
 (e) KVzap's decode step on SmolLM2 (CPU, one thread, 2k and 4k prompts), on the rectangular and the paged cache,
-    against kvpress's TOVA (prefill only, rectangular): at 25% kept (bench_paged's reference) and at the slots KVzap
-    keeps of that prompt (its compression_ratio after a prefill), the issue's "same number of slots". The rows are
+    against kvpress's TOVA (prefill only, rectangular): at 25% kept (bench_paged's reference), at the slots KVzap
+    keeps of that prompt (its compression_ratio after a prefill), the issue's "same number of slots", and at the slots
+    a DynamicCache holds for KVzap (each layer's longest head: the same memory, and the slots its rectangular step
+    attends; a PagedKVCache holds the kept ones, compacted as often as a DynamicCache is). The rows are
     bench_paged's decode part (pairs decoded in turns, median step, load average recorded); --decode-lengths and
     --steps as in bench_paged.
 """
@@ -289,16 +291,20 @@ def decode_rows(prompt_lengths=(2048, 4096), steps: int = 121) -> list[dict]:
     text = tokenizer(austen_novel("prideprejudice")[:40000]).input_ids
     rows = []
     for length in prompt_lengths:
-        press = KVzapThresholdPress()
+        press, cache = KVzapThresholdPress(), DynamicCache()
         with torch.no_grad(), press(model):
-            model(torch.tensor([text[:length]]), past_key_values=DynamicCache())
+            model(torch.tensor([text[:length]]), past_key_values=cache)
         removed = round(press.compression_ratio, 3)
+        held = round(sum(layer.keys.shape[-2] for layer in cache.layers) / (len(cache.layers) * length), 3)
         same_slots = f"TOVA at KVzap's slots ({1 - removed:.0%} kept)"
+        held_slots = f"TOVA at the slots KVzap's DynamicCache holds ({held:.0%})"
         presses = {"TOVA (prefill only)": lambda: TOVAPress(compression_ratio=0.75),
                    same_slots: lambda: TOVAPress(compression_ratio=removed),
+                   held_slots: lambda: TOVAPress(compression_ratio=1 - held),
                    f"KVzap-MLP τ={press.threshold:g}": KVzapThresholdPress}
         rows += bench_paged.decode_rows(model, tokenizer, (length,), steps, presses=presses,
-                                        references={"vs_tova": "TOVA (prefill only)", "vs_tova_same_slots": same_slots})
+                                        references={"vs_tova": "TOVA (prefill only)", "vs_tova_same_slots": same_slots,
+                                                    "vs_tova_held_slots": held_slots})
     return rows
 
 
