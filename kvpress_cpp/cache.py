@@ -58,7 +58,7 @@ class LayerState:
     counters (e.g. a ring position, the tokens seen).
 
     ``owner`` (a weak reference to the press that wrote the state) and its class ``owner_type`` keep another press
-    from reading the state as its own; ``value_probe`` (B, H, T) (the first channel of the keys it wrote) lets the
+    from reading the state as its own; ``value_probe`` (B, H, T) (the first channel of the values it wrote) lets the
     attention path notice when another press has since rearranged the slots, which would leave the state describing
     other slots than the cache holds.
     """

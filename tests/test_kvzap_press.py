@@ -429,20 +429,24 @@ def test_decoding_steps_that_only_append_probe_their_new_slots_as_a_full_probe_w
     probe_slots = LayerState.probe_slots
     monkeypatch.setattr(LayerState, "probe_slots",
                         lambda state, values, kept=0: unchanged.append(kept) or probe_slots(state, values, kept))
-    cache, layers = DynamicCache(), len(model.model.layers)
+    cache, layers, slots_before = DynamicCache(), len(model.model.layers), []  # layer 0's slots before each pass
     with torch.no_grad(), press(model):
         token = prompt_ids(tokenizer, 64)
         for step in range(12):
-            if step == 5:
+            if step == 7:
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[:, :, :-3], layer.values[:, :, :-3]
             if step == 8:
                 token = torch.cat([token, token], dim=-1)
+            slots_before.append(cache.layers[0].keys.shape[-2] if step else 0)
             token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
             for layer_idx, layer in enumerate(cache.layers):
                 assert torch.equal(get_state(layer).value_probe, layer.values[..., 0]), f"step {step} layer {layer_idx}"
-        read_all = [step for step in range(12) if unchanged[step * layers] == 0]  # layer 0's
-        assert read_all[0] == 0 and len(read_all) > 1 and read_all[-1] < 10  # the prefill, a compaction; 2 appends
+        assert len(unchanged) == 12 * layers
+        kept = [unchanged[step * layers] for step in range(12)]  # layer 0's
+        assert all(slots in (0, before) for slots, before in zip(kept, slots_before))
+        # A compaction read every slot; the pass after the cut and the last two passes extended the probe.
+        assert 0 in kept[1:] and kept[7] == slots_before[7] and kept[10] and kept[11]
         layer = cache.layers[0]
         others = [slot for slot in range(layer.keys.shape[-2]) if slot != layer.keys.shape[-2] - 2]
         layer.keys, layer.values = layer.keys[:, :, others], layer.values[:, :, others]

@@ -394,8 +394,9 @@ class KVCompPress(BasePress):
     #: Whether compress_decoding holds every slot it is given (it merges or evicts down to its budget, never marking a
     #: slot -inf): a paged layer then stores its write without reading the log-weights back.
     decoding_keeps_every_slot: ClassVar[bool] = False
-    #: Whether compress_decoding may move or rewrite, in place, the slots it is given (a merge, an eviction). False: a
-    #: step that hands back the layer's own values and state only appended to them, so their probe is extended.
+    #: Whether compress_decoding may move or rewrite, in place, the slots it is given (a merge, an eviction). False (a
+    #: subclass inherits it): a step that hands back the values and state it was given only appended to them, so their
+    #: probe is extended, not read again.
     decoding_rewrites_slots: ClassVar[bool] = True
     #: Whether the press recomputes the prompt's queries from the layer's input (query_states) to score it: checked
     #: against the ones the attention used at each prefill.
@@ -737,7 +738,8 @@ class KVCompPress(BasePress):
     def _decode_layer(self, module: nn.Module, layer, state: LayerState, hidden_states: torch.Tensor, attentions,
                       kwargs: dict):
         """A later pass over a layer holding this press's state: (its compression or None, whether every slot held
-        before the pass is kept, how many of the layer's first slots the compression left as they were)."""
+        before the pass is kept, how many of the layer's first slots the compression left as they were, 0 if not
+        known)."""
         name, layer_idx, new_tokens = type(self).__name__, module.layer_idx, hidden_states.shape[1]
         keys, values = in_one_dtype(layer.keys, layer.values)
         owner = state.owner() if state.owner is not None else None
