@@ -54,7 +54,7 @@ _DECODE_QUERY_ATTR = "_kvcomp_decode_query"
 _ACTIVE_PRESSES_ATTR = "_kvcomp_active_presses"
 _POSITIONS_END_ATTR = "_kvcomp_positions_end"
 _PROMPT_LAST_QUERY_ATTR = "_kvcomp_prompt_last_query"
-_COMPRESS_AFTER_ATTENTION_ATTR = "_kvcomp_compress_after_attention"
+_HELD_PASS_ATTR = "_kvcomp_held_pass"
 
 
 def padding_log_weights(attention_mask: torch.Tensor | None, batch: int, kv_heads: int, total: int,
@@ -230,20 +230,20 @@ def _hand_decode_query(module: torch.nn.Module, query: torch.Tensor | None) -> N
     module.__dict__[_DECODE_QUERY_ATTR] = query
 
 
-def compress_after_attention(module: torch.nn.Module, press, kwargs: dict | None) -> None:
+def hold_pass_for_attention(module: torch.nn.Module, press, kwargs: dict | None) -> None:
     """Have the pass over `module` now starting call ``press.compress_after_attention(module, kwargs, probabilities)``
     as soon as its decoding attention has read the layer (None: not this pass, and nothing held is left on the
     module). The layer's keys and values are then still in the CPU's caches: the module's output projection, which
     the forward hook waits for, streams 1.3 MB of weights through a 2 MB L2 on SmolLM2 and left KeepKV's step reading
     them back from L3."""
     if kwargs is None:
-        module.__dict__.pop(_COMPRESS_AFTER_ATTENTION_ATTR, None)
+        module.__dict__.pop(_HELD_PASS_ATTR, None)
     else:
-        module.__dict__[_COMPRESS_AFTER_ATTENTION_ATTR] = (press, kwargs)
+        module.__dict__[_HELD_PASS_ATTR] = (press, kwargs)
 
 
-def _compress_after_attention(module: torch.nn.Module, probabilities: torch.Tensor | None) -> None:
-    held = module.__dict__.pop(_COMPRESS_AFTER_ATTENTION_ATTR, None)
+def _compress_held_pass(module: torch.nn.Module, probabilities: torch.Tensor | None) -> None:
+    held = module.__dict__.pop(_HELD_PASS_ATTR, None)
     if held is not None:
         press, kwargs = held
         press.compress_after_attention(module, kwargs, probabilities)
@@ -407,7 +407,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
                         and (padding := new_token_padding(attention_mask, query.shape[-2])) is not None):
                     paged_layer.hide_new_tokens(padding)  # as a DynamicCache's mask hides them from every query
                 output, probs = _paged_attention(paged_layer, module, query, _scaling(module, kwargs), returns_weights)
-                _compress_after_attention(module, probs)
+                _compress_held_pass(module, probs)
                 return output, probs
             key, value = prompt_states  # a prefill: the model's own attention over the prompt, as without paging
         log_weights = state_for_attention(module, query, key)
@@ -434,7 +434,7 @@ def _honour_log_weights(attention_fn, keeps_prompt_scores: bool = False, returns
         output, probs = ops.decode_attention(query, *in_one_dtype(key, value), log_weights, _scaling(module, kwargs))
         _hand_decode_query(module, query)  # for the press's hook (take_decode_query): no second projection
         output = output.transpose(1, 2).contiguous()
-        _compress_after_attention(module, probs)
+        _compress_held_pass(module, probs)
         return output, probs
 
     setattr(attention, _WRAPPED_ATTR, True)

@@ -48,7 +48,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpress_cpp import ops
 
-from kvpress_cpp.attention import (active_presses, compress_after_attention, count_hook_without_probabilities,
+from kvpress_cpp.attention import (active_presses, count_hook_without_probabilities, hold_pass_for_attention,
                                    mark_press_active, new_token_padding, padding_after_prefill_error,
                                    padding_log_weights, patch_eager_attention, request_prefill_scores,
                                    set_positions_end, take_prefill_attention, take_prompt_last_query,
@@ -631,19 +631,19 @@ class KVCompPress(BasePress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         if not module.__dict__.pop(_COMPRESSED_AFTER_ATTENTION_ATTR, False):
-            compress_after_attention(module, self, None)  # unused: the pass's attention did not compress (a prefill)
+            hold_pass_for_attention(module, self, None)  # unused: the pass's attention did not compress (a prefill)
             self._compress_checked(module, kwargs, output[1] if len(output) > 1 else None)
         return self._after_layer(module, output)
 
     def _hold_pass_for_its_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of each attention module, when this press hooks the model itself (no kvpress wrapper runs
         other presses' hooks around it, in an order that must hold): a decoding pass compresses the layer as soon as
-        its attention has read it (:func:`compress_after_attention`), rather than in the forward hook. Not where the
-        module has other forward hooks: one registered before the press's reads the layer before the press compresses
-        it, as kvpress's hook order promises."""
+        its attention has read it (:func:`~kvpress_cpp.attention.hold_pass_for_attention`), rather than in the forward
+        hook. Not where the module has other forward hooks: one registered before the press's reads the layer before
+        the press compresses it, as kvpress's hook order promises."""
         module.__dict__[_COMPRESSED_AFTER_ATTENTION_ATTR] = False
         alone = len(module._forward_hooks) == 1
-        compress_after_attention(module, self, kwargs if alone and "hidden_states" in kwargs else None)
+        hold_pass_for_attention(module, self, kwargs if alone and "hidden_states" in kwargs else None)
 
     def compress_after_attention(self, module: nn.Module, kwargs: dict, probabilities: torch.Tensor | None) -> None:
         """The forward hook's compression of a decoding pass, called by the attention path with the attention's
@@ -757,7 +757,7 @@ class KVCompPress(BasePress):
         return result, self.decoding_keeps_every_slot, keys.shape[-2] - new_tokens if appended_only else 0
 
     def _store(self, module: nn.Module, layer, keys: torch.Tensor, values: torch.Tensor, state: LayerState,
-               keeps_held_slots: bool, counted: bool, slots_unchanged: int = 0) -> None:
+               keeps_held_slots: bool, counted: bool, slots_unchanged: int) -> None:
         """Write a compressed layer and its state, owned by this press, and note what the figures read later if the
         state is `counted` (the cache the press last prefilled). The first `slots_unchanged` slots are those the state
         described before the pass, as they were."""
@@ -1136,7 +1136,7 @@ class KVCompPress(BasePress):
                 finally:
                     for module in self._hooked_modules:
                         mark_press_active(module, name, False)
-                        compress_after_attention(module, self, None)
+                        hold_pass_for_attention(module, self, None)
                         module.__dict__.pop(_COMPRESSED_AFTER_ATTENTION_ATTR, None)
                     self._hooked_modules = []
         finally:
