@@ -139,8 +139,9 @@ def test_readme_press_signatures_are_the_constructors():
         assert documented == actual, f"README's {name} differs from the constructor"
 
 
-def test_readme_ops_table_lists_every_op_with_its_signature():
-    """The Ops table has a row for every op kvpress_cpp.ops wraps, with the wrapper's parameters and defaults."""
+def test_the_ops_doc_lists_every_op_with_its_signature():
+    """docs/ops.md's Ops table has a row for every op kvpress_cpp.ops wraps, with the wrapper's parameters and
+    defaults."""
     import inspect
     import re
 
@@ -148,7 +149,7 @@ def test_readme_ops_table_lists_every_op_with_its_signature():
 
     from kvpress_cpp import ops
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "ops.md").read_text()
     table = text[text.index("## Ops"):text.index("## Architecture")]
     rows = dict(re.findall(r"^\| `(\w+)\((.*?)\)` \|", table, flags=re.MULTILINE))
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kvcomp::")}
@@ -158,7 +159,7 @@ def test_readme_ops_table_lists_every_op_with_its_signature():
                        inspect.Parameter.empty) for part in arguments.split(",")]
         actual = [(parameter.name, parameter.default)
                   for parameter in inspect.signature(getattr(ops, name)).parameters.values()]
-        assert documented == actual, f"README's {name} differs from kvpress_cpp.ops.{name}"
+        assert documented == actual, f"docs/ops.md's {name} differs from kvpress_cpp.ops.{name}"
 
 
 @pytest.mark.skipif("ATen parallel backend: OpenMP" not in torch.__config__.parallel_info(),
@@ -191,7 +192,7 @@ def test_the_sdist_holds_everything_its_build_and_tests_read(tmp_path):
     (archive,) = tmp_path.glob("kvpress_cpp-*.tar.gz")
     with tarfile.open(archive) as sdist:
         packed = {Path(*Path(name).parts[1:]) for name in sdist.getnames()}
-    needed = {path.relative_to(ROOT) for folder in ("csrc", "tests") for path in (ROOT / folder).rglob("*")
+    needed = {path.relative_to(ROOT) for folder in ("csrc", "tests", "docs") for path in (ROOT / folder).rglob("*")
               if path.is_file() and "__pycache__" not in path.parts}
     needed |= {Path("CMakeLists.txt"), Path("setup.py"), Path("README.md"), Path("requirements.txt")}
     assert needed - packed == set()
