@@ -20,9 +20,13 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def prose(document: Path) -> str:
+    """The document without its code blocks, whose `#` comments are no headings and whose brackets are no links."""
+    return re.sub(r"^```.*?^```", "", document.read_text(), flags=re.MULTILINE | re.DOTALL)
+
+
 def anchors(document: Path) -> set[str]:
-    text = re.sub(r"^```.*?^```", "", document.read_text(), flags=re.MULTILINE | re.DOTALL)
-    return {github_anchor(line.lstrip("#")) for line in text.splitlines() if re.match(r"^#{1,6} ", line)}
+    return {github_anchor(line.lstrip("#")) for line in prose(document).splitlines() if re.match(r"^#{1,6} ", line)}
 
 
 def test_github_anchor_follows_githubs_rule():
@@ -33,9 +37,8 @@ def test_github_anchor_follows_githubs_rule():
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))
 def test_relative_links_reach_a_file_and_a_heading(document):
-    text = re.sub(r"^```.*?^```", "", document.read_text(), flags=re.MULTILINE | re.DOTALL)
     broken = []
-    for target in LINK.findall(text):
+    for target in LINK.findall(prose(document)):
         if re.match(r"[a-z]+:", target):  # https:, mailto:
             continue
         path, _, anchor = target.partition("#")
