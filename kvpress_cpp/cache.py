@@ -152,10 +152,11 @@ class LayerState:
     def owner_name(self) -> str:
         return self.owner_type.__name__ if self.owner_type is not None else "a kvpress_cpp press"
 
-    def probe_slots(self, values: torch.Tensor, unchanged: int = 0) -> None:
+    def probe_slots(self, values: torch.Tensor, unchanged: int) -> None:
         """Take the probe of `values` (B, H, T, d_v), the slots the state now describes. Its first `unchanged` slots
-        are those the probe read before, as they were: only the slots after them are read (for a press that appends,
-        q values instead of a strided gather of one cache line a slot: 103 of the 310 µs KVzap spent on a 4k layer)."""
+        (0: none known) are those the probe read before, as they were: only the slots after them are read (for a press
+        that appends, q values instead of a strided gather of one cache line a slot: 103 of the 310 µs KVzap spent on a
+        4k layer)."""
         if self.value_probe is not None and 0 < unchanged <= self.value_probe.shape[-1]:
             self.value_probe = torch.cat([self.value_probe[..., :unchanged], values[..., unchanged:, 0]], dim=-1)
         else:

@@ -428,7 +428,7 @@ def test_decoding_steps_that_only_append_probe_their_new_slots_as_a_full_probe_w
     unchanged = []  # per probe, in layer order each pass: the slots it took as they were (0: it read every slot)
     probe_slots = LayerState.probe_slots
     monkeypatch.setattr(LayerState, "probe_slots",
-                        lambda state, values, kept=0: unchanged.append(kept) or probe_slots(state, values, kept))
+                        lambda state, values, kept: unchanged.append(kept) or probe_slots(state, values, kept))
     cache, layers, slots_before = DynamicCache(), len(model.model.layers), []  # layer 0's slots before each pass
     with torch.no_grad(), press(model):
         token = prompt_ids(tokenizer, 64)
